@@ -1,0 +1,60 @@
+// The device-visible ring descriptor. Mirrors symmring/layout.py: DESCRIPTOR_DTYPE field by field
+// (tests/test_layout.py compiles this header with the host compiler and compares every offset and the
+// size, so editing one side alone fails CI). Plain C layout, includable from host C/C++ and from CUDA.
+#pragma once
+#include <stdint.h>
+
+namespace symmring {
+
+// Values of RingDescriptor::x_format (layout.X_FORMATS).
+enum XFormat : int32_t { kXFormatFp8E4M3 = 0, kXFormatBf16 = 1 };
+
+// Columns of the per-slot metadata rows (layout.META_*).
+enum MetaColumn : int32_t { kMetaTokenBase = 0, kMetaNumValid = 1, kMetaChunkIdx = 2, kMetaPayloadGen = 3,
+                            kMetaColumns = 4 };
+
+// Device error record (layout.ERROR_*): words and kinds.
+enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 3, kErrChunk = 4,
+                           kErrExpected = 5, kErrObserved = 6, kErrMissing = 7, kErrorWords = 8 };
+enum ErrorKind : int64_t { kErrorNone = 0, kErrorRoute = 1, kErrorLayout = 2, kErrorReuse = 3,
+                           kErrorCombine = 4 };
+
+// Acknowledgement policies (protocol.AckPolicy).
+enum AckPolicy : int32_t { kAckConservative = 0, kAckEarly = 1 };
+
+struct RingDescriptor {
+    // Local addresses of the regions of this PE's ring allocation. Offsets are identical on every PE
+    // (symmetric heap), so a peer's copy is nvshmem_ptr(ptr, pe).
+    uint64_t x_ptr;             // [S][T][H] fp8 e4m3 (uint8) or bf16 (uint16), slot stride x_slot_stride
+    uint64_t x_sf_ptr;          // [S][T][num_sf] float, slot stride x_sf_slot_stride
+    uint64_t topk_idx_ptr;      // [S][T][K] int32, slot stride topk_slot_stride
+    uint64_t topk_weights_ptr;  // [S][T][K] float, slot stride topk_slot_stride
+    uint64_t meta_ptr;          // [S][kMetaColumns] int64
+    uint64_t route_ready_ptr;   // [S] uint64 generation signals
+    uint64_t layout_ready_ptr;  // [S] uint64 generation signals
+    uint64_t ack_mask_ptr;      // [S][mask_words] uint64 acknowledgement bits
+    uint64_t gen_base_ptr;      // [1] uint64: expected generation of chunk c is *gen_base_ptr + c + 1
+    uint64_t error_ptr;         // [kErrorWords] int64 error record
+    uint64_t x_slot_stride;     // bytes
+    uint64_t x_sf_slot_stride;  // bytes
+    uint64_t topk_slot_stride;  // bytes (topk_idx and topk_weights)
+    uint64_t timeout_ns;        // bound of every wait; 0 means the library default
+    int32_t num_slots;
+    int32_t tokens_per_slot;
+    int32_t hidden;
+    int32_t num_topk;
+    int32_t num_experts;
+    int32_t num_sf;             // scales per token (0 for bf16)
+    int32_t sf_group_size;
+    int32_t x_format;           // XFormat
+    int32_t x_elem_bytes;
+    int32_t rank;
+    int32_t num_ranks;
+    int32_t mask_words;
+    int32_t ack_policy;         // AckPolicy
+    int32_t num_chunks;         // chunks of this call (the same on every PE)
+    int32_t num_tokens;         // this PE's tokens in this call
+    int32_t flags;
+};
+
+}  // namespace symmring

@@ -1,0 +1,22 @@
+"""symmring: chunk-ready symmetric ring buffers that stream Mixture-of-Experts inputs between GPUs.
+
+Producers write token chunks (``x``, ``x_sf``, ``topk_idx``, ``topk_weights``) into a fixed ring of slots
+in symmetric memory and publish route and layout readiness as generation counters; the MoE consumer
+pulls ready chunks from every rank and acknowledges each slot with a per-rank bitmask. See
+``docs/PROTOCOL.md``.
+
+Importing symmring has no side effects: nothing is initialised until `init()` is called.
+"""
+
+__version__ = "0.1.0"
+
+from . import protocol  # noqa: E402
+from .errors import (BackendError, CompileError, ConfigError, ProtocolTimeout,  # noqa: E402
+                     RingClosedError, SymmringError)
+from .layout import RingLayout, RingSpec  # noqa: E402
+from .protocol import AckPolicy  # noqa: E402
+
+__all__ = [
+    "__version__", "protocol", "AckPolicy", "RingSpec", "RingLayout",
+    "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "RingClosedError", "CompileError",
+]

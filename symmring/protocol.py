@@ -1,0 +1,257 @@
+"""The arithmetic of the chunk-ready ring protocol: the single source of truth.
+
+Everything here is pure Python on integers. The device headers (``device/symmring/protocol.cuh``), the
+CPU backend (``symmring.ring``) and the model checker (``symmring.modelcheck``) all compute generations,
+slots, valid counts and acknowledgement masks with exactly these rules; ``docs/PROTOCOL.md`` is the prose
+version.
+
+Vocabulary
+----------
+* A *call* is one MoE invocation. It moves ``num_chunks`` chunks of ``tokens_per_slot`` tokens through a
+  ring of ``num_slots`` slots that every rank owns in its symmetric heap.
+* Every rank is a *producer* (it writes its own tokens into its own slots) and a *consumer* (it pulls the
+  tokens routed to its experts from every rank's slots).
+* For owner rank ``r`` and slot ``s`` the owner's heap holds three signal words::
+
+      route_ready_gen[s]   generation whose topk_idx/topk_weights are published
+      layout_ready_gen[s]  generation whose x/x_sf are published
+      ack_mask[s][w]       bitmask of consumer ranks that finished with the current generation
+
+Generations (and why no stale value can satisfy a wait)
+-------------------------------------------------------
+Chunk ``c`` of a call whose *generation base* is ``base`` has generation ``base + c + 1`` and lives in
+slot ``c % num_slots``. After the call every rank advances its base by the call's ``num_chunks``. The base
+lives in device memory and is advanced by a kernel, so a CUDA Graph that is replayed advances it too: no
+generation is ever baked into a launch.
+
+Hence generations form one global sequence ``1, 2, 3, ...`` that only grows, across ring laps, across
+calls with different chunk counts and across graph replays. A slot's successive uses carry strictly
+growing generations, and ready signals start at ``GEN_NONE = 0``, which no chunk ever carries. A ready
+word therefore only ever holds (a) a generation older than the one awaited, which the equality test
+rejects, (b) the awaited one, or (c) a newer one. (c) cannot happen while a consumer still waits: the
+owner overwrites the slot only after every consumer acknowledged the awaited generation. 64-bit words
+cannot wrap in practice (a billion chunks per second for 584 years), so there is no ABA.
+
+Acknowledgements and the mask reset
+-----------------------------------
+Every consumer rank reads every producer's slot (at least its ``topk_idx`` to learn which tokens are
+routed to it), so the *required* set of a slot is all consumer ranks. Consumer ``q`` acknowledges
+generation ``g`` of owner ``r``'s slot ``s`` exactly once, by atomically OR-ing bit ``q % 64`` into word
+``q // 64`` of ``ack_mask[s]`` on rank ``r``. The mask starts *full* (a fresh slot is free).
+
+Before writing generation ``g`` into slot ``s``, the owner *acquires* the slot: it waits until the mask
+equals the required mask (all acknowledgements of the previous use have arrived, acquire), resets the mask
+to zero, and only then writes the payload and publishes (release). The reset cannot race with a late
+acknowledgement: every required consumer has already sent its single acknowledgement of the previous
+generation, and none can acknowledge ``g`` before observing ``g``'s publication, which the owner issues
+after the reset (the release fence orders the reset before the publication).
+
+Two acknowledgement policies (`AckPolicy`) choose *when* a consumer acknowledges:
+
+* ``CONSERVATIVE``: after the chunk's combine completed (the RFC's first implementation);
+* ``EARLY``: right after its last read of slot memory (payload and metadata), so the owner can refill
+  the slot while experts still compute.
+
+Progress: the enqueue order rule
+--------------------------------
+Producers wait for acknowledgements; consumers wait for publications. Every serial execution of the host
+enqueue order completes if a rank never enqueues the producer of chunk ``c`` before its consumer of
+chunk ``c - num_slots`` -- i.e. the producer runs at most ``lookahead <= num_slots - 1`` chunks ahead of
+the consumer (`enqueue_order`). By induction on ``c``: every producer and consumer of chunks ``< c`` can
+complete, the consumer of ``c`` needs only producers of ``c``, and the producer of ``c`` needs only
+consumers of ``c - num_slots``, all enqueued before it on every rank. With ``lookahead >= num_slots`` a
+rank's single stream holds the producer of chunk ``num_slots`` ahead of the consumer of chunk 0 it waits
+for: a deadlock (the model checker shows the trace).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterable, List, Sequence, Tuple
+
+#: Value of every ready signal before its first publication; no chunk carries it.
+GEN_NONE = 0
+#: Ranks per acknowledgement-mask word.
+RANKS_PER_MASK_WORD = 64
+#: Largest generation a 64-bit signal word holds.
+GEN_MAX = (1 << 64) - 1
+
+
+class AckPolicy(enum.IntEnum):
+    """When a consumer acknowledges a slot (mirrored as ``kAckConservative``/``kAckEarly`` on the device)."""
+
+    CONSERVATIVE = 0  #: after the chunk's combine completed
+    EARLY = 1  #: right after the last read of slot memory
+
+
+def _check_nonneg(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected a non-negative int")
+
+
+def _check_pos(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive int")
+
+
+# --- chunks and slots ---------------------------------------------------------------------------------
+
+def num_chunks_for(num_tokens: int, tokens_per_slot: int) -> int:
+    """Chunks needed for ``num_tokens`` tokens: ``ceil(num_tokens / tokens_per_slot)`` (0 for 0 tokens)."""
+    _check_nonneg("num_tokens", num_tokens)
+    _check_pos("tokens_per_slot", tokens_per_slot)
+    return -(-num_tokens // tokens_per_slot)
+
+
+def call_num_chunks(tokens_per_rank: Sequence[int], tokens_per_slot: int) -> int:
+    """Chunks of a call: the most any rank needs. Ranks with fewer tokens publish zero-token chunks, so
+    every rank runs the same chunk sequence (and no consumer waits for a chunk that never comes)."""
+    return max((num_chunks_for(n, tokens_per_slot) for n in tokens_per_rank), default=0)
+
+
+def slot_of(chunk_idx: int, num_slots: int) -> int:
+    """Ring slot of chunk ``chunk_idx`` (chunks restart at 0 in every call)."""
+    _check_nonneg("chunk_idx", chunk_idx)
+    _check_pos("num_slots", num_slots)
+    return chunk_idx % num_slots
+
+
+def chunk_token_base(chunk_idx: int, tokens_per_slot: int) -> int:
+    """Logical index, within the owner's tokens of this call, of the chunk's first token."""
+    _check_nonneg("chunk_idx", chunk_idx)
+    _check_pos("tokens_per_slot", tokens_per_slot)
+    return chunk_idx * tokens_per_slot
+
+
+def chunk_valid_tokens(num_tokens: int, chunk_idx: int, tokens_per_slot: int) -> int:
+    """Valid tokens of chunk ``chunk_idx`` for a rank holding ``num_tokens`` tokens.
+
+    ``tokens_per_slot`` for full chunks, the remainder for the final partial chunk and 0 for chunks past
+    the rank's last token (a zero-token chunk: still written, published and acknowledged).
+    """
+    _check_nonneg("num_tokens", num_tokens)
+    base = chunk_token_base(chunk_idx, tokens_per_slot)
+    return max(0, min(tokens_per_slot, num_tokens - base))
+
+
+# --- generations --------------------------------------------------------------------------------------
+
+def generation(base: int, chunk_idx: int) -> int:
+    """Generation of chunk ``chunk_idx`` in a call whose generation base is ``base``: ``base + chunk + 1``."""
+    _check_nonneg("base", base)
+    _check_nonneg("chunk_idx", chunk_idx)
+    gen = base + chunk_idx + 1
+    if gen > GEN_MAX:
+        raise OverflowError(f"generation {gen} does not fit a 64-bit signal word")
+    return gen
+
+
+def next_base(base: int, num_chunks: int) -> int:
+    """Generation base of the next call, after a call of ``num_chunks`` chunks (done on the device)."""
+    _check_nonneg("base", base)
+    _check_nonneg("num_chunks", num_chunks)
+    return base + num_chunks
+
+
+def previous_generation(gen: int, num_slots: int) -> int:
+    """Generation that last occupied the slot of ``gen`` within the same call, or ``GEN_NONE``.
+
+    Only meaningful inside one call; across calls the acknowledgement mask, not generation arithmetic,
+    tells the owner that the previous use is finished.
+    """
+    return gen - num_slots if gen > num_slots else GEN_NONE
+
+
+def is_ready(route_gen: int, layout_gen: int, expected: int) -> bool:
+    """A consumer may read a slot only when both ready generations equal the expected generation."""
+    return route_gen == expected and layout_gen == expected
+
+
+# --- acknowledgement masks ----------------------------------------------------------------------------
+
+def mask_words(num_ranks: int) -> int:
+    """64-bit words of an acknowledgement mask for ``num_ranks`` consumer ranks."""
+    _check_pos("num_ranks", num_ranks)
+    return -(-num_ranks // RANKS_PER_MASK_WORD)
+
+
+def ack_bit(rank: int) -> Tuple[int, int]:
+    """``(word, bit value)`` that consumer ``rank`` ORs into a slot's mask to acknowledge it."""
+    _check_nonneg("rank", rank)
+    return rank // RANKS_PER_MASK_WORD, 1 << (rank % RANKS_PER_MASK_WORD)
+
+
+def required_mask(consumer_ranks: Iterable[int], num_words: int) -> Tuple[int, ...]:
+    """Mask words with one bit per consumer rank that must acknowledge (all consumers, in symmring)."""
+    words = [0] * num_words
+    for rank in consumer_ranks:
+        word, bit = ack_bit(rank)
+        if word >= num_words:
+            raise ValueError(f"rank {rank} does not fit a mask of {num_words} words")
+        words[word] |= bit
+    return tuple(words)
+
+
+def full_mask(num_ranks: int) -> Tuple[int, ...]:
+    """Required mask when all ``num_ranks`` ranks consume: also the initial (free) value of a slot."""
+    return required_mask(range(num_ranks), mask_words(num_ranks))
+
+
+def mask_complete(mask: Sequence[int], required: Sequence[int]) -> bool:
+    """Whether every required acknowledgement is present (the owner may then reuse the slot)."""
+    return all((m & r) == r for m, r in zip(mask, required))
+
+
+def missing_ranks(mask: Sequence[int], required: Sequence[int]) -> List[int]:
+    """Ranks whose required acknowledgement bit is absent from ``mask`` (named in a ``ProtocolTimeout``)."""
+    missing = []
+    for word, (m, r) in enumerate(zip(mask, required)):
+        absent = r & ~m
+        bit = 0
+        while absent:
+            if absent & 1:
+                missing.append(word * RANKS_PER_MASK_WORD + bit)
+            absent >>= 1
+            bit += 1
+    return missing
+
+
+# --- host enqueue order -------------------------------------------------------------------------------
+
+def check_lookahead(lookahead: int, num_slots: int) -> None:
+    """Raise ``ValueError`` unless ``0 <= lookahead < num_slots`` (the deadlock-freedom condition)."""
+    _check_pos("num_slots", num_slots)
+    if not isinstance(lookahead, int) or lookahead < 0 or lookahead >= num_slots:
+        raise ValueError(f"lookahead={lookahead!r}: expected 0 <= lookahead < num_slots={num_slots} "
+                         "(a producer more than num_slots-1 chunks ahead waits on a consumer enqueued "
+                         "after it)")
+
+
+def default_lookahead(num_slots: int) -> int:
+    """The deepest lookahead that keeps every serial schedule live: ``num_slots - 1``."""
+    _check_pos("num_slots", num_slots)
+    return num_slots - 1
+
+
+def enqueue_order(num_chunks: int, num_slots: int, lookahead: int | None = None,
+                  *, check: bool = True) -> List[Tuple[str, int]]:
+    """One rank's host enqueue order: ``[("produce", c) | ("consume", c), ...]``.
+
+    The producer runs ``lookahead`` chunks ahead of the consumer: produce 0..lookahead, then alternately
+    consume ``c`` and produce ``c + lookahead + 1``. Executed serially (one stream, or
+    ``CUDA_LAUNCH_BLOCKING=1``) on every rank, this order completes for any ``lookahead < num_slots``.
+    ``check=False`` builds the order for a forbidden lookahead (the model checker's deadlock mutant).
+    """
+    _check_nonneg("num_chunks", num_chunks)
+    if lookahead is None:
+        lookahead = default_lookahead(num_slots)
+    if check:
+        check_lookahead(lookahead, num_slots)
+    order: List[Tuple[str, int]] = []
+    produced = 0
+    for consumed in range(num_chunks):
+        while produced < num_chunks and produced <= consumed + lookahead:
+            order.append(("produce", produced))
+            produced += 1
+        order.append(("consume", consumed))
+    return order
