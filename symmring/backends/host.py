@@ -1,0 +1,292 @@
+"""The CPU backend: symmetric memory in an MPI-3 shared-memory window on one node.
+
+Every rank of the communicator maps every other rank's segment of one ``MPI.Win.Allocate_shared`` window,
+so a peer's ring is reached with plain NumPy loads and stores (``Shared_query``), exactly like a GPU
+reaches a peer's NVSHMEM heap over NVLink with ``nvshmem_ptr``. The protocol code above
+(`symmring.ring.Ring`) is the same for both backends; only the primitives below differ.
+
+Primitives and why they are correctly ordered (MPI's *unified* memory model, checked at allocation):
+
+* The whole lifetime of a window is one passive-target ``Lock_all(MODE_NOCHECK)`` epoch, so
+  ``Win.Sync()`` (``MPI_Win_sync``) is legal at any time. In the unified model the public and private
+  copies of the window are the same memory, and ``MPI_Win_sync`` is a full memory barrier: loads and
+  stores before it complete before loads and stores after it (MPICH: a full processor fence).
+* ``fence()`` (release) = ``Win.Sync()`` on every live window: the payload stores issued before it
+  are globally visible before the signal store issued after it.
+* ``wait_until`` (acquire) polls the word with plain loads and, once satisfied, calls ``Win.Sync()``:
+  the payload loads issued after it cannot be satisfied before the signal load that observed the
+  publication (pairs with the release in ``fence`` on the writer).
+* ``signal_set`` / ``signal_add`` / ``atomic_or`` are MPI accumulate operations (``MPI.REPLACE``,
+  ``MPI.SUM``, ``MPI.BOR`` on ``MPI.UINT64_T``) followed by ``Win.Flush(rank)``. MPI makes accumulates
+  on the same location with the same basic datatype atomic with respect to each other, so two
+  consumers OR-ing their acknowledgement bits into one mask word never lose a bit. They are *relaxed*
+  (base-interface semantics): the caller fences first.
+* 64-bit signal words are read with one aligned 8-byte NumPy load (``int(view[0])`` of a ``uint64``
+  view). Every region of a ring starts on a 128-byte boundary and every segment base is checked to be
+  8-byte aligned, and x86-64 and AArch64 both guarantee single-copy atomicity for naturally aligned
+  8-byte accesses, so a poll sees either the old or the new value, never a torn mix. (MPICH writes the
+  word with one 8-byte store, whether its accumulate runs lock-free or under its window mutex.)
+
+Waits back off: a few ``sched_yield`` polls, then sleeps that double from 20 us up to 1 ms, so four
+ranks on two cores still make progress (a spinning rank would starve the very producer it waits for).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ..errors import BackendError, ConfigError, RingClosedError
+from .base import CMP, Backend, SymmetricAllocation
+
+log = logging.getLogger(__name__)
+
+#: Polls that only yield the CPU before the backoff starts sleeping.
+_YIELD_POLLS = 8
+#: First and largest sleep between polls, in seconds.
+_SLEEP_MIN_S = 20e-6
+_SLEEP_MAX_S = 1e-3
+
+
+class HostAllocation(SymmetricAllocation):
+    """One shared-memory window: this rank's segment and a NumPy byte view of every rank's segment."""
+
+    def __init__(self, win, segments: List[np.ndarray], nbytes: int):
+        self.win = win
+        self.segments = segments
+        self.nbytes = nbytes
+        self.freed = False
+
+    def __repr__(self) -> str:
+        return f"HostAllocation(nbytes={self.nbytes}, ranks={len(self.segments)}, freed={self.freed})"
+
+
+class HostBackend(Backend):
+    """Symmetric memory and 64-bit signals for CPU ranks of one node, over MPI shared memory.
+
+    Args:
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None). All its ranks must share one
+            node; ``Split_type(COMM_TYPE_SHARED)`` must give back the whole communicator.
+
+    Raises:
+        BackendError: mpi4py is missing, the ranks span several nodes, or MPI's window memory model is
+            not unified.
+
+    Example:
+        >>> backend = HostBackend()          # a world of 1 outside mpiexec
+        >>> alloc = backend.alloc(1024)
+        >>> backend.view(alloc, 0, 0, np.uint64, (4,))[:] = 7
+        >>> backend.free(alloc); backend.finalize()
+    """
+
+    name = "host"
+
+    def __init__(self, comm=None):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
+            raise BackendError(f"the host backend needs mpi4py: {exc}") from exc
+        self._MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.world_size = self.comm.Get_size()
+        # key=rank keeps the world order, so node rank == world rank whenever the node is the world.
+        self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        num_node_ranks = self.node_comm.Get_size()
+        # Collective verdict: every rank raises, or none does (no rank left waiting in a later collective).
+        all_on_one_node = self.comm.allreduce(int(num_node_ranks == self.world_size), op=MPI.MIN)
+        if not all_on_one_node:
+            self.node_comm.Free()
+            raise BackendError(f"the host backend needs all {self.world_size} ranks on one node (shared "
+                               f"memory), but rank {self.rank}'s node holds {num_node_ranks} of them; use "
+                               "the nvshmem backend or run every rank on one host")
+        if self.node_comm.Get_rank() != self.rank:  # pragma: no cover - guaranteed by key=rank
+            raise BackendError(f"node rank {self.node_comm.Get_rank()} differs from rank {self.rank}")
+        self.local_rank = self.rank
+        self.device = "cpu"
+        self._live: Dict[int, HostAllocation] = {}
+        self._finalized = False
+        log.debug("host backend: rank %d of %d on one node", self.rank, self.world_size)
+
+    # --- allocation -----------------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> HostAllocation:
+        """Collective: a zero-filled shared window of ``nbytes`` bytes per rank.
+
+        Raises:
+            ConfigError: ``nbytes`` is not a positive int.
+            BackendError: the window model is not unified, or a segment is not 8-byte aligned.
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ConfigError(f"nbytes={nbytes!r}: expected a positive int")
+        MPI = self._MPI
+        nbytes = int(nbytes)
+        info = MPI.Info.Create()
+        # Non-contiguous segments: each rank's segment starts on its own page (no false sharing of the
+        # signal words of neighbouring ranks).
+        info.Set("alloc_shared_noncontig", "true")
+        win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=self.node_comm)
+        info.Free()
+        model = win.Get_attr(MPI.WIN_MODEL)
+        unified = self.node_comm.allreduce(int(model == MPI.WIN_UNIFIED), op=MPI.MIN)
+        if not unified:
+            win.Free()
+            raise BackendError(f"MPI window memory model is {model}, expected MPI.WIN_UNIFIED "
+                               f"({MPI.WIN_UNIFIED}): plain loads/stores on shared memory would not be "
+                               "coherent with MPI's atomics")
+        segments = []
+        for peer in range(self.world_size):
+            buf, _ = win.Shared_query(peer)
+            segment = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+            segments.append(segment)
+        aligned = self.node_comm.allreduce(int(all(s.ctypes.data % 8 == 0 for s in segments)), op=MPI.MIN)
+        if not aligned:
+            win.Free()
+            raise BackendError("a shared-memory segment is not 8-byte aligned: 64-bit signal words "
+                               "would not be single-copy atomic")
+        # One passive-target epoch for the window's whole life: Win.Sync and Flush are legal from now on.
+        win.Lock_all(MPI.MODE_NOCHECK)
+        segments[self.rank][:] = 0
+        # Zeroes visible to all before anyone uses the window: Sync (barrier) Sync, the unified-model idiom.
+        win.Sync()
+        self.node_comm.Barrier()
+        win.Sync()
+        alloc = HostAllocation(win, segments, nbytes)
+        self._live[id(alloc)] = alloc
+        return alloc
+
+    def free(self, alloc: HostAllocation) -> None:
+        """Collective: unmap and free ``alloc``'s window. Freeing twice is a no-op."""
+        if alloc.freed:
+            return
+        alloc.freed = True
+        self._live.pop(id(alloc), None)
+        alloc.segments = []
+        alloc.win.Sync()
+        alloc.win.Unlock_all()
+        alloc.win.Free()
+
+    # --- access ---------------------------------------------------------------------------------------
+
+    def view(self, alloc: HostAllocation, rank: int, offset: int, dtype, shape: Tuple[int, ...]) -> np.ndarray:
+        """Zero-copy NumPy array of ``shape``/``dtype`` over ``rank``'s segment at byte ``offset``."""
+        self._check_alloc(alloc)
+        self._check_rank(rank)
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        end = offset + count * dtype.itemsize
+        if offset < 0 or end > alloc.nbytes:
+            raise ConfigError(f"view [{offset}, {end}) of {count} x {dtype}: expected within the "
+                              f"allocation's {alloc.nbytes} bytes")
+        if offset % dtype.alignment:
+            raise ConfigError(f"offset={offset}: expected a multiple of {dtype}'s alignment {dtype.alignment}")
+        return alloc.segments[rank][offset:end].view(dtype).reshape(shape)
+
+    def _word(self, alloc: HostAllocation, offset: int, rank: int) -> np.ndarray:
+        if offset % 8:
+            raise ConfigError(f"offset={offset}: a 64-bit signal word must be 8-byte aligned")
+        return self.view(alloc, rank, offset, np.uint64, (1,))
+
+    def _accumulate(self, alloc: HostAllocation, offset: int, value: int, rank: int, op) -> None:
+        self._word(alloc, offset, rank)  # validates rank, offset and bounds
+        MPI = self._MPI
+        origin = np.array([value], dtype=np.uint64)
+        alloc.win.Accumulate([origin, 1, MPI.UINT64_T], rank, target=(offset, 1, MPI.UINT64_T), op=op)
+        # Completes the operation at the target before returning (passive target: Flush).
+        alloc.win.Flush(rank)
+
+    def signal_set(self, alloc: HostAllocation, offset: int, value: int, rank: int) -> None:
+        """Relaxed atomic 64-bit store (``MPI.REPLACE`` accumulate); fence first to release."""
+        self._accumulate(alloc, offset, value, rank, self._MPI.REPLACE)
+
+    def signal_add(self, alloc: HostAllocation, offset: int, value: int, rank: int) -> None:
+        """Relaxed atomic 64-bit add (``MPI.SUM`` accumulate, wraps modulo 2**64)."""
+        self._accumulate(alloc, offset, value, rank, self._MPI.SUM)
+
+    def atomic_or(self, alloc: HostAllocation, offset: int, value: int, rank: int) -> None:
+        """Relaxed atomic 64-bit OR (``MPI.BOR`` accumulate): concurrent ORs never lose a bit."""
+        self._accumulate(alloc, offset, value, rank, self._MPI.BOR)
+
+    def read_word(self, alloc: HostAllocation, offset: int, rank: int) -> int:
+        """Relaxed 64-bit load: one aligned 8-byte NumPy load (single-copy atomic, see the module doc)."""
+        return int(self._word(alloc, offset, rank)[0])
+
+    def wait_until(self, alloc: HostAllocation, offset: int, rank: int, cmp: str, value: int,
+                   timeout_s: float) -> Tuple[bool, int]:
+        """Poll ``rank``'s word until ``CMP[cmp](word, value)`` with backoff; acquire on success.
+
+        Returns:
+            ``(satisfied, observed)``; ``satisfied`` is False when ``timeout_s`` passed first.
+
+        Raises:
+            ConfigError: unknown ``cmp`` or a non-positive ``timeout_s``.
+        """
+        if cmp not in CMP:
+            raise ConfigError(f"cmp={cmp!r}: expected one of {sorted(CMP)}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        compare = CMP[cmp]
+        word = self._word(alloc, offset, rank)
+        deadline = time.monotonic() + timeout_s
+        num_polls = 0
+        sleep_s = _SLEEP_MIN_S
+        while True:
+            observed = int(word[0])
+            if compare(observed, value):
+                # Acquire: pairs with the writer's fence() before its signal; later loads see the payload.
+                alloc.win.Sync()
+                return True, observed
+            if time.monotonic() >= deadline:
+                return False, observed
+            num_polls += 1
+            if num_polls <= _YIELD_POLLS:
+                os.sched_yield()
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
+
+    # --- ordering and collectives ---------------------------------------------------------------------
+
+    def fence(self) -> None:
+        """Release: ``Win.Sync`` (a full memory barrier in the unified model) on every live window."""
+        self._check_open()
+        for alloc in self._live.values():
+            alloc.win.Sync()
+
+    def barrier(self) -> None:
+        """Collective barrier with full ordering: Sync, Barrier, Sync on every live window."""
+        self._check_open()
+        self.fence()
+        self.comm.Barrier()
+        self.fence()
+
+    def finalize(self) -> None:
+        """Collective: free every window still live and the node communicator. Idempotent."""
+        if self._finalized:
+            return
+        for alloc in list(self._live.values()):
+            self.free(alloc)
+        self._finalized = True
+        self.node_comm.Free()
+        log.debug("host backend finalized on rank %d", self.rank)
+
+    # --- checks ---------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RingClosedError("the host backend was finalized")
+
+    def _check_alloc(self, alloc) -> None:
+        if not isinstance(alloc, HostAllocation):
+            raise ConfigError(f"alloc={alloc!r}: expected a HostAllocation of this backend")
+        if alloc.freed:
+            raise RingClosedError(f"{alloc!r} was freed")
+
+    def _check_rank(self, rank) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank={rank!r}: expected 0 <= rank < world_size={self.world_size}")

@@ -1,0 +1,160 @@
+"""Process-wide setup: pick a backend, join the ranks, and hand out a `Context`.
+
+Nothing happens at import: `init()` does the work (it imports mpi4py, and symmring.runtime for the GPU
+backend, only then).
+
+Example:
+    >>> import symmring
+    >>> with symmring.init(backend="host") as ctx:
+    ...     print(ctx.rank, ctx.world_size, ctx.backend.name)
+    0 1 host
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from . import env
+from .backends.base import Backend
+from .errors import BackendError, ConfigError, RingClosedError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "host", "nvshmem")
+
+#: The context made by the last `init()`, closed by `finalize()`.
+_current: Optional["Context"] = None
+
+
+class Context:
+    """This process's place in the ring world: its backend, rank and bounds.
+
+    Attributes:
+        backend: the `symmring.backends.Backend` (host or nvshmem).
+        rank, world_size, local_rank: this process's rank, the number of ranks, its rank on its node.
+        device: human-readable device (``"cpu"`` or the GPU).
+        comm: the mpi4py communicator of the ranks.
+        timeout_s: bound of every protocol wait, in seconds.
+        closed: whether `close()` ran.
+    """
+
+    def __init__(self, backend: Backend, comm, timeout_s: float):
+        self.backend = backend
+        self.comm = comm
+        self.timeout_s = timeout_s
+        self.rank = backend.rank
+        self.world_size = backend.world_size
+        self.local_rank = backend.local_rank
+        self.device = backend.device
+        self.closed = False
+
+    def check_open(self) -> None:
+        """Raise `RingClosedError` if the context was closed."""
+        if self.closed:
+            raise RingClosedError(f"{self!r} was closed (finalize); call symmring.init() again")
+
+    def close(self) -> None:
+        """Collective: finalize the backend. Idempotent (the same as `symmring.finalize` for this context)."""
+        global _current
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.finalize()
+        if _current is self:
+            _current = None
+        log.debug("symmring context closed on rank %d", self.rank)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"Context(backend={self.backend.name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device!r}, timeout_s={self.timeout_s:g}, {state})")
+
+
+def _gpu_available() -> bool:
+    try:
+        from . import runtime
+    except ImportError as exc:
+        log.debug("symmring.runtime not importable (%s): no GPU backend", exc)
+        return False
+    return bool(runtime.gpu_available())
+
+
+def _choose_backend(backend: str) -> str:
+    if not isinstance(backend, str) or backend.strip().lower() not in BACKENDS:
+        raise ConfigError(f"backend={backend!r}: expected one of {list(BACKENDS)}")
+    name = backend.strip().lower()
+    if name == "auto":
+        name = env.backend_name()
+        if name not in BACKENDS:
+            raise ConfigError(f"SYMMRING_BACKEND={name!r}: expected one of {list(BACKENDS)}")
+    if name == "auto":
+        name = "nvshmem" if _gpu_available() else "host"
+    return name
+
+
+def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None) -> Context:
+    """Join the ranks and create the backend (collective over ``comm``).
+
+    Args:
+        backend: ``"auto"`` (``SYMMRING_BACKEND``, else ``"nvshmem"`` when `symmring.runtime.gpu_available`
+            says a GPU, CuPy and nvshmem4py are usable, else ``"host"``), ``"host"`` or ``"nvshmem"``.
+        comm: mpi4py communicator of the ranks; ``MPI.COMM_WORLD`` when None (a world of 1 outside
+            mpiexec).
+        timeout_s: bound of every protocol wait; ``SYMMRING_TIMEOUT_S`` (default 60 s) when None.
+
+    Returns:
+        The `Context`; `finalize()` (or ``ctx.close()``) releases it.
+
+    Raises:
+        ConfigError: unknown backend name or a non-positive timeout.
+        BackendError: the backend cannot run here (no GPU, ranks on several nodes, ...).
+
+    Example:
+        >>> ctx = symmring.init("host", timeout_s=5.0)
+        >>> ctx.world_size
+        1
+        >>> symmring.finalize()
+    """
+    global _current
+    name = _choose_backend(backend)
+    if timeout_s is None:
+        timeout_s = env.timeout_s()
+    elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
+        raise BackendError(f"symmring needs mpi4py to join ranks: {exc}") from exc
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if name == "host":
+        from .backends.host import HostBackend
+        impl: Backend = HostBackend(comm)
+    else:
+        try:
+            from .runtime import NvshmemBackend
+        except ImportError as exc:
+            raise BackendError(f"backend='nvshmem' needs symmring.runtime (CuPy, nvshmem4py): {exc}") from exc
+        impl = NvshmemBackend(comm)
+    ctx = Context(impl, comm, float(timeout_s))
+    _current = ctx
+    log.info("symmring: rank %d of %d uses the %s backend on %s (timeout %g s)", ctx.rank, ctx.world_size,
+             impl.name, ctx.device, ctx.timeout_s)
+    return ctx
+
+
+def current() -> Optional[Context]:
+    """The context of the last `init()` that is still open, or None."""
+    return _current
+
+
+def finalize() -> None:
+    """Close the context made by the last `init()` (collective). A no-op when there is none."""
+    if _current is not None:
+        _current.close()
