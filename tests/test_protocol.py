@@ -1,0 +1,427 @@
+"""Unit tests of symmring/protocol.py: the arithmetic of generations, slots, masks and enqueue order.
+
+Every function of the module is exercised on seeded random inputs and checked against a property or an
+independent derivation (not against hard-coded answers). The enqueue-order tests execute the orders on a
+small simulated cluster and explore every interleaving, so the deadlock-freedom claim of
+``protocol.enqueue_order`` (lookahead < num_slots) and its converse (lookahead == num_slots deadlocks) are
+checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from typing import Dict, List, Sequence, Tuple
+
+import pytest
+
+from symmring import protocol
+from symmring.protocol import AckPolicy
+
+SEED = 20261129
+WORD_MASK = (1 << 64) - 1
+
+
+# --- constants and enums ------------------------------------------------------------------------------
+
+def test_constants():
+    assert protocol.GEN_NONE == 0
+    assert protocol.RANKS_PER_MASK_WORD == 64
+    assert protocol.GEN_MAX == 2**64 - 1
+    # The first generation of any call is above GEN_NONE, so an unpublished word never satisfies a wait.
+    assert protocol.generation(0, 0) > protocol.GEN_NONE
+
+
+def test_ack_policy_values_are_distinct_ints():
+    values = [int(policy) for policy in AckPolicy]
+    assert sorted(values) == list(range(len(values)))
+    assert {policy.name for policy in AckPolicy} == {"CONSERVATIVE", "EARLY"}
+
+
+# --- chunks and slots ---------------------------------------------------------------------------------
+
+def test_valid_tokens_partition_each_rank_tokens():
+    rng = random.Random(SEED)
+    for _ in range(500):
+        tokens_per_slot = rng.randint(1, 64)
+        num_tokens = rng.choice([0, rng.randint(0, 4 * tokens_per_slot), rng.randint(0, 10_000)])
+        num_chunks = protocol.num_chunks_for(num_tokens, tokens_per_slot)
+        # The fewest chunks that hold every token.
+        assert num_chunks * tokens_per_slot >= num_tokens
+        assert (num_chunks - 1) * tokens_per_slot < num_tokens or num_chunks == 0
+        valid = [protocol.chunk_valid_tokens(num_tokens, c, tokens_per_slot) for c in range(num_chunks)]
+        assert sum(valid) == num_tokens
+        # Full chunks, then at most one partial chunk at the end.
+        assert all(v == tokens_per_slot for v in valid[:-1])
+        assert all(0 < v <= tokens_per_slot for v in valid)
+        # Token bases tile [0, num_tokens) without gaps or overlaps.
+        next_token = 0
+        for c, v in enumerate(valid):
+            assert protocol.chunk_token_base(c, tokens_per_slot) == next_token
+            next_token += v
+        assert next_token == num_tokens
+        # Chunks past the last token are zero-token chunks.
+        for c in range(num_chunks, num_chunks + 3):
+            assert protocol.chunk_valid_tokens(num_tokens, c, tokens_per_slot) == 0
+
+
+def test_call_num_chunks_with_zero_token_and_uneven_ranks():
+    rng = random.Random(SEED + 1)
+    for _ in range(300):
+        tokens_per_slot = rng.randint(1, 32)
+        num_ranks = rng.randint(1, 9)
+        tokens_per_rank = [rng.choice([0, rng.randint(0, 200)]) for _ in range(num_ranks)]
+        num_chunks = protocol.call_num_chunks(tokens_per_rank, tokens_per_slot)
+        assert num_chunks == max(protocol.num_chunks_for(n, tokens_per_slot) for n in tokens_per_rank)
+        for num_tokens in tokens_per_rank:
+            # Every rank runs the call's chunk sequence; its own tokens fill a prefix of it exactly once.
+            valid = [protocol.chunk_valid_tokens(num_tokens, c, tokens_per_slot) for c in range(num_chunks)]
+            assert sum(valid) == num_tokens
+            if num_tokens == 0:
+                assert valid == [0] * num_chunks
+    assert protocol.call_num_chunks([], 8) == 0
+    assert protocol.call_num_chunks([0, 0, 0], 8) == 0
+    # One rank with tokens makes every rank publish that many (mostly zero-token) chunks.
+    assert protocol.call_num_chunks([0, 17, 0], 8) == protocol.num_chunks_for(17, 8)
+
+
+def test_slot_of_cycles_through_the_ring():
+    rng = random.Random(SEED + 2)
+    for _ in range(100):
+        num_slots = rng.randint(1, 17)
+        slots = [protocol.slot_of(c, num_slots) for c in range(5 * num_slots)]
+        assert all(0 <= s < num_slots for s in slots)
+        # Consecutive chunks use consecutive slots and the pattern repeats every num_slots chunks.
+        for c in range(1, len(slots)):
+            assert slots[c] == (slots[c - 1] + 1) % num_slots
+        assert slots[0] == 0
+
+
+@pytest.mark.parametrize("call, bad", [
+    (lambda v: protocol.num_chunks_for(v, 4), -1),
+    (lambda v: protocol.num_chunks_for(4, v), 0),
+    (lambda v: protocol.num_chunks_for(4, v), 2.0),
+    (lambda v: protocol.num_chunks_for(v, 4), True),
+    (lambda v: protocol.slot_of(v, 4), -1),
+    (lambda v: protocol.slot_of(1, v), 0),
+    (lambda v: protocol.chunk_token_base(v, 4), -3),
+    (lambda v: protocol.chunk_valid_tokens(v, 0, 4), -1),
+    (lambda v: protocol.chunk_valid_tokens(4, 0, v), 0),
+    (lambda v: protocol.generation(v, 0), -1),
+    (lambda v: protocol.generation(0, v), -1),
+    (lambda v: protocol.next_base(v, 1), -1),
+    (lambda v: protocol.next_base(0, v), -1),
+    (lambda v: protocol.mask_words(v), 0),
+    (lambda v: protocol.ack_bit(v), -1),
+    (lambda v: protocol.default_lookahead(v), 0),
+])
+def test_bad_arguments_raise_value_error(call, bad):
+    with pytest.raises(ValueError, match=repr(bad).replace(".", r"\.")):
+        call(bad)
+
+
+# --- generations --------------------------------------------------------------------------------------
+
+def _run_calls(chunk_counts: Sequence[int], num_slots: int, advance_base: bool = True
+               ) -> Dict[int, List[int]]:
+    """Generations each slot carries over a sequence of calls (``advance_base=False``: a base baked in)."""
+    history: Dict[int, List[int]] = {s: [] for s in range(num_slots)}
+    base = 0
+    for num_chunks in chunk_counts:
+        for c in range(num_chunks):
+            history[protocol.slot_of(c, num_slots)].append(protocol.generation(base, c))
+        if advance_base:
+            base = protocol.next_base(base, num_chunks)
+    return history
+
+
+def _stale_value_satisfies_a_wait(history: Dict[int, List[int]]) -> bool:
+    """Whether any value a slot held earlier (or its initial GEN_NONE) passes ``is_ready`` for a later use."""
+    for gens in history.values():
+        for i, awaited in enumerate(gens):
+            for stale in [protocol.GEN_NONE] + gens[:i]:
+                if protocol.is_ready(stale, stale, awaited) or protocol.is_ready(stale, awaited, awaited) \
+                        or protocol.is_ready(awaited, stale, awaited):
+                    return True
+    return False
+
+
+def test_generations_strictly_grow_per_slot_across_laps_and_calls():
+    rng = random.Random(SEED + 3)
+    for _ in range(40):
+        num_slots = rng.randint(1, 8)
+        # Many calls with random chunk counts, including empty calls and calls of many ring laps.
+        chunk_counts = [rng.choice([0, 1, rng.randint(0, 3 * num_slots), rng.randint(0, 40)])
+                        for _ in range(rng.randint(1, 60))]
+        history = _run_calls(chunk_counts, num_slots)
+        for gens in history.values():
+            assert all(a < b for a, b in zip(gens, gens[1:])), gens
+            assert protocol.GEN_NONE not in gens
+        # All slots together carry the global sequence 1, 2, 3, ... exactly once each.
+        all_gens = sorted(g for gens in history.values() for g in gens)
+        assert all_gens == list(range(1, sum(chunk_counts) + 1))
+        assert not _stale_value_satisfies_a_wait(history)
+
+
+def test_graph_replay_control_with_a_baked_base_repeats_generations():
+    # The same call replayed: a base advanced on the device keeps generations growing; a base baked into
+    # the launch (DeepGEMM PR 451) repeats them, so a stale publication would satisfy a later wait.
+    num_slots, replays = 3, 5
+    live = _run_calls([4] * replays, num_slots, advance_base=True)
+    baked = _run_calls([4] * replays, num_slots, advance_base=False)
+    assert not _stale_value_satisfies_a_wait(live)
+    assert _stale_value_satisfies_a_wait(baked)
+
+
+def test_generation_and_next_base():
+    rng = random.Random(SEED + 4)
+    for _ in range(200):
+        base, num_chunks = rng.randint(0, 2**40), rng.randint(0, 100)
+        gens = [protocol.generation(base, c) for c in range(num_chunks)]
+        assert gens == list(range(base + 1, base + num_chunks + 1))
+        nxt = protocol.next_base(base, num_chunks)
+        # The next call's first generation follows this call's last one directly.
+        assert protocol.generation(nxt, 0) == (gens[-1] if gens else base) + 1
+    assert protocol.generation(protocol.GEN_MAX - 1, 0) == protocol.GEN_MAX
+    with pytest.raises(OverflowError):
+        protocol.generation(protocol.GEN_MAX, 0)
+
+
+def test_previous_generation_within_a_call():
+    rng = random.Random(SEED + 5)
+    for _ in range(200):
+        num_slots, base = rng.randint(1, 9), rng.randint(0, 1000)
+        for c in range(num_slots, 4 * num_slots):
+            gen = protocol.generation(base, c)
+            prev = protocol.previous_generation(gen, num_slots)
+            # The previous use of the same slot in the same call.
+            assert prev == protocol.generation(base, c - num_slots)
+            assert protocol.slot_of(c - num_slots, num_slots) == protocol.slot_of(c, num_slots)
+    # The first lap of the first call has no previous use.
+    for num_slots in range(1, 6):
+        for c in range(num_slots):
+            assert protocol.previous_generation(protocol.generation(0, c), num_slots) == protocol.GEN_NONE
+
+
+def test_is_ready_needs_both_generations():
+    rng = random.Random(SEED + 6)
+    for _ in range(500):
+        expected = rng.randint(1, 2**63)
+        route, layout = (rng.choice([expected, expected - 1, expected + 1, protocol.GEN_NONE])
+                         for _ in range(2))
+        assert protocol.is_ready(route, layout, expected) == (route == expected and layout == expected)
+
+
+# --- acknowledgement masks ----------------------------------------------------------------------------
+
+def _expected_words(ranks: Sequence[int], num_words: int) -> Tuple[int, ...]:
+    """Mask words derived from one big integer with a bit per rank (independent of ack_bit)."""
+    big = sum(1 << r for r in set(ranks))
+    return tuple((big >> (64 * w)) & WORD_MASK for w in range(num_words))
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 63, 64, 65, 127, 128, 130])
+def test_masks_split_into_64_bit_words(num_ranks):
+    num_words = protocol.mask_words(num_ranks)
+    assert num_words == (num_ranks + 63) // 64
+    full = protocol.full_mask(num_ranks)
+    assert full == _expected_words(range(num_ranks), num_words)
+    assert all(0 <= w <= WORD_MASK for w in full)  # fits a uint64 signal word
+    assert sum(bin(w).count("1") for w in full) == num_ranks
+    bits = [protocol.ack_bit(r) for r in range(num_ranks)]
+    assert len(set(bits)) == num_ranks  # one distinct bit per rank
+    acc = [0] * num_words
+    for word, bit in bits:
+        assert 0 <= word < num_words and bin(bit).count("1") == 1 and bit <= WORD_MASK
+        acc[word] |= bit
+    assert tuple(acc) == full
+    assert protocol.required_mask(range(num_ranks), num_words) == full
+    with pytest.raises(ValueError, match=str(64 * num_words)):
+        protocol.required_mask([64 * num_words], num_words)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 63, 64, 65, 130])
+def test_missing_ranks_and_mask_complete(num_ranks):
+    rng = random.Random(SEED + num_ranks)
+    num_words = protocol.mask_words(num_ranks)
+    for _ in range(100):
+        required_ranks = sorted(rng.sample(range(num_ranks), rng.randint(0, num_ranks)))
+        acked = [r for r in range(num_ranks) if rng.random() < 0.8]
+        required = protocol.required_mask(required_ranks, num_words)
+        mask = _expected_words(acked, num_words)
+        missing = protocol.missing_ranks(mask, required)
+        assert missing == sorted(set(required_ranks) - set(acked))
+        assert protocol.mask_complete(mask, required) == (not missing)
+    full = protocol.full_mask(num_ranks)
+    assert protocol.mask_complete(full, full) and protocol.missing_ranks(full, full) == []
+    empty = (0,) * num_words
+    assert protocol.missing_ranks(empty, full) == list(range(num_ranks))
+    assert not protocol.mask_complete(empty, full)
+
+
+def test_reuse_handshake_over_many_generations():
+    # Owner: wait for a complete mask, reset, publish; consumers ack once each per generation. The mask
+    # is complete exactly when the last consumer acked, never before.
+    rng = random.Random(SEED + 7)
+    for num_ranks in (1, 3, 64, 66):
+        required = protocol.full_mask(num_ranks)
+        mask = list(required)  # a fresh slot starts free
+        for _ in range(20):
+            assert protocol.mask_complete(mask, required)
+            mask = [0] * len(mask)  # the owner's reset, before it publishes the next generation
+            order = list(range(num_ranks))
+            rng.shuffle(order)
+            for i, rank in enumerate(order):
+                assert protocol.missing_ranks(mask, required) == sorted(order[i:])
+                word, bit = protocol.ack_bit(rank)
+                mask[word] |= bit
+            assert protocol.mask_complete(mask, required)
+
+
+# --- host enqueue order -------------------------------------------------------------------------------
+
+def test_lookahead_bounds():
+    for num_slots in range(1, 9):
+        assert protocol.default_lookahead(num_slots) == num_slots - 1
+        for lookahead in range(num_slots):
+            protocol.check_lookahead(lookahead, num_slots)
+        for bad in (num_slots, num_slots + 1, -1):
+            with pytest.raises(ValueError, match=f"lookahead={bad}"):
+                protocol.check_lookahead(bad, num_slots)
+            with pytest.raises(ValueError, match="lookahead"):
+                protocol.enqueue_order(5, num_slots, bad)
+    with pytest.raises(ValueError, match="num_slots"):
+        protocol.check_lookahead(0, 0)
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3, 5])
+def test_enqueue_order_shape(num_slots):
+    rng = random.Random(SEED + 10 * num_slots)
+    for num_chunks in list(range(0, 12)) + [rng.randint(12, 60) for _ in range(5)]:
+        for lookahead in [None] + list(range(num_slots)):
+            order = protocol.enqueue_order(num_chunks, num_slots, lookahead)
+            effective = num_slots - 1 if lookahead is None else lookahead
+            # Every chunk produced once and consumed once, each in increasing chunk order.
+            assert [c for op, c in order if op == "produce"] == list(range(num_chunks))
+            assert [c for op, c in order if op == "consume"] == list(range(num_chunks))
+            position = {item: i for i, item in enumerate(order)}
+            for c in range(num_chunks):
+                # Consume c after produce c; produce c after consume c - num_slots (the progress rule).
+                assert position[("produce", c)] < position[("consume", c)]
+                if c >= num_slots:
+                    assert position[("consume", c - num_slots)] < position[("produce", c)]
+                # The producer runs exactly `effective` chunks ahead where it can.
+                produced_before = sum(1 for op, _ in order[:position[("consume", c)]] if op == "produce")
+                assert produced_before == min(num_chunks, c + effective + 1)
+
+
+def _explore(orders: Sequence[Sequence[Tuple[str, int]]], slot_uses: Sequence[Tuple[int, int]],
+             num_slots: int) -> Tuple[bool, bool]:
+    """Every interleaving of the ranks' serial streams: ``(some run completes, some run deadlocks)``.
+
+    ``orders[r]`` is rank r's stream of ``(op, use)`` where ``use`` indexes ``slot_uses`` (one entry per
+    chunk of the concatenated calls: ``(call, chunk)``). Produce of a use needs every rank's consume of
+    the slot's previous use (its acknowledgements); consume of a use needs every rank's produce of it.
+    """
+    num_ranks = len(orders)
+    prev_use: Dict[int, int] = {}
+    last_in_slot: Dict[int, int] = {}
+    for use, (_, chunk) in enumerate(slot_uses):
+        slot = protocol.slot_of(chunk, num_slots)
+        if slot in last_in_slot:
+            prev_use[use] = last_in_slot[slot]
+        last_in_slot[slot] = use
+    positions = [{item: i for i, item in enumerate(order)} for order in orders]
+
+    def done(state, rank, item):
+        return positions[rank][item] < state[rank]
+
+    def enabled(state, rank):
+        if state[rank] == len(orders[rank]):
+            return False
+        op, use = orders[rank][state[rank]]
+        if op == "produce":
+            return use not in prev_use or all(done(state, q, ("consume", prev_use[use])) for q in range(num_ranks))
+        return all(done(state, q, ("produce", use)) for q in range(num_ranks))
+
+    start = (0,) * num_ranks
+    seen = {start}
+    queue = deque([start])
+    completes = deadlocks = False
+    while queue:
+        state = queue.popleft()
+        moves = [r for r in range(num_ranks) if enabled(state, r)]
+        if not moves:
+            if all(state[r] == len(orders[r]) for r in range(num_ranks)):
+                completes = True
+            else:
+                deadlocks = True
+        for r in moves:
+            nxt = state[:r] + (state[r] + 1,) + state[r + 1:]
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return completes, deadlocks
+
+
+def _streams(chunk_counts: Sequence[int], num_slots: int, lookaheads: Sequence[int], check: bool = True):
+    """Each rank's stream over consecutive calls, and the (call, chunk) of every use."""
+    slot_uses = [(call, c) for call, n in enumerate(chunk_counts) for c in range(n)]
+    use_idx = {u: i for i, u in enumerate(slot_uses)}
+    orders = []
+    for lookahead in lookaheads:
+        order = []
+        for call, n in enumerate(chunk_counts):
+            order += [(op, use_idx[(call, c)])
+                      for op, c in protocol.enqueue_order(n, num_slots, lookahead, check=check)]
+        orders.append(order)
+    return orders, slot_uses
+
+
+def test_enqueue_order_is_deadlock_free_in_every_interleaving():
+    # Exhaustive over small clusters, rings, chunk counts and per-rank lookaheads below num_slots.
+    for num_ranks in (1, 2, 3):
+        for num_slots in (1, 2, 3):
+            for num_chunks in range(0, 2 * num_slots + 2):
+                for lookaheads in itertools.product(range(num_slots), repeat=num_ranks):
+                    orders, uses = _streams([num_chunks], num_slots, lookaheads)
+                    completes, deadlocks = _explore(orders, uses, num_slots)
+                    assert completes and not deadlocks, (num_ranks, num_slots, num_chunks, lookaheads)
+
+
+def test_enqueue_order_is_deadlock_free_across_calls():
+    # Consecutive calls with random chunk counts: a slot's previous use may lie in an earlier call.
+    rng = random.Random(SEED + 8)
+    for _ in range(25):
+        num_ranks, num_slots = rng.randint(1, 3), rng.randint(1, 3)
+        chunk_counts = [rng.randint(0, 2 * num_slots + 1) for _ in range(rng.randint(1, 3))]
+        lookaheads = [rng.randrange(num_slots) for _ in range(num_ranks)]
+        orders, uses = _streams(chunk_counts, num_slots, lookaheads)
+        completes, deadlocks = _explore(orders, uses, num_slots)
+        assert completes and not deadlocks, (num_slots, chunk_counts, lookaheads)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_lookahead_of_num_slots_or_more_deadlocks(extra):
+    for num_ranks in (1, 2, 3):
+        for num_slots in (1, 2, 3):
+            lookahead = num_slots + extra
+            for num_chunks in range(0, 2 * num_slots + 3):
+                orders, uses = _streams([num_chunks], num_slots, [lookahead] * num_ranks, check=False)
+                completes, deadlocks = _explore(orders, uses, num_slots)
+                # Deadlock exactly when a producer of chunk num_slots exists and precedes consume 0.
+                if num_chunks > num_slots:
+                    assert deadlocks and not completes, (num_ranks, num_slots, num_chunks)
+                else:
+                    assert completes and not deadlocks, (num_ranks, num_slots, num_chunks)
+
+
+def test_one_rank_with_forbidden_lookahead_deadlocks_everyone():
+    # The rule is per rank: one rank breaking it stalls the whole cluster, however the others behave.
+    num_slots, num_chunks = 2, 4
+    for num_ranks in (2, 3):
+        lookaheads = [0] * (num_ranks - 1) + [num_slots]
+        orders, uses = _streams([num_chunks], num_slots, lookaheads, check=False)
+        completes, deadlocks = _explore(orders, uses, num_slots)
+        assert deadlocks and not completes
