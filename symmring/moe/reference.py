@@ -1,0 +1,390 @@
+"""The reference Mixture-of-Experts layer (NumPy, one process) and the arithmetic every layer shares.
+
+A MoE layer here is::
+
+    logits  = x @ router_weight.T                                  [T, E]   (or given)
+    topk_idx, topk_weights = TopK(logits)                          [T, K]   (or given; -1 = masked)
+    x_q, x_sf = fp8 e4m3 per-token, per-128-channel quantisation   (or bf16)   see `quant`
+    for every (token t, k) with expert e = topk_idx[t, k] != -1:
+        h       = dequant(x_q, x_sf)[t]                            float32 [H]
+        gate    = w_gate[e] @ h,  up = w_up[e] @ h                 float32 [I]
+        act     = silu(gate) * up                                  float32 [I]   (SwiGLU)
+        out[t,k]= w_down[e] @ act                                  float32 [H]
+    y[t] = sum over k = 0..K-1 (in that order, masked k skipped) of topk_weights[t, k] * out[t, k]
+
+Precision contract (what every implementation in symmring computes, so they agree to float32 rounding):
+weights and activations are float32; every dot product is accumulated in float64 (products of two
+float32 values are exact in float64) and rounded to float32; SwiGLU is evaluated in float64 from the
+float32 gate/up and rounded to float32; the combine accumulates ``float64(weight) * float64(out)`` over
+``k`` in ascending order and rounds once to float32.
+
+TopK variants (`select_topk`):
+
+* ``"softmax"`` (Mixtral): probabilities ``softmax(logits)`` over all experts (float64), the ``K``
+  experts with the largest logits (softmax is monotonic, so the same experts as the largest
+  probabilities), weights = their probabilities renormalised to sum to 1.
+* ``"sigmoid_bias"`` (DeepSeek-V3, without group-limited routing): ``scores = sigmoid(logits)``; the
+  ``K`` experts with the largest ``scores + bias`` are chosen; weights = their *unbiased* scores divided
+  by the sum of those scores, times ``routed_scaling_factor``.
+
+Tie-breaking is deterministic: among equal selection keys the lower expert id wins (a stable sort of the
+negated key). The selected experts are listed in decreasing key order, so ``k = 0`` is the top choice.
+
+Row independence: `row_matmul`, `swiglu`, `select_topk` and `combine_rows` compute each token's result
+from that token's inputs only, with elementwise NumPy operations in a fixed order, never with BLAS (whose
+blocking can change a row's rounding with the number of rows). Hence the expert-parallel layer gets
+bitwise the same values whether a token is computed in a whole batch or in a chunk. `reference_moe`
+itself uses float64 BLAS for the experts (a different evaluation order, so the test against it is not
+circular); its results agree with the row-independent ones to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ..errors import ConfigError
+from . import quant
+
+#: TopK variants accepted by `select_topk`.
+TOPK_METHODS = ("softmax", "sigmoid_bias")
+#: Expert id of a masked (token, k) entry: it contributes nothing.
+MASKED_EXPERT = -1
+
+
+# --- validation ---------------------------------------------------------------------------------------
+
+def _check_array(name: str, value, dtype, ndim: int) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise ConfigError(f"{name}: expected a NumPy {np.dtype(dtype)} array, got {type(value).__name__}")
+    if value.dtype != dtype or value.ndim != ndim:
+        raise ConfigError(f"{name}: expected a {ndim}-D {np.dtype(dtype)} array, got {value.ndim}-D "
+                          f"{value.dtype} with shape {value.shape}")
+    return value
+
+
+def _check_finite(name: str, value: np.ndarray) -> None:
+    if not np.all(np.isfinite(value)):
+        raise ConfigError(f"{name}: expected finite values (found NaN or inf)")
+
+
+def check_expert_weights(w_gate, w_up, w_down, hidden: Optional[int] = None) -> Tuple[int, int, int]:
+    """Validate expert weights; return ``(num_experts, inter, hidden)``.
+
+    Args:
+        w_gate, w_up: float32 ``[E, inter, hidden]``.
+        w_down: float32 ``[E, hidden, inter]``.
+        hidden: when given, the hidden size the weights must have.
+
+    Raises:
+        ConfigError: naming the first argument with a wrong type, dtype, shape or a non-finite value.
+    """
+    _check_array("w_gate", w_gate, np.float32, 3)
+    num_experts, inter, w_hidden = w_gate.shape
+    if hidden is not None and w_hidden != hidden:
+        raise ConfigError(f"w_gate.shape={w_gate.shape}: expected hidden={hidden} in the last dimension")
+    _check_array("w_up", w_up, np.float32, 3)
+    if w_up.shape != w_gate.shape:
+        raise ConfigError(f"w_up.shape={w_up.shape}: expected w_gate's shape {w_gate.shape}")
+    _check_array("w_down", w_down, np.float32, 3)
+    if w_down.shape != (num_experts, w_hidden, inter):
+        raise ConfigError(f"w_down.shape={w_down.shape}: expected [E, hidden, inter] = "
+                          f"{(num_experts, w_hidden, inter)}")
+    if num_experts == 0 or inter == 0 or w_hidden == 0:
+        raise ConfigError(f"w_gate.shape={w_gate.shape}: expected non-empty dimensions")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _check_finite(name, w)
+    return num_experts, inter, w_hidden
+
+
+def check_route(topk_idx, topk_weights, num_tokens: int, num_topk: int, num_experts: int) -> None:
+    """Validate a given routing: int32 ids in ``[-1, num_experts)``, finite float32 weights.
+
+    Raises:
+        ConfigError: naming ``topk_idx`` or ``topk_weights`` and what is wrong.
+    """
+    _check_array("topk_idx", topk_idx, np.int32, 2)
+    _check_array("topk_weights", topk_weights, np.float32, 2)
+    expected = (num_tokens, num_topk)
+    if topk_idx.shape != expected:
+        raise ConfigError(f"topk_idx.shape={topk_idx.shape}: expected [num_tokens, num_topk] = {expected}")
+    if topk_weights.shape != expected:
+        raise ConfigError(f"topk_weights.shape={topk_weights.shape}: expected [num_tokens, num_topk] = "
+                          f"{expected}")
+    if topk_idx.size:
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        if low < MASKED_EXPERT or high >= num_experts:
+            raise ConfigError(f"topk_idx: values in [{low}, {high}], expected -1 (masked) or an expert id "
+                              f"in [0, {num_experts})")
+    _check_finite("topk_weights", topk_weights)
+
+
+# --- row-independent arithmetic -----------------------------------------------------------------------
+
+def transposed_f64(w: np.ndarray) -> np.ndarray:
+    """``w.T`` as a C-contiguous float64 array: the weight operand `row_matmul` expects."""
+    return np.ascontiguousarray(w.T, dtype=np.float64)
+
+
+def row_matmul(a: np.ndarray, w_t64: np.ndarray) -> np.ndarray:
+    """``float32(a @ w_t64)`` with each output a float64 sum over the inner index in ascending order.
+
+    Each output element is ``sum_j float64(a[i, j]) * w_t64[j, n]`` accumulated sequentially in ``j``,
+    using only elementwise operations, so row ``i`` of the result is bitwise independent of the other
+    rows of ``a`` (unlike a BLAS product, whose blocking depends on the matrix sizes).
+
+    Args:
+        a: float32 ``[rows, inner]``.
+        w_t64: float64 ``[inner, cols]`` (see `transposed_f64`).
+
+    Returns:
+        float32 ``[rows, cols]``.
+
+    Example:
+        >>> a = np.arange(6, dtype=np.float32).reshape(2, 3)
+        >>> row_matmul(a, transposed_f64(np.eye(3, dtype=np.float32)))[1].tolist()
+        [3.0, 4.0, 5.0]
+    """
+    rows, inner = a.shape
+    acc = np.zeros((rows, w_t64.shape[1]), dtype=np.float64)
+    if rows == 0:
+        return acc.astype(np.float32)
+    a64 = a.astype(np.float64)
+    term = np.empty_like(acc)
+    for j in range(inner):
+        np.multiply(a64[:, j:j + 1], w_t64[j], out=term)
+        acc += term
+    return acc.astype(np.float32)
+
+
+def router_logits(x: np.ndarray, router_weight: np.ndarray) -> np.ndarray:
+    """Router logits ``x @ router_weight.T`` (float32 ``[T, E]``), row-independent (`row_matmul`).
+
+    Raises:
+        ConfigError: ``router_weight`` is not a finite float32 ``[E, hidden]`` array.
+    """
+    _check_array("router_weight", router_weight, np.float32, 2)
+    if router_weight.shape[1] != x.shape[1] or router_weight.shape[0] == 0:
+        raise ConfigError(f"router_weight.shape={router_weight.shape}: expected [num_experts, "
+                          f"hidden={x.shape[1]}]")
+    _check_finite("router_weight", router_weight)
+    return row_matmul(x, transposed_f64(router_weight))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``float32(silu(gate) * up)`` evaluated elementwise in float64 (``silu(g) = g / (1 + exp(-g))``)."""
+    g64 = gate.astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(-g) overflows to inf for g << 0: silu is then -0, correctly
+        act = g64 / (1.0 + np.exp(-g64)) * up.astype(np.float64)
+    return act.astype(np.float32)
+
+
+def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
+                bias: Optional[np.ndarray] = None,
+                routed_scaling_factor: float = 1.0) -> Tuple[np.ndarray, np.ndarray]:
+    """TopK routing of each token from its logits (see the module docstring for the two variants).
+
+    Args:
+        logits: float32 ``[num_tokens, num_experts]``, finite.
+        num_topk: experts per token, ``1 <= num_topk <= num_experts``.
+        method: ``"softmax"`` or ``"sigmoid_bias"``.
+        bias: float32 ``[num_experts]`` selection bias (``sigmoid_bias`` only; zeros when omitted).
+        routed_scaling_factor: factor on the normalised weights (``sigmoid_bias`` only).
+
+    Returns:
+        ``(topk_idx int32 [T, K], topk_weights float32 [T, K])``, experts in decreasing selection key,
+        ties to the lower expert id.
+
+    Raises:
+        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``.
+
+    Example:
+        >>> idx, w = select_topk(np.array([[0.0, 2.0, 2.0, 1.0]], np.float32), 2)
+        >>> idx.tolist(), [round(float(v), 3) for v in w[0]]
+        ([[1, 2]], [0.5, 0.5])
+    """
+    _check_array("logits", logits, np.float32, 2)
+    _check_finite("logits", logits)
+    num_tokens, num_experts = logits.shape
+    if isinstance(num_topk, bool) or not isinstance(num_topk, (int, np.integer)) \
+            or not 1 <= num_topk <= num_experts:
+        raise ConfigError(f"num_topk={num_topk!r}: expected an int in [1, num_experts={num_experts}]")
+    if method not in TOPK_METHODS:
+        raise ConfigError(f"method={method!r}: expected one of {TOPK_METHODS}")
+    logits64 = logits.astype(np.float64)
+    if method == "softmax":
+        if bias is not None:
+            raise ConfigError("bias: only the 'sigmoid_bias' method takes a selection bias")
+        key = logits64
+        shifted = np.exp(logits64 - logits64.max(axis=1, keepdims=True, initial=-np.inf))
+        probs = shifted / shifted.sum(axis=1, keepdims=True)
+    else:
+        if bias is None:
+            bias = np.zeros(num_experts, np.float32)
+        _check_array("bias", bias, np.float32, 1)
+        if bias.shape != (num_experts,):
+            raise ConfigError(f"bias.shape={bias.shape}: expected [num_experts] = ({num_experts},)")
+        _check_finite("bias", bias)
+        if not (isinstance(routed_scaling_factor, (int, float, np.floating))
+                and np.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+            raise ConfigError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a positive "
+                              "finite number")
+        with np.errstate(over="ignore"):  # exp(-l) overflows to inf for l << 0: sigmoid is then 0
+            probs = 1.0 / (1.0 + np.exp(-logits64))
+        key = probs + bias.astype(np.float64)
+    # Stable sort of the negated key: equal keys keep ascending expert order, so the lower id wins.
+    order = np.argsort(-key, axis=1, kind="stable")[:, :num_topk]
+    chosen = np.take_along_axis(probs, order, axis=1)
+    # Accumulate the normaliser in k order (row-independent; a sum() could use pairwise blocking).
+    total = np.zeros((num_tokens, 1), np.float64)
+    for k in range(num_topk):
+        total += chosen[:, k:k + 1]
+    weights = chosen / total
+    if method == "sigmoid_bias":
+        weights = weights * float(routed_scaling_factor)
+    return order.astype(np.int32), weights.astype(np.float32)
+
+
+def combine_rows(outputs: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:
+    """Weighted combine of expert outputs over ``k = 0..K-1`` in order, skipping masked entries.
+
+    Args:
+        outputs: float32 ``[T, K, H]`` expert output of each (token, k); masked entries are never read,
+            so they may hold anything.
+        topk_idx: int32 ``[T, K]`` (``-1`` = masked).
+        topk_weights: float32 ``[T, K]``.
+
+    Returns:
+        float32 ``[T, H]``: ``float32(sum_k float64(w[t, k]) * float64(out[t, k]))``.
+    """
+    num_tokens, num_topk, hidden = outputs.shape
+    acc = np.zeros((num_tokens, hidden), np.float64)
+    for k in range(num_topk):
+        live = topk_idx[:, k] != MASKED_EXPERT
+        if np.any(live):
+            acc[live] += topk_weights[live, k, None].astype(np.float64) * outputs[live, k].astype(np.float64)
+    return acc.astype(np.float32)
+
+
+# --- the reference layer ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ReferenceResult:
+    """Output and intermediates of `reference_moe`.
+
+    Attributes:
+        y: float32 ``[T, H]`` layer output.
+        topk_idx: int32 ``[T, K]``; topk_weights: float32 ``[T, K]``.
+        x_q: the ring's representation of ``x`` (uint8 fp8 bytes or uint16 bf16 bits).
+        x_sf: float32 ``[T, H / G]`` scales (fp8) or ``None`` (bf16).
+        x_deq: float32 ``[T, H]`` values the experts saw.
+        logits: float32 ``[T, E]`` router logits, or ``None`` when the routing was given.
+        expert_out: float32 ``[T, K, H]`` output of each (token, k); zeros at masked entries.
+    """
+
+    y: np.ndarray
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    x_q: np.ndarray
+    x_sf: Optional[np.ndarray]
+    x_deq: np.ndarray
+    logits: Optional[np.ndarray]
+    expert_out: np.ndarray
+
+
+def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None, logits=None,
+          topk_idx=None, topk_weights=None, topk_method: str = "softmax", bias=None,
+          routed_scaling_factor: float = 1.0):
+    """Routing of ``x`` from exactly one source: ``router_weight``, ``logits`` or ``topk_idx`` +
+    ``topk_weights``. Returns ``(topk_idx, topk_weights, logits or None)``.
+
+    Raises:
+        ConfigError: zero or several sources given, or a source with the wrong shape or dtype.
+    """
+    sources = [name for name, v in (("router_weight", router_weight), ("logits", logits),
+                                    ("topk_idx", topk_idx)) if v is not None]
+    if len(sources) != 1:
+        raise ConfigError(f"routing: got {sources or 'none'}; expected exactly one of router_weight, "
+                          "logits, or topk_idx with topk_weights")
+    num_tokens = x.shape[0]
+    if topk_idx is not None:
+        if topk_weights is None:
+            raise ConfigError("topk_weights=None: expected float32 [num_tokens, num_topk] with topk_idx")
+        check_route(topk_idx, topk_weights, num_tokens, num_topk, num_experts)
+        return topk_idx, topk_weights, None
+    if topk_weights is not None:
+        raise ConfigError("topk_weights: given without topk_idx")
+    if router_weight is not None:
+        _check_array("router_weight", router_weight, np.float32, 2)
+        if router_weight.shape[0] != num_experts:
+            raise ConfigError(f"router_weight.shape={router_weight.shape}: expected "
+                              f"[num_experts={num_experts}, hidden={x.shape[1]}]")
+        logits = router_logits(x, router_weight)
+    else:
+        _check_array("logits", logits, np.float32, 2)
+        if logits.shape != (num_tokens, num_experts):
+            raise ConfigError(f"logits.shape={logits.shape}: expected [num_tokens, num_experts] = "
+                              f"{(num_tokens, num_experts)}")
+    idx, weights = select_topk(logits, num_topk, topk_method, bias=bias,
+                               routed_scaling_factor=routed_scaling_factor)
+    return idx, weights, logits
+
+
+def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
+                  num_topk: int, router_weight: Optional[np.ndarray] = None,
+                  logits: Optional[np.ndarray] = None, topk_idx: Optional[np.ndarray] = None,
+                  topk_weights: Optional[np.ndarray] = None, topk_method: str = "softmax",
+                  bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0,
+                  x_format: str = "fp8_e4m3", sf_group_size: int = quant.DEFAULT_GROUP_SIZE) -> ReferenceResult:
+    """The whole MoE layer on one process, all experts local.
+
+    Args:
+        x: float32 ``[T, H]`` activations.
+        w_gate, w_up: float32 ``[E, inter, H]``; w_down: float32 ``[E, H, inter]``.
+        num_topk: experts per token (``K``).
+        router_weight / logits / (topk_idx, topk_weights): exactly one routing source (float32
+            ``[E, H]``; float32 ``[T, E]``; int32 and float32 ``[T, K]`` with ``-1`` = masked).
+        topk_method, bias, routed_scaling_factor: see `select_topk`.
+        x_format: ``"fp8_e4m3"`` or ``"bf16"``, how the experts see ``x``.
+        sf_group_size: channels per fp8 scale.
+
+    Returns:
+        `ReferenceResult`.
+
+    Raises:
+        ConfigError: any bad argument, named.
+
+    Example:
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.standard_normal((4, 128), dtype=np.float32)
+        >>> wg, wu = (rng.standard_normal((2, 16, 128), dtype=np.float32) for _ in range(2))
+        >>> wd = rng.standard_normal((2, 128, 16), dtype=np.float32)
+        >>> reference_moe(x, w_gate=wg, w_up=wu, w_down=wd, num_topk=1,
+        ...               logits=np.zeros((4, 2), np.float32)).topk_idx.ravel().tolist()
+        [0, 0, 0, 0]
+    """
+    num_experts, _, hidden = check_expert_weights(w_gate, w_up, w_down)
+    quant._check_x(x)
+    if x.shape[1] != hidden:
+        raise ConfigError(f"x.shape={x.shape}: expected hidden={hidden} (from the expert weights)")
+    idx, weights, logits = route(x, num_topk, num_experts, router_weight=router_weight, logits=logits,
+                                 topk_idx=topk_idx, topk_weights=topk_weights, topk_method=topk_method,
+                                 bias=bias, routed_scaling_factor=routed_scaling_factor)
+    x_q, x_sf = quant.encode(x, x_format, sf_group_size)
+    x_deq = quant.decode(x_q, x_sf, x_format)
+    num_tokens = x.shape[0]
+    expert_out = np.zeros((num_tokens, num_topk, hidden), np.float32)
+    for expert in range(num_experts):
+        rows, ks = np.nonzero(idx == expert)
+        if rows.size == 0:
+            continue
+        h64 = x_deq[rows].astype(np.float64)
+        gate = (h64 @ w_gate[expert].astype(np.float64).T).astype(np.float32)
+        up = (h64 @ w_up[expert].astype(np.float64).T).astype(np.float32)
+        act64 = swiglu(gate, up).astype(np.float64)
+        expert_out[rows, ks] = (act64 @ w_down[expert].astype(np.float64).T).astype(np.float32)
+    y = combine_rows(expert_out, idx, weights)
+    return ReferenceResult(y=y, topk_idx=idx, topk_weights=weights, x_q=x_q, x_sf=x_sf, x_deq=x_deq,
+                           logits=logits, expert_out=expert_out)
