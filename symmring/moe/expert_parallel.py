@@ -1,0 +1,595 @@
+"""The expert-parallel MoE layer on the chunk ring: a batch-ready path and a streamed path.
+
+Experts are split evenly over the ranks: rank ``q`` owns experts ``[q*E/R, (q+1)*E/R)``. Every rank is a
+*producer* of its own tokens and a *consumer* of every rank's tokens routed to its experts.
+
+Data flow of one chunk ``c`` (generation ``g`` of the ring, combine generation ``cg``)::
+
+    producer r   route + quantise rows [c*T, c*T + n) of its x
+                 acquire_slot -> write_route -> publish_route -> write_layout -> publish_layout
+    consumer q   wait_ready(c, r) for every r; read each r's topk_idx, pull the rows routed to q's experts
+                 (x, x_sf): chunk-local expert pools
+                 [EARLY: ack(c, r) for every r]
+                 L1 (gate, up) -> SwiGLU -> L2 for every pulled (token, k), per local expert
+                 write each output into r's combine buffer at [token_base + row, k]   (a remote store)
+                 fence; combine_gen[q] on r := cg                                     (release)
+                 [CONSERVATIVE: ack(c, r) for every r]
+    owner r      wait combine_gen[q] >= cg for every q (acquire); y[rows] = sum_k w * out, k in order
+
+The **batch-ready** path (the default) is one chunk holding the whole batch in a 1-slot ring sized to the
+largest token count over the ranks (agreed with an allreduce). The **streamed** path moves
+``tokens_per_slot``-token chunks through a ``num_slots`` ring in `protocol.enqueue_order` (the producer
+runs ``num_slots - 1`` chunks ahead); every rank runs the same chunk count, so ranks with fewer (or zero)
+tokens still publish zero-token chunks and every consumer still acknowledges them.
+
+The combine buffer is a separate symmetric allocation: ``combine_gen`` (one 64-bit word per consumer
+rank) then ``out`` float32 ``[capacity, K, H]`` indexed by the owner's logical token row. Its generations
+come from the layer's own counter (they only grow, over chunks, calls, and both paths), so an owner waits
+with ``>=``: a consumer that already signalled a later chunk has finished the earlier ones (it handles
+chunks in order and releases after its writes). A row is overwritten only in a later call, after the
+consumer pulled the owner's new chunk, which the owner published after finishing the previous call's
+reduce: no combine row is rewritten while its owner still reads it.
+
+Why the two paths agree bitwise: each token's routing, quantisation, expert arithmetic and combine are
+evaluated with row-independent operations (`reference.row_matmul`, `swiglu`, `select_topk`,
+`combine_rows`, `quant`; see `symmring.moe.reference`), in the fixed order ``k = 0..K-1``; so the result
+of a token does not depend on which chunk, pool or batch it was computed in.
+
+Every argument is validated on every rank and the verdicts are exchanged (`ConfigError` on all ranks,
+naming the rank and the argument) before any shared memory is touched, so a rejected call leaves the
+rings usable and no rank waits for a rank that gave up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .. import protocol
+from ..context import Context
+from ..errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
+from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec, align_up
+from ..protocol import AckPolicy
+from ..ring import Call, Ring
+from . import quant
+from .reference import (TOPK_METHODS, check_expert_weights, combine_rows, route, row_matmul, swiglu,
+                        transposed_f64)
+
+log = logging.getLogger(__name__)
+
+_WORD_BYTES = 8
+#: Rings kept per layer (each is a collective allocation; the least recently used is closed first).
+_MAX_CACHED_RINGS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShapes:
+    """Global shapes of an MoE layer.
+
+    Args:
+        hidden: channels of ``x``.
+        num_experts: experts over all ranks.
+        num_topk: experts per token.
+        x_format: ``"fp8_e4m3"`` or ``"bf16"``: what the ring carries.
+        sf_group_size: channels per fp8 scale.
+
+    Raises:
+        ConfigError: a bad field (checked by building the equivalent `RingSpec`).
+    """
+
+    hidden: int
+    num_experts: int
+    num_topk: int
+    x_format: str = "fp8_e4m3"
+    sf_group_size: int = quant.DEFAULT_GROUP_SIZE
+
+    def __post_init__(self):
+        self.ring_spec(1, 1)  # validates every field with RingSpec's rules
+
+    def ring_spec(self, num_slots: int, tokens_per_slot: int) -> RingSpec:
+        """The `RingSpec` of a ring of these shapes."""
+        return RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=self.hidden,
+                        num_topk=self.num_topk, num_experts=self.num_experts, x_format=self.x_format,
+                        sf_group_size=self.sf_group_size)
+
+    @classmethod
+    def of(cls, spec_or_shapes) -> "MoEShapes":
+        """`MoEShapes` from a `MoEShapes`, a `RingSpec` or a dict of the fields."""
+        if isinstance(spec_or_shapes, MoEShapes):
+            return spec_or_shapes
+        if isinstance(spec_or_shapes, RingSpec):
+            s = spec_or_shapes
+            return cls(s.hidden, s.num_experts, s.num_topk, s.x_format, s.sf_group_size)
+        if isinstance(spec_or_shapes, dict):
+            try:
+                return cls(**spec_or_shapes)
+            except TypeError as exc:
+                raise ConfigError(f"spec_or_shapes={spec_or_shapes!r}: {exc}") from None
+        raise ConfigError(f"spec_or_shapes={spec_or_shapes!r}: expected a MoEShapes, a RingSpec or a dict")
+
+
+def local_experts(rank: int, world_size: int, num_experts: int) -> range:
+    """Experts owned by ``rank``: ``[rank*E/R, (rank+1)*E/R)``.
+
+    Raises:
+        ConfigError: ``num_experts`` is not a multiple of ``world_size``.
+
+    Example:
+        >>> local_experts(1, 4, 16)
+        range(4, 8)
+    """
+    if num_experts % world_size:
+        raise ConfigError(f"num_experts={num_experts}: expected a multiple of the number of ranks "
+                          f"{world_size} (experts are split evenly)")
+    per_rank = num_experts // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _agree(comm, error: Optional[str], what: str) -> None:
+    """Collective verdict on local validation: raise `ConfigError` on every rank if any rank failed."""
+    errors = comm.allgather(error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        mine = errors[comm.Get_rank()]
+        if mine:
+            raise ConfigError(mine)
+        raise ConfigError(f"{what}: rejected by rank(s) {[r for r, _ in bad]}: " + "; ".join(
+            f"rank {r}: {e}" for r, e in bad))
+
+
+def _config_error(fn: Callable[[], object]) -> Tuple[object, Optional[str]]:
+    """Run ``fn``; return ``(result, None)`` or ``(None, message of its ConfigError)``."""
+    try:
+        return fn(), None
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+@dataclasses.dataclass
+class ForwardStats:
+    """What the last `ExpertParallelMoE.forward` did on this rank."""
+
+    streaming: bool = False
+    num_chunks: int = 0
+    num_slots: int = 0
+    tokens_per_slot: int = 0
+    num_tokens: int = 0
+    rows_pulled: int = 0  #: token rows pulled from all ranks (x and x_sf) for local experts
+    pairs_computed: int = 0  #: (token, k) pairs computed by local experts
+    elapsed_s: float = 0.0
+
+
+class ExpertParallelMoE:
+    """An expert-parallel MoE layer whose inputs move through a `Ring` (collective constructor).
+
+    Args:
+        ctx: the `Context` (``symmring.init()``); every rank builds its layer with the same shapes.
+        spec_or_shapes: `MoEShapes` (or a `RingSpec`, or a dict of MoEShapes' fields): hidden,
+            num_experts, num_topk, x_format, sf_group_size.
+        w_gate, w_up: float32 ``[E/R, inter, hidden]``: this rank's experts (`local_experts`).
+        w_down: float32 ``[E/R, hidden, inter]``.
+        topk_method: ``"softmax"`` or ``"sigmoid_bias"`` (see `reference.select_topk`).
+        bias: float32 ``[num_experts]`` selection bias of ``sigmoid_bias``.
+        routed_scaling_factor: factor on ``sigmoid_bias`` weights.
+        max_tokens_per_rank: capacity; a call with more tokens on any rank is a `ConfigError`. None
+            grows the combine buffer on demand.
+        timeout_s: bound of every wait; ``ctx.timeout_s`` when None.
+
+    Raises:
+        ConfigError: on every rank, if any rank's arguments are bad (``num_experts`` not a multiple of
+            the number of ranks, weight shapes, ...).
+
+    Example:
+        >>> ctx = symmring.init("host")
+        >>> shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
+        >>> rng = np.random.default_rng(0)
+        >>> wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
+        >>> wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
+        >>> layer = ExpertParallelMoE(ctx, shapes, wg, wu, wd)
+        >>> x = rng.standard_normal((10, 128), dtype=np.float32)
+        >>> router = rng.standard_normal((4, 128), dtype=np.float32)
+        >>> y = layer.forward(x, router_weight=router)
+        >>> bool(np.array_equal(y, layer.forward(x, router_weight=router, streaming=True, tokens_per_slot=3)))
+        True
+        >>> layer.close(); ctx.close()
+    """
+
+    def __init__(self, ctx: Context, spec_or_shapes, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
+                 *, topk_method: str = "softmax", bias: Optional[np.ndarray] = None,
+                 routed_scaling_factor: float = 1.0, max_tokens_per_rank: Optional[int] = None,
+                 timeout_s: Optional[float] = None):
+        if not isinstance(ctx, Context):
+            raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
+        ctx.check_open()
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        setup, error = _config_error(lambda: self._validate_setup(
+            spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
+            max_tokens_per_rank, timeout_s))
+        _agree(ctx.comm, error, "ExpertParallelMoE")
+        self.shapes, self.experts, self.inter, self.timeout_s = setup
+        # Every rank must agree on the shapes and the routing parameters, or the rings would differ.
+        params = (self.shapes, topk_method, None if bias is None else bias.tobytes(), routed_scaling_factor,
+                  max_tokens_per_rank, self.inter)
+        others = ctx.comm.allgather(params)
+        mismatch = [r for r, p in enumerate(others) if p != params]
+        _agree(ctx.comm, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
+               if mismatch else None, "ExpertParallelMoE")
+        self.topk_method = topk_method
+        self.bias = bias
+        self.routed_scaling_factor = routed_scaling_factor
+        self.max_tokens_per_rank = max_tokens_per_rank
+        # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
+        self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
+                             for i in range(len(self.experts))]
+        self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
+        self._rings: Dict[Tuple[int, AckPolicy], Ring] = {}
+        self._combine = None
+        self._combine_rows = 0
+        self._combine_base = 0  # generation base of the combine signals (grows over all calls)
+        self.closed = False
+        self.last_stats = ForwardStats()
+
+    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
+                        max_tokens_per_rank, timeout_s):
+        shapes = MoEShapes.of(spec_or_shapes)
+        experts = local_experts(self.rank, self.world_size, shapes.num_experts)
+        num_local, inter, _ = check_expert_weights(w_gate, w_up, w_down, hidden=shapes.hidden)
+        if num_local != len(experts):
+            raise ConfigError(f"w_gate.shape={w_gate.shape}: expected {len(experts)} local experts "
+                              f"(num_experts={shapes.num_experts} over {self.world_size} ranks) in dimension 0")
+        if topk_method not in TOPK_METHODS:
+            raise ConfigError(f"topk_method={topk_method!r}: expected one of {TOPK_METHODS}")
+        # Route zero tokens once: checks bias and routed_scaling_factor with select_topk's own rules.
+        route(np.zeros((0, shapes.hidden), np.float32), shapes.num_topk, shapes.num_experts,
+              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=topk_method, bias=bias,
+              routed_scaling_factor=routed_scaling_factor)
+        if max_tokens_per_rank is not None and (isinstance(max_tokens_per_rank, bool) or not isinstance(
+                max_tokens_per_rank, (int, np.integer)) or max_tokens_per_rank <= 0):
+            raise ConfigError(f"max_tokens_per_rank={max_tokens_per_rank!r}: expected a positive int or None")
+        if timeout_s is None:
+            timeout_s = self.ctx.timeout_s
+        elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        return shapes, experts, inter, float(timeout_s)
+
+    # --- public -------------------------------------------------------------------------------------
+
+    def forward(self, x: np.ndarray, *, router_weight: Optional[np.ndarray] = None,
+                logits: Optional[np.ndarray] = None, topk_idx: Optional[np.ndarray] = None,
+                topk_weights: Optional[np.ndarray] = None, streaming: bool = False,
+                tokens_per_slot: Optional[int] = None, num_slots: int = 2,
+                ack_policy: AckPolicy = AckPolicy.CONSERVATIVE, lookahead: Optional[int] = None) -> np.ndarray:
+        """The layer on this rank's tokens (collective: every rank calls it, with its own tokens).
+
+        Args:
+            x: float32 ``[num_tokens, hidden]``; ``num_tokens`` may differ between ranks and may be 0.
+            router_weight / logits / (topk_idx, topk_weights): exactly one routing source: float32
+                ``[E, hidden]``; float32 ``[num_tokens, E]``; int32/float32 ``[num_tokens, K]`` (-1 masked).
+            streaming: False: the batch-ready path (one chunk of the whole batch). True: chunks of
+                ``tokens_per_slot`` through a ``num_slots`` ring.
+            tokens_per_slot: tokens per chunk (streamed; default: 64).
+            num_slots: ring slots (streamed).
+            ack_policy: `AckPolicy.CONSERVATIVE` (acknowledge after the combine signal) or ``EARLY``
+                (right after the pulls).
+            lookahead: chunks the producer runs ahead (streamed), ``0 <= lookahead < num_slots``;
+                default ``num_slots - 1``.
+
+        Returns:
+            float32 ``[num_tokens, hidden]``: this rank's output rows, in its input order.
+
+        Raises:
+            ConfigError: on every rank, before any shared-memory work, if any rank's arguments are bad
+                (named), or the ranks disagree on ``streaming``/``tokens_per_slot``/``num_slots``/
+                ``ack_policy``/``lookahead``.
+            ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks).
+            RingClosedError: the layer or its context is closed.
+        """
+        self._check_open()
+        start_s = time.perf_counter()
+        plan, error = _config_error(lambda: self._validate_call(
+            x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot, num_slots,
+            ack_policy, lookahead))
+        _agree(self.ctx.comm, error, "forward")
+        route_rows, call_params = plan
+        # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
+        gathered = self.ctx.comm.allgather((x.shape[0], call_params))
+        counts = [n for n, _ in gathered]
+        mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
+        _agree(self.ctx.comm, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
+               f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
+               if mismatch else None, "forward")
+        over = [r for r, n in enumerate(counts) if self.max_tokens_per_rank is not None
+                and n > self.max_tokens_per_rank]
+        if over:
+            raise ConfigError(f"x.shape[0]: ranks {over} have {[counts[r] for r in over]} tokens, over "
+                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
+        streaming, tokens_per_slot, num_slots, ack_policy, lookahead = call_params
+        max_tokens = max(counts)
+        if streaming:
+            num_chunks = protocol.call_num_chunks(counts, tokens_per_slot)
+        else:
+            # Batch-ready: one slot whose single chunk is the whole batch (at least one row, even when
+            # every rank has zero tokens: the chunk is still published and acknowledged).
+            num_slots, tokens_per_slot, num_chunks, lookahead = 1, max(1, max_tokens), 1, 0
+        ring = self._ring(num_slots, tokens_per_slot, ack_policy, exact=streaming)
+        self._ensure_combine(max_tokens)
+        self.last_stats = ForwardStats(streaming=streaming, num_chunks=num_chunks, num_slots=num_slots,
+                                       tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
+        y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
+        self.last_stats.elapsed_s = time.perf_counter() - start_s
+        return y
+
+    __call__ = forward
+
+    def close(self) -> None:
+        """Collective: free the rings and the combine buffer. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+        if self._combine is not None and not self.ctx.closed:
+            self.ctx.backend.barrier()
+            self.ctx.backend.free(self._combine)
+        self._combine = None
+
+    def __enter__(self) -> "ExpertParallelMoE":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ExpertParallelMoE({self.shapes}, rank={self.rank}/{self.world_size}, experts="
+                f"[{self.experts.start}, {self.experts.stop}), inter={self.inter}, closed={self.closed})")
+
+    # --- validation -----------------------------------------------------------------------------------
+
+    def _validate_call(self, x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot,
+                       num_slots, ack_policy, lookahead):
+        shapes = self.shapes
+        quant._check_x(x)
+        if x.shape[1] != shapes.hidden:
+            raise ConfigError(f"x.shape={x.shape}: expected [num_tokens, hidden={shapes.hidden}]")
+        # Validate the routing source once, on zero rows of it; chunks route their own rows later.
+        rows0 = slice(0, 0)
+        route(x[rows0], shapes.num_topk, shapes.num_experts, router_weight=router_weight,
+              logits=None if logits is None else logits[rows0] if _is_2d(logits) else logits,
+              topk_idx=None if topk_idx is None else topk_idx[rows0] if _is_2d(topk_idx) else topk_idx,
+              topk_weights=None if topk_weights is None else (
+                  topk_weights[rows0] if _is_2d(topk_weights) else topk_weights),
+              topk_method=self.topk_method, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor)
+        num_tokens = x.shape[0]
+        for name, arr in (("logits", logits), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if arr is not None and arr.shape[0] != num_tokens:
+                raise ConfigError(f"{name}.shape={arr.shape}: expected {num_tokens} rows (x has {num_tokens})")
+        if topk_idx is not None:
+            # Full check (expert ids in range, finite weights) before any shared-memory work.
+            route(x, shapes.num_topk, shapes.num_experts, topk_idx=topk_idx, topk_weights=topk_weights)
+        if logits is not None and not np.all(np.isfinite(logits)):
+            raise ConfigError("logits: expected finite values (found NaN or inf)")
+        if router_weight is not None and not np.all(np.isfinite(router_weight)):
+            raise ConfigError("router_weight: expected finite values (found NaN or inf)")
+        if not isinstance(streaming, (bool, np.bool_)):
+            raise ConfigError(f"streaming={streaming!r}: expected True or False")
+        try:
+            ack_policy = AckPolicy(ack_policy)
+        except ValueError:
+            raise ConfigError(f"ack_policy={ack_policy!r}: expected one of {list(AckPolicy)}") from None
+        if streaming:
+            tokens_per_slot = 64 if tokens_per_slot is None else tokens_per_slot
+            for name, value in (("tokens_per_slot", tokens_per_slot), ("num_slots", num_slots)):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                    raise ConfigError(f"{name}={value!r}: expected a positive int")
+            tokens_per_slot, num_slots = int(tokens_per_slot), int(num_slots)
+            lookahead = protocol.default_lookahead(num_slots) if lookahead is None else lookahead
+            try:
+                protocol.check_lookahead(lookahead, num_slots)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            params = (True, tokens_per_slot, num_slots, ack_policy, int(lookahead))
+        else:
+            if tokens_per_slot is not None or lookahead is not None:
+                raise ConfigError("tokens_per_slot/lookahead: only for streaming=True (the batch-ready path "
+                                  "uses one slot holding the whole batch)")
+            params = (False, None, None, ack_policy, None)
+
+        def route_rows(rows: slice):
+            return route(x[rows], shapes.num_topk, shapes.num_experts, router_weight=router_weight,
+                         logits=None if logits is None else logits[rows],
+                         topk_idx=None if topk_idx is None else topk_idx[rows],
+                         topk_weights=None if topk_weights is None else topk_weights[rows],
+                         topk_method=self.topk_method, bias=self.bias,
+                         routed_scaling_factor=self.routed_scaling_factor)[:2]
+        return route_rows, params
+
+    # --- symmetric memory -----------------------------------------------------------------------------
+
+    def _ring(self, num_slots: int, tokens_per_slot: int, ack_policy: AckPolicy, exact: bool) -> Ring:
+        """A cached ring of ``num_slots`` slots; ``exact=False`` accepts any ``tokens_per_slot`` at least
+        as large (the batch ring is reused while the batch fits). Collective (same arguments everywhere)."""
+        key = (num_slots, ack_policy)
+        ring = self._rings.pop(key, None) if not exact else None
+        if exact:
+            key = (num_slots, ack_policy, tokens_per_slot)
+            ring = self._rings.pop(key, None)
+        if ring is not None and ring.spec.tokens_per_slot < tokens_per_slot:
+            ring.close()
+            ring = None
+        if ring is None:
+            while len(self._rings) >= _MAX_CACHED_RINGS:
+                self._rings.pop(next(iter(self._rings))).close()
+            ring = Ring(self.ctx, self.shapes.ring_spec(num_slots, tokens_per_slot), ack_policy=ack_policy,
+                        timeout_s=self.timeout_s)
+        self._rings[key] = ring  # re-inserted last: most recently used
+        return ring
+
+    def _ensure_combine(self, num_rows: int) -> None:
+        """Make the combine buffer hold ``num_rows`` token rows (collective; all ranks pass the same)."""
+        if self._combine is not None and self._combine_rows >= num_rows:
+            return
+        backend = self.ctx.backend
+        if self._combine is not None:
+            backend.barrier()  # nobody still reads or writes the old buffer
+            backend.free(self._combine)
+            self._combine = None
+        rows = max(num_rows, self.max_tokens_per_rank or 0, 1)
+        self._out_offset = align_up(self.world_size * _WORD_BYTES, ALIGN)
+        nbytes = self._out_offset + rows * self.shapes.num_topk * self.shapes.hidden * 4
+        self._combine = backend.alloc(nbytes)
+        self._combine_rows = rows
+
+    def _combine_out(self, rank: int) -> np.ndarray:
+        """Zero-copy ``[capacity, K, H]`` float32 view of ``rank``'s combine buffer."""
+        return self.ctx.backend.view(self._combine, rank, self._out_offset, np.float32,
+                                     (self._combine_rows, self.shapes.num_topk, self.shapes.hidden))
+
+    # --- the protocol ---------------------------------------------------------------------------------
+
+    def _run(self, ring: Ring, num_chunks: int, x: np.ndarray, route_rows, ack_policy: AckPolicy,
+             lookahead: int) -> np.ndarray:
+        """Every chunk of one call, in the host enqueue order (producer ``lookahead`` chunks ahead)."""
+        y = np.zeros((x.shape[0], self.shapes.hidden), np.float32)
+        own_routes: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        call = ring.begin_call(num_chunks)
+        combine_base = self._combine_base
+        for step, chunk in protocol.enqueue_order(num_chunks, ring.spec.num_slots, lookahead):
+            combine_gen = protocol.generation(combine_base, chunk)
+            if step == "produce":
+                own_routes[chunk] = self._produce(ring, call, chunk, x, route_rows)
+            else:
+                self._consume(ring, call, chunk, ack_policy, combine_gen)
+                self._reduce(ring, call, chunk, own_routes.pop(chunk), combine_gen, y)
+        ring.end_call(call)
+        self._combine_base = protocol.next_base(combine_base, num_chunks)
+        return y
+
+    def _chunk_rows(self, ring: Ring, chunk: int, num_tokens: int) -> slice:
+        tokens_per_slot = ring.spec.tokens_per_slot
+        token_base = protocol.chunk_token_base(chunk, tokens_per_slot)
+        return slice(token_base, token_base + protocol.chunk_valid_tokens(num_tokens, chunk, tokens_per_slot))
+
+    def _produce(self, ring: Ring, call: Call, chunk: int, x: np.ndarray, route_rows):
+        """Route and quantise this rank's rows of ``chunk``, then write and publish them (route first)."""
+        rows = self._chunk_rows(ring, chunk, x.shape[0])
+        topk_idx, topk_weights = route_rows(rows)
+        x_bits, x_sf = quant.encode(x[rows], self.shapes.x_format, self.shapes.sf_group_size)
+        ring.acquire_slot(call, chunk)
+        ring.write_route(call, chunk, topk_idx, topk_weights, rows.start, rows.stop - rows.start)
+        # Route before layout: a consumer could start counting its experts' tokens before x arrives.
+        ring.publish_route(call, chunk)
+        ring.write_layout(call, chunk, x_bits, x_sf)
+        ring.publish_layout(call, chunk)
+        return topk_idx, topk_weights
+
+    def _pull(self, ring: Ring, call: Call, chunk: int, src_rank: int):
+        """Pull the rows of ``src_rank``'s ``chunk`` routed to local experts (after `wait_ready`).
+
+        Returns ``(token_base, rows, ks, experts, x_deq)``: for every local (row, k) pair its row in the
+        chunk, its k, its expert, and the dequantised x of each pulled row (indexed by ``rows``' order).
+        """
+        slot = call.slot(chunk)
+        meta = ring.meta(slot, src_rank)
+        token_base, num_valid = int(meta[META_TOKEN_BASE]), int(meta[META_NUM_VALID])
+        if int(meta[META_PAYLOAD_GEN]) != call.generation(chunk) or int(meta[META_CHUNK_IDX]) != chunk \
+                or not 0 <= num_valid <= ring.spec.tokens_per_slot:
+            raise SymmringError(f"rank {self.rank}: slot {slot} of rank {src_rank} holds metadata "
+                                f"{meta.tolist()}, expected chunk {chunk} generation {call.generation(chunk)}")
+        topk_idx = np.array(ring.topk_idx(slot, src_rank)[:num_valid])
+        local = (topk_idx >= self.experts.start) & (topk_idx < self.experts.stop)
+        rows, ks = np.nonzero(local)
+        pulled_rows, inverse = np.unique(rows, return_inverse=True)
+        x_bits = ring.x(slot, src_rank)[pulled_rows]  # fancy indexing: a copy of the rows only
+        x_sf = ring.x_sf(slot, src_rank)[pulled_rows] if ring.spec.num_sf else None
+        x_deq = quant.decode(x_bits, x_sf, self.shapes.x_format)
+        self.last_stats.rows_pulled += len(pulled_rows)
+        return token_base, rows, ks, topk_idx[rows, ks], x_deq[inverse]
+
+    def _consume(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy, combine_gen: int) -> None:
+        """Dispatch, compute and combine-write ``chunk`` of every rank; signal every owner."""
+        backend = self.ctx.backend
+        pulls = []
+        for src_rank in range(self.world_size):
+            ring.wait_ready(call, chunk, src_rank)
+            pulls.append(self._pull(ring, call, chunk, src_rank))
+        if ack_policy == AckPolicy.EARLY:
+            for src_rank in range(self.world_size):
+                ring.ack(call, chunk, src_rank)  # release: after the last read of the slot (fence inside)
+        # Chunk-local expert pools over all sources: one pass per local expert.
+        sources = np.concatenate([np.full(len(p[1]), r, np.int64) for r, p in enumerate(pulls)])
+        experts = np.concatenate([p[3] for p in pulls]).astype(np.int64)
+        h = np.concatenate([p[4] for p in pulls])
+        out = np.empty_like(h)
+        for local_idx, expert in enumerate(self.experts):
+            sel = np.nonzero(experts == expert)[0]
+            if sel.size:
+                out[sel] = self._expert(local_idx, h[sel])
+        self.last_stats.pairs_computed += len(h)
+        for src_rank, (token_base, rows, ks, _, _) in enumerate(pulls):
+            if rows.size:
+                # A remote store into the owner's combine buffer at the token's logical row.
+                self._combine_out(src_rank)[token_base + rows, ks] = out[sources == src_rank]
+        # Release: the combine writes above are visible before the signals; pairs with _reduce's acquire.
+        backend.fence()
+        for src_rank in range(self.world_size):
+            backend.signal_set(self._combine, self.rank * _WORD_BYTES, combine_gen, src_rank)
+        if ack_policy == AckPolicy.CONSERVATIVE:
+            for src_rank in range(self.world_size):
+                ring.ack(call, chunk, src_rank)  # release: after this chunk's combine was signalled
+
+    def _expert(self, local_idx: int, h: np.ndarray) -> np.ndarray:
+        """L1 (gate | up) -> SwiGLU -> L2 for rows ``h`` of one local expert (row-independent)."""
+        gate_up = row_matmul(h, self._w_gate_up_t[local_idx])
+        act = swiglu(gate_up[:, :self.inter], gate_up[:, self.inter:])
+        return row_matmul(act, self._w_down_t[local_idx])
+
+    def _reduce(self, ring: Ring, call: Call, chunk: int, own_route, combine_gen: int, y: np.ndarray) -> None:
+        """Wait for every consumer's combine of this rank's ``chunk``, then reduce over k into ``y``."""
+        backend = self.ctx.backend
+        deadline = time.monotonic() + self.timeout_s
+        for consumer in range(self.world_size):
+            # Acquire: pairs with the fence before the consumer's signal_set in _consume.
+            ok, observed = backend.wait_until(self._combine, consumer * _WORD_BYTES, self.rank, "ge", combine_gen,
+                                              max(deadline - time.monotonic(), 1e-6))
+            if not ok:
+                missing = [q for q in range(self.world_size)
+                           if backend.read_word(self._combine, q * _WORD_BYTES, self.rank) < combine_gen]
+                raise ProtocolTimeout("combine", rank=self.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
+                                      expected=combine_gen, observed=observed, missing_ranks=missing,
+                                      timeout_s=self.timeout_s)
+        topk_idx, topk_weights = own_route
+        rows = self._chunk_rows(ring, chunk, y.shape[0])
+        if rows.stop > rows.start:
+            y[rows] = combine_rows(self._combine_out(self.rank)[rows], topk_idx, topk_weights)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RingClosedError(f"{self!r} was closed")
+        self.ctx.check_open()
+
+
+def _is_2d(arr) -> bool:
+    return isinstance(arr, np.ndarray) and arr.ndim == 2
+
+
+def shard_experts(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, rank: int, world_size: int):
+    """This rank's slices of global expert weights (experts `local_experts`).
+
+    Example:
+        >>> w = np.zeros((8, 4, 16), np.float32)
+        >>> [a.shape[0] for a in shard_experts(w, w, np.zeros((8, 16, 4), np.float32), 1, 4)]
+        [2, 2, 2]
+    """
+    experts = local_experts(rank, world_size, w_gate.shape[0])
+    sl = slice(experts.start, experts.stop)
+    return w_gate[sl], w_up[sl], w_down[sl]
+
+
+__all__ = ["ExpertParallelMoE", "MoEShapes", "ForwardStats", "local_experts", "shard_experts"]
