@@ -1,0 +1,299 @@
+// The chunk-ready ring protocol on the device. Mirrors symmring/protocol.py (same names where possible):
+// generation(base, chunk) = base + chunk + 1, slot_of(chunk, S) = chunk % S, acknowledgement bit of rank
+// q = bit q % 64 of word q / 64, a fresh slot's mask is full, and a consumer reads a slot only when BOTH
+// ready generations equal the expected one.
+//
+// Who signals where (one word per slot and kind, no fan-out):
+//   * Ready generations live on the OWNER of the slot. The owner publishes with a local
+//     nvshmemx_signal_op(SET) and every consumer polls the owner's word over NVLink. One store per
+//     publication, whatever the number of consumers: the producer's cost does not grow with the ranks,
+//     and a consumer polls exactly the word of the source it needs (polling is a read hit in the
+//     owner's L2 once the line is cached, and costs the owner nothing).
+//   * Acknowledgement bits live on the owner too: each consumer ORs its bit into the owner's mask, and
+//     the owner polls its own memory before reusing the slot.
+//
+// Ordering points (NVSHMEM 3.4.5 over P2P: signal_op SET is a plain volatile store, ADD/OR are relaxed
+// system atomics; nvshmem_fence() is __threadfence_system(); signal_wait_until has no acquire):
+//   (1) publish:   payload stores; __syncthreads; nvshmem_fence (release); signal SET.
+//   (2) wait_ready: ld.acquire.sys of the owner's word; __syncthreads before other threads read.
+//   (3) ack:       last payload read; __syncthreads; nvshmem_fence (release); atomic OR of our bit.
+//   (4) acquire_slot: ld.acquire.sys of the own mask until complete; reset to 0 (ordered before the next
+//                  publication by fence (1)).
+// (1) pairs with (2); (3) pairs with (4).
+//
+// Generations come from the device-resident gen_base word (RingDescriptor::gen_base_ptr), never from a
+// kernel argument, so a CUDA Graph replay computes fresh generations; end_call() advances the word.
+//
+// Usage from a user kernel (every function here is called by ALL threads of a block unless noted):
+//
+//     #include <symmring/protocol.cuh>
+//     extern "C" __global__ void my_producer(const symmring::RingDescriptor* desc_ptr, int chunk) {
+//         const auto& desc = *desc_ptr;
+//         const uint64_t gen = symmring::expected_generation(desc, chunk);
+//         if (!symmring::acquire_slot(desc, chunk, /*reset=*/true)) return;  // timed out: record written
+//         ... write x / x_sf / topk_idx / topk_weights / meta of slot_of(chunk) ...
+//         symmring::publish_route(desc, chunk, gen);
+//         symmring::publish_layout(desc, chunk, gen);
+//     }
+#pragma once
+#include <stdint.h>
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "descriptor.cuh"
+#include "timeout.cuh"
+
+namespace symmring {
+
+// --- the arithmetic (protocol.py) -----------------------------------------------------------------
+
+constexpr uint64_t kGenNone = 0;           // protocol.GEN_NONE: no chunk carries it
+constexpr int kRanksPerMaskWord = 64;      // protocol.RANKS_PER_MASK_WORD
+
+__device__ __forceinline__ uint64_t generation(uint64_t base, int chunk_idx) {
+    return base + static_cast<uint64_t>(chunk_idx) + 1;
+}
+__device__ __forceinline__ uint64_t next_base(uint64_t base, int num_chunks) {
+    return base + static_cast<uint64_t>(num_chunks);
+}
+__device__ __forceinline__ int slot_of(int chunk_idx, int num_slots) { return chunk_idx % num_slots; }
+__device__ __forceinline__ int64_t chunk_token_base(int chunk_idx, int tokens_per_slot) {
+    return static_cast<int64_t>(chunk_idx) * tokens_per_slot;
+}
+__device__ __forceinline__ int chunk_valid_tokens(int64_t num_tokens, int chunk_idx, int tokens_per_slot) {
+    const int64_t left = num_tokens - chunk_token_base(chunk_idx, tokens_per_slot);
+    return static_cast<int>(left <= 0 ? 0 : (left < tokens_per_slot ? left : tokens_per_slot));
+}
+__device__ __forceinline__ bool is_ready(uint64_t route_gen, uint64_t layout_gen, uint64_t expected) {
+    return route_gen == expected && layout_gen == expected;
+}
+__device__ __forceinline__ int mask_words(int num_ranks) {
+    return (num_ranks + kRanksPerMaskWord - 1) / kRanksPerMaskWord;
+}
+__device__ __forceinline__ int ack_word(int rank) { return rank / kRanksPerMaskWord; }
+__device__ __forceinline__ uint64_t ack_bit(int rank) { return 1ull << (rank % kRanksPerMaskWord); }
+// Word `word_idx` of the required (= full, = initial) mask of `num_ranks` consumers.
+__device__ __forceinline__ uint64_t required_mask_word(int word_idx, int num_ranks) {
+    const int bits = num_ranks - word_idx * kRanksPerMaskWord;
+    return bits >= kRanksPerMaskWord ? ~0ull : (bits <= 0 ? 0ull : ((1ull << bits) - 1));
+}
+
+// --- loads and stores of protocol words -------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* ptr) {
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+// Address of `pe`'s copy of a symmetric location, or nullptr when it is not load/store reachable (then
+// the NVSHMEM RMA/AMO fallbacks are used). Own PE: the local address.
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(const RingDescriptor& desc, T* local, int pe) {
+    if (pe == desc.rank) return local;
+    return static_cast<T*>(nvshmem_ptr(const_cast<void*>(static_cast<const void*>(local)), pe));
+}
+
+// Acquire-load of `pe`'s copy of the word at `local` (peer = the pointer from peer_ptr, may be null).
+__device__ __forceinline__ uint64_t load_word_acquire(const uint64_t* peer, uint64_t* local, int pe) {
+    if (peer != nullptr) return ld_acquire_sys(peer);
+    const uint64_t v = nvshmem_uint64_atomic_fetch(local, pe);
+    __threadfence_system();  // acquire for the fallback path: later payload reads after the fetch
+    return v;
+}
+
+// --- regions of a slot --------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t* route_ready_word(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<uint64_t*>(d.route_ready_ptr) + slot;
+}
+__device__ __forceinline__ uint64_t* layout_ready_word(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<uint64_t*>(d.layout_ready_ptr) + slot;
+}
+__device__ __forceinline__ uint64_t* ack_mask_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<uint64_t*>(d.ack_mask_ptr) + static_cast<int64_t>(slot) * d.mask_words;
+}
+__device__ __forceinline__ int64_t* meta_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<int64_t*>(d.meta_ptr) + static_cast<int64_t>(slot) * kMetaColumns;
+}
+__device__ __forceinline__ uint8_t* x_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<uint8_t*>(d.x_ptr) + slot * d.x_slot_stride;
+}
+__device__ __forceinline__ float* x_sf_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(d.x_sf_ptr) + slot * d.x_sf_slot_stride);
+}
+__device__ __forceinline__ int32_t* topk_idx_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<int32_t*>(reinterpret_cast<uint8_t*>(d.topk_idx_ptr) + slot * d.topk_slot_stride);
+}
+__device__ __forceinline__ float* topk_weights_of(const RingDescriptor& d, int slot) {
+    return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(d.topk_weights_ptr) +
+                                    slot * d.topk_slot_stride);
+}
+__device__ __forceinline__ uint64_t x_row_bytes(const RingDescriptor& d) {
+    return static_cast<uint64_t>(d.hidden) * d.x_elem_bytes;
+}
+
+// --- generations ------------------------------------------------------------------------------------
+
+// This PE's generation base. Written only by end_call() on this PE, ordered by the stream (or graph).
+__device__ __forceinline__ uint64_t load_gen_base(const RingDescriptor& d) {
+    return ld_relaxed_sys(reinterpret_cast<const uint64_t*>(d.gen_base_ptr));
+}
+__device__ __forceinline__ uint64_t expected_generation(const RingDescriptor& d, int chunk_idx) {
+    return generation(load_gen_base(d), chunk_idx);
+}
+// One thread: advance the generation base after a call of `num_chunks` chunks (the end-of-call kernel).
+__device__ __forceinline__ void end_call(const RingDescriptor& d, int num_chunks) {
+    auto* word = reinterpret_cast<uint64_t*>(d.gen_base_ptr);
+    st_relaxed_sys(word, next_base(ld_relaxed_sys(word), num_chunks));
+}
+
+// --- producer side ------------------------------------------------------------------------------------
+
+// Block-level: wait until every required consumer acknowledged the slot's previous use, then (reset=true)
+// clear the mask for the next one. Returns false on timeout (error record written, kind reuse).
+// With several blocks, let every block wait with reset=false and one block (grid_last_block) reset.
+__device__ inline bool wait_reusable(const RingDescriptor& d, int chunk_idx, bool reset) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        const int slot = slot_of(chunk_idx, d.num_slots);
+        uint64_t* mask = ack_mask_of(d, slot);
+        ok = 1;
+        for (int w = 0; w < d.mask_words && ok; ++w) {
+            const uint64_t required = required_mask_word(w, d.num_ranks);
+            Deadline deadline(d);
+            uint64_t observed;
+            // acquire: pairs with the release fence in ack(); the consumers' reads of the previous
+            // generation are complete before we overwrite the slot.
+            while (((observed = ld_acquire_sys(mask + w)) & required) != required) {
+                if (deadline.expired(d)) {
+                    if (!deadline.aborted)
+                        record_error(d, kErrorReuse, d.rank, slot, chunk_idx, required, observed,
+                                     required & ~observed);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        if (ok && reset) {
+            // Ordered before this generation's publication by the release fence in publish().
+            for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
+        }
+    }
+    __syncthreads();
+    return ok != 0;
+}
+
+// Block-level alias: the producer's "acquire slot" (wait reusable + reset), for single-block producers.
+__device__ __forceinline__ bool acquire_slot(const RingDescriptor& d, int chunk_idx, bool reset = true) {
+    return wait_reusable(d, chunk_idx, reset);
+}
+
+// One thread, after the payload stores of all threads are ordered before it (__syncthreads, or the
+// grid_last_block handshake): release the payload, then SET the owner-side generation word.
+__device__ __forceinline__ void signal_generation(const RingDescriptor& d, uint64_t* word, uint64_t gen) {
+    nvshmem_fence();  // release: pairs with the acquire in wait_ready(); payload before the signal
+    nvshmemx_signal_op(word, gen, NVSHMEM_SIGNAL_SET, d.rank);
+}
+
+// Block-level: publish route readiness (topk_idx, topk_weights and meta) of chunk `chunk_idx`.
+__device__ __forceinline__ void publish_route(const RingDescriptor& d, int chunk_idx, uint64_t gen) {
+    __syncthreads();  // every thread's payload stores precede thread 0's release fence
+    if (threadIdx.x == 0) signal_generation(d, route_ready_word(d, slot_of(chunk_idx, d.num_slots)), gen);
+}
+
+// Block-level: publish layout readiness (x, x_sf) of chunk `chunk_idx`.
+__device__ __forceinline__ void publish_layout(const RingDescriptor& d, int chunk_idx, uint64_t gen) {
+    __syncthreads();  // every thread's payload stores precede thread 0's release fence
+    if (threadIdx.x == 0) signal_generation(d, layout_ready_word(d, slot_of(chunk_idx, d.num_slots)), gen);
+}
+
+// One thread: write the slot's metadata row (part of the route payload).
+__device__ __forceinline__ void write_meta(const RingDescriptor& d, int chunk_idx, int64_t token_base,
+                                           int num_valid, uint64_t gen) {
+    int64_t* meta = meta_of(d, slot_of(chunk_idx, d.num_slots));
+    meta[kMetaTokenBase] = token_base;
+    meta[kMetaNumValid] = num_valid;
+    meta[kMetaChunkIdx] = chunk_idx;
+    meta[kMetaPayloadGen] = static_cast<int64_t>(gen);
+}
+
+// --- consumer side ------------------------------------------------------------------------------------
+
+// Block-level: bounded wait until both of `src_rank`'s ready words of the chunk's slot equal `expected`.
+// Returns false on timeout (error record: kind route_ready or layout_ready, peer = src_rank).
+__device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        const int slot = slot_of(chunk_idx, d.num_slots);
+        uint64_t* route_local = route_ready_word(d, slot);
+        uint64_t* layout_local = layout_ready_word(d, slot);
+        const uint64_t* route = peer_ptr(d, route_local, src_rank);
+        const uint64_t* layout = peer_ptr(d, layout_local, src_rank);
+        Deadline deadline(d);
+        uint64_t route_gen = 0, layout_gen = 0;
+        ok = 1;
+        for (;;) {
+            // acquire: pairs with the release fence in publish_route()/publish_layout() on src_rank.
+            route_gen = load_word_acquire(route, route_local, src_rank);
+            layout_gen = load_word_acquire(layout, layout_local, src_rank);
+            if (is_ready(route_gen, layout_gen, expected)) break;
+            if (deadline.expired(d)) {
+                if (!deadline.aborted) {
+                    const bool route_late = route_gen != expected;
+                    record_error(d, route_late ? kErrorRoute : kErrorLayout, src_rank, slot, chunk_idx,
+                                 expected, route_late ? route_gen : layout_gen, 0);
+                }
+                ok = 0;
+                break;
+            }
+        }
+    }
+    __syncthreads();  // the other threads read the payload only after thread 0's acquire
+    return ok != 0;
+}
+
+// Block-level: acknowledge `src_rank`'s slot of chunk `chunk_idx` after this PE's last read of it
+// (payload and metadata). With several reading blocks, call it from one block after all finished
+// (grid_last_block). Sets this PE's bit in the owner's mask.
+__device__ inline void ack(const RingDescriptor& d, int chunk_idx, int src_rank) {
+    __syncthreads();  // every thread's reads of the slot precede thread 0's release fence
+    if (threadIdx.x == 0) {
+        uint64_t* word = ack_mask_of(d, slot_of(chunk_idx, d.num_slots)) + ack_word(d.rank);
+        nvshmem_fence();  // release: pairs with the acquire in wait_reusable(); reads before the bit
+        nvshmem_uint64_atomic_or(word, ack_bit(d.rank), src_rank);
+    }
+}
+
+// --- grid helpers -------------------------------------------------------------------------------------
+
+// Block-level: true in exactly one block, the last of the grid to arrive; every block's earlier memory
+// operations are ordered before whatever that block does next. `counter` (device memory, zero before the
+// launch) is reset to zero by the last block so the next launch or graph replay finds it clean.
+__device__ inline bool grid_last_block(unsigned int* counter) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int num_blocks = gridDim.x * gridDim.y * gridDim.z;
+        __threadfence();  // release at gpu scope: this block's work before its arrival
+        const unsigned int prev = atomicAdd(counter, 1u);
+        last = prev == num_blocks - 1;
+        if (last) {
+            __threadfence();  // acquire: the other blocks' work before what the last block does next
+            atomicExch(counter, 0u);
+        }
+    }
+    __syncthreads();
+    return last != 0;
+}
+
+}  // namespace symmring

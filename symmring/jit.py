@@ -1,0 +1,251 @@
+"""Compile symmring's device code with nvcc, cache the result, and load it into CuPy with NVSHMEM.
+
+Device code calls NVSHMEM device functions, so it is compiled as relocatable code and device-linked
+against ``libnvshmem_device.a`` -- the two nvcc steps CuPy's ``RawModule(backend="nvcc",
+options=("-dc", ...))`` runs, done here directly so that the cache key, the atomic write and the
+compiler log are under our control (CuPy's own cache ignores headers reached through ``-I``)::
+
+    nvcc -dc -std=c++17 -arch=sm_<cc> -I<device dir> -I<nvshmem include> -o x.o x.cu
+    nvcc --cubin -arch=sm_<cc> --device-link x.o -L<nvshmem lib> -lnvshmem_device -o x.cubin
+
+The headers and library come from the ``nvidia-nvshmem`` wheel whose ``libnvshmem_host`` is loaded
+(the host library checks the device library's version). The device sources are found as
+``symmring/_device`` (a link to the repository's ``device/``, shipped in the wheel).
+
+Cache: ``SYMMRING_CACHE_DIR`` (default ``~/.cache/symmring``), one ``<key>.cubin`` per module. The key
+is a sha256 of the source, every file under the device directory, the nvcc version and the options; the
+source handed to nvcc starts with ``// symmring-device-hash: <sha>`` so a cubin is traceable to the
+headers it was built from. Files are written to a temporary name and renamed, so concurrent ranks never
+read a half-written cubin. With several ranks on a node, local rank 0 compiles first and the others load
+its file after a barrier (`load_module` with ``comm``). ``CUPY_CACHE_DIR`` is pointed under the same
+directory for CuPy's own kernels.
+
+This module needs no GPU to compile (`compile_cubin`); `load_module` needs CuPy and an initialised
+NVSHMEM.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence, Tuple
+
+from . import env
+from .errors import BackendError, CompileError
+
+logger = logging.getLogger(__name__)
+
+#: Options of the compile step (before -arch/-I); kept in the cache key.
+BASE_OPTIONS = ("-dc", "-std=c++17", "-O3", "--expt-relaxed-constexpr")
+
+
+def device_dir() -> Path:
+    """Directory holding ``symmring/*.cuh`` and the ``.cu`` sources (``symmring/_device``)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_device", here.parent / "device"):
+        if (candidate / "symmring" / "protocol.cuh").is_file():
+            return candidate.resolve()
+    raise BackendError(f"symmring device sources not found under {here / '_device'} "
+                       "(expected symmring/protocol.cuh; is the package installed with its device files?)")
+
+
+def nvshmem_paths() -> Tuple[Path, Path]:
+    """``(include dir, lib dir)`` of the installed nvidia-nvshmem wheel.
+
+    Raises:
+        BackendError: the wheel (``pip install nvidia-nvshmem-cu13``) is not installed.
+    """
+    try:
+        import nvidia.nvshmem as nvshmem_pkg  # the wheel nvshmem4py loads libnvshmem_host from
+    except ImportError:
+        raise BackendError("nvidia-nvshmem is not installed (pip install 'nvidia-nvshmem-cu13>=3.4.5,<3.5')") \
+            from None
+    for root in map(Path, nvshmem_pkg.__path__):
+        if (root / "include" / "nvshmem.h").is_file() and (root / "lib" / "libnvshmem_device.a").is_file():
+            return root / "include", root / "lib"
+    raise BackendError(f"nvidia-nvshmem at {list(nvshmem_pkg.__path__)} has no include/nvshmem.h and "
+                       "lib/libnvshmem_device.a")
+
+
+def nvcc_path() -> str:
+    """The nvcc to use: ``$CUDA_HOME/bin/nvcc`` when set, else the one on ``PATH``."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").is_file():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if not found:
+        raise BackendError("nvcc not found (set CUDA_HOME or put nvcc on PATH); symmring JIT-compiles its "
+                           "device code with it")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(nvcc: Optional[str] = None) -> str:
+    """The last line of ``nvcc --version`` (the build id), part of every cache key."""
+    out = subprocess.run([nvcc or nvcc_path(), "--version"], capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else out.stderr.strip()
+
+
+def device_hash() -> str:
+    """sha256 over the relative path and the bytes of every file under `device_dir`."""
+    root = device_dir()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def compile_options(cc: int, extra_options: Sequence[str] = ()) -> Tuple[str, ...]:
+    """Options of the ``-dc`` compile step for compute capability ``cc`` (e.g. 90)."""
+    include, _ = nvshmem_paths()
+    return BASE_OPTIONS + (f"-arch=sm_{cc}", f"-I{device_dir()}", f"-I{include}") + tuple(extra_options)
+
+
+def _run(cmd: Sequence[str], *, source_name: str, options: Sequence[str]) -> None:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise CompileError(f"nvcc failed (exit {proc.returncode}): {' '.join(cmd)}", source=source_name,
+                           options=options, log=(proc.stdout + proc.stderr).strip())
+
+
+def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[str] = (),
+                  cache_dir: Optional[Path] = None) -> Path:
+    """Compile and device-link ``source`` for ``sm_<cc>``; return the cached cubin's path.
+
+    Args:
+        source: CUDA source (kernels ``extern "C"``); may ``#include <symmring/protocol.cuh>``.
+        name: a short name for logs, error messages and the cache file.
+        cc: compute capability as an int (90 for H100/H200).
+        extra_options: more nvcc options for the compile step (e.g. ``("-DNDEBUG",)``).
+        cache_dir: overrides ``SYMMRING_CACHE_DIR``.
+
+    Returns:
+        Path of ``<cache_dir>/<name>-<key>.cubin``; compiled only when it is not there yet.
+
+    Raises:
+        CompileError: nvcc failed; carries the compiler log.
+        BackendError: nvcc or the nvidia-nvshmem wheel is missing.
+
+    Example:
+        >>> path = compile_cubin(Path("device/ring.cu").read_text(), name="ring", cc=90)
+    """
+    nvcc = nvcc_path()
+    _, lib = nvshmem_paths()
+    options = compile_options(cc, extra_options)
+    link_options = (f"-arch=sm_{cc}", f"-L{lib}", "-lnvshmem_device")
+    dev_hash = device_hash()
+    key = hashlib.sha256("\0".join((source, dev_hash, nvcc_version(nvcc), *options, *link_options))
+                         .encode()).hexdigest()[:32]
+    cache = Path(cache_dir) if cache_dir is not None else env.cache_dir()
+    target = cache / f"{name}-{key}.cubin"
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"symmring-{name}-", dir=cache) as tmp:
+        cu, obj, cubin = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.cubin"
+        cu.write_text(f"// symmring-device-hash: {dev_hash}\n{source}")
+        logger.info("compiling %s for sm_%d (cache %s)", name, cc, target)
+        _run([nvcc, *options, "-o", str(obj), str(cu)], source_name=name, options=options)
+        _run([nvcc, "--cubin", *link_options, "--device-link", str(obj), "-o", str(cubin)],
+             source_name=name, options=link_options)
+        os.replace(cubin, target)  # atomic: a concurrent reader sees no file or the whole file
+    return target
+
+
+def read_source(filename: str) -> str:
+    """Text of ``<device dir>/<filename>`` (e.g. ``"ring.cu"``)."""
+    return (device_dir() / filename).read_text()
+
+
+class LoadedModule:
+    """A cubin loaded into CuPy and registered with NVSHMEM (``cumodule_init``).
+
+    Attributes:
+        name: the module's name; path: the cubin; module: the ``cupy.cuda.function.Module``.
+    """
+
+    def __init__(self, name: str, path: Path, module, ptr: int):
+        self.name = name
+        self.path = path
+        self.module = module
+        self._ptr = ptr
+        self._functions = {}
+        self.finalized = False
+
+    def function(self, kernel_name: str):
+        """The ``cupy.cuda.function.Function`` of ``extern "C"`` kernel ``kernel_name``; call it as
+        ``fn(grid, block, args, shared_mem=0, stream=None)``."""
+        fn = self._functions.get(kernel_name)
+        if fn is None:
+            fn = self._functions[kernel_name] = self.module.get_function(kernel_name)
+        return fn
+
+    def finalize(self) -> None:
+        """Unregister from NVSHMEM (``nvshmem.bindings.cumodule_finalize``; core.module_finalize is broken
+        in nvshmem4py 0.4.1). Idempotent; before ``nvshmem.core.finalize``."""
+        if self.finalized:
+            return
+        self.finalized = True
+        from .runtime import quiet_nvshmem  # local: runtime imports jit
+        with quiet_nvshmem():
+            import nvshmem.bindings as nvshmem_bindings
+            nvshmem_bindings.cumodule_finalize(self._ptr)
+
+
+def load_module(source: str, *, name: str, cc: int, comm=None, local_comm=None,
+                extra_options: Sequence[str] = ()) -> LoadedModule:
+    """Compile (once per node) and load ``source``; register it with NVSHMEM.
+
+    NVSHMEM must already be initialised on this process (`symmring.runtime.NvshmemBackend`).
+
+    Args:
+        source, name, cc, extra_options: as for `compile_cubin`.
+        comm: unused unless ``local_comm`` is None; then a node-local communicator is split from it.
+        local_comm: ranks of this node; local rank 0 compiles, the others wait at a barrier and load.
+
+    Raises:
+        CompileError, BackendError: as for `compile_cubin`; BackendError when CuPy is missing.
+    """
+    try:
+        import cupy
+    except ImportError:
+        raise BackendError("CuPy is not installed (pip install cupy-cuda13x); symmring loads device code "
+                           "through it") from None
+    cache = env.cache_dir()
+    os.environ.setdefault("CUPY_CACHE_DIR", str(cache / "cupy"))
+    if local_comm is None and comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+        local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    if local_comm is not None and local_comm.Get_size() > 1:
+        error = None
+        if local_comm.Get_rank() == 0:
+            try:
+                path = compile_cubin(source, name=name, cc=cc, extra_options=extra_options)
+            except Exception as exc:  # the others must still leave the barrier
+                error = exc
+        failed = local_comm.allreduce(1 if error else 0)
+        if error is not None:
+            raise error
+        if failed:
+            raise CompileError(f"{name}: compilation failed on local rank 0 (see its log)", source=name)
+    path = compile_cubin(source, name=name, cc=cc, extra_options=extra_options)  # a cache hit after rank 0
+    # cupy.cuda.function.Module: the CUmodule itself (ptr), loaded eagerly, so cumodule_init can see it.
+    module = cupy.cuda.function.Module()
+    module.load_file(str(path))
+    ptr = int(module.ptr)
+    from .runtime import quiet_nvshmem
+    with quiet_nvshmem():
+        import nvshmem.bindings as nvshmem_bindings
+        nvshmem_bindings.cumodule_init(ptr)
+    return LoadedModule(name, path, module, ptr)
+
+

@@ -1,0 +1,410 @@
+"""Python launchers of the ready-made ring kernels (``device/ring.cu``) on the nvshmem backend.
+
+`DeviceRing` owns one ring allocation on GPU PEs (the layout of `symmring.layout.RingLayout`, fresh
+slots free, i.e. full acknowledgement masks) and the device copy of its descriptor. `RingKernels`
+launches the kernels of one ring on any stream:
+
+* producer: `RingKernels.produce` copies a chunk from user tensors (torch, CuPy, anything with
+  ``__cuda_array_interface__`` or DLPack) into this PE's slot and publishes route and/or layout;
+  `acquire` and `publish` split that for producers that write the slot themselves.
+* consumer: `RingKernels.consume` waits for a chunk of a source rank, pulls its valid rows over NVLink
+  (16-byte loads through ``nvshmem_ptr``) into local buffers and acknowledges; `ack` acknowledges
+  separately (the CONSERVATIVE policy, after the combine).
+* `end_call` advances the device-resident generation base (graph-safe), `check_errors` turns the device
+  error record into `ProtocolTimeout`.
+
+SM budget: kernels that spin (consume, acquire) are launched with at most ``MAX_SPIN_BLOCKS`` blocks by
+default, so producers and compute always find SMs; every wait is bounded by the ring's timeout.
+
+Every argument is checked before anything is enqueued (``ConfigError``); a rejected call leaves the ring
+untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import numpy as np
+
+from . import env, protocol
+from .errors import ConfigError, ProtocolTimeout, RingClosedError
+from .layout import (ERROR_KIND_NAMES, ERROR_KIND_NONE, ERROR_KIND_REUSE, ERROR_WORDS, META_COLUMNS,
+                     RingLayout, RingSpec)
+
+logger = logging.getLogger(__name__)
+
+#: Parts of a produce/publish launch (device/ring.cu ProduceFlags).
+PRODUCE_ACQUIRE, PRODUCE_ROUTE, PRODUCE_LAYOUT = 1, 2, 4
+#: Option of a consume launch (device/ring.cu ConsumeFlags).
+CONSUME_ACK = 1
+#: Most blocks a spinning kernel gets by default (an H200 has 132 SMs).
+MAX_SPIN_BLOCKS = 16
+#: Threads per block of the ready-made kernels.
+THREADS_PER_BLOCK = 256
+_PARTS = {"route": PRODUCE_ROUTE, "layout": PRODUCE_LAYOUT, "both": PRODUCE_ROUTE | PRODUCE_LAYOUT}
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def as_stream(stream):
+    """A CuPy stream for ``stream``: None (CuPy's current stream), a CuPy stream, a torch.cuda.Stream, or
+    a raw ``cudaStream_t`` handle (int)."""
+    cupy = _cupy()
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return stream
+    handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
+    if isinstance(handle, (int, np.integer)):
+        return cupy.cuda.ExternalStream(int(handle))
+    raise ConfigError(f"stream={stream!r}: expected None, a CuPy stream, a torch.cuda.Stream or a "
+                      "cudaStream_t handle (int)")
+
+
+def _torch_bits(obj, dtype):
+    """A torch tensor of a dtype CuPy cannot describe (bf16, fp8) reinterpreted as same-size integers."""
+    import torch
+    if obj.dtype.itemsize == np.dtype(dtype).itemsize and obj.dtype in (
+            torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", None)):
+        return obj.view({1: torch.uint8, 2: torch.int16}[obj.dtype.itemsize])
+    return obj
+
+
+def as_device_array(name: str, obj, dtype, shape, *, bits: bool = False):
+    """Zero-copy CuPy view of a device tensor (torch, CuPy, ``__cuda_array_interface__``, DLPack),
+    checked for dtype, shape and C-contiguity. ``bits``: any dtype of the same size is accepted and
+    reinterpreted (fp8/bf16 payloads travel as raw bytes). Raises ConfigError naming ``name``."""
+    cupy = _cupy()
+    dtype = np.dtype(dtype)
+    if obj is None:
+        raise ConfigError(f"{name}=None: expected a device tensor of shape {tuple(shape)} and dtype {dtype}")
+    if isinstance(obj, np.ndarray):
+        raise ConfigError(f"{name}: a NumPy array is host memory; expected a device tensor (torch/CuPy)")
+    if bits and type(obj).__module__.startswith("torch"):
+        obj = _torch_bits(obj, dtype)
+    try:
+        arr = obj if isinstance(obj, cupy.ndarray) else (
+            cupy.asarray(obj) if hasattr(obj, "__cuda_array_interface__") else cupy.from_dlpack(obj))
+    except Exception as exc:
+        raise ConfigError(f"{name}: {type(obj).__name__} is not a CUDA device tensor CuPy can view ({exc})") \
+            from None
+    if bits and arr.dtype != dtype and arr.dtype.itemsize == dtype.itemsize:
+        arr = arr.view(dtype)
+    if arr.dtype != dtype:
+        raise ConfigError(f"{name}.dtype={arr.dtype}: expected {dtype}")
+    if tuple(arr.shape) != tuple(shape):
+        raise ConfigError(f"{name}.shape={tuple(arr.shape)}: expected {tuple(shape)}")
+    if not arr.flags.c_contiguous:
+        raise ConfigError(f"{name}: expected a C-contiguous tensor (call .contiguous() first)")
+    return arr
+
+
+def _check_index(name: str, value, upper: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
+            upper is not None and value >= upper):
+        bound = f" and < {upper}" if upper is not None else ""
+        raise ConfigError(f"{name}={value!r}: expected an int >= 0{bound}")
+    return int(value)
+
+
+class DeviceRing:
+    """One ring's symmetric allocation on GPU PEs, its layout and device descriptor (collective).
+
+    Args:
+        backend: an initialised `symmring.runtime.NvshmemBackend`.
+        spec: the `RingSpec` (identical on every PE).
+        timeout_s: bound of every device wait (default ``SYMMRING_TIMEOUT_S``).
+        ack_policy: recorded in the descriptor for consumers that read it.
+
+    Raises:
+        ConfigError: bad spec or timeout.
+
+    Example:
+        >>> ring = DeviceRing(backend, RingSpec(num_slots=2, tokens_per_slot=64, hidden=512, num_topk=4,
+        ...                                      num_experts=16, x_format="bf16"))
+        >>> k = ring.kernels
+        >>> k.produce(0, x=x, topk_idx=idx, topk_weights=w, token_base=0, num_valid=64)
+        >>> out = k.new_outputs(); k.consume(0, src_rank=0, out=out); k.end_call(1)
+        >>> k.check_errors(); ring.close()
+    """
+
+    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None,
+                 ack_policy: protocol.AckPolicy = protocol.AckPolicy.EARLY):
+        if not isinstance(spec, RingSpec):
+            raise ConfigError(f"spec={spec!r}: expected a RingSpec")
+        timeout_s = env.timeout_s() if timeout_s is None else timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        self.backend = backend
+        self.spec = spec
+        self.timeout_s = float(timeout_s)
+        self.layout = RingLayout(spec, backend.world_size)
+        self.alloc = backend.alloc(self.layout.nbytes)
+        self.closed = False
+        self._init_words()
+        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s,
+                                   ack_policy=ack_policy)
+
+    def region(self, name: str, rank: Optional[int] = None):
+        """Zero-copy CuPy view of a protocol-word region (``route_ready``, ``layout_ready``, ``ack_mask``,
+        ``gen_base``, ``error``, ``meta``) of ``rank``'s copy (default: this PE), all slots."""
+        self._check_open()
+        region = self.layout[name]
+        if region.slot_stride != region.slot_nbytes:
+            raise ConfigError(f"name={name!r}: expected a packed word region, not a padded payload")
+        shape = (region.num_slots,) + region.slot_shape
+        return self.backend.view(self.alloc, self.backend.rank if rank is None else rank, region.offset,
+                                 region.dtype, shape)
+
+    def _init_words(self) -> None:
+        # Fresh slots are free: every acknowledgement mask starts full (protocol.full_mask).
+        full = np.array(protocol.full_mask(self.backend.world_size), dtype=np.uint64)
+        masks = self.region("ack_mask")
+        masks[...] = _cupy().asarray(np.broadcast_to(full, masks.shape))
+        self.backend.barrier()
+
+    def reset(self) -> None:
+        """Collective: put the ring back to its initial state (after a ProtocolTimeout, say): zero every
+        word and payload, full masks, generation base 0, no error record, zeroed kernel counters."""
+        self._check_open()
+        self.backend.barrier()
+        _cupy().cuda.runtime.memset(self.alloc.ptr, 0, self.alloc.nbytes)
+        self.kernels.counters.fill(0)
+        self._init_words()
+
+    def close(self) -> None:
+        """Collective, idempotent: free the allocation."""
+        if self.closed:
+            return
+        self.closed = True
+        self.kernels.closed = True
+        self.backend.free(self.alloc)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RingClosedError("the device ring was closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RingKernels:
+    """Launchers of the ready-made kernels for one ring allocation (see the module docstring).
+
+    Args:
+        backend: the `NvshmemBackend` holding ``alloc``.
+        layout: the ring's `RingLayout`; alloc: its allocation (``alloc.ptr`` is this PE's address).
+        timeout_s: bound of every device wait; ack_policy: recorded in the descriptor.
+    """
+
+    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float,
+                 ack_policy: protocol.AckPolicy = protocol.AckPolicy.EARLY):
+        cupy = _cupy()
+        self.backend = backend
+        self.layout = layout
+        self.spec = layout.spec
+        self.alloc = alloc
+        self.timeout_s = float(timeout_s)
+        self.closed = False
+        desc = layout.descriptor(alloc.ptr, rank=backend.rank, ack_policy=ack_policy,
+                                 timeout_ns=int(self.timeout_s * 1e9))
+        self.descriptor = desc
+        self.desc = cupy.asarray(np.frombuffer(desc.tobytes(), dtype=np.uint8))
+        S, R = self.spec.num_slots, backend.world_size
+        # Grid handshake counters: [slot][parts] for produce, then [slot][src] for consume.
+        self.counters = cupy.zeros(S * 4 + S * R, dtype=cupy.uint32)
+        self._module = backend.ring_module()
+        self._x_dtype = self.layout["x"].dtype
+
+    @classmethod
+    def for_ring(cls, ring) -> "RingKernels":
+        """Kernels over the allocation of a `symmring.ring.Ring` built on the nvshmem backend."""
+        alloc = next((getattr(ring, a) for a in ("alloc", "_alloc", "allocation", "_allocation")
+                      if getattr(ring, a, None) is not None), None)
+        if alloc is None or getattr(ring.ctx.backend, "name", "") != "nvshmem":
+            raise ConfigError("ring: expected a Ring on the nvshmem backend (with its allocation)")
+        return cls(ring.ctx.backend, ring.layout, alloc, timeout_s=ring.ctx.timeout_s)
+
+    # --- helpers --------------------------------------------------------------------------------------
+
+    def _fn(self, name: str):
+        if self.closed:
+            raise RingClosedError("the ring was closed")
+        return self._module.function(name)
+
+    def _grid(self, num_blocks: Optional[int], default: int) -> int:
+        if num_blocks is None:
+            return default
+        return _check_index("num_blocks", num_blocks) or 1
+
+    def _payload_blocks(self, num_valid: int) -> int:
+        row_bytes = self.spec.hidden * self.spec.x_elem_bytes
+        vectors = max(1, num_valid * row_bytes // 16)
+        return int(min(MAX_SPIN_BLOCKS, max(1, -(-vectors // (THREADS_PER_BLOCK * 4)))))
+
+    def new_outputs(self) -> Dict[str, object]:
+        """Receive buffers for one chunk: ``x`` [T, H], ``x_sf`` [T, num_sf], ``topk_idx`` [T, K],
+        ``topk_weights`` [T, K], ``meta`` [4] int64 (token_base, num_valid, chunk_idx, generation)."""
+        cupy = _cupy()
+        s = self.spec
+        return {"x": cupy.zeros((s.tokens_per_slot, s.hidden), dtype=self._x_dtype),
+                "x_sf": cupy.zeros((s.tokens_per_slot, max(s.num_sf, 1)), dtype=cupy.float32),
+                "topk_idx": cupy.zeros((s.tokens_per_slot, s.num_topk), dtype=cupy.int32),
+                "topk_weights": cupy.zeros((s.tokens_per_slot, s.num_topk), dtype=cupy.float32),
+                "meta": cupy.zeros((META_COLUMNS,), dtype=cupy.int64)}
+
+    # --- producer -------------------------------------------------------------------------------------
+
+    def produce(self, chunk: int, *, x=None, x_sf=None, topk_idx=None, topk_weights=None, token_base: int = 0,
+                num_valid: int, parts: str = "both", acquire: bool = True, stream=None,
+                num_blocks: Optional[int] = None, generation_override: int = 0) -> None:
+        """Copy chunk ``chunk`` from device tensors into this PE's slot and publish it (enqueued).
+
+        Args:
+            chunk: chunk index within the call (generation = gen_base + chunk + 1, read on the device).
+            x: [num_valid, H] uint8 (fp8 bytes; torch.float8_e4m3fn accepted) or uint16/bf16; layout part.
+            x_sf: [num_valid, num_sf] float32 (fp8 rings only); layout part.
+            topk_idx: [num_valid, K] int32; topk_weights: [num_valid, K] float32; route part.
+            token_base: logical index of the chunk's first token; num_valid: valid tokens (0..T).
+            parts: ``"route"``, ``"layout"`` or ``"both"``.
+            acquire: wait for the previous use's acknowledgements first (and reset the mask). Use False
+                only after an explicit `acquire` of this chunk.
+            stream: where to enqueue (see `as_stream`); num_blocks: grid size (default by size).
+            generation_override: tests only; publishes that generation instead of the device one.
+
+        Raises:
+            ConfigError: bad chunk, counts, parts, shapes, dtypes or non-device tensors (nothing enqueued).
+        """
+        s = self.spec
+        chunk = _check_index("chunk", chunk)
+        num_valid = _check_index("num_valid", num_valid, s.tokens_per_slot + 1)
+        token_base = _check_index("token_base", token_base)
+        if parts not in _PARTS:
+            raise ConfigError(f"parts={parts!r}: expected one of {sorted(_PARTS)}")
+        flags = _PARTS[parts] | (PRODUCE_ACQUIRE if acquire else 0)
+        null = np.uint64(0)
+        args_x = args_sf = args_idx = args_w = null
+        if flags & PRODUCE_LAYOUT:
+            args_x = as_device_array("x", x, self._x_dtype, (num_valid, s.hidden), bits=True) if num_valid else null
+            if s.num_sf:
+                args_sf = as_device_array("x_sf", x_sf, np.float32, (num_valid, s.num_sf)) if num_valid else null
+            elif x_sf is not None:
+                raise ConfigError(f"x_sf: a {s.x_format} ring carries no scales; expected None")
+        if flags & PRODUCE_ROUTE:
+            if num_valid:
+                args_idx = as_device_array("topk_idx", topk_idx, np.int32, (num_valid, s.num_topk))
+                args_w = as_device_array("topk_weights", topk_weights, np.float32, (num_valid, s.num_topk))
+        slot = protocol.slot_of(chunk, s.num_slots)
+        counter = self.counters[slot * 4 + (flags >> 1 & 3):]
+        grid = self._grid(num_blocks, self._payload_blocks(num_valid))
+        self._fn("symmring_produce")(
+            (grid,), (THREADS_PER_BLOCK,),
+            (self.desc, np.int32(chunk), args_x, args_sf, args_idx, args_w, np.int64(token_base),
+             np.int32(num_valid), np.int32(flags), counter, np.uint64(generation_override)),
+            stream=as_stream(stream))
+
+    def acquire(self, chunk: int, *, stream=None) -> None:
+        """Enqueue: wait until the slot of ``chunk`` is acknowledged by every consumer, then reset its mask."""
+        chunk = _check_index("chunk", chunk)
+        self._fn("symmring_acquire")((1,), (32,), (self.desc, np.int32(chunk)), stream=as_stream(stream))
+
+    def publish(self, chunk: int, *, parts: str = "both", stream=None, generation_override: int = 0) -> None:
+        """Enqueue the publication of a slot whose payload was written earlier on ``stream``."""
+        chunk = _check_index("chunk", chunk)
+        if parts not in _PARTS:
+            raise ConfigError(f"parts={parts!r}: expected one of {sorted(_PARTS)}")
+        self._fn("symmring_publish")((1,), (32,), (self.desc, np.int32(chunk), np.int32(_PARTS[parts]),
+                                                   np.uint64(generation_override)), stream=as_stream(stream))
+
+    # --- consumer -------------------------------------------------------------------------------------
+
+    def consume(self, chunk: int, src_rank: int, out: Dict[str, object], *, ack: bool = True, stream=None,
+                num_blocks: Optional[int] = None, generation_override: int = 0) -> None:
+        """Enqueue: wait for ``src_rank``'s chunk, pull its valid rows into ``out`` (`new_outputs`), and
+        (``ack``) acknowledge it. ``out["meta"]`` receives token_base, num_valid, chunk_idx, generation.
+
+        Raises ConfigError for a bad chunk, rank or buffer (nothing enqueued).
+        """
+        s = self.spec
+        chunk = _check_index("chunk", chunk)
+        src_rank = _check_index("src_rank", src_rank, self.backend.world_size)
+        if not isinstance(out, dict):
+            raise ConfigError(f"out={type(out).__name__}: expected the dict of new_outputs()")
+        bufs = (as_device_array("out['x']", out.get("x"), self._x_dtype, (s.tokens_per_slot, s.hidden), bits=True),
+                as_device_array("out['x_sf']", out.get("x_sf"), np.float32, (s.tokens_per_slot, max(s.num_sf, 1))),
+                as_device_array("out['topk_idx']", out.get("topk_idx"), np.int32, (s.tokens_per_slot, s.num_topk)),
+                as_device_array("out['topk_weights']", out.get("topk_weights"), np.float32,
+                                (s.tokens_per_slot, s.num_topk)),
+                as_device_array("out['meta']", out.get("meta"), np.int64, (META_COLUMNS,)))
+        slot = protocol.slot_of(chunk, s.num_slots)
+        counter = self.counters[s.num_slots * 4 + slot * self.backend.world_size + src_rank:]
+        grid = self._grid(num_blocks, self._payload_blocks(s.tokens_per_slot))
+        self._fn("symmring_consume")(
+            (grid,), (THREADS_PER_BLOCK,),
+            (self.desc, np.int32(chunk), np.int32(src_rank), *bufs, np.int32(CONSUME_ACK if ack else 0), counter,
+             np.uint64(generation_override)), stream=as_stream(stream))
+
+    def ack(self, chunk: int, src_rank: int, *, stream=None) -> None:
+        """Enqueue this PE's acknowledgement of ``src_rank``'s chunk (after its last use of the data)."""
+        chunk = _check_index("chunk", chunk)
+        src_rank = _check_index("src_rank", src_rank, self.backend.world_size)
+        self._fn("symmring_ack")((1,), (32,), (self.desc, np.int32(chunk), np.int32(src_rank)),
+                                 stream=as_stream(stream))
+
+    def end_call(self, num_chunks: int, *, stream=None) -> None:
+        """Enqueue the end of a call: gen_base += num_chunks on the device (once per call, after every
+        producer and consumer of the call in stream order)."""
+        num_chunks = _check_index("num_chunks", num_chunks)
+        self._fn("symmring_end_call")((1,), (32,), (self.desc, np.int32(num_chunks)), stream=as_stream(stream))
+
+    # --- state and errors -----------------------------------------------------------------------------
+
+    def _words(self, name: str, count: int, dtype):
+        return self.backend.view(self.alloc, self.backend.rank, self.layout[name].offset, dtype, (count,))
+
+    def gen_base(self) -> int:
+        """The device-resident generation base (synchronises the device)."""
+        _cupy().cuda.runtime.deviceSynchronize()
+        return int(self._words("gen_base", 1, np.uint64)[0].get())
+
+    def check_errors(self, *, synchronize: bool = True) -> None:
+        """Raise `ProtocolTimeout` if a device wait of this PE timed out (the first one that did).
+
+        The record stays set (later kernels on this ring bail out at once) until `clear_errors`.
+        """
+        cupy = _cupy()
+        if synchronize:
+            cupy.cuda.runtime.deviceSynchronize()
+        record = [int(v) for v in self._words("error", ERROR_WORDS, np.int64).get()]
+        kind, rank, peer, slot, chunk, expected, observed, missing = record
+        if kind == ERROR_KIND_NONE:
+            return
+        missing_ranks = ()
+        if kind == ERROR_KIND_REUSE:
+            W = self.layout.mask_words
+            masks = self.backend.view(self.alloc, self.backend.rank, self.layout["ack_mask"].offset + slot * W * 8,
+                                      np.uint64, (W,)).get()
+            missing_ranks = protocol.missing_ranks([int(m) for m in masks],
+                                                   protocol.full_mask(self.backend.world_size))
+            if not missing_ranks:  # arrived after the timeout: report what the device saw
+                missing_ranks = protocol.missing_ranks([(1 << 64) - 1 - (missing & ((1 << 64) - 1))],
+                                                       [expected & ((1 << 64) - 1)])
+            peer = None
+        raise ProtocolTimeout(ERROR_KIND_NAMES.get(kind, f"kind {kind}"), rank=rank, peer=peer, slot=slot,
+                              chunk=chunk, expected=expected & ((1 << 64) - 1),
+                              observed=observed & ((1 << 64) - 1), missing_ranks=missing_ranks,
+                              timeout_s=self.timeout_s)
+
+    def clear_errors(self) -> None:
+        """Clear this PE's error record and the grid counters (after handling a ProtocolTimeout)."""
+        _cupy().cuda.runtime.deviceSynchronize()
+        self._words("error", ERROR_WORDS, np.int64).fill(0)
+        self.counters.fill(0)
+        _cupy().cuda.runtime.deviceSynchronize()

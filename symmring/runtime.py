@@ -1,0 +1,378 @@
+"""The GPU runtime: NVSHMEM initialisation, symmetric allocations and the ``nvshmem`` backend.
+
+`NvshmemBackend` implements `symmring.backends.base.Backend` on GPU PEs through nvshmem4py:
+
+* the CUDA runtime is initialised on the PE's device first, then NVSHMEM: ``emulated_mpi`` under mpirun
+  (rank 0 makes a unique id and broadcasts it over mpi4py; works with Open MPI and MPICH alike) or
+  ``uid`` in a single process;
+* one GPU per local rank, or several PEs on one GPU when a node has more ranks than GPUs (logged;
+  kernels of different PEs then run concurrently only under CUDA MPS -- see `symmring.launch`);
+* ``NVSHMEM_DISABLE_NVLS=1`` and ``NVSHMEM_REMOTE_TRANSPORT=none`` are set unless the user set them;
+* nvshmem4py's own prints are kept out of the user's output;
+* allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
+  this PE's or a peer's copy (peers through ``nvshmem_ptr``), `torch_view` the same as torch tensors;
+* the host primitives (signal_set/add, atomic_or, read_word, wait_until, fence) are one-thread kernels of
+  ``device/ring.cu`` launched on the current CuPy stream, so they are ordered with the copies a caller
+  made through views on that stream. `wait_until` is bounded on the device (``%globaltimer``).
+
+Nothing here runs at import time; importing this module does not import CuPy or nvshmem4py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .backends.base import CMP, Backend, SymmetricAllocation
+from .errors import BackendError, ConfigError, RingClosedError
+
+logger = logging.getLogger(__name__)
+
+#: Environment variables set before NVSHMEM init unless the user set them (NVLink multicast stays off;
+#: a single node needs no remote transport).
+NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
+
+_WORD_OPS = {"set": 0, "add": 1, "or": 2}  # device/ring.cu WordOp
+_CMP_CODES = {name: code for code, name in enumerate(CMP)}  # device/ring.cu WordCmp (order of base.CMP)
+_quiet_lock = threading.Lock()
+
+
+def gpu_available() -> bool:
+    """Whether the nvshmem backend can run here: CuPy with a visible CUDA device, nvshmem4py and the
+    nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
+    """
+    try:
+        for module in ("cupy", "nvshmem", "nvidia.nvshmem"):
+            if importlib.util.find_spec(module) is None:
+                return False
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # any failure (no driver, broken install) means "not available"
+        return False
+
+
+@contextlib.contextmanager
+def quiet_nvshmem():
+    """Swallow what nvshmem4py prints (``Importing MPI``, ``MPI4Py enabled``, ``CUmodule init status``)
+    during import, init and module registration; it is logged at DEBUG level instead."""
+    with _quiet_lock:
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+        text = sink.getvalue().strip()
+        if text:
+            logger.debug("nvshmem4py: %s", text)
+
+
+def _cuda_core_device(device_id: int):
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda-core < 1.0
+        from cuda.core.experimental import Device
+    return Device(device_id)
+
+
+class NvshmemAllocation(SymmetricAllocation):
+    """A block of NVSHMEM symmetric memory: ``ptr`` is this PE's address, ``nbytes`` its size."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr = int(ptr)
+        self.nbytes = int(nbytes)
+        self.freed = False
+
+    def __repr__(self) -> str:
+        return f"NvshmemAllocation(ptr={self.ptr:#x}, nbytes={self.nbytes}, freed={self.freed})"
+
+
+class NvshmemBackend(Backend):
+    """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
+
+    Args:
+        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD`` when mpi4py is importable, else
+            a world of one).
+        device_id: CUDA device of this PE (default: local rank modulo the visible GPUs).
+
+    Raises:
+        BackendError: CuPy, nvshmem4py, the nvidia-nvshmem wheel or a GPU is missing, or NVSHMEM failed
+            to initialise.
+
+    Example:
+        >>> backend = NvshmemBackend()                # python script.py, or under mpirun
+        >>> alloc = backend.alloc(4096)
+        >>> words = backend.view(alloc, backend.rank, 0, np.uint64, (8,))   # a CuPy array
+        >>> backend.free(alloc); backend.finalize()
+    """
+
+    name = "nvshmem"
+
+    def __init__(self, comm=None, *, device_id: Optional[int] = None):
+        if not gpu_available():
+            raise BackendError("the nvshmem backend needs a CUDA GPU, CuPy (cupy-cuda13x), nvshmem4py-cu13 and "
+                               "nvidia-nvshmem-cu13; use backend='host' on machines without them")
+        import cupy
+        self._cupy = cupy
+        self.comm = comm if comm is not None else self._default_comm()
+        self.rank = self.comm.Get_rank() if self.comm is not None else 0
+        self.world_size = self.comm.Get_size() if self.comm is not None else 1
+        self._local_comm = None
+        if self.comm is not None and self.world_size > 1:
+            from mpi4py import MPI
+            self._local_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self._local_comm.Get_rank() if self._local_comm is not None else 0
+        local_size = self._local_comm.Get_size() if self._local_comm is not None else 1
+
+        num_gpus = cupy.cuda.runtime.getDeviceCount()
+        if device_id is None:
+            device_id = self.local_rank % num_gpus
+        if not isinstance(device_id, int) or not 0 <= device_id < num_gpus:
+            raise ConfigError(f"device_id={device_id!r}: expected an int in [0, {num_gpus}) (visible GPUs)")
+        self.device_id = device_id
+        self.pes_per_gpu = -(-local_size // num_gpus)
+        if local_size > num_gpus:
+            logger.warning("%d ranks on this node share %d GPU(s): %d PEs per GPU. Their kernels run "
+                           "concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the job with "
+                           "`python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
+                           num_gpus, self.pes_per_gpu, os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>"))
+        for key, value in NVSHMEM_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+        # CUDA runtime first, on the PE's device (NVSHMEM init on an uninitialised context can fail).
+        cupy.cuda.Device(device_id).use()
+        cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))
+        if "torch" in __import__("sys").modules:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.set_device(device_id)
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+        self.compute_capability = int(props["major"]) * 10 + int(props["minor"])
+        gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.device = f"cuda:{device_id} ({gpu_name})"
+        self.num_sms = int(props["multiProcessorCount"])
+
+        try:
+            with quiet_nvshmem():
+                import nvshmem.bindings as nvshmem_bindings
+                import nvshmem.core as nvshmem_core
+                logging.getLogger("nvshmem").setLevel(logging.WARNING)
+                dev = _cuda_core_device(device_id)
+                dev.set_current()
+                if self.world_size > 1:
+                    nvshmem_core.init(device=dev, mpi_comm=self.comm, initializer_method="emulated_mpi")
+                else:
+                    uid = nvshmem_core.get_unique_id()
+                    nvshmem_core.init(device=dev, uid=uid, rank=0, nranks=1, initializer_method="uid")
+        except Exception as exc:
+            raise BackendError(f"NVSHMEM initialisation failed on rank {self.rank} ({self.device}): {exc}") from exc
+        self._nvshmem = nvshmem_bindings
+        self._nvshmem_core = nvshmem_core
+        if nvshmem_bindings.my_pe() != self.rank or nvshmem_bindings.n_pes() != self.world_size:
+            raise BackendError(f"NVSHMEM PE {nvshmem_bindings.my_pe()}/{nvshmem_bindings.n_pes()} does not match "
+                               f"MPI rank {self.rank}/{self.world_size}")
+        self._modules: List = []
+        self._allocs: Dict[int, NvshmemAllocation] = {}
+        self._finalized = False
+        self._ring_module = None
+        self._result = cupy.zeros(2, dtype=cupy.uint64)  # word_read / word_wait results
+        logger.info("nvshmem backend: PE %d/%d on %s (sm_%d, %d PEs per GPU)", self.rank, self.world_size,
+                    self.device, self.compute_capability, self.pes_per_gpu)
+
+    @staticmethod
+    def _default_comm():
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return None
+        return MPI.COMM_WORLD
+
+    # --- device code ----------------------------------------------------------------------------------
+
+    def load_module(self, source: str, *, name: str, extra_options=()):
+        """Compile (once per node, cached) and load ``source``, registered with NVSHMEM.
+
+        Returns a `symmring.jit.LoadedModule`; it is unregistered at `finalize`.
+        Raises CompileError with the compiler log.
+        """
+        self._check_open()
+        from . import jit
+        module = jit.load_module(source, name=name, cc=self.compute_capability, local_comm=self._local_comm,
+                                 extra_options=extra_options)
+        self._modules.append(module)
+        return module
+
+    def ring_module(self):
+        """The loaded ``device/ring.cu`` (ready-made kernels and the host primitives)."""
+        if self._ring_module is None:
+            from . import jit
+            self._ring_module = self.load_module(jit.read_source("ring.cu"), name="ring")
+        return self._ring_module
+
+    def _launch(self, kernel: str, args: Tuple, stream=None) -> None:
+        fn = self.ring_module().function(kernel)
+        fn((1,), (1,), args, stream=stream if stream is not None else self._cupy.cuda.get_current_stream())
+
+    # --- memory ---------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RingClosedError("the nvshmem backend was finalized")
+
+    def alloc(self, nbytes: int) -> NvshmemAllocation:
+        """Collective: ``nbytes`` zero-filled bytes of symmetric memory (same size on every PE).
+
+        Raises ConfigError for a non-positive size.
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ConfigError(f"nbytes={nbytes!r}: expected a positive int")
+        ptr = int(self._nvshmem.malloc(int(nbytes)))
+        if ptr == 0:
+            raise BackendError(f"nvshmem_malloc({nbytes}) failed on rank {self.rank}: symmetric heap exhausted? "
+                               "(NVSHMEM_SYMMETRIC_SIZE sizes it, default 1 GiB)")
+        alloc = NvshmemAllocation(ptr, int(nbytes))
+        self._cupy.cuda.runtime.memset(ptr, 0, int(nbytes))
+        self._allocs[ptr] = alloc
+        self.barrier()  # every PE's zero fill is done before anyone signals into it
+        return alloc
+
+    def free(self, alloc: NvshmemAllocation) -> None:
+        """Collective: release ``alloc`` (idempotent per allocation)."""
+        if alloc.freed or self._finalized:
+            return
+        self.barrier()  # no PE still uses any copy
+        self._nvshmem.free(alloc.ptr)
+        alloc.freed = True
+        self._allocs.pop(alloc.ptr, None)
+
+    def address(self, alloc: NvshmemAllocation, rank: int, offset: int = 0) -> int:
+        """Address, in this process, of ``rank``'s copy of ``alloc`` plus ``offset`` (nvshmem_ptr).
+
+        Raises BackendError when that PE's memory is not load/store reachable from here.
+        """
+        self._check_alloc(alloc, rank, offset, 0)
+        if rank == self.rank:
+            return alloc.ptr + offset
+        peer = int(self._nvshmem.ptr(alloc.ptr, rank))
+        if peer == 0:
+            raise BackendError(f"rank {rank}'s symmetric memory is not load/store reachable from rank "
+                               f"{self.rank} (no NVLink/P2P mapping)")
+        return peer + offset
+
+    def _check_alloc(self, alloc, rank: int, offset: int, nbytes: int) -> None:
+        self._check_open()
+        if not isinstance(alloc, NvshmemAllocation) or alloc.freed:
+            raise ConfigError(f"alloc={alloc!r}: expected a live allocation of this backend")
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank={rank!r}: expected 0 <= rank < world_size={self.world_size}")
+        if offset < 0 or offset + nbytes > alloc.nbytes:
+            raise ConfigError(f"offset={offset}, nbytes={nbytes}: outside the {alloc.nbytes}-byte allocation")
+
+    def view(self, alloc: NvshmemAllocation, rank: int, offset: int, dtype, shape: Tuple[int, ...]):
+        """Zero-copy CuPy array over ``rank``'s copy of ``alloc`` at ``offset`` bytes."""
+        cupy = self._cupy
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._check_alloc(alloc, rank, offset, nbytes)
+        if offset % dtype.itemsize:
+            raise ConfigError(f"offset={offset}: expected a multiple of {dtype} size {dtype.itemsize}")
+        address = self.address(alloc, rank, offset)
+        memory = cupy.cuda.UnownedMemory(address, max(nbytes, 1), alloc, device_id=self.device_id)
+        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+    def torch_view(self, alloc: NvshmemAllocation, rank: int, offset: int, dtype, shape: Tuple[int, ...]):
+        """Zero-copy torch tensor over the same bytes as `view` (through DLPack)."""
+        import torch
+        return torch.from_dlpack(self.view(alloc, rank, offset, dtype, shape))
+
+    # --- 64-bit words ---------------------------------------------------------------------------------
+
+    def _word(self, alloc: NvshmemAllocation, offset: int, rank: int) -> np.uint64:
+        self._check_alloc(alloc, rank, offset, 8)
+        if offset % 8:
+            raise ConfigError(f"offset={offset}: a 64-bit word must be 8-byte aligned")
+        return np.uint64(alloc.ptr + offset)  # the LOCAL address: device code maps it to `rank`
+
+    def _word_op(self, op: str, alloc, offset: int, value: int, rank: int) -> None:
+        word = self._word(alloc, offset, rank)
+        self._launch("symmring_word_op", (word, np.uint64(value), np.int32(rank), np.int32(_WORD_OPS[op])))
+
+    def signal_set(self, alloc, offset: int, value: int, rank: int) -> None:
+        """Relaxed SET of ``rank``'s word (nvshmemx_signal_op), enqueued on the current CuPy stream."""
+        self._word_op("set", alloc, offset, value, rank)
+
+    def signal_add(self, alloc, offset: int, value: int, rank: int) -> None:
+        """Relaxed ADD to ``rank``'s word (nvshmemx_signal_op), enqueued on the current CuPy stream."""
+        self._word_op("add", alloc, offset, value, rank)
+
+    def atomic_or(self, alloc, offset: int, value: int, rank: int) -> None:
+        """Relaxed atomic OR into ``rank``'s word (nvshmem_uint64_atomic_or), on the current stream."""
+        self._word_op("or", alloc, offset, value, rank)
+
+    def read_word(self, alloc, offset: int, rank: int) -> int:
+        """Relaxed load of ``rank``'s word, after everything enqueued on the current stream."""
+        word = self._word(alloc, offset, rank)
+        stream = self._cupy.cuda.get_current_stream()
+        self._launch("symmring_word_read", (word, np.int32(rank), self._result), stream)
+        stream.synchronize()
+        return int(self._result[0].get())
+
+    def wait_until(self, alloc, offset: int, rank: int, cmp: str, value: int,
+                   timeout_s: float) -> Tuple[bool, int]:
+        """Bounded poll (on the device) of ``rank``'s word until ``CMP[cmp](word, value)``; acquire on
+        success. Returns ``(satisfied, observed)``.
+
+        Raises ConfigError for an unknown ``cmp`` or a non-positive ``timeout_s``.
+        """
+        if cmp not in _CMP_CODES:
+            raise ConfigError(f"cmp={cmp!r}: expected one of {sorted(_CMP_CODES)}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        word = self._word(alloc, offset, rank)
+        stream = self._cupy.cuda.get_current_stream()
+        self._launch("symmring_word_wait", (word, np.int32(rank), np.int32(_CMP_CODES[cmp]), np.uint64(value),
+                                            np.uint64(int(timeout_s * 1e9)), self._result), stream)
+        stream.synchronize()
+        satisfied, observed = (int(v) for v in self._result.get())
+        return bool(satisfied), observed
+
+    def fence(self) -> None:
+        """Release fence (nvshmem_fence) after everything enqueued on the current stream."""
+        self._check_open()
+        self._launch("symmring_fence", ())
+
+    def barrier(self) -> None:
+        """Collective: the device is idle and every PE arrived (device sync, then an MPI barrier)."""
+        self._check_open()
+        self._cupy.cuda.runtime.deviceSynchronize()
+        if self.comm is not None and self.world_size > 1:
+            self.comm.Barrier()
+
+    def finalize(self) -> None:
+        """Collective, idempotent: free what is left, unregister modules, finalize NVSHMEM."""
+        if self._finalized:
+            return
+        self._cupy.cuda.runtime.deviceSynchronize()
+        for alloc in list(self._allocs.values()):
+            self.free(alloc)
+        if self.comm is not None and self.world_size > 1:
+            self.comm.Barrier()
+        for module in self._modules:
+            module.finalize()
+        self._finalized = True
+        with quiet_nvshmem():
+            self._nvshmem_core.finalize()
+        if self._local_comm is not None:
+            self._local_comm.Free()
+            self._local_comm = None
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
