@@ -42,7 +42,9 @@ X_FORMATS = {"fp8_e4m3": (0, 1), "bf16": (1, 2)}
 META_TOKEN_BASE, META_NUM_VALID, META_CHUNK_IDX, META_PAYLOAD_GEN = range(4)
 META_COLUMNS = 4
 
-#: Words of the device error record: kind, rank, peer, slot, chunk, expected, observed, missing mask.
+#: Words of the device error record (``ErrorWord`` in descriptor.cuh), and their count.
+(ERROR_WORD_KIND, ERROR_WORD_RANK, ERROR_WORD_PEER, ERROR_WORD_SLOT, ERROR_WORD_CHUNK, ERROR_WORD_EXPECTED,
+ ERROR_WORD_OBSERVED, ERROR_WORD_MISSING) = range(8)
 ERROR_WORDS = 8
 ERROR_KIND_NONE, ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE = range(5)
 ERROR_KIND_NAMES = {ERROR_KIND_ROUTE: "route_ready", ERROR_KIND_LAYOUT: "layout_ready",

@@ -69,6 +69,8 @@ from __future__ import annotations
 import enum
 from typing import Iterable, List, Sequence, Tuple
 
+from .errors import ConfigError
+
 #: Value of every ready signal before its first publication; no chunk carries it.
 GEN_NONE = 0
 #: Ranks per acknowledgement-mask word.
@@ -84,14 +86,18 @@ class AckPolicy(enum.IntEnum):
     EARLY = 1  #: right after the last read of slot memory
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_nonneg(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name}={value!r}: expected a non-negative int")
+    if not _is_int(value) or value < 0:
+        raise ConfigError(f"{name}={value!r}: expected a non-negative int")
 
 
 def _check_pos(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive int")
+    if not _is_int(value) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: expected a positive int")
 
 
 # --- chunks and slots ---------------------------------------------------------------------------------
@@ -140,26 +146,20 @@ def generation(base: int, chunk_idx: int) -> int:
     """Generation of chunk ``chunk_idx`` in a call whose generation base is ``base``: ``base + chunk + 1``."""
     _check_nonneg("base", base)
     _check_nonneg("chunk_idx", chunk_idx)
-    gen = base + chunk_idx + 1
-    if gen > GEN_MAX:
-        raise OverflowError(f"generation {gen} does not fit a 64-bit signal word")
-    return gen
+    return _fit_word(base + chunk_idx + 1)
 
 
 def next_base(base: int, num_chunks: int) -> int:
     """Generation base of the next call, after a call of ``num_chunks`` chunks (done on the device)."""
     _check_nonneg("base", base)
     _check_nonneg("num_chunks", num_chunks)
-    return base + num_chunks
+    return _fit_word(base + num_chunks)
 
 
-def previous_generation(gen: int, num_slots: int) -> int:
-    """Generation that last occupied the slot of ``gen`` within the same call, or ``GEN_NONE``.
-
-    Only meaningful inside one call; across calls the acknowledgement mask, not generation arithmetic,
-    tells the owner that the previous use is finished.
-    """
-    return gen - num_slots if gen > num_slots else GEN_NONE
+def _fit_word(gen: int) -> int:
+    if gen > GEN_MAX:
+        raise OverflowError(f"generation {gen} does not fit a 64-bit signal word")
+    return gen
 
 
 def is_ready(route_gen: int, layout_gen: int, expected: int) -> bool:
@@ -187,7 +187,7 @@ def required_mask(consumer_ranks: Iterable[int], num_words: int) -> Tuple[int, .
     for rank in consumer_ranks:
         word, bit = ack_bit(rank)
         if word >= num_words:
-            raise ValueError(f"rank {rank} does not fit a mask of {num_words} words")
+            raise ConfigError(f"rank {rank} does not fit a mask of {num_words} words")
         words[word] |= bit
     return tuple(words)
 
@@ -197,13 +197,20 @@ def full_mask(num_ranks: int) -> Tuple[int, ...]:
     return required_mask(range(num_ranks), mask_words(num_ranks))
 
 
+def _check_same_words(mask: Sequence[int], required: Sequence[int]) -> None:
+    if len(mask) != len(required):
+        raise ConfigError(f"mask of {len(mask)} words: expected {len(required)} words like the required mask")
+
+
 def mask_complete(mask: Sequence[int], required: Sequence[int]) -> bool:
     """Whether every required acknowledgement is present (the owner may then reuse the slot)."""
+    _check_same_words(mask, required)
     return all((m & r) == r for m, r in zip(mask, required))
 
 
 def missing_ranks(mask: Sequence[int], required: Sequence[int]) -> List[int]:
     """Ranks whose required acknowledgement bit is absent from ``mask`` (named in a ``ProtocolTimeout``)."""
+    _check_same_words(mask, required)
     missing = []
     for word, (m, r) in enumerate(zip(mask, required)):
         absent = r & ~m
@@ -219,10 +226,10 @@ def missing_ranks(mask: Sequence[int], required: Sequence[int]) -> List[int]:
 # --- host enqueue order -------------------------------------------------------------------------------
 
 def check_lookahead(lookahead: int, num_slots: int) -> None:
-    """Raise ``ValueError`` unless ``0 <= lookahead < num_slots`` (the deadlock-freedom condition)."""
+    """Raise ``ConfigError`` unless ``0 <= lookahead < num_slots`` (the deadlock-freedom condition)."""
     _check_pos("num_slots", num_slots)
-    if not isinstance(lookahead, int) or lookahead < 0 or lookahead >= num_slots:
-        raise ValueError(f"lookahead={lookahead!r}: expected 0 <= lookahead < num_slots={num_slots} "
+    if not _is_int(lookahead) or lookahead < 0 or lookahead >= num_slots:
+        raise ConfigError(f"lookahead={lookahead!r}: expected 0 <= lookahead < num_slots={num_slots} "
                          "(a producer more than num_slots-1 chunks ahead waits on a consumer enqueued "
                          "after it)")
 

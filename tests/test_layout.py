@@ -293,6 +293,8 @@ def python_enums(layout_module=layout, protocol_module=protocol) -> Dict[str, Di
         "XFormat": {"kXFormat" + _camel(name): code for name, (code, _) in layout_module.X_FORMATS.items()},
         "MetaColumn": {"kMeta" + _camel(n): v for n, v in consts("META_").items()},
         "ErrorKind": {"kError" + _camel(n): v for n, v in consts("ERROR_KIND_").items()},
+        "ErrorWord": {**{"kErr" + _camel(n): v for n, v in consts("ERROR_WORD_").items()},
+                      "kErrorWords": layout_module.ERROR_WORDS},
         "AckPolicy": {"kAck" + _camel(p.name): int(p) for p in protocol_module.AckPolicy},
     }
     return {enum: {name.lower(): value for name, value in members.items()} for enum, members in groups.items()}

@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 import pytest
 
 from symmring import protocol
+from symmring.errors import ConfigError
 from symmring.protocol import AckPolicy
 
 SEED = 20261129
@@ -188,20 +189,17 @@ def test_generation_and_next_base():
         protocol.generation(protocol.GEN_MAX, 0)
 
 
-def test_previous_generation_within_a_call():
-    rng = random.Random(SEED + 5)
-    for _ in range(200):
-        num_slots, base = rng.randint(1, 9), rng.randint(0, 1000)
-        for c in range(num_slots, 4 * num_slots):
-            gen = protocol.generation(base, c)
-            prev = protocol.previous_generation(gen, num_slots)
-            # The previous use of the same slot in the same call.
-            assert prev == protocol.generation(base, c - num_slots)
-            assert protocol.slot_of(c - num_slots, num_slots) == protocol.slot_of(c, num_slots)
-    # The first lap of the first call has no previous use.
-    for num_slots in range(1, 6):
-        for c in range(num_slots):
-            assert protocol.previous_generation(protocol.generation(0, c), num_slots) == protocol.GEN_NONE
+def test_masks_of_different_widths_are_rejected():
+    # A short mask must not pass as complete: zip() alone would stop at the shorter one.
+    with pytest.raises(ConfigError, match="expected 1 words"):
+        protocol.mask_complete((), (1,))
+    with pytest.raises(ConfigError, match="expected 2 words"):
+        protocol.missing_ranks((3,), (3, 1))
+
+
+def test_bool_is_not_a_lookahead():
+    with pytest.raises(ConfigError, match="lookahead=True"):
+        protocol.check_lookahead(True, 2)
 
 
 def test_is_ready_needs_both_generations():
