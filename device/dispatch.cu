@@ -1,0 +1,202 @@
+// MoE dispatch kernels (symmring.moe.gpu): gather, from every source rank's ring slot, the token rows
+// routed to this PE's experts into an expert-contiguous pool, dequantising fp8 to bf16 on the way.
+//
+// Launch order on one stream (each kernel starts after the previous one ended, which orders its reads
+// after the acquire of moe_dispatch_wait):
+//   moe_dispatch_wait   one block per source rank: bounded wait for both ready generations (acquire);
+//                       block 0 also clears the per-expert counters.
+//   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
+//   moe_dispatch_scan   one block: exclusive scan -> row offsets, group ends for torch._grouped_mm
+//                       (int32), the total row count; clears the reservation cursors.
+//   moe_dispatch_pull   one warp per (source rank, token): reserve one pool row per local expert of the
+//                       token (atomic cursor: rows of an expert come in no fixed order, which changes
+//                       no result since every row is computed independently and combine reduces in
+//                       a fixed k order), pull the row over NVLink with 16-byte loads, dequantise, and
+//                       record its source (rank, token, k) and weight.
+// Counts and offsets never leave the device: no host synchronisation inside the layer.
+//
+// Capacity: the pool has num_ranks * tokens_per_slot * num_topk rows, one per (source rank, token, k),
+// so it cannot overflow whatever the routing. Expert ids outside [0, num_experts) (the mask -1) are
+// skipped.
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <symmring/protocol.cuh>
+
+using namespace symmring;
+
+namespace {
+
+// Bits of the MoE status word (gpu.STATUS_*): problems that are not protocol timeouts.
+enum MoeStatus : int { kStatusNoPeerMapping = 1 };
+
+__device__ __forceinline__ int num_valid_of(const RingDescriptor& d, int slot, int src_rank) {
+    const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
+    int64_t n = *reinterpret_cast<const volatile int64_t*>(meta + kMetaNumValid);
+    // A corrupt count must not index past the slot.
+    return static_cast<int>(n < 0 ? 0 : (n > d.tokens_per_slot ? d.tokens_per_slot : n));
+}
+
+// Peer pointers of one source rank's slot; false (and the status bit set) when a region is not
+// load/store reachable, which symmring's single-node layer does not support.
+__device__ __forceinline__ bool slot_reachable(const RingDescriptor& d, int slot, int src_rank, int* status) {
+    const bool ok = peer_ptr(d, meta_of(d, slot), src_rank) != nullptr &&
+                    peer_ptr(d, x_of(d, slot), src_rank) != nullptr;
+    if (!ok) atomicOr(status, kStatusNoPeerMapping);
+    return ok;
+}
+
+}  // namespace
+
+// Block r waits for source rank r's chunk (both generations, bounded, acquire). Block 0 also zeroes
+// `counts` [num_local_experts] for moe_dispatch_count.
+extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
+                                             int num_local_experts) {
+    const RingDescriptor& d = *desc_ptr;
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
+    if (error_pending(d)) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    wait_ready(d, chunk_idx, blockIdx.x, gen);  // acquire: pairs with publish in producer.cu
+}
+
+// counts[e] += number of (token, k) entries of every source rank routed to local expert e. Grid:
+// (token blocks, num_ranks); one thread per (token, k) entry; shared-memory histogram per block.
+extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
+                                              int expert_begin, int num_local_experts, int* status) {
+    extern __shared__ int block_counts[];
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.y;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) block_counts[e] = 0;
+    __syncthreads();
+    if (slot_reachable(d, slot, src_rank, status)) {
+        const int num_valid = num_valid_of(d, slot, src_rank);
+        const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
+        const int64_t num_entries = int64_t(num_valid) * d.num_topk;
+        for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
+             i += int64_t(gridDim.x) * blockDim.x) {
+            const int local = idx[i] - expert_begin;
+            if (local >= 0 && local < num_local_experts) atomicAdd(&block_counts[local], 1);
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x)
+        if (block_counts[e]) atomicAdd(&counts[e], block_counts[e]);
+}
+
+// One block: begin[e] = sum of counts[< e]; group_end[e] = begin[e] + counts[e] (int32, the `offs` of
+// torch._grouped_mm); total[0] = all rows; cursor[e] = 0. Blocked scan: each thread sums a contiguous
+// run of experts, then a shared-memory scan over the threads' sums.
+extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int* group_end, int* cursor,
+                                             int* total, int num_local_experts) {
+    extern __shared__ int partial[];  // [blockDim.x]
+    const int per_thread = (num_local_experts + blockDim.x - 1) / blockDim.x;
+    const int first = threadIdx.x * per_thread;
+    int sum = 0;
+    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += counts[e];
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    // Hillis-Steele inclusive scan of the per-thread sums.
+    for (int offset = 1; offset < blockDim.x; offset *= 2) {
+        const int add = threadIdx.x >= offset ? partial[threadIdx.x - offset] : 0;
+        __syncthreads();
+        partial[threadIdx.x] += add;
+        __syncthreads();
+    }
+    int running = partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
+    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
+        begin[e] = running;
+        running += counts[e];
+        group_end[e] = running;
+        cursor[e] = 0;
+    }
+    if (threadIdx.x == blockDim.x - 1) total[0] = partial[threadIdx.x];
+}
+
+// One warp per (source rank, token): reserve a pool row for each of the token's local experts, copy the
+// token's x row from the source slot into every reserved row as bf16 (fp8: dequantised with the
+// token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, 0} and
+// row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
+extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, const int* begin,
+                                             int* cursor, __nv_bfloat16* pool_x, int4* row_src,
+                                             float* row_weight, int expert_begin, int num_local_experts,
+                                             int* status) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.y;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    if (!slot_reachable(d, slot, src_rank, status)) return;
+    const int num_valid = num_valid_of(d, slot, src_rank);
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int hidden = d.hidden;
+    const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
+    const float* weights = peer_ptr(d, topk_weights_of(d, slot), src_rank);
+    const uint8_t* x = peer_ptr(d, x_of(d, slot), src_rank);
+    const float* x_sf = d.num_sf > 0 ? peer_ptr(d, x_sf_of(d, slot), src_rank) : nullptr;
+    const bool fp8 = d.x_format == kXFormatFp8E4M3;
+
+    for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
+         token += gridDim.x * warps_per_block) {
+        // Lane k reserves the row of entry k when its expert is local.
+        int row = -1;
+        if (lane < d.num_topk) {
+            const int64_t entry = int64_t(token) * d.num_topk + lane;
+            const int local = idx[entry] - expert_begin;
+            if (local >= 0 && local < num_local_experts) {
+                row = begin[local] + atomicAdd(&cursor[local], 1);
+                row_src[row] = make_int4(src_rank, token, lane, 0);
+                row_weight[row] = weights[entry];
+            }
+        }
+        unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (rows_mask == 0) continue;
+        if (fp8) {
+            // 16 fp8 channels per lane and step (one 16-byte load), written as 32 bytes of bf16.
+            const uint8_t* src = x + int64_t(token) * hidden;
+            const float* sf = x_sf + int64_t(token) * d.num_sf;
+            // Every lane runs every step (shuffles need the whole warp); lanes past the row idle.
+            for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
+                const int col = col0 + lane * 16;
+                const bool active = col < hidden;
+                int4 out[2];
+                if (active) {
+                    const int4 raw = *reinterpret_cast<const int4*>(src + col);
+                    const float scale = sf[col / d.sf_group_size];  // 16 | sf_group_size (layer-checked)
+                    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+                    __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(out);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        // e4m3 -> half is exact; float(q) * scale is the reference's dequantisation.
+                        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+                        out_pairs[i] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+                    }
+                }
+                for (unsigned m = rows_mask; m; m &= m - 1) {
+                    const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+                    if (!active) continue;
+                    int4* dst = reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col);
+                    dst[0] = out[0];
+                    dst[1] = out[1];
+                }
+            }
+        } else {
+            // bf16: 8 channels per lane and step.
+            const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(x) + int64_t(token) * hidden;
+            for (int col0 = 0; col0 < hidden; col0 += 32 * 8) {
+                const int col = col0 + lane * 8;
+                const bool active = col < hidden;
+                int4 raw = make_int4(0, 0, 0, 0);
+                if (active) raw = *reinterpret_cast<const int4*>(src + col);
+                for (unsigned m = rows_mask; m; m &= m - 1) {
+                    const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+                    if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
+                }
+            }
+        }
+    }
+}

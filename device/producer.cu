@@ -1,0 +1,157 @@
+// MoE producer kernels (symmring.moe.gpu): write one chunk of this PE's tokens into its own ring slot and
+// publish it. Route (topk_idx, topk_weights, meta) and layout (x, x_sf) are separate launches with
+// separate publications, so either may finish first (the RFC's independent readiness generations).
+//
+// Every kernel here is one grid; its last block to arrive (grid_last_block) publishes, after every
+// block's stores. The slot is acquired (every consumer acknowledged its previous use) by the route
+// kernel, which the layer enqueues first; the layout kernel runs after it in stream order.
+//
+// fp8 layout, bitwise the same as symmring/moe/quant.py: per token and per 128 channels,
+// scale = amax / 448 (1.0 when that is 0), q = e4m3(clip(x / scale, +-448)), round to nearest even.
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <symmring/protocol.cuh>
+
+using namespace symmring;
+
+namespace {
+
+constexpr float kFp8E4M3Max = 448.0f;
+// Channels per scale handled by the fused layout kernel (layout.RingSpec.sf_group_size).
+constexpr int kGroupSize = 128;
+// Channels one lane converts per step: 8 bf16 = one 16-byte load.
+constexpr int kChannelsPerLane = 8;
+// Lanes that share one group: 128 / 8 = 16, so a warp converts two groups per step.
+constexpr int kLanesPerGroup = kGroupSize / kChannelsPerLane;
+
+__device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float d) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+}  // namespace
+
+// Route of chunk `chunk_idx`: acquire the slot (all blocks wait for the previous use's
+// acknowledgements; the last block resets the mask), copy topk_idx/topk_weights ([num_valid, K],
+// contiguous) and the metadata row, then the last block publishes route readiness.
+// counter: a zeroed device word private to this kernel (reset by the last block).
+extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int chunk_idx,
+                                             const int32_t* topk_idx, const float* topk_weights,
+                                             int num_valid, unsigned int* counter) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+
+    int32_t* dst_idx = topk_idx_of(d, slot);
+    float* dst_weights = topk_weights_of(d, slot);
+    const int64_t num_entries = int64_t(num_valid) * d.num_topk;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        dst_idx[i] = topk_idx[i];
+        dst_weights[i] = topk_weights[i];
+    }
+    if (!grid_last_block(counter)) return;
+    if (threadIdx.x == 0) {
+        // Every block saw the mask complete before arriving; the reset is ordered before the
+        // publication below by its release fence (protocol.cuh (4) then (1)).
+        uint64_t* mask = ack_mask_of(d, slot);
+        for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
+        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
+        signal_generation(d, route_ready_word(d, slot), gen);  // release: pairs with wait_ready
+    }
+}
+
+// Layout of chunk `chunk_idx`, fp8: read bf16 x [num_valid, hidden] (row stride x_row_stride elements),
+// write fp8 e4m3 x and float32 x_sf (one scale per token and 128 channels) straight into the slot, and
+// publish layout readiness from the last block. One warp per token; each lane converts 8 channels per
+// step with one 16-byte load, 16 lanes share a group's amax. Needs hidden % 128 == 0 (checked by the
+// layer). Must run after moe_produce_route of the same chunk (which acquires the slot).
+extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
+                                                  const __nv_bfloat16* x, long long x_row_stride,
+                                                  int num_valid, unsigned int* counter) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int hidden = d.hidden;
+    uint8_t* slot_x = x_of(d, slot);
+    float* slot_sf = x_sf_of(d, slot);
+
+    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < num_valid;
+         token += int64_t(gridDim.x) * warps_per_block) {
+        const __nv_bfloat16* src = x + token * x_row_stride;
+        uint8_t* dst = slot_x + token * hidden;
+        float* dst_sf = slot_sf + token * d.num_sf;
+        // Every lane runs the same number of steps (hidden is a multiple of 2 groups or the second
+        // half-warp idles), so the shuffles below always have all 32 lanes.
+        for (int col0 = 0; col0 < hidden; col0 += 2 * kGroupSize) {
+            const int col = col0 + lane * kChannelsPerLane;
+            const bool active = col < hidden;
+            float v[kChannelsPerLane];
+            float amax = 0.0f;
+            if (active) {
+                const int4 raw = *reinterpret_cast<const int4*>(src + col);
+                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+                for (int i = 0; i < kChannelsPerLane / 2; ++i) {
+                    const float2 f = __bfloat1622float2(pairs[i]);
+                    v[2 * i] = f.x;
+                    v[2 * i + 1] = f.y;
+                    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+                }
+            }
+            // amax over the 16 lanes of this group (xor offsets stay inside a half-warp).
+#pragma unroll
+            for (int offset = kLanesPerGroup / 2; offset > 0; offset /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+            if (!active) continue;
+            float scale = amax / kFp8E4M3Max;  // IEEE division, as NumPy's float32 amax / 448
+            if (scale == 0.0f) scale = 1.0f;   // zero group: quantise to zeros, no division by zero
+            float q[kChannelsPerLane];
+#pragma unroll
+            for (int i = 0; i < kChannelsPerLane; ++i)
+                q[i] = fminf(fmaxf(v[i] / scale, -kFp8E4M3Max), kFp8E4M3Max);
+            uint2 packed;
+            packed.x = pack_fp8x4(q[0], q[1], q[2], q[3]);
+            packed.y = pack_fp8x4(q[4], q[5], q[6], q[7]);
+            *reinterpret_cast<uint2*>(dst + col) = packed;
+            if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
+        }
+    }
+    if (!grid_last_block(counter)) return;
+    if (threadIdx.x == 0) {
+        const uint64_t gen = expected_generation(d, chunk_idx);
+        signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
+    }
+}
+
+// Layout of chunk `chunk_idx`, bf16 dispatch format (no quantisation): copy x rows into the slot with
+// 16-byte loads and publish layout readiness from the last block.
+extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_ptr, int chunk_idx,
+                                                   const __nv_bfloat16* x, long long x_row_stride,
+                                                   int num_valid, unsigned int* counter) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector (hidden % 8 == 0: RingSpec)
+    int4* dst = reinterpret_cast<int4*>(x_of(d, slot));
+    const int64_t num_vecs = int64_t(num_valid) * vecs_per_row;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vecs;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t token = i / vecs_per_row;
+        const int64_t vec = i % vecs_per_row;
+        dst[i] = *reinterpret_cast<const int4*>(x + token * x_row_stride + vec * 8);
+    }
+    if (!grid_last_block(counter)) return;
+    if (threadIdx.x == 0) {
+        const uint64_t gen = expected_generation(d, chunk_idx);
+        signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
+    }
+}

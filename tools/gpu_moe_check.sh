@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU checks of the MoE batch-ready layer, in one device call (logs under $OUT, each step bounded).
+#
+#   tools/gpu_moe_check.sh [quick|full]
+#
+# quick: compile, the 1-PE test file, a two-size benchmark.  full: the 1-PE tests, 2 and 4 PEs under MPS,
+# and the benchmark sweep. Run from the repository root on the GPU machine, after the wheel prefix:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+set -u
+mode=${1:-quick}
+out=${OUT:-/tmp/moe_out}
+mkdir -p "$out"
+export NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none PYTHONUNBUFFERED=1
+export SYMMRING_CACHE_DIR=${SYMMRING_CACHE_DIR:-/tmp/symmring-cache}
+# Fail fast: a hung wait becomes a ProtocolTimeout after 10 s instead of 60.
+export SYMMRING_TIMEOUT_S=${SYMMRING_TIMEOUT_S:-10}
+
+step() {  # step NAME SECONDS CMD...: run bounded, log to $out/NAME.log, print the tail
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    tail -n 25 "$out/$name.log"
+}
+
+nvidia-smi -L
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+
+# Compile the four modules in parallel into the cache (load_module then hits it).
+step compile 120 python3 - <<'EOF'
+import concurrent.futures as cf
+from symmring import jit
+names = {"ring.cu": "ring", "producer.cu": "moe_producer", "dispatch.cu": "moe_dispatch", "combine.cu": "moe_combine"}
+def build(item):
+    src, name = item
+    return jit.compile_cubin(jit.read_source(src), name=name, cc=90)
+with cf.ThreadPoolExecutor(4) as pool:
+    for path in pool.map(build, names.items()):
+        print(path)
+EOF
+
+step test_1pe 240 python3 -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovider --timeout 120 -rs
+
+if [ "$mode" = quick ]; then
+    step bench 150 python3 -m symmring.bench.moe --shapes qwen3-30b-a3b,mixtral --tokens 128,4096 --repeats 10 \
+        --json "$out/bench.json"
+    exit 0
+fi
+
+step test_2pe 200 python3 -m symmring.launch -n 2 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+    -q -p no:cacheprovider --timeout 120
+step test_4pe 240 python3 -m symmring.launch -n 4 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+    -q -p no:cacheprovider --timeout 120
+step bench 280 python3 -m symmring.bench.moe --json "$out/bench.json"
