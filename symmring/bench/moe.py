@@ -130,10 +130,22 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
             }
             row["expert_fraction_of_matmul"] = row["expert_tflops"] / ceilings["matmul_tflops"]
             row["dc_fraction_of_copy"] = row["dispatch_combine_gbps"] / ceilings["copy_gbps"]
+            # The same call captured into a CUDA graph (removes the host's launch cost; every replay is a
+            # call with a fresh device-side generation).
+            try:
+                graph, _ = moe.capture(x, router_weight=router)
+                row["layer_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                moe.check_errors()
+                del graph
+            except Exception as exc:  # report, keep benchmarking the eager path
+                row["layer_graph_error"] = f"{type(exc).__name__}: {exc}"
+                logger.warning("%s n=%d: graph capture failed: %s", name, n, exc)
             if plain is not None:
                 torch_ms = statistics.median(_timed(lambda: plain.forward(x, router_weight=router), reps))
                 row["torch_ms"] = torch_ms
                 row["ratio_vs_torch"] = layer_ms / torch_ms
+                if "layer_graph_ms" in row:
+                    row["ratio_graph_vs_torch"] = row["layer_graph_ms"] / torch_ms
             rows.append(row)
             logger.info("%s n=%d: %.3f ms", name, n, layer_ms)
             del x
@@ -147,12 +159,15 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
 def format_table(rows: List[Dict], ceilings: Dict[str, float]) -> str:
     lines = [f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_gbps']:.0f} GB/s "
              "(measured in this run)",
-             f"{'shape':<14} {'tokens':>6} {'layer ms':>9} {'torch ms':>9} {'ratio':>6} {'route':>7} "
+             f"{'shape':<14} {'tokens':>6} {'layer ms':>9} {'graph ms':>9} {'torch ms':>9} {'ratio':>6} "
+             f"{'g.ratio':>7} {'route':>7} "
              f"{'layout':>7} {'disp':>7} {'experts':>8} {'combine':>8} {'GEMM %':>7} {'D+C %':>6}"]
     for r in rows:
         s = r["stages_ms"]
+        nan = float("nan")
         lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['layer_ms']:>9.3f} "
-                     f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('ratio_vs_torch', float('nan')):>6.2f} "
+                     f"{r.get('layer_graph_ms', nan):>9.3f} {r.get('torch_ms', nan):>9.3f} "
+                     f"{r.get('ratio_vs_torch', nan):>6.2f} {r.get('ratio_graph_vs_torch', nan):>7.2f} "
                      f"{s['route']:>7.3f} {s['layout']:>7.3f} {s['dispatch']:>7.3f} {s['experts']:>8.3f} "
                      f"{s['combine']:>8.3f} {100 * r['expert_fraction_of_matmul']:>6.1f}% "
                      f"{100 * r['dc_fraction_of_copy']:>5.1f}%")

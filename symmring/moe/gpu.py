@@ -365,6 +365,39 @@ class MoE:
 
     __call__ = forward
 
+    def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
+                warmup: int = 1):
+        """Capture one `forward` on these (static) tensors into a CUDA graph (collective).
+
+        Runs ``warmup`` eager calls first (real calls: every rank must make the same ones), then
+        captures. Each ``graph.replay()`` is one more call on every rank: the generations come from the
+        device-resident generation base, so replays never reuse a stale one. Refill ``x`` (and the
+        routing tensors) in place between replays.
+
+        Returns:
+            ``(graph, y)``: the ``torch.cuda.CUDAGraph`` and its static output tensor.
+
+        Raises:
+            ConfigError: as `forward`.
+
+        Example:
+            >>> graph, y = moe.capture(x, router_weight=router)
+            >>> x.copy_(next_batch); graph.replay(); use(y)
+        """
+        torch = _torch()
+        kwargs = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_check_int("warmup", warmup, 0)):
+                self.forward(x, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = self.forward(x, **kwargs)
+        return graph, y
+
     # --- state, errors, teardown ----------------------------------------------------------------------
 
     def check_errors(self) -> None:

@@ -269,3 +269,35 @@ def test_bad_input_is_rejected_and_layer_stays_usable(ctx):
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
+
+
+def test_graph_replay_matches_reference(ctx):
+    # Generations live in device memory: every replay is a fresh call (a stale generation would make the
+    # dispatch wait accept old data or time out); each replay's output is checked on new inputs.
+    num_tokens, topk = 300, 2
+    weights = make_weights(SEED + 21, NUM_EXPERTS, HIDDEN, INTER)
+    dev = device_of(ctx)
+    moe = build(ctx, weights, topk, num_tokens, "fp8_e4m3")
+    errors = []
+    try:
+        x_static = torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16, device=dev)
+        logits_static = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.float32, device=dev)
+        x_static.copy_(to_torch(make_tokens(SEED + 1, num_tokens, HIDDEN), torch.bfloat16, dev))
+        logits_static.normal_()
+        graph, y_static = moe.capture(x_static, logits=logits_static)
+        for replay in range(3):
+            tseed = SEED + 100 * (replay + 1) + ctx.rank
+            x = make_tokens(tseed, num_tokens, HIDDEN)
+            logits = np.random.default_rng(tseed).standard_normal((num_tokens, NUM_EXPERTS)).astype(np.float32)
+            x_static.copy_(to_torch(x, torch.bfloat16, dev))
+            logits_static.copy_(to_torch(logits, torch.float32, dev))
+            graph.replay()
+            moe.check_errors()
+            ref = reference_moe(x, w_gate=weights[0], w_up=weights[1], w_down=weights[2], num_topk=topk,
+                                logits=logits)
+            err = rel_error(y_static.float().cpu().numpy(), ref.y)
+            if err > REL_TOL:
+                errors.append(f"replay {replay}: relative error {err:.3e} > {REL_TOL}")
+    finally:
+        moe.close()
+    verdict(ctx, not errors, "; ".join(errors))
