@@ -16,7 +16,8 @@
 //   moe_combine_reduce   one warp per token: y[t] = sum over k = 0..K-1 (in that order) of
 //                        topk_weights[t][k] * row(t, k), float32 accumulation, bf16 result; entries
 //                        whose expert is outside [0, num_experts) (the mask -1) contribute nothing.
-//   moe_end_call         advance the generation base (device-resident; graph-safe).
+//                        Block 0 then ends the call: generation base + 1 (device-resident, so a
+//                        graph replay gets a fresh generation; no later kernel of the call reads it).
 //
 // Reuse of the combine buffer: a rank writes into an owner's buffer for call n+1 only after it saw the
 // owner's call-n+1 publication, which the owner enqueues after its call-n reduce (stream order).
@@ -94,6 +95,8 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, in
                                               long long y_row_stride, int num_valid) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    // Every kernel of this call that reads the base ran before this one (stream order).
+    if (blockIdx.x == 0 && threadIdx.x == 0) end_call(d, /*num_chunks=*/1);
     const int slot = slot_of(chunk_idx, d.num_slots);
     const int32_t* idx = topk_idx_of(d, slot);
     const float* weights = topk_weights_of(d, slot);
@@ -127,9 +130,4 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, in
             *reinterpret_cast<int4*>(y + int64_t(token) * y_row_stride + v * 8) = out;
         }
     }
-}
-
-// Advance the generation base after a call of `num_chunks` chunks (protocol.next_base).
-extern "C" __global__ void moe_end_call(const RingDescriptor* desc_ptr, int num_chunks) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
 }

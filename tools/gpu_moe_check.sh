@@ -13,8 +13,8 @@ out=${OUT:-/tmp/moe_out}
 mkdir -p "$out"
 export NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none PYTHONUNBUFFERED=1
 export SYMMRING_CACHE_DIR=${SYMMRING_CACHE_DIR:-/tmp/symmring-cache}
-# Fail fast: a hung wait becomes a ProtocolTimeout after 10 s instead of 60.
-export SYMMRING_TIMEOUT_S=${SYMMRING_TIMEOUT_S:-10}
+# Fail fast: a hung wait becomes a ProtocolTimeout after 5 s instead of 60.
+export SYMMRING_TIMEOUT_S=${SYMMRING_TIMEOUT_S:-5}
 
 step() {  # step NAME SECONDS CMD...: run bounded, log to $out/NAME.log, print the tail
     local name=$1 limit=$2
@@ -42,7 +42,7 @@ with cf.ThreadPoolExecutor(4) as pool:
         print(path)
 EOF
 
-step test_1pe 240 python3 -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovider --timeout 120 -rs
+step test_1pe 90 python3 -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovider --timeout 120 -rs
 
 if [ "$mode" = quick ]; then
     step bench 150 python3 -m symmring.bench.moe --shapes qwen3-30b-a3b,mixtral --tokens 128,4096 --repeats 10 \
@@ -50,8 +50,9 @@ if [ "$mode" = quick ]; then
     exit 0
 fi
 
-step test_2pe 200 python3 -m symmring.launch -n 2 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
-    -q -p no:cacheprovider --timeout 120
-step test_4pe 240 python3 -m symmring.launch -n 4 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
-    -q -p no:cacheprovider --timeout 120
-step bench 280 python3 -m symmring.bench.moe --json "$out/bench.json"
+step test_2pe 90 python3 -m symmring.launch -n 2 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+    -q -p no:cacheprovider --timeout 60 --maxfail 2
+step bench 100 python3 -m symmring.bench.moe --tokens "${BENCH_TOKENS:-128,1024,4096,16384}" --repeats 10 \
+    --json "$out/bench.json"
+step test_4pe 90 python3 -m symmring.launch -n 4 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+    -q -p no:cacheprovider --timeout 60 --maxfail 2

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -217,6 +218,7 @@ class MoE:
         self.pool_x = torch.empty((self.capacity, self.hidden), dtype=torch.bfloat16, device=device)
         self.row_src = torch.zeros((self.capacity, 4), **i32)
         self.row_weight = torch.zeros(self.capacity, dtype=torch.float32, device=device)
+        self._streams: Dict[int, object] = {}  # torch stream handle -> CuPy view of it
         self.closed = False
         backend.barrier()
         logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, "
@@ -307,7 +309,7 @@ class MoE:
 
         mark("start")
         topk_idx, topk_weights = self._routing(x, router_weight, logits, topk_idx, topk_weights)
-        stream = _cupy().cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = self._stream(torch.cuda.current_stream().cuda_stream)
         desc = self.ring.kernels.desc
         chunk = np.int32(0)
         fn_p = self._modules["producer"].function
@@ -355,9 +357,9 @@ class MoE:
         fn_c("moe_combine_signal")((1,), (32,), (desc, chunk, self._combine_ready_ptr), stream=stream)
         fn_c("moe_combine_wait")((1,), (32,), (desc, chunk, self._combine_ready_ptr), stream=stream)
         y = torch.empty((n, H), dtype=torch.bfloat16, device=self.device)
+        # The reduce also ends the call (generation base + 1; nothing after it reads the base).
         fn_c("moe_combine_reduce")((_blocks(n, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                                    (desc, chunk, rows_ptr, _ptr(y), np.int64(H), np.int32(n)), stream=stream)
-        fn_c("moe_end_call")((1,), (1,), (desc, np.int32(1)), stream=stream)
         mark("combine")
         if env.debug():
             self.check_errors()
@@ -398,7 +400,30 @@ class MoE:
             y = self.forward(x, **kwargs)
         return graph, y
 
+    def _stream(self, handle: int):
+        """CuPy's view of a torch stream (cached: one object per stream handle)."""
+        stream = self._streams.get(handle)
+        if stream is None:
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; kernels.as_stream uses it too
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self._streams[handle] = _cupy().cuda.ExternalStream(handle)
+        return stream
+
     # --- state, errors, teardown ----------------------------------------------------------------------
+
+    def slot_view(self, name: str, num_tokens: int):
+        """Zero-copy CuPy view of this rank's ring slot payload ``name`` (``x``, ``x_sf``, ``topk_idx``,
+        ``topk_weights``), its first ``num_tokens`` rows (for tests: what the producer kernels wrote)."""
+        self._check_open()
+        region = self.ring.layout[name]
+        if name not in ("x", "x_sf", "topk_idx", "topk_weights"):
+            raise ConfigError(f"name={name!r}: expected one of 'x', 'x_sf', 'topk_idx', 'topk_weights'")
+        num_tokens = _check_int("num_tokens", num_tokens, 0)
+        if num_tokens > self.max_tokens:
+            raise ConfigError(f"num_tokens={num_tokens}: expected at most max_tokens={self.max_tokens}")
+        return self.backend.view(self.ring.alloc, self.rank, region.slot_offset(0), region.dtype,
+                                 (num_tokens,) + tuple(region.slot_shape[1:]))
+
 
     def check_errors(self) -> None:
         """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, or

@@ -32,7 +32,7 @@ if not runtime.gpu_available():
 from moe_helpers import (agree, make_tokens, make_weights, mixtral_block, mixtral_forward,  # noqa: E402
                          rel_error, skewed_logits, to_torch)
 
-import symmring  # noqa: E402
+from symmring.context import init  # noqa: E402
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import quant  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
@@ -49,7 +49,7 @@ REL_TOL = 1e-2
 
 @pytest.fixture(scope="module")
 def ctx():
-    context = symmring.init("nvshmem")
+    context = init("nvshmem")
     yield context
     context.close()
 
@@ -124,12 +124,8 @@ def run_case(ctx, *, num_tokens, topk, x_format="fp8_e4m3", logits_fn=None, mask
 def check_slot_fp8(moe, x, n):
     """The producer's fp8 bytes and scales in this rank's slot, bitwise against symmring.moe.quant."""
     x_q, x_sf = quant.quantize_fp8(x)
-    ring = moe.ring
-    # Slot 0 starts each region; a padded region comes back as raw bytes.
-    slot_x = ring.region("x").get().reshape(-1)[: n * HIDDEN].reshape(n, HIDDEN)
-    sf_raw = ring.region("x_sf").get().reshape(-1)
-    sf_region = (sf_raw.view(np.float32) if sf_raw.dtype == np.uint8 else sf_raw)[: n * (HIDDEN // 128)]
-    sf_region = sf_region.reshape(n, HIDDEN // 128)
+    slot_x = moe.slot_view("x", n).get()
+    sf_region = moe.slot_view("x_sf", n).get()
     out = []
     bad = np.argwhere(slot_x != x_q.view(np.uint8))
     if bad.size:
