@@ -12,8 +12,10 @@ The headers and library come from the ``nvidia-nvshmem`` wheel whose ``libnvshme
 (the host library checks the device library's version). The device sources are found as
 ``symmring/_device`` (a link to the repository's ``device/``, shipped in the wheel).
 
-Cache: ``SYMMRING_CACHE_DIR`` (default ``~/.cache/symmring``), one ``<key>.cubin`` per module. The key
-is a sha256 of the source, every file under the device directory, the nvcc version and the options; the
+Cache: ``SYMMRING_CACHE_DIR`` (default ``~/.cache/symmring``), one ``<name>-<key>.cubin`` per module. The
+key is a sha256 of the source, every file under the device directory, the nvcc version, the
+nvidia-nvshmem version, the compute capability and the options (no paths, so a cache built on a machine
+without GPU with the same tools is valid on the GPU machine); the
 source handed to nvcc starts with ``// symmring-device-hash: <sha>`` so a cubin is traceable to the
 headers it was built from. Files are written to a temporary name and renamed, so concurrent ranks never
 read a half-written cubin. With several ranks on a node, local rank 0 compiles first and the others load
@@ -42,7 +44,7 @@ from .errors import BackendError, CompileError
 logger = logging.getLogger(__name__)
 
 #: Options of the compile step (before -arch/-I); kept in the cache key.
-BASE_OPTIONS = ("-dc", "-std=c++17", "-O3", "--expt-relaxed-constexpr")
+BASE_OPTIONS = ("-dc", "-std=c++17", "--expt-relaxed-constexpr")
 
 
 def device_dir() -> Path:
@@ -71,6 +73,21 @@ def nvshmem_paths() -> Tuple[Path, Path]:
             return root / "include", root / "lib"
     raise BackendError(f"nvidia-nvshmem at {list(nvshmem_pkg.__path__)} has no include/nvshmem.h and "
                        "lib/libnvshmem_device.a")
+
+
+@functools.lru_cache(maxsize=None)
+def nvshmem_version() -> str:
+    """Version of the nvidia-nvshmem wheel plus the size of its libnvshmem_device.a (cache key part)."""
+    from importlib import metadata
+    _, lib = nvshmem_paths()
+    version = "unknown"
+    for dist in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"):
+        try:
+            version = f"{dist}=={metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{version}:{(lib / 'libnvshmem_device.a').stat().st_size}"
 
 
 def nvcc_path() -> str:
@@ -143,8 +160,9 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
     options = compile_options(cc, extra_options)
     link_options = (f"-arch=sm_{cc}", f"-L{lib}", "-lnvshmem_device")
     dev_hash = device_hash()
-    key = hashlib.sha256("\0".join((source, dev_hash, nvcc_version(nvcc), *options, *link_options))
-                         .encode()).hexdigest()[:32]
+    # Paths stay out of the key (a cubin built on one machine is valid on another with the same tools).
+    key = hashlib.sha256("\0".join((source, dev_hash, nvcc_version(nvcc), nvshmem_version(), str(cc),
+                                    *BASE_OPTIONS, *extra_options)).encode()).hexdigest()[:32]
     cache = Path(cache_dir) if cache_dir is not None else env.cache_dir()
     target = cache / f"{name}-{key}.cubin"
     if target.is_file() and target.stat().st_size > 0:

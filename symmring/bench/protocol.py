@@ -1,0 +1,194 @@
+"""Protocol benchmark on GPU PEs: ``python -m symmring bench protocol [--json PATH]``.
+
+Two figures, both measured in the same run:
+
+* **publish->observe latency** (one way, microseconds): a ping-pong of publications (``fence`` + signal
+  SET on the publisher's own word, observed by the other side polling that word over NVLink with
+  ``ld.acquire.sys``), timed on the device with ``%globaltimer``; one way = round trip / 2. With one PE
+  the two sides are kernels on two streams of the same GPU; with several PEs, ranks 0 and 1 (on one GPU
+  that needs CUDA MPS; see `symmring.launch`). Goal: <= 2 us on one GPU.
+* **slot-pull bandwidth** as a ratio: the ready-made consumer pulling a large slot (``x``, ``topk``)
+  from a peer's ring (its own with one PE) into local buffers, against a device-to-device copy of the
+  same bytes (``cudaMemcpyAsync``); both timed with CUDA events, median of ``--repeats``. Reported with
+  the default spinning-kernel budget (`symmring.kernels.MAX_SPIN_BLOCKS` blocks) and with one block per
+  SM. Goal: pull >= 0.8 of copy.
+
+Prints a table on rank 0 and writes the figures as JSON (``--json``). Returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+GOAL_LATENCY_US = 2.0
+GOAL_PULL_RATIO = 0.8
+
+
+def _pingpong(backend, num_rounds: int, first_value: int, timeout_s: float) -> Optional[float]:
+    """One-way latency in us between ranks 0 and 1 (two streams of rank 0 with one PE); None elsewhere."""
+    import cupy
+    module = backend.ring_module()
+    fn = module.function("symmring_bench_pingpong")
+    alloc = backend.alloc(256)
+    out_init = cupy.zeros(2, dtype=cupy.uint64)
+    out_resp = cupy.zeros(2, dtype=cupy.uint64)
+    word0, word1 = np.uint64(backend.address(alloc, backend.rank)), np.uint64(backend.address(alloc, backend.rank) + 128)
+    timeout_ns = np.uint64(int(timeout_s * 1e9))
+    rounds, first = np.int32(num_rounds), np.uint64(first_value)
+    result = None
+    try:
+        backend.barrier()
+        if backend.world_size == 1:
+            responder, initiator = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+            fn((1,), (32,), (word1, word0, np.int32(0), rounds, np.int32(0), first, timeout_ns, out_resp),
+               stream=responder)
+            fn((1,), (32,), (word0, word1, np.int32(0), rounds, np.int32(1), first, timeout_ns, out_init),
+               stream=initiator)
+            cupy.cuda.runtime.deviceSynchronize()
+        elif backend.rank in (0, 1):
+            other = 1 - backend.rank
+            fn((1,), (32,), (word0, word0, np.int32(other), rounds, np.int32(1 if backend.rank == 0 else 0), first,
+                             timeout_ns, out_init), stream=cupy.cuda.Stream(non_blocking=True))
+            cupy.cuda.runtime.deviceSynchronize()
+        if backend.rank == 0:
+            elapsed_ns, done = (int(v) for v in out_init.get())
+            result = elapsed_ns / 1e3 / (2 * done) if done == num_rounds else None
+        backend.barrier()
+    finally:
+        backend.free(alloc)
+    return result
+
+
+def _median_ms(launch, repeats: int, hold, inner: int = 5) -> float:
+    """Median device time of ``launch()`` in ms: each sample enqueues ``inner`` launches behind a device
+    wait of ``hold`` (so the host's enqueue cost never shows up as idle device time)."""
+    import cupy
+    times: List[float] = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        hold()
+        start.record()
+        for _ in range(inner):
+            launch()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / inner)
+    return statistics.median(times)
+
+
+def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str, float]]:
+    """Pull-vs-copy figures on rank 0 (pulling from rank 1, or from itself with one PE)."""
+    import cupy
+    from ..kernels import MAX_SPIN_BLOCKS, DeviceRing
+    from ..layout import RingSpec
+    spec = RingSpec(num_slots=1, tokens_per_slot=tokens, hidden=hidden, num_topk=8, num_experts=256,
+                    x_format="bf16")
+    ring = DeviceRing(backend, spec, timeout_s=30.0)
+    hold_word = backend.alloc(64)  # a word nobody sets: a bounded wait on it holds the stream ~2 ms
+
+    def hold():
+        backend._launch("symmring_word_wait", (np.uint64(hold_word.ptr), np.int32(backend.rank), np.int32(0),
+                                               np.uint64(1), np.uint64(2_000_000), backend._result))
+
+    result = None
+    try:
+        k = ring.kernels
+        rng = np.random.default_rng(backend.rank)
+        x = cupy.asarray(rng.integers(0, 2**16, (tokens, hidden), dtype=np.uint16))
+        idx = cupy.asarray(rng.integers(0, 256, (tokens, 8), dtype=np.int32))
+        w = cupy.asarray(rng.random((tokens, 8), dtype=np.float32))
+        k.produce(0, x=x, topk_idx=idx, topk_weights=w, token_base=0, num_valid=tokens, num_blocks=backend.num_sms)
+        backend.barrier()
+        if backend.rank == 0:
+            src = 1 if backend.world_size > 1 else 0
+            out = k.new_outputs()
+            num_bytes = tokens * (hidden * 2 + 8 * 8)
+            figures = {"bytes": num_bytes, "src_rank": src}
+            # The reference: a device-to-device copy of the same bytes (local slot -> local buffer).
+            local = backend.address(ring.alloc, backend.rank, ring.layout["x"].offset)
+            dst = cupy.empty(num_bytes, dtype=cupy.uint8)
+            copy_ms = _median_ms(lambda: cupy.cuda.runtime.memcpyAsync(dst.data.ptr, local, num_bytes, 3,
+                                                                       cupy.cuda.get_current_stream().ptr),
+                                 repeats, hold)
+            figures["copy_GBps"] = 2 * num_bytes / copy_ms / 1e6  # bytes read + written
+            for label, blocks in (("spin_budget", MAX_SPIN_BLOCKS), ("all_sms", backend.num_sms)):
+                k.consume(0, src, out, ack=False, num_blocks=blocks)  # warm-up
+                pull_ms = _median_ms(lambda: k.consume(0, src, out, ack=False, num_blocks=blocks), repeats, hold)
+                figures[f"pull_{label}_blocks"] = blocks
+                figures[f"pull_{label}_GBps"] = 2 * num_bytes / pull_ms / 1e6
+                figures[f"pull_{label}_ratio"] = copy_ms / pull_ms
+            k.check_errors()
+            want = np.random.default_rng(src).integers(0, 2**16, (tokens, hidden), dtype=np.uint16)
+            figures["pulled_bitwise_equal"] = bool(np.array_equal(out["x"].get(), want))
+            result = figures
+        backend.barrier()
+    finally:
+        backend.free(hold_word)
+        ring.close()
+    return result
+
+
+def run(*, rounds: int = 10000, tokens: int = 8192, hidden: int = 7168, repeats: int = 20) -> Dict[str, object]:
+    """Run the benchmark on this process's PE (collective); returns the figures (complete on rank 0)."""
+    from ..runtime import NvshmemBackend
+    backend = NvshmemBackend()
+    try:
+        _pingpong(backend, 200, 1, 10.0)  # warm-up: module load, first launches
+        latency_us = _pingpong(backend, rounds, 1_000_000, 30.0)
+        pull = _pull(backend, tokens, hidden, repeats)
+        return {"benchmark": "protocol", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "device": backend.device, "world_size": backend.world_size, "pes_per_gpu": backend.pes_per_gpu,
+                "rounds": rounds, "publish_observe_one_way_us": latency_us, "goal_latency_us": GOAL_LATENCY_US,
+                "pull": pull, "goal_pull_ratio": GOAL_PULL_RATIO, "rank": backend.rank}
+    finally:
+        backend.finalize()
+
+
+def format_table(figures: Dict[str, object]) -> str:
+    pull = figures.get("pull") or {}
+    lat = figures.get("publish_observe_one_way_us")
+    where = "2 streams, 1 PE" if figures["world_size"] == 1 else f"PE 0 <-> PE 1 of {figures['world_size']}"
+    rows = [("device", figures["device"]),
+            ("publish->observe, one way", f"{lat:.2f} us ({where}; goal <= {GOAL_LATENCY_US} us)" if lat else "failed")]
+    if pull:
+        rows.append(("copy (D2D, same bytes)", f"{pull['copy_GBps']:.0f} GB/s ({pull['bytes'] / 1e6:.1f} MB)"))
+        for label in ("spin_budget", "all_sms"):
+            rows.append((f"pull, {pull[f'pull_{label}_blocks']} blocks",
+                         f"{pull[f'pull_{label}_GBps']:.0f} GB/s = {pull[f'pull_{label}_ratio']:.2f} of copy "
+                         f"(goal >= {GOAL_PULL_RATIO})"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m symmring bench protocol", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the figures to this file (rank 0)")
+    parser.add_argument("--rounds", type=int, default=10000, help="ping-pong rounds")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of the pulled slot")
+    parser.add_argument("--hidden", type=int, default=7168, help="bf16 channels per token")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
+    args = parser.parse_args(argv)
+    from ..runtime import gpu_available
+    if not gpu_available():
+        print("symmring bench protocol: needs a CUDA GPU, CuPy, nvshmem4py and nvidia-nvshmem", file=sys.stderr)
+        return 2
+    figures = run(rounds=args.rounds, tokens=args.tokens, hidden=args.hidden, repeats=args.repeats)
+    if figures["rank"] != 0:
+        return 0
+    print(format_table(figures))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=2)
+    ok = figures["publish_observe_one_way_us"] is not None and figures["pull"] is not None
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Start a symmring job on one node: ``python -m symmring.launch -n N [--mps] -- cmd ...``.
+
+What it does around ``mpirun -n N cmd ...``:
+
+* exports ``NVSHMEM_DISABLE_NVLS=1`` and ``NVSHMEM_REMOTE_TRANSPORT=none`` (unless already set);
+* maps local ranks to GPUs: every rank runs through a small shim (``--rank-shim``) that sets
+  ``CUDA_VISIBLE_DEVICES`` to GPU ``local_rank % num_gpus`` of the GPUs visible to the launcher, so
+  ranks beyond the GPU count share GPUs (several PEs per GPU);
+* with ``--mps`` (needed for concurrent kernels of several PEs on one GPU) starts the CUDA MPS control
+  daemon with private ``CUDA_MPS_PIPE_DIRECTORY``/``CUDA_MPS_LOG_DIRECTORY`` exported to every rank,
+  and stops it (``echo quit | nvidia-cuda-mps-control``) when the job ends, also on failure;
+* works with Open MPI's ``mpirun`` (adds ``--oversubscribe``, ``--allow-run-as-root`` when run as root,
+  and ``-x VAR`` for every exported variable) and with MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich``
+  wheel's, which forwards the environment itself).
+
+The MPI launcher is ``--mpirun PATH``, else ``$SYMMRING_MPIRUN``, else the ``mpiexec`` next to this
+Python (a venv with the ``mpich`` wheel), else ``mpirun``/``mpiexec`` on ``PATH``. The exit status is
+the job's; 2 when the launch itself fails (no MPI launcher, MPS cannot start).
+
+Example::
+
+    python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+#: Environment every rank gets (unless the user set it).
+NVSHMEM_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
+#: Variables naming a process's rank within its node, by MPI launcher.
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPIR_CVAR_LOCAL_RANK",
+                   "SLURM_LOCALID")
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started (no MPI launcher, MPS did not start, ...)."""
+
+
+def visible_gpus() -> List[str]:
+    """GPU ids the launcher sees: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``'s indices."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is not None:
+        return [g.strip() for g in raw.split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+    return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+
+
+def find_mpirun(explicit: Optional[str] = None) -> str:
+    """The MPI launcher to use (see the module docstring). Raises LaunchError when there is none."""
+    for candidate in (explicit, os.environ.get("SYMMRING_MPIRUN"),
+                      str(Path(sys.executable).parent / "mpiexec"), shutil.which("mpirun"), shutil.which("mpiexec")):
+        if candidate and (shutil.which(candidate) or Path(candidate).is_file()):
+            return candidate
+    raise LaunchError("no MPI launcher found: pass --mpirun PATH, set SYMMRING_MPIRUN, or install the "
+                      "`mpich` wheel (pip install mpich) or Open MPI")
+
+
+def mpi_flavor(mpirun: str) -> str:
+    """``"openmpi"`` or ``"mpich"`` (Hydra), from ``mpirun --version``."""
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, check=False)
+    text = (out.stdout + out.stderr).lower()
+    return "openmpi" if "open mpi" in text or "open-mpi" in text or "openrte" in text else "mpich"
+
+
+def mpirun_command(mpirun: str, flavor: str, num_ranks: int, exported: Sequence[str], cmd: Sequence[str],
+                   extra: Sequence[str] = ()) -> List[str]:
+    """The full launcher command line for ``num_ranks`` ranks of ``cmd`` (each through the rank shim)."""
+    shim = [sys.executable, "-m", "symmring.launch", "--rank-shim", "--"]
+    if flavor == "openmpi":
+        args = [mpirun, "-np", str(num_ranks), "--oversubscribe", "--bind-to", "none"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            args.append("--allow-run-as-root")
+        for name in exported:
+            args += ["-x", name]
+    else:
+        args = [mpirun, "-n", str(num_ranks)]
+    return args + list(extra) + shim + list(cmd)
+
+
+class Mps:
+    """The CUDA MPS control daemon, started in private directories (context manager)."""
+
+    def __init__(self, control: Optional[str] = None):
+        self.control = control or shutil.which("nvidia-cuda-mps-control")
+        self.root: Optional[str] = None
+        self.env: Dict[str, str] = {}
+
+    def __enter__(self) -> "Mps":
+        if not self.control:
+            raise LaunchError("--mps: nvidia-cuda-mps-control not found on PATH (CUDA MPS is needed to run "
+                              "several PEs on one GPU concurrently)")
+        self.root = tempfile.mkdtemp(prefix="symmring-mps-")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.root, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.root, "log")}
+        for path in self.env.values():
+            os.makedirs(path, exist_ok=True)
+        env = {**os.environ, **self.env}
+        started = subprocess.run([self.control, "-d"], env=env, capture_output=True, text=True, check=False)
+        probe = subprocess.run([self.control], input="get_server_list\n", env=env, capture_output=True,
+                               text=True, check=False, timeout=30)
+        if started.returncode != 0 or probe.returncode != 0:
+            log = self._log()
+            self._cleanup()
+            raise LaunchError(f"--mps: CUDA MPS did not start (nvidia-cuda-mps-control -d exit "
+                              f"{started.returncode}: {started.stderr.strip()}; probe exit {probe.returncode}: "
+                              f"{probe.stderr.strip()}){log}")
+        return self
+
+    def _log(self) -> str:
+        path = Path(self.env.get("CUDA_MPS_LOG_DIRECTORY", "")) / "control.log"
+        return f"\ncontrol.log:\n{path.read_text()[-2000:]}" if path.is_file() else ""
+
+    def _cleanup(self) -> None:
+        if self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    def __exit__(self, *exc) -> None:
+        env = {**os.environ, **self.env}
+        subprocess.run([self.control], input="quit\n", env=env, capture_output=True, text=True, check=False,
+                       timeout=60)
+        self._cleanup()
+
+
+def rank_shim(cmd: Sequence[str]) -> int:
+    """Run on every rank: pin it to GPU ``local_rank % num_gpus`` of ``SYMMRING_LAUNCH_GPUS``, then exec."""
+    gpus = [g for g in os.environ.get("SYMMRING_LAUNCH_GPUS", "").split(",") if g]
+    local_rank = next((int(os.environ[v]) for v in LOCAL_RANK_VARS if os.environ.get(v, "").isdigit()), None)
+    if gpus and local_rank is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local_rank % len(gpus)]
+    if not cmd:
+        print("symmring.launch --rank-shim: no command", file=sys.stderr)
+        return 2
+    os.execvp(cmd[0], list(cmd))
+    return 0  # not reached
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--rank-shim"]:
+        rest = argv[1:]
+        return rank_shim(rest[1:] if rest[:1] == ["--"] else rest)
+    parser = argparse.ArgumentParser(prog="python -m symmring.launch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--num-ranks", type=int, required=True, help="ranks (PEs) on this node")
+    parser.add_argument("--mps", action="store_true", help="run CUDA MPS around the job (several PEs per GPU)")
+    parser.add_argument("--mpirun", help="MPI launcher (default: $SYMMRING_MPIRUN, the venv's mpiexec, mpirun)")
+    parser.add_argument("--mpirun-arg", action="append", default=[], help="extra argument for the MPI launcher")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("missing the command: python -m symmring.launch -n N [--mps] -- cmd ...")
+    if args.num_ranks <= 0:
+        parser.error(f"-n {args.num_ranks}: expected a positive number of ranks")
+    try:
+        mpirun = find_mpirun(args.mpirun)
+        flavor = mpi_flavor(mpirun)
+        gpus = visible_gpus()
+        for key, value in NVSHMEM_ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ["SYMMRING_LAUNCH_GPUS"] = ",".join(gpus)
+        if gpus and args.num_ranks > len(gpus) and not args.mps:
+            print(f"symmring.launch: {args.num_ranks} ranks on {len(gpus)} GPU(s) without --mps: their kernels "
+                  "will time-slice, and waits between PEs of one GPU may time out", file=sys.stderr)
+        exported = sorted(set(NVSHMEM_ENV) | {"SYMMRING_LAUNCH_GPUS", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"} |
+                          {k for k in os.environ if k.startswith(("SYMMRING_", "NVSHMEM_", "CUDA_", "PYTHON"))})
+        mps = Mps() if args.mps else None
+        if mps is not None:
+            mps.__enter__()
+            os.environ.update(mps.env)
+            exported = sorted(set(exported) | set(mps.env))
+        try:
+            full = mpirun_command(mpirun, flavor, args.num_ranks, [e for e in exported if e in os.environ], cmd,
+                                  args.mpirun_arg)
+            return subprocess.run(full, check=False).returncode
+        finally:
+            if mps is not None:
+                mps.__exit__(None, None, None)
+    except LaunchError as exc:
+        print(f"symmring.launch: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Fixtures of the GPU tests (tests/gpu).
+
+Collected everywhere; every test here is skipped, with the reason, where `symmring.runtime.gpu_available()`
+is False (no CUDA GPU, CuPy, nvshmem4py or nvidia-nvshmem). On a GPU machine run them with one PE::
+
+    python -m pytest tests/gpu -q
+
+and with several PEs (one GPU shared under CUDA MPS, or one GPU each)::
+
+    python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
+
+Every rank runs every test in the same order (they are collective) and reaches the same verdict
+(`gpu_helpers.all_ok`). ``tools/gpu_check.sh`` runs all of it on the GPU machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def _skip_reason():
+    try:
+        from symmring import runtime
+    except Exception as exc:  # pragma: no cover - symmring itself is importable in CI
+        return f"symmring.runtime is not importable: {exc}"
+    if not runtime.gpu_available():
+        return ("needs a CUDA GPU, CuPy, nvshmem4py and nvidia-nvshmem "
+                "(symmring.runtime.gpu_available() is False)")
+    return None
+
+
+@pytest.fixture(scope="session")
+def backend():
+    """One NvshmemBackend for the session (NVSHMEM initialises once per process); finalized at the end."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from symmring.runtime import NvshmemBackend
+    nvshmem_backend = NvshmemBackend()
+    yield nvshmem_backend
+    nvshmem_backend.finalize()
+
+
+@pytest.fixture(scope="session")
+def user_module(backend):
+    """tests/gpu/user_kernels.cu: kernels that publish and consume through <symmring/protocol.cuh> only."""
+    source = Path(__file__).with_name("user_kernels.cu").read_text()
+    return backend.load_module(source, name="user_kernels")
+
+
+@pytest.fixture
+def seed(request):
+    """A seed per test, the same on every rank."""
+    import zlib
+    return zlib.crc32(request.node.nodeid.encode()) ^ 20261129

@@ -1,0 +1,98 @@
+"""Every device source compiles and device-links for sm_90 with nvcc, as on the GPU machine.
+
+The same two nvcc steps `symmring.jit` runs there (``-dc``, then ``--cubin --device-link x.o
+-lnvshmem_device`` against the installed nvidia-nvshmem wheel) need no GPU, so CI runs them here for
+every ``device/*.cu`` and for a "user" kernel file that includes <symmring/protocol.cuh> from outside the
+package (tests/gpu/user_kernels.cu). Skipped, with the reason, only where nvcc or the wheel is missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from symmring import jit
+from symmring.errors import BackendError, CompileError
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted((ROOT / "device").glob("*.cu")) + [ROOT / "tests" / "gpu" / "user_kernels.cu"]
+
+
+def _toolchain_missing():
+    try:
+        jit.nvcc_path()
+        jit.nvshmem_paths()
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{source: cubin path or the exception}, every source compiled concurrently (one nvcc per core)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    cache_dir = tmp_path_factory.mktemp("symmring-cache")
+
+    def build(source):
+        try:
+            return jit.compile_cubin(source.read_text(), name=source.stem, cc=90, cache_dir=cache_dir)
+        except Exception as exc:  # reported by the test of that source
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(SOURCES, pool.map(build, SOURCES)))
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_source_compiles_and_device_links_for_sm90(source, compiled):
+    cubin = compiled[source]
+    if isinstance(cubin, CompileError):
+        pytest.fail(f"{source.name} failed to compile:\n{cubin}")
+    if isinstance(cubin, Exception):
+        raise cubin
+    data = cubin.read_bytes()
+    assert data[:4] == b"\x7fELF", f"{cubin} is not a cubin (ELF)"
+    # Every extern "C" kernel of the source is in the linked image, under its own (unmangled) name.
+    import re
+    kernels = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', source.read_text())
+    assert kernels, f"{source} defines no extern \"C\" kernel"
+    missing = [k for k in kernels if k.encode() not in data]
+    assert not missing, f"kernels missing from {cubin.name}: {missing}"
+
+
+def test_compile_error_carries_the_compiler_log(tmp_path):
+    source = '#include <symmring/protocol.cuh>\nextern "C" __global__ void broken() { undefined_symbol_xyz(); }\n'
+    with pytest.raises(CompileError) as info:
+        jit.compile_cubin(source, name="broken", cc=90, cache_dir=tmp_path)
+    assert "undefined_symbol_xyz" in info.value.log
+    assert "-dc" in info.value.options
+    assert not list(tmp_path.glob("*.cubin"))
+
+
+def test_second_request_is_a_cache_hit(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(jit, "device_hash", lambda: "fixed")  # other edits under device/ must not interfere
+    monkeypatch.setattr(jit, "_run", lambda cmd, **kw: calls.append(cmd) or Path(cmd[cmd.index("-o") + 1])
+                        .write_bytes(b"\x7fELF"))
+    first = jit.compile_cubin('extern "C" __global__ void k() {}', name="k", cc=90, cache_dir=tmp_path)
+    second = jit.compile_cubin('extern "C" __global__ void k() {}', name="k", cc=90, cache_dir=tmp_path)
+    third = jit.compile_cubin('extern "C" __global__ void k2() {}', name="k", cc=90, cache_dir=tmp_path)
+    assert first == second != third
+    assert len(calls) == 4  # two nvcc steps for the first source, two for the changed one, none for the hit
+
+
+def test_cache_key_follows_the_device_headers(tmp_path, monkeypatch):
+    # A copy of device/ with one header changed gives a different device hash, hence a different cubin name.
+    copy = tmp_path / "device"
+    shutil.copytree(ROOT / "device", copy)
+    monkeypatch.setattr(jit, "device_dir", lambda: copy)
+    before = jit.device_hash()
+    header = copy / "symmring" / "timeout.cuh"
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert jit.device_hash() != before

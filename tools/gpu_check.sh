@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh -- everything symmring checks on a GPU machine, in one command.
+#
+#   tools/gpu_check.sh [stage ...]      (default: all stages, in this order)
+#
+# stages: env compile pe1 blocking pe2 pe4 blocking2 bench
+#   env       GPU, driver, nvcc, Python packages
+#   compile   JIT-compile device/ring.cu and tests/gpu/user_kernels.cu into $SYMMRING_CACHE_DIR
+#   pe1       pytest tests/gpu with one PE
+#   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: the two-stream tests complete when serialized
+#   pe2, pe4  tests/gpu with 2 and 4 PEs on the GPU(s) under CUDA MPS (python -m symmring.launch --mps)
+#   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs (serialized kernels on every PE still complete)
+#   bench     python -m symmring bench protocol, 1 PE and 2 PEs (MPS); JSON under $OUT
+#
+# Logs go to $OUT/gpu_check.log (OUT defaults to ./out); a summary table is printed last.
+# nvshmem4py is installed from .whl/ into /tmp/site when it is not importable (the device machine has no
+# package index). Each stage runs under its own `timeout`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none
+export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+# The GPU tests of the runtime (GPU_TESTS overrides, e.g. GPU_TESTS=tests/gpu for every GPU test).
+read -r -a TESTS <<<"${GPU_TESTS:-tests/gpu/test_runtime.py tests/gpu/test_kernels.py tests/gpu/test_soak.py tests/gpu/test_ring_gpu.py}"
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs)
+MPI_PYTEST=("$PY" -m mpi4py -m pytest -q -p no:cacheprovider -rfEs)
+summary=()
+
+stage() {  # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$LOG"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -E "passed|failed|error|skipped" "$LOG" | tail -n 1)
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
+  echo "--- $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$LOG"
+  tail -n 15 "$LOG"
+}
+
+run_env() {
+  nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvcc --version | tail -n 2
+  "$PY" -c "import sys, cupy, torch, mpi4py, nvshmem, numpy; from importlib import metadata as m; \
+print(sys.version.split()[0], 'cupy', cupy.__version__, 'torch', torch.__version__, 'mpi4py', mpi4py.__version__, \
+'nvshmem4py', m.version('nvshmem4py-cu13'), 'nvidia-nvshmem', m.version('nvidia-nvshmem-cu13'))"
+  "$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+  command -v nvidia-cuda-mps-control mpirun
+}
+
+run_compile() {
+  "$PY" - <<'PYEOF'
+import time
+from pathlib import Path
+from symmring import jit
+for src in ("device/ring.cu", "tests/gpu/user_kernels.cu"):
+    t = time.time()
+    path = jit.compile_cubin(Path(src).read_text(), name=Path(src).stem, cc=90)
+    print(f"{src}: {path.name} ({path.stat().st_size} bytes) in {time.time() - t:.1f} s")
+PYEOF
+}
+
+stages=("$@")
+[[ ${#stages[@]} -gt 0 ]] || stages=(env compile pe1 blocking pe2 pe4 blocking2 bench)
+for s in "${stages[@]}"; do
+  case "$s" in
+    env) stage env 60 run_env ;;
+    compile) stage compile 300 run_compile ;;
+    pe1) stage pe1 300 "${PYTEST[@]}" "${TESTS[@]}" ;;
+    blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 180 "${PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams or random_delays" ;;
+    pe2) stage pe2 300 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" "${TESTS[@]}" ;;
+    pe4) stage pe4 300 "$PY" -m symmring.launch -n 4 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_soak.py tests/gpu/test_kernels.py tests/gpu/test_runtime.py ;;
+    blocking2) CUDA_LAUNCH_BLOCKING=1 stage blocking2 180 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams" ;;
+    bench)
+      stage bench1 120 "$PY" -m symmring.bench.protocol --json "$OUT/bench_1pe.json"
+      stage bench2 120 "$PY" -m symmring.launch -n 2 --mps -- "$PY" -m symmring.bench.protocol --json "$OUT/bench_2pe.json" ;;
+    *) echo "unknown stage $s" >&2 ;;
+  esac
+done
+echo
+echo "==================== gpu_check summary ($(date -u +%FT%TZ))"
+printf '%s\n' "${summary[@]}"
+grep -hE "^(soak|graph replay)|publish->observe|pull, |copy \(D2D" "$LOG" | sort -u
