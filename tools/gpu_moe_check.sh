@@ -26,11 +26,13 @@ step() {  # step NAME SECONDS CMD...: run bounded, log to $out/NAME.log, print t
     tail -n 25 "$out/$name.log"
 }
 
+# Absolute interpreter: mpirun's ranks may not have the same PATH (they found /usr/bin/python3).
+PY=$(command -v python3)
 nvidia-smi -L
-python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+"$PY" -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
 # Compile the four modules in parallel into the cache (load_module then hits it).
-step compile 120 python3 - <<'EOF'
+step compile 120 "$PY" - <<'EOF'
 import concurrent.futures as cf
 from symmring import jit
 names = {"ring.cu": "ring", "producer.cu": "moe_producer", "dispatch.cu": "moe_dispatch", "combine.cu": "moe_combine"}
@@ -42,17 +44,17 @@ with cf.ThreadPoolExecutor(4) as pool:
         print(path)
 EOF
 
-step test_1pe 90 python3 -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovider --timeout 120 -rs
+step test_1pe 60 "$PY" -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovider --timeout 120 -rs
 
 if [ "$mode" = quick ]; then
-    step bench 150 python3 -m symmring.bench.moe --shapes qwen3-30b-a3b,mixtral --tokens 128,4096 --repeats 10 \
+    step bench 150 "$PY" -m symmring.bench.moe --shapes qwen3-30b-a3b,mixtral --tokens 128,4096 --repeats 10 \
         --json "$out/bench.json"
     exit 0
 fi
 
-step test_2pe 90 python3 -m symmring.launch -n 2 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
-    -q -p no:cacheprovider --timeout 60 --maxfail 2
-step bench 100 python3 -m symmring.bench.moe --tokens "${BENCH_TOKENS:-128,1024,4096,16384}" --repeats 10 \
+step bench 60 "$PY" -m symmring.bench.moe --tokens "${BENCH_TOKENS:-128,1024,4096,16384}" --repeats 10 \
     --json "$out/bench.json"
-step test_4pe 90 python3 -m symmring.launch -n 4 --mps -- python3 -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+step test_2pe 60 "$PY" -m symmring.launch -n 2 --mps -- "$PY" -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
+    -q -p no:cacheprovider --timeout 60 --maxfail 2
+step test_4pe 70 "$PY" -m symmring.launch -n 4 --mps -- "$PY" -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
     -q -p no:cacheprovider --timeout 60 --maxfail 2

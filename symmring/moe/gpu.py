@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -48,7 +49,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import env, protocol
-from ..errors import BackendError, ConfigError, RingClosedError
+from ..errors import BackendError, ConfigError, ProtocolTimeout, RingClosedError
 from ..layout import ALIGN, RingSpec, align_up
 from . import torch_ref
 
@@ -186,6 +187,7 @@ class MoE:
         # L1 as one grouped GEMM: [E, 2I, H] (gate rows, then up rows); grouped_mm takes its [E, H, 2I] view.
         self.w13 = torch_ref.fuse_gate_up(w_gate, w_up)
         self.w_down = w_down.contiguous()
+        self._w13_t, self._w_down_t = self.w13.transpose(1, 2), self.w_down.transpose(1, 2)  # [E, K, N] views
 
         from ..kernels import DeviceRing  # the nvshmem ring allocation + descriptor (GPU runtime)
         backend = ctx.backend
@@ -309,6 +311,10 @@ class MoE:
 
         mark("start")
         topk_idx, topk_weights = self._routing(x, router_weight, logits, topk_idx, topk_weights)
+        # Rows the grouped GEMMs run over: a host-side bound, since the exact count stays on the device.
+        # Every pool row is a (source token, k) pair, so topk * (tokens of all ranks) bounds it: exact with
+        # one rank; with several, one integer all-reduce of the token counts (host MPI, no device sync).
+        rows_bound = max(1, min(self.capacity, self._all_tokens(n) * self.topk))
         stream = self._stream(torch.cuda.current_stream().cuda_stream)
         desc = self.ring.kernels.desc
         chunk = np.int32(0)
@@ -344,10 +350,10 @@ class MoE:
                                    _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
                                    np.int32(E), _ptr(self.status)), stream=stream)
         mark("dispatch")
-        # 4. experts: rows past group_end[-1] are never read (their values are undefined).
-        h = torch_ref.grouped_mm(self.pool_x, self.w13.transpose(1, 2), self.group_end)
+        # 4. experts over the first rows_bound pool rows; rows past group_end[-1] are never read.
+        h = torch_ref.grouped_mm(self.pool_x[:rows_bound], self._w13_t, self.group_end)
         act = torch_ref.swiglu(h, self.inter)
-        out = torch_ref.grouped_mm(act, self.w_down.transpose(1, 2), self.group_end)
+        out = torch_ref.grouped_mm(act, self._w_down_t, self.group_end)
         mark("experts")
         # 5. combine.
         rows_ptr = self._combine_rows_ptr
@@ -399,6 +405,19 @@ class MoE:
         with torch.cuda.graph(graph):
             y = self.forward(x, **kwargs)
         return graph, y
+
+    def _all_tokens(self, n: int) -> int:
+        """Tokens of this call over all ranks: a non-blocking MPI sum, polled with the protocol's bound."""
+        if self.world_size == 1:
+            return n
+        send, recv = np.array([n], np.int64), np.zeros(1, np.int64)
+        request = self.ctx.comm.Iallreduce(send, recv)  # MPI.SUM is the default op
+        deadline = time.monotonic() + self.ctx.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise ProtocolTimeout("token_counts", rank=self.rank, slot=0, expected=self.world_size,
+                                      observed=0, timeout_s=self.ctx.timeout_s)
+        return int(recv[0])
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
