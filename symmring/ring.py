@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
@@ -179,6 +179,7 @@ class Ring:
         self._backend = ctx.backend
         self._required_mask = protocol.full_mask(self.world_size)
         self._open_call: Optional[Call] = None
+        self._views: Dict[Tuple[str, int, int], Any] = {}
         self._alloc = self._backend.alloc(self.layout.nbytes)
         # The mask starts full: a fresh slot counts as acknowledged by everyone (free). The barrier orders
         # these stores before any rank's first acquire_slot or ack.
@@ -195,8 +196,14 @@ class Ring:
         self._check_open()
         slot = _int_arg("slot", slot, 0, self.spec.num_slots - 1)
         rank = self.rank if rank is None else _int_arg("rank", rank, 0, self.world_size - 1)
-        region = self.layout[name]
-        return self._backend.view(self._alloc, rank, region.slot_offset(slot), region.dtype, region.slot_shape)
+        key = (name, slot, rank)
+        view = self._views.get(key)
+        if view is None:  # views stay valid until close(): make each once
+            region = self.layout[name]
+            view = self._backend.view(self._alloc, rank, region.slot_offset(slot), region.dtype,
+                                      region.slot_shape)
+            self._views[key] = view
+        return view
 
     def x(self, slot: int, rank: Optional[int] = None):
         """Zero-copy ``[T, H]`` view of ``x`` in ``rank``'s (default: this rank's) ``slot``."""
@@ -481,6 +488,7 @@ class Ring:
             return
         self.closed = True
         self._open_call = None
+        self._views.clear()
         if not self.ctx.closed:
             self._backend.barrier()
             self._backend.free(self._alloc)

@@ -34,6 +34,7 @@ ranks on two cores still make progress (a spinning rank would starve the very pr
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Dict, List, Tuple
@@ -178,7 +179,7 @@ class HostBackend(Backend):
         self._check_alloc(alloc)
         self._check_rank(rank)
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         end = offset + count * dtype.itemsize
         if offset < 0 or end > alloc.nbytes:
             raise ConfigError(f"view [{offset}, {end}) of {count} x {dtype}: expected within the "
@@ -188,9 +189,14 @@ class HostBackend(Backend):
         return alloc.segments[rank][offset:end].view(dtype).reshape(shape)
 
     def _word(self, alloc: HostAllocation, offset: int, rank: int) -> np.ndarray:
-        if offset % 8:
-            raise ConfigError(f"offset={offset}: a 64-bit signal word must be 8-byte aligned")
-        return self.view(alloc, rank, offset, np.uint64, (1,))
+        """``rank``'s 64-bit word at ``offset`` as a 1-element uint64 view (validated; the hot path)."""
+        self._check_alloc(alloc)
+        self._check_rank(rank)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset % 8 \
+                or not 0 <= offset <= alloc.nbytes - 8:
+            raise ConfigError(f"offset={offset!r}: expected an 8-byte aligned word offset within the "
+                              f"allocation's {alloc.nbytes} bytes")
+        return alloc.segments[rank][offset:offset + 8].view(np.uint64)
 
     def _accumulate(self, alloc: HostAllocation, offset: int, value: int, rank: int, op) -> None:
         self._word(alloc, offset, rank)  # validates rank, offset and bounds

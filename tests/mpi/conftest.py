@@ -1,0 +1,89 @@
+"""Fixtures of the multi-process ring tests.
+
+These tests are ordinary pytest files: under ``mpiexec -n N python -m mpi4py -m pytest tests/mpi`` every
+rank runs every test (``-m mpi4py`` aborts all ranks if one dies instead of leaving them hanging), and a
+plain ``pytest`` run collects them too and runs them as a world of 1 (choice documented in
+docs/CPU_BACKEND.md: the one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py
+runs them with 2, 3 and 4 ranks). Every test reaches one verdict on all ranks (`verdict`).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+
+from symmring.context import init
+
+#: Base seed; ``SYMMRING_TEST_SEED`` changes it (every test derives its own streams from it).
+DEFAULT_SEED = 20261129
+
+
+@pytest.fixture(scope="session")
+def ctx():
+    """One host-backend context for the whole session (collective)."""
+    context = init("host")
+    yield context
+    context.close()
+
+
+@pytest.fixture(scope="session")
+def comm(ctx):
+    """The mpi4py communicator of the ranks (COMM_WORLD; a world of 1 under plain pytest)."""
+    return ctx.comm
+
+
+@pytest.fixture
+def seed(request):
+    """A per-test seed, the same on every rank."""
+    base = int(os.environ.get("SYMMRING_TEST_SEED", DEFAULT_SEED))
+    return base + sum(map(ord, request.node.name))
+
+
+@pytest.fixture
+def figure(comm, capsys):
+    """``figure(line)`` prints a figure line once (rank 0), bypassing pytest's capture so it shows up."""
+    def emit(line: str) -> None:
+        if comm.Get_rank() == 0:
+            with capsys.disabled():
+                print(line, flush=True)
+    return emit
+
+
+class Outcome:
+    """Runs a rank's part of a test, catching its exception so every rank reaches the collective verdict."""
+
+    def __init__(self):
+        self.error = ""
+        self.exception = None
+
+    def run(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported collectively by verdict()
+            self.exception = exc
+            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+            return None
+
+
+@pytest.fixture
+def outcome():
+    return Outcome()
+
+
+def verdict(comm, ok: bool, message: str = "") -> None:
+    """Collective assert: fails on every rank if it failed on any, showing each failing rank's message."""
+    from mpi4py import MPI
+    all_ok = comm.allreduce(int(bool(ok)), op=MPI.MIN)
+    messages = comm.allgather("" if ok else (message or "failed"))
+    if not all_ok:
+        detail = "\n".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+        pytest.fail(f"failed on ranks {[r for r, m in enumerate(messages) if m]}:\n{detail}", pytrace=False)
+
+
+@pytest.fixture
+def check():
+    """``check(comm, ok, message)``: the collective assert (`verdict`)."""
+    return verdict
+
