@@ -165,9 +165,10 @@ class Ring:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         # Every rank must lay the ring out identically, or offsets disagree between ranks.
         specs = ctx.comm.allgather(spec)
-        if any(other != spec for other in specs):
-            bad = [r for r, other in enumerate(specs) if other != spec]
-            raise ConfigError(f"spec={spec}: ranks {bad} passed a different RingSpec; expected the same on all")
+        odd_ranks = [r for r, other in enumerate(specs) if other != specs[0]]
+        if odd_ranks:
+            raise ConfigError(f"spec={spec} on rank {ctx.rank}: ranks {odd_ranks} passed a RingSpec different "
+                              f"from rank 0's {specs[0]}; expected the same spec on every rank")
         self.ctx = ctx
         self.spec = spec
         self.ack_policy = ack_policy
@@ -189,6 +190,12 @@ class Ring:
             masks[:, word_idx] = required
         self._backend.barrier()
         log.debug("rank %d: ring %s, %d bytes per rank", self.rank, spec, self.layout.nbytes)
+
+    @property
+    def allocation(self):
+        """The backend's symmetric allocation holding the ring (offsets from `layout`; for descriptors)."""
+        self._check_open()
+        return self._alloc
 
     # --- views ----------------------------------------------------------------------------------------
 

@@ -147,11 +147,13 @@ def check_chunk(stats: Stats, spec, view, src: int, gen: int, chunk: int, num_to
     _compare(stats, "topk_weights", view.topk_weights[:rows], weights[:rows], where)
 
 
-def produce(ring, call, chunk: int, num_tokens: int, routing: str, delay, order_rng) -> None:
-    """This rank's producer of ``chunk``: acquire, write, publish (route/layout in a random order)."""
+def produce(ring, call, chunk: int, num_tokens: int, routing: str, delay, order_rng, *, acquire=True) -> None:
+    """This rank's producer of ``chunk``: acquire (unless done), write, publish (route/layout in a random
+    order)."""
     spec = ring.spec
-    delay()  # before reuse
-    ring.acquire_slot(call, chunk)
+    if acquire:
+        delay()  # before reuse
+        ring.acquire_slot(call, chunk)
     gen = call.generation(chunk)
     num_valid = protocol.chunk_valid_tokens(num_tokens, chunk, spec.tokens_per_slot)
     idx, weights = expected_route(spec, ring.rank, gen, num_valid, routing)
@@ -237,3 +239,74 @@ def tokens_for(kind: str, world_size: int, tokens_per_slot: int) -> List[int]:
         "zero_all": [0] * world_size,
     }
     return table[kind]
+
+
+def bad_inputs(ring, call, chunk: int, other_call) -> List:
+    """``[(what, thunk)]``: calls that must each raise ConfigError before touching shared memory.
+
+    ``chunk`` must be acquired by this rank and not yet written; ``chunk + 1`` (if any) not acquired;
+    ``other_call`` is an open call of a different ring.
+    """
+    spec = ring.spec
+    t, k, h = spec.tokens_per_slot, spec.num_topk, spec.hidden
+    idx = np.zeros((t, k), np.int32)
+    weights = np.ones((t, k), np.float32)
+    x_dtype = np.uint8 if spec.x_elem_bytes == 1 else np.uint16
+    x = np.zeros((t, h), x_dtype)
+    x_sf = np.ones((t, spec.num_sf), np.float32) if spec.num_sf else None
+    bad_idx = idx.copy()
+    bad_idx[0, 0] = spec.num_experts
+    below_idx = idx.copy()
+    below_idx[-1, -1] = -2
+    src = ring.rank
+    route = ring.write_route
+    cases = [
+        ("topk_idx wrong shape", lambda: route(call, chunk, idx[:, :k - 1] if k > 1 else idx[:1], weights, 0, t)),
+        ("topk_idx float dtype", lambda: route(call, chunk, idx.astype(np.float32), weights, 0, t)),
+        ("expert id == num_experts", lambda: route(call, chunk, bad_idx, weights, 0, t)),
+        ("expert id < -1", lambda: route(call, chunk, below_idx, weights, 0, t)),
+        ("topk_weights float64", lambda: route(call, chunk, idx, weights.astype(np.float64), 0, t)),
+        ("num_valid > tokens_per_slot", lambda: route(call, chunk, np.zeros((t + 1, k), np.int32),
+                                                       np.ones((t + 1, k), np.float32), 0, t + 1)),
+        ("num_valid negative", lambda: route(call, chunk, idx, weights, 0, -1)),
+        ("num_valid not an int", lambda: route(call, chunk, idx, weights, 0, float(t))),
+        ("token_base negative", lambda: route(call, chunk, idx, weights, -t, t)),
+        ("rows != num_valid", lambda: route(call, chunk, idx, weights, 0, t - 1)),
+        ("chunk == num_chunks", lambda: route(call, call.num_chunks, idx, weights, 0, t)),
+        ("chunk negative", lambda: route(call, -1, idx, weights, 0, t)),
+        ("call of another ring", lambda: route(other_call, chunk, idx, weights, 0, t)),
+        ("not a call", lambda: route(None, chunk, idx, weights, 0, t)),
+        ("x wrong hidden", lambda: ring.write_layout(call, chunk, x[:, :-8], x_sf)),
+        ("x too many rows", lambda: ring.write_layout(call, chunk, np.zeros((t + 1, h), x_dtype), x_sf)),
+        ("x float32", lambda: ring.write_layout(call, chunk, x.astype(np.float32), x_sf)),
+        ("x 1-D", lambda: ring.write_layout(call, chunk, x.reshape(-1), x_sf)),
+        ("publish_route before write_route", lambda: ring.publish_route(call, chunk)),
+        ("wait_ready src_rank == world_size", lambda: ring.wait_ready(call, chunk, ring.world_size)),
+        ("wait_ready src_rank negative", lambda: ring.wait_ready(call, chunk, -1)),
+        ("read before wait_ready", lambda: ring.read(call, chunk, src)),
+        ("ack before wait_ready", lambda: ring.ack(call, chunk, src)),
+        ("acquire twice", lambda: ring.acquire_slot(call, chunk)),
+        ("begin_call while a call is open", lambda: ring.begin_call(1)),
+        ("view slot out of range", lambda: ring.x(spec.num_slots)),
+        ("view rank out of range", lambda: ring.meta(0, ring.world_size)),
+    ]
+    if spec.num_sf:
+        cases += [
+            ("x_sf missing for fp8", lambda: ring.write_layout(call, chunk, x, None)),
+            ("x_sf wrong shape", lambda: ring.write_layout(call, chunk, x, x_sf[:, :0])),
+            ("x_sf float64", lambda: ring.write_layout(call, chunk, x, x_sf.astype(np.float64))),
+        ]
+    else:
+        cases.append(("x_sf given for bf16", lambda: ring.write_layout(call, chunk, x, np.ones((t, 1), np.float32))))
+    if chunk + 1 < call.num_chunks:
+        cases += [
+            ("write_route before acquire_slot", lambda: route(call, chunk + 1, idx, weights, 0, t)),
+            ("write_layout before acquire_slot", lambda: ring.write_layout(call, chunk + 1, x, x_sf)),
+            ("publish_layout before acquire_slot", lambda: ring.publish_layout(call, chunk + 1)),
+        ]
+    return cases
+
+
+def own_bytes(ring) -> np.ndarray:
+    """A copy of this rank's whole ring allocation (to show a rejected call changed nothing)."""
+    return ring.ctx.backend.view(ring.allocation, ring.rank, 0, np.uint8, (ring.layout.nbytes,)).copy()
