@@ -203,8 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # The combine buffer of the largest size must fit the symmetric heap (default 1 GiB).
     need = max(t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2 for s in shapes for t in tokens[-1:])
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))
-    import symmring
-    ctx = symmring.init("nvshmem")
+    from ..context import init
+    ctx = init("nvshmem")
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
     try:
