@@ -34,8 +34,8 @@ Row independence: `row_matmul`, `swiglu`, `select_topk` and `combine_rows` compu
 from that token's inputs only, with elementwise NumPy operations in a fixed order, never with BLAS (whose
 blocking can change a row's rounding with the number of rows). Hence the expert-parallel layer gets
 bitwise the same values whether a token is computed in a whole batch or in a chunk. `reference_moe`
-itself uses float64 BLAS for the experts (a different evaluation order, so the test against it is not
-circular); its results agree with the row-independent ones to float32 rounding.
+itself evaluates the experts with float64 ``np.einsum`` (a different summation order, so the test
+against it is not circular); its results agree with the row-independent ones to float32 rounding.
 """
 
 from __future__ import annotations
@@ -270,6 +270,12 @@ def combine_rows(outputs: np.ndarray, topk_idx: np.ndarray, topk_weights: np.nda
 
 # --- the reference layer ------------------------------------------------------------------------------
 
+def _matmul_t64(a64: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``a64 @ w.T`` in float64 by ``np.einsum`` (its own SIMD loops; no BLAS thread pool, which on
+    oversubscribed CI cores -- several MPI ranks on two cores -- is several times slower)."""
+    return np.einsum("ti,oi->to", a64, w.astype(np.float64), optimize=False)
+
+
 @dataclasses.dataclass
 class ReferenceResult:
     """Output and intermediates of `reference_moe`.
@@ -381,10 +387,10 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         if rows.size == 0:
             continue
         h64 = x_deq[rows].astype(np.float64)
-        gate = (h64 @ w_gate[expert].astype(np.float64).T).astype(np.float32)
-        up = (h64 @ w_up[expert].astype(np.float64).T).astype(np.float32)
+        gate = _matmul_t64(h64, w_gate[expert]).astype(np.float32)
+        up = _matmul_t64(h64, w_up[expert]).astype(np.float32)
         act64 = swiglu(gate, up).astype(np.float64)
-        expert_out[rows, ks] = (act64 @ w_down[expert].astype(np.float64).T).astype(np.float32)
+        expert_out[rows, ks] = _matmul_t64(act64, w_down[expert]).astype(np.float32)
     y = combine_rows(expert_out, idx, weights)
     return ReferenceResult(y=y, topk_idx=idx, topk_weights=weights, x_q=x_q, x_sf=x_sf, x_deq=x_deq,
                            logits=logits, expert_out=expert_out)
