@@ -17,10 +17,10 @@ import symmring
 from symmring import BackendError, ConfigError, ProtocolTimeout, RingClosedError, RingSpec, protocol
 from symmring.backends.host import HostBackend
 from symmring.context import init
-from symmring.ring import Ring
+from symmring.ring import ChunkView, Ring
 
 sys.path.insert(0, str(Path(__file__).with_name("mpi")))
-from ringdriver import bad_inputs, own_bytes  # noqa: E402
+from ringdriver import Stats, bad_inputs, check_chunk, expected_route, expected_sf, expected_x, own_bytes  # noqa: E402
 
 SEED = 20261129
 SPECS = {
@@ -302,3 +302,28 @@ def test_host_backend_primitives():
     backend.finalize()
     with pytest.raises(RingClosedError):
         backend.read_word(alloc, 8, 0)
+
+
+@pytest.mark.parametrize("field", ["x", "x_sf", "topk_idx", "topk_weights", "num_valid"])
+def test_stress_checker_catches_one_wrong_element(field):
+    """The stress tests' checker reports a single flipped element (or a wrong count) at its coordinate."""
+    spec = SPECS["fp8"]
+    src, gen, chunk, num_tokens = 2, 41, 1, 2 * spec.tokens_per_slot - 3
+    num_valid = protocol.chunk_valid_tokens(num_tokens, chunk, spec.tokens_per_slot)
+    idx, weights = expected_route(spec, src, gen, num_valid, "uniform")
+    arrays = dict(x=expected_x(spec, src, gen, num_valid), x_sf=expected_sf(spec, src, gen, num_valid),
+                  topk_idx=idx, topk_weights=weights)
+    clean = Stats()
+    check_chunk(clean, spec, ChunkView(**arrays, token_base=spec.tokens_per_slot, num_valid=num_valid), src, gen,
+                chunk, num_tokens, "uniform", 0)
+    assert (clean.mismatches, clean.slot_uses_checked) == (0, 1) and clean.bytes_checked > 0
+    count = num_valid
+    if field == "num_valid":
+        count -= 1
+    else:
+        flat = arrays[field].reshape(-1).view(np.uint8)
+        flat[3] ^= 0x10
+    stats = Stats()
+    check_chunk(stats, spec, ChunkView(**arrays, token_base=spec.tokens_per_slot, num_valid=count), src, gen,
+                chunk, num_tokens, "uniform", 0)
+    assert stats.mismatches == 1 and field in stats.first_mismatch

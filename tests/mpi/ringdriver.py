@@ -73,7 +73,7 @@ class Stats:
 
     slot_uses_checked: int = 0  #: (source rank, chunk) pairs whose payload was compared
     bytes_checked: int = 0
-    mismatches: int = 0  #: differing elements (and metadata fields)
+    mismatches: int = 0  #: differing payload bytes, plus wrong metadata fields
     delays_injected: int = 0
     chunks_produced: int = 0
     min_uses_per_slot: int = 0  #: fewest uses of any of this rank's slots

@@ -26,9 +26,9 @@ from symmring.ring import Ring
 CI_WRAPS = 1000
 
 
-def _run(ctx, comm, spec, workload, seed, outcome, check, figure, name, ack_policy=None, **extra):
+def _run(ctx, comm, spec, workload, seed, outcome, check, figure, name, **extra):
     """Run ``workload`` on a fresh ring on every rank, print the figure line, and assert collectively."""
-    ring = Ring(ctx, spec, ack_policy=workload.ack_policy if ack_policy is None else ack_policy)
+    ring = Ring(ctx, spec, ack_policy=workload.ack_policy)
     comm.Barrier()
     start_s = time.monotonic()
     stats = outcome.run(run_workload, ring, workload, seed) or Stats()
