@@ -514,7 +514,6 @@ class ExpertParallelMoE:
 
     def _consume(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy, combine_gen: int) -> None:
         """Dispatch, compute and combine-write ``chunk`` of every rank; signal every owner."""
-        backend = self.ctx.backend
         pulls = []
         for src_rank in range(self.world_size):
             ring.wait_ready(call, chunk, src_rank)
@@ -536,13 +535,18 @@ class ExpertParallelMoE:
             if rows.size:
                 # A remote store into the owner's combine buffer at the token's logical row.
                 self._combine_out(src_rank)[token_base + rows, ks] = out[sources == src_rank]
-        # Release: the combine writes above are visible before the signals; pairs with _reduce's acquire.
-        backend.fence()
-        for src_rank in range(self.world_size):
-            backend.signal_set(self._combine, self.rank * _WORD_BYTES, combine_gen, src_rank)
+        self._signal_combine(combine_gen)
         if ack_policy == AckPolicy.CONSERVATIVE:
             for src_rank in range(self.world_size):
                 ring.ack(call, chunk, src_rank)  # release: after this chunk's combine was signalled
+
+    def _signal_combine(self, combine_gen: int) -> None:
+        """Tell every owner that this rank's combine stores of the current chunk are complete."""
+        backend = self.ctx.backend
+        # Release: the combine stores are visible before the signals; pairs with the acquire in _reduce.
+        backend.fence()
+        for owner in range(self.world_size):
+            backend.signal_set(self._combine, self.rank * _WORD_BYTES, combine_gen, owner)
 
     def _expert(self, local_idx: int, h: np.ndarray) -> np.ndarray:
         """L1 (gate | up) -> SwiGLU -> L2 for rows ``h`` of one local expert (row-independent)."""

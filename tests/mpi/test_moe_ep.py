@@ -296,3 +296,35 @@ def test_constructor_rejects_on_every_rank(ctx, comm, seed, outcome, check):
     expect_config_error(ctx, comm, outcome, check, lambda: ExpertParallelMoE(
         ctx, MoEShapes(HIDDEN, world, 1), w, w, bad_down), "w_down")
     expect_config_error(ctx, comm, outcome, check, lambda: MoEShapes(HIDDEN, 4, 5), "num_topk")
+
+
+@pytest.mark.mpi
+def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outcome, check, figure):
+    """A consumer that never signals its combine (a broken rank) makes every owner's bounded combine wait
+    expire with a ProtocolTimeout that names it, instead of hanging."""
+    from symmring.errors import ProtocolTimeout
+    world, rank = comm.Get_size(), comm.Get_rank()
+    case = Case("stall", 2, "router")
+    counts, x, weights, routing, options, _ = make_problem(case, world, seed)
+    counts = [max(n, 1) for n in counts]
+    x = np.random.default_rng(seed + 2).standard_normal((sum(counts), HIDDEN), dtype=np.float32)
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    broken = world - 1
+    timeout_s = 1.0
+    layer = ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, 2), *shard_experts(*weights, rank, world),
+                              timeout_s=timeout_s)
+    if rank == broken:
+        layer._signal_combine = lambda combine_gen: None  # the mutant: combine stores never signalled
+    start_s = time.monotonic()
+    try:
+        outcome.run(layer.forward, x[lo:hi], router_weight=routing["router_weight"])
+    finally:
+        elapsed_s = time.monotonic() - start_s
+        layer.close()
+    exc = outcome.exception
+    ok = (isinstance(exc, ProtocolTimeout) and exc.kind == "combine" and broken in exc.missing_ranks
+          and exc.rank == rank and elapsed_s < 10 * timeout_s)
+    figure(f"moe_ep[stalled combine]: ranks={world} broken rank {broken}: rank 0 got "
+           f"{type(exc).__name__}: {exc} after {elapsed_s:.2f} s")
+    check(comm, ok, f"expected ProtocolTimeout('combine') naming rank {broken} within {10 * timeout_s} s, got "
+          f"{exc!r} after {elapsed_s:.2f} s")
