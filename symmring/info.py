@@ -112,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()
-        library = MPI.Get_library_version().strip().splitlines()[0]
+        # Open MPI's version string carries a trailing NUL byte.
+        library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         lines.append(f"mpi4py: {_module_version('mpi4py')}; MPI library: {library}; world size "
                      f"{MPI.COMM_WORLD.Get_size()}")
     except Exception as exc:  # noqa: BLE001
