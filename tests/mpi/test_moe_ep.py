@@ -328,3 +328,32 @@ def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outco
            f"{type(exc).__name__}: {exc} after {elapsed_s:.2f} s")
     check(comm, ok, f"expected ProtocolTimeout('combine') naming rank {broken} within {10 * timeout_s} s, got "
           f"{exc!r} after {elapsed_s:.2f} s")
+
+
+@pytest.mark.mpi
+def test_demo_and_info_commands(ctx, comm, check, capsys):
+    """``python -m symmring demo`` ends with ``demo: PASS`` and exit 0 on every rank (small sizes), bad
+    arguments end with ``demo: FAIL`` and exit 2; ``info`` names the backend auto would pick."""
+    from symmring import demo, info
+    rank = comm.Get_rank()
+    small = ["--tokens", "9", "--hidden", "128", "--experts", "12", "--topk", "2", "--inter", "16",
+             "--tokens-per-slot", "4", "--repeats", "1", "--backend", "host"]
+    rc_pass = demo.main(small)
+    out_pass = capsys.readouterr().out.strip().splitlines()
+    rc_fail = demo.main(small + ["--topk", "0"])
+    out_fail = capsys.readouterr().out.strip().splitlines()
+    rc_info = info.main([])
+    out_info = capsys.readouterr().out
+    errors = []
+    if rc_pass != 0 or rc_fail != 2 or rc_info != 0:
+        errors.append(f"exit statuses demo={rc_pass} (0), bad demo={rc_fail} (2), info={rc_info} (0)")
+    if rank == 0:
+        if not out_pass or not out_pass[-1].startswith("demo: PASS"):
+            errors.append(f"demo's last line: {out_pass[-1:]}")
+        if not out_fail or not out_fail[-1].startswith("demo: FAIL --topk=0"):
+            errors.append(f"bad demo's last line: {out_fail[-1:]}")
+        if "backend (auto): " not in out_info or "numpy: " not in out_info:
+            errors.append(f"info output: {out_info!r}")
+    elif out_pass or out_fail or out_info:
+        errors.append("ranks other than 0 must print nothing")
+    check(comm, not errors, "; ".join(errors))
