@@ -22,8 +22,12 @@ enum WordOp : int { kOpSet = 0, kOpAdd = 1, kOpOr = 2 };
 // Comparisons of word_wait (runtime._CMP_CODES, the order of backends.base.CMP).
 enum WordCmp : int { kCmpEq = 0, kCmpNe = 1, kCmpGe = 2, kCmpGt = 3, kCmpLe = 4, kCmpLt = 5 };
 
-// Grid-strided copy of `num_bytes` bytes, 16 bytes per load/store when both ends allow it. Plain
-// (coherent) loads: slot memory is rewritten between generations, so never the non-coherent path.
+// Loads each thread keeps in flight per step of copy_bytes (memory-level parallelism).
+constexpr int kCopyUnroll = 4;
+
+// Grid-strided copy of `num_bytes` bytes, 16 bytes per load/store when both ends allow it, kCopyUnroll
+// independent loads in flight per thread. Plain (coherent) loads: slot memory is rewritten between
+// generations, so never the non-coherent path.
 __device__ inline void copy_bytes(void* dst, const void* src, uint64_t num_bytes, uint64_t thread_idx,
                                   uint64_t num_threads) {
     const bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | num_bytes) & 15) == 0;
@@ -31,7 +35,15 @@ __device__ inline void copy_bytes(void* dst, const void* src, uint64_t num_bytes
         auto* d = static_cast<int4*>(dst);
         auto* s = static_cast<const int4*>(src);
         const uint64_t n = num_bytes / 16;
-        for (uint64_t i = thread_idx; i < n; i += num_threads) d[i] = s[i];
+        uint64_t i = thread_idx;
+        for (; i + (kCopyUnroll - 1) * num_threads < n; i += kCopyUnroll * num_threads) {
+            int4 v[kCopyUnroll];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) v[u] = s[i + u * num_threads];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) d[i + u * num_threads] = v[u];
+        }
+        for (; i < n; i += num_threads) d[i] = s[i];
     } else {
         auto* d = static_cast<uint8_t*>(dst);
         auto* s = static_cast<const uint8_t*>(src);

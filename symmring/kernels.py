@@ -23,6 +23,7 @@ untouched.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Dict, Optional
 
 import numpy as np
@@ -38,16 +39,20 @@ logger = logging.getLogger(__name__)
 PRODUCE_ACQUIRE, PRODUCE_ROUTE, PRODUCE_LAYOUT = 1, 2, 4
 #: Option of a consume launch (device/ring.cu ConsumeFlags).
 CONSUME_ACK = 1
-#: Most blocks a spinning kernel gets by default (an H200 has 132 SMs).
-MAX_SPIN_BLOCKS = 16
+#: Most blocks a spinning kernel gets by default (an H200 has 132 SMs): the rest stay free for producers
+#: and compute. Pass ``num_blocks`` (up to the SM count) to pull large slots at full bandwidth.
+MAX_SPIN_BLOCKS = 32
 #: Threads per block of the ready-made kernels.
-THREADS_PER_BLOCK = 256
+THREADS_PER_BLOCK = 512
 _PARTS = {"route": PRODUCE_ROUTE, "layout": PRODUCE_LAYOUT, "both": PRODUCE_ROUTE | PRODUCE_LAYOUT}
 
 
 def _cupy():
     import cupy
     return cupy
+
+
+_external_streams: Dict[int, object] = {}
 
 
 def as_stream(stream):
@@ -60,7 +65,13 @@ def as_stream(stream):
         return stream
     handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream
     if isinstance(handle, (int, np.integer)):
-        return cupy.cuda.ExternalStream(int(handle))
+        handle = int(handle)
+        wrapped = _external_streams.get(handle)
+        if wrapped is None:
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for protocol objects
+                warnings.simplefilter("ignore", DeprecationWarning)
+                wrapped = _external_streams[handle] = cupy.cuda.ExternalStream(handle)
+        return wrapped
     raise ConfigError(f"stream={stream!r}: expected None, a CuPy stream, a torch.cuda.Stream or a "
                       "cudaStream_t handle (int)")
 
@@ -222,6 +233,9 @@ class RingKernels:
         self.counters = cupy.zeros(S * 4 + S * R, dtype=cupy.uint32)
         self._module = backend.ring_module()
         self._x_dtype = self.layout["x"].dtype
+        # The descriptor copy and the zeroed counters ran on CuPy's stream; kernels may be launched on any
+        # (non-blocking) stream next, so they must be complete now.
+        cupy.cuda.runtime.deviceSynchronize()
 
     @classmethod
     def for_ring(cls, ring) -> "RingKernels":
@@ -251,14 +265,18 @@ class RingKernels:
 
     def new_outputs(self) -> Dict[str, object]:
         """Receive buffers for one chunk: ``x`` [T, H], ``x_sf`` [T, num_sf], ``topk_idx`` [T, K],
-        ``topk_weights`` [T, K], ``meta`` [4] int64 (token_base, num_valid, chunk_idx, generation)."""
+        ``topk_weights`` [T, K], ``meta`` [4] int64 (token_base, num_valid, chunk_idx, generation).
+
+        Zero-filled and complete on return (synchronised), so any stream may use them at once."""
         cupy = _cupy()
         s = self.spec
-        return {"x": cupy.zeros((s.tokens_per_slot, s.hidden), dtype=self._x_dtype),
+        outputs = {"x": cupy.zeros((s.tokens_per_slot, s.hidden), dtype=self._x_dtype),
                 "x_sf": cupy.zeros((s.tokens_per_slot, max(s.num_sf, 1)), dtype=cupy.float32),
                 "topk_idx": cupy.zeros((s.tokens_per_slot, s.num_topk), dtype=cupy.int32),
                 "topk_weights": cupy.zeros((s.tokens_per_slot, s.num_topk), dtype=cupy.float32),
                 "meta": cupy.zeros((META_COLUMNS,), dtype=cupy.int64)}
+        cupy.cuda.runtime.deviceSynchronize()  # zero fills ran on CuPy's stream
+        return outputs
 
     # --- producer -------------------------------------------------------------------------------------
 
@@ -329,6 +347,8 @@ class RingKernels:
                 num_blocks: Optional[int] = None, generation_override: int = 0) -> None:
         """Enqueue: wait for ``src_rank``'s chunk, pull its valid rows into ``out`` (`new_outputs`), and
         (``ack``) acknowledge it. ``out["meta"]`` receives token_base, num_valid, chunk_idx, generation.
+        Like every launcher here it only orders against ``stream``: buffers written on another stream
+        must be made ready for it by the caller (event or synchronisation).
 
         Raises ConfigError for a bad chunk, rank or buffer (nothing enqueued).
         """

@@ -2,7 +2,8 @@
 
 What it does around ``mpirun -n N cmd ...``:
 
-* exports ``NVSHMEM_DISABLE_NVLS=1`` and ``NVSHMEM_REMOTE_TRANSPORT=none`` (unless already set);
+* exports ``NVSHMEM_DISABLE_NVLS=1``, ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``CUDA_MODULE_LOADING=EAGER``
+  (spinning kernels and lazy kernel loading can deadlock) unless already set;
 * maps local ranks to GPUs: every rank runs through a small shim (``--rank-shim``) that sets
   ``CUDA_VISIBLE_DEVICES`` to GPU ``local_rank % num_gpus`` of the GPUs visible to the launcher, so
   ranks beyond the GPU count share GPUs (several PEs per GPU);
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 #: Environment every rank gets (unless the user set it).
-NVSHMEM_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
+NVSHMEM_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none", "CUDA_MODULE_LOADING": "EAGER"}
 #: Variables naming a process's rank within its node, by MPI launcher.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPIR_CVAR_LOCAL_RANK",
                    "SLURM_LOCALID")

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 #: Environment variables set before NVSHMEM init unless the user set them (NVLink multicast stays off;
 #: a single node needs no remote transport).
 NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
+#: Set before the first CUDA call of the process unless the user set it: with lazy loading (CUDA's
+#: default) the first launch of a kernel may wait for running kernels, and symmring's kernels spin on
+#: each other across streams and PEs (CUDA's lazy-loading notes name exactly this deadlock).
+CUDA_ENV_DEFAULTS = {"CUDA_MODULE_LOADING": "EAGER"}
 
 _WORD_OPS = {"set": 0, "add": 1, "or": 2}  # device/ring.cu WordOp
 _CMP_CODES = {name: code for code, name in enumerate(CMP)}  # device/ring.cu WordCmp (order of base.CMP)
@@ -47,8 +51,12 @@ _quiet_lock = threading.Lock()
 def gpu_available() -> bool:
     """Whether the nvshmem backend can run here: CuPy with a visible CUDA device, nvshmem4py and the
     nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
+    Sets ``CUDA_MODULE_LOADING=EAGER`` unless set (see `CUDA_ENV_DEFAULTS`), since it may be the first
+    CUDA call of the process.
     """
     try:
+        for key, value in CUDA_ENV_DEFAULTS.items():  # before CUDA initialises in this process
+            os.environ.setdefault(key, value)
         for module in ("cupy", "nvshmem", "nvidia.nvshmem"):
             if importlib.util.find_spec(module) is None:
                 return False

@@ -20,27 +20,34 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER
 export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"  # absolute: mpirun's ranks get it too
 if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 # The GPU tests of the runtime (GPU_TESTS overrides, e.g. GPU_TESTS=tests/gpu for every GPU test).
 read -r -a TESTS <<<"${GPU_TESTS:-tests/gpu/test_runtime.py tests/gpu/test_kernels.py tests/gpu/test_soak.py tests/gpu/test_ring_gpu.py}"
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs)
-MPI_PYTEST=("$PY" -m mpi4py -m pytest -q -p no:cacheprovider -rfEs)
+# -o faulthandler_timeout: a test that hangs dumps every thread's stack into the log before the stage limit.
+PYTEST_OPTS=(-q -s -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=100)
+PYTEST=("$PY" -m pytest "${PYTEST_OPTS[@]}")
+MPI_PYTEST=("$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}")
 summary=()
 
 stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS first
   echo "=== $name: $*" | tee -a "$LOG"
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  first=$(($(wc -l <"$LOG") + 1))
+  if declare -F "$1" >/dev/null; then  # a function of this script: run it in a child bash
+    timeout --signal=TERM --kill-after=15 "$limit" bash -c "$(declare -f "$1"); PY='$PY'; $1" >>"$LOG" 2>&1
+  else
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  fi
   local rc=$?
   local line
-  line=$(grep -E "passed|failed|error|skipped" "$LOG" | tail -n 1)
+  line=$(tail -n "+$first" "$LOG" | grep -aE "passed|failed|error|skipped" | tail -n 1)
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
   echo "--- $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$LOG"
   tail -n 15 "$LOG"
@@ -88,4 +95,4 @@ done
 echo
 echo "==================== gpu_check summary ($(date -u +%FT%TZ))"
 printf '%s\n' "${summary[@]}"
-grep -hE "^(soak|graph replay)|publish->observe|pull, |copy \(D2D" "$LOG" | sort -u
+grep -ahE "^(soak|graph replay)|publish->observe|pull, |copy \(D2D" "$LOG" | sort -u

@@ -118,7 +118,8 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
                                                                        cupy.cuda.get_current_stream().ptr),
                                  repeats, hold)
             figures["copy_GBps"] = 2 * num_bytes / copy_ms / 1e6  # bytes read + written
-            for label, blocks in (("spin_budget", MAX_SPIN_BLOCKS), ("all_sms", backend.num_sms)):
+            for label, blocks in (("spin_budget", MAX_SPIN_BLOCKS), ("all_sms", backend.num_sms),
+                                  ("two_per_sm", 2 * backend.num_sms)):
                 k.consume(0, src, out, ack=False, num_blocks=blocks)  # warm-up
                 pull_ms = _median_ms(lambda: k.consume(0, src, out, ack=False, num_blocks=blocks), repeats, hold)
                 figures[f"pull_{label}_blocks"] = blocks
@@ -159,7 +160,7 @@ def format_table(figures: Dict[str, object]) -> str:
             ("publish->observe, one way", f"{lat:.2f} us ({where}; goal <= {GOAL_LATENCY_US} us)" if lat else "failed")]
     if pull:
         rows.append(("copy (D2D, same bytes)", f"{pull['copy_GBps']:.0f} GB/s ({pull['bytes'] / 1e6:.1f} MB)"))
-        for label in ("spin_budget", "all_sms"):
+        for label in ("spin_budget", "all_sms", "two_per_sm"):
             rows.append((f"pull, {pull[f'pull_{label}_blocks']} blocks",
                          f"{pull[f'pull_{label}_GBps']:.0f} GB/s = {pull[f'pull_{label}_ratio']:.2f} of copy "
                          f"(goal >= {GOAL_PULL_RATIO})"))

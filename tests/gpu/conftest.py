@@ -10,7 +10,7 @@ and with several PEs (one GPU shared under CUDA MPS, or one GPU each)::
     python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
 
 Every rank runs every test in the same order (they are collective) and reaches the same verdict
-(`gpu_helpers.all_ok`). ``tools/gpu_check.sh`` runs all of it on the GPU machine.
+(`gpu_helpers.collective`: one allgather of every rank's outcome per test). ``tools/gpu_check.sh`` runs all of it on the GPU machine.
 """
 
 from __future__ import annotations

@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import numpy as np
 from mpi4py import MPI
 
 from symmring import protocol
 from symmring.kernels import DeviceRing
 from symmring.layout import RingSpec
+
+
+def collective(test):
+    """Decorator: run the test body, then agree on one verdict over all ranks (one allgather).
+
+    The body asserts locally and must not call a collective after anything that can raise, except in
+    ``finally`` blocks that every rank runs (closing a ring); so a failure on one rank fails the test on
+    every rank, with each failing rank's message, instead of leaving the others in a collective.
+    """
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        error = None
+        try:
+            test(*args, **kwargs)
+        except Exception as exc:  # pytest's skip/fail outcomes are BaseException and pass through
+            error = exc
+        reports = MPI.COMM_WORLD.allgather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+        if failed:
+            raise AssertionError(f"failed on ranks {sorted(failed)}: " +
+                                 "; ".join(f"rank {r}: {m}" for r, m in failed.items())) from error
+    return wrapper
+
+
+def errors_of(kernels) -> Optional[str]:
+    """The ProtocolTimeout a ring's device error record holds, as text (None when clean); never raises
+    it, so every rank goes on to the same collectives."""
+    from symmring.errors import ProtocolTimeout
+    try:
+        kernels.check_errors()
+    except ProtocolTimeout as exc:
+        return str(exc)
+    return None
 
 
 def all_ok(flag: bool) -> bool:
@@ -43,22 +79,27 @@ def chunk_data(spec: RingSpec, seed: int, src_rank: int, chunk: int, num_valid: 
 
 
 def user_buffers(spec: RingSpec):
-    """Source tensors for user_fill (uint32 words) of one chunk, all T rows."""
+    """Source tensors for user_fill (uint32 words) of one chunk, all T rows (ready on return)."""
     import cupy
     T = spec.tokens_per_slot
-    return {"x": cupy.zeros((T, spec.hidden * spec.x_elem_bytes // 4), dtype=cupy.uint32),
+    buffers = {"x": cupy.zeros((T, spec.hidden * spec.x_elem_bytes // 4), dtype=cupy.uint32),
             "x_sf": cupy.zeros((T, max(spec.num_sf, 1)), dtype=cupy.uint32),
             "topk_idx": cupy.zeros((T, spec.num_topk), dtype=cupy.uint32),
             "topk_weights": cupy.zeros((T, spec.num_topk), dtype=cupy.uint32)}
+    cupy.cuda.runtime.deviceSynchronize()  # zero fills ran on CuPy's stream; the tests use torch streams
+    return buffers
 
 
 def enqueue_step(ring: DeviceRing, user_module, num_chunks: int, srcs, inputs, outputs, stats, stream, *,
-                 generation_override_base: int = 0, skip_produce: bool = False) -> None:
+                 generation_override_base: Optional[int] = None, skip_produce: bool = False) -> None:
     """Enqueue one call on one stream in protocol.enqueue_order: fill + produce each chunk of this PE
     (ready-made producer), consume + check each chunk of every source (ready-made consumer, user check),
-    then end_call. ``generation_override_base``: bake generations (the graph control)."""
+    then end_call. ``generation_override_base`` (not None): bake generations base + chunk + 1 into the
+    producer launches (the graph control)."""
     import cupy
+    from symmring.kernels import as_stream
     k = ring.kernels
+    launch_stream = as_stream(stream)
     spec = ring.spec
     rank = ring.backend.rank
     fill = user_module.function("user_fill")
@@ -70,8 +111,8 @@ def enqueue_step(ring: DeviceRing, user_module, num_chunks: int, srcs, inputs, o
             buf = inputs[chunk % len(inputs)]
             nv = user_num_valid(rank, chunk, spec.tokens_per_slot)
             fill((4,), (256,), (k.desc, np.int32(chunk), buf["x"], buf["x_sf"], buf["topk_idx"],
-                                buf["topk_weights"]), stream=stream)
-            gen = generation_override_base + chunk + 1 if generation_override_base else 0
+                                buf["topk_weights"]), stream=launch_stream)
+            gen = 0 if generation_override_base is None else protocol.generation(generation_override_base, chunk)
             k.produce(chunk, x=buf["x"][:nv].view(cupy.uint16 if spec.x_elem_bytes == 2 else cupy.uint8)
                       .reshape(nv, spec.hidden),
                       x_sf=buf["x_sf"][:nv].view(cupy.float32) if spec.num_sf else None,
@@ -84,5 +125,5 @@ def enqueue_step(ring: DeviceRing, user_module, num_chunks: int, srcs, inputs, o
                 out = outputs[(chunk, src)]
                 k.consume(chunk, src, out, stream=stream)
                 check((1,), (256,), (k.desc, np.int32(chunk), np.int32(src), out["x"], out["x_sf"],
-                                     out["topk_idx"], out["topk_weights"], out["meta"], stats), stream=stream)
+                                     out["topk_idx"], out["topk_weights"], out["meta"], stats), stream=launch_stream)
     k.end_call(num_chunks, stream=stream)

@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (and a GPU, nvshmem4py); skipped here")
 
-from gpu_helpers import (all_ok, chunk_data, enqueue_step, small_spec, total,  # noqa: E402
+from gpu_helpers import (chunk_data, collective, enqueue_step, errors_of, small_spec, total,  # noqa: E402
                          user_buffers, user_num_valid)
 from symmring import protocol  # noqa: E402
 from symmring.errors import ConfigError, ProtocolTimeout  # noqa: E402
@@ -42,10 +42,11 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
         base = k.gen_base()
         producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
         rng = np.random.default_rng([seed, me, 99])
-        inputs, outputs = {}, {}
+        inputs = {}
         for chunk in range(num_chunks):
             nv = user_num_valid(me, chunk, spec.tokens_per_slot)
             inputs[chunk] = [_to_torch(a) for a in chunk_data(spec, seed, me, chunk, nv)]
+        outputs = {(c, src): k.new_outputs() for c in range(num_chunks) for src in range(R)}  # ready now
         torch.cuda.synchronize()
         for op, chunk in protocol.enqueue_order(num_chunks, spec.num_slots):
             if op == "produce":
@@ -57,7 +58,7 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
                           token_base=chunk * spec.tokens_per_slot, num_valid=x.shape[0], stream=producer)
             else:
                 for src in range(R):
-                    out = outputs[(chunk, src)] = k.new_outputs()
+                    out = outputs[(chunk, src)]
                     with torch.cuda.stream(consumer):
                         if delays:
                             torch.cuda._sleep(int(rng.integers(0, 200_000)))
@@ -68,8 +69,8 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
                         k.ack(chunk, src, stream=consumer)
         torch.cuda.synchronize()
         k.end_call(num_chunks)
-        k.check_errors()
-        problems = []
+        error = errors_of(k)
+        problems = [error] if error else []
         for (chunk, src), out in outputs.items():
             nv = user_num_valid(src, chunk, spec.tokens_per_slot)
             x, x_sf, idx, w = chunk_data(spec, seed, src, chunk, nv)
@@ -83,18 +84,19 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
                 if diff:
                     problems.append(diff)
         gen_ok = k.gen_base() == protocol.next_base(base, num_chunks)
-        backend.barrier()
     finally:
         ring.close()
-    assert all_ok(not problems and gen_ok), problems[:5]
+    assert not problems and gen_ok, problems[:5]
 
 
 @pytest.mark.parametrize("x_format", ["bf16", "fp8_e4m3"])
+@collective
 def test_producer_and_consumer_on_two_streams_bitwise(backend, seed, x_format):
     _run_two_streams(backend, small_spec(x_format), seed, num_chunks=7, delays=False, conservative=False)
 
 
 @pytest.mark.parametrize("delay_seed", [1, 2, 3, 4])
+@collective
 def test_random_delays_and_conservative_acks(backend, seed, delay_seed):
     _run_two_streams(backend, small_spec("bf16"), seed + delay_seed, num_chunks=9, delays=True,
                      conservative=delay_seed % 2 == 0)
@@ -106,24 +108,26 @@ def _step_buffers(ring, num_chunks):
     return inputs, outputs
 
 
+@collective
 def test_cuda_graph_replays_match_eager_and_advance_generations(backend, user_module):
     torch = pytest.importorskip("torch")
     R = backend.world_size
     spec = small_spec("fp8_e4m3", tokens_per_slot=8)
     num_chunks, num_eager, num_replays = 5, 3, 1000
     ring = DeviceRing(backend, spec, timeout_s=20.0)
+    errors = []
     try:
         k = ring.kernels
         base = k.gen_base()
         inputs, outputs = _step_buffers(ring, num_chunks)
         stats = cupy.zeros(2, dtype=cupy.uint64)
+        cupy.cuda.runtime.deviceSynchronize()
         stream = torch.cuda.Stream()
         for _ in range(num_eager):
             enqueue_step(ring, user_module, num_chunks, range(R), inputs, outputs, stats, stream)
         torch.cuda.synchronize()
-        k.check_errors()
+        errors.append(errors_of(k))
         eager = [int(v) for v in stats.get()]
-        backend.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             enqueue_step(ring, user_module, num_chunks, range(R), inputs, outputs, stats, stream)
@@ -132,40 +136,41 @@ def test_cuda_graph_replays_match_eager_and_advance_generations(backend, user_mo
             graph.replay()
         torch.cuda.synchronize()
         replay_s = time.monotonic() - start
-        k.check_errors()
+        errors.append(errors_of(k))
         final = [int(v) for v in stats.get()]
         gen_ok = k.gen_base() == base + (num_eager + num_replays) * num_chunks
         # One more eager step after the replays: the eager path continues from the graph's generations.
         enqueue_step(ring, user_module, num_chunks, range(R), inputs, outputs, stats, stream)
         torch.cuda.synchronize()
-        k.check_errors()
+        errors.append(errors_of(k))
         after = [int(v) for v in stats.get()]
-        backend.barrier()
         del graph
     finally:
         ring.close()
     checks_per_step = num_chunks * R
-    ok = (eager == [0, num_eager * checks_per_step] and
-          final == [0, (num_eager + num_replays) * checks_per_step] and
-          after == [0, (num_eager + num_replays + 1) * checks_per_step] and gen_ok)
+    pulls, mismatches = total(final[1] - eager[1]), total(final[0])
     if backend.rank == 0:
         print(f"\ngraph replay: {num_replays} replays x {checks_per_step} chunk pulls on {R} PE(s), "
-              f"{total(final[1]) - total(eager[1])} pulls checked, {total(final[0])} mismatches, "
-              f"{replay_s * 1e6 / num_replays:.1f} us per replay")
-    assert all_ok(ok), (eager, final, after, gen_ok)
+              f"{pulls} pulls checked, {mismatches} mismatches, {replay_s * 1e6 / num_replays:.1f} us per replay")
+    assert not any(errors), errors
+    assert eager == [0, num_eager * checks_per_step], eager
+    assert final == [0, (num_eager + num_replays) * checks_per_step], final
+    assert after == [0, (num_eager + num_replays + 1) * checks_per_step], after
+    assert gen_ok
 
 
+@collective
 def test_graph_with_baked_generation_goes_stale_and_times_out(backend, user_module):
     torch = pytest.importorskip("torch")
     R = backend.world_size
     spec = small_spec("bf16", tokens_per_slot=8)
     num_chunks, timeout_s = 3, 0.5
     ring = DeviceRing(backend, spec, timeout_s=timeout_s)
-    outcome = "no error"
     try:
         k = ring.kernels
         inputs, outputs = _step_buffers(ring, num_chunks)
         stats = cupy.zeros(2, dtype=cupy.uint64)
+        cupy.cuda.runtime.deviceSynchronize()
         stream = torch.cuda.Stream()
         baked_base = k.gen_base()  # what a launch argument would freeze at capture time
         graph = torch.cuda.CUDAGraph()
@@ -175,33 +180,30 @@ def test_graph_with_baked_generation_goes_stale_and_times_out(backend, user_modu
         start = time.monotonic()
         graph.replay()   # first replay: the baked generations happen to be the right ones
         torch.cuda.synchronize()
-        first_ok = True
-        try:
-            k.check_errors()
-        except ProtocolTimeout:
-            first_ok = False
-        graph.replay()   # second replay: producers publish stale generations
+        first_error = errors_of(k)
+        first_checks = [int(v) for v in stats.get()]
+        graph.replay()   # second replay: producers publish the stale generations again
         torch.cuda.synchronize()
-        try:
-            k.check_errors()
-        except ProtocolTimeout as exc:
-            outcome = exc.kind
+        second_error = errors_of(k)
         elapsed = time.monotonic() - start
-        backend.barrier()
         del graph
         ring.reset()   # collective: the ring is usable again
         stats.fill(0)
+        cupy.cuda.runtime.deviceSynchronize()
         enqueue_step(ring, user_module, num_chunks, range(R), inputs, outputs, stats, stream)
         torch.cuda.synchronize()
-        k.check_errors()
-        usable = [int(v) for v in stats.get()] == [0, num_chunks * R]
-        backend.barrier()
+        after_reset_error = errors_of(k)
+        usable = [int(v) for v in stats.get()]
     finally:
         ring.close()
-    ok = first_ok and outcome in ("route_ready", "layout_ready") and elapsed < timeout_s * 4 + 10 and usable
-    assert all_ok(ok), (first_ok, outcome, elapsed, usable)
+    assert first_error is None and first_checks == [0, num_chunks * R], (first_error, first_checks)
+    assert second_error is not None and ("route_ready" in second_error or "layout_ready" in second_error), \
+        second_error
+    assert elapsed < timeout_s * 4 + 10, elapsed
+    assert after_reset_error is None and usable == [0, num_chunks * R], (after_reset_error, usable)
 
 
+@collective
 def test_stalled_pe_is_named_by_protocol_timeout_and_ring_recovers(backend, user_module):
     torch = pytest.importorskip("torch")
     R, me = backend.world_size, backend.rank
@@ -213,6 +215,7 @@ def test_stalled_pe_is_named_by_protocol_timeout_and_ring_recovers(backend, user
         k = ring.kernels
         inputs, outputs = _step_buffers(ring, 1)
         stats = cupy.zeros(2, dtype=cupy.uint64)
+        cupy.cuda.runtime.deviceSynchronize()
         stream = torch.cuda.Stream()
         start = time.monotonic()
         enqueue_step(ring, user_module, 1, range(R), inputs, outputs, stats, stream, skip_produce=me == stalled)
@@ -223,22 +226,24 @@ def test_stalled_pe_is_named_by_protocol_timeout_and_ring_recovers(backend, user
             k.check_errors()
         except ProtocolTimeout as exc:
             error = exc
-        named = error is not None and error.peer == stalled and error.rank == me and \
-            error.kind == "route_ready" and f"rank {stalled}" in str(error)
-        backend.barrier()
-        ring.reset()
+        ring.reset()   # collective
         stats.fill(0)
-        enqueue_step(ring, user_module, 2, range(R), inputs, _step_buffers(ring, 2)[1], stats, stream)
+        more_outputs = _step_buffers(ring, 2)[1]
+        cupy.cuda.runtime.deviceSynchronize()
+        enqueue_step(ring, user_module, 2, range(R), inputs, more_outputs, stats, stream)
         torch.cuda.synchronize()
-        k.check_errors()
-        usable = [int(v) for v in stats.get()] == [0, 2 * R]
-        backend.barrier()
+        after_reset_error = errors_of(k)
+        usable = [int(v) for v in stats.get()]
     finally:
         ring.close()
-    ok = named and timeout_s <= elapsed < timeout_s + 10 and usable
-    assert all_ok(ok), (str(error), elapsed, usable)
+    assert error is not None, "no ProtocolTimeout"
+    assert error.peer == stalled and error.rank == me and error.kind == "route_ready", str(error)
+    assert f"rank {stalled}" in str(error) and f"rank {me}:" in str(error), str(error)
+    assert timeout_s <= elapsed < timeout_s + 10, elapsed
+    assert after_reset_error is None and usable == [0, 2 * R], (after_reset_error, usable)
 
 
+@collective
 def test_bad_input_is_rejected_before_any_work_and_ring_stays_usable(backend, seed):
     torch = pytest.importorskip("torch")
     R, me = backend.world_size, backend.rank
@@ -270,14 +275,15 @@ def test_bad_input_is_rejected_before_any_work_and_ring_stays_usable(backend, se
                 rejected.append(False)
             except ConfigError:
                 rejected.append(True)
+        torch.cuda.synchronize()
         k.produce(0, **good)
         outs = {src: k.new_outputs() for src in range(R)}
         for src in range(R):
             k.consume(0, src, outs[src])
         k.end_call(1)
-        k.check_errors()
-        moved = all(np.array_equal(outs[src]["x"].get(), chunk_data(spec, seed, src, 0, nv)[0]) for src in range(R))
-        backend.barrier()
+        error = errors_of(k)
+        moved = [np.array_equal(outs[src]["x"].get(), chunk_data(spec, seed, src, 0, nv)[0]) for src in range(R)]
     finally:
         ring.close()
-    assert all_ok(all(rejected) and moved), rejected
+    assert all(rejected), rejected
+    assert error is None and all(moved), (error, moved)

@@ -10,10 +10,11 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (and a GPU, nvshmem4py); skipped here")
 
-from gpu_helpers import all_ok  # noqa: E402
+from gpu_helpers import collective  # noqa: E402
 from symmring.errors import ConfigError  # noqa: E402
 
 
+@collective
 def test_alloc_is_zero_and_peer_views_see_each_rank_bitwise(backend, seed):
     R, me = backend.world_size, backend.rank
     nbytes = 1 << 16
@@ -31,9 +32,10 @@ def test_alloc_is_zero_and_peer_views_see_each_rank_bitwise(backend, seed):
         backend.barrier()
     finally:
         backend.free(alloc)
-    assert all_ok(zero_ok and peers_ok), (zero_ok, peers_ok)
+    assert zero_ok and peers_ok, (zero_ok, peers_ok)
 
 
+@collective
 def test_torch_view_shares_memory_with_cupy_view(backend, seed):
     torch = pytest.importorskip("torch")
     alloc = backend.alloc(4096)
@@ -47,9 +49,10 @@ def test_torch_view_shares_memory_with_cupy_view(backend, seed):
         backend.barrier()
     finally:
         backend.free(alloc)
-    assert all_ok(ok)
+    assert ok
 
 
+@collective
 def test_word_primitives_across_ranks(backend, seed):
     R, me = backend.world_size, backend.rank
     alloc = backend.alloc(8 * (2 * R + 2))
@@ -71,9 +74,10 @@ def test_word_primitives_across_ranks(backend, seed):
         backend.barrier()
     finally:
         backend.free(alloc)
-    assert all_ok(ok)
+    assert ok
 
 
+@collective
 def test_wait_until_is_bounded_and_reports_what_it_saw(backend):
     alloc = backend.alloc(64)
     try:
@@ -86,9 +90,10 @@ def test_wait_until_is_bounded_and_reports_what_it_saw(backend):
         backend.barrier()
     finally:
         backend.free(alloc)
-    assert all_ok(ok), (satisfied, observed, elapsed)
+    assert ok, (satisfied, observed, elapsed)
 
 
+@collective
 def test_bad_arguments_raise_config_error_before_any_work(backend):
     alloc = backend.alloc(64)
     try:
@@ -109,4 +114,4 @@ def test_bad_arguments_raise_config_error_before_any_work(backend):
         backend.barrier()
     finally:
         backend.free(alloc)
-    assert all_ok(ok), raised
+    assert ok, raised

@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (and a GPU, nvshmem4py); skipped here")
 
-from gpu_helpers import all_ok, small_spec, total, user_num_valid  # noqa: E402
+from gpu_helpers import collective, errors_of, small_spec, total, user_num_valid  # noqa: E402
 from symmring.kernels import DeviceRing  # noqa: E402
 
 #: Slot uses (publications) over all PEs per soak.
@@ -21,6 +21,7 @@ SLOT_USES = 100_000
 
 
 @pytest.mark.parametrize("max_delay_ns", [0, 2000])
+@collective
 def test_soak_user_kernels_two_slot_ring(backend, user_module, seed, max_delay_ns):
     R = backend.world_size
     spec = small_spec("fp8_e4m3", num_slots=2, tokens_per_slot=8)
@@ -38,11 +39,10 @@ def test_soak_user_kernels_two_slot_ring(backend, user_module, seed, max_delay_n
         k.end_call(num_chunks)
         cupy.cuda.runtime.deviceSynchronize()
         elapsed = time.monotonic() - start
-        k.check_errors()
+        error = errors_of(k)
         mismatches, reads, checked_bytes, produced = (int(v) for v in stats.get())
         zero_chunks = sum(user_num_valid(backend.rank, c, spec.tokens_per_slot) == 0 for c in range(num_chunks))
         gen_ok = k.gen_base() == base + num_chunks
-        backend.barrier()
     finally:
         ring.close()
     uses, all_reads, all_mismatches = total(produced), total(reads), total(mismatches)
@@ -50,6 +50,6 @@ def test_soak_user_kernels_two_slot_ring(backend, user_module, seed, max_delay_n
         print(f"\nsoak (max delay {max_delay_ns} ns, {R} PE(s)): {uses} slot uses, {all_reads} slot reads, "
               f"{total(checked_bytes)} bytes checked, {total(zero_chunks)} zero-token chunks, "
               f"{all_mismatches} mismatches, {elapsed:.2f} s ({elapsed * 1e6 / num_chunks:.2f} us per chunk)")
-    ok = (mismatches == 0 and produced == num_chunks and reads == num_chunks * R and zero_chunks > 0 and gen_ok
-          and uses >= SLOT_USES)
-    assert all_ok(ok), (mismatches, produced, reads, zero_chunks, gen_ok)
+    assert error is None, error
+    assert mismatches == 0 and produced == num_chunks and reads == num_chunks * R, (mismatches, produced, reads)
+    assert zero_chunks > 0 and gen_ok and uses >= SLOT_USES, (zero_chunks, gen_ok, uses)
