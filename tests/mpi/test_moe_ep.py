@@ -310,11 +310,12 @@ def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outco
     x = np.random.default_rng(seed + 2).standard_normal((sum(counts), HIDDEN), dtype=np.float32)
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
     broken = world - 1
-    timeout_s = 1.0
+    timeout_s = 3.0  # short, yet long enough that the ready waits before the combine never expire
     layer = ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, 2), *shard_experts(*weights, rank, world),
                               timeout_s=timeout_s)
     if rank == broken:
         layer._signal_combine = lambda combine_gen: None  # the mutant: combine stores never signalled
+    comm.Barrier()
     start_s = time.monotonic()
     try:
         outcome.run(layer.forward, x[lo:hi], router_weight=routing["router_weight"])
