@@ -358,14 +358,18 @@ class ExpertParallelMoE:
         quant._check_x(x)
         if x.shape[1] != shapes.hidden:
             raise ConfigError(f"x.shape={x.shape}: expected [num_tokens, hidden={shapes.hidden}]")
-        # Validate the routing source once, on zero rows of it; chunks route their own rows later.
-        rows0 = slice(0, 0)
-        route(x[rows0], shapes.num_topk, shapes.num_experts, router_weight=router_weight,
-              logits=None if logits is None else logits[rows0] if _is_2d(logits) else logits,
-              topk_idx=None if topk_idx is None else topk_idx[rows0] if _is_2d(topk_idx) else topk_idx,
-              topk_weights=None if topk_weights is None else (
-                  topk_weights[rows0] if _is_2d(topk_weights) else topk_weights),
-              topk_method=self.topk_method, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor)
+        per_token = ("logits", "topk_idx", "topk_weights")
+        sources = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
+
+        def route_rows(rows: slice):
+            # Per-token sources are cut to ``rows``; a source that is not a 2-D array goes through as-is,
+            # so that route() names its type or shape.
+            cut = {k: (v[rows] if k in per_token and _is_2d(v) else v) for k, v in sources.items()}
+            return route(x[rows], shapes.num_topk, shapes.num_experts, topk_method=self.topk_method,
+                         bias=self.bias, routed_scaling_factor=self.routed_scaling_factor, **cut)[:2]
+
+        # Check the routing source on zero rows (no logits computed yet: chunks route their own rows).
+        route_rows(slice(0, 0))
         num_tokens = x.shape[0]
         for name, arr in (("logits", logits), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if arr is not None and arr.shape[0] != num_tokens:
@@ -375,8 +379,6 @@ class ExpertParallelMoE:
             route(x, shapes.num_topk, shapes.num_experts, topk_idx=topk_idx, topk_weights=topk_weights)
         if logits is not None and not np.all(np.isfinite(logits)):
             raise ConfigError("logits: expected finite values (found NaN or inf)")
-        if router_weight is not None and not np.all(np.isfinite(router_weight)):
-            raise ConfigError("router_weight: expected finite values (found NaN or inf)")
         if not isinstance(streaming, (bool, np.bool_)):
             raise ConfigError(f"streaming={streaming!r}: expected True or False")
         try:
@@ -401,13 +403,6 @@ class ExpertParallelMoE:
                                   "uses one slot holding the whole batch)")
             params = (False, None, None, ack_policy, None)
 
-        def route_rows(rows: slice):
-            return route(x[rows], shapes.num_topk, shapes.num_experts, router_weight=router_weight,
-                         logits=None if logits is None else logits[rows],
-                         topk_idx=None if topk_idx is None else topk_idx[rows],
-                         topk_weights=None if topk_weights is None else topk_weights[rows],
-                         topk_method=self.topk_method, bias=self.bias,
-                         routed_scaling_factor=self.routed_scaling_factor)[:2]
         return route_rows, params
 
     # --- symmetric memory -----------------------------------------------------------------------------
@@ -415,11 +410,8 @@ class ExpertParallelMoE:
     def _ring(self, num_slots: int, tokens_per_slot: int, ack_policy: AckPolicy, exact: bool) -> Ring:
         """A cached ring of ``num_slots`` slots; ``exact=False`` accepts any ``tokens_per_slot`` at least
         as large (the batch ring is reused while the batch fits). Collective (same arguments everywhere)."""
-        key = (num_slots, ack_policy)
-        ring = self._rings.pop(key, None) if not exact else None
-        if exact:
-            key = (num_slots, ack_policy, tokens_per_slot)
-            ring = self._rings.pop(key, None)
+        key = (num_slots, ack_policy, tokens_per_slot if exact else None)
+        ring = self._rings.pop(key, None)
         if ring is not None and ring.spec.tokens_per_slot < tokens_per_slot:
             ring.close()
             ring = None
