@@ -244,7 +244,8 @@ class RingKernels:
                       if getattr(ring, a, None) is not None), None)
         if alloc is None or getattr(ring.ctx.backend, "name", "") != "nvshmem":
             raise ConfigError("ring: expected a Ring on the nvshmem backend (with its allocation)")
-        return cls(ring.ctx.backend, ring.layout, alloc, timeout_s=ring.ctx.timeout_s)
+        return cls(ring.ctx.backend, ring.layout, alloc, timeout_s=getattr(ring, "timeout_s", ring.ctx.timeout_s),
+                   ack_policy=getattr(ring, "ack_policy", protocol.AckPolicy.EARLY))
 
     # --- helpers --------------------------------------------------------------------------------------
 
