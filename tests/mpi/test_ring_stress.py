@@ -72,6 +72,7 @@ def test_soak_two_slots_wrap(ctx, comm, seed, outcome, check, figure, ack_policy
 
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.timeout(0)  # minutes to hours by design: bounded by the protocol timeouts, not pytest-timeout
 def test_soak_long(ctx, comm, seed, outcome, check, figure):
     """The long soak: ``SYMMRING_STRESS_WRAPS`` (default 100,000) wraps of each slot of a 2-slot ring."""
     wraps = int(os.environ.get("SYMMRING_STRESS_WRAPS", "100000"))
