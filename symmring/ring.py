@@ -272,6 +272,11 @@ class Ring:
     def end_call(self, call: Call) -> None:
         """Finish ``call``: advance the gen_base word by its chunk count (`protocol.next_base`)."""
         self._check_call(call)
+        unpublished = [c for c in range(call.num_chunks)
+                       if c not in call._route_published or c not in call._layout_published]
+        if unpublished:
+            # Allowed (a call abandoned after a ProtocolTimeout), but peers never get these chunks.
+            log.warning("rank %d: end_call with chunks %s not fully published", self.rank, unpublished[:8])
         new_base = protocol.next_base(call.base, call.num_chunks)
         # Only this rank reads its gen_base word, so a relaxed store suffices (no pairing).
         self._backend.signal_set(self._alloc, self.layout["gen_base"].offset, new_base, self.rank)
