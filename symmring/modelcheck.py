@@ -1,0 +1,1152 @@
+"""Explicit-state model checker of the chunk-ready ring protocol (``python -m symmring.modelcheck``).
+
+The model is the protocol of `symmring.protocol`'s module docstring, with every generation, slot and mask
+computed by the functions of `symmring.protocol` (``generation``, ``next_base``, ``slot_of``,
+``is_ready``, ``ack_bit``, ``required_mask``, ``full_mask``, ``mask_complete``, ``enqueue_order``). A
+breadth-first search visits every reachable state once (states are ``bytes``, hashed in a dict) and checks
+the invariants of ``/work/shared/notes/testing.md`` on every transition and every terminal state. Pure
+Python, no dependencies. ``docs/MODELCHECK.md`` explains the model, the step granularity and the figures.
+
+Usage::
+
+    python -m symmring.modelcheck            # full run (several minutes)
+    python -m symmring.modelcheck --quick    # CI size (seconds)
+    python -m symmring.modelcheck --config 2,2,2,4,2 --mutant fence_removed
+    python -m symmring.modelcheck --quick --json out.json
+
+The last line printed is ``modelcheck: states=<N> violations=<V> mutants_killed=<K>/<M>``; the exit status
+is non-zero when the real protocol violates an invariant (V > 0) or a mutant survives (K < M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from array import array
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+
+from . import protocol
+from .errors import ConfigError
+from .protocol import AckPolicy
+
+# --- invariants ---------------------------------------------------------------------------------------
+
+INV_EXACT_READ = "inv1-exact-read"  #: a consumer read sees the tag of exactly the chunk it expects
+INV_REUSE = "inv2-reuse-after-all-acks"  #: a slot is overwritten only after every required ack arrived
+INV_NO_STALE_WAIT = "inv3-no-stale-wait"  #: a satisfied wait had the awaited chunk's route+layout published
+INV_COMBINE_ONCE = "inv4-combine-exactly-once"  #: each (source, call, chunk, consumer) result written once
+INV_LIVENESS = "inv5-no-deadlock"  #: every terminal state is the complete one
+
+INVARIANTS = (INV_EXACT_READ, INV_REUSE, INV_NO_STALE_WAIT, INV_COMBINE_ONCE, INV_LIVENESS)
+
+# --- mutants ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MutantSpec:
+    """A deliberately broken variant of the protocol and the invariant expected to catch it.
+
+    Attributes:
+        name: the flag name (``--mutant NAME``).
+        description: what is broken.
+        expected: the invariant whose violation is the expected counterexample.
+        serial: run in serial stream mode (one stream per rank) instead of two streams.
+        policy: the acknowledgement policy to run under (``None``: both, CONSERVATIVE first).
+        min_consumers: smallest consumer count for which the mutant is observable.
+        min_calls: smallest call count for which the mutant is observable.
+        needs_wrap: needs ``num_chunks > num_slots`` (a slot reused within a call).
+    """
+
+    name: str
+    description: str
+    expected: str
+    serial: bool = False
+    policy: Optional[AckPolicy] = None
+    min_consumers: int = 1
+    min_calls: int = 1
+    needs_wrap: bool = False
+
+
+MUTANTS: Tuple[MutantSpec, ...] = (
+    MutantSpec("fence_removed", "no release fence: the ready word may be published before the payload "
+               "stores are visible (payload stores sit in a per-rank store buffer drained at any time)",
+               INV_EXACT_READ),
+    MutantSpec("no_acquire", "consumer without acquire: its payload reads may be satisfied before its "
+               "ready wait", INV_EXACT_READ),
+    MutantSpec("ack_before_last_read", "consumer acknowledges after the route read but before the layout "
+               "read", INV_EXACT_READ, needs_wrap=True),
+    MutantSpec("reset_forgotten", "owner never resets the ack mask when it acquires a slot",
+               INV_REUSE, needs_wrap=True),
+    MutantSpec("reset_after_publish", "owner resets the ack mask after publishing instead of before: an "
+               "acknowledgement arriving in between is lost", INV_LIVENESS, needs_wrap=True),
+    MutantSpec("ready_ignores_generation", "ready test accepts any nonzero generation",
+               INV_NO_STALE_WAIT, needs_wrap=True),
+    MutantSpec("wait_route_only", "consumer waits for route_ready only, not layout_ready",
+               INV_NO_STALE_WAIT),
+    MutantSpec("generation_baked", "generation base baked into the replayed program (not advanced "
+               "between calls)", INV_NO_STALE_WAIT, min_calls=2),
+    MutantSpec("reuse_on_any_ack", "owner reuses a slot when any acknowledgement bit is present instead "
+               "of all", INV_REUSE, min_consumers=2, needs_wrap=True),
+    MutantSpec("lookahead_eq_slots", "serial streams with producer lookahead == num_slots",
+               INV_LIVENESS, serial=True, needs_wrap=True),
+    MutantSpec("combine_rereads_slot", "EARLY ack, but the combine re-reads route metadata (source token "
+               "index, top-k weights) from the slot after acknowledging", INV_EXACT_READ,
+               policy=AckPolicy.EARLY, needs_wrap=True),
+    MutantSpec("required_mask_excludes_owner", "the owner's required mask leaves out its own consumer "
+               "(as if local reads needed no acknowledgement)", INV_REUSE, needs_wrap=True),
+)
+
+MUTANT_NAMES = tuple(m.name for m in MUTANTS)
+_MUTANT_BY_NAME = {m.name: m for m in MUTANTS}
+
+#: Mutants that break a premise of the coarse-step reduction (payload visible at publish, reads after
+#: the wait, acknowledgement after the last read of slot memory): they always run with fine steps.
+FINE_MUTANTS = ("fence_removed", "no_acquire", "ack_before_last_read", "combine_rereads_slot")
+
+#: Variants that are *not* mutants: expected equivalent to the protocol (reported as findings).
+#: ``ready_ge``: the ready test ``==`` replaced by ``>=``.
+EQUIVALENT_VARIANTS = ("ready_ge",)
+
+# --- the model ----------------------------------------------------------------------------------------
+
+# Consumer operations, in the order a consumer's per-source program runs them.
+OP_WAIT, OP_READ_ROUTE, OP_READ_LAYOUT, OP_ACK, OP_COMBINE = range(5)
+_FIELD_NAMES = ("route", "layout")
+
+# Per-producer program counter: call, chunk, acquired, route phase, layout phase, late reset done.
+_PROD_WORDS = 6
+# Per owner slot: route_ready, layout_ready, ack mask, route_data tag, layout_data tag, and the tags still
+# in the owner's store buffer (0: nothing pending) for route and layout.
+_SLOT_WORDS = 7
+# Producer field phases.
+_PH_NONE, _PH_WRITTEN, _PH_PUBLISHED = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One model instance.
+
+    Attributes:
+        num_producers: producer ranks ``0..P-1`` (each owns ``num_slots`` slots).
+        num_consumers: consumer ranks ``0..Q-1`` (each reads every producer's slots).
+        num_slots: ring slots per owner.
+        num_chunks: chunks per call.
+        num_calls: calls (call ``k > 0`` is a CUDA Graph replay of call 0).
+        ack_policy: when consumers acknowledge (`AckPolicy`).
+        serial: one stream per rank running `protocol.enqueue_order` (else two independent streams).
+        lookahead: producer lookahead of the serial order (``None``: ``num_slots - 1``).
+        mutant: name of a mutant in `MUTANT_NAMES` or `EQUIVALENT_VARIANTS`, or ``None``.
+        fine: one step per memory operation even where the coarse steps are sound (a cross-check; the
+            variants in `FINE_MUTANTS` always use fine steps).
+        reduce: partial-order reduction on/off (``None``: on for the protocol, off for mutants).
+    """
+
+    num_producers: int
+    num_consumers: int
+    num_slots: int
+    num_chunks: int
+    num_calls: int
+    ack_policy: AckPolicy = AckPolicy.CONSERVATIVE
+    serial: bool = False
+    lookahead: Optional[int] = None
+    mutant: Optional[str] = None
+    fine: bool = False
+    reduce: Optional[bool] = None
+
+    def reduced(self) -> bool:
+        """Whether the partial-order reduction applies: by default for the protocol and the equivalence
+        variants, never for mutants (their counterexamples come from the unreduced state space)."""
+        if self.reduce is None:
+            return self.mutant is None or self.mutant in EQUIVALENT_VARIANTS
+        return self.reduce
+
+    def shape(self) -> Tuple[int, int, int, int, int]:
+        """``(P, Q, S, N, C)``."""
+        return (self.num_producers, self.num_consumers, self.num_slots, self.num_chunks, self.num_calls)
+
+    def label(self) -> str:
+        """Short human-readable name of this configuration."""
+        mode = f"serial(lookahead={self.effective_lookahead()})" if self.serial else "two-stream"
+        text = "P={},Q={},S={},N={},C={}".format(*self.shape())
+        text += f" {self.ack_policy.name.lower()} {mode}"
+        text += " fine" if self.fine else ""
+        text += "" if self.reduced() else " unreduced"
+        return text + (f" mutant={self.mutant}" if self.mutant else "")
+
+    def effective_lookahead(self) -> int:
+        """The lookahead the serial order uses."""
+        if self.mutant == "lookahead_eq_slots":
+            return self.num_slots
+        if self.lookahead is None:
+            return protocol.default_lookahead(self.num_slots)
+        return self.lookahead
+
+
+def _validate(cfg: ModelConfig) -> None:
+    for name in ("num_producers", "num_consumers", "num_slots", "num_chunks", "num_calls"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{name}={value!r}: expected a positive int")
+    if cfg.num_consumers > 8:
+        # The state stores each acknowledgement mask in one byte.
+        raise ConfigError(f"num_consumers={cfg.num_consumers}: expected at most 8 (one mask byte)")
+    if cfg.num_calls * cfg.num_chunks > 120:
+        raise ConfigError(f"num_calls*num_chunks={cfg.num_calls * cfg.num_chunks}: expected at most 120 "
+                          "(generations and stream positions are stored in one byte)")
+    if cfg.mutant is not None and cfg.mutant not in MUTANT_NAMES + EQUIVALENT_VARIANTS:
+        raise ConfigError(f"mutant={cfg.mutant!r}: expected one of {MUTANT_NAMES + EQUIVALENT_VARIANTS}")
+    if cfg.lookahead is not None and (not isinstance(cfg.lookahead, int) or cfg.lookahead < 0):
+        raise ConfigError(f"lookahead={cfg.lookahead!r}: expected a non-negative int or None")
+
+
+Label = Tuple
+Successor = Tuple[Label, bytes, Optional[Tuple[str, str]]]
+
+
+class RingModel:
+    """Transition system of one `ModelConfig`; states are ``bytes`` (one byte per model word).
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: a count is not positive or does not fit the byte encoding, or the mutant is unknown.
+
+    Example:
+        >>> model = RingModel(ModelConfig(1, 1, 2, 3, 1))
+        >>> len(model.successors(model.initial()))
+        1
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        _validate(cfg)
+        self.cfg = cfg
+        P, Q, S, N, C = cfg.shape()
+        self.P, self.Q, self.S, self.N, self.C = P, Q, S, N, C
+        self.R = max(P, Q)
+        mutant = cfg.mutant
+        self.mutant = mutant
+        self.o_cons = _PROD_WORDS * P
+        self.cons_words = 2 + P
+        self.o_stream = self.o_cons + self.cons_words * Q
+        self.o_base = self.o_stream + self.R
+        self.o_mem = self.o_base + self.R
+        self.o_acked = self.o_mem + _SLOT_WORDS * P * S
+        self.o_written = self.o_acked + P * C * N
+        self.num_words = self.o_written + P * C * N
+
+        self.all_consumers = protocol.full_mask(Q)[0]
+        # Required mask per owner (the protocol: all consumers; one mutant leaves out the owner itself).
+        self.required = []
+        for p in range(P):
+            consumers = [q for q in range(Q) if not (mutant == "required_mask_excludes_owner" and q == p)]
+            self.required.append(protocol.required_mask(consumers, protocol.mask_words(Q)))
+
+        # Fine steps wherever the variant breaks a premise of the coarse-step reduction (docs/MODELCHECK.md).
+        self.fine = cfg.fine or mutant in FINE_MUTANTS
+        policy = cfg.ack_policy if mutant != "combine_rereads_slot" else AckPolicy.EARLY
+        tail = [OP_ACK, OP_COMBINE] if policy == AckPolicy.EARLY else [OP_COMBINE, OP_ACK]
+        if mutant == "no_acquire":
+            ops = [OP_READ_ROUTE, OP_READ_LAYOUT, OP_WAIT] + tail
+        elif mutant == "ack_before_last_read":
+            ops = [OP_WAIT, OP_READ_ROUTE, OP_ACK, OP_READ_LAYOUT, OP_COMBINE]
+        else:
+            ops = [OP_WAIT, OP_READ_ROUTE, OP_READ_LAYOUT] + tail
+        if self.fine:
+            steps = [(op,) for op in ops]
+        else:
+            # Coarse: the wait and both reads are one step, the (local) combine and the ack another.
+            steps = [tuple(ops[:3]), tuple(ops[3:])]
+        #: The consumer's per-source program: a tuple of steps, each a tuple of operations done atomically.
+        self.consumer_steps = tuple(steps)
+
+        # Serial mode: each rank's single stream, call after call, ending each call with the base advance.
+        self.stream_items: List[Tuple[Tuple[str, int, int], ...]] = []
+        if cfg.serial:
+            if mutant == "lookahead_eq_slots":
+                # The forbidden lookahead: the producer of chunk S is enqueued before consumer of chunk 0.
+                order = protocol.enqueue_order(N, S, S, check=False)
+            else:
+                try:
+                    order = protocol.enqueue_order(N, S, cfg.effective_lookahead())
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            for r in range(self.R):
+                items = []
+                for k in range(C):
+                    for kind, c in order:
+                        if (kind == "produce" and r < P) or (kind == "consume" and r < Q):
+                            items.append((kind, k, c))
+                    items.append(("advance", k, N))
+                self.stream_items.append(tuple(items))
+            if max(len(items) for items in self.stream_items) > 250:
+                raise ConfigError("serial stream too long for the byte encoding: reduce num_chunks*num_calls")
+
+    # --- encoding helpers -----------------------------------------------------------------------------
+
+    def initial(self) -> bytes:
+        """The initial state: nothing published, every mask full (slot free), every base 0."""
+        words = [0] * self.num_words
+        for p in range(self.P):
+            for s in range(self.S):
+                words[self._slot(p, s) + 2] = self.all_consumers
+        return bytes(words)
+
+    def _slot(self, p: int, s: int) -> int:
+        return self.o_mem + _SLOT_WORDS * (p * self.S + s)
+
+    def _chunk_idx(self, p: int, k: int, c: int) -> int:
+        return (p * self.C + k) * self.N + c
+
+    def tag(self, k: int, c: int) -> int:
+        """Payload tag of chunk ``c`` of call ``k`` (0 means never written)."""
+        return k * self.N + c + 1
+
+    def tag_text(self, tag: int) -> str:
+        """Human-readable tag."""
+        if tag == 0:
+            return "(never written)"
+        return f"(call {(tag - 1) // self.N}, chunk {(tag - 1) % self.N})"
+
+    def _gate(self, w: Sequence[int], r: int, item: Tuple[str, int, int]) -> bool:
+        """Serial mode: whether ``item`` is the next work item on rank ``r``'s single stream."""
+        if not self.cfg.serial:
+            return True
+        idx = w[self.o_stream + r]
+        items = self.stream_items[r]
+        return idx < len(items) and items[idx] == item
+
+    def _reuse_ok(self, mask: int, p: int) -> bool:
+        required = self.required[p]
+        if self.mutant == "reuse_on_any_ack":
+            return (mask & required[0]) != 0
+        return protocol.mask_complete((mask,), required)
+
+    def _ready(self, route_gen: int, layout_gen: int, expected: int) -> bool:
+        mutant = self.mutant
+        if mutant == "ready_ignores_generation":
+            return route_gen != protocol.GEN_NONE and layout_gen != protocol.GEN_NONE
+        if mutant == "wait_route_only":
+            return route_gen == expected
+        if mutant == "ready_ge":
+            return route_gen >= expected and layout_gen >= expected
+        return protocol.is_ready(route_gen, layout_gen, expected)
+
+    def _previous_use(self, k: int, c: int) -> Optional[Tuple[int, int]]:
+        """(call, chunk) that occupied the slot of chunk ``c`` of call ``k`` before it, or ``None``."""
+        if c >= self.S:
+            return (k, c - self.S)
+        if k == 0:
+            return None
+        s = protocol.slot_of(c, self.S)
+        last = s + self.S * ((self.N - 1 - s) // self.S) if s < self.N else None
+        return (k - 1, last) if last is not None else None
+
+    def _published(self, w: Sequence[int], p: int, k: int, c: int, field: int) -> bool:
+        """Ghost: whether producer ``p`` has executed its publish of ``field`` for chunk ``(k, c)``."""
+        o = _PROD_WORDS * p
+        pk, pc = w[o], w[o + 1]
+        if (pk, pc) != (k, c):
+            return (pk, pc) > (k, c)
+        return w[o + 3 + field] == _PH_PUBLISHED
+
+    # --- transitions ----------------------------------------------------------------------------------
+
+    def is_final(self, w: Sequence[int]) -> bool:
+        """Every program finished every call and no payload store is still buffered."""
+        C = self.C
+        for p in range(self.P):
+            if w[_PROD_WORDS * p] != C:
+                return False
+        for q in range(self.Q):
+            if w[self.o_cons + self.cons_words * q] != C:
+                return False
+        for p in range(self.P):
+            for s in range(self.S):
+                o = self._slot(p, s)
+                if w[o + 5] or w[o + 6]:
+                    return False
+        return True
+
+    def final_violation(self, w: Sequence[int]) -> Optional[Tuple[str, str]]:
+        """Invariant 4 at the end: every (source, call, chunk, consumer) result was written."""
+        for p in range(self.P):
+            for k in range(self.C):
+                for c in range(self.N):
+                    written = w[self.o_written + self._chunk_idx(p, k, c)]
+                    if written != self.all_consumers:
+                        missing = [q for q in range(self.Q) if not written >> q & 1]
+                        return (INV_COMBINE_ONCE, f"final state: result of source {p} call {k} chunk {c} "
+                                f"never written by consumers {missing}")
+        return None
+
+    def successors(self, state: bytes) -> List[Successor]:
+        """Every enabled step of ``state``: ``(label, next state, violation or None)``.
+
+        A violation is ``(invariant, message)`` about the step itself (a read that saw the wrong tag, an
+        overwrite before all acknowledgements, ...).
+        """
+        w = state
+        out: List[Successor] = []
+        if self.cfg.reduced():
+            # Partial-order reduction (docs/MODELCHECK.md): a consumer step that no other step can conflict
+            # with before it runs is explored alone.
+            self._consumer_steps(w, out, reduce=True)
+            if out:
+                return out
+        self._producer_steps(w, out)
+        self._drain_steps(w, out)
+        self._consumer_steps(w, out)
+        self._advance_steps(w, out)
+        return out
+
+    def _producer_steps(self, w: bytes, out: List[Successor]) -> None:
+        N, S, mutant = self.N, self.S, self.mutant
+        for p in range(self.P):
+            o = _PROD_WORDS * p
+            k, c = w[o], w[o + 1]
+            if k >= self.C or c >= N or not self._gate(w, p, ("produce", k, c)):
+                continue
+            s = protocol.slot_of(c, S)
+            m = self._slot(p, s)
+            acquired = w[o + 2]
+            if not acquired:
+                mask = w[m + 2]
+                # acquire: pairs with the consumers' release of their acknowledgement (atomic OR)
+                if self._reuse_ok(mask, p):
+                    nxt = bytearray(w)
+                    nxt[o + 2] = 1
+                    reset = mutant not in ("reset_forgotten", "reset_after_publish")
+                    if reset:
+                        nxt[m + 2] = 0
+                    out.append((("acquire", p, k, c, s, mask, reset), bytes(nxt), None))
+                continue
+            gen = protocol.generation(w[self.o_base + p], c)
+            tag = self.tag(k, c)
+            for field in (0, 1):
+                phase = w[o + 3 + field]
+                if phase == _PH_NONE and not self.fine:
+                    # Coarse: write the payload, release fence, publish, as one step.
+                    nxt = bytearray(w)
+                    violation = self._check_overwrite(w, p, k, c, s, field)
+                    nxt[m + 3 + field] = tag
+                    # release: pairs with the consumers' acquire in their ready wait
+                    nxt[m + field] = gen
+                    nxt[o + 3 + field] = _PH_PUBLISHED
+                    self._finish_producer_chunk(nxt, p)
+                    labels = (("write", p, k, c, s, field, tag, False), ("publish", p, k, c, s, field, gen))
+                    out.append((labels, bytes(nxt), violation))
+                elif phase == _PH_NONE:
+                    nxt = bytearray(w)
+                    violation = self._check_overwrite(w, p, k, c, s, field)
+                    if mutant == "fence_removed":
+                        # The store enters the store buffer; a still-buffered older store to the same
+                        # word becomes visible first (coherence order of one thread's stores).
+                        if nxt[m + 5 + field]:
+                            nxt[m + 3 + field] = nxt[m + 5 + field]
+                        nxt[m + 5 + field] = tag
+                    else:
+                        nxt[m + 3 + field] = tag
+                    nxt[o + 3 + field] = _PH_WRITTEN
+                    self._finish_producer_chunk(nxt, p)
+                    out.append((("write", p, k, c, s, field, tag, mutant == "fence_removed"), bytes(nxt),
+                                violation))
+                elif phase == _PH_WRITTEN:
+                    # release: pairs with the consumers' acquire in their ready wait
+                    nxt = bytearray(w)
+                    nxt[m + field] = gen
+                    nxt[o + 3 + field] = _PH_PUBLISHED
+                    self._finish_producer_chunk(nxt, p)
+                    out.append((("publish", p, k, c, s, field, gen), bytes(nxt), None))
+            if (mutant == "reset_after_publish" and not w[o + 5] and w[o + 3] == _PH_PUBLISHED
+                    and w[o + 4] == _PH_PUBLISHED):
+                nxt = bytearray(w)
+                nxt[m + 2] = 0
+                nxt[o + 5] = 1
+                self._finish_producer_chunk(nxt, p)
+                out.append((("late_reset", p, k, c, s, w[m + 2]), bytes(nxt), None))
+
+    def _finish_producer_chunk(self, nxt: bytearray, p: int) -> None:
+        o = _PROD_WORDS * p
+        done = nxt[o + 2] and nxt[o + 3] == _PH_PUBLISHED and nxt[o + 4] == _PH_PUBLISHED
+        if self.mutant == "reset_after_publish":
+            done = done and nxt[o + 5]
+        if done:
+            nxt[o + 1] += 1
+            nxt[o + 2] = nxt[o + 3] = nxt[o + 4] = nxt[o + 5] = 0
+            if self.cfg.serial:
+                nxt[self.o_stream + p] += 1
+
+    def _check_overwrite(self, w: bytes, p: int, k: int, c: int, s: int,
+                         field: int) -> Optional[Tuple[str, str]]:
+        prev = self._previous_use(k, c)
+        if prev is None:
+            return None
+        acked = w[self.o_acked + self._chunk_idx(p, *prev)]
+        if acked == self.all_consumers:
+            return None
+        missing = [q for q in range(self.Q) if not acked >> q & 1]
+        return (INV_REUSE, f"producer {p} overwrites {_FIELD_NAMES[field]} of slot {s} with call {k} chunk "
+                f"{c} while call {prev[0]} chunk {prev[1]} lacks acknowledgements of consumers {missing}")
+
+    def _drain_steps(self, w: bytes, out: List[Successor]) -> None:
+        if self.mutant != "fence_removed":
+            return
+        for p in range(self.P):
+            for s in range(self.S):
+                m = self._slot(p, s)
+                for field in (0, 1):
+                    tag = w[m + 5 + field]
+                    if tag:
+                        nxt = bytearray(w)
+                        nxt[m + 3 + field] = tag
+                        nxt[m + 5 + field] = 0
+                        out.append((("drain", p, s, field, tag), bytes(nxt), None))
+
+    def _independent(self, w: bytes, q: int, p: int, k: int, c: int) -> bool:
+        """Whether consumer ``q``'s next step on source ``p`` commutes with every step any other program
+        can take before it: the owner cannot touch the slot again until ``q`` acknowledges.
+
+        The owner writes or publishes slot ``s`` only after acquiring it, and it can only acquire it
+        once ``q``'s bit is in the mask (only ``q`` sets it). Other consumers' acknowledgements (atomic ORs)
+        and reads commute with ``q``'s operations.
+        """
+        phase = w[self.o_cons + self.cons_words * q + 2 + p]
+        if self.consumer_steps[phase] == (OP_COMBINE,) and self.mutant != "combine_rereads_slot":
+            return True  # a lone combine write touches only ghost state of q's own results
+        s = protocol.slot_of(c, self.S)
+        o = _PROD_WORDS * p
+        if w[o] < self.C and w[o + 1] < self.N and w[o + 2] and protocol.slot_of(w[o + 1], self.S) == s:
+            return False  # the owner already holds the slot for another use: its writes may come first
+        _, bit = protocol.ack_bit(q)
+        required = self.required[p][0]
+        mask = self._slot(p, s) + 2
+        if not required & bit or w[mask] & bit:
+            return False
+        return not self._reuse_ok(w[mask] | (required & ~bit), p)
+
+    def _consumer_steps(self, w: bytes, out: List[Successor], reduce: bool = False) -> None:
+        """Consumer steps; with ``reduce``, only the first independent one (`_independent`)."""
+        P, N, S, steps = self.P, self.N, self.S, self.consumer_steps
+        num_steps = len(steps)
+        for q in range(self.Q):
+            o = self.o_cons + self.cons_words * q
+            k, c = w[o], w[o + 1]
+            if k >= self.C or c >= N or not self._gate(w, q, ("consume", k, c)):
+                continue
+            for p in range(P):
+                phase = w[o + 2 + p]
+                if phase == num_steps or (reduce and not self._independent(w, q, p, k, c)):
+                    continue
+                nxt = bytearray(w)
+                labels: List[Label] = []
+                violation = None
+                for op in steps[phase]:
+                    result = self._consumer_op(nxt, op, q, p, k, c)
+                    if result is None:
+                        break  # a wait that is not satisfied (always the first operation of a step)
+                    label, bad = result
+                    labels.append(label)
+                    violation = violation or bad
+                else:
+                    nxt[o + 2 + p] = phase + 1
+                    if all(nxt[o + 2 + i] == num_steps for i in range(P)):
+                        nxt[o + 1] += 1
+                        for i in range(P):
+                            nxt[o + 2 + i] = 0
+                        if self.cfg.serial:
+                            nxt[self.o_stream + q] += 1
+                    out.append((tuple(labels), bytes(nxt), violation))
+                    if reduce:
+                        return
+
+    def _consumer_op(self, nxt: bytearray, op: int, q: int, p: int, k: int,
+                     c: int) -> Optional[Tuple[Label, Optional[Tuple[str, str]]]]:
+        """Apply one consumer operation to ``nxt``; ``None`` when it is a wait that is not satisfied."""
+        s = protocol.slot_of(c, self.S)
+        m = self._slot(p, s)
+        gen = protocol.generation(nxt[self.o_base + q], c)
+        tag = self.tag(k, c)
+        violation = None
+        if op == OP_WAIT:
+            route_gen, layout_gen = nxt[m], nxt[m + 1]
+            # acquire: pairs with the producer's release before its publish
+            if not self._ready(route_gen, layout_gen, gen):
+                return None
+            label = ("wait", q, p, k, c, s, route_gen, layout_gen, gen)
+            unpublished = [_FIELD_NAMES[f] for f in (0, 1) if not self._published(nxt, p, k, c, f)]
+            if unpublished:
+                violation = (INV_NO_STALE_WAIT, f"consumer {q} passed its wait for source {p} call {k} chunk "
+                             f"{c} (gen {gen}) seeing route_ready={route_gen} layout_ready={layout_gen}, but "
+                             f"{'+'.join(unpublished)} of that chunk is not published yet")
+        elif op in (OP_READ_ROUTE, OP_READ_LAYOUT):
+            field = 0 if op == OP_READ_ROUTE else 1
+            seen = nxt[m + 3 + field]
+            label = ("read", q, p, k, c, s, field, seen, tag)
+            violation = self._check_read(q, p, k, c, s, field, seen, tag)
+        elif op == OP_ACK:
+            # release: pairs with the owner's acquire of the slot (its mask wait)
+            _, bit = protocol.ack_bit(q)
+            nxt[m + 2] |= bit
+            nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
+            label = ("ack", q, p, k, c, s, nxt[m + 2])
+        else:
+            idx = self.o_written + self._chunk_idx(p, k, c)
+            _, bit = protocol.ack_bit(q)
+            label = ("combine", q, p, k, c)
+            if self.mutant == "combine_rereads_slot":
+                seen = nxt[m + 3]
+                label = ("combine_reread", q, p, k, c, s, seen, tag)
+                violation = self._check_read(q, p, k, c, s, 0, seen, tag)
+            if nxt[idx] & bit:
+                violation = violation or (INV_COMBINE_ONCE, f"consumer {q} writes the result of source {p} "
+                                          f"call {k} chunk {c} a second time")
+            nxt[idx] |= bit
+        return label, violation
+
+    def _check_read(self, q: int, p: int, k: int, c: int, s: int, field: int, seen: int,
+                    expected: int) -> Optional[Tuple[str, str]]:
+        if seen == expected:
+            return None
+        kind = "stale" if seen < expected else "future"
+        return (INV_EXACT_READ, f"consumer {q} reads {_FIELD_NAMES[field]} of source {p} slot {s} expecting "
+                f"{self.tag_text(expected)} but sees {self.tag_text(seen)} ({kind} data)")
+
+    def _advance_steps(self, w: bytes, out: List[Successor]) -> None:
+        """End of a call on one rank: both streams joined, the device advances the generation base."""
+        N, C = self.N, self.C
+        for r in range(self.R):
+            calls = []
+            if r < self.P:
+                o = _PROD_WORDS * r
+                calls.append((w[o], w[o + 1]))
+            if r < self.Q:
+                o = self.o_cons + self.cons_words * r
+                calls.append((w[o], w[o + 1]))
+            k = calls[0][0]
+            if k >= C or any(pc != (k, N) for pc in calls) or not self._gate(w, r, ("advance", k, N)):
+                continue
+            nxt = bytearray(w)
+            base = w[self.o_base + r]
+            new_base = base if self.mutant == "generation_baked" else protocol.next_base(base, N)
+            nxt[self.o_base + r] = new_base
+            if r < self.P:
+                o = _PROD_WORDS * r
+                nxt[o], nxt[o + 1] = k + 1, 0
+            if r < self.Q:
+                o = self.o_cons + self.cons_words * r
+                nxt[o], nxt[o + 1] = k + 1, 0
+            if self.cfg.serial:
+                nxt[self.o_stream + r] += 1
+            out.append((("advance", r, k, base, new_base), bytes(nxt), None))
+
+    # --- traces ---------------------------------------------------------------------------------------
+
+    def blocked(self, w: bytes) -> List[str]:
+        """What every unfinished program of a deadlocked state waits for."""
+        lines = []
+        programs = [("producer", p, _PROD_WORDS * p) for p in range(self.P)]
+        programs += [("consumer", q, self.o_cons + self.cons_words * q) for q in range(self.Q)]
+        for role, r, o in programs:
+            k, c = w[o], w[o + 1]
+            item = ("produce" if role == "producer" else "consume", k, c)
+            if k >= self.C:
+                continue
+            if c >= self.N:
+                lines.append(f"{role} {r} waits for the end of call {k} on rank {r}")
+            elif self.cfg.serial and not self._gate(w, r, item):
+                lines.append(f"{role} {r} call {k} chunk {c} is queued behind "
+                             f"{self.stream_items[r][w[self.o_stream + r]]} on rank {r}'s stream")
+            elif role == "producer":
+                s = protocol.slot_of(c, self.S)
+                mask = w[self._slot(r, s) + 2]
+                lines.append(f"producer {r} call {k} chunk {c} waits to acquire slot {s}: mask {mask:#b}, "
+                             f"required {self.required[r][0]:#b}")
+            else:
+                s = protocol.slot_of(c, self.S)
+                gen = protocol.generation(w[self.o_base + r], c)
+                for p in range(self.P):
+                    phase = w[o + 2 + p]
+                    if phase < len(self.consumer_steps) and self.consumer_steps[phase][0] == OP_WAIT:
+                        m = self._slot(p, s)
+                        lines.append(f"consumer {r} call {k} chunk {c} waits for source {p} slot {s} "
+                                     f"gen {gen}: "
+                                     f"route_ready={w[m]} layout_ready={w[m + 1]}")
+        return lines
+
+    def describe(self, label: Label) -> str:
+        """One line of a counterexample trace (a coarse step's operations joined by ``; ``)."""
+        if isinstance(label[0], tuple):
+            return "; ".join(self.describe(part) for part in label)
+        kind = label[0]
+        if kind == "acquire":
+            _, p, k, c, s, mask, reset = label
+            what = "resets mask to 0b0" if reset else "does NOT reset the mask"
+            return (f"producer {p} call {k} chunk {c}: acquires slot {s} (mask {mask:#b} accepted), {what}")
+        if kind == "write":
+            _, p, k, c, s, field, tag, buffered = label
+            where = "into its store buffer (not yet visible)" if buffered else "(visible)"
+            return (f"producer {p} call {k} chunk {c}: writes {_FIELD_NAMES[field]} payload "
+                    f"{self.tag_text(tag)} of slot {s} {where}")
+        if kind == "publish":
+            _, p, k, c, s, field, gen = label
+            return f"producer {p} call {k} chunk {c}: publishes {_FIELD_NAMES[field]}_ready[{s}] = {gen}"
+        if kind == "late_reset":
+            _, p, k, c, s, mask = label
+            return (f"producer {p} call {k} chunk {c}: resets mask of slot {s} ({mask:#b} -> 0b0) "
+                    "after publish")
+        if kind == "drain":
+            _, p, s, field, tag = label
+            return (f"store buffer of producer {p}: {_FIELD_NAMES[field]} payload {self.tag_text(tag)} of "
+                    f"slot {s} becomes visible")
+        if kind == "wait":
+            _, q, p, k, c, s, route_gen, layout_gen, gen = label
+            return (f"consumer {q} call {k} chunk {c}: wait on source {p} slot {s} satisfied "
+                    f"(route_ready={route_gen}, layout_ready={layout_gen}, expected gen {gen})")
+        if kind == "read":
+            _, q, p, k, c, s, field, seen, tag = label
+            ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
+            return (f"consumer {q} call {k} chunk {c}: reads {_FIELD_NAMES[field]} payload of source {p} "
+                    f"slot {s}: {self.tag_text(seen)} {ok}")
+        if kind == "ack":
+            _, q, p, k, c, s, mask = label
+            return f"consumer {q} call {k} chunk {c}: acknowledges source {p} slot {s} (mask now {mask:#b})"
+        if kind == "combine":
+            _, q, p, k, c = label
+            return f"consumer {q} call {k} chunk {c}: writes combine result of source {p} to its output"
+        if kind == "combine_reread":
+            _, q, p, k, c, s, seen, tag = label
+            ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
+            return (f"consumer {q} call {k} chunk {c}: combine re-reads route metadata of source {p} slot "
+                    f"{s}: {self.tag_text(seen)} {ok}")
+        if kind == "advance":
+            _, r, k, base, new_base = label
+            return f"rank {r}: end of call {k}, generation base {base} -> {new_base}"
+        return repr(label)
+
+
+# --- search -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Violation:
+    """The first (shallowest) violation found: which invariant, why, and the step-by-step trace."""
+
+    invariant: str
+    message: str
+    trace: List[str]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Outcome of exploring one `ModelConfig`."""
+
+    config: ModelConfig
+    states: int
+    transitions: int
+    terminal_states: int
+    seconds: float
+    violation: Optional[Violation]
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable summary."""
+        data = {
+            "config": self.config.label(),
+            "shape": list(self.config.shape()),
+            "ack_policy": self.config.ack_policy.name,
+            "serial": self.config.serial,
+            "lookahead": self.config.effective_lookahead() if self.config.serial else None,
+            "mutant": self.config.mutant,
+            "states": self.states,
+            "transitions": self.transitions,
+            "terminal_states": self.terminal_states,
+            "seconds": round(self.seconds, 3),
+            "violation": None,
+        }
+        if self.violation is not None:
+            data["violation"] = dataclasses.asdict(self.violation)
+        return data
+
+
+def _trace(model: RingModel, states: List[bytes], parents: array, idx: int) -> List[str]:
+    path = []
+    while idx >= 0:
+        path.append(idx)
+        idx = parents[idx]
+    path.reverse()
+    lines = []
+    for step, (a, b) in enumerate(zip(path, path[1:]), 1):
+        label = next(lbl for lbl, child, _ in model.successors(states[a]) if child == states[b])
+        lines.append(f"{step:3d}. {model.describe(label)}")
+    return lines
+
+
+def explore(cfg: ModelConfig, max_states: Optional[int] = None) -> RunResult:
+    """Breadth-first search of every state reachable in ``cfg``; stops at the first violation.
+
+    Breadth-first order makes the reported counterexample a shortest one.
+
+    Args:
+        cfg: the configuration to explore.
+        max_states: give up (raise) beyond this many states; ``None`` for no bound.
+
+    Returns:
+        A `RunResult`; ``violation`` is ``None`` when every invariant held in every reachable state.
+
+    Raises:
+        ConfigError: bad configuration, or the state space exceeded ``max_states``.
+
+    Example:
+        >>> explore(ModelConfig(1, 1, 2, 3, 1)).violation is None
+        True
+    """
+    model = RingModel(cfg)
+    start = time.perf_counter()
+    init = model.initial()
+    index: Dict[bytes, int] = {init: 0}
+    states: List[bytes] = [init]
+    parents = array("i", [-1])
+    transitions = 0
+    terminal = 0
+    violation: Optional[Violation] = None
+    i = 0
+    while i < len(states):
+        state = states[i]
+        succs = model.successors(state)
+        if not succs:
+            terminal += 1
+            if not model.is_final(state):
+                blocked = "; ".join(model.blocked(state))
+                violation = Violation(INV_LIVENESS,
+                                      f"deadlock: a non-final state with no enabled step: {blocked}",
+                                      _trace(model, states, parents, i))
+                break
+            final = model.final_violation(state)
+            if final is not None:
+                violation = Violation(final[0], final[1], _trace(model, states, parents, i))
+                break
+        for label, child, bad in succs:
+            transitions += 1
+            if bad is not None:
+                trace = _trace(model, states, parents, i)
+                trace.append(f"{len(trace) + 1:3d}. {model.describe(label)}   <-- {bad[0]}")
+                violation = Violation(bad[0], bad[1], trace)
+                break
+            if child not in index:
+                index[child] = len(states)
+                states.append(child)
+                parents.append(i)
+        if violation is not None:
+            break
+        if max_states is not None and len(states) > max_states:
+            raise ConfigError(f"{cfg.label()}: more than max_states={max_states} states")
+        i += 1
+    return RunResult(cfg, len(states), transitions, terminal, time.perf_counter() - start, violation)
+
+
+# --- suites -------------------------------------------------------------------------------------------
+
+Shape = Tuple[int, int, int, int, int]
+#: A cross-check: a shape explored with (fine steps?, partial-order reduction?).
+CrossCheck = Tuple[Shape, bool, bool]
+
+#: ``--quick``: CI size. Shapes are (P, Q, S, N, C).
+QUICK_SHAPES: Tuple[Shape, ...] = (
+    (1, 1, 1, 2, 2), (1, 1, 2, 3, 2), (2, 1, 2, 3, 2), (1, 2, 2, 3, 2), (2, 2, 2, 3, 2), (2, 2, 2, 4, 2),
+    (3, 3, 2, 3, 1),
+)
+#: ``--quick`` cross-checks of the reductions: the same shape without reduction and with fine steps.
+QUICK_CROSS_CHECKS: Tuple[CrossCheck, ...] = (
+    ((1, 1, 2, 3, 2), True, False), ((2, 1, 2, 3, 1), True, False), ((2, 2, 2, 3, 1), False, False),
+)
+#: Full run.
+FULL_SHAPES: Tuple[Shape, ...] = QUICK_SHAPES + (
+    (1, 1, 3, 7, 2), (2, 2, 1, 3, 2), (2, 2, 3, 6, 2), (3, 2, 2, 4, 2), (2, 3, 2, 4, 2),
+    (3, 3, 2, 4, 2), (3, 3, 3, 6, 2), (4, 4, 2, 4, 2),
+)
+FULL_CROSS_CHECKS: Tuple[CrossCheck, ...] = QUICK_CROSS_CHECKS + (
+    ((2, 2, 2, 2, 1), True, False), ((2, 2, 2, 3, 1), True, False),
+    ((2, 2, 2, 4, 2), False, False), ((2, 2, 2, 4, 2), True, True), ((2, 2, 2, 4, 2), True, False),
+    ((3, 3, 1, 2, 1), False, False), ((3, 3, 2, 4, 2), True, True),
+)
+
+
+def protocol_configs(shapes: Sequence[Shape], cross_checks: Sequence[CrossCheck] = (),
+                     mutant: Optional[str] = None) -> List[ModelConfig]:
+    """Every configuration the real protocol (or an equivalence variant) is checked in.
+
+    Per shape: both ack policies with two streams, and serial streams with every allowed lookahead
+    (``0..num_slots-1``), all with coarse steps and partial-order reduction. Each cross-check adds
+    two-stream runs of both policies with the given step granularity and reduction.
+    """
+    configs = []
+    for shape in shapes:
+        for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
+            configs.append(ModelConfig(*shape, ack_policy=policy, mutant=mutant))
+        for lookahead in range(shape[2]):
+            configs.append(ModelConfig(*shape, serial=True, lookahead=lookahead, mutant=mutant))
+    for shape, fine, reduce in cross_checks:
+        for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
+            configs.append(ModelConfig(*shape, ack_policy=policy, mutant=mutant, fine=fine, reduce=reduce))
+    return configs
+
+
+def mutant_configs(spec: MutantSpec, shapes: Sequence[Shape]) -> List[ModelConfig]:
+    """Configurations a mutant is tried in, smallest first (the first violation kills it)."""
+    configs = []
+    for shape in sorted(shapes, key=lambda sh: (sh[0] * sh[1] * sh[3] * sh[4], sh)):
+        P, Q, S, N, C = shape
+        if Q < spec.min_consumers or C < spec.min_calls or (spec.needs_wrap and N <= S and C < 2):
+            continue
+        policies = (spec.policy,) if spec.policy is not None else (AckPolicy.CONSERVATIVE, AckPolicy.EARLY)
+        for policy in policies:
+            configs.append(ModelConfig(*shape, ack_policy=policy, serial=spec.serial, mutant=spec.name))
+    return configs
+
+
+@dataclasses.dataclass
+class MutantResult:
+    """Outcome of one mutant: killed (by which invariant, in which configuration) or survived."""
+
+    spec: MutantSpec
+    runs: List[RunResult]
+    #: The killing configuration explored again with the partial-order reduction on (evidence that the
+    #: reduction used for the protocol does not hide this bug); ``None`` when not killed.
+    reduced_run: Optional[RunResult] = None
+
+    @property
+    def killing_run(self) -> Optional[RunResult]:
+        """The run that produced the counterexample, if any."""
+        return next((run for run in self.runs if run.violation is not None), None)
+
+    @property
+    def killed(self) -> bool:
+        """Whether some configuration produced a counterexample."""
+        return self.killing_run is not None
+
+    @property
+    def invariant(self) -> Optional[str]:
+        """The violated invariant of the counterexample."""
+        run = self.killing_run
+        return run.violation.invariant if run is not None else None
+
+
+def run_mutant(spec: MutantSpec, shapes: Sequence[Shape]) -> MutantResult:
+    """Explore the mutant's configurations, smallest first, until one yields a counterexample."""
+    runs = []
+    for cfg in mutant_configs(spec, shapes):
+        run = explore(cfg)
+        runs.append(run)
+        if run.violation is not None:
+            return MutantResult(spec, runs, explore(dataclasses.replace(cfg, reduce=True)))
+    return MutantResult(spec, runs)
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything one invocation checked."""
+
+    protocol_runs: List[RunResult]
+    mutants: List[MutantResult]
+    equivalents: Dict[str, List[RunResult]]
+
+    @property
+    def states(self) -> int:
+        """States explored for the real protocol, summed over its configurations."""
+        return sum(run.states for run in self.protocol_runs)
+
+    @property
+    def violations(self) -> int:
+        """Configurations in which the real protocol violated an invariant."""
+        return sum(run.violation is not None for run in self.protocol_runs)
+
+    @property
+    def mutants_killed(self) -> int:
+        """Mutants with a counterexample."""
+        return sum(result.killed for result in self.mutants)
+
+    def summary_line(self) -> str:
+        """The last line printed."""
+        return (f"modelcheck: states={self.states} violations={self.violations} "
+                f"mutants_killed={self.mutants_killed}/{len(self.mutants)}")
+
+    def ok(self) -> bool:
+        """No violation of the real protocol and every mutant killed."""
+        return self.violations == 0 and self.mutants_killed == len(self.mutants)
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable report."""
+        return {
+            "protocol": [run.to_json() for run in self.protocol_runs],
+            "mutants": [{
+                "name": result.spec.name,
+                "description": result.spec.description,
+                "expected_invariant": result.spec.expected,
+                "killed": result.killed,
+                "invariant": result.invariant,
+                "runs": [run.to_json() for run in result.runs],
+                "reduced_run": result.reduced_run.to_json() if result.reduced_run else None,
+            } for result in self.mutants],
+            "equivalent_variants": {name: [run.to_json() for run in runs]
+                                    for name, runs in self.equivalents.items()},
+            "states": self.states,
+            "violations": self.violations,
+            "mutants_killed": self.mutants_killed,
+            "mutants_total": len(self.mutants),
+        }
+
+
+def check(shapes: Sequence[Shape],
+          cross_checks: Sequence[CrossCheck] = (),
+          mutants: Optional[Sequence[str]] = None, check_protocol: bool = True,
+          log: Optional[TextIO] = None,
+          equivalence_cross_checks: Optional[Sequence[CrossCheck]] = None) -> Report:
+    """Check the protocol, the mutants and the equivalence variants over ``shapes``.
+
+    Args:
+        shapes: ``(P, Q, S, N, C)`` tuples.
+        cross_checks: ``(shape, fine, reduce)`` runs that cross-check the step granularity and reduction.
+        mutants: names of the mutants to run (``None``: all of `MUTANT_NAMES`).
+        check_protocol: also explore the real protocol and the equivalence variants.
+        log: where progress lines go (``None``: nowhere).
+        equivalence_cross_checks: cross-checks for the equivalence variants (``None``: ``cross_checks``).
+
+    Returns:
+        A `Report`.
+
+    Raises:
+        ConfigError: an unknown mutant name or a bad shape.
+
+    Example:
+        >>> check([(1, 1, 2, 3, 2)], mutants=["reset_forgotten"]).ok()
+        True
+    """
+    names = MUTANT_NAMES if mutants is None else tuple(mutants)
+    for name in names:
+        if name not in _MUTANT_BY_NAME:
+            raise ConfigError(f"mutant={name!r}: expected one of {MUTANT_NAMES}")
+    write = log.write if log is not None else (lambda text: None)
+    protocol_runs: List[RunResult] = []
+    equivalents: Dict[str, List[RunResult]] = {}
+    if check_protocol:
+        write("== protocol ==\n")
+        for cfg in protocol_configs(shapes, cross_checks):
+            run = explore(cfg)
+            protocol_runs.append(run)
+            write(_run_line(run))
+            if run.violation is not None:
+                write(_violation_text(run.violation))
+        for variant in EQUIVALENT_VARIANTS:
+            write(f"== equivalence variant {variant} (expected: no counterexample) ==\n")
+            equivalents[variant] = []
+            variant_checks = cross_checks if equivalence_cross_checks is None else equivalence_cross_checks
+            for cfg in protocol_configs(shapes, variant_checks, mutant=variant):
+                if cfg.serial:
+                    continue
+                run = explore(cfg)
+                equivalents[variant].append(run)
+                write(_run_line(run))
+                if run.violation is not None:
+                    write(_violation_text(run.violation))
+    write("== mutants ==\n")
+    results = []
+    for name in names:
+        result = run_mutant(_MUTANT_BY_NAME[name], shapes)
+        results.append(result)
+        write(_mutant_text(result))
+    report = Report(protocol_runs, results, equivalents)
+    for variant, runs in equivalents.items():
+        killed = [run for run in runs if run.violation is not None]
+        verdict = (f"KILLED in {len(killed)} configurations (not equivalent)" if killed else
+                   f"equivalent: no counterexample in {len(runs)} configurations, "
+                   f"{sum(run.states for run in runs)} states")
+        write(f"finding: variant {variant}: {verdict}\n")
+    return report
+
+
+def _run_line(run: RunResult) -> str:
+    verdict = "all invariants held" if run.violation is None else f"VIOLATION {run.violation.invariant}"
+    return (f"  {run.config.label():<62} states={run.states:>8} transitions={run.transitions:>9} "
+            f"time={run.seconds:7.2f}s  {verdict}\n")
+
+
+def _violation_text(violation: Violation) -> str:
+    lines = [f"    {violation.invariant}: {violation.message}\n", "    shortest counterexample:\n"]
+    lines += [f"    {line}\n" for line in violation.trace]
+    return "".join(lines)
+
+
+def _mutant_text(result: MutantResult) -> str:
+    spec = result.spec
+    head = f"mutant {spec.name}: {spec.description}\n"
+    run = result.killing_run
+    if run is None:
+        tried = ", ".join(r.config.label() for r in result.runs) or "no applicable configuration"
+        return head + f"  SURVIVED (tried: {tried})\n"
+    match = "as expected" if run.violation.invariant == spec.expected else f"expected {spec.expected}"
+    text = (f"  KILLED by {run.violation.invariant} ({match}) in {run.config.label()} after "
+            f"{run.states} states, {run.seconds:.2f}s\n")
+    reduced = result.reduced_run
+    if reduced is not None:
+        outcome = (f"also killed by {reduced.violation.invariant}" if reduced.violation is not None
+                   else "NOT killed")
+        text += f"  with partial-order reduction: {outcome} ({reduced.states} states)\n"
+    return head + text + _violation_text(run.violation)
+
+
+def _parse_shape(text: str) -> Tuple[int, int, int, int, int]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 5 or min(values) <= 0:
+        raise ConfigError(f"--config={text!r}: expected five positive integers P,Q,S,N,C")
+    return values  # type: ignore[return-value]
+
+
+def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
+    """Command line entry point; returns the exit status (0: no violation and every mutant killed).
+
+    Example:
+        >>> main(["--config", "1,1,2,3,2", "--mutant", "reset_forgotten"])  # doctest: +SKIP
+        0
+    """
+    parser = argparse.ArgumentParser(prog="python -m symmring.modelcheck", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI-size configurations")
+    parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    parser.add_argument("--config", metavar="P,Q,S,N,C", help="check only this configuration")
+    parser.add_argument("--mutant", metavar="NAME", action="append", choices=MUTANT_NAMES,
+                        help="run only this mutant (repeatable); the real protocol is then not checked")
+    parser.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    if args.list_mutants:
+        for spec in MUTANTS:
+            out.write(f"{spec.name}: {spec.description} (expected: {spec.expected})\n")
+        return 0
+    try:
+        if args.config:
+            shapes: Sequence[Shape] = (_parse_shape(args.config),)
+            cross_checks: Sequence[CrossCheck] = ()
+        elif args.quick:
+            shapes, cross_checks = QUICK_SHAPES, QUICK_CROSS_CHECKS
+        else:
+            shapes, cross_checks = FULL_SHAPES, FULL_CROSS_CHECKS
+        start = time.perf_counter()
+        # The equivalence variants skip the full run's largest unreduced cross-checks (minutes each).
+        report = check(shapes, cross_checks, mutants=args.mutant, check_protocol=not args.mutant, log=out,
+                       equivalence_cross_checks=[cc for cc in cross_checks if cc in QUICK_CROSS_CHECKS])
+    except ConfigError as exc:
+        parser.error(str(exc))
+    out.write(f"total time {time.perf_counter() - start:.1f}s\n")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report.to_json(), handle, indent=1)
+    out.write(report.summary_line() + "\n")
+    return 0 if report.ok() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
