@@ -83,8 +83,8 @@ for s in "${stages[@]}"; do
     compile) stage compile 200 run_compile ;;
     pe1) stage pe1 150 "${PYTEST[@]}" "${TESTS[@]}" ;;
     blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 90 "${PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams or random_delays" ;;
-    pe2) stage pe2 150 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" "${TESTS[@]}" ;;
-    pe4) stage pe4 150 "$PY" -m symmring.launch -n 4 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_soak.py tests/gpu/test_kernels.py tests/gpu/test_runtime.py ;;
+    pe2) stage pe2 120 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" "${TESTS[@]}" ;;
+    pe4) stage pe4 120 "$PY" -m symmring.launch -n 4 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_soak.py tests/gpu/test_kernels.py tests/gpu/test_runtime.py ;;
     blocking2) CUDA_LAUNCH_BLOCKING=1 stage blocking2 90 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams" ;;
     bench)
       stage bench1 60 "$PY" -m symmring.bench.protocol --json "$OUT/bench_1pe.json"

@@ -27,6 +27,8 @@ def test_soak_user_kernels_two_slot_ring(backend, user_module, seed, max_delay_n
     spec = small_spec("fp8_e4m3", num_slots=2, tokens_per_slot=8)
     num_chunks = math.ceil(SLOT_USES / R)
     ring = DeviceRing(backend, spec, timeout_s=30.0)
+    # Defaults so that a rank whose soak raised still joins the collectives below with the others.
+    error, mismatches, reads, checked_bytes, produced, zero_chunks, gen_ok, elapsed = None, 0, 0, 0, 0, 0, False, 0.0
     try:
         k = ring.kernels
         base = k.gen_base()
@@ -43,12 +45,16 @@ def test_soak_user_kernels_two_slot_ring(backend, user_module, seed, max_delay_n
         mismatches, reads, checked_bytes, produced = (int(v) for v in stats.get())
         zero_chunks = sum(user_num_valid(backend.rank, c, spec.tokens_per_slot) == 0 for c in range(num_chunks))
         gen_ok = k.gen_base() == base + num_chunks
+    except Exception as exc:  # reported by the asserts below, after the collectives
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         ring.close()
+    # Every rank makes the same collectives, in the same order (a rank-0-only allreduce hangs the others).
     uses, all_reads, all_mismatches = total(produced), total(reads), total(mismatches)
+    all_bytes, all_zero_chunks = total(checked_bytes), total(zero_chunks)
     if backend.rank == 0:
         print(f"\nsoak (max delay {max_delay_ns} ns, {R} PE(s)): {uses} slot uses, {all_reads} slot reads, "
-              f"{total(checked_bytes)} bytes checked, {total(zero_chunks)} zero-token chunks, "
+              f"{all_bytes} bytes checked, {all_zero_chunks} zero-token chunks, "
               f"{all_mismatches} mismatches, {elapsed:.2f} s ({elapsed * 1e6 / num_chunks:.2f} us per chunk)")
     assert error is None, error
     assert mismatches == 0 and produced == num_chunks and reads == num_chunks * R, (mismatches, produced, reads)
