@@ -11,12 +11,16 @@ Importing symmring has no side effects: nothing is initialised until `init()` is
 __version__ = "0.1.0"
 
 from . import protocol  # noqa: E402
+from .context import Context, finalize, init  # noqa: E402
 from .errors import (BackendError, CompileError, ConfigError, ProtocolTimeout,  # noqa: E402
                      RingClosedError, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
+from .moe.expert_parallel import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .protocol import AckPolicy  # noqa: E402
+from .ring import Call, ChunkView, Ring  # noqa: E402
 
 __all__ = [
-    "__version__", "protocol", "AckPolicy", "RingSpec", "RingLayout",
+    "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",
+    "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "RingClosedError", "CompileError",
 ]
