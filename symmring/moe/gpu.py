@@ -31,7 +31,7 @@ later kernel returns at once; `MoE.check_errors` (which synchronises) raises the
 usable again.
 
 Example:
-    >>> ctx = symmring.init("nvshmem")
+    >>> ctx = symmring.context.init("nvshmem")
     >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,
     ...           max_tokens=4096)
     >>> y = moe.forward(x, router_weight=router)        # x: [n, 1024] bf16 on this rank's GPU
