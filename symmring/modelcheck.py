@@ -706,22 +706,22 @@ class RingModel:
             _, q, p, k, c, s, route_gen, layout_gen, gen = label
             return (f"consumer {q} call {k} chunk {c}: wait on source {p} slot {s} satisfied "
                     f"(route_ready={route_gen}, layout_ready={layout_gen}, expected gen {gen})")
-        if kind == "read":
-            _, q, p, k, c, s, field, seen, tag = label
+        if kind in ("read", "combine_reread"):
+            if kind == "read":
+                _, q, p, k, c, s, field, seen, tag = label
+                what = f"reads {_FIELD_NAMES[field]} payload"
+            else:
+                _, q, p, k, c, s, seen, tag = label
+                what = "combine re-reads route metadata"
             ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
-            return (f"consumer {q} call {k} chunk {c}: reads {_FIELD_NAMES[field]} payload of source {p} "
-                    f"slot {s}: {self.tag_text(seen)} {ok}")
+            return (f"consumer {q} call {k} chunk {c}: {what} of source {p} slot {s}: "
+                    f"{self.tag_text(seen)} {ok}")
         if kind == "ack":
             _, q, p, k, c, s, mask = label
             return f"consumer {q} call {k} chunk {c}: acknowledges source {p} slot {s} (mask now {mask:#b})"
         if kind == "combine":
             _, q, p, k, c = label
             return f"consumer {q} call {k} chunk {c}: writes combine result of source {p} to its output"
-        if kind == "combine_reread":
-            _, q, p, k, c, s, seen, tag = label
-            ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
-            return (f"consumer {q} call {k} chunk {c}: combine re-reads route metadata of source {p} slot "
-                    f"{s}: {self.tag_text(seen)} {ok}")
         if kind == "advance":
             _, r, k, base, new_base = label
             return f"rank {r}: end of call {k}, generation base {base} -> {new_base}"
