@@ -15,12 +15,13 @@ from typing import List, Optional
 COMMANDS = {
     "demo": ("symmring.demo", "run a small MoE layer both ways and check it against the reference"),
     "info": ("symmring.info", "print versions, backend and devices"),
-    "bench": ("symmring.bench", "run a benchmark: bench {protocol} [--json PATH]"),
+    "bench": ("symmring.bench", "run a benchmark: bench {protocol,moe} [--json PATH]"),
 }
 
 #: Benchmarks of ``bench NAME``: module with ``main(argv) -> int``.
 BENCHMARKS = {
     "protocol": "symmring.bench.protocol",
+    "moe": "symmring.bench.moe",
 }
 
 

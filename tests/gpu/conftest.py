@@ -32,15 +32,22 @@ def _skip_reason():
 
 
 @pytest.fixture(scope="session")
-def backend():
-    """One NvshmemBackend for the session (NVSHMEM initialises once per process); finalized at the end."""
+def gpu_ctx():
+    """One symmring context on the nvshmem backend for the whole session: NVSHMEM initialises once per
+    process, so every GPU test file (ring kernels and MoE alike) shares it; closed at the end."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from symmring.runtime import NvshmemBackend
-    nvshmem_backend = NvshmemBackend()
-    yield nvshmem_backend
-    nvshmem_backend.finalize()
+    from symmring.context import init
+    ctx = init("nvshmem")
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(scope="session")
+def backend(gpu_ctx):
+    """The session's NvshmemBackend."""
+    return gpu_ctx.backend
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,6 @@ if not runtime.gpu_available():
 from moe_helpers import (agree, make_tokens, make_weights, mixtral_block, mixtral_forward,  # noqa: E402
                          rel_error, skewed_logits, to_torch)
 
-from symmring.context import init  # noqa: E402
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import quant  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
@@ -48,10 +47,9 @@ REL_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    context = init("nvshmem")
-    yield context
-    context.close()
+def ctx(gpu_ctx):
+    """The session's nvshmem context (tests/gpu/conftest.py): NVSHMEM initialises once per process."""
+    return gpu_ctx
 
 
 def device_of(ctx):
