@@ -32,7 +32,7 @@ def _skip_reason():
 
 
 @pytest.fixture(scope="session")
-def gpu_ctx():
+def nvshmem_ctx():
     """One symmring context on the nvshmem backend for the whole session: NVSHMEM initialises once per
     process, so every GPU test file (ring kernels and MoE alike) shares it; closed at the end."""
     reason = _skip_reason()
@@ -45,9 +45,9 @@ def gpu_ctx():
 
 
 @pytest.fixture(scope="session")
-def backend(gpu_ctx):
+def backend(nvshmem_ctx):
     """The session's NvshmemBackend."""
-    return gpu_ctx.backend
+    return nvshmem_ctx.backend
 
 
 @pytest.fixture(scope="session")

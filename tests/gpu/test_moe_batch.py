@@ -47,9 +47,9 @@ REL_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def ctx(gpu_ctx):
+def ctx(nvshmem_ctx):
     """The session's nvshmem context (tests/gpu/conftest.py): NVSHMEM initialises once per process."""
-    return gpu_ctx
+    return nvshmem_ctx
 
 
 def device_of(ctx):
