@@ -53,7 +53,8 @@ class ProtocolTimeout(SymmringError, TimeoutError):
         slot: the ring slot.
         expected: the generation (or mask) that was awaited.
         observed: the value seen when the wait gave up.
-        missing_ranks: for acknowledgement waits, the ranks whose bit never arrived.
+        missing_ranks: the ranks that never answered: for ``"reuse"`` those whose acknowledgement bit never
+            arrived, for other waits those whose signal never came (where the waiter knows them).
         timeout_s: the bound that expired.
     """
 
@@ -74,5 +75,6 @@ class ProtocolTimeout(SymmringError, TimeoutError):
         msg = (f"rank {rank}: timed out after {timeout_s:g} s waiting for {kind}{src} on {where}: "
                f"expected {expected}, observed {observed}")
         if self.missing_ranks:
-            msg += f"; missing acknowledgements from ranks {list(self.missing_ranks)}"
+            what = "acknowledgements" if kind == "reuse" else "signals"
+            msg += f"; missing {what} from ranks {list(self.missing_ranks)}"
         super().__init__(msg)
