@@ -22,6 +22,7 @@ COMMANDS = {
 BENCHMARKS = {
     "protocol": "symmring.bench.protocol",
     "moe": "symmring.bench.moe",
+    "stream": "symmring.bench.stream",
 }
 
 

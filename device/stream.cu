@@ -1,0 +1,177 @@
+// Streamed MoE kernels (symmring.moe.gpu_streamed): the chunk-aware pieces of the streamed path. The
+// producer kernels (device/producer.cu) and the dispatch count/scan/pull (device/dispatch.cu) already take
+// a chunk index and per-chunk pointers and are reused as they are; what they hard-code for the
+// one-chunk batch call is replaced here:
+//
+//   stream_dispatch_wait    as moe_dispatch_wait, and also snapshots every source's meta token_base into
+//                           a local array, so nothing after the pull reads the slot (the EARLY policy).
+//   stream_ack              EARLY policy: acknowledge every owner's slot right after the pull.
+//   stream_combine_scatter  rows to the owner's combine buffer at the LOGICAL token row (token_base from
+//                           the snapshot + chunk-local token), so chunks of one call never share rows.
+//   stream_combine_signal   SET combine_ready[this rank] = the chunk's generation on every owner; with
+//                           ack_now (CONSERVATIVE policy) then acknowledge every owner's slot.
+//   stream_combine_wait     wait until every source's word is >= the chunk's generation (PROTOCOL.md
+//                           section 7.1: a consumer may signal chunk c + 1 before the owner saw chunk c,
+//                           and generations only grow, so >= admits no stale value).
+//   stream_combine_reduce   one warp per token of the chunk's logical rows, reading topk from the
+//                           owner's LOCAL routing buffers (never the slot, which EARLY may already have
+//                           handed back to the producer). Does not end the call.
+//   stream_end_call         one thread, after the last chunk on every stream: generation base + num_chunks.
+//   stream_stamp            one thread: stamps[idx] = %globaltimer (the timeline of `bench stream`).
+//   stream_sleep            one thread: spin for a given number of ns (tests: a deliberately slow producer).
+//
+// NOT YET RUN ON A GPU (written in a session without device time): compiled and device-linked only.
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+
+#include <symmring/protocol.cuh>
+
+using namespace symmring;
+
+// Block r waits for source rank r's chunk (both generations, bounded, acquire), then thread 0 copies
+// the source's meta token_base into token_base[r]. Block 0 also zeroes counts for moe_dispatch_count.
+extern "C" __global__ void stream_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
+                                                int num_local_experts, long long* token_base) {
+    const RingDescriptor& d = *desc_ptr;
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.x;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    // acquire: pairs with the route/layout publication in producer.cu on src_rank.
+    if (!wait_ready(d, chunk_idx, src_rank, gen)) return;
+    if (threadIdx.x == 0) {
+        const int64_t* meta = peer_ptr(d, meta_of(d, slot_of(chunk_idx, d.num_slots)), src_rank);
+        // A null mapping is reported by moe_dispatch_count's status bit; use the protocol's own base here.
+        token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
+                                               : chunk_token_base(chunk_idx, d.tokens_per_slot);
+    }
+}
+
+// One block, after moe_dispatch_pull (the last read of every source's slot, meta included): EARLY
+// acknowledgement of every owner's slot. ack() fences first (release: pairs with the acquire in the
+// owner's wait_reusable).
+extern "C" __global__ void stream_ack(const RingDescriptor* desc_ptr, int chunk_idx) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
+}
+
+// Rows [total[0]] of pool_out ([capacity][hidden] bf16) to their owners' combine rows at the logical
+// token row token_base[src] + token. row_src[row] = {src_rank, chunk-local token, k, 0} (moe_dispatch_pull).
+extern "C" __global__ void stream_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
+                                                  const int4* row_src, const int* total,
+                                                  const long long* token_base, __nv_bfloat16* combine_rows) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int num_rows = total[0];
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
+    for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
+         row += gridDim.x * warps_per_block) {
+        const int4 src = row_src[row];
+        const int64_t logical_token = token_base[src.x] + src.y;
+        __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
+        int4* dst = reinterpret_cast<int4*>(owner_rows + (logical_token * d.num_topk + src.z) * d.hidden);
+        const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
+        for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
+    }
+}
+
+// One block of at least num_ranks threads, after stream_combine_scatter of the chunk: tell every owner
+// that this PE's rows of chunk `chunk_idx` are in place; with ack_now (CONSERVATIVE) acknowledge too.
+extern "C" __global__ void stream_combine_signal(const RingDescriptor* desc_ptr, int chunk_idx,
+                                                 uint64_t* combine_ready, int ack_now) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    if (threadIdx.x == 0) nvshmem_fence();  // release: pairs with the acquire in stream_combine_wait
+    __syncthreads();
+    for (int owner = threadIdx.x; owner < d.num_ranks; owner += blockDim.x)
+        nvshmemx_signal_op(combine_ready + d.rank, gen, NVSHMEM_SIGNAL_SET, owner);
+    if (!ack_now) return;
+    // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
+    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
+}
+
+// One thread: bounded wait until every source rank's combine_ready word on this PE is >= the chunk's
+// generation (acquire), so stream_combine_reduce (the next kernel) reads the rows they stored.
+extern "C" __global__ void stream_combine_wait(const RingDescriptor* desc_ptr, int chunk_idx,
+                                               const uint64_t* combine_ready) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d) || threadIdx.x != 0) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    for (int src = 0; src < d.num_ranks; ++src) {
+        Deadline deadline(d);
+        uint64_t observed;
+        // acquire: pairs with the release fence in stream_combine_signal on rank `src`.
+        while ((observed = ld_acquire_sys(combine_ready + src)) < gen) {
+            if (deadline.expired(d)) {
+                if (!deadline.aborted)
+                    record_error(d, kErrorCombine, src, slot_of(chunk_idx, d.num_slots), chunk_idx, gen,
+                                 observed, 0);
+                return;
+            }
+        }
+    }
+}
+
+// One warp per token t in [token_begin, token_begin + num_valid): y[t] = bf16(sum_k w[t][k] * rows[t][k])
+// in k order, float32, masked entries skipped. topk_idx / topk_weights: the owner's local [n][K] routing
+// of the whole call; combine_rows: [max_tokens][K][hidden] by logical token; y: row stride y_row_stride.
+extern "C" __global__ void stream_combine_reduce(const RingDescriptor* desc_ptr, const __nv_bfloat16* combine_rows,
+                                                 const int32_t* topk_idx, const float* topk_weights,
+                                                 __nv_bfloat16* y, long long y_row_stride, int token_begin,
+                                                 int num_valid) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int vecs_per_row = d.hidden / 8;
+    const int K = d.num_topk;
+    for (int i = blockIdx.x * warps_per_block + threadIdx.x / 32; i < num_valid; i += gridDim.x * warps_per_block) {
+        const int64_t token = int64_t(token_begin) + i;
+        const __nv_bfloat16* rows = combine_rows + token * K * d.hidden;
+        for (int v = lane; v < vecs_per_row; v += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int k = 0; k < K; ++k) {
+                const int expert = topk_idx[token * K + k];
+                if (expert < 0 || expert >= d.num_experts) continue;  // masked: contributes nothing
+                const float w = topk_weights[token * K + k];
+                const int4 raw = reinterpret_cast<const int4*>(rows + int64_t(k) * d.hidden)[v];
+                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = __bfloat1622float2(pairs[j]);
+                    acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
+                    acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
+                }
+            }
+            int4 out;
+            __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out_pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            *reinterpret_cast<int4*>(y + token * y_row_stride + v * 8) = out;
+        }
+    }
+}
+
+// One thread, after every kernel of the call on every stream (the layer joins the streams first):
+// advance the generation base by the call's chunk count.
+extern "C" __global__ void stream_end_call(const RingDescriptor* desc_ptr, int num_chunks) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
+}
+
+// One thread: stamps[idx] = the device's nanosecond clock (runs when the stream's previous kernel ended).
+extern "C" __global__ void stream_stamp(unsigned long long* stamps, int idx) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) stamps[idx] = globaltimer_ns();
+}
+
+// One thread: spin for duration_ns (bounded by the argument; a test's deliberately slow producer).
+extern "C" __global__ void stream_sleep(unsigned long long duration_ns) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const uint64_t start = globaltimer_ns();
+    while (globaltimer_ns() - start < duration_ns) __nanosleep(1000);
+}

@@ -1,0 +1,521 @@
+"""The expert-parallel MoE layer on GPUs, streamed path: chunks of ``tokens_per_slot`` tokens through a
+``num_slots`` NVSHMEM ring, the producer of chunk ``c + 1`` overlapping the consumer of chunk ``c``.
+
+**Status: NOT YET RUN ON A GPU.** Written in a session without device time; the device code compiles and
+device-links (tests/test_device_compile.py) and the host logic was only checked without CUDA. The batch
+path (`symmring.moe.gpu.MoE`) stays the verified default; see docs/MOE_STREAMED.md.
+
+One `StreamedMoE.forward` is one call of the ring protocol with ``call_num_chunks`` chunks (the most any
+rank needs; every rank runs them all, publishing and acknowledging zero-token chunks). The host enqueues,
+in `symmring.protocol.enqueue_order` (lookahead ``num_slots - 1``, itself a valid serial schedule):
+
+* **produce c** on the producer stream: router GEMM and TopK of the chunk's rows (torch, into the layer's
+  routing buffers), ``moe_produce_route`` (acquire the slot, copy topk + meta, publish route readiness),
+  ``moe_produce_layout_fp8``/``_bf16`` (quantise into the slot, publish layout readiness) --
+  device/producer.cu, the batch layer's kernels with per-chunk pointers;
+* **consume c** on the consumer stream: ``stream_dispatch_wait`` (both generations of every source,
+  snapshot of each source's meta token_base), ``moe_dispatch_count``/``_scan``/``_pull`` (dispatch.cu,
+  reused), ``stream_ack`` (EARLY policy only), the grouped GEMMs, ``stream_combine_scatter`` (to the
+  owner's combine rows at the LOGICAL token row), ``stream_combine_signal`` (combine generation = the
+  chunk's ring generation; CONSERVATIVE acknowledges here), ``stream_combine_wait`` (``>=``: PROTOCOL.md
+  section 7.1), ``stream_combine_reduce`` (the chunk's rows of ``y``, topk from the owner's local routing
+  buffers, never the slot).
+
+Then the streams join the caller's stream and ``stream_end_call`` advances the device-resident generation
+base by the chunk count, so `capture` gives a graph whose replays are fresh calls.
+
+Combine buffer: ``combine_ready[world_size]`` uint64 + rows ``[max_tokens][topk][hidden]`` bf16 indexed by
+the owner's logical token row over the whole call, so chunks of one call never share rows; across calls a
+consumer writes call ``k + 1``'s rows only after it saw the owner's call-``k + 1`` publication, which the
+owner's producer stream issues after joining the caller's stream, i.e. after its call-``k`` reduce.
+
+SM budget of the spinning kernels per PE: the route kernel (at most ``MAX_ROUTE_BLOCKS`` = 16 blocks, on the
+producer stream), ``stream_dispatch_wait`` (one block per source rank) and ``stream_combine_wait`` (one
+block) -- at most ``16 + world_size + 1`` blocks, far below an H200's 132 SMs, so spinning never takes
+the SMs the kernels it waits for need.
+
+Example:
+    >>> moe = StreamedMoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,
+    ...                   max_tokens=4096, tokens_per_slot=512, num_slots=3)
+    >>> y = moe.forward(x, router_weight=router)
+    >>> moe.check_errors(); moe.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .. import env, protocol
+from ..errors import BackendError, ConfigError, ProtocolTimeout
+from ..layout import ALIGN, RingSpec, align_up
+from . import torch_ref
+from .gpu import (FP8_GROUP_SIZE, MAX_BLOCKS, MAX_ROUTE_BLOCKS, MAX_TOPK, THREADS_PER_BLOCK, WARPS_PER_BLOCK,
+                  MoE, _blocks, _check_int, _load_modules, _ptr, _torch)
+
+logger = logging.getLogger(__name__)
+
+#: Device source of the streamed kernels (device/stream.cu).
+STREAM_SOURCE = "stream"
+#: Stages of the timeline, per chunk: (stream, stage). Each gets a start and an end stamp.
+TIMELINE_STAGES = (("producer", "route"), ("producer", "layout"), ("consumer", "dispatch"),
+                   ("consumer", "experts"), ("consumer", "combine"))
+
+_stream_modules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _load_stream_module(backend):
+    module = _stream_modules.get(backend)
+    if module is None:
+        from .. import jit
+        module = _stream_modules[backend] = backend.load_module(jit.read_source(f"{STREAM_SOURCE}.cu"),
+                                                                name="moe_stream")
+    return module
+
+
+def _ack_policy(value) -> protocol.AckPolicy:
+    if isinstance(value, protocol.AckPolicy):
+        return value
+    if isinstance(value, str) and value.upper() in protocol.AckPolicy.__members__:
+        return protocol.AckPolicy[value.upper()]
+    raise ConfigError(f"ack_policy={value!r}: expected an AckPolicy or one of "
+                      f"{[p.name.lower() for p in protocol.AckPolicy]}")
+
+
+class StreamedMoE(MoE):
+    """Expert-parallel MoE layer on GPU PEs, streamed through a ring of ``num_slots`` chunks.
+
+    Args:
+        ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens, x_format, scoring, bias,
+            routed_scaling_factor: as `symmring.moe.gpu.MoE` (``max_tokens``: most tokens per rank per call,
+            the size of the combine buffer).
+        tokens_per_slot: tokens per chunk (the ring slot's capacity); at most ``max_tokens``.
+        num_slots: slots of the ring (>= 1); the producer runs up to ``num_slots - 1`` chunks ahead.
+        ack_policy: ``AckPolicy.CONSERVATIVE`` (acknowledge after the chunk's combine signal) or
+            ``AckPolicy.EARLY`` (right after the dispatch pull), or their names.
+        single_stream: run producer and consumer on the caller's stream, in the enqueue order (the serial
+            schedule of PROTOCOL.md 9.1; for tests and as a fallback).
+        timeout_s: bound of every device wait (default: the context's).
+
+    Raises:
+        ConfigError: any bad argument, named, before any collective work.
+        BackendError: the context is not on the nvshmem backend, or torch is missing.
+
+    Example:
+        >>> moe = StreamedMoE(ctx, 8, 1024, 512, 2, wg, wu, wd, max_tokens=4096, tokens_per_slot=512,
+        ...                   num_slots=3, ack_policy="early")
+        >>> y = moe.forward(x, logits=logits)
+    """
+
+    def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
+                 max_tokens: int, tokens_per_slot: int, num_slots: int = 2,
+                 ack_policy=protocol.AckPolicy.CONSERVATIVE, x_format: str = "fp8_e4m3",
+                 scoring: str = "softmax", bias=None, routed_scaling_factor: float = 1.0,
+                 single_stream: bool = False, timeout_s: Optional[float] = None):
+        torch = _torch()
+        if getattr(getattr(ctx, "backend", None), "name", None) != "nvshmem":
+            raise BackendError(f"ctx: expected a context on the 'nvshmem' backend, got "
+                               f"{getattr(getattr(ctx, 'backend', None), 'name', ctx)!r}")
+        ctx.check_open()
+        self.ctx = ctx
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.num_experts = _check_int("num_experts", num_experts)
+        self.hidden = _check_int("hidden", hidden)
+        self.inter = _check_int("inter", inter)
+        self.topk = _check_int("topk", topk)
+        self.max_tokens = _check_int("max_tokens", max_tokens)
+        self.tokens_per_slot = _check_int("tokens_per_slot", tokens_per_slot)
+        self.num_slots = _check_int("num_slots", num_slots)
+        if self.tokens_per_slot > self.max_tokens:
+            raise ConfigError(f"tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
+        self.ack_policy = _ack_policy(ack_policy)
+        self.lookahead = protocol.default_lookahead(self.num_slots)
+        if not isinstance(single_stream, bool):
+            raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
+        self.single_stream = single_stream
+        timeout_s = ctx.timeout_s if timeout_s is None else timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        self.timeout_s = float(timeout_s)
+        if self.num_experts % self.world_size:
+            raise ConfigError(f"num_experts={num_experts}: expected a multiple of world_size={self.world_size} "
+                              "(experts are split evenly)")
+        if self.topk > min(MAX_TOPK, self.num_experts):
+            raise ConfigError(f"topk={topk}: expected at most min({MAX_TOPK}, num_experts={num_experts})")
+        if x_format not in ("fp8_e4m3", "bf16"):
+            raise ConfigError(f"x_format={x_format!r}: expected 'fp8_e4m3' or 'bf16'")
+        multiple = FP8_GROUP_SIZE if x_format == "fp8_e4m3" else 8
+        if self.hidden % multiple:
+            raise ConfigError(f"hidden={hidden}: expected a multiple of {multiple} for x_format={x_format!r}")
+        if self.inter % 8:
+            raise ConfigError(f"inter={inter}: expected a multiple of 8 (16-byte rows for the grouped GEMM)")
+        if scoring not in torch_ref.SCORINGS:
+            raise ConfigError(f"scoring={scoring!r}: expected one of {list(torch_ref.SCORINGS)}")
+        self.num_local_experts = self.num_experts // self.world_size
+        self.expert_begin = self.rank * self.num_local_experts
+        self.x_format = x_format
+        self.scoring = scoring
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        local_shape = (self.num_local_experts, self.inter, self.hidden)
+        for name, w, shape in (("w_gate", w_gate, local_shape), ("w_up", w_up, local_shape),
+                               ("w_down", w_down, (self.num_local_experts, self.hidden, self.inter))):
+            self._check_tensor(name, w, torch.bfloat16, shape)
+        self.bias = None
+        if bias is not None:
+            self._check_tensor("bias", bias, None, (self.num_experts,))
+            self.bias = bias.float()
+        self.w13 = torch_ref.fuse_gate_up(w_gate, w_up)
+        self.w_down = w_down.contiguous()
+        self._w13_t, self._w_down_t = self.w13.transpose(1, 2), self.w_down.transpose(1, 2)
+
+        from ..kernels import DeviceRing
+        backend = ctx.backend
+        self.backend = backend
+        T, K, H = self.tokens_per_slot, self.topk, self.hidden
+        self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=T, hidden=H, num_topk=K,
+                             num_experts=self.num_experts, x_format=x_format, sf_group_size=FP8_GROUP_SIZE)
+        self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s, ack_policy=self.ack_policy)
+        # Combine buffer (symmetric): combine_ready[world_size] uint64, then rows [max_tokens][K][H] bf16
+        # by logical token row (chunks of a call never share rows).
+        self._rows_offset = align_up(self.world_size * 8, ALIGN)
+        self.combine_alloc = backend.alloc(self._rows_offset + self.max_tokens * K * H * 2)
+        self._combine_ready_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, 0))
+        self._combine_rows_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, self._rows_offset))
+        self._modules = _load_modules(backend)
+        self._stream_module = _load_stream_module(backend)
+
+        # Local buffers, fixed size (nothing is allocated per routing; graph-capturable).
+        self.capacity = self.world_size * T * K  # pool rows of one chunk: one per (source, token, k)
+        E = self.num_local_experts
+        i32 = dict(dtype=torch.int32, device=device)
+        self.counts = torch.zeros(E, **i32)
+        self.begin = torch.zeros(E, **i32)
+        self.group_end = torch.zeros(E, **i32)
+        self.cursor = torch.zeros(E, **i32)
+        self.total = torch.zeros(1, **i32)
+        self.status = torch.zeros(1, **i32)
+        self.grid_counters = torch.zeros(4, **i32)
+        self.token_base = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        self.pool_x = torch.empty((self.capacity, H), dtype=torch.bfloat16, device=device)
+        self.row_src = torch.zeros((self.capacity, 4), **i32)
+        self.row_weight = torch.zeros(self.capacity, dtype=torch.float32, device=device)
+        # The owner's routing of the whole call (the reduce reads it here, never from the slot).
+        self.topk_idx_all = torch.zeros((self.max_tokens, K), **i32)
+        self.topk_weights_all = torch.zeros((self.max_tokens, K), dtype=torch.float32, device=device)
+        self.max_chunks = protocol.num_chunks_for(self.max_tokens, T)
+        self.stamps = torch.zeros(2 * len(TIMELINE_STAGES) * self.max_chunks, dtype=torch.int64, device=device)
+        self._timeline_chunks = 0
+        self._producer_stream = None if single_stream else torch.cuda.Stream(device=device)
+        self._consumer_stream = None if single_stream else torch.cuda.Stream(device=device)
+        self._streams: Dict[int, object] = {}
+        self.closed = False
+        backend.barrier()
+        logger.info("StreamedMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, "
+                    "max_tokens %d, %d slots x %d tokens, %s ack, %s", self.rank, self.world_size,
+                    self.expert_begin, self.expert_begin + E, self.num_experts, H, self.inter, K, x_format,
+                    self.max_tokens, self.num_slots, T, self.ack_policy.name,
+                    "one stream" if single_stream else "producer + consumer streams")
+
+    # --- validation -----------------------------------------------------------------------------------
+
+    def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights):
+        """Validate the routing source (nothing enqueued). Returns (kind, tensor(s))."""
+        torch = _torch()
+        n = x.shape[0]
+        sources = [s for s, v in (("router_weight", router_weight), ("logits", logits), ("topk_idx", topk_idx))
+                   if v is not None]
+        if len(sources) != 1:
+            raise ConfigError(f"routing: got {sources or 'none'}; expected exactly one of router_weight, "
+                              "logits, or topk_idx with topk_weights")
+        if topk_idx is not None:
+            self._check_tensor("topk_idx", topk_idx, torch.int32, (n, self.topk))
+            self._check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk))
+            return "given", (topk_idx.contiguous(), topk_weights.contiguous())
+        if topk_weights is not None:
+            raise ConfigError("topk_weights: given without topk_idx")
+        if router_weight is not None:
+            self._check_tensor("router_weight", router_weight, torch.bfloat16, (self.num_experts, self.hidden))
+            return "router", router_weight
+        self._check_tensor("logits", logits, None, (n, self.num_experts))
+        return "logits", logits
+
+    def _check_delays(self, delays) -> Dict[int, int]:
+        if delays is None:
+            return {}
+        if not isinstance(delays, dict):
+            raise ConfigError(f"producer_delay_ns={delays!r}: expected a dict chunk_idx -> nanoseconds")
+        for chunk, ns in delays.items():
+            _check_int("producer_delay_ns chunk", chunk, 0)
+            _check_int(f"producer_delay_ns[{chunk}]", ns, 0)
+        return {int(c): int(ns) for c, ns in delays.items()}
+
+    # --- the layer ------------------------------------------------------------------------------------
+
+    def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
+                timeline: bool = False, producer_delay_ns: Optional[Dict[int, int]] = None):
+        """Run the layer on this rank's tokens, streamed (collective: every rank calls forward once per call).
+
+        Args:
+            x, router_weight, logits, topk_idx, topk_weights: as `symmring.moe.gpu.MoE.forward`.
+            timeline: stamp every stage of every chunk with the device clock (`timeline_records`).
+            producer_delay_ns: ``{chunk_idx: ns}``: spin the producer stream that long before producing
+                the chunk (tests: a deliberately slow or stalled producer).
+
+        Returns:
+            bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync).
+
+        Raises:
+            ConfigError: bad shapes, dtypes, devices or routing sources (nothing is enqueued).
+            ProtocolTimeout: the ranks' token counts did not arrive within the timeout (host), or, with
+                ``SYMMRING_DEBUG=1``, a device wait expired.
+        """
+        torch = _torch()
+        self._check_open()
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ConfigError(f"x: expected a 2-D torch tensor [n, hidden={self.hidden}], got "
+                              f"{getattr(x, 'shape', type(x).__name__)}")
+        n = int(x.shape[0])
+        if n > self.max_tokens:
+            raise ConfigError(f"x.shape[0]={n}: expected at most max_tokens={self.max_tokens}")
+        self._check_tensor("x", x, torch.bfloat16, (n, self.hidden))
+        if not isinstance(timeline, bool):
+            raise ConfigError(f"timeline={timeline!r}: expected a bool")
+        delays = self._check_delays(producer_delay_ns)
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
+
+        counts = self._all_token_counts(n)
+        T = self.tokens_per_slot
+        num_chunks = protocol.call_num_chunks(counts, T)
+        caller = torch.cuda.current_stream()
+        y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
+        if num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
+            return y
+        producer = caller if self.single_stream else self._producer_stream
+        consumer = caller if self.single_stream else self._consumer_stream
+        if not self.single_stream:
+            # Fork: both streams start after the caller's earlier work (the previous call's end included).
+            producer.wait_stream(caller)
+            consumer.wait_stream(caller)
+        if kind == "given":
+            idx_buf, w_buf = source
+        else:
+            idx_buf, w_buf = self.topk_idx_all, self.topk_weights_all
+        self._timeline_chunks = num_chunks if timeline else 0
+        for item, chunk in protocol.enqueue_order(num_chunks, self.num_slots, self.lookahead):
+            if item == "produce":
+                with torch.cuda.stream(producer):
+                    self._produce(chunk, x, n, kind, source, idx_buf, w_buf, delays.get(chunk, 0), timeline,
+                                  producer)
+            else:
+                with torch.cuda.stream(consumer):
+                    rows_bound = max(1, min(self.capacity, self.topk * sum(
+                        protocol.chunk_valid_tokens(c, chunk, T) for c in counts)))
+                    self._consume(chunk, n, idx_buf, w_buf, y, rows_bound, timeline, consumer)
+        if not self.single_stream:
+            caller.wait_stream(producer)  # join: every kernel that reads the generation base is done
+            caller.wait_stream(consumer)
+        # End of the call: generation base + num_chunks (device-resident: graph replays stay fresh).
+        self._stream_module.function("stream_end_call")((1,), (32,), (self.ring.kernels.desc, np.int32(num_chunks)),
+                                                         stream=self._stream(caller.cuda_stream))
+        if env.debug():
+            self.check_errors()
+        return y
+
+    __call__ = forward
+
+    def _stamp(self, stream, chunk: int, stage_idx: int, end: bool) -> None:
+        idx = 2 * (chunk * len(TIMELINE_STAGES) + stage_idx) + int(end)
+        self._stream_module.function("stream_stamp")((1,), (32,), (_ptr(self.stamps), np.int32(idx)), stream=stream)
+
+    def _produce(self, chunk: int, x, n: int, kind: str, source, idx_buf, w_buf, delay_ns: int, timeline: bool,
+                 torch_stream) -> None:
+        """Enqueue produce ``chunk`` on the current (producer) stream."""
+        stream = self._stream(torch_stream.cuda_stream)
+        T, K, H = self.tokens_per_slot, self.topk, self.hidden
+        base = protocol.chunk_token_base(chunk, T)
+        num_valid = protocol.chunk_valid_tokens(n, chunk, T)
+        desc = self.ring.kernels.desc
+        fn_p = self._modules["producer"].function
+        if delay_ns:
+            self._stream_module.function("stream_sleep")((1,), (32,), (np.uint64(delay_ns),), stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, 0, False)
+        if num_valid and kind != "given":
+            rows = slice(base, base + num_valid)
+            chunk_logits = x[rows] @ source.t() if kind == "router" else source[rows]
+            idx, weights = torch_ref.route(chunk_logits, K, self.scoring, bias=self.bias,
+                                           routed_scaling_factor=self.routed_scaling_factor)
+            idx_buf[rows].copy_(idx)
+            w_buf[rows].copy_(weights)
+        chunk_i32 = np.int32(chunk)
+        counters = self.grid_counters
+        # route: acquire the slot (acks of chunk - num_slots), copy topk + meta, publish route readiness.
+        fn_p("moe_produce_route")((_blocks(num_valid * K, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS),), (THREADS_PER_BLOCK,),
+                                  (desc, chunk_i32, np.uint64(idx_buf.data_ptr() + base * K * 4),
+                                   np.uint64(w_buf.data_ptr() + base * K * 4), np.int32(num_valid),
+                                   np.uint64(counters.data_ptr())), stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, 0, True)
+            self._stamp(stream, chunk, 1, False)
+        fp8 = self.x_format == "fp8_e4m3"
+        layout_blocks = (_blocks(num_valid, WARPS_PER_BLOCK) if fp8
+                         else _blocks(num_valid * H // 8, THREADS_PER_BLOCK * 4))
+        x_ptr = np.uint64(x.data_ptr() + base * x.stride(0) * 2)
+        fn_p("moe_produce_layout_fp8" if fp8 else "moe_produce_layout_bf16")(
+            (layout_blocks,), (THREADS_PER_BLOCK,),
+            (desc, chunk_i32, x_ptr, np.int64(x.stride(0)), np.int32(num_valid), np.uint64(counters.data_ptr() + 4)),
+            stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, 1, True)
+
+    def _consume(self, chunk: int, n: int, idx_buf, w_buf, y, rows_bound: int, timeline: bool,
+                 torch_stream) -> None:
+        """Enqueue consume ``chunk`` on the current (consumer) stream."""
+        stream = self._stream(torch_stream.cuda_stream)
+        R, E, T, K = self.world_size, self.num_local_experts, self.tokens_per_slot, self.topk
+        desc = self.ring.kernels.desc
+        chunk_i32 = np.int32(chunk)
+        fn_d = self._modules["dispatch"].function
+        fn_s = self._stream_module.function
+        if timeline:
+            self._stamp(stream, chunk, 2, False)
+        fn_s("stream_dispatch_wait")((R,), (32,), (desc, chunk_i32, _ptr(self.counts), np.int32(E),
+                                                   _ptr(self.token_base)), stream=stream)
+        fn_d("moe_dispatch_count")((_blocks(T * K, THREADS_PER_BLOCK, 64), R), (THREADS_PER_BLOCK,),
+                                   (desc, chunk_i32, _ptr(self.counts), np.int32(self.expert_begin), np.int32(E),
+                                    _ptr(self.status)), stream=stream, shared_mem=4 * E)
+        fn_d("moe_dispatch_scan")((1,), (1024,), (_ptr(self.counts), _ptr(self.begin), _ptr(self.group_end),
+                                                   _ptr(self.cursor), _ptr(self.total), np.int32(E)),
+                                  stream=stream, shared_mem=4 * 1024)
+        fn_d("moe_dispatch_pull")((_blocks(T, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // R)), R), (THREADS_PER_BLOCK,),
+                                  (desc, chunk_i32, _ptr(self.begin), _ptr(self.cursor), _ptr(self.pool_x),
+                                   _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
+                                   np.int32(E), _ptr(self.status)), stream=stream)
+        early = self.ack_policy == protocol.AckPolicy.EARLY
+        if early:
+            # The pull was the last read of every source's slot (meta was snapshotted by the wait).
+            fn_s("stream_ack")((1,), (32,), (desc, chunk_i32), stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, 2, True)
+            self._stamp(stream, chunk, 3, False)
+        h = torch_ref.grouped_mm(self.pool_x[:rows_bound], self._w13_t, self.group_end)
+        act = torch_ref.swiglu(h, self.inter)
+        out = torch_ref.grouped_mm(act, self._w_down_t, self.group_end)
+        if timeline:
+            self._stamp(stream, chunk, 3, True)
+            self._stamp(stream, chunk, 4, False)
+        fn_s("stream_combine_scatter")((_blocks(self.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                                       (desc, _ptr(out), _ptr(self.row_src), _ptr(self.total), _ptr(self.token_base),
+                                        self._combine_rows_ptr), stream=stream)
+        fn_s("stream_combine_signal")((1,), (32,), (desc, chunk_i32, self._combine_ready_ptr, np.int32(not early)),
+                                      stream=stream)
+        fn_s("stream_combine_wait")((1,), (32,), (desc, chunk_i32, self._combine_ready_ptr), stream=stream)
+        base = protocol.chunk_token_base(chunk, T)
+        num_valid = protocol.chunk_valid_tokens(n, chunk, T)
+        fn_s("stream_combine_reduce")((_blocks(num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                                      (desc, self._combine_rows_ptr, _ptr(idx_buf), _ptr(w_buf), _ptr(y),
+                                       np.int64(self.hidden), np.int32(base), np.int32(num_valid)), stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, 4, True)
+
+    def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
+                warmup: int = 1):
+        """Capture one streamed `forward` (producer and consumer streams) into a CUDA graph (collective).
+
+        As `symmring.moe.gpu.MoE.capture`: ``warmup`` eager calls first (every rank makes the same ones),
+        then the capture; each ``graph.replay()`` is one more call with fresh generations from the device
+        base. The chunk count is fixed by the capture (every rank's token count must stay the same).
+
+        Returns:
+            ``(graph, y)``: the ``torch.cuda.CUDAGraph`` and its static output.
+
+        Example:
+            >>> graph, y = moe.capture(x, router_weight=router)
+            >>> x.copy_(next_batch); graph.replay(); use(y)
+        """
+        return super().capture(x, router_weight=router_weight, logits=logits, topk_idx=topk_idx,
+                               topk_weights=topk_weights, warmup=warmup)
+
+    def _all_token_counts(self, n: int) -> List[int]:
+        """Every rank's token count of this call: a non-blocking MPI allgather, polled with the bound."""
+        if self.world_size == 1:
+            return [n]
+        send, recv = np.array([n], np.int64), np.zeros(self.world_size, np.int64)
+        request = self.ctx.comm.Iallgather(send, recv)
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise ProtocolTimeout("token_counts", rank=self.rank, slot=0, expected=self.world_size,
+                                      observed=0, timeout_s=self.timeout_s)
+        return [int(c) for c in recv]
+
+    # --- timeline -------------------------------------------------------------------------------------
+
+    def timeline_records(self) -> List[Dict]:
+        """Device timestamps of the last ``forward(timeline=True)`` (synchronises): one record per chunk
+        and stage, ``{"chunk", "stream", "stage", "start_ns", "end_ns"}``, times relative to the earliest."""
+        self._check_open()
+        num_chunks = self._timeline_chunks
+        if not num_chunks:
+            return []
+        stamps = self.stamps[: 2 * len(TIMELINE_STAGES) * num_chunks].cpu().numpy().astype(np.int64)
+        t0 = int(stamps.min())
+        records = []
+        for chunk in range(num_chunks):
+            for s, (stream_name, stage) in enumerate(TIMELINE_STAGES):
+                i = 2 * (chunk * len(TIMELINE_STAGES) + s)
+                records.append({"chunk": chunk, "stream": stream_name, "stage": stage,
+                                "start_ns": int(stamps[i]) - t0, "end_ns": int(stamps[i + 1]) - t0})
+        return records
+
+    def slot_view(self, name: str, num_tokens: int, slot: int = 0):
+        """As `MoE.slot_view`, of ring slot ``slot`` (for tests)."""
+        slot = _check_int("slot", slot, 0)
+        if slot >= self.num_slots:
+            raise ConfigError(f"slot={slot}: expected < num_slots={self.num_slots}")
+        if name not in ("x", "x_sf", "topk_idx", "topk_weights"):
+            raise ConfigError(f"name={name!r}: expected one of 'x', 'x_sf', 'topk_idx', 'topk_weights'")
+        num_tokens = _check_int("num_tokens", num_tokens, 0)
+        if num_tokens > self.tokens_per_slot:
+            raise ConfigError(f"num_tokens={num_tokens}: expected at most tokens_per_slot={self.tokens_per_slot}")
+        self._check_open()
+        region = self.ring.layout[name]
+        return self.backend.view(self.ring.alloc, self.rank, region.slot_offset(slot), region.dtype,
+                                 (num_tokens,) + tuple(region.slot_shape[1:]))
+
+
+def overlap_fraction(records: Sequence[Dict]) -> float:
+    """Fraction of the timeline's span during which a producer stage and a consumer stage both ran
+    (0 when nothing overlaps; the timeline of `StreamedMoE.timeline_records`)."""
+    def intervals(stream_name):
+        spans = sorted((r["start_ns"], r["end_ns"]) for r in records if r["stream"] == stream_name)
+        merged: List[List[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged
+
+    if not records:
+        return 0.0
+    producer, consumer = intervals("producer"), intervals("consumer")
+    both = 0
+    i = j = 0
+    while i < len(producer) and j < len(consumer):
+        lo, hi = max(producer[i][0], consumer[j][0]), min(producer[i][1], consumer[j][1])
+        both += max(0, hi - lo)
+        if producer[i][1] < consumer[j][1]:
+            i += 1
+        else:
+            j += 1
+    span = max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)
+    return both / span if span > 0 else 0.0

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GPU checks of the STREAMED MoE layer (symmring.moe.gpu_streamed), in one device call. Logs under $OUT.
+#
+#   tools/gpu_stream_check.sh [step ...]     (default: env compile pe1 blocking pe2 pe4 bench bench4)
+#
+#   env       GPU, packages; installs nvshmem4py from .whl/ into /tmp/site when it is not importable
+#   compile   JIT-compile producer, dispatch, combine and stream.cu (sm_90) into $SYMMRING_CACHE_DIR
+#   pe1       pytest tests/gpu/test_moe_streamed.py, 1 PE
+#   blocking  CUDA_LAUNCH_BLOCKING=1, 1 PE: the schedules test and two token counts (serialized kernels)
+#   pe2, pe4  the test file with 2 and 4 PEs on the GPU under CUDA MPS
+#   slow      the 1000-replay graph test (-m slow), 1 PE
+#   bench     python -m symmring bench stream, 1 PE: side-by-side ratios, policy table, timeline PNG
+#   bench4    the same with 4 PEs under MPS at 4096 and 16384 tokens per rank (the issue's figure)
+#
+# Written in a session without device time: NOT YET RUN. Every step is bounded by `timeout`; a hung wait
+# becomes a ProtocolTimeout after SYMMRING_TIMEOUT_S (5 s here). Device `run` tool: carry [".whl"],
+#   command: bash tools/gpu_stream_check.sh        (or a subset of steps, e.g. "env compile pe1")
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER
+export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
+export SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-5}"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"  # absolute: mpirun's ranks get it too
+TEST=tests/gpu/test_moe_streamed.py
+PYTEST_OPTS=(-q -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=100)
+summary=()
+
+step() {  # step NAME LIMIT_S CMD...: bounded, logged to $OUT/NAME.log, tail printed
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -aE "passed|failed|error|skipped|bench stream:" "$OUT/$name.log" | tail -n 1)
+  summary+=("$(printf '%-9s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
+  echo "--- $name rc=$rc ($((SECONDS - t0)) s)"
+  tail -n 30 "$OUT/$name.log"
+}
+
+run_env() {
+  nvidia-smi -L
+  if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  fi
+  "$PY" -c "import torch, cupy, nvshmem, mpi4py; print('torch', torch.__version__, 'cupy', cupy.__version__, \
+'mpi4py', mpi4py.__version__)"
+}
+
+run_compile() {
+  "$PY" - <<'EOF'
+import concurrent.futures as cf
+from symmring import jit
+names = {"producer.cu": "moe_producer", "dispatch.cu": "moe_dispatch", "combine.cu": "moe_combine",
+         "stream.cu": "moe_stream"}
+def build(item):
+    src, name = item
+    return jit.compile_cubin(jit.read_source(src), name=name, cc=90)
+with cf.ThreadPoolExecutor(4) as pool:
+    for path in pool.map(build, names.items()):
+        print(path)
+EOF
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env compile pe1 blocking pe2 pe4 bench bench4)
+for s in "${steps[@]}"; do
+  case $s in
+    env) echo "=== env"; run_env 2>&1 | tee "$OUT/env.log" ;;
+    compile) echo "=== compile"; t0=$SECONDS; timeout 300 bash -c "$(declare -f run_compile); PY='$PY'; run_compile" \
+               >"$OUT/compile.log" 2>&1; rc=$?; summary+=("compile   rc=$rc $((SECONDS - t0))s"); tail -n 8 "$OUT/compile.log" ;;
+    pe1) step pe1 300 "$PY" -m pytest "${PYTEST_OPTS[@]}" "$TEST" --timeout 120 ;;
+    blocking) step blocking 240 env CUDA_LAUNCH_BLOCKING=1 "$PY" -m pytest "${PYTEST_OPTS[@]}" "$TEST" --timeout 120 \
+                -k "single_stream or token_counts[300] or token_counts[1000]" ;;
+    pe2) step pe2 300 "$PY" -m symmring.launch -n 2 --mps -- "$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}" "$TEST" \
+           --timeout 120 --maxfail 3 ;;
+    pe4) step pe4 360 "$PY" -m symmring.launch -n 4 --mps -- "$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}" "$TEST" \
+           --timeout 120 --maxfail 3 ;;
+    slow) step slow 300 "$PY" -m pytest "${PYTEST_OPTS[@]}" "$TEST" --timeout 280 -m slow ;;
+    bench) step bench 540 "$PY" -m symmring bench stream --tokens "${BENCH_TOKENS:-1024,4096,16384}" \
+             --tokens-per-slot "${BENCH_TPS:-512,1024,2048,4096}" --num-slots 2,3 --repeats 10 \
+             --json "$OUT/bench_stream.json" --timeline "$OUT/timeline.png" ;;
+    bench4) step bench4 420 "$PY" -m symmring.launch -n 4 --mps -- "$PY" -m symmring bench stream \
+              --tokens 4096,16384 --tokens-per-slot 1024,2048,4096 --num-slots 2 --ack early --repeats 5 --no-recheck \
+              --json "$OUT/bench_stream_4pe.json" ;;
+    *) echo "unknown step $s (expected env compile pe1 blocking pe2 pe4 slow bench bench4)"; exit 2 ;;
+  esac
+done
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
