@@ -184,28 +184,34 @@ def timeline(ctx, shape: str, n: int, cfg: Dict, png_path: str) -> Dict:
         moe.close()
     frac = overlap_fraction(records)
     if ctx.rank == 0 and png_path:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        colors = {"route": "tab:blue", "layout": "tab:cyan", "dispatch": "tab:orange", "experts": "tab:red",
-                  "combine": "tab:green"}
-        lanes = {"producer": 1, "consumer": 0}
-        fig, ax = plt.subplots(figsize=(12, 3))
-        for r in records:
-            ax.broken_barh([(r["start_ns"] / 1e3, max(r["end_ns"] - r["start_ns"], 1) / 1e3)],
-                           (lanes[r["stream"]] - 0.4, 0.8), color=colors[r["stage"]], edgecolor="black",
-                           linewidth=0.3)
-        ax.set_yticks([0, 1], ["consumer", "producer"])
-        ax.set_xlabel("us (device %globaltimer)")
-        ax.set_title(f"{shape}, {n} tokens/rank, {cfg['tokens_per_slot']} tokens x {cfg['num_slots']} slots, "
-                     f"{cfg['ack_policy']} ack, rank 0 of {ctx.world_size}: overlap {100 * frac:.0f}% of span")
-        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-                  labels=list(colors), loc="upper right", ncol=5, fontsize=8)
-        fig.tight_layout()
-        fig.savefig(png_path, dpi=120)
-        plt.close(fig)
+        draw_timeline(records, f"{shape}, {n} tokens/rank, {cfg['tokens_per_slot']} tokens x {cfg['num_slots']} "
+                      f"slots, {cfg['ack_policy']} ack, rank 0 of {ctx.world_size}: overlap {100 * frac:.0f}% of span",
+                      png_path)
     return {"shape": shape, "tokens_per_rank": n, **cfg, "ack_policy": str(cfg["ack_policy"]),
             "overlap_fraction": frac, "records": records, "png": png_path}
+
+
+def draw_timeline(records: List[Dict], title: str, png_path: str) -> None:
+    """Producer and consumer stages of every chunk as bars on two lanes (matplotlib, Agg) into a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"route": "tab:blue", "layout": "tab:cyan", "dispatch": "tab:orange", "experts": "tab:red",
+              "combine": "tab:green"}
+    lanes = {"producer": 1, "consumer": 0}
+    fig, ax = plt.subplots(figsize=(12, 3))
+    for r in records:
+        ax.broken_barh([(r["start_ns"] / 1e3, max(r["end_ns"] - r["start_ns"], 1) / 1e3)],
+                       (lanes[r["stream"]] - 0.4, 0.8), color=colors[r["stage"]], edgecolor="black", linewidth=0.3)
+    ax.set_yticks([0, 1], ["consumer", "producer"])
+    ax.set_ylim(-0.6, 2.0)  # room for the legend above the producer lane
+    ax.set_xlabel("us (device %globaltimer)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+              loc="upper right", ncol=5, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
 
 
 def format_rows(rows: List[Dict]) -> str:
