@@ -3,8 +3,10 @@
 // a chunk index and per-chunk pointers and are reused as they are; what they hard-code for the
 // one-chunk batch call is replaced here:
 //
-//   stream_dispatch_wait    as moe_dispatch_wait, and also snapshots every source's meta token_base into
-//                           a local array, so nothing after the pull reads the slot (the EARLY policy).
+//   stream_wait_route       route readiness of every source only (count and scan need only the route
+//                           payload, so they overlap the producer's layout); snapshots every source's meta
+//                           token_base into a local array, so nothing after the pull reads the slot (EARLY).
+//   stream_wait_layout      layout readiness of every source, before moe_dispatch_pull.
 //   stream_ack              EARLY policy: acknowledge every owner's slot right after the pull.
 //   stream_combine_scatter  rows to the owner's combine buffer at the LOGICAL token row (token_base from
 //                           the snapshot + chunk-local token), so chunks of one call never share rows.
@@ -29,24 +31,68 @@
 
 using namespace symmring;
 
-// Block r waits for source rank r's chunk (both generations, bounded, acquire), then thread 0 copies
-// the source's meta token_base into token_base[r]. Block 0 also zeroes counts for moe_dispatch_count.
-extern "C" __global__ void stream_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                                int num_local_experts, long long* token_base) {
+namespace {
+
+// Thread 0 of the block: bounded wait until `src_rank`'s copy of `word_local` (a ready word of the chunk's
+// slot) equals `expected` (acquire); then the whole block. False on timeout (error record `kind`).
+__device__ inline bool wait_word(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t* word_local,
+                                 uint64_t expected, ErrorKind kind) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        const uint64_t* word = peer_ptr(d, word_local, src_rank);
+        Deadline deadline(d);
+        uint64_t observed;
+        ok = 1;
+        // acquire: pairs with the release fence of the publication (signal_generation) on src_rank.
+        while ((observed = load_word_acquire(word, word_local, src_rank)) != expected) {
+            if (deadline.expired(d)) {
+                if (!deadline.aborted)
+                    record_error(d, kind, src_rank, slot_of(chunk_idx, d.num_slots), chunk_idx, expected,
+                                 observed, 0);
+                ok = 0;
+                break;
+            }
+        }
+    }
+    __syncthreads();  // the other threads read the payload only after thread 0's acquire
+    return ok != 0;
+}
+
+}  // namespace
+
+// Route readiness alone (the layout may still be running): block r waits for source rank r's route
+// generation of the chunk (bounded, acquire), then thread 0 copies the source's meta token_base into
+// token_base[r]. Block 0 also zeroes counts for moe_dispatch_count, which needs only the route payload.
+extern "C" __global__ void stream_wait_route(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
+                                             int num_local_experts, long long* token_base) {
     const RingDescriptor& d = *desc_ptr;
     if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.x;
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    // acquire: pairs with the route/layout publication in producer.cu on src_rank.
-    if (!wait_ready(d, chunk_idx, src_rank, gen)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    // acquire: pairs with the route publication of moe_produce_route on src_rank.
+    if (!wait_word(d, chunk_idx, src_rank, route_ready_word(d, slot), expected_generation(d, chunk_idx),
+                   kErrorRoute))
+        return;
     if (threadIdx.x == 0) {
-        const int64_t* meta = peer_ptr(d, meta_of(d, slot_of(chunk_idx, d.num_slots)), src_rank);
+        const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
         // A null mapping is reported by moe_dispatch_count's status bit; use the protocol's own base here.
         token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
                                                : chunk_token_base(chunk_idx, d.tokens_per_slot);
     }
+}
+
+// Block r waits for source rank r's layout generation of the chunk (bounded, acquire), before
+// moe_dispatch_pull reads x / x_sf. Together with stream_wait_route this is wait_ready's "both
+// generations equal the expected one", split so that counting and the scan overlap the layout.
+extern "C" __global__ void stream_wait_layout(const RingDescriptor* desc_ptr, int chunk_idx) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.x;
+    // acquire: pairs with the layout publication of moe_produce_layout_* on src_rank.
+    wait_word(d, chunk_idx, src_rank, layout_ready_word(d, slot_of(chunk_idx, d.num_slots)),
+              expected_generation(d, chunk_idx), kErrorLayout);
 }
 
 // One block, after moe_dispatch_pull (the last read of every source's slot, meta included): EARLY

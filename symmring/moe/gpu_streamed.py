@@ -13,9 +13,10 @@ in `symmring.protocol.enqueue_order` (lookahead ``num_slots - 1``, itself a vali
   routing buffers), ``moe_produce_route`` (acquire the slot, copy topk + meta, publish route readiness),
   ``moe_produce_layout_fp8``/``_bf16`` (quantise into the slot, publish layout readiness) --
   device/producer.cu, the batch layer's kernels with per-chunk pointers;
-* **consume c** on the consumer stream: ``stream_dispatch_wait`` (both generations of every source,
-  snapshot of each source's meta token_base), ``moe_dispatch_count``/``_scan``/``_pull`` (dispatch.cu,
-  reused), ``stream_ack`` (EARLY policy only), the grouped GEMMs, ``stream_combine_scatter`` (to the
+* **consume c** on the consumer stream: ``stream_wait_route`` (route readiness of every source, snapshot
+  of each source's meta token_base), ``moe_dispatch_count``/``_scan`` (dispatch.cu, reused: they need only
+  the route payload, so they overlap the producer's layout), ``stream_wait_layout``, ``moe_dispatch_pull``
+  (reused), ``stream_ack`` (EARLY policy only), the grouped GEMMs, ``stream_combine_scatter`` (to the
   owner's combine rows at the LOGICAL token row), ``stream_combine_signal`` (combine generation = the
   chunk's ring generation; CONSERVATIVE acknowledges here), ``stream_combine_wait`` (``>=``: PROTOCOL.md
   section 7.1), ``stream_combine_reduce`` (the chunk's rows of ``y``, topk from the owner's local routing
@@ -30,8 +31,8 @@ consumer writes call ``k + 1``'s rows only after it saw the owner's call-``k + 1
 owner's producer stream issues after joining the caller's stream, i.e. after its call-``k`` reduce.
 
 SM budget of the spinning kernels per PE: the route kernel (at most ``MAX_ROUTE_BLOCKS`` = 16 blocks, on the
-producer stream), ``stream_dispatch_wait`` (one block per source rank) and ``stream_combine_wait`` (one
-block) -- at most ``16 + world_size + 1`` blocks, far below an H200's 132 SMs, so spinning never takes
+producer stream), ``stream_wait_route`` / ``stream_wait_layout`` (one block per source rank, one at a
+time) and ``stream_combine_wait`` (one block) -- at most ``16 + world_size + 1`` blocks, far below an H200's 132 SMs, so spinning never takes
 the SMs the kernels it waits for need.
 
 Example:
@@ -387,14 +388,16 @@ class StreamedMoE(MoE):
         fn_s = self._stream_module.function
         if timeline:
             self._stamp(stream, chunk, 2, False)
-        fn_s("stream_dispatch_wait")((R,), (32,), (desc, chunk_i32, _ptr(self.counts), np.int32(E),
-                                                   _ptr(self.token_base)), stream=stream)
+        # Route readiness alone lets the consumer count and scan while the producer still writes the layout.
+        fn_s("stream_wait_route")((R,), (32,), (desc, chunk_i32, _ptr(self.counts), np.int32(E),
+                                                _ptr(self.token_base)), stream=stream)
         fn_d("moe_dispatch_count")((_blocks(T * K, THREADS_PER_BLOCK, 64), R), (THREADS_PER_BLOCK,),
                                    (desc, chunk_i32, _ptr(self.counts), np.int32(self.expert_begin), np.int32(E),
                                     _ptr(self.status)), stream=stream, shared_mem=4 * E)
         fn_d("moe_dispatch_scan")((1,), (1024,), (_ptr(self.counts), _ptr(self.begin), _ptr(self.group_end),
                                                    _ptr(self.cursor), _ptr(self.total), np.int32(E)),
                                   stream=stream, shared_mem=4 * 1024)
+        fn_s("stream_wait_layout")((R,), (32,), (desc, chunk_i32), stream=stream)
         fn_d("moe_dispatch_pull")((_blocks(T, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // R)), R), (THREADS_PER_BLOCK,),
                                   (desc, chunk_i32, _ptr(self.begin), _ptr(self.cursor), _ptr(self.pool_x),
                                    _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
