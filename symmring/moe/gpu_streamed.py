@@ -52,11 +52,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import env, protocol
-from ..errors import BackendError, ConfigError, ProtocolTimeout
+from ..errors import ConfigError, ProtocolTimeout
 from ..layout import ALIGN, RingSpec, align_up
 from . import torch_ref
-from .gpu import (FP8_GROUP_SIZE, MAX_BLOCKS, MAX_ROUTE_BLOCKS, MAX_TOPK, THREADS_PER_BLOCK, WARPS_PER_BLOCK,
-                  MoE, _blocks, _check_int, _load_modules, _ptr, _torch)
+from .gpu import (FP8_GROUP_SIZE, MAX_BLOCKS, MAX_ROUTE_BLOCKS, THREADS_PER_BLOCK, WARPS_PER_BLOCK, MoE, _blocks,
+                  _check_int, _ptr, _torch)
 
 logger = logging.getLogger(__name__)
 
@@ -118,67 +118,34 @@ class StreamedMoE(MoE):
                  scoring: str = "softmax", bias=None, routed_scaling_factor: float = 1.0,
                  single_stream: bool = False, timeout_s: Optional[float] = None):
         torch = _torch()
-        if getattr(getattr(ctx, "backend", None), "name", None) != "nvshmem":
-            raise BackendError(f"ctx: expected a context on the 'nvshmem' backend, got "
-                               f"{getattr(getattr(ctx, 'backend', None), 'name', ctx)!r}")
-        ctx.check_open()
-        self.ctx = ctx
-        self.rank, self.world_size = ctx.rank, ctx.world_size
-        self.num_experts = _check_int("num_experts", num_experts)
-        self.hidden = _check_int("hidden", hidden)
-        self.inter = _check_int("inter", inter)
-        self.topk = _check_int("topk", topk)
-        self.max_tokens = _check_int("max_tokens", max_tokens)
-        self.tokens_per_slot = _check_int("tokens_per_slot", tokens_per_slot)
-        self.num_slots = _check_int("num_slots", num_slots)
-        if self.tokens_per_slot > self.max_tokens:
+        # The streamed path's own arguments first: every ConfigError before any collective work.
+        max_tokens = _check_int("max_tokens", max_tokens)
+        T = _check_int("tokens_per_slot", tokens_per_slot)
+        if T > max_tokens:
             raise ConfigError(f"tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
+        self.num_slots = _check_int("num_slots", num_slots)
+        self.tokens_per_slot = T
         self.ack_policy = _ack_policy(ack_policy)
         self.lookahead = protocol.default_lookahead(self.num_slots)
         if not isinstance(single_stream, bool):
             raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
         self.single_stream = single_stream
-        timeout_s = ctx.timeout_s if timeout_s is None else timeout_s
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        self.timeout_s = float(timeout_s)
-        if self.num_experts % self.world_size:
-            raise ConfigError(f"num_experts={num_experts}: expected a multiple of world_size={self.world_size} "
-                              "(experts are split evenly)")
-        if self.topk > min(MAX_TOPK, self.num_experts):
-            raise ConfigError(f"topk={topk}: expected at most min({MAX_TOPK}, num_experts={num_experts})")
-        if x_format not in ("fp8_e4m3", "bf16"):
-            raise ConfigError(f"x_format={x_format!r}: expected 'fp8_e4m3' or 'bf16'")
-        multiple = FP8_GROUP_SIZE if x_format == "fp8_e4m3" else 8
-        if self.hidden % multiple:
-            raise ConfigError(f"hidden={hidden}: expected a multiple of {multiple} for x_format={x_format!r}")
-        if self.inter % 8:
-            raise ConfigError(f"inter={inter}: expected a multiple of 8 (16-byte rows for the grouped GEMM)")
-        if scoring not in torch_ref.SCORINGS:
-            raise ConfigError(f"scoring={scoring!r}: expected one of {list(torch_ref.SCORINGS)}")
-        self.num_local_experts = self.num_experts // self.world_size
-        self.expert_begin = self.rank * self.num_local_experts
-        self.x_format = x_format
-        self.scoring = scoring
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        local_shape = (self.num_local_experts, self.inter, self.hidden)
-        for name, w, shape in (("w_gate", w_gate, local_shape), ("w_up", w_up, local_shape),
-                               ("w_down", w_down, (self.num_local_experts, self.hidden, self.inter))):
-            self._check_tensor(name, w, torch.bfloat16, shape)
-        self.bias = None
-        if bias is not None:
-            self._check_tensor("bias", bias, None, (self.num_experts,))
-            self.bias = bias.float()
-        self.w13 = torch_ref.fuse_gate_up(w_gate, w_up)
-        self.w_down = w_down.contiguous()
-        self._w13_t, self._w_down_t = self.w13.transpose(1, 2), self.w_down.transpose(1, 2)
+        # The batch layer's validation and setup, sized for ONE chunk: its expert pool (world_size * T * K
+        # rows), counters and fused weights are exactly what a chunk needs. Its one-slot ring and T-row
+        # combine buffer are then replaced by the streamed ones (a small collective alloc + free, once).
+        super().__init__(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=T,
+                         x_format=x_format, scoring=scoring, bias=bias, routed_scaling_factor=routed_scaling_factor)
+        backend = self.backend
+        backend.free(self.combine_alloc)
+        self.ring.close()
+        self.max_tokens = max_tokens
+        self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
 
         from ..kernels import DeviceRing
-        backend = ctx.backend
-        self.backend = backend
-        T, K, H = self.tokens_per_slot, self.topk, self.hidden
+        K, H = self.topk, self.hidden
         self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=T, hidden=H, num_topk=K,
                              num_experts=self.num_experts, x_format=x_format, sf_group_size=FP8_GROUP_SIZE)
         self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s, ack_policy=self.ack_policy)
@@ -188,24 +155,12 @@ class StreamedMoE(MoE):
         self.combine_alloc = backend.alloc(self._rows_offset + self.max_tokens * K * H * 2)
         self._combine_ready_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, 0))
         self._combine_rows_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, self._rows_offset))
-        self._modules = _load_modules(backend)
         self._stream_module = _load_stream_module(backend)
 
-        # Local buffers, fixed size (nothing is allocated per routing; graph-capturable).
-        self.capacity = self.world_size * T * K  # pool rows of one chunk: one per (source, token, k)
-        E = self.num_local_experts
+        # Local buffers of the streamed path, fixed size (graph-capturable); the pool is the parent's.
+        device = self.device
         i32 = dict(dtype=torch.int32, device=device)
-        self.counts = torch.zeros(E, **i32)
-        self.begin = torch.zeros(E, **i32)
-        self.group_end = torch.zeros(E, **i32)
-        self.cursor = torch.zeros(E, **i32)
-        self.total = torch.zeros(1, **i32)
-        self.status = torch.zeros(1, **i32)
-        self.grid_counters = torch.zeros(4, **i32)
         self.token_base = torch.zeros(self.world_size, dtype=torch.int64, device=device)
-        self.pool_x = torch.empty((self.capacity, H), dtype=torch.bfloat16, device=device)
-        self.row_src = torch.zeros((self.capacity, 4), **i32)
-        self.row_weight = torch.zeros(self.capacity, dtype=torch.float32, device=device)
         # The owner's routing of the whole call (the reduce reads it here, never from the slot).
         self.topk_idx_all = torch.zeros((self.max_tokens, K), **i32)
         self.topk_weights_all = torch.zeros((self.max_tokens, K), dtype=torch.float32, device=device)
@@ -214,13 +169,11 @@ class StreamedMoE(MoE):
         self._timeline_chunks = 0
         self._producer_stream = None if single_stream else torch.cuda.Stream(device=device)
         self._consumer_stream = None if single_stream else torch.cuda.Stream(device=device)
-        self._streams: Dict[int, object] = {}
-        self.closed = False
         backend.barrier()
         logger.info("StreamedMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, "
                     "max_tokens %d, %d slots x %d tokens, %s ack, %s", self.rank, self.world_size,
-                    self.expert_begin, self.expert_begin + E, self.num_experts, H, self.inter, K, x_format,
-                    self.max_tokens, self.num_slots, T, self.ack_policy.name,
+                    self.expert_begin, self.expert_begin + self.num_local_experts, self.num_experts, H, self.inter,
+                    K, x_format, self.max_tokens, self.num_slots, T, self.ack_policy.name,
                     "one stream" if single_stream else "producer + consumer streams")
 
     # --- validation -----------------------------------------------------------------------------------
