@@ -77,12 +77,14 @@ def _stage_ms(events) -> Dict[str, float]:
     return out
 
 
-def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float],
-                seed: int = 0) -> List[Dict]:
+def layer_weights(ctx, name: str, seed: int):
+    """Seeded bf16 weights of shape ``name`` for this rank's experts, drawn in a fixed order.
+
+    Returns ``(device, gen, (w_gate, w_up, w_down, router))``; ``gen`` goes on to draw the inputs, so every
+    benchmark that calls this sees the same weights and inputs for the same seed.
+    """
     import torch
-    from ..moe.gpu import MoE, STAGES
-    from ..moe.torch_ref import TorchMoE
-    hidden, inter, num_experts, topk = SHAPES[name]
+    hidden, inter, num_experts, _ = SHAPES[name]
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(seed)
     E_local = num_experts // ctx.world_size
@@ -90,10 +92,17 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
     def weights(*shape, fan_in):
         return (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen) / fan_in ** 0.5)
 
-    w_gate = weights(E_local, inter, hidden, fan_in=hidden)
-    w_up = weights(E_local, inter, hidden, fan_in=hidden)
-    w_down = weights(E_local, hidden, inter, fan_in=inter)
-    router = weights(num_experts, hidden, fan_in=hidden)
+    return device, gen, (weights(E_local, inter, hidden, fan_in=hidden), weights(E_local, inter, hidden, fan_in=hidden),
+                         weights(E_local, hidden, inter, fan_in=inter), weights(num_experts, hidden, fan_in=hidden))
+
+
+def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float],
+                seed: int = 0) -> List[Dict]:
+    import torch
+    from ..moe.gpu import MoE, STAGES
+    from ..moe.torch_ref import TorchMoE
+    hidden, inter, num_experts, topk = SHAPES[name]
+    device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(tokens))
     plain = TorchMoE(w_gate, w_up, w_down, topk) if ctx.world_size == 1 else None
     rows = []

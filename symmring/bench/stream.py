@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .moe import SHAPES
+from .moe import SHAPES, layer_weights
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,7 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     from ..moe.gpu import MoE
     from ..moe.gpu_streamed import StreamedMoE
     hidden, inter, num_experts, topk = SHAPES[name]
-    device = torch.device("cuda", torch.cuda.current_device())
-    gen = torch.Generator(device=device).manual_seed(seed)
-    E_local = num_experts // ctx.world_size
-
-    def weights(*shape, fan_in):
-        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen) / fan_in ** 0.5
-
-    w_gate = weights(E_local, inter, hidden, fan_in=hidden)
-    w_up = weights(E_local, inter, hidden, fan_in=hidden)
-    w_down = weights(E_local, hidden, inter, fan_in=inter)
-    router = weights(num_experts, hidden, fan_in=hidden)
+    device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     max_tokens = max(tokens)
     xs = {n: torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen) for n in tokens}
     batch = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
