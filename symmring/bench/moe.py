@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from . import missing_cuda_torch
+
 logger = logging.getLogger(__name__)
 
 #: name: (hidden, inter, num_experts, topk)
@@ -201,14 +203,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--tokens={args.tokens!r}: expected comma-separated integers")
     if not tokens or tokens[0] < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be positive")
-    try:
-        import torch
-    except ImportError:
-        print("bench moe: needs torch with CUDA (not installed)", file=sys.stderr)
+    missing = missing_cuda_torch()
+    if missing:
+        print(f"bench moe: {missing}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench moe: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    import torch
     # The combine buffer of the largest size must fit the symmetric heap (default 1 GiB).
     need = max(t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2 for s in shapes for t in tokens[-1:])
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))

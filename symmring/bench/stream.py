@@ -37,6 +37,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from . import missing_cuda_torch
+
 from .moe import SHAPES, layer_weights
 
 logger = logging.getLogger(__name__)
@@ -259,13 +261,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--ack={args.ack!r}: expected some of {list(DEFAULT_ACK)}")
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    try:
-        import torch
-    except ImportError:
-        print("bench stream: needs torch with CUDA (not installed)", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench stream: needs a CUDA GPU", file=sys.stderr)
+    missing = missing_cuda_torch()
+    if missing:
+        print(f"bench stream: {missing}", file=sys.stderr)
         return 2
     configs = [dict(tokens_per_slot=t, num_slots=s, ack_policy=a) for t in per_slot for s in slots for a in acks]
     # Symmetric heap: batch ring + combine, streamed ring + combine, of the largest size.
