@@ -30,7 +30,7 @@
 using namespace symmring;
 
 // Rows [num_rows] of pool_out ([capacity][hidden] bf16; num_rows read from total[0] on the device) to
-// their owners' combine rows. row_src[row] = {src_rank, token, k, 0} as recorded by moe_dispatch_pull.
+// their owners' combine rows. row_src[row] = {src_rank, token, k, chunk} as recorded by moe_dispatch_pull.
 extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                                const int4* row_src, const int* total,
                                                __nv_bfloat16* combine_rows) {

@@ -119,7 +119,7 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
 
 // One warp per (source rank, token): reserve a pool row for each of the token's local experts, copy the
 // token's x row from the source slot into every reserved row as bf16 (fp8: dequantised with the
-// token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, 0} and
+// token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
 // row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
 extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, const int* begin,
                                              int* cursor, __nv_bfloat16* pool_x, int4* row_src,
@@ -149,7 +149,7 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
             const int local = idx[entry] - expert_begin;
             if (local >= 0 && local < num_local_experts) {
                 row = begin[local] + atomicAdd(&cursor[local], 1);
-                row_src[row] = make_int4(src_rank, token, lane, 0);
+                row_src[row] = make_int4(src_rank, token, lane, chunk_idx);
                 row_weight[row] = weights[entry];
             }
         }

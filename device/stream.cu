@@ -3,15 +3,22 @@
 // a chunk index and per-chunk pointers and are reused as they are; what they hard-code for the
 // one-chunk batch call is replaced here:
 //
+//   stream_wait_slot        producer side, one block: wait until the chunk's slot is reusable (every
+//                           consumer acknowledged chunk - num_slots), acquire, no reset (moe_produce_route
+//                           then finds the mask complete and resets it). One spinning block instead of the
+//                           route kernel's 16, and the timeline shows the producer's wait apart from its work.
 //   stream_wait_route       route readiness of every source only (count and scan need only the route
 //                           payload, so they overlap the producer's layout); snapshots every source's meta
 //                           token_base into a local array, so nothing after the pull reads the slot (EARLY).
+//                           clear_counts: only for the first chunk of an expert window (the counts of a
+//                           window's chunks accumulate, so its experts run one grouped GEMM).
 //   stream_wait_layout      layout readiness of every source, before moe_dispatch_pull.
 //   stream_ack              EARLY policy: acknowledge every owner's slot right after the pull.
 //   stream_combine_scatter  rows to the owner's combine buffer at the LOGICAL token row (token_base from
-//                           the snapshot + chunk-local token), so chunks of one call never share rows.
-//   stream_combine_signal   SET combine_ready[this rank] = the chunk's generation on every owner; with
-//                           ack_now (CONSERVATIVE policy) then acknowledge every owner's slot.
+//                           the snapshot of the row's chunk + chunk-local token), so chunks of one call
+//                           never share rows.
+//   stream_combine_signal   SET combine_ready[this rank] = the generation of the window's last chunk on
+//                           every owner; with ack_now (CONSERVATIVE) acknowledge the window's chunks.
 //   stream_combine_wait     wait until every source's word is >= the chunk's generation (PROTOCOL.md
 //                           section 7.1: a consumer may signal chunk c + 1 before the owner saw chunk c,
 //                           and generations only grow, so >= admits no stale value).
@@ -20,9 +27,14 @@
 //                           handed back to the producer). Does not end the call.
 //   stream_end_call         one thread, after the last chunk on every stream: generation base + num_chunks.
 //   stream_stamp            one thread: stamps[idx] = %globaltimer (the timeline of `bench stream`).
-//   stream_sleep            one thread: spin for a given number of ns (tests: a deliberately slow producer).
+//   stream_sleep            one thread: spin for a given number of ns (tests: a deliberately slow producer
+//                           or consumer).
+//   stream_spin_probe       the consumer's wait loop on a word nobody sets, for a bounded time, on a
+//                           chosen number of blocks (bench stream --spin-check: does spinning slow the
+//                           producer's kernels?).
 //
-// NOT YET RUN ON A GPU (written in a session without device time): compiled and device-linked only.
+// An expert window is a run of consecutive chunks [chunk_begin, chunk_end] whose rows share the expert
+// pool and one grouped GEMM (StreamedMoE(expert_window=W), W <= num_slots); W = 1 is chunk-local pools.
 #include <stdint.h>
 
 #include <cuda_bf16.h>
@@ -60,13 +72,22 @@ __device__ inline bool wait_word(const RingDescriptor& d, int chunk_idx, int src
 
 }  // namespace
 
+// One block: wait until every consumer acknowledged the slot's previous use (chunk - num_slots), acquire;
+// no reset (moe_produce_route, next on the stream, resets the mask before it publishes).
+extern "C" __global__ void stream_wait_slot(const RingDescriptor* desc_ptr, int chunk_idx) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    wait_reusable(d, chunk_idx, /*reset=*/false);  // acquire: pairs with the release fence in ack()
+}
+
 // Route readiness alone (the layout may still be running): block r waits for source rank r's route
 // generation of the chunk (bounded, acquire), then thread 0 copies the source's meta token_base into
-// token_base[r]. Block 0 also zeroes counts for moe_dispatch_count, which needs only the route payload.
+// token_base[r] (the caller passes the chunk's row of a [window][num_ranks] array). With clear_counts,
+// block 0 also zeroes counts for moe_dispatch_count (the first chunk of an expert window).
 extern "C" __global__ void stream_wait_route(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                             int num_local_experts, long long* token_base) {
+                                             int num_local_experts, long long* token_base, int clear_counts) {
     const RingDescriptor& d = *desc_ptr;
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0 && clear_counts)
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.x;
@@ -105,10 +126,12 @@ extern "C" __global__ void stream_ack(const RingDescriptor* desc_ptr, int chunk_
 }
 
 // Rows [total[0]] of pool_out ([capacity][hidden] bf16) to their owners' combine rows at the logical
-// token row token_base[src] + token. row_src[row] = {src_rank, chunk-local token, k, 0} (moe_dispatch_pull).
+// token row token_base[chunk - window_begin][src] + token. row_src[row] = {src_rank, chunk-local token, k,
+// chunk} (moe_dispatch_pull); token_base: [window][num_ranks], the snapshots of stream_wait_route.
 extern "C" __global__ void stream_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                                   const int4* row_src, const int* total,
-                                                  const long long* token_base, __nv_bfloat16* combine_rows) {
+                                                  const long long* token_base, int window_begin,
+                                                  __nv_bfloat16* combine_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int num_rows = total[0];
@@ -118,7 +141,7 @@ extern "C" __global__ void stream_combine_scatter(const RingDescriptor* desc_ptr
     for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
          row += gridDim.x * warps_per_block) {
         const int4 src = row_src[row];
-        const int64_t logical_token = token_base[src.x] + src.y;
+        const int64_t logical_token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
         __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
         int4* dst = reinterpret_cast<int4*>(owner_rows + (logical_token * d.num_topk + src.z) * d.hidden);
         const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
@@ -126,20 +149,22 @@ extern "C" __global__ void stream_combine_scatter(const RingDescriptor* desc_ptr
     }
 }
 
-// One block of at least num_ranks threads, after stream_combine_scatter of the chunk: tell every owner
-// that this PE's rows of chunk `chunk_idx` are in place; with ack_now (CONSERVATIVE) acknowledge too.
-extern "C" __global__ void stream_combine_signal(const RingDescriptor* desc_ptr, int chunk_idx,
+// One block, after stream_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that
+// this PE's rows of those chunks are in place (one signal, the last chunk's generation: the release fence
+// covers every row, and owners wait with >=); with ack_now (CONSERVATIVE) acknowledge every chunk too.
+extern "C" __global__ void stream_combine_signal(const RingDescriptor* desc_ptr, int chunk_begin, int chunk_end,
                                                  uint64_t* combine_ready, int ack_now) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const uint64_t gen = expected_generation(d, chunk_idx);
+    const uint64_t gen = expected_generation(d, chunk_end);
     if (threadIdx.x == 0) nvshmem_fence();  // release: pairs with the acquire in stream_combine_wait
     __syncthreads();
     for (int owner = threadIdx.x; owner < d.num_ranks; owner += blockDim.x)
         nvshmemx_signal_op(combine_ready + d.rank, gen, NVSHMEM_SIGNAL_SET, owner);
     if (!ack_now) return;
-    // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
-    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
+    // CONSERVATIVE: after this PE's combine of the window; ack() fences (release: pairs with wait_reusable).
+    for (int chunk = chunk_begin; chunk <= chunk_end; ++chunk)
+        for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk, owner);
 }
 
 // One thread: bounded wait until every source rank's combine_ready word on this PE is >= the chunk's
@@ -220,4 +245,16 @@ extern "C" __global__ void stream_sleep(unsigned long long duration_ns) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const uint64_t start = globaltimer_ns();
     while (globaltimer_ns() - start < duration_ns) __nanosleep(1000);
+}
+
+// Blocks 0..gridDim.x-1, thread 0 of each: the consumer's wait loop (ld.acquire.sys of a word, %globaltimer
+// deadline) on `word`, which nobody sets to `until`, for duration_ns. Measures what a waiting consumer
+// costs the kernels that run beside it (bench stream --spin-check); not part of the layer.
+extern "C" __global__ void stream_spin_probe(const unsigned long long* word, unsigned long long until,
+                                             unsigned long long duration_ns) {
+    if (threadIdx.x != 0) return;
+    const uint64_t start = globaltimer_ns();
+    while (ld_acquire_sys(reinterpret_cast<const uint64_t*>(word)) != until &&
+           globaltimer_ns() - start < duration_ns) {
+    }
 }

@@ -5,9 +5,11 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
 
 1. initialises symmring (``--backend auto``: the GPU backend when a GPU, CuPy and nvshmem4py are usable,
    else the CPU backend) and says which backend it got and why;
-2. on the GPU backend, runs the GPU layer (`symmring.moe.gpu.MoE`, batch-ready path, bf16 experts)
-   against the reference (relative error <= 1e-2); the streamed path has no GPU layer, so batch and
-   streamed are then run on the CPU layer (host backend), and the output says so;
+2. on the GPU backend, runs the GPU layers against the reference (relative error <= 1e-2, bf16
+   experts): batch-ready (`symmring.moe.gpu.MoE`) and streamed (`symmring.moe.gpu_streamed.StreamedMoE`,
+   ``--tokens-per-slot`` chunks, one slot per chunk and one expert window over the call, so its expert
+   GEMMs see the batch layer's groups), and checks streamed == batch **bitwise**; then, on the CPU
+   backend, step 3 as well;
 3. runs the expert-parallel layer (`symmring.moe.expert_parallel`) on the CPU backend batch-ready (one
    chunk of the whole batch) and streamed (``--tokens-per-slot`` chunks through a ``--num-slots`` ring);
 4. checks streamed == batch **bitwise**, both against `symmring.moe.reference.reference_moe` of the
@@ -231,28 +233,48 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     logits = router_logits(prob.x, prob.router_weight)
     ref = reference_moe(prob.x, w_gate=prob.w_gate, w_up=prob.w_up, w_down=prob.w_down, num_topk=args.topk,
                         logits=logits, x_format=args.x_format, **prob.options)
-    moe = gpu.MoE(ctx, args.experts, args.hidden, args.inter, args.topk, on_gpu(prob.w_gate[local], torch.bfloat16),
-                  on_gpu(prob.w_up[local], torch.bfloat16), on_gpu(prob.w_down[local], torch.bfloat16),
-                  max_tokens=max(1, max(prob.counts)), x_format=args.x_format, **kwargs)
-    try:
-        x_gpu = on_gpu(prob.x_local, torch.bfloat16)
-        logits_gpu = on_gpu(logits[prob.rows], torch.float32)
-        outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu), report, args.repeats,
-                                        sync=torch.cuda.synchronize)
-        moe.check_errors()
-        y = outputs[0].float().cpu().numpy()
-    finally:
-        moe.close()
+    from .moe.gpu_streamed import StreamedMoE
+    from .protocol import call_num_chunks
+    weights = [on_gpu(w[local], torch.bfloat16) for w in (prob.w_gate, prob.w_up, prob.w_down)]
+    max_tokens = max(1, max(prob.counts))
+    T = min(args.tokens_per_slot, max_tokens)
+    slots = max(args.num_slots, call_num_chunks(list(prob.counts), T), 1)
+    x_gpu = on_gpu(prob.x_local, torch.bfloat16)
+    logits_gpu = on_gpu(logits[prob.rows], torch.float32)
     y_ref = ref.y[prob.rows]
-    # Relative error over all ranks' rows: sqrt(sum of squared errors / sum of squared reference values).
-    num = math.sqrt(report.fsum(float(np.sum((y.astype(np.float64) - y_ref) ** 2))))
-    den = math.sqrt(report.fsum(float(np.sum(y_ref.astype(np.float64) ** 2))))
-    rel = num / den if den > 0 else num
-    finite = report.all_ok(bool(np.all(np.isfinite(y))))
-    passed = finite and rel <= GPU_REL_TOL
-    report.say(f"  gpu batch {seconds * 1e3:9.3f} ms  1 chunk per rank through the NVSHMEM ring, bf16 experts")
-    report.say(f"  check: GPU vs reference: relative error {rel:.3g} (<= {GPU_REL_TOL:g}): {_yes(passed)}")
-    return passed, f"GPU batch rel.err {rel:.3g}"
+    results = {}
+    for name, make in (("batch", lambda: gpu.MoE(ctx, args.experts, args.hidden, args.inter, args.topk, *weights,
+                                                 max_tokens=max_tokens, x_format=args.x_format, **kwargs)),
+                       ("streamed", lambda: StreamedMoE(ctx, args.experts, args.hidden, args.inter, args.topk,
+                                                        *weights, max_tokens=max_tokens, tokens_per_slot=T,
+                                                        num_slots=slots, expert_window=slots, ack_policy="early",
+                                                        x_format=args.x_format, **kwargs))):
+        moe = make()
+        try:
+            outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu), report, args.repeats,
+                                            sync=torch.cuda.synchronize)
+            moe.check_errors()
+            results[name] = (outputs[0].float().cpu().numpy(), seconds)
+        finally:
+            moe.close()
+    passed, parts = True, []
+    for name, (y, seconds) in results.items():
+        # Relative error over all ranks' rows: sqrt(sum of squared errors / sum of squared reference values).
+        num = math.sqrt(report.fsum(float(np.sum((y.astype(np.float64) - y_ref) ** 2))))
+        den = math.sqrt(report.fsum(float(np.sum(y_ref.astype(np.float64) ** 2))))
+        rel = num / den if den > 0 else num
+        ok = report.all_ok(bool(np.all(np.isfinite(y)))) and rel <= GPU_REL_TOL
+        passed = passed and ok
+        what = ("1 chunk per rank through the NVSHMEM ring" if name == "batch" else
+                f"{T}-token chunks through a {slots}-slot NVSHMEM ring, one expert window")
+        report.say(f"  gpu {name:<8} {seconds * 1e3:9.3f} ms  {what}, bf16 experts")
+        report.say(f"  check: GPU {name} vs reference: relative error {rel:.3g} (<= {GPU_REL_TOL:g}): {_yes(ok)}")
+        parts.append(f"GPU {name} rel.err {rel:.3g}")
+    diff = report.sum(_bit_differences(results["streamed"][0], results["batch"][0]))
+    report.say(f"  check: GPU streamed == GPU batch bitwise: {_yes(diff == 0)} ({diff} values differ)")
+    passed = passed and diff == 0
+    parts.append("GPU streamed==batch bitwise" if diff == 0 else f"GPU streamed!=batch ({diff} values)")
+    return passed, ", ".join(parts)
 
 
 def _yes(ok: bool) -> str:
@@ -301,8 +323,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ctx.backend.name == "nvshmem":
             backends_used.append("nvshmem")
             results.append(run_gpu(ctx, args, prob, report))
-            report.say("the streamed path has no GPU layer yet: running batch and streamed on the CPU layer "
-                       "(backend host) instead")
+            report.say("and the same problem on the CPU layer (backend host):")
             comm = ctx.comm
             ctx.close()
             ctx = init("host", comm=comm)

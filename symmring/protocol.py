@@ -262,3 +262,44 @@ def enqueue_order(num_chunks: int, num_slots: int, lookahead: int | None = None,
             produced += 1
         order.append(("consume", consumed))
     return order
+
+
+def check_expert_window(expert_window: int, num_slots: int) -> None:
+    """Raise ``ConfigError`` unless ``1 <= expert_window <= num_slots``.
+
+    A consumer of a window waits for the route of every chunk of the window before it acknowledges any of
+    them; the producer of the window's last chunk ``c0 + W - 1`` needs the acknowledgements of chunk
+    ``c0 + W - 1 - num_slots``, which must lie before the window: ``W <= num_slots``.
+    """
+    _check_pos("num_slots", num_slots)
+    if not _is_int(expert_window) or expert_window < 1 or expert_window > num_slots:
+        raise ConfigError(f"expert_window={expert_window!r}: expected 1 <= expert_window <= num_slots={num_slots} "
+                          "(a window's consumer waits for all of its chunks before acknowledging any)")
+
+
+def expert_windows(num_chunks: int, expert_window: int) -> List[Tuple[int, int]]:
+    """The call's expert windows: consecutive ``(first, last)`` chunk pairs of ``expert_window`` chunks
+    (the last window may be shorter)."""
+    _check_nonneg("num_chunks", num_chunks)
+    _check_pos("expert_window", expert_window)
+    return [(c, min(num_chunks, c + expert_window) - 1) for c in range(0, num_chunks, expert_window)]
+
+
+def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int = 1) -> List[Tuple[str, int, int]]:
+    """One rank's host enqueue order with expert windows: ``("produce", c, c)`` and ``("consume", first,
+    last)`` items.
+
+    Before consuming the window ``[c0, c1]`` every chunk ``c < c0 + num_slots`` is produced (its slot's
+    previous chunk ``c - num_slots < c0`` was consumed, hence acknowledged, earlier in the order), which
+    includes the whole window since ``c1 < c0 + expert_window <= c0 + num_slots``. Executed serially on every
+    rank, it completes. ``expert_window = 1`` is `enqueue_order` with the default lookahead.
+    """
+    check_expert_window(expert_window, num_slots)
+    order: List[Tuple[str, int, int]] = []
+    produced = 0
+    for first, last in expert_windows(num_chunks, expert_window):
+        while produced < num_chunks and produced < first + num_slots:
+            order.append(("produce", produced, produced))
+            produced += 1
+        order.append(("consume", first, last))
+    return order

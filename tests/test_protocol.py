@@ -321,6 +321,8 @@ def _explore(orders: Sequence[Sequence[Tuple[str, int]]], slot_uses: Sequence[Tu
     ``orders[r]`` is rank r's stream of ``(op, use)`` where ``use`` indexes ``slot_uses`` (one entry per
     chunk of the concatenated calls: ``(call, chunk)``). Produce of a use needs every rank's consume of
     the slot's previous use (its acknowledgements); consume of a use needs every rank's produce of it.
+    A consume item may also carry a tuple of uses (an expert window: it waits for all of them before it
+    acknowledges any, the CONSERVATIVE worst case).
     """
     num_ranks = len(orders)
     prev_use: Dict[int, int] = {}
@@ -330,7 +332,13 @@ def _explore(orders: Sequence[Sequence[Tuple[str, int]]], slot_uses: Sequence[Tu
         if slot in last_in_slot:
             prev_use[use] = last_in_slot[slot]
         last_in_slot[slot] = use
-    positions = [{item: i for i, item in enumerate(order)} for order in orders]
+    positions = []
+    for order in orders:
+        pos = {}
+        for i, (op, uses) in enumerate(order):
+            for use in (uses if isinstance(uses, tuple) else (uses,)):
+                pos[(op, use)] = i
+        positions.append(pos)
 
     def done(state, rank, item):
         return positions[rank][item] < state[rank]
@@ -341,7 +349,8 @@ def _explore(orders: Sequence[Sequence[Tuple[str, int]]], slot_uses: Sequence[Tu
         op, use = orders[rank][state[rank]]
         if op == "produce":
             return use not in prev_use or all(done(state, q, ("consume", prev_use[use])) for q in range(num_ranks))
-        return all(done(state, q, ("produce", use)) for q in range(num_ranks))
+        uses = use if isinstance(use, tuple) else (use,)
+        return all(done(state, q, ("produce", u)) for q in range(num_ranks) for u in uses)
 
     start = (0,) * num_ranks
     seen = {start}
@@ -398,6 +407,64 @@ def test_enqueue_order_is_deadlock_free_across_calls():
         orders, uses = _streams(chunk_counts, num_slots, lookaheads)
         completes, deadlocks = _explore(orders, uses, num_slots)
         assert completes and not deadlocks, (num_slots, chunk_counts, lookaheads)
+
+
+def _windowed_streams(chunk_counts: Sequence[int], num_slots: int, windows: Sequence[int]):
+    """As `_streams`, with `protocol.windowed_enqueue_order` (one expert window per rank, unchecked)."""
+    slot_uses = [(call, c) for call, n in enumerate(chunk_counts) for c in range(n)]
+    use_idx = {u: i for i, u in enumerate(slot_uses)}
+    orders = []
+    for window in windows:
+        order = []
+        for call, n in enumerate(chunk_counts):
+            if window <= num_slots:
+                items = protocol.windowed_enqueue_order(n, num_slots, window)
+            else:  # the forbidden window: produce all it can, then consume windows (what W > S would do)
+                items = [("produce", c, c) for c in range(min(n, num_slots))] + [
+                    ("consume", a, b) for a, b in protocol.expert_windows(n, window)]
+                items += [("produce", c, c) for c in range(min(n, num_slots), n)]
+            for op, first, last in items:
+                uses = tuple(use_idx[(call, c)] for c in range(first, last + 1))
+                order.append((op, uses[0] if op == "produce" else uses))
+        orders.append(order)
+    return orders, slot_uses
+
+
+def test_windowed_enqueue_order_shape():
+    for num_slots in (1, 2, 3, 5):
+        for window in range(1, num_slots + 1):
+            for num_chunks in range(0, 14):
+                order = protocol.windowed_enqueue_order(num_chunks, num_slots, window)
+                assert [c for op, c, _ in order if op == "produce"] == list(range(num_chunks))
+                consumed = [(a, b) for op, a, b in order if op == "consume"]
+                assert consumed == protocol.expert_windows(num_chunks, window)
+                assert all(b - a + 1 <= window for a, b in consumed)
+                if window == 1:  # the plain order with the default lookahead
+                    assert [(op, a) for op, a, _ in order] == protocol.enqueue_order(num_chunks, num_slots)
+    for bad in (0, 4, "2", None):
+        with pytest.raises(ValueError, match="expert_window"):
+            protocol.windowed_enqueue_order(5, 3, bad)
+
+
+def test_windowed_enqueue_order_is_deadlock_free_in_every_interleaving():
+    # Exhaustive over small clusters, rings, chunk counts, one call and two, per-rank windows <= num_slots.
+    for num_ranks in (1, 2, 3):
+        for num_slots in (1, 2, 3):
+            for counts in [[n] for n in range(0, 2 * num_slots + 2)] + [[num_slots + 1, 2], [1, 2 * num_slots]]:
+                for windows in itertools.product(range(1, num_slots + 1), repeat=num_ranks):
+                    orders, uses = _windowed_streams(counts, num_slots, windows)
+                    completes, deadlocks = _explore(orders, uses, num_slots)
+                    assert completes and not deadlocks, (num_ranks, num_slots, counts, windows)
+
+
+def test_window_larger_than_the_ring_deadlocks():
+    # W = num_slots + 1 with more chunks than slots: the window's consumer waits for a chunk whose slot
+    # still holds an unacknowledged chunk of the same window.
+    for num_ranks in (1, 2):
+        for num_slots in (1, 2, 3):
+            orders, uses = _windowed_streams([num_slots + 1], num_slots, [num_slots + 1] * num_ranks)
+            completes, deadlocks = _explore(orders, uses, num_slots)
+            assert deadlocks and not completes, (num_ranks, num_slots)
 
 
 @pytest.mark.parametrize("extra", [0, 1])

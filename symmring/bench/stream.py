@@ -1,28 +1,32 @@
 """``python -m symmring bench stream [--json PATH] [--timeline PNG]``: streamed vs batch MoE, side by side.
 
-NOT YET RUN ON A GPU (written without device time; docs/MOE_STREAMED.md).
-
 For the three shapes of ``bench moe`` and tokens per rank (default 1024, 4096, 16384) it measures, in
 one run and interleaved call by call (so clocks, power and neighbours affect both alike), the end-to-end
 latency of producer + MoE (router GEMM and TopK included, fp8 dispatch) of:
 
 * the batch layer (`symmring.moe.gpu.MoE`: the whole batch is one chunk), and
 * the streamed layer (`symmring.moe.gpu_streamed.StreamedMoE`) for every ``tokens_per_slot`` x
-  ``num_slots`` x ack policy of the sweep with ``tokens_per_slot < tokens``,
+  ``num_slots`` x ack policy x expert window of the sweep with ``tokens_per_slot < tokens``
+  (``--num-slots call``: as many slots as the call has chunks; ``--windows 1,all``: chunk-local expert
+  pools, or one window of ``num_slots`` chunks, so with ``call`` one grouped GEMM over the whole call),
 
 and reports the ratio streamed / batch (median of ``--repeats`` warm calls each). ``--graph`` also
 measures both captured into CUDA graphs (the streamed path launches ~15 kernels per chunk, so eagerly it
 pays the host's launch cost per chunk).
 
-The automatic policy table picks, per shape and token count, the fastest measured configuration, or
-batch when no streamed one beats it (its ratio is <= 1 on the data it was picked from; held-out
-re-measurement is the honest check, printed as ``recheck``: the chosen configuration timed again against
-batch).
+The automatic policy table (`symmring.moe.policy.StreamPolicy`) picks, per shape and token count, the
+fastest measured streamed configuration when it beat batch by at least 3 % (the run-to-run noise of one
+ratio), else batch; ``recheck`` times each streamed choice again against batch on other inputs and
+weights with twice the repeats (the honest check: the choice was picked on the data it was measured on).
 
-``--timeline PNG`` runs the largest size of the first shape once more with the best streamed
-configuration and device timestamps (``%globaltimer``, stamped by one-thread kernels between the stages
-on each stream), and draws producer and consumer stages per chunk (matplotlib), with the overlap fraction
-(time both streams run a stage / span). Under several ranks (``python -m symmring.launch -n N -- python -m
+``--timeline PNG`` runs the largest size of the first shape once more with device timestamps
+(``%globaltimer``, stamped by one-thread kernels between the stages on each stream) for two
+configurations -- the best streamed one, and the best with chunk-local expert pools (window 1), whose
+chunks pipeline -- and draws producer and consumer stages per chunk (matplotlib), with the overlap fraction
+(time both streams do work, waits excluded / span). ``--spin-check`` measures what waiting costs:
+the producer's work for one call (router GEMM, TopK, route and layout kernels of every chunk) timed alone
+and beside ``world_size + 1`` blocks running the consumer's wait loop (the documented spin budget), as
+the slowdown in percent. Under several ranks (``python -m symmring.launch -n N -- python -m
 symmring bench stream``) every rank runs the same sweep; rank 0 prints and writes.
 """
 
@@ -37,16 +41,20 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+import numpy as np
+
 from . import missing_cuda_torch
 
+from ..moe.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 from .moe import SHAPES, layer_weights
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = (1024, 4096, 16384)
-DEFAULT_TOKENS_PER_SLOT = (256, 512, 1024, 2048, 4096)
-DEFAULT_NUM_SLOTS = (2, 3)
+DEFAULT_TOKENS_PER_SLOT = (1024, 2048, 4096)
+DEFAULT_NUM_SLOTS = ("2", "4", "call")
 DEFAULT_ACK = ("conservative", "early")
+DEFAULT_WINDOWS = ("1", "all")
 
 
 def _interleaved(fns, repeats: int, warmup: int = 2) -> List[List[float]]:
@@ -87,14 +95,20 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     max_tokens = max(tokens)
     xs = {n: torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen) for n in tokens}
     batch = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
+    # Resolved layer arguments -> {size: the sweep entry (its rules "call"/"all")}; a layer measured once
+    # per size even when several entries resolve to it (window 2 == "all" with 2 slots).
+    plans: Dict = {}
+    for cfg in configs:
+        for n in tokens:
+            layer_cfg = resolve(cfg, n)
+            if layer_cfg is not None:
+                plans.setdefault(tuple(sorted(layer_cfg.items())), {}).setdefault(n, cfg)
     rows: List[Dict] = []
     try:
-        for cfg in configs:
-            sizes = [n for n in tokens if cfg["tokens_per_slot"] < n]
-            if not sizes:
-                continue
+        for key, rules in plans.items():
+            layer_cfg, sizes = dict(key), sorted(rules)
             streamed = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down,
-                                   max_tokens=max_tokens, **cfg)
+                                   max_tokens=max(sizes), **layer_cfg)
             graphs: Dict = {}
             try:
                 for n in sizes:
@@ -106,12 +120,13 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
                     batch.check_errors()
                     streamed.check_errors()
                     row = {"shape": name, "tokens_per_rank": n, "world_size": ctx.world_size,
-                           "graph": use_graph, **cfg, "ack_policy": str(cfg["ack_policy"]),
-                           "num_chunks": -(-n // cfg["tokens_per_slot"]),
+                           "graph": use_graph, **layer_cfg, "ack_policy": str(layer_cfg["ack_policy"]),
+                           "num_slots_rule": rules[n]["num_slots"], "expert_window_rule": rules[n]["expert_window"],
+                           "num_chunks": -(-n // layer_cfg["tokens_per_slot"]),
                            "batch_ms": statistics.median(t_batch), "streamed_ms": statistics.median(t_stream)}
                     row["ratio"] = row["streamed_ms"] / row["batch_ms"]
                     rows.append(row)
-                    logger.info("%s n=%d %s: batch %.3f ms, streamed %.3f ms (%.2f)", name, n, cfg,
+                    logger.info("%s n=%d %s: batch %.3f ms, streamed %.3f ms (%.2f)", name, n, layer_cfg,
                                 row["batch_ms"], row["streamed_ms"], row["ratio"])
             finally:
                 graphs.clear()
@@ -125,104 +140,154 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     return rows
 
 
-def policy_table(rows: List[Dict]) -> List[Dict]:
-    """Per (shape, tokens): the fastest measured streamed configuration, or batch when none beats it."""
-    best: Dict = {}
-    for r in rows:
-        key = (r["shape"], r["tokens_per_rank"])
-        cur = best.get(key)
-        if cur is None or r["ratio"] < cur["ratio"]:
-            best[key] = r
-    table = []
-    for (shape, n), r in sorted(best.items()):
-        streamed = r["ratio"] < 1.0
-        table.append({"shape": shape, "tokens_per_rank": n,
-                      "choice": ({k: r[k] for k in ("tokens_per_slot", "num_slots", "ack_policy")}
-                                 if streamed else "batch"),
-                      "ratio": r["ratio"] if streamed else 1.0, "best_streamed_ratio": r["ratio"]})
-    return table
+def policy_table(rows: List[Dict], margin: float = DEFAULT_MARGIN) -> List[Dict]:
+    """Per (shape, tokens): the fastest streamed configuration if it beat batch by ``margin``, else batch
+    (`symmring.moe.policy.StreamPolicy`)."""
+    return StreamPolicy.from_rows(rows, margin).entries
 
 
 def recheck_policy(ctx, table: List[Dict], repeats: int, use_graph: bool) -> None:
-    """Time each chosen streamed configuration against batch again (held-out), in place: ``recheck``."""
+    """Time each chosen streamed configuration against batch again (held-out: other random inputs and
+    weights, twice the repeats), in place: ``recheck`` (1.0 where batch was chosen)."""
     for entry in table:
-        if entry["choice"] == "batch":
+        if entry["choice"] is None:
             entry["recheck"] = 1.0
             continue
-        rows = bench_shape(ctx, entry["shape"], [entry["tokens_per_rank"]], [dict(entry["choice"])], repeats,
+        rows = bench_shape(ctx, entry["shape"], [entry["tokens_per_rank"]], [dict(entry["choice"])], 2 * repeats,
                            use_graph, seed=1)
         entry["recheck"] = rows[0]["ratio"] if rows else float("nan")
 
 
-def timeline(ctx, shape: str, n: int, cfg: Dict, png_path: str) -> Dict:
-    """One call with device timestamps; the PNG of producer/consumer stages per chunk. Returns the data."""
+def timeline(ctx, shape: str, n: int, cfgs: List[Dict], png_path: str) -> List[Dict]:
+    """One call per configuration with device timestamps; one PNG with a panel each. Returns the data."""
     import torch
-    from ..moe.gpu_streamed import StreamedMoE, overlap_fraction
+    from ..moe.gpu_streamed import StreamedMoE, hidden_producer_fraction, overlap_fraction
     hidden, inter, num_experts, topk = SHAPES[shape]
-    device = torch.device("cuda", torch.cuda.current_device())
-    E_local = num_experts // ctx.world_size
-    w = [torch.randn(*s, device=device, dtype=torch.bfloat16) * 0.02
-         for s in ((E_local, inter, hidden), (E_local, inter, hidden), (E_local, hidden, inter))]
-    router = torch.randn(num_experts, hidden, device=device, dtype=torch.bfloat16) * 0.02
-    x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16)
-    moe = StreamedMoE(ctx, num_experts, hidden, inter, topk, *w, max_tokens=n, **cfg)
-    try:
-        for _ in range(2):
-            moe.forward(x, router_weight=router)
-        moe.forward(x, router_weight=router, timeline=True)
-        moe.check_errors()
-        records = moe.timeline_records()
-    finally:
-        moe.close()
-    frac = overlap_fraction(records)
+    device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=3)
+    x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    panels = []
+    for cfg in cfgs:
+        moe = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, **cfg)
+        try:
+            for _ in range(2):
+                moe.forward(x, router_weight=router)
+            moe.forward(x, router_weight=router, timeline=True)
+            moe.check_errors()
+            records = moe.timeline_records()
+        finally:
+            moe.close()
+        frac, hidden_frac = overlap_fraction(records), hidden_producer_fraction(records)
+        title = (f"{shape}, {n} tokens/rank, {cfg['tokens_per_slot']} tokens x {cfg['num_slots']} slots, window "
+                 f"{cfg['expert_window']}, {cfg['ack_policy']} ack, rank 0 of {ctx.world_size}: both working "
+                 f"{100 * frac:.0f}% of the span, {100 * hidden_frac:.0f}% of the producer's work hidden")
+        panels.append({"shape": shape, "tokens_per_rank": n, **cfg, "ack_policy": str(cfg["ack_policy"]),
+                       "overlap_fraction": frac, "hidden_producer_fraction": hidden_frac, "title": title,
+                       "records": records, "png": png_path})
     if ctx.rank == 0 and png_path:
-        draw_timeline(records, f"{shape}, {n} tokens/rank, {cfg['tokens_per_slot']} tokens x {cfg['num_slots']} "
-                      f"slots, {cfg['ack_policy']} ack, rank 0 of {ctx.world_size}: overlap {100 * frac:.0f}% of span",
-                      png_path)
-    return {"shape": shape, "tokens_per_rank": n, **cfg, "ack_policy": str(cfg["ack_policy"]),
-            "overlap_fraction": frac, "records": records, "png": png_path}
+        draw_timeline([(p["records"], p["title"]) for p in panels], png_path)
+    return panels
 
 
-def draw_timeline(records: List[Dict], title: str, png_path: str) -> None:
-    """Producer and consumer stages of every chunk as bars on two lanes (matplotlib, Agg) into a PNG."""
+def draw_timeline(panels: List, png_path: str) -> None:
+    """Per panel ``(records, title)``: producer and consumer stages of every chunk (window) as bars on two
+    lanes (matplotlib, Agg), one PNG; spins ("wait") in light grey."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"route": "tab:blue", "layout": "tab:cyan", "dispatch": "tab:orange", "experts": "tab:red",
-              "combine": "tab:green"}
+    colors = {"wait": "0.85", "route": "tab:blue", "layout": "tab:cyan", "dispatch": "tab:orange",
+              "experts": "tab:red", "combine": "tab:green"}
     lanes = {"producer": 1, "consumer": 0}
-    fig, ax = plt.subplots(figsize=(12, 3))
-    for r in records:
-        ax.broken_barh([(r["start_ns"] / 1e3, max(r["end_ns"] - r["start_ns"], 1) / 1e3)],
-                       (lanes[r["stream"]] - 0.4, 0.8), color=colors[r["stage"]], edgecolor="black", linewidth=0.3)
-    ax.set_yticks([0, 1], ["consumer", "producer"])
-    ax.set_ylim(-0.6, 2.0)  # room for the legend above the producer lane
-    ax.set_xlabel("us (device %globaltimer)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
-              loc="upper right", ncol=5, fontsize=8)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 2.8 * len(panels)), squeeze=False)
+    for ax, (records, title) in zip(axes[:, 0], panels):
+        for r in records:
+            ax.broken_barh([(r["start_ns"] / 1e3, max(r["end_ns"] - r["start_ns"], 1) / 1e3)],
+                           (lanes[r["stream"]] - 0.4, 0.8), color=colors[r["stage"]], edgecolor="black",
+                           linewidth=0.3)
+        ax.set_yticks([0, 1], ["consumer", "producer"])
+        ax.set_ylim(-0.6, 2.0)  # room for the legend above the producer lane
+        ax.set_xlabel("us (device %globaltimer)")
+        ax.set_title(title, fontsize=8)
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+                  loc="upper right", ncol=len(colors), fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
 
 
+def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> Dict:
+    """The producer's work of one call (every chunk's router GEMM, TopK, route and layout kernels, on the
+    producer stream of a ring with a slot per chunk, so it never waits; all launches enqueued behind a
+    50 ms sleep kernel first) timed alone and beside ``world_size + 1`` blocks of the consumer's wait loop
+    (`stream_spin_probe`), interleaved."""
+    import torch
+    from ..moe.gpu_streamed import StreamedMoE
+    hidden, inter, num_experts, topk = SHAPES[shape]
+    device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
+    x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    chunks = -(-n // tokens_per_slot)
+    moe = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
+                      tokens_per_slot=tokens_per_slot, num_slots=chunks)
+    blocks = ctx.world_size + 1
+    word = torch.zeros(1, dtype=torch.int64, device=device)
+    spinner = torch.cuda.Stream(device=device)
+    producer = moe._producer_stream
+    probe = moe._stream_module.function("stream_spin_probe")
+
+    sleep = moe._stream_module.function("stream_sleep")
+
+    def produce_call(spin: bool) -> float:
+        moe.reset()  # fresh ring: every slot free, generation base 0 (collective)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin:  # spin well past the producer's work; nobody ever sets the word
+            probe((blocks,), (32,), (np.uint64(word.data_ptr()), np.uint64(1), np.uint64(200_000_000)),
+                  stream=moe._stream(spinner.cuda_stream))
+        with torch.cuda.stream(producer):
+            # Hold the stream while the host enqueues every launch, so the events time the device's work,
+            # not the host's launch rate.
+            sleep((1,), (32,), (np.uint64(50_000_000),), stream=moe._stream(producer.cuda_stream))
+            start.record()
+            for c in range(chunks):
+                moe._produce(c, x, n, "router", router, moe.topk_idx_all, moe.topk_weights_all, 0, False, producer)
+            end.record()
+        end.synchronize()
+        torch.cuda.synchronize()  # the probe ends by its bound
+        return start.elapsed_time(end)
+
+    try:
+        for _ in range(2):
+            produce_call(False)
+            produce_call(True)
+        alone, beside = [], []
+        for _ in range(repeats):
+            alone.append(produce_call(False))
+            beside.append(produce_call(True))
+        moe.reset()
+    finally:
+        moe.close()
+    a, b = statistics.median(alone), statistics.median(beside)
+    return {"shape": shape, "tokens_per_rank": n, "tokens_per_slot": tokens_per_slot, "spin_blocks": blocks,
+            "producer_alone_ms": a, "producer_beside_spin_ms": b, "slowdown_pct": 100 * (b / a - 1)}
+
+
 def format_rows(rows: List[Dict]) -> str:
-    lines = [f"{'shape':<14} {'tokens':>6} {'T/slot':>6} {'slots':>5} {'ack':>12} {'chunks':>6} "
+    lines = [f"{'shape':<14} {'tokens':>6} {'T/slot':>6} {'slots':>5} {'window':>6} {'ack':>12} {'chunks':>6} "
              f"{'batch ms':>9} {'stream ms':>9} {'ratio':>6}"]
     for r in rows:
         lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['tokens_per_slot']:>6} {r['num_slots']:>5} "
-                     f"{r['ack_policy']:>12} {r['num_chunks']:>6} {r['batch_ms']:>9.3f} {r['streamed_ms']:>9.3f} "
-                     f"{r['ratio']:>6.2f}")
+                     f"{r.get('expert_window', 1):>6} {r['ack_policy']:>12} {r['num_chunks']:>6} {r['batch_ms']:>9.3f} "
+                     f"{r['streamed_ms']:>9.3f} {r['ratio']:>6.2f}")
     return "\n".join(lines)
 
 
 def format_policy(table: List[Dict]) -> str:
-    lines = [f"{'shape':<14} {'tokens':>6} {'choice':<40} {'ratio':>6} {'recheck':>7}"]
+    lines = [f"{'shape':<14} {'tokens':>6} {'choice':<40} {'best streamed':>13} {'chosen':>6} {'recheck':>7}"]
     for e in table:
-        choice = e["choice"] if e["choice"] == "batch" else \
-            f"{e['choice']['tokens_per_slot']} x {e['choice']['num_slots']} slots, {e['choice']['ack_policy']}"
-        lines.append(f"{e['shape']:<14} {e['tokens_per_rank']:>6} {choice:<40} {e['ratio']:>6.2f} "
-                     f"{e.get('recheck', float('nan')):>7.2f}")
+        choice = "batch" if e["choice"] is None else \
+            (f"{e['choice']['tokens_per_slot']} x {e['choice']['num_slots']} slots, window "
+             f"{e['choice'].get('expert_window', 1)}, {e['choice']['ack_policy']}")
+        lines.append(f"{e['shape']:<14} {e['tokens_per_rank']:>6} {choice:<40} {e['best_streamed_ratio']:>13.2f} "
+                     f"{e['ratio']:>6.2f} {e.get('recheck', float('nan')):>7.2f}")
     return "\n".join(lines)
 
 
@@ -236,6 +301,25 @@ def _ints(text: str, name: str, parser) -> List[int]:
     return values
 
 
+def _ints_or(text: str, name: str, word: str, parser) -> List:
+    """Comma-separated positive integers and/or ``word`` (kept as the string), in the given order."""
+    values: List = []
+    for t in (t for t in text.split(",") if t):
+        if t == word:
+            values.append(word)
+            continue
+        try:
+            v = int(t)
+        except ValueError:
+            parser.error(f"{name}={text!r}: expected comma-separated positive integers or {word!r}")
+        if v < 1:
+            parser.error(f"{name}={text!r}: expected positive integers or {word!r}")
+        values.append(str(v))
+    if not values:
+        parser.error(f"{name}={text!r}: expected at least one value")
+    return list(dict.fromkeys(values))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m symmring bench stream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
@@ -243,7 +327,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per rank")
     parser.add_argument("--tokens-per-slot", default=",".join(map(str, DEFAULT_TOKENS_PER_SLOT)))
-    parser.add_argument("--num-slots", default=",".join(map(str, DEFAULT_NUM_SLOTS)))
+    parser.add_argument("--num-slots", default=",".join(DEFAULT_NUM_SLOTS),
+                        help="slots per ring; 'call' = one slot per chunk of the call")
+    parser.add_argument("--windows", default=",".join(DEFAULT_WINDOWS),
+                        help="expert windows (chunks per grouped GEMM); 'all' = num_slots")
+    parser.add_argument("--spin-check", action="store_true",
+                        help="measure the producer's slowdown beside spinning consumer waits")
     parser.add_argument("--ack", default=",".join(DEFAULT_ACK), help="ack policies: conservative,early")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per size (half above 4096)")
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays instead of eager calls")
@@ -255,7 +344,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--shapes: unknown {unknown}; expected some of {list(SHAPES)}")
     tokens = _ints(args.tokens, "--tokens", parser)
     per_slot = _ints(args.tokens_per_slot, "--tokens-per-slot", parser)
-    slots = _ints(args.num_slots, "--num-slots", parser)
+    slots = _ints_or(args.num_slots, "--num-slots", "call", parser)
+    windows = _ints_or(args.windows, "--windows", "all", parser)
     acks = [a for a in args.ack.split(",") if a]
     if not acks or any(a not in DEFAULT_ACK for a in acks):
         parser.error(f"--ack={args.ack!r}: expected some of {list(DEFAULT_ACK)}")
@@ -265,10 +355,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if missing:
         print(f"bench stream: {missing}", file=sys.stderr)
         return 2
-    configs = [dict(tokens_per_slot=t, num_slots=s, ack_policy=a) for t in per_slot for s in slots for a in acks]
-    # Symmetric heap: batch ring + combine, streamed ring + combine, of the largest size.
-    need = max(2 * tokens[-1] * SHAPES[s][3] * SHAPES[s][0] * 2 + 2 * tokens[-1] * SHAPES[s][0] * 2
-               + max(slots) * max(per_slot) * SHAPES[s][0] * 2 for s in shapes)
+    configs = [dict(tokens_per_slot=t, num_slots=s, expert_window=w, ack_policy=a)
+               for t in per_slot for s in slots for w in windows for a in acks]
+    # Symmetric heap: batch ring + combine, streamed ring (at most a slot per chunk: ~ one batch ring, or
+    # num_slots slots) + combine, of the largest size; bf16 rows bound the fp8 ones.
+    ring_tokens = max([tokens[-1] + max(per_slot)] + [int(s) * max(per_slot) for s in slots if s != "call"])
+    need = max(2 * tokens[-1] * SHAPES[s][3] * SHAPES[s][0] * 2 + (tokens[-1] + ring_tokens) * SHAPES[s][0] * 2
+               for s in shapes)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))
     from ..context import init
     ctx = init("nvshmem")
@@ -283,21 +376,32 @@ def main(argv: Optional[List[str]] = None) -> int:
             recheck_policy(ctx, table, args.repeats, args.graph)
         result.update(rows=rows, policy=table)
         if args.timeline:
-            first = [e for e in table if e["shape"] == shapes[0] and e["choice"] != "batch"]
-            big = max(first, key=lambda e: e["tokens_per_rank"]) if first else None
-            cfg = dict(big["choice"]) if big else dict(tokens_per_slot=per_slot[0], num_slots=slots[-1],
-                                                       ack_policy=acks[0])
-            result["timeline"] = timeline(ctx, shapes[0], big["tokens_per_rank"] if big else tokens[-1], cfg,
-                                          args.timeline)
+            # The first shape at its largest size: the best streamed configuration (even if batch won) and
+            # the best with chunk-local pools (window 1), whose chunks pipeline.
+            big = [r for r in rows if r["shape"] == shapes[0] and r["tokens_per_rank"] == tokens[-1]]
+            picks = [min(group, key=lambda r: r["ratio"])
+                     for group in (big, [r for r in big if r["expert_window"] == 1]) if group]
+            cfgs = [{k: r[k] for k in ("tokens_per_slot", "num_slots", "expert_window", "ack_policy")}
+                    for r in picks]
+            cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
+            if cfgs:
+                result["timeline"] = timeline(ctx, shapes[0], tokens[-1], cfgs, args.timeline)
+        if args.spin_check:
+            n = tokens[-1]
+            result["spin_check"] = [spin_check(ctx, shape, n, min(per_slot), max(5, args.repeats))
+                                    for shape in shapes]
     finally:
         ctx.close()
     if ctx.rank == 0:
         print(format_rows(result.get("rows", [])))
         print("\nautomatic policy (fastest measured; recheck = the choice timed again vs batch):")
         print(format_policy(result.get("policy", [])))
-        if "timeline" in result:
-            print(f"\ntimeline: {result['timeline']['png']}, overlap "
-                  f"{100 * result['timeline']['overlap_fraction']:.1f}% of the span")
+        for panel in result.get("timeline", []):
+            print(f"\ntimeline {panel['png']}: {panel['title']}")
+        for sc in result.get("spin_check", []):
+            print(f"spin check: {sc['shape']} {sc['tokens_per_rank']} tokens in chunks of {sc['tokens_per_slot']}: "
+                  f"producer {sc['producer_alone_ms']:.3f} ms alone, {sc['producer_beside_spin_ms']:.3f} ms beside "
+                  f"{sc['spin_blocks']} spinning blocks: {sc['slowdown_pct']:+.2f}%")
         print(f"bench stream: {len(result.get('rows', []))} measurements in {time.perf_counter() - started:.0f} s")
         if args.json:
             with open(args.json, "w") as fh:

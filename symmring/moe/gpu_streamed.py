@@ -62,9 +62,12 @@ logger = logging.getLogger(__name__)
 
 #: Device source of the streamed kernels (device/stream.cu).
 STREAM_SOURCE = "stream"
-#: Stages of the timeline, per chunk: (stream, stage). Each gets a start and an end stamp.
-TIMELINE_STAGES = (("producer", "route"), ("producer", "layout"), ("consumer", "dispatch"),
-                   ("consumer", "experts"), ("consumer", "combine"))
+#: Stages of the timeline: (stream, stage), each with a start and an end stamp. Producer stages are per
+#: chunk; consumer stages per expert window (stamped at the window's first chunk). "wait" stages are spins
+#: (the producer for its slot, the consumer for the first chunk's route readiness), not work.
+TIMELINE_STAGES = (("producer", "wait"), ("producer", "route"), ("producer", "layout"), ("consumer", "wait"),
+                   ("consumer", "dispatch"), ("consumer", "experts"), ("consumer", "combine"))
+_STAGE = {key: i for i, key in enumerate(TIMELINE_STAGES)}
 
 _stream_modules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -98,6 +101,10 @@ class StreamedMoE(MoE):
         num_slots: slots of the ring (>= 1); the producer runs up to ``num_slots - 1`` chunks ahead.
         ack_policy: ``AckPolicy.CONSERVATIVE`` (acknowledge after the chunk's combine signal) or
             ``AckPolicy.EARLY`` (right after the dispatch pull), or their names.
+        expert_window: chunks whose rows share the expert pool and one grouped GEMM (1 <= W <=
+            num_slots): 1 = chunk-local expert pools; W > 1 reserves pool rows across the window's chunks
+            (counted from route readiness alone) and hands the window to L1 once its last chunk is pulled,
+            so the expert weights are read once per window instead of once per chunk.
         single_stream: run producer and consumer on the caller's stream, in the enqueue order (the serial
             schedule of PROTOCOL.md 9.1; for tests and as a fallback).
         timeout_s: bound of every device wait (default: the context's).
@@ -114,7 +121,7 @@ class StreamedMoE(MoE):
 
     def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
                  max_tokens: int, tokens_per_slot: int, num_slots: int = 2,
-                 ack_policy=protocol.AckPolicy.CONSERVATIVE, x_format: str = "fp8_e4m3",
+                 ack_policy=protocol.AckPolicy.CONSERVATIVE, expert_window: int = 1, x_format: str = "fp8_e4m3",
                  scoring: str = "softmax", bias=None, routed_scaling_factor: float = 1.0,
                  single_stream: bool = False, timeout_s: Optional[float] = None):
         torch = _torch()
@@ -127,16 +134,20 @@ class StreamedMoE(MoE):
         self.tokens_per_slot = T
         self.ack_policy = _ack_policy(ack_policy)
         self.lookahead = protocol.default_lookahead(self.num_slots)
+        protocol.check_expert_window(expert_window, self.num_slots)
+        self.expert_window = int(expert_window)
         if not isinstance(single_stream, bool):
             raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
         self.single_stream = single_stream
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not timeout_s > 0):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        # The batch layer's validation and setup, sized for ONE chunk: its expert pool (world_size * T * K
-        # rows), counters and fused weights are exactly what a chunk needs. Its one-slot ring and T-row
-        # combine buffer are then replaced by the streamed ones (a small collective alloc + free, once).
-        super().__init__(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=T,
+        # The batch layer's validation and setup, sized for ONE expert window: its expert pool
+        # (world_size * window tokens * K rows), counters and fused weights are exactly what a window needs.
+        # Its one-slot ring and combine buffer are then replaced by the streamed ones (a small collective
+        # alloc + free, once).
+        window_tokens = min(self.expert_window * T, max_tokens)
+        super().__init__(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=window_tokens,
                          x_format=x_format, scoring=scoring, bias=bias, routed_scaling_factor=routed_scaling_factor)
         backend = self.backend
         backend.free(self.combine_alloc)
@@ -160,7 +171,8 @@ class StreamedMoE(MoE):
         # Local buffers of the streamed path, fixed size (graph-capturable); the pool is the parent's.
         device = self.device
         i32 = dict(dtype=torch.int32, device=device)
-        self.token_base = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
+        self.token_base = torch.zeros((self.expert_window, self.world_size), dtype=torch.int64, device=device)
         # The owner's routing of the whole call (the reduce reads it here, never from the slot).
         self.topk_idx_all = torch.zeros((self.max_tokens, K), **i32)
         self.topk_weights_all = torch.zeros((self.max_tokens, K), dtype=torch.float32, device=device)
@@ -175,6 +187,8 @@ class StreamedMoE(MoE):
                     self.expert_begin, self.expert_begin + self.num_local_experts, self.num_experts, H, self.inter,
                     K, x_format, self.max_tokens, self.num_slots, T, self.ack_policy.name,
                     "one stream" if single_stream else "producer + consumer streams")
+        if self.expert_window > 1:
+            logger.info("StreamedMoE on rank %d: expert window of %d chunks", self.rank, self.expert_window)
 
     # --- validation -----------------------------------------------------------------------------------
 
@@ -199,20 +213,22 @@ class StreamedMoE(MoE):
         self._check_tensor("logits", logits, None, (n, self.num_experts))
         return "logits", logits
 
-    def _check_delays(self, delays) -> Dict[int, int]:
+    @staticmethod
+    def _check_delays(name: str, delays) -> Dict[int, int]:
         if delays is None:
             return {}
         if not isinstance(delays, dict):
-            raise ConfigError(f"producer_delay_ns={delays!r}: expected a dict chunk_idx -> nanoseconds")
+            raise ConfigError(f"{name}={delays!r}: expected a dict chunk_idx -> nanoseconds")
         for chunk, ns in delays.items():
-            _check_int("producer_delay_ns chunk", chunk, 0)
-            _check_int(f"producer_delay_ns[{chunk}]", ns, 0)
+            _check_int(f"{name} chunk", chunk, 0)
+            _check_int(f"{name}[{chunk}]", ns, 0)
         return {int(c): int(ns) for c, ns in delays.items()}
 
     # --- the layer ------------------------------------------------------------------------------------
 
     def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
-                timeline: bool = False, producer_delay_ns: Optional[Dict[int, int]] = None):
+                timeline: bool = False, producer_delay_ns: Optional[Dict[int, int]] = None,
+                consumer_delay_ns: Optional[Dict[int, int]] = None):
         """Run the layer on this rank's tokens, streamed (collective: every rank calls forward once per call).
 
         Args:
@@ -220,6 +236,8 @@ class StreamedMoE(MoE):
             timeline: stamp every stage of every chunk with the device clock (`timeline_records`).
             producer_delay_ns: ``{chunk_idx: ns}``: spin the producer stream that long before producing
                 the chunk (tests: a deliberately slow or stalled producer).
+            consumer_delay_ns: ``{chunk_idx: ns}``: spin the consumer stream that long before consuming
+                the expert window that starts at the chunk (tests: a slow consumer).
 
         Returns:
             bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync).
@@ -240,7 +258,8 @@ class StreamedMoE(MoE):
         self._check_tensor("x", x, torch.bfloat16, (n, self.hidden))
         if not isinstance(timeline, bool):
             raise ConfigError(f"timeline={timeline!r}: expected a bool")
-        delays = self._check_delays(producer_delay_ns)
+        delays = self._check_delays("producer_delay_ns", producer_delay_ns)
+        consumer_delays = self._check_delays("consumer_delay_ns", consumer_delay_ns)
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
@@ -263,16 +282,18 @@ class StreamedMoE(MoE):
         else:
             idx_buf, w_buf = self.topk_idx_all, self.topk_weights_all
         self._timeline_chunks = num_chunks if timeline else 0
-        for item, chunk in protocol.enqueue_order(num_chunks, self.num_slots, self.lookahead):
+        for item, first, last in protocol.windowed_enqueue_order(num_chunks, self.num_slots, self.expert_window):
             if item == "produce":
                 with torch.cuda.stream(producer):
-                    self._produce(chunk, x, n, kind, source, idx_buf, w_buf, delays.get(chunk, 0), timeline,
+                    self._produce(first, x, n, kind, source, idx_buf, w_buf, delays.get(first, 0), timeline,
                                   producer)
             else:
                 with torch.cuda.stream(consumer):
+                    # Rows the window's GEMMs run over: every (token, k) of every rank's chunks of the window.
                     rows_bound = max(1, min(self.capacity, self.topk * sum(
-                        protocol.chunk_valid_tokens(c, chunk, T) for c in counts)))
-                    self._consume(chunk, n, idx_buf, w_buf, y, rows_bound, timeline, consumer)
+                        protocol.chunk_valid_tokens(c, chunk, T) for c in counts for chunk in range(first, last + 1))))
+                    self._consume(first, last, n, idx_buf, w_buf, y, rows_bound, timeline,
+                                  consumer_delays.get(first, 0), consumer)
         if not self.single_stream:
             caller.wait_stream(producer)  # join: every kernel that reads the generation base is done
             caller.wait_stream(consumer)
@@ -285,8 +306,8 @@ class StreamedMoE(MoE):
 
     __call__ = forward
 
-    def _stamp(self, stream, chunk: int, stage_idx: int, end: bool) -> None:
-        idx = 2 * (chunk * len(TIMELINE_STAGES) + stage_idx) + int(end)
+    def _stamp(self, stream, chunk: int, stage, end: bool) -> None:
+        idx = 2 * (chunk * len(TIMELINE_STAGES) + _STAGE[stage]) + int(end)
         self._stream_module.function("stream_stamp")((1,), (32,), (_ptr(self.stamps), np.int32(idx)), stream=stream)
 
     def _produce(self, chunk: int, x, n: int, kind: str, source, idx_buf, w_buf, delay_ns: int, timeline: bool,
@@ -297,11 +318,18 @@ class StreamedMoE(MoE):
         base = protocol.chunk_token_base(chunk, T)
         num_valid = protocol.chunk_valid_tokens(n, chunk, T)
         desc = self.ring.kernels.desc
+        chunk_i32 = np.int32(chunk)
         fn_p = self._modules["producer"].function
+        fn_s = self._stream_module.function
         if delay_ns:
-            self._stream_module.function("stream_sleep")((1,), (32,), (np.uint64(delay_ns),), stream=stream)
+            fn_s("stream_sleep")((1,), (32,), (np.uint64(delay_ns),), stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 0, False)
+            self._stamp(stream, chunk, ("producer", "wait"), False)
+        # Wait for the slot on one block (acks of chunk - num_slots); the route kernel then finds it free.
+        fn_s("stream_wait_slot")((1,), (32,), (desc, chunk_i32), stream=stream)
+        if timeline:
+            self._stamp(stream, chunk, ("producer", "wait"), True)
+            self._stamp(stream, chunk, ("producer", "route"), False)
         if num_valid and kind != "given":
             rows = slice(base, base + num_valid)
             chunk_logits = x[rows] @ source.t() if kind == "router" else source[rows]
@@ -309,16 +337,15 @@ class StreamedMoE(MoE):
                                            routed_scaling_factor=self.routed_scaling_factor)
             idx_buf[rows].copy_(idx)
             w_buf[rows].copy_(weights)
-        chunk_i32 = np.int32(chunk)
         counters = self.grid_counters
-        # route: acquire the slot (acks of chunk - num_slots), copy topk + meta, publish route readiness.
+        # route: copy topk + meta into the (free) slot, reset its mask, publish route readiness.
         fn_p("moe_produce_route")((_blocks(num_valid * K, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS),), (THREADS_PER_BLOCK,),
                                   (desc, chunk_i32, np.uint64(idx_buf.data_ptr() + base * K * 4),
                                    np.uint64(w_buf.data_ptr() + base * K * 4), np.int32(num_valid),
                                    np.uint64(counters.data_ptr())), stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 0, True)
-            self._stamp(stream, chunk, 1, False)
+            self._stamp(stream, chunk, ("producer", "route"), True)
+            self._stamp(stream, chunk, ("producer", "layout"), False)
         fp8 = self.x_format == "fp8_e4m3"
         layout_blocks = (_blocks(num_valid, WARPS_PER_BLOCK) if fp8
                          else _blocks(num_valid * H // 8, THREADS_PER_BLOCK * 4))
@@ -328,59 +355,69 @@ class StreamedMoE(MoE):
             (desc, chunk_i32, x_ptr, np.int64(x.stride(0)), np.int32(num_valid), np.uint64(counters.data_ptr() + 4)),
             stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 1, True)
+            self._stamp(stream, chunk, ("producer", "layout"), True)
 
-    def _consume(self, chunk: int, n: int, idx_buf, w_buf, y, rows_bound: int, timeline: bool,
-                 torch_stream) -> None:
-        """Enqueue consume ``chunk`` on the current (consumer) stream."""
+    def _consume(self, first: int, last: int, n: int, idx_buf, w_buf, y, rows_bound: int, timeline: bool,
+                 delay_ns: int, torch_stream) -> None:
+        """Enqueue consume of the expert window ``[first, last]`` on the current (consumer) stream."""
         stream = self._stream(torch_stream.cuda_stream)
         R, E, T, K = self.world_size, self.num_local_experts, self.tokens_per_slot, self.topk
         desc = self.ring.kernels.desc
-        chunk_i32 = np.int32(chunk)
         fn_d = self._modules["dispatch"].function
         fn_s = self._stream_module.function
+        early = self.ack_policy == protocol.AckPolicy.EARLY
+        if delay_ns:
+            fn_s("stream_sleep")((1,), (32,), (np.uint64(delay_ns),), stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 2, False)
-        # Route readiness alone lets the consumer count and scan while the producer still writes the layout.
-        fn_s("stream_wait_route")((R,), (32,), (desc, chunk_i32, _ptr(self.counts), np.int32(E),
-                                                _ptr(self.token_base)), stream=stream)
-        fn_d("moe_dispatch_count")((_blocks(T * K, THREADS_PER_BLOCK, 64), R), (THREADS_PER_BLOCK,),
-                                   (desc, chunk_i32, _ptr(self.counts), np.int32(self.expert_begin), np.int32(E),
-                                    _ptr(self.status)), stream=stream, shared_mem=4 * E)
+            self._stamp(stream, first, ("consumer", "wait"), False)
+        # Route readiness alone lets the consumer count (and, for a window, reserve pool rows across its
+        # chunks) while the producer still writes the layout.
+        for chunk in range(first, last + 1):
+            chunk_i32 = np.int32(chunk)
+            token_base = np.uint64(self.token_base.data_ptr() + (chunk - first) * R * 8)
+            fn_s("stream_wait_route")((R,), (32,), (desc, chunk_i32, _ptr(self.counts), np.int32(E), token_base,
+                                                    np.int32(chunk == first)), stream=stream)
+            if timeline and chunk == first:
+                self._stamp(stream, first, ("consumer", "wait"), True)
+                self._stamp(stream, first, ("consumer", "dispatch"), False)
+            fn_d("moe_dispatch_count")((_blocks(T * K, THREADS_PER_BLOCK, 64), R), (THREADS_PER_BLOCK,),
+                                       (desc, chunk_i32, _ptr(self.counts), np.int32(self.expert_begin), np.int32(E),
+                                        _ptr(self.status)), stream=stream, shared_mem=4 * E)
         fn_d("moe_dispatch_scan")((1,), (1024,), (_ptr(self.counts), _ptr(self.begin), _ptr(self.group_end),
                                                    _ptr(self.cursor), _ptr(self.total), np.int32(E)),
                                   stream=stream, shared_mem=4 * 1024)
-        fn_s("stream_wait_layout")((R,), (32,), (desc, chunk_i32), stream=stream)
-        fn_d("moe_dispatch_pull")((_blocks(T, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // R)), R), (THREADS_PER_BLOCK,),
-                                  (desc, chunk_i32, _ptr(self.begin), _ptr(self.cursor), _ptr(self.pool_x),
-                                   _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
-                                   np.int32(E), _ptr(self.status)), stream=stream)
-        early = self.ack_policy == protocol.AckPolicy.EARLY
-        if early:
-            # The pull was the last read of every source's slot (meta was snapshotted by the wait).
-            fn_s("stream_ack")((1,), (32,), (desc, chunk_i32), stream=stream)
+        for chunk in range(first, last + 1):
+            chunk_i32 = np.int32(chunk)
+            fn_s("stream_wait_layout")((R,), (32,), (desc, chunk_i32), stream=stream)
+            fn_d("moe_dispatch_pull")((_blocks(T, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // R)), R), (THREADS_PER_BLOCK,),
+                                      (desc, chunk_i32, _ptr(self.begin), _ptr(self.cursor), _ptr(self.pool_x),
+                                       _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
+                                       np.int32(E), _ptr(self.status)), stream=stream)
+            if early:
+                # The pull was the last read of every source's slot (meta was snapshotted by the wait).
+                fn_s("stream_ack")((1,), (32,), (desc, chunk_i32), stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 2, True)
-            self._stamp(stream, chunk, 3, False)
+            self._stamp(stream, first, ("consumer", "dispatch"), True)
+            self._stamp(stream, first, ("consumer", "experts"), False)
         h = torch_ref.grouped_mm(self.pool_x[:rows_bound], self._w13_t, self.group_end)
         act = torch_ref.swiglu(h, self.inter)
         out = torch_ref.grouped_mm(act, self._w_down_t, self.group_end)
         if timeline:
-            self._stamp(stream, chunk, 3, True)
-            self._stamp(stream, chunk, 4, False)
+            self._stamp(stream, first, ("consumer", "experts"), True)
+            self._stamp(stream, first, ("consumer", "combine"), False)
         fn_s("stream_combine_scatter")((_blocks(self.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                                        (desc, _ptr(out), _ptr(self.row_src), _ptr(self.total), _ptr(self.token_base),
-                                        self._combine_rows_ptr), stream=stream)
-        fn_s("stream_combine_signal")((1,), (32,), (desc, chunk_i32, self._combine_ready_ptr, np.int32(not early)),
-                                      stream=stream)
-        fn_s("stream_combine_wait")((1,), (32,), (desc, chunk_i32, self._combine_ready_ptr), stream=stream)
-        base = protocol.chunk_token_base(chunk, T)
-        num_valid = protocol.chunk_valid_tokens(n, chunk, T)
+                                        np.int32(first), self._combine_rows_ptr), stream=stream)
+        fn_s("stream_combine_signal")((1,), (32,), (desc, np.int32(first), np.int32(last), self._combine_ready_ptr,
+                                                    np.int32(not early)), stream=stream)
+        fn_s("stream_combine_wait")((1,), (32,), (desc, np.int32(last), self._combine_ready_ptr), stream=stream)
+        base = protocol.chunk_token_base(first, T)
+        num_valid = sum(protocol.chunk_valid_tokens(n, c, T) for c in range(first, last + 1))
         fn_s("stream_combine_reduce")((_blocks(num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                                       (desc, self._combine_rows_ptr, _ptr(idx_buf), _ptr(w_buf), _ptr(y),
                                        np.int64(self.hidden), np.int32(base), np.int32(num_valid)), stream=stream)
         if timeline:
-            self._stamp(stream, chunk, 4, True)
+            self._stamp(stream, first, ("consumer", "combine"), True)
 
     def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
                 warmup: int = 1):
@@ -416,20 +453,26 @@ class StreamedMoE(MoE):
     # --- timeline -------------------------------------------------------------------------------------
 
     def timeline_records(self) -> List[Dict]:
-        """Device timestamps of the last ``forward(timeline=True)`` (synchronises): one record per chunk
-        and stage, ``{"chunk", "stream", "stage", "start_ns", "end_ns"}``, times relative to the earliest."""
+        """Device timestamps of the last ``forward(timeline=True)`` (synchronises): one record per producer
+        stage of every chunk and per consumer stage of every expert window, ``{"chunk", "last_chunk",
+        "stream", "stage", "start_ns", "end_ns"}`` (a window's records carry its first and last chunk), times
+        relative to the earliest stamp."""
         self._check_open()
         num_chunks = self._timeline_chunks
         if not num_chunks:
             return []
         stamps = self.stamps[: 2 * len(TIMELINE_STAGES) * num_chunks].cpu().numpy().astype(np.int64)
-        t0 = int(stamps.min())
+        windows = dict(protocol.expert_windows(num_chunks, self.expert_window))  # first -> last chunk
+        stamped = [(chunk, s) for chunk in range(num_chunks) for s, (stream_name, _) in enumerate(TIMELINE_STAGES)
+                   if stream_name == "producer" or chunk in windows]
+        t0 = min(int(stamps[2 * (chunk * len(TIMELINE_STAGES) + s)]) for chunk, s in stamped)
         records = []
-        for chunk in range(num_chunks):
-            for s, (stream_name, stage) in enumerate(TIMELINE_STAGES):
-                i = 2 * (chunk * len(TIMELINE_STAGES) + s)
-                records.append({"chunk": chunk, "stream": stream_name, "stage": stage,
-                                "start_ns": int(stamps[i]) - t0, "end_ns": int(stamps[i + 1]) - t0})
+        for chunk, s in stamped:
+            stream_name, stage = TIMELINE_STAGES[s]
+            i = 2 * (chunk * len(TIMELINE_STAGES) + s)
+            records.append({"chunk": chunk, "last_chunk": windows[chunk] if stream_name == "consumer" else chunk,
+                            "stream": stream_name, "stage": stage,
+                            "start_ns": int(stamps[i]) - t0, "end_ns": int(stamps[i + 1]) - t0})
         return records
 
     def slot_view(self, name: str, num_tokens: int, slot: int = 0):
@@ -448,22 +491,21 @@ class StreamedMoE(MoE):
                                  (num_tokens,) + tuple(region.slot_shape[1:]))
 
 
-def overlap_fraction(records: Sequence[Dict]) -> float:
-    """Fraction of the timeline's span during which a producer stage and a consumer stage both ran
-    (0 when nothing overlaps; the timeline of `StreamedMoE.timeline_records`)."""
-    def intervals(stream_name):
-        spans = sorted((r["start_ns"], r["end_ns"]) for r in records if r["stream"] == stream_name)
-        merged: List[List[int]] = []
-        for start, end in spans:
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        return merged
+def _work_intervals(records: Sequence[Dict], stream_name: str) -> List[List[int]]:
+    """Merged ``[start, end]`` intervals of one stream's work stages ("wait" stages excluded)."""
+    spans = sorted((r["start_ns"], r["end_ns"]) for r in records
+                   if r["stream"] == stream_name and r["stage"] != "wait")
+    merged: List[List[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
 
-    if not records:
-        return 0.0
-    producer, consumer = intervals("producer"), intervals("consumer")
+
+def _both_working_ns(records: Sequence[Dict]) -> int:
+    producer, consumer = _work_intervals(records, "producer"), _work_intervals(records, "consumer")
     both = 0
     i = j = 0
     while i < len(producer) and j < len(consumer):
@@ -473,5 +515,21 @@ def overlap_fraction(records: Sequence[Dict]) -> float:
             i += 1
         else:
             j += 1
+    return both
+
+
+def hidden_producer_fraction(records: Sequence[Dict]) -> float:
+    """Fraction of the producer's work time during which the consumer also worked (the producer time
+    that streaming hides; 0 without records)."""
+    busy = sum(end - start for start, end in _work_intervals(records, "producer"))
+    return _both_working_ns(records) / busy if busy > 0 else 0.0
+
+
+def overlap_fraction(records: Sequence[Dict]) -> float:
+    """Fraction of the timeline's span during which a producer stage and a consumer stage both did work
+    ("wait" stages, which only spin, do not count; 0 when nothing overlaps; the records of
+    `StreamedMoE.timeline_records`)."""
+    if not records:
+        return 0.0
     span = max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)
-    return both / span if span > 0 else 0.0
+    return _both_working_ns(records) / span if span > 0 else 0.0
