@@ -39,6 +39,7 @@
 
 #include <cuda_bf16.h>
 
+#include <symmring/combine.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
@@ -134,19 +135,10 @@ extern "C" __global__ void stream_combine_scatter(const RingDescriptor* desc_ptr
                                                   __nv_bfloat16* combine_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const int num_rows = total[0];
-    const int lane = threadIdx.x % 32;
-    const int warps_per_block = blockDim.x / 32;
-    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
-    for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
-         row += gridDim.x * warps_per_block) {
-        const int4 src = row_src[row];
-        const int64_t logical_token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
-        __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
-        int4* dst = reinterpret_cast<int4*>(owner_rows + (logical_token * d.num_topk + src.z) * d.hidden);
-        const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
-        for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
-    }
+    const int num_ranks = d.num_ranks;
+    scatter_rows(d, pool_out, row_src, total[0], combine_rows, [=](int4 src) {
+        return token_base[int64_t(src.w - window_begin) * num_ranks + src.x] + src.y;
+    });
 }
 
 // One block, after stream_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that
@@ -156,11 +148,7 @@ extern "C" __global__ void stream_combine_signal(const RingDescriptor* desc_ptr,
                                                  uint64_t* combine_ready, int ack_now) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const uint64_t gen = expected_generation(d, chunk_end);
-    if (threadIdx.x == 0) nvshmem_fence();  // release: pairs with the acquire in stream_combine_wait
-    __syncthreads();
-    for (int owner = threadIdx.x; owner < d.num_ranks; owner += blockDim.x)
-        nvshmemx_signal_op(combine_ready + d.rank, gen, NVSHMEM_SIGNAL_SET, owner);
+    signal_owners(d, combine_ready, expected_generation(d, chunk_end));
     if (!ack_now) return;
     // CONSERVATIVE: after this PE's combine of the window; ack() fences (release: pairs with wait_reusable).
     for (int chunk = chunk_begin; chunk <= chunk_end; ++chunk)
@@ -173,20 +161,7 @@ extern "C" __global__ void stream_combine_wait(const RingDescriptor* desc_ptr, i
                                                const uint64_t* combine_ready) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d) || threadIdx.x != 0) return;
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    for (int src = 0; src < d.num_ranks; ++src) {
-        Deadline deadline(d);
-        uint64_t observed;
-        // acquire: pairs with the release fence in stream_combine_signal on rank `src`.
-        while ((observed = ld_acquire_sys(combine_ready + src)) < gen) {
-            if (deadline.expired(d)) {
-                if (!deadline.aborted)
-                    record_error(d, kErrorCombine, src, slot_of(chunk_idx, d.num_slots), chunk_idx, gen,
-                                 observed, 0);
-                return;
-            }
-        }
-    }
+    wait_sources(d, combine_ready, expected_generation(d, chunk_idx), chunk_idx, /*at_least=*/true);
 }
 
 // One warp per token t in [token_begin, token_begin + num_valid): y[t] = bf16(sum_k w[t][k] * rows[t][k])
@@ -198,35 +173,7 @@ extern "C" __global__ void stream_combine_reduce(const RingDescriptor* desc_ptr,
                                                  int num_valid) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const int lane = threadIdx.x % 32;
-    const int warps_per_block = blockDim.x / 32;
-    const int vecs_per_row = d.hidden / 8;
-    const int K = d.num_topk;
-    for (int i = blockIdx.x * warps_per_block + threadIdx.x / 32; i < num_valid; i += gridDim.x * warps_per_block) {
-        const int64_t token = int64_t(token_begin) + i;
-        const __nv_bfloat16* rows = combine_rows + token * K * d.hidden;
-        for (int v = lane; v < vecs_per_row; v += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k = 0; k < K; ++k) {
-                const int expert = topk_idx[token * K + k];
-                if (expert < 0 || expert >= d.num_experts) continue;  // masked: contributes nothing
-                const float w = topk_weights[token * K + k];
-                const int4 raw = reinterpret_cast<const int4*>(rows + int64_t(k) * d.hidden)[v];
-                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(pairs[j]);
-                    acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
-                    acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
-                }
-            }
-            int4 out;
-            __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) out_pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            *reinterpret_cast<int4*>(y + token * y_row_stride + v * 8) = out;
-        }
-    }
+    reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
 }
 
 // One thread, after every kernel of the call on every stream (the layer joins the streams first):

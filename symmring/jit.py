@@ -267,3 +267,53 @@ def load_module(source: str, *, name: str, cc: int, comm=None, local_comm=None,
     return LoadedModule(name, path, module, ptr)
 
 
+
+
+#: The library's device modules as (file under the device directory, module name): what the layers load.
+LIBRARY_MODULES = (("ring.cu", "ring"), ("producer.cu", "moe_producer"), ("dispatch.cu", "moe_dispatch"),
+                   ("combine.cu", "moe_combine"), ("stream.cu", "moe_stream"))
+
+
+def precompile(sources: Sequence[Tuple[Path, str]], cc: int, workers: int = 4) -> list:
+    """Compile ``(path, module name)`` pairs into the cache in parallel (then loading them is a cache hit);
+    returns one line per module. Raises CompileError for the first that fails."""
+    import concurrent.futures as cf
+    import time
+
+    def build(item):
+        path, name = item
+        start = time.monotonic()
+        cubin = compile_cubin(Path(path).read_text(), name=name, cc=cc)
+        return f"{path}: {cubin} ({cubin.stat().st_size} bytes, {time.monotonic() - start:.1f} s)"
+
+    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(build, sources))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m symmring.jit [--cc 90] [PATH=NAME ...]``: fill the device-code cache ahead of a job."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m symmring.jit", description=main.__doc__)
+    parser.add_argument("--cc", type=int, default=90, help="compute capability (default 90: H100/H200)")
+    parser.add_argument("--workers", type=int, default=4, help="parallel nvcc jobs (default 4)")
+    parser.add_argument("modules", nargs="*", metavar="PATH=NAME",
+                        help="more sources and their module names (e.g. tests/gpu/user_kernels.cu=user_kernels); "
+                             "the library's own modules are always built")
+    args = parser.parse_args(argv)
+    sources = [(device_dir() / f, name) for f, name in LIBRARY_MODULES]
+    for item in args.modules:
+        path, sep, name = item.partition("=")
+        if not sep or not path or not name:
+            parser.error(f"{item!r}: expected PATH=NAME")
+        sources.append((Path(path), name))
+    try:
+        for line in precompile(sources, args.cc, args.workers):
+            print(line)
+    except (CompileError, BackendError) as exc:
+        print(f"python -m symmring.jit: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,7 @@
 #
 # stages: env compile pe1 blocking pe2 pe4 blocking2 bench
 #   env       GPU, driver, nvcc, Python packages
-#   compile   JIT-compile device/ring.cu and tests/gpu/user_kernels.cu into $SYMMRING_CACHE_DIR
+#   compile   JIT-compile every device/ module and tests/gpu/user_kernels.cu into $SYMMRING_CACHE_DIR
 #   pe1       pytest tests/gpu with one PE
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: the two-stream tests complete when serialized
 #   pe2, pe4  tests/gpu with 2 and 4 PEs on the GPU(s) under CUDA MPS (python -m symmring.launch --mps)
@@ -64,22 +64,7 @@ print(sys.version.split()[0], 'cupy', cupy.__version__, 'torch', torch.__version
 }
 
 run_compile() {  # every module, in parallel, into the cache (the tests and benchmarks then load them)
-  "$PY" - <<'PYEOF'
-import concurrent.futures as cf
-import time
-from pathlib import Path
-from symmring import jit
-sources = {"device/ring.cu": "ring", "tests/gpu/user_kernels.cu": "user_kernels", "device/producer.cu": "moe_producer",
-           "device/dispatch.cu": "moe_dispatch", "device/combine.cu": "moe_combine"}
-def build(item):
-    src, name = item
-    t = time.time()
-    path = jit.compile_cubin(Path(src).read_text(), name=name, cc=90)
-    return f"{src}: {path.name} ({path.stat().st_size} bytes) in {time.time() - t:.1f} s"
-with cf.ThreadPoolExecutor(len(sources)) as pool:
-    for line in pool.map(build, sources.items()):
-        print(line)
-PYEOF
+  "$PY" -m symmring.jit tests/gpu/user_kernels.cu=user_kernels
 }
 
 stages=("$@")

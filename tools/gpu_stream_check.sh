@@ -11,7 +11,7 @@
 #   soak      env compile slow                           (optional: the 1000-replay graph test)
 #
 #   env       GPU, packages; installs nvshmem4py from .whl/ into /tmp/site when it is not importable
-#   compile   JIT-compile producer, dispatch, combine and stream.cu (sm_90) into $SYMMRING_CACHE_DIR
+#   compile   python -m symmring.jit: every device/ module (sm_90) into $SYMMRING_CACHE_DIR
 #   pe1       pytest tests/gpu/test_moe_streamed.py and test_moe_batch.py, 1 PE
 #   blocking  CUDA_LAUNCH_BLOCKING=1, 1 PE: the schedules tests and two token counts (serialized kernels)
 #   pe2, pe4  both test files with 2 and 4 PEs on the GPU under CUDA MPS
@@ -60,20 +60,6 @@ run_env() {
 'mpi4py', mpi4py.__version__)"
 }
 
-run_compile() {
-  "$PY" - <<'EOF'
-import concurrent.futures as cf
-from symmring import jit
-names = {"producer.cu": "moe_producer", "dispatch.cu": "moe_dispatch", "combine.cu": "moe_combine",
-         "stream.cu": "moe_stream"}
-def build(item):
-    src, name = item
-    return jit.compile_cubin(jit.read_source(src), name=name, cc=90)
-with cf.ThreadPoolExecutor(4) as pool:
-    for path in pool.map(build, names.items()):
-        print(path)
-EOF
-}
 
 steps=()
 for a in "${@:-tests}"; do
@@ -87,8 +73,8 @@ done
 for s in "${steps[@]}"; do
   case $s in
     env) echo "=== env"; run_env 2>&1 | tee "$OUT/env.log" ;;
-    compile) echo "=== compile"; t0=$SECONDS; timeout 150 bash -c "$(declare -f run_compile); PY='$PY'; run_compile" \
-               >"$OUT/compile.log" 2>&1; rc=$?; summary+=("compile   rc=$rc $((SECONDS - t0))s"); tail -n 8 "$OUT/compile.log" ;;
+    compile) echo "=== compile"; t0=$SECONDS; timeout 150 "$PY" -m symmring.jit >"$OUT/compile.log" 2>&1; rc=$?
+             summary+=("compile   rc=$rc $((SECONDS - t0))s"); tail -n 8 "$OUT/compile.log" ;;
     pe1) step pe1 150 "$PY" -m pytest "${PYTEST_OPTS[@]}" "${TEST[@]}" --timeout 120 -m "not slow" ;;
     blocking) step blocking 90 env CUDA_LAUNCH_BLOCKING=1 "$PY" -m pytest "${PYTEST_OPTS[@]}" --timeout 120 -m "not slow" \
                 tests/gpu/test_moe_streamed.py -k "schedules or token_counts[300] or token_counts[1000]" ;;

@@ -241,12 +241,28 @@ class MoE:
         if tuple(t.shape) != tuple(shape):
             raise ConfigError(f"{name}.shape={tuple(t.shape)}: expected {tuple(shape)}")
 
+    def _check_input(self, x):
+        """``x`` validated (bf16 ``[n <= max_tokens, hidden]`` on this GPU), with 16-byte aligned rows."""
+        torch = _torch()
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ConfigError(f"x: expected a 2-D torch tensor [n, hidden={self.hidden}], got "
+                              f"{getattr(x, 'shape', type(x).__name__)}")
+        n = int(x.shape[0])
+        if n > self.max_tokens:
+            raise ConfigError(f"x.shape[0]={n}: expected at most max_tokens={self.max_tokens}")
+        self._check_tensor("x", x, torch.bfloat16, (n, self.hidden))
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()  # the kernels read 16-byte vectors of rows
+        return x
+
     def _check_open(self) -> None:
         if self.closed:
             raise RingClosedError("this MoE layer was closed")
         self.ctx.check_open()
 
-    def _routing(self, x, router_weight, logits, topk_idx, topk_weights) -> Tuple:
+    def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights) -> Tuple:
+        """Validate the routing source (nothing enqueued): ``("given", (topk_idx, topk_weights))``,
+        ``("router", router_weight)`` or ``("logits", logits)``."""
         torch = _torch()
         n = x.shape[0]
         sources = [s for s, v in (("router_weight", router_weight), ("logits", logits), ("topk_idx", topk_idx))
@@ -257,14 +273,20 @@ class MoE:
         if topk_idx is not None:
             self._check_tensor("topk_idx", topk_idx, torch.int32, (n, self.topk))
             self._check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk))
-            return topk_idx.contiguous(), topk_weights.contiguous()
+            return "given", (topk_idx.contiguous(), topk_weights.contiguous())
         if topk_weights is not None:
             raise ConfigError("topk_weights: given without topk_idx")
         if router_weight is not None:
             self._check_tensor("router_weight", router_weight, torch.bfloat16, (self.num_experts, self.hidden))
-            logits = x @ router_weight.t()
-        else:
-            self._check_tensor("logits", logits, None, (n, self.num_experts))
+            return "router", router_weight
+        self._check_tensor("logits", logits, None, (n, self.num_experts))
+        return "logits", logits
+
+    def _route(self, x, kind: str, source) -> Tuple:
+        """``(topk_idx, topk_weights)`` of the rows of ``x`` from a validated routing source (enqueued)."""
+        if kind == "given":
+            return source
+        logits = x @ source.t() if kind == "router" else source
         idx, weights = torch_ref.route(logits, self.topk, self.scoring, bias=self.bias,
                                        routed_scaling_factor=self.routed_scaling_factor)
         return idx.contiguous(), weights.contiguous()
@@ -292,15 +314,8 @@ class MoE:
         """
         torch = _torch()
         self._check_open()
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ConfigError(f"x: expected a 2-D torch tensor [n, hidden={self.hidden}], got "
-                              f"{getattr(x, 'shape', type(x).__name__)}")
+        x = self._check_input(x)
         n = int(x.shape[0])
-        if n > self.max_tokens:
-            raise ConfigError(f"x.shape[0]={n}: expected at most max_tokens={self.max_tokens}")
-        self._check_tensor("x", x, torch.bfloat16, (n, self.hidden))
-        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            x = x.contiguous()  # the kernels read 16-byte vectors of rows
         events = stage_events
 
         def mark(name: str) -> None:
@@ -309,8 +324,9 @@ class MoE:
                 ev.record()
                 events.append((name, ev))
 
+        kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
         mark("start")
-        topk_idx, topk_weights = self._routing(x, router_weight, logits, topk_idx, topk_weights)
+        topk_idx, topk_weights = self._route(x, kind, source)
         # Rows the grouped GEMMs run over: a host-side bound, since the exact count stays on the device.
         # Every pool row is a (source token, k) pair, so topk * (tokens of all ranks) bounds it: exact with
         # one rank; with several, one integer all-reduce of the token counts (host MPI, no device sync).

@@ -1,25 +1,26 @@
 """The expert-parallel MoE layer on GPUs, streamed path: chunks of ``tokens_per_slot`` tokens through a
 ``num_slots`` NVSHMEM ring, the producer of chunk ``c + 1`` overlapping the consumer of chunk ``c``.
 
-**Status: NOT YET RUN ON A GPU.** Written in a session without device time; the device code compiles and
-device-links (tests/test_device_compile.py) and the host logic was only checked without CUDA. The batch
-path (`symmring.moe.gpu.MoE`) stays the verified default; see docs/MOE_STREAMED.md.
+Run on one H200 with 1, 2 and 4 PEs (tests/gpu/test_moe_streamed.py); results and the design in
+docs/MOE_STREAMED.md. The batch path (`symmring.moe.gpu.MoE`) stays the default; `symmring.moe.policy`
+chooses between them from measurements.
 
 One `StreamedMoE.forward` is one call of the ring protocol with ``call_num_chunks`` chunks (the most any
 rank needs; every rank runs them all, publishing and acknowledging zero-token chunks). The host enqueues,
-in `symmring.protocol.enqueue_order` (lookahead ``num_slots - 1``, itself a valid serial schedule):
+in `symmring.protocol.windowed_enqueue_order` (itself a valid serial schedule, PROTOCOL.md 9.1a):
 
-* **produce c** on the producer stream: router GEMM and TopK of the chunk's rows (torch, into the layer's
-  routing buffers), ``moe_produce_route`` (acquire the slot, copy topk + meta, publish route readiness),
-  ``moe_produce_layout_fp8``/``_bf16`` (quantise into the slot, publish layout readiness) --
-  device/producer.cu, the batch layer's kernels with per-chunk pointers;
-* **consume c** on the consumer stream: ``stream_wait_route`` (route readiness of every source, snapshot
-  of each source's meta token_base), ``moe_dispatch_count``/``_scan`` (dispatch.cu, reused: they need only
-  the route payload, so they overlap the producer's layout), ``stream_wait_layout``, ``moe_dispatch_pull``
-  (reused), ``stream_ack`` (EARLY policy only), the grouped GEMMs, ``stream_combine_scatter`` (to the
-  owner's combine rows at the LOGICAL token row), ``stream_combine_signal`` (combine generation = the
+* **produce c** on the producer stream: ``stream_wait_slot`` (one block: the acks of chunk ``c - S``),
+  router GEMM and TopK of the chunk's rows (torch, into the layer's routing buffers), ``moe_produce_route``
+  (copy topk + meta, publish route readiness), ``moe_produce_layout_fp8``/``_bf16`` (quantise into the
+  slot, publish layout readiness) -- device/producer.cu, the batch layer's kernels with per-chunk pointers;
+* **consume the expert window [c0, c1]** (``expert_window`` chunks, 1 = chunk-local pools) on the consumer
+  stream: per chunk ``stream_wait_route`` (snapshot of each source's meta token_base) and
+  ``moe_dispatch_count`` (counts accumulate over the window: pool rows are reserved across its chunks);
+  ``moe_dispatch_scan``; per chunk ``stream_wait_layout``, ``moe_dispatch_pull`` and (EARLY)
+  ``stream_ack``; the grouped GEMMs over the window; ``stream_combine_scatter`` (to the owner's combine
+  rows at the LOGICAL token row), ``stream_combine_signal`` (combine generation = the window's last
   chunk's ring generation; CONSERVATIVE acknowledges here), ``stream_combine_wait`` (``>=``: PROTOCOL.md
-  section 7.1), ``stream_combine_reduce`` (the chunk's rows of ``y``, topk from the owner's local routing
+  section 7.1), ``stream_combine_reduce`` (the window's rows of ``y``, topk from the owner's local routing
   buffers, never the slot).
 
 Then the streams join the caller's stream and ``stream_end_call`` advances the device-resident generation
@@ -30,10 +31,10 @@ the owner's logical token row over the whole call, so chunks of one call never s
 consumer writes call ``k + 1``'s rows only after it saw the owner's call-``k + 1`` publication, which the
 owner's producer stream issues after joining the caller's stream, i.e. after its call-``k`` reduce.
 
-SM budget of the spinning kernels per PE: the route kernel (at most ``MAX_ROUTE_BLOCKS`` = 16 blocks, on the
-producer stream), ``stream_wait_route`` / ``stream_wait_layout`` (one block per source rank, one at a
-time) and ``stream_combine_wait`` (one block) -- at most ``16 + world_size + 1`` blocks, far below an H200's 132 SMs, so spinning never takes
-the SMs the kernels it waits for need.
+SM budget of the spinning kernels per PE: ``stream_wait_slot`` (one block, producer stream) and
+``stream_wait_route`` / ``stream_wait_layout`` (one block per source rank) or ``stream_combine_wait`` (one
+block) on the consumer stream: at most ``world_size + 1`` blocks at a time, far below an H200's 132 SMs
+(measured: the producer's kernels run < 2 % slower beside them).
 
 Example:
     >>> moe = StreamedMoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,
@@ -192,27 +193,6 @@ class StreamedMoE(MoE):
 
     # --- validation -----------------------------------------------------------------------------------
 
-    def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights):
-        """Validate the routing source (nothing enqueued). Returns (kind, tensor(s))."""
-        torch = _torch()
-        n = x.shape[0]
-        sources = [s for s, v in (("router_weight", router_weight), ("logits", logits), ("topk_idx", topk_idx))
-                   if v is not None]
-        if len(sources) != 1:
-            raise ConfigError(f"routing: got {sources or 'none'}; expected exactly one of router_weight, "
-                              "logits, or topk_idx with topk_weights")
-        if topk_idx is not None:
-            self._check_tensor("topk_idx", topk_idx, torch.int32, (n, self.topk))
-            self._check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk))
-            return "given", (topk_idx.contiguous(), topk_weights.contiguous())
-        if topk_weights is not None:
-            raise ConfigError("topk_weights: given without topk_idx")
-        if router_weight is not None:
-            self._check_tensor("router_weight", router_weight, torch.bfloat16, (self.num_experts, self.hidden))
-            return "router", router_weight
-        self._check_tensor("logits", logits, None, (n, self.num_experts))
-        return "logits", logits
-
     @staticmethod
     def _check_delays(name: str, delays) -> Dict[int, int]:
         if delays is None:
@@ -249,19 +229,12 @@ class StreamedMoE(MoE):
         """
         torch = _torch()
         self._check_open()
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ConfigError(f"x: expected a 2-D torch tensor [n, hidden={self.hidden}], got "
-                              f"{getattr(x, 'shape', type(x).__name__)}")
+        x = self._check_input(x)
         n = int(x.shape[0])
-        if n > self.max_tokens:
-            raise ConfigError(f"x.shape[0]={n}: expected at most max_tokens={self.max_tokens}")
-        self._check_tensor("x", x, torch.bfloat16, (n, self.hidden))
         if not isinstance(timeline, bool):
             raise ConfigError(f"timeline={timeline!r}: expected a bool")
         delays = self._check_delays("producer_delay_ns", producer_delay_ns)
         consumer_delays = self._check_delays("consumer_delay_ns", consumer_delay_ns)
-        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            x = x.contiguous()
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
 
         counts = self._all_token_counts(n)
@@ -332,9 +305,7 @@ class StreamedMoE(MoE):
             self._stamp(stream, chunk, ("producer", "route"), False)
         if num_valid and kind != "given":
             rows = slice(base, base + num_valid)
-            chunk_logits = x[rows] @ source.t() if kind == "router" else source[rows]
-            idx, weights = torch_ref.route(chunk_logits, K, self.scoring, bias=self.bias,
-                                           routed_scaling_factor=self.routed_scaling_factor)
+            idx, weights = self._route(x[rows], kind, source if kind == "router" else source[rows])
             idx_buf[rows].copy_(idx)
             w_buf[rows].copy_(weights)
         counters = self.grid_counters
