@@ -114,3 +114,20 @@ def test_overlap_and_hidden_producer_fractions():
     waiting = [r for r in records if r["stream"] == "producer"] + [rec("consumer", "wait", 0, 400)]
     assert overlap_fraction(waiting) == 0 and hidden_producer_fraction(waiting) == 0
     assert overlap_fraction([]) == 0 and hidden_producer_fraction([]) == 0
+
+
+def test_benchmark_tables_format_without_a_gpu():
+    # The printing code of the GPU benchmarks, on synthetic figures (it runs only after device work).
+    from symmring.bench import protocol, stream
+    pull = {"bytes": 1 << 20, "src_rank": 1, "copy_GBps": 4000.0, "peer_copy_GBps": 360.0}
+    for label, blocks in (("spin_budget", 32), ("all_sms", 132), ("two_per_sm", 264)):
+        pull.update({f"pull_{label}_blocks": blocks, f"pull_{label}_GBps": 600.0, f"pull_{label}_ratio": 0.15,
+                     f"pull_{label}_vs_peer_copy": 0.83})
+    text = protocol.format_table({"device": "x", "world_size": 2, "publish_observe_one_way_us": 1.5, "pull": pull})
+    assert "360 GB/s per direction" in text and "0.83 of the peer copy" in text
+    rows = [dict(row("deepseek-v3", 4096, r, T=1024, slots=4, window=4), batch_ms=10.0, streamed_ms=10.0 * r,
+                 num_chunks=4) for r in (0.95, 1.1)]
+    table = stream.policy_table(rows)
+    assert "0.95" in stream.format_rows(rows)
+    assert "1024 x 4 slots, window 4, early" in stream.format_policy(table)
+    assert "batch" in stream.format_policy(stream.policy_table([rows[1]]))

@@ -9,9 +9,11 @@ Two figures, both measured in the same run:
   that needs CUDA MPS; see `symmring.launch`). Goal: <= 2 us on one GPU.
 * **slot-pull bandwidth** as a ratio: the ready-made consumer pulling a large slot (``x``, ``topk``)
   from a peer's ring (its own with one PE) into local buffers, against a device-to-device copy of the
-  same bytes (``cudaMemcpyAsync``); both timed with CUDA events, median of ``--repeats``. Reported with
-  the default spinning-kernel budget (`symmring.kernels.MAX_SPIN_BLOCKS` blocks) and with one block per
-  SM. Goal: pull >= 0.8 of copy.
+  same bytes (``cudaMemcpyAsync``) within this GPU, and against a plain peer-to-peer copy of the same bytes
+  from the peer's slot (``cudaMemcpyAsync`` from its ``nvshmem_ptr`` mapping: over NVLink when the peer
+  is another GPU; the same as the local copy with one PE); all timed with CUDA events, median of
+  ``--repeats``. Reported with the default spinning-kernel budget (`symmring.kernels.MAX_SPIN_BLOCKS`
+  blocks) and with one block per SM. Goal: pull >= 0.8 of copy.
 
 Prints a table on rank 0 and writes the figures as JSON (``--json``). Returns the exit status.
 """
@@ -118,6 +120,12 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
                                                                        cupy.cuda.get_current_stream().ptr),
                                  repeats, hold)
             figures["copy_GBps"] = 2 * num_bytes / copy_ms / 1e6  # bytes read + written
+            # The peer-to-peer reference: the same bytes copied from the source's slot (one direction).
+            peer = backend.address(ring.alloc, src, ring.layout["x"].offset)
+            peer_ms = _median_ms(lambda: cupy.cuda.runtime.memcpyAsync(dst.data.ptr, peer, num_bytes, 3,
+                                                                       cupy.cuda.get_current_stream().ptr),
+                                 repeats, hold)
+            figures["peer_copy_GBps"] = num_bytes / peer_ms / 1e6  # bytes moved in one direction
             for label, blocks in (("spin_budget", MAX_SPIN_BLOCKS), ("all_sms", backend.num_sms),
                                   ("two_per_sm", 2 * backend.num_sms)):
                 k.consume(0, src, out, ack=False, num_blocks=blocks)  # warm-up
@@ -125,6 +133,7 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
                 figures[f"pull_{label}_blocks"] = blocks
                 figures[f"pull_{label}_GBps"] = 2 * num_bytes / pull_ms / 1e6
                 figures[f"pull_{label}_ratio"] = copy_ms / pull_ms
+                figures[f"pull_{label}_vs_peer_copy"] = peer_ms / pull_ms
             k.check_errors()
             want = np.random.default_rng(src).integers(0, 2**16, (tokens, hidden), dtype=np.uint16)
             figures["pulled_bitwise_equal"] = bool(np.array_equal(out["x"].get(), want))
@@ -160,10 +169,12 @@ def format_table(figures: Dict[str, object]) -> str:
             ("publish->observe, one way", f"{lat:.2f} us ({where}; goal <= {GOAL_LATENCY_US} us)" if lat else "failed")]
     if pull:
         rows.append(("copy (D2D, same bytes)", f"{pull['copy_GBps']:.0f} GB/s ({pull['bytes'] / 1e6:.1f} MB)"))
+        rows.append((f"peer copy from PE {pull['src_rank']}", f"{pull['peer_copy_GBps']:.0f} GB/s per direction"))
         for label in ("spin_budget", "all_sms", "two_per_sm"):
             rows.append((f"pull, {pull[f'pull_{label}_blocks']} blocks",
                          f"{pull[f'pull_{label}_GBps']:.0f} GB/s = {pull[f'pull_{label}_ratio']:.2f} of copy "
-                         f"(goal >= {GOAL_PULL_RATIO})"))
+                         f"(goal >= {GOAL_PULL_RATIO}); {pull[f'pull_{label}_GBps'] / 2:.0f} GB/s per direction = "
+                         f"{pull[f'pull_{label}_vs_peer_copy']:.2f} of the peer copy"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
