@@ -13,7 +13,8 @@ Two figures, both measured in the same run:
   from the peer's slot (``cudaMemcpyAsync`` from its ``nvshmem_ptr`` mapping: over NVLink when the peer
   is another GPU; the same as the local copy with one PE); all timed with CUDA events, median of
   ``--repeats``. Reported with the default spinning-kernel budget (`symmring.kernels.MAX_SPIN_BLOCKS`
-  blocks) and with one block per SM. Goal: pull >= 0.8 of copy.
+  blocks) and with one block per SM. Goal: pull >= 0.8 of copy. (The peer-copy reference was added
+  after the last GPU session and has not run on a GPU yet.)
 
 Prints a table on rank 0 and writes the figures as JSON (``--json``). Returns the exit status.
 """
