@@ -134,7 +134,6 @@ class StreamedMoE(MoE):
         self.num_slots = _check_int("num_slots", num_slots)
         self.tokens_per_slot = T
         self.ack_policy = _ack_policy(ack_policy)
-        self.lookahead = protocol.default_lookahead(self.num_slots)
         protocol.check_expert_window(expert_window, self.num_slots)
         self.expert_window = int(expert_window)
         if not isinstance(single_stream, bool):
