@@ -25,37 +25,14 @@
 # here). Device `run` tool: carry [".whl"],
 #   command: bash tools/gpu_stream_check.sh tests      then      bash tools/gpu_stream_check.sh bench
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
+source "$(dirname "$0")/gpu_common.sh"
 export SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-5}"
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"  # absolute: mpirun's ranks get it too
 TEST=(tests/gpu/test_moe_streamed.py tests/gpu/test_moe_batch.py)
 PYTEST_OPTS=(-q -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=100)
-summary=()
-
-step() {  # step NAME LIMIT_S CMD...: bounded, logged to $OUT/NAME.log, tail printed
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name: $*"
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  local line
-  line=$(grep -aE "passed|failed|error|skipped|bench stream:" "$OUT/$name.log" | tail -n 1)
-  summary+=("$(printf '%-9s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
-  echo "--- $name rc=$rc ($((SECONDS - t0)) s)"
-  tail -n 30 "$OUT/$name.log"
-}
 
 run_env() {
   nvidia-smi -L
-  if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  fi
+  install_nvshmem4py
   "$PY" -c "import torch, cupy, nvshmem, mpi4py; print('torch', torch.__version__, 'cupy', cupy.__version__, \
 'mpi4py', mpi4py.__version__)"
 }

@@ -18,33 +18,12 @@
 #
 # NVLink multicast stays off everywhere (NVSHMEM_DISABLE_NVLS, NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_...).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-10}"
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"  # absolute: mpirun's ranks get it too
+source "$(dirname "$0")/gpu_common.sh"
+export SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-10}"
 N="${1:-$(nvidia-smi -L | wc -l)}"
 LAUNCH=("$PY" -m symmring.launch -n "$N" --)
-summary=()
 
-step() {  # step NAME LIMIT_S CMD...: bounded, logged to $OUT/NAME.log, tail printed
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name: $*"
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(grep -aE "passed|failed|bench stream:|pull," "$OUT/$name.log" | tail -n 1)")")
-  tail -n 25 "$OUT/$name.log"
-}
-
-if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
+install_nvshmem4py
 { nvidia-smi -L; nvidia-smi topo -m; "$PY" -m symmring info; } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 [ "$N" -ge 2 ] || { echo "multi_gpu_check: $N GPU(s); this check needs at least 2"; exit 2; }
