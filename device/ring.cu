@@ -1,5 +1,5 @@
 // Ready-made ring kernels (wrapped by symmring/kernels.py) and the tiny kernels behind the nvshmem
-// backend's host primitives (symmring/runtime.py).
+// backend's host primitives (symmring/backends/nvshmem.py).
 //
 // SM budget: the waiting kernels here (consume, acquire, word_wait) spin while they wait, so the Python
 // wrappers launch them with a bounded grid (kernels.MAX_SPIN_BLOCKS blocks, far below the SM count) and
@@ -17,9 +17,9 @@ namespace {
 enum ProduceFlags : int { kProduceAcquire = 1, kProduceRoute = 2, kProduceLayout = 4 };
 // Options of a consume launch (kernels.CONSUME_*).
 enum ConsumeFlags : int { kConsumeAck = 1 };
-// Word operations of the host primitives (runtime._WORD_OPS).
+// Word operations of the host primitives (backends.nvshmem._WORD_OPS).
 enum WordOp : int { kOpSet = 0, kOpAdd = 1, kOpOr = 2 };
-// Comparisons of word_wait (runtime._CMP_CODES, the order of backends.base.CMP).
+// Comparisons of word_wait (backends.nvshmem._CMP_CODES, the order of backends.base.CMP).
 enum WordCmp : int { kCmpEq = 0, kCmpNe = 1, kCmpGe = 2, kCmpGt = 3, kCmpLe = 4, kCmpLt = 5 };
 
 // Loads each thread keeps in flight per step of copy_bytes (memory-level parallelism).
@@ -115,17 +115,8 @@ extern "C" __global__ void symmring_produce(const RingDescriptor* desc_ptr, int 
         copy_bytes(topk_weights_of(d, slot), topk_weights, topk_bytes, thread_idx, num_threads);
         if (thread_idx == 0) write_meta(d, chunk_idx, token_base, num_valid, gen);
     }
-    if (!grid_last_block(counter)) return;
-    if (threadIdx.x == 0) {
-        if (flags & kProduceAcquire) {
-            // Every block saw the mask complete before it arrived; the reset is ordered before the
-            // publications below by their release fence.
-            uint64_t* mask = ack_mask_of(d, slot);
-            for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
-        }
-        if (flags & kProduceRoute) signal_generation(d, route_ready_word(d, slot), gen);
-        if (flags & kProduceLayout) signal_generation(d, layout_ready_word(d, slot), gen);
-    }
+    grid_publish(d, chunk_idx, gen, counter, (flags & kProduceAcquire) != 0, (flags & kProduceRoute) != 0,
+                 (flags & kProduceLayout) != 0);
 }
 
 // Acquire a slot for chunk `chunk_idx` (wait for every acknowledgement of its previous use, then reset

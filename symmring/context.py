@@ -1,6 +1,6 @@
 """Process-wide setup: pick a backend, join the ranks, and hand out a `Context`.
 
-Nothing happens at import: `init()` does the work (it imports mpi4py, and symmring.runtime for the GPU
+Nothing happens at import: `init()` does the work (it imports mpi4py, and symmring.backends.nvshmem for the GPU
 backend, only then).
 
 Example:
@@ -79,11 +79,11 @@ class Context:
 
 def _gpu_available() -> bool:
     try:
-        from . import runtime
+        from .backends import nvshmem
     except ImportError as exc:
-        log.debug("symmring.runtime not importable (%s): no GPU backend", exc)
+        log.debug("symmring.backends.nvshmem not importable (%s): no GPU backend", exc)
         return False
-    return bool(runtime.gpu_available())
+    return bool(nvshmem.gpu_available())
 
 
 def _choose_backend(backend: str) -> str:
@@ -103,7 +103,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
     """Join the ranks and create the backend (collective over ``comm``).
 
     Args:
-        backend: ``"auto"`` (``SYMMRING_BACKEND``, else ``"nvshmem"`` when `symmring.runtime.gpu_available`
+        backend: ``"auto"`` (``SYMMRING_BACKEND``, else ``"nvshmem"`` when `symmring.backends.nvshmem.gpu_available`
             says a GPU, CuPy and nvshmem4py are usable, else ``"host"``), ``"host"`` or ``"nvshmem"``.
         comm: mpi4py communicator of the ranks; ``MPI.COMM_WORLD`` when None (a world of 1 outside
             mpiexec).
@@ -138,9 +138,9 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         impl: Backend = HostBackend(comm)
     else:
         try:
-            from .runtime import NvshmemBackend
+            from .backends.nvshmem import NvshmemBackend
         except ImportError as exc:
-            raise BackendError(f"backend='nvshmem' needs symmring.runtime (CuPy, nvshmem4py): {exc}") from exc
+            raise BackendError(f"backend='nvshmem' needs symmring.backends.nvshmem (CuPy, nvshmem4py): {exc}") from exc
         impl = NvshmemBackend(comm)
     ctx = Context(impl, comm, float(timeout_s))
     _current = ctx

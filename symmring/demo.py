@@ -5,11 +5,11 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
 
 1. initialises symmring (``--backend auto``: the GPU backend when a GPU, CuPy and nvshmem4py are usable,
    else the CPU backend) and says which backend it got and why;
-2. on the GPU backend, runs the GPU layers against the reference (relative error <= 1e-2, bf16
-   experts): batch-ready (`symmring.moe.gpu.MoE`) and streamed (`symmring.moe.gpu_streamed.StreamedMoE`,
-   ``--tokens-per-slot`` chunks, one slot per chunk and one expert window over the call, so its expert
-   GEMMs see the batch layer's groups), and checks streamed == batch **bitwise**; then, on the CPU
-   backend, step 3 as well;
+2. on the GPU backend, runs the GPU layer (`symmring.moe.gpu.MoE`, bf16 experts; a ring of
+   ``--tokens-per-slot`` slots, one per chunk, and one expert window over the call) against the reference
+   (relative error <= 1e-2): batch-ready (``streaming=False``), streamed (``streaming=True``: the chunks
+   pipeline; its expert GEMMs see the batch path's groups) and ``streaming="auto"`` (what the measured
+   policy picks), and checks streamed == batch **bitwise**; then, on the CPU backend, step 3 as well;
 3. runs the expert-parallel layer (`symmring.moe.expert_parallel`) on the CPU backend batch-ready (one
    chunk of the whole batch) and streamed (``--tokens-per-slot`` chunks through a ``--num-slots`` ring);
 4. checks streamed == batch **bitwise**, both against `symmring.moe.reference.reference_moe` of the
@@ -233,7 +233,6 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     logits = router_logits(prob.x, prob.router_weight)
     ref = reference_moe(prob.x, w_gate=prob.w_gate, w_up=prob.w_up, w_down=prob.w_down, num_topk=args.topk,
                         logits=logits, x_format=args.x_format, **prob.options)
-    from .moe.gpu_streamed import StreamedMoE
     from .protocol import call_num_chunks
     weights = [on_gpu(w[local], torch.bfloat16) for w in (prob.w_gate, prob.w_up, prob.w_down)]
     max_tokens = max(1, max(prob.counts))
@@ -243,20 +242,18 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     logits_gpu = on_gpu(logits[prob.rows], torch.float32)
     y_ref = ref.y[prob.rows]
     results = {}
-    for name, make in (("batch", lambda: gpu.MoE(ctx, args.experts, args.hidden, args.inter, args.topk, *weights,
-                                                 max_tokens=max_tokens, x_format=args.x_format, **kwargs)),
-                       ("streamed", lambda: StreamedMoE(ctx, args.experts, args.hidden, args.inter, args.topk,
-                                                        *weights, max_tokens=max_tokens, tokens_per_slot=T,
-                                                        num_slots=slots, expert_window=slots, ack_policy="early",
-                                                        x_format=args.x_format, **kwargs))):
-        moe = make()
-        try:
-            outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu), report, args.repeats,
-                                            sync=torch.cuda.synchronize)
+    moe = gpu.MoE(ctx, args.experts, args.hidden, args.inter, args.topk, *weights, max_tokens=max_tokens,
+                  tokens_per_slot=T, num_slots=slots, expert_window=slots, ack_policy="early",
+                  x_format=args.x_format, **kwargs)
+    try:
+        for name, streaming in (("batch", False), ("streamed", True), ("auto", "auto")):
+            outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu, streaming=streaming),
+                                            report, args.repeats, sync=torch.cuda.synchronize)
             moe.check_errors()
             results[name] = (outputs[0].float().cpu().numpy(), seconds)
-        finally:
-            moe.close()
+        auto_streams = moe.streams("auto", prob.x_local.shape[0])
+    finally:
+        moe.close()
     passed, parts = True, []
     for name, (y, seconds) in results.items():
         # Relative error over all ranks' rows: sqrt(sum of squared errors / sum of squared reference values).
@@ -265,8 +262,9 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
         rel = num / den if den > 0 else num
         ok = report.all_ok(bool(np.all(np.isfinite(y)))) and rel <= GPU_REL_TOL
         passed = passed and ok
-        what = ("1 chunk per rank through the NVSHMEM ring" if name == "batch" else
-                f"{T}-token chunks through a {slots}-slot NVSHMEM ring, one expert window")
+        what = {"batch": f"the batch-ready path: every {T}-token chunk produced, then one window",
+                "streamed": f"{T}-token chunks pipelined through a {slots}-slot NVSHMEM ring, one expert window",
+                "auto": "the measured policy's choice: " + ("streamed" if auto_streams else "batch")}[name]
         report.say(f"  gpu {name:<8} {seconds * 1e3:9.3f} ms  {what}, bf16 experts")
         report.say(f"  check: GPU {name} vs reference: relative error {rel:.3g} (<= {GPU_REL_TOL:g}): {_yes(ok)}")
         parts.append(f"GPU {name} rel.err {rel:.3g}")

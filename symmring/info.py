@@ -70,7 +70,7 @@ def gpu_devices() -> Tuple[List[str], str]:
 def auto_backend() -> Tuple[str, str]:
     """``(backend, reason)``: what ``symmring.init(backend="auto")`` would pick here, and why.
 
-    Mirrors `symmring.context` (``SYMMRING_BACKEND``, then `symmring.runtime.gpu_available`), adding the
+    Mirrors `symmring.context` (``SYMMRING_BACKEND``, then `symmring.backends.nvshmem.gpu_available`), adding the
     reason a GPU is not usable.
 
     Example:
@@ -86,9 +86,9 @@ def auto_backend() -> Tuple[str, str]:
         names = {"nvshmem": "nvshmem4py", "nvidia.nvshmem": "nvidia-nvshmem"}
         return "host", "no usable GPU: " + ", ".join(names.get(m, m) for m in missing) + " not installed"
     try:
-        from .runtime import gpu_available
+        from .backends.nvshmem import gpu_available
     except ImportError as exc:
-        return "host", f"symmring.runtime not importable: {exc}"
+        return "host", f"symmring.backends.nvshmem not importable: {exc}"
     if gpu_available():
         return "nvshmem", "a CUDA GPU, CuPy and nvshmem4py are usable"
     return "host", "CuPy and nvshmem4py are installed but no CUDA device is visible"

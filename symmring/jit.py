@@ -19,11 +19,10 @@ without GPU with the same tools is valid on the GPU machine); the
 source handed to nvcc starts with ``// symmring-device-hash: <sha>`` so a cubin is traceable to the
 headers it was built from. Files are written to a temporary name and renamed, so concurrent ranks never
 read a half-written cubin. With several ranks on a node, local rank 0 compiles first and the others load
-its file after a barrier (`load_module` with ``comm``). ``CUPY_CACHE_DIR`` is pointed under the same
-directory for CuPy's own kernels.
+its file after a barrier (`compile_on_node`).
 
-This module needs no GPU to compile (`compile_cubin`); `load_module` needs CuPy and an initialised
-NVSHMEM.
+This module only compiles: it needs no GPU, no CuPy and no NVSHMEM runtime. Loading a cubin and
+registering it with NVSHMEM is the device backend's job (`symmring.backends.nvshmem.NvshmemBackend.load_module`).
 """
 
 from __future__ import annotations
@@ -180,74 +179,27 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
 
 
 def read_source(filename: str) -> str:
-    """Text of ``<device dir>/<filename>`` (e.g. ``"ring.cu"``)."""
+    """Text of ``<device dir>/<filename>`` (e.g. ``"ring.cu"``, ``"moe/dispatch.cu"``)."""
     return (device_dir() / filename).read_text()
 
 
-class LoadedModule:
-    """A cubin loaded into CuPy and registered with NVSHMEM (``cumodule_init``).
-
-    Attributes:
-        name: the module's name; path: the cubin; module: the ``cupy.cuda.function.Module``.
-    """
-
-    def __init__(self, name: str, path: Path, module, ptr: int):
-        self.name = name
-        self.path = path
-        self.module = module
-        self._ptr = ptr
-        self._functions = {}
-        self.finalized = False
-
-    def function(self, kernel_name: str):
-        """The ``cupy.cuda.function.Function`` of ``extern "C"`` kernel ``kernel_name``; call it as
-        ``fn(grid, block, args, shared_mem=0, stream=None)``."""
-        fn = self._functions.get(kernel_name)
-        if fn is None:
-            fn = self._functions[kernel_name] = self.module.get_function(kernel_name)
-        return fn
-
-    def finalize(self) -> None:
-        """Unregister from NVSHMEM (``nvshmem.bindings.cumodule_finalize``; core.module_finalize is broken
-        in nvshmem4py 0.4.1). Idempotent; before ``nvshmem.core.finalize``."""
-        if self.finalized:
-            return
-        self.finalized = True
-        from .runtime import quiet_nvshmem  # local: runtime imports jit
-        with quiet_nvshmem():
-            import nvshmem.bindings as nvshmem_bindings
-            nvshmem_bindings.cumodule_finalize(self._ptr)
-
-
-def load_module(source: str, *, name: str, cc: int, comm=None, local_comm=None,
-                extra_options: Sequence[str] = ()) -> LoadedModule:
-    """Compile (once per node) and load ``source``; register it with NVSHMEM.
-
-    NVSHMEM must already be initialised on this process (`symmring.runtime.NvshmemBackend`).
+def compile_on_node(source: str, *, name: str, cc: int, local_comm=None,
+                    extra_options: Sequence[str] = ()) -> Path:
+    """`compile_cubin` once per node: local rank 0 of ``local_comm`` compiles, the others wait at a barrier
+    and then find the cubin in the cache (a cache hit). Returns the cubin's path.
 
     Args:
         source, name, cc, extra_options: as for `compile_cubin`.
-        comm: unused unless ``local_comm`` is None; then a node-local communicator is split from it.
-        local_comm: ranks of this node; local rank 0 compiles, the others wait at a barrier and load.
+        local_comm: the ranks of this node (mpi4py), or None for a process alone.
 
     Raises:
-        CompileError, BackendError: as for `compile_cubin`; BackendError when CuPy is missing.
+        CompileError, BackendError: as for `compile_cubin` (on every local rank when rank 0 failed).
     """
-    try:
-        import cupy
-    except ImportError:
-        raise BackendError("CuPy is not installed (pip install cupy-cuda13x); symmring loads device code "
-                           "through it") from None
-    cache = env.cache_dir()
-    os.environ.setdefault("CUPY_CACHE_DIR", str(cache / "cupy"))
-    if local_comm is None and comm is not None and comm.Get_size() > 1:
-        from mpi4py import MPI
-        local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     if local_comm is not None and local_comm.Get_size() > 1:
         error = None
         if local_comm.Get_rank() == 0:
             try:
-                path = compile_cubin(source, name=name, cc=cc, extra_options=extra_options)
+                compile_cubin(source, name=name, cc=cc, extra_options=extra_options)
             except Exception as exc:  # the others must still leave the barrier
                 error = exc
         failed = local_comm.allreduce(1 if error else 0)
@@ -255,23 +207,18 @@ def load_module(source: str, *, name: str, cc: int, comm=None, local_comm=None,
             raise error
         if failed:
             raise CompileError(f"{name}: compilation failed on local rank 0 (see its log)", source=name)
-    path = compile_cubin(source, name=name, cc=cc, extra_options=extra_options)  # a cache hit after rank 0
-    # cupy.cuda.function.Module: the CUmodule itself (ptr), loaded eagerly, so cumodule_init can see it.
-    module = cupy.cuda.function.Module()
-    module.load_file(str(path))
-    ptr = int(module.ptr)
-    from .runtime import quiet_nvshmem
-    with quiet_nvshmem():
-        import nvshmem.bindings as nvshmem_bindings
-        nvshmem_bindings.cumodule_init(ptr)
-    return LoadedModule(name, path, module, ptr)
+    return compile_cubin(source, name=name, cc=cc, extra_options=extra_options)
 
 
-
-
-#: The library's device modules as (file under the device directory, module name): what the layers load.
-LIBRARY_MODULES = (("ring.cu", "ring"), ("producer.cu", "moe_producer"), ("dispatch.cu", "moe_dispatch"),
-                   ("combine.cu", "moe_combine"), ("stream.cu", "moe_stream"))
+#: The library's device modules: module name -> source under the device directory. ``ring`` holds the
+#: ready-made ring kernels and the backend's host primitives; ``moe_*`` the MoE layer's kernels by role.
+LIBRARY_MODULES = {
+    "ring": "ring.cu",
+    "moe_producer": "moe/producer.cu",
+    "moe_dispatch": "moe/dispatch.cu",
+    "moe_combine": "moe/combine.cu",
+    "moe_schedule": "moe/schedule.cu",
+}
 
 
 def precompile(sources: Sequence[Tuple[Path, str]], cc: int, workers: int = 4) -> list:
@@ -300,7 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="more sources and their module names (e.g. tests/gpu/user_kernels.cu=user_kernels); "
                              "the library's own modules are always built")
     args = parser.parse_args(argv)
-    sources = [(device_dir() / f, name) for f, name in LIBRARY_MODULES]
+    sources = [(device_dir() / f, name) for name, f in LIBRARY_MODULES.items()]
     for item in args.modules:
         path, sep, name = item.partition("=")
         if not sep or not path or not name:

@@ -29,6 +29,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from . import env, protocol
+from .backends.base import DeviceBackend
 from .errors import ConfigError, ProtocolTimeout, RingClosedError
 from .layout import (ERROR_KIND_NAMES, ERROR_KIND_NONE, ERROR_KIND_REUSE, ERROR_WORDS, META_COLUMNS,
                      RingLayout, RingSpec)
@@ -126,13 +127,12 @@ class DeviceRing:
     """One ring's symmetric allocation on GPU PEs, its layout and device descriptor (collective).
 
     Args:
-        backend: an initialised `symmring.runtime.NvshmemBackend`.
+        backend: an initialised `symmring.backends.base.DeviceBackend` (the nvshmem backend).
         spec: the `RingSpec` (identical on every PE).
         timeout_s: bound of every device wait (default ``SYMMRING_TIMEOUT_S``).
-        ack_policy: recorded in the descriptor for consumers that read it.
 
     Raises:
-        ConfigError: bad spec or timeout.
+        ConfigError: bad backend, spec or timeout.
 
     Example:
         >>> ring = DeviceRing(backend, RingSpec(num_slots=2, tokens_per_slot=64, hidden=512, num_topk=4,
@@ -143,8 +143,9 @@ class DeviceRing:
         >>> k.check_errors(); ring.close()
     """
 
-    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None,
-                 ack_policy: protocol.AckPolicy = protocol.AckPolicy.EARLY):
+    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None):
+        if not isinstance(backend, DeviceBackend):
+            raise ConfigError(f"backend={backend!r}: expected a DeviceBackend (the nvshmem backend)")
         if not isinstance(spec, RingSpec):
             raise ConfigError(f"spec={spec!r}: expected a RingSpec")
         timeout_s = env.timeout_s() if timeout_s is None else timeout_s
@@ -157,8 +158,7 @@ class DeviceRing:
         self.alloc = backend.alloc(self.layout.nbytes)
         self.closed = False
         self._init_words()
-        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s,
-                                   ack_policy=ack_policy)
+        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s)
 
     def region(self, name: str, rank: Optional[int] = None):
         """Zero-copy CuPy view of a protocol-word region (``route_ready``, ``layout_ready``, ``ack_mask``,
@@ -210,13 +210,12 @@ class RingKernels:
     """Launchers of the ready-made kernels for one ring allocation (see the module docstring).
 
     Args:
-        backend: the `NvshmemBackend` holding ``alloc``.
+        backend: the `DeviceBackend` holding ``alloc``.
         layout: the ring's `RingLayout`; alloc: its allocation (``alloc.ptr`` is this PE's address).
-        timeout_s: bound of every device wait; ack_policy: recorded in the descriptor.
+        timeout_s: bound of every device wait.
     """
 
-    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float,
-                 ack_policy: protocol.AckPolicy = protocol.AckPolicy.EARLY):
+    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float):
         cupy = _cupy()
         self.backend = backend
         self.layout = layout
@@ -224,14 +223,13 @@ class RingKernels:
         self.alloc = alloc
         self.timeout_s = float(timeout_s)
         self.closed = False
-        desc = layout.descriptor(alloc.ptr, rank=backend.rank, ack_policy=ack_policy,
-                                 timeout_ns=int(self.timeout_s * 1e9))
+        desc = layout.descriptor(alloc.ptr, rank=backend.rank, timeout_ns=int(self.timeout_s * 1e9))
         self.descriptor = desc
         self.desc = cupy.asarray(np.frombuffer(desc.tobytes(), dtype=np.uint8))
         S, R = self.spec.num_slots, backend.world_size
         # Grid handshake counters: [slot][parts] for produce, then [slot][src] for consume.
         self.counters = cupy.zeros(S * 4 + S * R, dtype=cupy.uint32)
-        self._module = backend.ring_module()
+        self._module = backend.library_module("ring")
         self._x_dtype = self.layout["x"].dtype
         # The descriptor copy and the zeroed counters ran on CuPy's stream; kernels may be launched on any
         # (non-blocking) stream next, so they must be complete now.
@@ -240,12 +238,9 @@ class RingKernels:
     @classmethod
     def for_ring(cls, ring) -> "RingKernels":
         """Kernels over the allocation of a `symmring.ring.Ring` built on the nvshmem backend."""
-        alloc = next((getattr(ring, a) for a in ("alloc", "_alloc", "allocation", "_allocation")
-                      if getattr(ring, a, None) is not None), None)
-        if alloc is None or getattr(ring.ctx.backend, "name", "") != "nvshmem":
-            raise ConfigError("ring: expected a Ring on the nvshmem backend (with its allocation)")
-        return cls(ring.ctx.backend, ring.layout, alloc, timeout_s=getattr(ring, "timeout_s", ring.ctx.timeout_s),
-                   ack_policy=getattr(ring, "ack_policy", protocol.AckPolicy.EARLY))
+        if not isinstance(ring.ctx.backend, DeviceBackend):
+            raise ConfigError("ring: expected a Ring on a device backend (the nvshmem backend)")
+        return cls(ring.ctx.backend, ring.layout, ring.allocation, timeout_s=ring.timeout_s)
 
     # --- helpers --------------------------------------------------------------------------------------
 

@@ -199,9 +199,7 @@ class RingLayout:
     def __repr__(self) -> str:
         return f"RingLayout({self.spec}, num_ranks={self.num_ranks}, nbytes={self.nbytes})"
 
-    def descriptor(self, base_address: int = 0, *, rank: int = 0, num_chunks: int = 0, num_tokens: int = 0,
-                   ack_policy: protocol.AckPolicy = protocol.AckPolicy.CONSERVATIVE,
-                   timeout_ns: int = 0, flags: int = 0) -> np.ndarray:
+    def descriptor(self, base_address: int = 0, *, rank: int = 0, timeout_ns: int = 0) -> np.ndarray:
         """The device-visible descriptor (a 0-d array of `DESCRIPTOR_DTYPE`).
 
         Pointers are ``base_address + region offset``: the local address of each region; a device reads
@@ -224,8 +222,7 @@ class RingLayout:
                             ("num_experts", spec.num_experts), ("num_sf", spec.num_sf),
                             ("sf_group_size", spec.sf_group_size), ("x_format", spec.x_format_code),
                             ("x_elem_bytes", spec.x_elem_bytes), ("rank", rank), ("num_ranks", self.num_ranks),
-                            ("mask_words", self.mask_words), ("ack_policy", int(ack_policy)),
-                            ("num_chunks", num_chunks), ("num_tokens", num_tokens), ("flags", flags)):
+                            ("mask_words", self.mask_words)):
             d[name] = value
         return d
 
@@ -258,8 +255,4 @@ DESCRIPTOR_DTYPE = np.dtype([
     ("rank", np.int32),
     ("num_ranks", np.int32),
     ("mask_words", np.int32),
-    ("ack_policy", np.int32),
-    ("num_chunks", np.int32),
-    ("num_tokens", np.int32),
-    ("flags", np.int32),
 ], align=True)

@@ -80,10 +80,34 @@ GEN_MAX = (1 << 64) - 1
 
 
 class AckPolicy(enum.IntEnum):
-    """When a consumer acknowledges a slot (mirrored as ``kAckConservative``/``kAckEarly`` on the device)."""
+    """When a consumer acknowledges a slot. A host-side choice of each layer (its consume stage issues the
+    acknowledgement at the chosen point); the device kernels only ever see *that* they acknowledge."""
 
     CONSERVATIVE = 0  #: after the chunk's combine completed
     EARLY = 1  #: right after the last read of slot memory
+
+    @classmethod
+    def parse(cls, value) -> "AckPolicy":
+        """The policy named by ``value``: an `AckPolicy`, its int value, its name in any case
+        (``"early"``), or None for the default (`DEFAULT_ACK_POLICY`).
+
+        Raises:
+            ConfigError: anything else, naming the accepted values.
+        """
+        if value is None:
+            return DEFAULT_ACK_POLICY
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.strip().upper() in cls.__members__:
+            return cls[value.strip().upper()]
+        if isinstance(value, int) and not isinstance(value, bool) and value in {int(p) for p in cls}:
+            return cls(value)
+        raise ConfigError(f"ack_policy={value!r}: expected an AckPolicy or one of "
+                          f"{[p.name.lower() for p in cls]}")
+
+
+#: The acknowledgement policy when none is given: the RFC's first implementation (after the combine).
+DEFAULT_ACK_POLICY = AckPolicy.CONSERVATIVE
 
 
 def _is_int(value) -> bool:

@@ -129,8 +129,8 @@ class Ring:
     Args:
         ctx: the `symmring.context.Context` (every rank passes its own, all with the same world).
         spec: the `RingSpec`; identical on every rank.
-        ack_policy: when consumers acknowledge (`AckPolicy`); recorded for the device descriptor, the
-            host protocol is the same for both.
+        ack_policy: when consumers acknowledge (`AckPolicy`, or its name; None: the default), recorded as
+            ``ring.ack_policy`` for the layer that consumes the ring; the protocol is the same for both.
         timeout_s: bound of every wait of this ring; ``ctx.timeout_s`` when None.
 
     Raises:
@@ -148,17 +148,13 @@ class Ring:
         >>> ring.end_call(call); ring.close()
     """
 
-    def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy: AckPolicy = AckPolicy.CONSERVATIVE,
-                 timeout_s: Optional[float] = None):
+    def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy=None, timeout_s: Optional[float] = None):
         if not isinstance(ctx, Context):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
         ctx.check_open()
         if not isinstance(spec, RingSpec):
             raise ConfigError(f"spec={spec!r}: expected a RingSpec")
-        try:
-            ack_policy = AckPolicy(ack_policy)
-        except ValueError:
-            raise ConfigError(f"ack_policy={ack_policy!r}: expected one of {list(AckPolicy)}") from None
+        ack_policy = AckPolicy.parse(ack_policy)
         if timeout_s is None:
             timeout_s = ctx.timeout_s
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:

@@ -2,7 +2,7 @@
 
 The same two nvcc steps `symmring.jit` runs there (``-dc``, then ``--cubin --device-link x.o
 -lnvshmem_device`` against the installed nvidia-nvshmem wheel) need no GPU, so CI runs them here for
-every ``device/*.cu`` and for a "user" kernel file that includes <symmring/protocol.cuh> from outside the
+every ``.cu`` under ``device/`` and for a "user" kernel file that includes <symmring/protocol.cuh> from outside the
 package (tests/gpu/user_kernels.cu). Skipped, with the reason, only where nvcc or the wheel is missing.
 """
 
@@ -17,7 +17,7 @@ from symmring import jit
 from symmring.errors import BackendError, CompileError
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "device").glob("*.cu")) + [ROOT / "tests" / "gpu" / "user_kernels.cu"]
+SOURCES = sorted((ROOT / "device").rglob("*.cu")) + [ROOT / "tests" / "gpu" / "user_kernels.cu"]
 
 
 def _toolchain_missing():

@@ -263,16 +263,16 @@ def test_context_and_backend_selection(monkeypatch):
         init("tpu")
     with pytest.raises(ConfigError, match="timeout_s=0"):
         init("host", timeout_s=0)
-    from symmring import runtime
+    from symmring.backends.nvshmem import gpu_available
     ctx = init("auto")
-    assert ctx.backend.name == ("nvshmem" if runtime.gpu_available() else "host")
+    assert ctx.backend.name == ("nvshmem" if gpu_available() else "host")
     assert (ctx.rank, ctx.world_size, ctx.timeout_s) == (0, 1, 7.5) and "open" in repr(ctx)
     symmring.context.finalize()
     assert ctx.closed
     symmring.context.finalize()  # nothing left: a no-op
     with pytest.raises(RingClosedError):
         Ring(ctx, SPECS["fp8"])
-    if not runtime.gpu_available():
+    if not gpu_available():
         with pytest.raises(BackendError):
             init("nvshmem")
 

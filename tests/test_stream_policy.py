@@ -13,7 +13,7 @@ import random
 import pytest
 
 from symmring.errors import ConfigError
-from symmring.moe.gpu_streamed import hidden_producer_fraction, overlap_fraction
+from symmring.moe.timeline import hidden_producer_fraction, overlap_fraction
 from symmring.moe.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 
 SEED = 20261129

@@ -19,9 +19,6 @@ enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 
 enum ErrorKind : int64_t { kErrorNone = 0, kErrorRoute = 1, kErrorLayout = 2, kErrorReuse = 3,
                            kErrorCombine = 4 };
 
-// Acknowledgement policies (protocol.AckPolicy).
-enum AckPolicy : int32_t { kAckConservative = 0, kAckEarly = 1 };
-
 struct RingDescriptor {
     // Local addresses of the regions of this PE's ring allocation. Offsets are identical on every PE
     // (symmetric heap), so a peer's copy is nvshmem_ptr(ptr, pe).
@@ -51,10 +48,6 @@ struct RingDescriptor {
     int32_t rank;
     int32_t num_ranks;
     int32_t mask_words;
-    int32_t ack_policy;         // AckPolicy
-    int32_t num_chunks;         // chunks of this call (the same on every PE)
-    int32_t num_tokens;         // this PE's tokens in this call
-    int32_t flags;
 };
 
 }  // namespace symmring

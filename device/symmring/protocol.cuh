@@ -262,6 +262,33 @@ __device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int sr
     return ok != 0;
 }
 
+// Block-level: bounded wait until `src_rank`'s copy of ONE ready word of the chunk's slot (`word_local`:
+// route_ready_word or layout_ready_word, this PE's address) equals `expected`. For consumers that use the
+// route payload before the layout is published (count on topk_idx while x is still being written); a
+// read of x / x_sf still needs the layout word. Returns false on timeout (error record `kind`).
+__device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t* word_local,
+                                      uint64_t expected, ErrorKind kind) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        const uint64_t* word = peer_ptr(d, word_local, src_rank);
+        Deadline deadline(d);
+        uint64_t observed;
+        ok = 1;
+        // acquire: pairs with the release fence of the publication (signal_generation) on src_rank.
+        while ((observed = load_word_acquire(word, word_local, src_rank)) != expected) {
+            if (deadline.expired(d)) {
+                if (!deadline.aborted)
+                    record_error(d, kind, src_rank, slot_of(chunk_idx, d.num_slots), chunk_idx, expected,
+                                 observed, 0);
+                ok = 0;
+                break;
+            }
+        }
+    }
+    __syncthreads();  // the other threads read the payload only after thread 0's acquire
+    return ok != 0;
+}
+
 // Block-level: acknowledge `src_rank`'s slot of chunk `chunk_idx` after this PE's last read of it
 // (payload and metadata). With several reading blocks, call it from one block after all finished
 // (grid_last_block). Sets this PE's bit in the owner's mask.
@@ -294,6 +321,24 @@ __device__ inline bool grid_last_block(unsigned int* counter) {
     }
     __syncthreads();
     return last != 0;
+}
+
+// Block-level, in every block of a grid that wrote (parts of) chunk `chunk_idx`'s payload into its slot,
+// after its stores: the last block to arrive publishes for the whole grid. With `reset_mask` (the grid
+// acquired the slot: every block waited with wait_reusable(..., reset=false) before writing) it first
+// clears the acknowledgement mask; the reset is ordered before the publications by their release fence
+// (ordering points (4) then (1)). `counter`: as for grid_last_block.
+__device__ inline void grid_publish(const RingDescriptor& d, int chunk_idx, uint64_t gen, unsigned int* counter,
+                                    bool reset_mask, bool route, bool layout) {
+    if (!grid_last_block(counter)) return;
+    if (threadIdx.x != 0) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    if (reset_mask) {
+        uint64_t* mask = ack_mask_of(d, slot);
+        for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
+    }
+    if (route) signal_generation(d, route_ready_word(d, slot), gen);    // release: pairs with wait_ready
+    if (layout) signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
 }
 
 }  // namespace symmring

@@ -4,9 +4,11 @@ Two implementations:
 
 * ``host`` (`symmring.backends.host`): CPU ranks on one node; the "symmetric heap" is an MPI-3
   shared-memory window (``MPI.Win.Allocate_shared``) and peers are reached by plain loads and stores.
-* ``nvshmem`` (`symmring.runtime`): GPU PEs; the symmetric heap is NVSHMEM's (nvshmem4py), peers are
-  reached over NVLink. Host-side primitives here are for control and tests; the fast path runs the same
-  protocol inside kernels (``device/symmring/protocol.cuh``).
+* ``nvshmem`` (`symmring.backends.nvshmem`): GPU PEs; the symmetric heap is NVSHMEM's (nvshmem4py), peers
+  are reached over NVLink. Host-side primitives here are for control and tests; the fast path runs the same
+  protocol inside kernels (``device/symmring/protocol.cuh``). It is a `DeviceBackend`: what the GPU
+  layers (`symmring.kernels`, `symmring.moe.gpu`) need beyond `Backend`, declared once below, so they
+  check the backend by type and never by a name string.
 
 Semantics every implementation provides (the protocol's correctness argument uses exactly these):
 
@@ -110,3 +112,41 @@ class Backend(abc.ABC):
 
     # Shared helper: NumPy dtype of a 64-bit signal word.
     WORD = np.dtype(np.uint64)
+
+
+class LoadedModule(abc.ABC):
+    """Device code loaded by a `DeviceBackend`: its kernels by name."""
+
+    name: str
+
+    @abc.abstractmethod
+    def function(self, kernel_name: str):
+        """The launchable kernel ``kernel_name``: ``fn(grid, block, args, shared_mem=0, stream=None)``."""
+
+
+class DeviceBackend(Backend):
+    """A backend whose ranks are GPU processing elements: what the GPU layers call beyond `Backend`.
+
+    Attributes:
+        device_id: this PE's CUDA device; num_sms: its multiprocessors; compute_capability: e.g. 90.
+    """
+
+    device_id: int
+    num_sms: int
+    compute_capability: int
+
+    @abc.abstractmethod
+    def address(self, alloc: SymmetricAllocation, rank: int, offset: int = 0) -> int:
+        """Device address, in this process, of ``rank``'s copy of ``alloc`` plus ``offset``."""
+
+    @abc.abstractmethod
+    def torch_view(self, alloc: SymmetricAllocation, rank: int, offset: int, dtype, shape: Tuple[int, ...]):
+        """Zero-copy torch tensor over the same bytes as `view`."""
+
+    @abc.abstractmethod
+    def load_module(self, source: str, *, name: str, extra_options=()) -> LoadedModule:
+        """Compile (cached) and load device ``source``, ready for kernels that use the symmetric heap."""
+
+    @abc.abstractmethod
+    def library_module(self, name: str) -> LoadedModule:
+        """One of symmring's own device modules (`symmring.jit.LIBRARY_MODULES`), loaded once per backend."""

@@ -37,7 +37,7 @@ GOAL_PULL_RATIO = 0.8
 def _pingpong(backend, num_rounds: int, first_value: int, timeout_s: float) -> Optional[float]:
     """One-way latency in us between ranks 0 and 1 (two streams of rank 0 with one PE); None elsewhere."""
     import cupy
-    module = backend.ring_module()
+    module = backend.library_module("ring")
     fn = module.function("symmring_bench_pingpong")
     alloc = backend.alloc(256)
     out_init = cupy.zeros(2, dtype=cupy.uint64)
@@ -148,7 +148,7 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
 
 def run(*, rounds: int = 10000, tokens: int = 8192, hidden: int = 7168, repeats: int = 20) -> Dict[str, object]:
     """Run the benchmark on this process's PE (collective); returns the figures (complete on rank 0)."""
-    from ..runtime import NvshmemBackend
+    from ..backends.nvshmem import NvshmemBackend
     backend = NvshmemBackend()
     try:
         _pingpong(backend, 200, 1, 10.0)  # warm-up: module load, first launches
@@ -188,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--hidden", type=int, default=7168, help="bf16 channels per token")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
     args = parser.parse_args(argv)
-    from ..runtime import gpu_available
+    from ..backends.nvshmem import gpu_available
     if not gpu_available():
         print("symmring bench protocol: needs a CUDA GPU, CuPy, nvshmem4py and nvidia-nvshmem", file=sys.stderr)
         return 2

@@ -4,8 +4,9 @@ For the three shapes of ``bench moe`` and tokens per rank (default 1024, 4096, 1
 one run and interleaved call by call (so clocks, power and neighbours affect both alike), the end-to-end
 latency of producer + MoE (router GEMM and TopK included, fp8 dispatch) of:
 
-* the batch layer (`symmring.moe.gpu.MoE`: the whole batch is one chunk), and
-* the streamed layer (`symmring.moe.gpu_streamed.StreamedMoE`) for every ``tokens_per_slot`` x
+* the batch-ready path (`symmring.moe.gpu.MoE` with its default ring: the whole batch is one chunk), and
+* the streamed schedule (``MoE(..., tokens_per_slot, num_slots, expert_window, ack_policy)`` called with
+  ``streaming=True``) for every ``tokens_per_slot`` x
   ``num_slots`` x ack policy x expert window of the sweep with ``tokens_per_slot < tokens``
   (``--num-slots call``: as many slots as the call has chunks; ``--windows 1,all``: chunk-local expert
   pools, or one window of ``num_slots`` chunks, so with ``call`` one grouped GEMM over the whole call),
@@ -75,13 +76,13 @@ def _interleaved(fns, repeats: int, warmup: int = 2) -> List[List[float]]:
     return times
 
 
-def _call(layer, x, router, graphs: Dict, use_graph: bool):
+def _call(layer, x, router, graphs: Dict, use_graph: bool, streaming: bool):
     """A zero-argument call of ``layer`` on ``x``: eager, or the replay of its graph (captured once)."""
     if not use_graph:
-        return lambda: layer.forward(x, router_weight=router)
-    key = (id(layer), x.shape[0])
+        return lambda: layer.forward(x, router_weight=router, streaming=streaming)
+    key = (id(layer), x.shape[0], streaming)
     if key not in graphs:
-        graphs[key] = layer.capture(x, router_weight=router)[0]
+        graphs[key] = layer.capture(x, router_weight=router, streaming=streaming)[0]
     return graphs[key].replay
 
 
@@ -89,7 +90,6 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
                 seed: int = 0) -> List[Dict]:
     import torch
     from ..moe.gpu import MoE
-    from ..moe.gpu_streamed import StreamedMoE
     hidden, inter, num_experts, topk = SHAPES[name]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     max_tokens = max(tokens)
@@ -107,19 +107,20 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     try:
         for key, rules in plans.items():
             layer_cfg, sizes = dict(key), sorted(rules)
-            streamed = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down,
-                                   max_tokens=max(sizes), **layer_cfg)
+            streamed = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(sizes),
+                           **layer_cfg)
             graphs: Dict = {}
             try:
                 for n in sizes:
                     reps = repeats if n <= 4096 else max(3, repeats // 2)
                     ctx.comm.Barrier()
-                    fns = [_call(batch, xs[n], router, graphs, use_graph),
-                           _call(streamed, xs[n], router, graphs, use_graph)]
+                    fns = [_call(batch, xs[n], router, graphs, use_graph, streaming=False),
+                           _call(streamed, xs[n], router, graphs, use_graph, streaming=True)]
                     t_batch, t_stream = _interleaved(fns, reps)
                     batch.check_errors()
                     streamed.check_errors()
-                    row = {"shape": name, "tokens_per_rank": n, "world_size": ctx.world_size,
+                    row = {"shape": name, "tokens_per_rank": n, "world_size": ctx.world_size, "hidden": hidden,
+                           "inter": inter, "num_experts": num_experts, "topk": topk,
                            "graph": use_graph, **layer_cfg, "ack_policy": str(layer_cfg["ack_policy"]),
                            "num_slots_rule": rules[n]["num_slots"], "expert_window_rule": rules[n]["expert_window"],
                            "num_chunks": -(-n // layer_cfg["tokens_per_slot"]),
@@ -161,17 +162,18 @@ def recheck_policy(ctx, table: List[Dict], repeats: int, use_graph: bool) -> Non
 def timeline(ctx, shape: str, n: int, cfgs: List[Dict], png_path: str) -> List[Dict]:
     """One call per configuration with device timestamps; one PNG with a panel each. Returns the data."""
     import torch
-    from ..moe.gpu_streamed import StreamedMoE, hidden_producer_fraction, overlap_fraction
+    from ..moe.gpu import MoE
+    from ..moe.timeline import hidden_producer_fraction, overlap_fraction
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=3)
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     panels = []
     for cfg in cfgs:
-        moe = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, **cfg)
+        moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, **cfg)
         try:
             for _ in range(2):
-                moe.forward(x, router_weight=router)
-            moe.forward(x, router_weight=router, timeline=True)
+                moe.forward(x, router_weight=router, streaming=True)
+            moe.forward(x, router_weight=router, streaming=True, timeline=True)
             moe.check_errors()
             records = moe.timeline_records()
         finally:
@@ -218,22 +220,31 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     """The producer's work of one call (every chunk's router GEMM, TopK, route and layout kernels, on the
     producer stream of a ring with a slot per chunk, so it never waits; all launches enqueued behind a
     50 ms sleep kernel first) timed alone and beside ``world_size + 1`` blocks of the consumer's wait loop
-    (`stream_spin_probe`), interleaved."""
+    (``moe_spin_probe``), interleaved."""
     import torch
-    from ..moe.gpu_streamed import StreamedMoE
+    from ..moe import plan as plans
+    from ..moe import stages
+    from ..moe.gpu import MoE
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     chunks = -(-n // tokens_per_slot)
-    moe = StreamedMoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
-                      tokens_per_slot=tokens_per_slot, num_slots=chunks)
+    moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
+              tokens_per_slot=tokens_per_slot, num_slots=chunks)
+    plan = plans.make_plan([n] * ctx.world_size, ctx.rank, tokens_per_slot=tokens_per_slot, num_slots=chunks,
+                           expert_window=1, streaming=True, two_streams=True, topk=topk, capacity=moe.capacity)
     blocks = ctx.world_size + 1
     word = torch.zeros(1, dtype=torch.int64, device=device)
     spinner = torch.cuda.Stream(device=device)
-    producer = moe._producer_stream
-    probe = moe._stream_module.function("stream_spin_probe")
+    producer = torch.cuda.Stream(device=device)
+    k, state = moe._kernels, moe._state
+    probe = moe.backend.library_module("moe_schedule").function("moe_spin_probe")
+    idx, weights = moe._topk_idx, moe._topk_weights
 
-    sleep = moe._stream_module.function("stream_sleep")
+    def route(rows: slice) -> None:
+        chunk_idx, chunk_weights = moe._route(x, "router", router, rows)
+        idx[rows].copy_(chunk_idx)
+        weights[rows].copy_(chunk_weights)
 
     def produce_call(spin: bool) -> float:
         moe.reset()  # fresh ring: every slot free, generation base 0 (collective)
@@ -242,13 +253,15 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
         if spin:  # spin well past the producer's work; nobody ever sets the word
             probe((blocks,), (32,), (np.uint64(word.data_ptr()), np.uint64(1), np.uint64(200_000_000)),
                   stream=moe._stream(spinner.cuda_stream))
+        p_stream = moe._stream(producer.cuda_stream)
         with torch.cuda.stream(producer):
             # Hold the stream while the host enqueues every launch, so the events time the device's work,
             # not the host's launch rate.
-            sleep((1,), (32,), (np.uint64(50_000_000),), stream=moe._stream(producer.cuda_stream))
+            stages.sleep(k, state, p_stream, ns=50_000_000)
             start.record()
-            for c in range(chunks):
-                moe._produce(c, x, n, "router", router, moe.topk_idx_all, moe.topk_weights_all, 0, False, producer)
+            for chunk in plan.chunks:
+                stages.produce_chunk(k, state, p_stream, chunk=chunk, x=x, route=route, topk_idx=idx,
+                                     topk_weights=weights)
             end.record()
         end.synchronize()
         torch.cuda.synchronize()  # the probe ends by its bound

@@ -381,10 +381,7 @@ class ExpertParallelMoE:
             raise ConfigError("logits: expected finite values (found NaN or inf)")
         if not isinstance(streaming, (bool, np.bool_)):
             raise ConfigError(f"streaming={streaming!r}: expected True or False")
-        try:
-            ack_policy = AckPolicy(ack_policy)
-        except ValueError:
-            raise ConfigError(f"ack_policy={ack_policy!r}: expected one of {list(AckPolicy)}") from None
+        ack_policy = AckPolicy.parse(ack_policy)
         if streaming:
             tokens_per_slot = 64 if tokens_per_slot is None else tokens_per_slot
             for name, value in (("tokens_per_slot", tokens_per_slot), ("num_slots", num_slots)):

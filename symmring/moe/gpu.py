@@ -1,29 +1,34 @@
-"""The expert-parallel MoE layer on GPUs, batch-ready path: one chunk per call, through the NVSHMEM ring.
+"""The expert-parallel MoE layer on GPUs: one layer, batch-ready by default, streamed through the ring on request.
 
-Every rank (PE) owns ``num_experts / world_size`` consecutive experts and its own tokens. One `MoE.forward`
-enqueues, on the current torch stream, with no host synchronisation:
+Every rank (PE) owns ``num_experts / world_size`` consecutive experts and its own tokens. One
+`MoE.forward` is one call of the ring protocol (`symmring.protocol`), enqueued on the current torch
+stream with no host synchronisation. Its chunks move through a ring of ``num_slots`` slots of
+``tokens_per_slot`` tokens (by default one slot of ``max_tokens``):
 
-1. **route** (producer): router GEMM and TopK in torch (`symmring.moe.torch_ref.route`, the definitions
-   of `symmring.moe.reference`), then ``moe_produce_route`` (device/producer.cu): acquire the ring slot
-   (every consumer acknowledged the previous call), copy ``topk_idx``/``topk_weights`` and the metadata
-   into it, publish route readiness.
-2. **layout** (producer): ``moe_produce_layout_fp8`` reads bf16 ``x`` and writes fp8 e4m3 ``x`` with
-   per-token, per-128-channel float32 ``x_sf`` straight into the slot (bitwise `symmring.moe.quant`),
-   then publishes layout readiness; ``moe_produce_layout_bf16`` copies bf16 rows instead.
-3. **dispatch** (device/dispatch.cu): wait for both readiness generations of every source rank; count
-   the (token, k) entries routed to each local expert; scan to expert-contiguous row offsets (they stay
-   on the device and feed ``torch._grouped_mm``'s ``offs``); pull every routed row over NVLink with
-   16-byte loads, dequantising fp8 to bf16 on the way, and record its source (rank, token, k).
-4. **experts**: L1 (gate and up, one grouped GEMM), SwiGLU, L2 (grouped GEMM), all bf16 with float32
-   accumulation (``torch._grouped_mm``).
-5. **combine** (device/combine.cu): store every output row at its (token, k) place in the owner's
-   symmetric combine buffer, signal each owner, acknowledge its ring slot (the CONSERVATIVE policy);
-   then wait for every rank's signal and reduce each token's rows over k in fixed order, weighted by
-   ``topk_weights``, into ``y`` (bf16). Masked (-1) entries contribute nothing.
+* ``streaming=False`` (the default and the fallback): the batch-ready path. Every chunk of the call is
+  produced (router, TopK, route and layout published), then one expert window over the whole call is
+  consumed; with the default ring that is one chunk holding the batch.
+* ``streaming=True``: the chunked schedule. The producer of chunk ``c + 1`` overlaps the consumer of
+  chunk ``c`` (a producer and a consumer stream), the consumer takes expert windows of ``expert_window``
+  chunks (1 = chunk-local pools; W > 1 reserves pool rows across the window's chunks, counted from route
+  readiness alone, and runs one grouped GEMM per window).
+* ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
+  layer's shape, ring and token count; batch where it has no measurement that beat batch.
 
-Capacity: the expert pool has ``world_size * max_tokens * topk`` rows, one per possible (source rank,
-token, k), so no routing can overflow it (no device overflow flag is needed); ``max_tokens`` (tokens per
-rank per call) is fixed at construction and a larger batch is a ConfigError before anything is enqueued.
+Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
+torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
+``moe_produce_layout_fp8`` quantises ``x`` to fp8 e4m3 with per-128-channel scales, bitwise
+`symmring.moe.quant`, or ``_bf16`` copies it, and publishes layout readiness); **dispatch** (wait for both
+generations of every source, count and scan the local experts' rows, pull every routed row over NVLink
+into the expert pool, dequantising fp8); **experts** (the `symmring.moe.experts.ExpertEngine` seam: L1,
+SwiGLU, L2); **combine** (rows back to their owners at the logical token row, a signal per owner, then a
+fixed-order weighted reduce into ``y``). The plan of each distinct call (`symmring.moe.plan`) is built
+once and reused.
+
+Capacity: the expert pool has ``world_size * min(max_tokens, num_slots * tokens_per_slot) * topk`` rows,
+one per possible (source rank, token, k) of a window, so no routing can overflow it; ``max_tokens``
+(tokens per rank per call) is fixed at construction and a larger batch is a ConfigError before anything
+is enqueued.
 
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
 later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. With
@@ -31,10 +36,11 @@ later kernel returns at once; `MoE.check_errors` (which synchronises) raises the
 usable again.
 
 Example:
-    >>> ctx = symmring.context.init("nvshmem")
+    >>> ctx = symmring.init("nvshmem")
     >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,
-    ...           max_tokens=4096)
-    >>> y = moe.forward(x, router_weight=router)        # x: [n, 1024] bf16 on this rank's GPU
+    ...           max_tokens=4096, num_slots=4, tokens_per_slot=1024)
+    >>> y = moe.forward(x, router_weight=router)                  # batch-ready (x: [n, 1024] bf16)
+    >>> y = moe.forward(x, router_weight=router, streaming=True)  # the same call, 1024-token chunks
     >>> moe.check_errors(); moe.close()
 """
 
@@ -43,38 +49,30 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-import weakref
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import env, protocol
+from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, ProtocolTimeout, RingClosedError
 from ..layout import ALIGN, RingSpec, align_up
-from . import torch_ref
+from . import plan as plans
+from . import routing as routing_mod
+from . import stages, timeline
+from .experts import TorchBf16Experts
 
 logger = logging.getLogger(__name__)
 
-#: Threads per block of the MoE kernels (8 warps).
-THREADS_PER_BLOCK = 256
-WARPS_PER_BLOCK = THREADS_PER_BLOCK // 32
-#: Grid caps: enough blocks to fill an H200 (132 SMs) several times over, few enough to stay cheap.
-MAX_BLOCKS = 1056
-#: Blocks of the route kernel, whose blocks all poll the acknowledgement mask while they wait.
-MAX_ROUTE_BLOCKS = 16
-#: Largest top-k the dispatch kernel handles (one lane per k).
-MAX_TOPK = 32
-#: Bits of the device status word (device/dispatch.cu MoeStatus).
-STATUS_NO_PEER_MAPPING = 1
 #: fp8 scale group the fused layout kernel implements.
 FP8_GROUP_SIZE = 128
-#: Stage names of `MoE.forward(stage_events=...)`, in order.
+#: Stage names of `MoE.forward(stage_events=...)`, in order (batch path).
 STAGES = ("route", "layout", "dispatch", "experts", "combine")
-#: Device sources of the layer, by short name (device/<name>.cu).
-SOURCES = ("producer", "dispatch", "combine")
-
-#: Loaded modules per backend: every MoE on a backend shares them (loading is collective per node).
-_modules_by_backend: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: Values of ``forward(streaming=...)``.
+STREAMING_MODES = (False, True, "auto")
+#: Plans kept per layer (one per distinct (token counts, schedule); a serving loop sees few).
+MAX_CACHED_PLANS = 64
 
 
 def _torch():
@@ -87,37 +85,28 @@ def _cupy():
     return cupy
 
 
-def _ptr(tensor) -> np.uint64:
-    """A tensor's device address as a kernel argument."""
-    return np.uint64(tensor.data_ptr())
-
-
 def _check_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"{name}={value!r}: expected an int >= {minimum}")
     return int(value)
 
 
-def _blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
-    return max(1, min(cap, -(-num_items // per_block)))
-
-
-def _load_modules(backend) -> Dict[str, object]:
-    """The layer's compiled modules on ``backend`` (compiled and registered once per backend)."""
-    modules = _modules_by_backend.get(backend)
-    if modules is None:
-        from .. import jit
-        modules = {name: backend.load_module(jit.read_source(f"{name}.cu"), name=f"moe_{name}")
-                   for name in SOURCES}
-        _modules_by_backend[backend] = modules
-    return modules
+def _check_delays(name: str, delays) -> Dict[int, int]:
+    if delays is None:
+        return {}
+    if not isinstance(delays, dict):
+        raise ConfigError(f"{name}={delays!r}: expected a dict chunk_idx -> nanoseconds")
+    for chunk, ns in delays.items():
+        _check_int(f"{name} chunk", chunk, 0)
+        _check_int(f"{name}[{chunk}]", ns, 0)
+    return {int(c): int(ns) for c, ns in delays.items()}
 
 
 class MoE:
-    """Expert-parallel MoE layer on GPU PEs (batch-ready: the whole batch is one ring chunk).
+    """Expert-parallel MoE layer on GPU PEs (see the module docstring).
 
     Args:
-        ctx: a `symmring.context.Context` on the ``nvshmem`` backend.
+        ctx: a `symmring.context.Context` on a device backend (``nvshmem``).
         num_experts: experts over all ranks; a multiple of ``ctx.world_size``.
         hidden, inter: model and expert intermediate sizes (multiples of 128 for fp8, of 8 for bf16;
             ``inter`` a multiple of 8).
@@ -125,14 +114,25 @@ class MoE:
         w_gate, w_up: this rank's experts, bf16 CUDA tensors ``[num_experts / world_size, inter, hidden]``
             (``nn.Linear`` layout, Mixtral's ``w1``/``w3``); w_down: ``[num_experts / world_size, hidden,
             inter]`` (``w2``). Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
-        max_tokens: most tokens per rank per call (the ring slot's capacity).
+        max_tokens: most tokens per rank per call.
+        num_slots: slots of the ring (>= 1); the streamed producer runs up to ``num_slots - 1`` chunks ahead.
+        tokens_per_slot: tokens per chunk, the slot's capacity (default ``max_tokens``; at most that). A
+            batch call fits the ring when it has at most ``num_slots * tokens_per_slot`` tokens per rank.
+        ack_policy: `AckPolicy.CONSERVATIVE` (acknowledge a chunk after its window's combine signal, the
+            default) or ``EARLY`` (right after its pull), or their names (`AckPolicy.parse`).
+        expert_window: chunks per expert window of the streamed schedule (``1 <= W <= num_slots``).
         x_format: dispatch format, ``"fp8_e4m3"`` (per-token, per-128-channel scales) or ``"bf16"``.
         scoring: ``"softmax"`` (Mixtral) or ``"sigmoid_bias"`` (DeepSeek-V3); bias and
-            routed_scaling_factor: as in `symmring.moe.reference.select_topk`.
+            routed_scaling_factor: as in `symmring.moe.routing.route`.
+        single_stream: run the streamed schedule's producer and consumer on the caller's stream, in the
+            enqueue order (the serial schedule of PROTOCOL.md 9.1; for tests and as a fallback).
+        timeout_s: bound of every device wait (default: the context's).
+        policy: a `symmring.moe.policy.StreamPolicy` for ``streaming="auto"`` (default: the one measured on
+            an H200, `StreamPolicy.default`).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
-        BackendError: the context is not on the nvshmem backend, or torch is missing.
+        BackendError: the context is not on a device backend, or torch is missing.
 
     Example:
         >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,
@@ -141,25 +141,37 @@ class MoE:
     """
 
     def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
-                 max_tokens: int, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
-                 routed_scaling_factor: float = 1.0):
+                 max_tokens: int, num_slots: int = 1, tokens_per_slot: Optional[int] = None, ack_policy=None,
+                 expert_window: int = 1, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
+                 routed_scaling_factor: float = 1.0, single_stream: bool = False,
+                 timeout_s: Optional[float] = None, policy=None):
         torch = _torch()
-        if getattr(getattr(ctx, "backend", None), "name", None) != "nvshmem":
-            raise BackendError(f"ctx: expected a context on the 'nvshmem' backend, got "
-                               f"{getattr(getattr(ctx, 'backend', None), 'name', ctx)!r}")
+        backend = getattr(ctx, "backend", None)
+        if not isinstance(backend, DeviceBackend):
+            raise BackendError(f"ctx: expected a context on a device backend ('nvshmem'), got "
+                               f"{getattr(backend, 'name', ctx)!r}")
         ctx.check_open()
-        self.ctx = ctx
+        self.ctx, self.backend = ctx, backend
         self.rank, self.world_size = ctx.rank, ctx.world_size
+        # --- every argument checked before any collective work -----------------------------------------
         self.num_experts = _check_int("num_experts", num_experts)
         self.hidden = _check_int("hidden", hidden)
         self.inter = _check_int("inter", inter)
         self.topk = _check_int("topk", topk)
         self.max_tokens = _check_int("max_tokens", max_tokens)
+        self.num_slots = _check_int("num_slots", num_slots)
+        self.tokens_per_slot = self.max_tokens if tokens_per_slot is None else _check_int("tokens_per_slot",
+                                                                                          tokens_per_slot)
+        if self.tokens_per_slot > self.max_tokens:
+            raise ConfigError(f"tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
+        self.ack_policy = protocol.AckPolicy.parse(ack_policy)
+        protocol.check_expert_window(expert_window, self.num_slots)
+        self.expert_window = int(expert_window)
         if self.num_experts % self.world_size:
             raise ConfigError(f"num_experts={num_experts}: expected a multiple of world_size={self.world_size} "
                               "(experts are split evenly)")
-        if self.topk > min(MAX_TOPK, self.num_experts):
-            raise ConfigError(f"topk={topk}: expected at most min({MAX_TOPK}, num_experts={num_experts})")
+        if self.topk > min(stages.MAX_TOPK, self.num_experts):
+            raise ConfigError(f"topk={topk}: expected at most min({stages.MAX_TOPK}, num_experts={num_experts})")
         if x_format not in ("fp8_e4m3", "bf16"):
             raise ConfigError(f"x_format={x_format!r}: expected 'fp8_e4m3' or 'bf16'")
         multiple = FP8_GROUP_SIZE if x_format == "fp8_e4m3" else 8
@@ -167,66 +179,81 @@ class MoE:
             raise ConfigError(f"hidden={hidden}: expected a multiple of {multiple} for x_format={x_format!r}")
         if self.inter % 8:
             raise ConfigError(f"inter={inter}: expected a multiple of 8 (16-byte rows for the grouped GEMM)")
-        if scoring not in torch_ref.SCORINGS:
-            raise ConfigError(f"scoring={scoring!r}: expected one of {list(torch_ref.SCORINGS)}")
+        if scoring not in routing_mod.SCORINGS:
+            raise ConfigError(f"scoring={scoring!r}: expected one of {list(routing_mod.SCORINGS)}")
+        if not isinstance(single_stream, bool):
+            raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
         self.scoring = scoring
         self.routed_scaling_factor = float(routed_scaling_factor)
-        device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        local_shape = (self.num_local_experts, self.inter, self.hidden)
-        for name, w, shape in (("w_gate", w_gate, local_shape), ("w_up", w_up, local_shape),
-                               ("w_down", w_down, (self.num_local_experts, self.hidden, self.inter))):
+        self.single_stream = single_stream
+        self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        E, K, H = self.num_local_experts, self.topk, self.hidden
+        for name, w, shape in (("w_gate", w_gate, (E, self.inter, H)), ("w_up", w_up, (E, self.inter, H)),
+                               ("w_down", w_down, (E, H, self.inter))):
             self._check_tensor(name, w, torch.bfloat16, shape)
         self.bias = None
         if bias is not None:
             self._check_tensor("bias", bias, None, (self.num_experts,))
             self.bias = bias.float()
-        # L1 as one grouped GEMM: [E, 2I, H] (gate rows, then up rows); grouped_mm takes its [E, H, 2I] view.
-        self.w13 = torch_ref.fuse_gate_up(w_gate, w_up)
-        self.w_down = w_down.contiguous()
-        self._w13_t, self._w_down_t = self.w13.transpose(1, 2), self.w_down.transpose(1, 2)  # [E, K, N] views
+        from .policy import StreamPolicy
+        if policy is not None and not isinstance(policy, StreamPolicy):
+            raise ConfigError(f"policy={policy!r}: expected a StreamPolicy or None")
+        self.policy = policy
+        self.engine = TorchBf16Experts(w_gate, w_up, w_down)
 
-        from ..kernels import DeviceRing  # the nvshmem ring allocation + descriptor (GPU runtime)
-        backend = ctx.backend
-        self.backend = backend
-        self.spec = RingSpec(num_slots=1, tokens_per_slot=self.max_tokens, hidden=self.hidden,
-                             num_topk=self.topk, num_experts=self.num_experts, x_format=x_format,
+        # --- symmetric memory (collective) ------------------------------------------------------------
+        from ..kernels import DeviceRing
+        self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot, hidden=H,
+                             num_topk=K, num_experts=self.num_experts, x_format=x_format,
                              sf_group_size=FP8_GROUP_SIZE)
-        self.ring = DeviceRing(backend, self.spec, timeout_s=ctx.timeout_s,
-                               ack_policy=protocol.AckPolicy.CONSERVATIVE)
-        # Combine buffer (symmetric): combine_ready[world_size] uint64, then rows [T][K][H] bf16.
-        self._rows_offset = align_up(self.world_size * 8, ALIGN)
-        rows_bytes = self.max_tokens * self.topk * self.hidden * 2
-        self.combine_alloc = backend.alloc(self._rows_offset + rows_bytes)
-        # Local addresses; the kernels reach a peer's copy through nvshmem_ptr.
-        self._combine_ready_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, 0))
-        self._combine_rows_ptr = np.uint64(backend.address(self.combine_alloc, self.rank, self._rows_offset))
-        self._modules = _load_modules(backend)
+        self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s)
+        # Combine buffer: combine_ready[world_size] uint64, then rows [max_tokens][K][H] bf16 by logical token.
+        rows_offset = align_up(self.world_size * 8, ALIGN)
+        self.combine_alloc = backend.alloc(rows_offset + self.max_tokens * K * H * 2)
+        self._kernels = stages.Kernels(backend)
 
-        # Local device buffers (fixed size: no allocation depends on the routing).
-        self.capacity = self.world_size * self.max_tokens * self.topk
-        E = self.num_local_experts
-        i32 = dict(dtype=torch.int32, device=device)
-        self.counts = torch.zeros(E, **i32)
-        self.begin = torch.zeros(E, **i32)
-        self.group_end = torch.zeros(E, **i32)  # torch._grouped_mm offs: cumulative row ends
-        self.cursor = torch.zeros(E, **i32)
-        self.total = torch.zeros(1, **i32)
-        self.status = torch.zeros(1, **i32)
-        self.grid_counters = torch.zeros(4, **i32)  # grid_last_block counters of the producer kernels
-        self.pool_x = torch.empty((self.capacity, self.hidden), dtype=torch.bfloat16, device=device)
-        self.row_src = torch.zeros((self.capacity, 4), **i32)
-        self.row_weight = torch.zeros(self.capacity, dtype=torch.float32, device=device)
+        # --- local buffers (fixed size: no allocation depends on the routing; graph-capturable) ---------
+        window_tokens = min(self.max_tokens, self.num_slots * self.tokens_per_slot)
+        self.capacity = self.world_size * window_tokens * K
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.max_chunks = protocol.num_chunks_for(self.max_tokens, self.tokens_per_slot)
+        self._state = stages.State(
+            desc=self.ring.kernels.desc, num_ranks=self.world_size, expert_begin=self.expert_begin,
+            num_local_experts=E, tokens_per_slot=self.tokens_per_slot, topk=K, hidden=H,
+            fp8_layout=x_format == "fp8_e4m3", capacity=self.capacity,
+            counts=torch.zeros(E, **i32), begin=torch.zeros(E, **i32), group_end=torch.zeros(E, **i32),
+            cursor=torch.zeros(E, **i32), total=torch.zeros(1, **i32), status=torch.zeros(1, **i32),
+            counters=torch.zeros(2, **i32),
+            pool_x=torch.empty((self.capacity, H), dtype=torch.bfloat16, device=self.device),
+            row_src=torch.zeros((self.capacity, 4), **i32),
+            row_weight=torch.zeros(self.capacity, dtype=torch.float32, device=self.device),
+            # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
+            token_base=torch.zeros((max(self.num_slots, 1), self.world_size), dtype=torch.int64, device=self.device),
+            combine_ready=np.uint64(backend.address(self.combine_alloc, self.rank, 0)),
+            combine_rows=np.uint64(backend.address(self.combine_alloc, self.rank, rows_offset)),
+            stamps=torch.zeros(timeline.num_stamps(self.max_chunks), dtype=torch.int64, device=self.device))
+        # The owner's routing of a streamed call (the producer writes it chunk by chunk; the reduce reads it).
+        self._topk_idx = torch.zeros((self.max_tokens, K), **i32)
+        self._topk_weights = torch.zeros((self.max_tokens, K), dtype=torch.float32, device=self.device)
+        self._plans: "OrderedDict[Tuple, plans.Plan]" = OrderedDict()
         self._streams: Dict[int, object] = {}  # torch stream handle -> CuPy view of it
+        self._producer_stream = torch.cuda.Stream(device=self.device)
+        self._consumer_stream = torch.cuda.Stream(device=self.device)
+        self._timeline = (0, {})  # (chunks, windows) of the last forward(timeline=True)
         self.closed = False
         backend.barrier()
-        logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, "
-                    "max_tokens %d, pool %d rows", self.rank, self.world_size, self.expert_begin,
-                    self.expert_begin + E, self.num_experts, self.hidden, self.inter, self.topk, x_format,
-                    self.max_tokens, self.capacity)
+        logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, max_tokens %d, "
+                    "ring %d x %d tokens, %s ack, window %d, pool %d rows", self.rank, self.world_size,
+                    self.expert_begin, self.expert_begin + E, self.num_experts, H, self.inter, K, x_format,
+                    self.max_tokens, self.num_slots, self.tokens_per_slot, self.ack_policy.name.lower(),
+                    self.expert_window, self.capacity)
 
     # --- validation -----------------------------------------------------------------------------------
 
@@ -282,41 +309,107 @@ class MoE:
         self._check_tensor("logits", logits, None, (n, self.num_experts))
         return "logits", logits
 
-    def _route(self, x, kind: str, source) -> Tuple:
-        """``(topk_idx, topk_weights)`` of the rows of ``x`` from a validated routing source (enqueued)."""
-        if kind == "given":
-            return source
-        logits = x @ source.t() if kind == "router" else source
-        idx, weights = torch_ref.route(logits, self.topk, self.scoring, bias=self.bias,
-                                       routed_scaling_factor=self.routed_scaling_factor)
+    def _route(self, x, kind: str, source, rows: slice = slice(None)) -> Tuple:
+        """``(topk_idx, topk_weights)`` of ``x[rows]`` from a validated router or logits source (enqueued)."""
+        logits = x[rows] @ source.t() if kind == "router" else source[rows]
+        idx, weights = routing_mod.route(logits, self.topk, self.scoring, bias=self.bias,
+                                         routed_scaling_factor=self.routed_scaling_factor)
         return idx.contiguous(), weights.contiguous()
+
+    def streams(self, streaming, num_tokens: int) -> bool:
+        """Whether a call of ``num_tokens`` tokens per rank with this ``streaming`` argument runs the streamed
+        schedule: ``streaming`` itself, or the policy's answer for ``"auto"``.
+
+        Raises ConfigError for any other value."""
+        if isinstance(streaming, bool):
+            return streaming
+        if streaming != "auto":
+            raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_MODES)}")
+        if self.policy is None:
+            from .policy import StreamPolicy
+            self.policy = StreamPolicy.default()
+        return self.policy.streams(self, num_tokens)
 
     # --- the layer ------------------------------------------------------------------------------------
 
-    def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
-                stage_events: Optional[List] = None):
-        """Run the layer on this rank's tokens (collective: every rank calls forward once per call).
+    def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
+                stage_events: Optional[List] = None, timeline: bool = False, producer_delay_ns=None,
+                consumer_delay_ns=None):
+        """Run the layer on this rank's tokens (collective: every rank calls forward once per call, with
+        the same ``streaming``).
 
         Args:
             x: bf16 ``[n, hidden]`` on this rank's GPU, ``0 <= n <= max_tokens``, rows contiguous.
             router_weight: bf16 ``[num_experts, hidden]`` (logits = ``x @ router_weight.T``), or
             logits: ``[n, num_experts]`` (any float dtype), or
             topk_idx / topk_weights: int32 / float32 ``[n, topk]`` routing (``-1`` = masked).
-            stage_events: when a list, ``(stage name, torch.cuda.Event)`` pairs are appended after each
-                stage of `STAGES` (with a leading ``("start", event)``) for per-stage timing.
+            streaming: False (batch-ready), True (chunked through the ring) or ``"auto"`` (the policy).
+            stage_events: batch path only: a list that receives ``(stage name, torch.cuda.Event)`` pairs
+                after each stage of `STAGES` (with a leading ``("start", event)``) for per-stage timing.
+            timeline: streamed only: stamp every stage of every chunk with the device clock
+                (`timeline_records`).
+            producer_delay_ns / consumer_delay_ns: streamed only, ``{chunk_idx: ns}``: spin the producer
+                before producing the chunk, or the consumer before consuming the window that starts at it
+                (tests: a deliberately slow producer or consumer).
 
         Returns:
             bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync).
 
         Raises:
-            ConfigError: bad shapes, dtypes, devices or routing sources (nothing is enqueued).
-            ProtocolTimeout: only with ``SYMMRING_DEBUG=1`` (which checks after every call).
+            ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
+                than the ring (nothing is enqueued).
+            ProtocolTimeout: the ranks' token counts did not arrive within the timeout (host), or, with
+                ``SYMMRING_DEBUG=1``, a device wait expired.
         """
         torch = _torch()
         self._check_open()
         x = self._check_input(x)
         n = int(x.shape[0])
-        events = stage_events
+        stream_it = self.streams(streaming, n)
+        if not isinstance(timeline, bool):
+            raise ConfigError(f"timeline={timeline!r}: expected a bool")
+        delays = _check_delays("producer_delay_ns", producer_delay_ns)
+        consumer_delays = _check_delays("consumer_delay_ns", consumer_delay_ns)
+        if not stream_it and (timeline or delays or consumer_delays):
+            raise ConfigError("timeline/producer_delay_ns/consumer_delay_ns: only for the streamed schedule "
+                              "(streaming=True)")
+        if stream_it and stage_events is not None:
+            raise ConfigError("stage_events: only for the batch path (streaming=False); the streamed schedule "
+                              "records a timeline (timeline=True)")
+        kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
+        plan = self._plan(self._all_token_counts(n), stream_it)
+        y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
+        if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
+            return y
+        if plan.streaming:
+            self._run_streamed(plan, x, kind, source, y, timeline, delays, consumer_delays)
+        else:
+            self._run_batch(plan, x, kind, source, y, stage_events)
+        if env.debug():
+            self.check_errors()
+        return y
+
+    __call__ = forward
+
+    def _plan(self, counts: List[int], streaming: bool) -> plans.Plan:
+        key = (tuple(counts), streaming)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plans.make_plan(counts, self.rank, tokens_per_slot=self.tokens_per_slot, num_slots=self.num_slots,
+                                   expert_window=self.expert_window, streaming=streaming,
+                                   two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity)
+            self._plans[key] = plan
+            if len(self._plans) > MAX_CACHED_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def _run_batch(self, plan: plans.Plan, x, kind: str, source, y, events: Optional[List]) -> None:
+        """The batch schedule on the caller's stream: every route, every layout, one window, the end."""
+        torch = _torch()
+        k, s = self._kernels, self._state
+        stream = self._stream(torch.cuda.current_stream().cuda_stream)
 
         def mark(name: str) -> None:
             if events is not None:
@@ -324,79 +417,75 @@ class MoE:
                 ev.record()
                 events.append((name, ev))
 
-        kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
         mark("start")
-        topk_idx, topk_weights = self._route(x, kind, source)
-        # Rows the grouped GEMMs run over: a host-side bound, since the exact count stays on the device.
-        # Every pool row is a (source token, k) pair, so topk * (tokens of all ranks) bounds it: exact with
-        # one rank; with several, one integer all-reduce of the token counts (host MPI, no device sync).
-        rows_bound = max(1, min(self.capacity, self._all_tokens(n) * self.topk))
-        stream = self._stream(torch.cuda.current_stream().cuda_stream)
-        desc = self.ring.kernels.desc
-        chunk = np.int32(0)
-        fn_p = self._modules["producer"].function
-        fn_d = self._modules["dispatch"].function
-        fn_c = self._modules["combine"].function
-        R, E, T, K, H = self.world_size, self.num_local_experts, self.max_tokens, self.topk, self.hidden
-        counters = self.grid_counters
-
-        # 1. route: acquire the slot, write topk + meta, publish route readiness.
-        fn_p("moe_produce_route")((_blocks(n * K, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS),), (THREADS_PER_BLOCK,),
-                                  (desc, chunk, _ptr(topk_idx), _ptr(topk_weights), np.int32(n),
-                                   np.uint64(counters.data_ptr())), stream=stream)
+        idx, weights = source if kind == "given" else self._route(x, kind, source)
+        row_bytes = self.topk * 4
+        for chunk in plan.chunks:
+            stages.produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=idx.data_ptr() + chunk.token_base * row_bytes,
+                                 topk_weights_ptr=weights.data_ptr() + chunk.token_base * row_bytes)
         mark("route")
-        # 2. layout: fp8 quantisation (or bf16 copy) into the slot, publish layout readiness.
-        layout_kernel = "moe_produce_layout_fp8" if self.x_format == "fp8_e4m3" else "moe_produce_layout_bf16"
-        layout_blocks = (_blocks(n, WARPS_PER_BLOCK) if self.x_format == "fp8_e4m3"  # a warp per token
-                         else _blocks(n * H // 8, THREADS_PER_BLOCK * 4))                # 4 vectors per thread
-        fn_p(layout_kernel)((layout_blocks,), (THREADS_PER_BLOCK,),
-                            (desc, chunk, _ptr(x), np.int64(x.stride(0)), np.int32(n),
-                             np.uint64(counters.data_ptr() + 4)), stream=stream)
+        for chunk in plan.chunks:
+            stages.produce_layout(k, s, stream, chunk=chunk, x=x)
         mark("layout")
-        # 3. dispatch.
-        fn_d("moe_dispatch_wait")((R,), (32,), (desc, chunk, _ptr(self.counts), np.int32(E)), stream=stream)
-        fn_d("moe_dispatch_count")((_blocks(T * K, THREADS_PER_BLOCK, 64), R), (THREADS_PER_BLOCK,),
-                                   (desc, chunk, _ptr(self.counts), np.int32(self.expert_begin), np.int32(E),
-                                    _ptr(self.status)), stream=stream, shared_mem=4 * E)
-        fn_d("moe_dispatch_scan")((1,), (1024,), (_ptr(self.counts), _ptr(self.begin), _ptr(self.group_end),
-                                                   _ptr(self.cursor), _ptr(self.total), np.int32(E)),
-                                  stream=stream, shared_mem=4 * 1024)
-        fn_d("moe_dispatch_pull")((_blocks(T, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // R)), R), (THREADS_PER_BLOCK,),
-                                  (desc, chunk, _ptr(self.begin), _ptr(self.cursor), _ptr(self.pool_x),
-                                   _ptr(self.row_src), _ptr(self.row_weight), np.int32(self.expert_begin),
-                                   np.int32(E), _ptr(self.status)), stream=stream)
-        mark("dispatch")
-        # 4. experts over the first rows_bound pool rows; rows past group_end[-1] are never read.
-        h = torch_ref.grouped_mm(self.pool_x[:rows_bound], self._w13_t, self.group_end)
-        act = torch_ref.swiglu(h, self.inter)
-        out = torch_ref.grouped_mm(act, self._w_down_t, self.group_end)
-        mark("experts")
-        # 5. combine.
-        rows_ptr = self._combine_rows_ptr
-        fn_c("moe_combine_scatter")((_blocks(self.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                                    (desc, _ptr(out), _ptr(self.row_src), _ptr(self.total), rows_ptr),
-                                    stream=stream)
-        fn_c("moe_combine_signal")((1,), (32,), (desc, chunk, self._combine_ready_ptr), stream=stream)
-        fn_c("moe_combine_wait")((1,), (32,), (desc, chunk, self._combine_ready_ptr), stream=stream)
-        y = torch.empty((n, H), dtype=torch.bfloat16, device=self.device)
-        # The reduce also ends the call (generation base + 1; nothing after it reads the base).
-        fn_c("moe_combine_reduce")((_blocks(n, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                                   (desc, chunk, rows_ptr, _ptr(y), np.int64(H), np.int32(n)), stream=stream)
-        mark("combine")
-        if env.debug():
-            self.check_errors()
-        return y
+        window = plan.windows[0]
+        stages.consume_window(k, s, stream, window=window, engine=self.engine, ack_policy=self.ack_policy,
+                              split_waits=False, topk_idx=idx, topk_weights=weights, y=y,
+                              end_call_chunks=plan.num_chunks, mark=mark if events is not None else None)
 
-    __call__ = forward
+    def _run_streamed(self, plan: plans.Plan, x, kind: str, source, y, stamps: bool, delays: Dict[int, int],
+                      consumer_delays: Dict[int, int]) -> None:
+        """The streamed schedule: the plan's enqueue order on the producer and consumer streams (or the
+        caller's stream alone), joined on the caller's stream, which then ends the call."""
+        torch = _torch()
+        k, s = self._kernels, self._state
+        caller = torch.cuda.current_stream()
+        if plan.two_streams:
+            producer, consumer = self._producer_stream, self._consumer_stream
+            # Fork: both streams start after the caller's earlier work (the previous call's end included).
+            producer.wait_stream(caller)
+            consumer.wait_stream(caller)
+        else:
+            producer = consumer = caller
+        if kind == "given":
+            idx, weights = source
+            route = None
+        else:
+            idx, weights = self._topk_idx, self._topk_weights
 
-    def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None,
+            def route(rows: slice) -> None:
+                chunk_idx, chunk_weights = self._route(x, kind, source, rows)
+                idx[rows].copy_(chunk_idx)
+                weights[rows].copy_(chunk_weights)
+        self._timeline = (plan.num_chunks, {w.first: w.last for w in plan.windows.values()}) if stamps else (0, {})
+        last_window = plan.last_window
+        p_stream, c_stream = self._stream(producer.cuda_stream), self._stream(consumer.cuda_stream)
+        for item, first, _ in plan.order:
+            if item == "produce":
+                with torch.cuda.stream(producer):
+                    stages.produce_chunk(k, s, p_stream, chunk=plan.chunks[first], x=x, route=route, topk_idx=idx,
+                                         topk_weights=weights, delay_ns=delays.get(first, 0), stamps=stamps)
+            else:
+                end_here = not plan.two_streams and first == last_window
+                with torch.cuda.stream(consumer):
+                    stages.consume_window(k, s, c_stream, window=plan.windows[first], engine=self.engine,
+                                          ack_policy=self.ack_policy, split_waits=True, topk_idx=idx,
+                                          topk_weights=weights, y=y, end_call_chunks=plan.num_chunks if end_here else 0,
+                                          delay_ns=consumer_delays.get(first, 0), stamps=stamps)
+        if plan.two_streams:
+            caller.wait_stream(producer)  # join: every kernel that reads the generation base is done
+            caller.wait_stream(consumer)
+            # End of the call: generation base + num_chunks (device-resident: graph replays stay fresh).
+            stages.end_call(k, s, self._stream(caller.cuda_stream), num_chunks=plan.num_chunks)
+
+    def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
                 warmup: int = 1):
         """Capture one `forward` on these (static) tensors into a CUDA graph (collective).
 
         Runs ``warmup`` eager calls first (real calls: every rank must make the same ones), then
         captures. Each ``graph.replay()`` is one more call on every rank: the generations come from the
         device-resident generation base, so replays never reuse a stale one. Refill ``x`` (and the
-        routing tensors) in place between replays.
+        routing tensors) in place between replays. The chunk count is fixed by the capture (every rank's
+        token count must stay the same).
 
         Returns:
             ``(graph, y)``: the ``torch.cuda.CUDAGraph`` and its static output tensor.
@@ -405,11 +494,12 @@ class MoE:
             ConfigError: as `forward`.
 
         Example:
-            >>> graph, y = moe.capture(x, router_weight=router)
+            >>> graph, y = moe.capture(x, router_weight=router, streaming=True)
             >>> x.copy_(next_batch); graph.replay(); use(y)
         """
         torch = _torch()
-        kwargs = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
+        kwargs = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights,
+                      streaming=streaming)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -422,18 +512,18 @@ class MoE:
             y = self.forward(x, **kwargs)
         return graph, y
 
-    def _all_tokens(self, n: int) -> int:
-        """Tokens of this call over all ranks: a non-blocking MPI sum, polled with the protocol's bound."""
+    def _all_token_counts(self, n: int) -> List[int]:
+        """Every rank's token count of this call: a non-blocking MPI allgather, polled with the bound."""
         if self.world_size == 1:
-            return n
-        send, recv = np.array([n], np.int64), np.zeros(1, np.int64)
-        request = self.ctx.comm.Iallreduce(send, recv)  # MPI.SUM is the default op
-        deadline = time.monotonic() + self.ctx.timeout_s
+            return [n]
+        send, recv = np.array([n], np.int64), np.zeros(self.world_size, np.int64)
+        request = self.ctx.comm.Iallgather(send, recv)
+        deadline = time.monotonic() + self.timeout_s
         while not request.Test():
             if time.monotonic() > deadline:
                 raise ProtocolTimeout("token_counts", rank=self.rank, slot=0, expected=self.world_size,
-                                      observed=0, timeout_s=self.ctx.timeout_s)
-        return int(recv[0])
+                                      observed=0, timeout_s=self.timeout_s)
+        return [int(c) for c in recv]
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
@@ -446,40 +536,54 @@ class MoE:
 
     # --- state, errors, teardown ----------------------------------------------------------------------
 
-    def slot_view(self, name: str, num_tokens: int):
-        """Zero-copy CuPy view of this rank's ring slot payload ``name`` (``x``, ``x_sf``, ``topk_idx``,
-        ``topk_weights``), its first ``num_tokens`` rows (for tests: what the producer kernels wrote)."""
+    def timeline_records(self) -> List[Dict]:
+        """Device timestamps of the last ``forward(streaming=True, timeline=True)`` (synchronises): see
+        `symmring.moe.timeline.records`."""
         self._check_open()
-        region = self.ring.layout[name]
+        num_chunks, windows = self._timeline
+        if not num_chunks:
+            return []
+        stamps = self._state.stamps[: timeline.num_stamps(num_chunks)].cpu().numpy().astype(np.int64)
+        return timeline.records(stamps, num_chunks, windows)
+
+    def slot_view(self, name: str, num_tokens: int, slot: int = 0):
+        """Zero-copy CuPy view of this rank's ring slot ``slot``'s payload ``name`` (``x``, ``x_sf``,
+        ``topk_idx``, ``topk_weights``), its first ``num_tokens`` rows (for tests: what the producer
+        kernels wrote)."""
+        self._check_open()
         if name not in ("x", "x_sf", "topk_idx", "topk_weights"):
             raise ConfigError(f"name={name!r}: expected one of 'x', 'x_sf', 'topk_idx', 'topk_weights'")
+        slot = _check_int("slot", slot, 0)
+        if slot >= self.num_slots:
+            raise ConfigError(f"slot={slot}: expected < num_slots={self.num_slots}")
         num_tokens = _check_int("num_tokens", num_tokens, 0)
-        if num_tokens > self.max_tokens:
-            raise ConfigError(f"num_tokens={num_tokens}: expected at most max_tokens={self.max_tokens}")
-        return self.backend.view(self.ring.alloc, self.rank, region.slot_offset(0), region.dtype,
+        if num_tokens > self.tokens_per_slot:
+            raise ConfigError(f"num_tokens={num_tokens}: expected at most tokens_per_slot={self.tokens_per_slot}")
+        region = self.ring.layout[name]
+        return self.backend.view(self.ring.alloc, self.rank, region.slot_offset(slot), region.dtype,
                                  (num_tokens,) + tuple(region.slot_shape[1:]))
-
 
     def check_errors(self) -> None:
         """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, or
         `BackendError` if a peer's memory was not load/store reachable."""
         self._check_open()
         self.ring.kernels.check_errors(synchronize=True)
-        status = int(self.status.item())
-        if status & STATUS_NO_PEER_MAPPING:
+        status = int(self._state.status.item())
+        if status & stages.STATUS_NO_PEER_MAPPING:
             raise BackendError(f"rank {self.rank}: a peer's ring is not load/store reachable (nvshmem_ptr "
                                "returned null); the MoE layer needs all PEs on one node with P2P/NVLink")
 
     def routed_rows(self) -> int:
-        """Rows the last forward computed on this rank (synchronises; for tests and benchmarks)."""
-        return int(self.total.item())
+        """Rows the last window of the last forward computed on this rank (synchronises; for tests and
+        benchmarks)."""
+        return int(self._state.total.item())
 
     def reset(self) -> None:
         """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout)."""
         self._check_open()
         self.ring.reset()
-        self.grid_counters.zero_()
-        self.status.zero_()
+        self._state.counters.zero_()
+        self._state.status.zero_()
         _cupy().cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
         self.backend.barrier()
 

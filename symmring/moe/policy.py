@@ -10,6 +10,13 @@ a configuration whose chunk would hold the whole batch is batch.
 Slot counts and expert windows are kept as measured rules: ``num_slots == "call"`` (one slot per chunk)
 and ``expert_window == "all"`` (one window of ``num_slots`` chunks) resolve for the requested size.
 
+The GPU layer's ``forward(streaming="auto")`` asks `StreamPolicy.streams`: it finds the layer's shape in
+the table by its dimensions (hidden, inter, num_experts, topk) and rank count, and streams only where
+the measured choice is the schedule this layer's ring runs (same chunk size, no more slots, same expert
+window); everywhere else -- an unmeasured shape, a size where batch won, another ring -- it runs batch.
+`StreamPolicy.default` is the table measured on one H200 (``policy_h200.json`` beside this module; every
+entry there chose batch, since one GPU has no NVLink dispatch for streaming to hide).
+
 Example:
     >>> policy = StreamPolicy.load("bench_stream.json")
     >>> policy.choose("deepseek-v3", 8192)      # None: use the batch layer
@@ -21,17 +28,25 @@ from __future__ import annotations
 
 import bisect
 import json
-from typing import Dict, List, Optional, Sequence
+import logging
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Streamed must beat batch by this fraction to be chosen (measured noise of one ratio: a few percent).
 DEFAULT_MARGIN = 0.03
 _KEYS = ("tokens_per_slot", "num_slots", "expert_window", "ack_policy")
+#: What names a shape in a table: its dimensions and the rank count it was measured with.
+DIM_KEYS = ("hidden", "inter", "num_experts", "topk", "world_size")
+#: The table measured on one H200, shipped with the package.
+DEFAULT_TABLE = Path(__file__).with_name("policy_h200.json")
 
 
 def resolve(choice: Dict, num_tokens: int) -> Optional[Dict]:
-    """``choice`` (its rules ``"call"``/``"all"`` allowed) as StreamedMoE arguments for ``num_tokens``
+    """``choice`` (its rules ``"call"``/``"all"`` allowed) as `symmring.moe.gpu.MoE` ring arguments for ``num_tokens``
     tokens per rank; None when it means batch (no choice, or one chunk would hold every token)."""
     if not choice:
         return None
@@ -51,13 +66,17 @@ class StreamPolicy:
     Args:
         entries: ``{"shape", "tokens_per_rank", "choice", "ratio", "best_streamed_ratio"}`` dicts (the
             ``policy`` list of the benchmark's JSON).
+        shapes: ``{shape: {"hidden", "inter", "num_experts", "topk", "world_size"}}``: how a layer finds its
+            shape (`streams`); optional for `choose`.
     """
 
-    def __init__(self, entries: Sequence[Dict]):
+    def __init__(self, entries: Sequence[Dict], shapes: Optional[Dict[str, Dict]] = None):
         self.entries = sorted((dict(e) for e in entries), key=lambda e: (e["shape"], e["tokens_per_rank"]))
+        self.shapes = {name: {k: int(dims[k]) for k in DIM_KEYS} for name, dims in (shapes or {}).items()}
         self._by_shape: Dict[str, List[Dict]] = {}
         for e in self.entries:
             self._by_shape.setdefault(e["shape"], []).append(e)
+        self._told: set = set()
 
     @classmethod
     def from_rows(cls, rows: Sequence[Dict], margin: float = DEFAULT_MARGIN) -> "StreamPolicy":
@@ -76,25 +95,66 @@ class StreamPolicy:
             choice = {k: r.get(f"{k}_rule", r[k]) for k in _KEYS} if streamed else None
             entries.append({"shape": shape, "tokens_per_rank": n, "choice": choice,
                             "ratio": r["ratio"] if streamed else 1.0, "best_streamed_ratio": r["ratio"]})
-        return cls(entries)
+        shapes = {r["shape"]: {k: r[k] for k in DIM_KEYS} for r in rows if all(k in r for k in DIM_KEYS)}
+        return cls(entries, shapes)
 
     @classmethod
-    def load(cls, path: str) -> "StreamPolicy":
-        """The policy of a `bench stream --json` file."""
+    def load(cls, path) -> "StreamPolicy":
+        """The policy of a `bench stream --json` file (its ``policy`` table and ``shapes``)."""
         with open(path) as fh:
             data = json.load(fh)
         if "policy" not in data:
             raise ConfigError(f"{path}: no 'policy' table (written by python -m symmring bench stream --json)")
-        return cls(data["policy"])
+        return cls(data["policy"], data.get("shapes"))
 
-    def shapes(self) -> List[str]:
+    @classmethod
+    def default(cls) -> "StreamPolicy":
+        """The table measured on one H200 (`DEFAULT_TABLE`)."""
+        return cls.load(DEFAULT_TABLE)
+
+    def to_json(self) -> Dict:
+        return {"policy": self.entries, "shapes": self.shapes}
+
+    def shape_of(self, dims: Dict[str, int]) -> Optional[str]:
+        """The name of the measured shape with these `DIM_KEYS` values, or None."""
+        wanted = {k: int(dims[k]) for k in DIM_KEYS}
+        return next((name for name, d in sorted(self.shapes.items()) if d == wanted and name in self._by_shape),
+                    None)
+
+    def streams(self, layer, num_tokens: int) -> bool:
+        """Whether ``layer`` (a `symmring.moe.gpu.MoE`) should stream a call of ``num_tokens`` tokens per rank:
+        the measured choice for its shape is the streamed schedule its ring runs (see the module docstring)."""
+        dims = {"hidden": layer.hidden, "inter": layer.inter, "num_experts": layer.num_experts, "topk": layer.topk,
+                "world_size": layer.world_size}
+        shape = self.shape_of(dims)
+        if shape is None:
+            self._tell(("shape", tuple(dims.values())), "streaming='auto': no measurement for %s: batch", dims)
+            return False
+        choice = self.choose(shape, num_tokens)
+        if choice is None:
+            return False
+        runnable = (choice["tokens_per_slot"] == layer.tokens_per_slot and choice["num_slots"] <= layer.num_slots
+                    and choice["expert_window"] == layer.expert_window)
+        if not runnable:
+            self._tell(("ring", shape, num_tokens), "streaming='auto': %s at %d tokens streams best with %s; this "
+                       "layer's ring is %d x %d tokens, window %d: batch", shape, num_tokens, choice,
+                       layer.num_slots, layer.tokens_per_slot, layer.expert_window)
+        return runnable
+
+    def _tell(self, key: Tuple, message: str, *args) -> None:
+        if key not in self._told:  # once per distinct case, not per call
+            self._told.add(key)
+            logger.info(message, *args)
+
+    def shape_names(self) -> List[str]:
+        """The measured shapes' names."""
         return sorted(self._by_shape)
 
     def choose(self, shape: str, num_tokens: int) -> Optional[Dict]:
-        """StreamedMoE arguments (``tokens_per_slot``, ``num_slots``, ``expert_window``, ``ack_policy``)
-        for ``num_tokens`` tokens per rank, or None for the batch layer."""
+        """The streamed schedule (``tokens_per_slot``, ``num_slots``, ``expert_window``, ``ack_policy``: the
+        layer's ring and options) for ``num_tokens`` tokens per rank, or None for the batch path."""
         if shape not in self._by_shape:
-            raise ConfigError(f"shape={shape!r}: not in the policy table (has {self.shapes()})")
+            raise ConfigError(f"shape={shape!r}: not in the policy table (has {self.shape_names()})")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ConfigError(f"num_tokens={num_tokens!r}: expected a non-negative int")
         entries = self._by_shape[shape]

@@ -1,6 +1,6 @@
 """Fixtures of the GPU tests (tests/gpu).
 
-Collected everywhere; every test here is skipped, with the reason, where `symmring.runtime.gpu_available()`
+Collected everywhere; every test here is skipped, with the reason, where `symmring.backends.nvshmem.gpu_available()`
 is False (no CUDA GPU, CuPy, nvshmem4py or nvidia-nvshmem). On a GPU machine run them with one PE::
 
     python -m pytest tests/gpu -q
@@ -22,12 +22,12 @@ import pytest
 
 def _skip_reason():
     try:
-        from symmring import runtime
+        from symmring.backends.nvshmem import gpu_available
     except Exception as exc:  # pragma: no cover - symmring itself is importable in CI
-        return f"symmring.runtime is not importable: {exc}"
-    if not runtime.gpu_available():
+        return f"symmring.backends.nvshmem is not importable: {exc}"
+    if not gpu_available():
         return ("needs a CUDA GPU, CuPy, nvshmem4py and nvidia-nvshmem "
-                "(symmring.runtime.gpu_available() is False)")
+                "(symmring.backends.nvshmem.gpu_available() is False)")
     return None
 
 

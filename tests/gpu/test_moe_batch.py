@@ -24,9 +24,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="the GPU MoE layer needs torch (not installed here)")
 if not torch.cuda.is_available():
     pytest.skip("the GPU MoE layer needs a CUDA GPU (torch sees none)", allow_module_level=True)
-from symmring import runtime  # noqa: E402
+from symmring.backends.nvshmem import gpu_available  # noqa: E402
 
-if not runtime.gpu_available():
+if not gpu_available():
     pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
 
 from moe_helpers import (agree, make_tokens, make_weights, mixtral_block, mixtral_forward,  # noqa: E402

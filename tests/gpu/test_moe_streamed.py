@@ -1,9 +1,9 @@
-"""The streamed GPU MoE layer (symmring.moe.gpu_streamed.StreamedMoE) against the batch layer and the
-NumPy reference (run on the H200 with 1, 2 and 4 PEs: docs/MOE_STREAMED.md).
+"""The streamed schedule of the GPU MoE layer (symmring.moe.gpu.MoE, ``forward(..., streaming=True)``) against
+the batch-ready path and the NumPy reference (run on the H200 with 1, 2 and 4 PEs: docs/MOE_STREAMED.md).
 
 * vs the NumPy reference (symmring.moe.reference): relative error ``||y - y_ref|| / ||y_ref|| <= 1e-2``
   (the issue's bound; fp8 dispatch and bf16 arithmetic differ from the float64 reference).
-* vs the batch layer (symmring.moe.gpu.MoE, verified on the H200) on the same inputs: relative error
+* vs the batch path of a layer with the default ring (one slot of max_tokens) on the same inputs: relative error
   <= ``STREAM_VS_BATCH_TOL`` = 5e-3, not bitwise: the dispatch (fp8 bytes, pulled rows) and the combine
   reduce are the same arithmetic, but the grouped GEMMs see different row groupings (per chunk instead of
   per batch), and torch._grouped_mm may pick other tiles and split-k for other group sizes, changing the
@@ -14,13 +14,14 @@ NumPy reference (run on the H200 with 1, 2 and 4 PEs: docs/MOE_STREAMED.md).
   consumer, random delays on both, a CUDA graph replay: BITWISE equal (the same GEMM shapes on the same
   rows; a row's result does not depend on its position inside its expert's group).
 * One expert window over the whole call (``expert_window = num_slots >= chunks``): BITWISE equal to the
-  batch layer, since the grouped GEMMs then see exactly the batch layer's groups; this is the data
-  movement check (dispatch over chunks, logical-row combine) with nothing left to tolerance.
+  batch path, since the grouped GEMMs then see exactly the batch path's groups; this is the data
+  movement check (dispatch over chunks, logical-row combine) with nothing left to tolerance. The same
+  layer's own batch path (every chunk produced first, one window) is bitwise equal too.
 
 Cases: token counts not a multiple of tokens_per_slot; top-k 1/2/8; skewed and masked routing; uneven
 tokens per rank and a zero-token rank; a 2-slot ring with >= 64 chunks (wrap); both ack policies; a
 stalled rank -> ProtocolTimeout, then reset and a correct call; graph replay vs eager (1000 replays:
-``-m slow``). Skipped, with the reason, without torch+CUDA, CuPy or nvshmem4py. Several PEs::
+``-m slow``); EARLY acknowledgements free a slot before the experts end, CONSERVATIVE ones never do. Skipped, with the reason, without torch+CUDA, CuPy or nvshmem4py. Several PEs::
 
     python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu/test_moe_streamed.py
 """
@@ -35,16 +36,16 @@ import pytest
 torch = pytest.importorskip("torch", reason="the GPU MoE layer needs torch (not installed here)")
 if not torch.cuda.is_available():
     pytest.skip("the GPU MoE layer needs a CUDA GPU (torch sees none)", allow_module_level=True)
-from symmring import runtime  # noqa: E402
+from symmring.backends.nvshmem import gpu_available  # noqa: E402
 
-if not runtime.gpu_available():
+if not gpu_available():
     pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
 
 from moe_helpers import agree, make_tokens, make_weights, rel_error, skewed_logits, to_torch  # noqa: E402
 
 from symmring.errors import ConfigError, ProtocolTimeout  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
-from symmring.moe.gpu_streamed import StreamedMoE, overlap_fraction  # noqa: E402
+from symmring.moe.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.protocol import AckPolicy  # noqa: E402
 
@@ -73,9 +74,9 @@ def local_weights(ctx, weights):
     return [to_torch(w[lo:hi], torch.bfloat16, device_of()) for w in weights[:3]]
 
 
-def build(ctx, weights, topk, max_tokens, *, streamed=True, **kwargs):
-    cls = StreamedMoE if streamed else MoE
-    return cls(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *local_weights(ctx, weights), max_tokens=max(1, max_tokens),
+def build(ctx, weights, topk, max_tokens, **kwargs):
+    """A layer; without ring arguments it has the default ring (one slot of max_tokens: the batch path)."""
+    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *local_weights(ctx, weights), max_tokens=max(1, max_tokens),
                **kwargs)
 
 
@@ -94,6 +95,7 @@ def inputs(tseed, n, topk, *, logits_fn=None, masked=False):
 
 
 def forward(moe, x, routing, **kwargs):
+    """``moe.forward`` on NumPy inputs (streaming as given in kwargs; default batch), checked, as NumPy."""
     dev = device_of()
     dtypes = dict(logits=torch.float32, topk_idx=torch.int32, topk_weights=torch.float32)
     args = {k: to_torch(v, dtypes[k], dev) for k, v in routing.items()}
@@ -119,14 +121,14 @@ def run_case(ctx, *, num_tokens, topk, tokens_per_slot=64, num_slots=3, ack_poli
     max_tokens = max_tokens or num_tokens
     moe = build(ctx, weights, topk, max_tokens, tokens_per_slot=min(tokens_per_slot, max(1, max_tokens)),
                 num_slots=num_slots, ack_policy=ack_policy, expert_window=expert_window)
-    batch = build(ctx, weights, topk, max_tokens, streamed=False) if compare_batch else None
+    batch = build(ctx, weights, topk, max_tokens) if compare_batch else None
     errors = []
     try:
         for call in range(calls):
             n = num_tokens(ctx.rank, call) if callable(num_tokens) else num_tokens
             tseed = seed + 1000 * (call + 1) + ctx.rank
             x, routing, ref_routing = inputs(tseed, n, topk, logits_fn=logits_fn, masked=masked)
-            y = forward(moe, x, routing)
+            y = forward(moe, x, routing, streaming=True)
             ref = reference_moe(x, w_gate=weights[0], w_up=weights[1], w_down=weights[2], num_topk=topk,
                                 x_format="fp8_e4m3", **ref_routing)
             err = rel_error(y, ref.y)
@@ -141,6 +143,11 @@ def run_case(ctx, *, num_tokens, topk, tokens_per_slot=64, num_slots=3, ack_poli
                 elif err_b > STREAM_VS_BATCH_TOL:
                     errors.append(f"call {call}: n={n} vs batch {err_b:.3e} > {STREAM_VS_BATCH_TOL} "
                                   f"({bitwise_rows(y, y_batch)})")
+                if batch_bitwise:  # the streamed layer's own batch path: all chunks first, one window
+                    y_own = forward(moe, x, routing, streaming=False)
+                    if not np.array_equal(y_own, y_batch):
+                        errors.append(f"call {call}: n={n} own batch path not bitwise equal to the one-slot "
+                                      f"batch ({bitwise_rows(y_own, y_batch)})")
     finally:
         moe.close()
         if batch is not None:
@@ -246,7 +253,7 @@ def test_schedules_and_delays_bitwise(ctx, expert_window):
                              ("random delays", {}, dict(producer_delay_ns=random_p, consumer_delay_ns=random_c))):
         moe = build(ctx, weights, topk, n, **kwargs, **extra)
         try:
-            outs[name] = forward(moe, x, routing, **fwd)
+            outs[name] = forward(moe, x, routing, streaming=True, **fwd)
         finally:
             moe.close()
     for name, y in outs.items():
@@ -266,7 +273,7 @@ def graph_vs_eager(ctx, num_replays: int):
         logits_static = torch.zeros(n, NUM_EXPERTS, dtype=torch.float32, device=dev)
         x_static.copy_(to_torch(make_tokens(SEED + 1, n, HIDDEN), torch.bfloat16, dev))
         logits_static.normal_()
-        graph, y_static = moe.capture(x_static, logits=logits_static)
+        graph, y_static = moe.capture(x_static, logits=logits_static, streaming=True)
         for replay in range(num_replays):
             tseed = SEED + 100 * (replay + 1) + ctx.rank
             x, routing, _ = inputs(tseed, n, topk)
@@ -275,7 +282,7 @@ def graph_vs_eager(ctx, num_replays: int):
             graph.replay()
             moe.check_errors()
             y_graph = y_static.float().cpu().numpy()
-            y_eager = forward(moe, x, routing)  # an eager call on the same layer between replays
+            y_eager = forward(moe, x, routing, streaming=True)  # an eager call on the same layer between replays
             if not np.array_equal(y_graph, y_eager):
                 errors.append(f"replay {replay}: {bitwise_rows(y_graph, y_eager)}")
                 break
@@ -308,14 +315,14 @@ def test_stalled_rank_times_out_then_recovers(ctx):
         x, routing, ref_routing = inputs(SEED + 50 + ctx.rank, n, topk)
         stalled = ctx.rank == ctx.world_size - 1
         try:
-            forward(moe, x, routing, producer_delay_ns={0: 3_000_000_000} if stalled else None)
+            forward(moe, x, routing, streaming=True, producer_delay_ns={0: 3_000_000_000} if stalled else None)
             problems.append("no ProtocolTimeout")
         except ProtocolTimeout as exc:
             if str(exc) == "":
                 problems.append("ProtocolTimeout without a message")
         ctx.comm.Barrier()
         moe.reset()
-        y = forward(moe, x, routing)
+        y = forward(moe, x, routing, streaming=True)
         ref = reference_moe(x, w_gate=weights[0], w_up=weights[1], w_down=weights[2], num_topk=topk, **ref_routing)
         err = rel_error(y, ref.y)
         if err > REL_TOL:
@@ -340,7 +347,7 @@ def test_bad_arguments(ctx):
     problems = []
     for name, kwargs in cases.items():
         try:
-            StreamedMoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *w, **kwargs).close()
+            MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *w, **kwargs).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
@@ -352,32 +359,42 @@ def test_bad_arguments(ctx):
         for name, call in {"too many tokens": lambda: moe.forward(torch.zeros(65, HIDDEN, dtype=torch.bfloat16,
                                                                               device=dev), logits=logits),
                            "no routing": lambda: moe.forward(x),
-                           "delays": lambda: moe.forward(x, logits=logits, producer_delay_ns=[1]),
-                           "consumer delays": lambda: moe.forward(x, logits=logits, consumer_delay_ns={0: -1})
+                           "streaming value": lambda: moe.forward(x, logits=logits, streaming="yes"),
+                           "batch larger than the ring": lambda: moe.forward(x, logits=logits, streaming=False),
+                           "delays": lambda: moe.forward(x, logits=logits, streaming=True, producer_delay_ns=[1]),
+                           "delays on the batch path": lambda: moe.forward(x, logits=logits,
+                                                                            producer_delay_ns={0: 1}),
+                           "consumer delays": lambda: moe.forward(x, logits=logits, streaming=True,
+                                                                  consumer_delay_ns={0: -1})
                            }.items():
             try:
                 call()
                 problems.append(f"{name}: no ConfigError")
             except ConfigError:
                 pass
-        moe.forward(x, logits=logits)  # still usable
+        moe.forward(x, logits=logits, streaming=True)  # still usable
         moe.check_errors()
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
 
 
+def stage(records, stream, stage_name, chunk):
+    return next(r for r in records if r["stream"] == stream and r["stage"] == stage_name and r["chunk"] == chunk)
+
+
 @pytest.mark.parametrize("expert_window", [1, 2])
 def test_timeline_records(ctx, expert_window):
+    # 8 chunks through 3 slots: the records say what the protocol forces, in device time.
     weights = make_weights(SEED + 7, NUM_EXPERTS, HIDDEN, INTER)
     n = 512
     moe = build(ctx, weights, 2, n, tokens_per_slot=64, num_slots=3, expert_window=expert_window)
     problems = []
     try:
         x, routing, _ = inputs(SEED + 60 + ctx.rank, n, 2)
-        forward(moe, x, routing, timeline=True)
+        forward(moe, x, routing, streaming=True, timeline=True)
         records = moe.timeline_records()
-        # 8 chunks: 3 producer stages each, 4 consumer stages per window.
+        # 3 producer stages per chunk, 4 consumer stages per window.
         expected = 8 * 3 + (8 // expert_window) * 4
         if len(records) != expected:
             problems.append(f"{len(records)} records, expected {expected}")
@@ -387,9 +404,74 @@ def test_timeline_records(ctx, expert_window):
         bad = [r for r in records if not 0 <= r["start_ns"] <= r["end_ns"]]
         if bad:
             problems.append(f"stage ends before it starts: {bad[0]}")
-        frac = overlap_fraction(records)
-        if not 0.0 <= frac <= 1.0:
-            problems.append(f"overlap fraction {frac}")
+        for first, last in windows:
+            # The consumer sees a chunk's route only after the producer started routing it.
+            if stage(records, "consumer", "wait", first)["end_ns"] < stage(records, "producer", "route", first)["start_ns"]:
+                problems.append(f"window {first}: consumer's wait ended before the route of chunk {first} began")
+        for c in range(3, 8):
+            # Slot reuse: chunk c's producer gets its slot only after the window holding c - 3 pulled it.
+            owner = max(f for f, _ in windows if f <= c - 3)
+            if stage(records, "producer", "wait", c)["end_ns"] < stage(records, "consumer", "dispatch", owner)["start_ns"]:
+                problems.append(f"chunk {c}: slot acquired before the consumer of chunk {c - 3} dispatched")
+    finally:
+        moe.close()
+    verdict(ctx, not problems, "; ".join(problems))
+
+
+def test_timeline_overlap_is_zero_when_the_consumer_starts_last(ctx):
+    # A slot per chunk (the producer never waits) and a consumer that sleeps 5 ms before its first window:
+    # every producer stage ends before any consumer stage starts, so nothing overlaps and nothing is
+    # hidden; with no delay the same call overlaps somewhere (the consumer works while chunks are produced).
+    weights = make_weights(SEED + 8, NUM_EXPERTS, HIDDEN, INTER)
+    n = 512
+    moe = build(ctx, weights, 2, n, tokens_per_slot=64, num_slots=8)
+    problems = []
+    try:
+        x, routing, _ = inputs(SEED + 61 + ctx.rank, n, 2)
+        forward(moe, x, routing, streaming=True, timeline=True, consumer_delay_ns={0: 5_000_000})
+        late = moe.timeline_records()
+        if overlap_fraction(late) != 0 or hidden_producer_fraction(late) != 0:
+            problems.append(f"slow consumer: overlap {overlap_fraction(late):.3f}, hidden "
+                            f"{hidden_producer_fraction(late):.3f}; expected 0")
+        producer_end = max(r["end_ns"] for r in late if r["stream"] == "producer")
+        consumer_work = min(r["start_ns"] for r in late if r["stream"] == "consumer" and r["stage"] != "wait")
+        if consumer_work < producer_end:
+            problems.append(f"slow consumer worked at {consumer_work} ns, before the producer ended at {producer_end}")
+    finally:
+        moe.close()
+    verdict(ctx, not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("ack_policy", [AckPolicy.CONSERVATIVE, AckPolicy.EARLY])
+def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
+    # One slot: chunk c's producer waits for every consumer's acknowledgement of chunk c - 1. CONSERVATIVE
+    # acknowledges with the combine signal, after the experts: the wait always ends after them. EARLY
+    # acknowledges right after the pull: the wait can end while chunk c - 1's experts still run (it must,
+    # for some chunk of 12, with experts several times longer than an acknowledgement; if EARLY behaved like
+    # CONSERVATIVE it never would).
+    H, I = 512, 1024
+    weights = make_weights(SEED + 9, NUM_EXPERTS, H, I)
+    E_local = NUM_EXPERTS // ctx.world_size
+    lo, hi = ctx.rank * E_local, (ctx.rank + 1) * E_local
+    w = [to_torch(a[lo:hi], torch.bfloat16, device_of()) for a in weights[:3]]
+    n = 12 * 128
+    moe = MoE(ctx, NUM_EXPERTS, H, I, 8, *w, max_tokens=n, tokens_per_slot=128, num_slots=1,
+              ack_policy=ack_policy)
+    problems = []
+    try:
+        rng = np.random.default_rng(SEED + 62 + ctx.rank)
+        x = to_torch(rng.standard_normal((n, H)).astype(np.float32), torch.bfloat16, device_of())
+        logits = torch.from_numpy(rng.standard_normal((n, NUM_EXPERTS)).astype(np.float32)).to(device_of())
+        moe.forward(x, logits=logits, streaming=True)  # warm-up
+        moe.forward(x, logits=logits, streaming=True, timeline=True)
+        moe.check_errors()
+        records = moe.timeline_records()
+        early_frees = [c for c in range(1, 12) if stage(records, "producer", "wait", c)["end_ns"]
+                       < stage(records, "consumer", "experts", c - 1)["end_ns"]]
+        if ack_policy == AckPolicy.CONSERVATIVE and early_frees:
+            problems.append(f"CONSERVATIVE: chunks {early_frees} got their slot before chunk c - 1's experts ended")
+        if ack_policy == AckPolicy.EARLY and not early_frees:
+            problems.append("EARLY: no chunk got its slot before the previous chunk's experts ended")
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))

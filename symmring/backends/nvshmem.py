@@ -1,6 +1,6 @@
-"""The GPU runtime: NVSHMEM initialisation, symmetric allocations and the ``nvshmem`` backend.
+"""The ``nvshmem`` backend: NVSHMEM initialisation, symmetric allocations and device modules on GPU PEs.
 
-`NvshmemBackend` implements `symmring.backends.base.Backend` on GPU PEs through nvshmem4py:
+`NvshmemBackend` implements `symmring.backends.base.DeviceBackend` through nvshmem4py:
 
 * the CUDA runtime is initialised on the PE's device first, then NVSHMEM: ``emulated_mpi`` under mpirun
   (rank 0 makes a unique id and broadcasts it over mpi4py; works with Open MPI and MPICH alike) or
@@ -11,6 +11,9 @@
 * nvshmem4py's own prints are kept out of the user's output;
 * allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
   this PE's or a peer's copy (peers through ``nvshmem_ptr``), `torch_view` the same as torch tensors;
+* device modules: `NvshmemBackend.load_module` compiles through `symmring.jit` (once per node, cached),
+  loads the cubin into CuPy and registers it with NVSHMEM (``cumodule_init``; unregistered at `finalize`);
+  `library_module` does that once per backend for symmring's own modules;
 * the host primitives (signal_set/add, atomic_or, read_word, wait_until, fence) are one-thread kernels of
   ``device/ring.cu`` launched on the current CuPy stream, so they are ordered with the copies a caller
   made through views on that stream. `wait_until` is bounded on the device (``%globaltimer``).
@@ -30,8 +33,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .backends.base import CMP, Backend, SymmetricAllocation
-from .errors import BackendError, ConfigError, RingClosedError
+from .. import env
+from ..errors import BackendError, ConfigError, RingClosedError
+from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +103,30 @@ class NvshmemAllocation(SymmetricAllocation):
         return f"NvshmemAllocation(ptr={self.ptr:#x}, nbytes={self.nbytes}, freed={self.freed})"
 
 
-class NvshmemBackend(Backend):
+class NvshmemModule(LoadedModule):
+    """A cubin loaded into CuPy and registered with NVSHMEM by `NvshmemBackend.load_module`.
+
+    Attributes:
+        name: the module's name; path: the cubin; module: the ``cupy.cuda.function.Module``; ptr: its CUmodule.
+    """
+
+    def __init__(self, name: str, path, module):
+        self.name = name
+        self.path = path
+        self.module = module
+        self.ptr = int(module.ptr)
+        self._functions: Dict[str, object] = {}
+
+    def function(self, kernel_name: str):
+        """The ``cupy.cuda.function.Function`` of ``extern "C"`` kernel ``kernel_name``; call it as
+        ``fn(grid, block, args, shared_mem=0, stream=None)``."""
+        fn = self._functions.get(kernel_name)
+        if fn is None:
+            fn = self._functions[kernel_name] = self.module.get_function(kernel_name)
+        return fn
+
+
+class NvshmemBackend(DeviceBackend):
     """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
 
     Args:
@@ -183,10 +210,10 @@ class NvshmemBackend(Backend):
         if nvshmem_bindings.my_pe() != self.rank or nvshmem_bindings.n_pes() != self.world_size:
             raise BackendError(f"NVSHMEM PE {nvshmem_bindings.my_pe()}/{nvshmem_bindings.n_pes()} does not match "
                                f"MPI rank {self.rank}/{self.world_size}")
-        self._modules: List = []
+        self._modules: List[NvshmemModule] = []
+        self._library: Dict[str, NvshmemModule] = {}
         self._allocs: Dict[int, NvshmemAllocation] = {}
         self._finalized = False
-        self._ring_module = None
         self._result = cupy.zeros(2, dtype=cupy.uint64)  # word_read / word_wait results
         logger.info("nvshmem backend: PE %d/%d on %s (sm_%d, %d PEs per GPU)", self.rank, self.world_size,
                     self.device, self.compute_capability, self.pes_per_gpu)
@@ -201,28 +228,39 @@ class NvshmemBackend(Backend):
 
     # --- device code ----------------------------------------------------------------------------------
 
-    def load_module(self, source: str, *, name: str, extra_options=()):
-        """Compile (once per node, cached) and load ``source``, registered with NVSHMEM.
+    def load_module(self, source: str, *, name: str, extra_options=()) -> "NvshmemModule":
+        """Compile (once per node, cached: `symmring.jit.compile_on_node`) and load ``source``, registered
+        with NVSHMEM so its kernels may call NVSHMEM device functions; unregistered at `finalize`.
 
-        Returns a `symmring.jit.LoadedModule`; it is unregistered at `finalize`.
         Raises CompileError with the compiler log.
         """
         self._check_open()
-        from . import jit
-        module = jit.load_module(source, name=name, cc=self.compute_capability, local_comm=self._local_comm,
-                                 extra_options=extra_options)
-        self._modules.append(module)
+        from .. import jit
+        os.environ.setdefault("CUPY_CACHE_DIR", str(env.cache_dir() / "cupy"))
+        path = jit.compile_on_node(source, name=name, cc=self.compute_capability, local_comm=self._local_comm,
+                                   extra_options=extra_options)
+        # cupy.cuda.function.Module: the CUmodule itself (ptr), loaded eagerly, so cumodule_init can see it.
+        module = self._cupy.cuda.function.Module()
+        module.load_file(str(path))
+        loaded = NvshmemModule(name, path, module)
+        with quiet_nvshmem():
+            self._nvshmem.cumodule_init(loaded.ptr)
+        self._modules.append(loaded)
+        return loaded
+
+    def library_module(self, name: str) -> "NvshmemModule":
+        """One of symmring's own modules (`symmring.jit.LIBRARY_MODULES`, e.g. ``"ring"``, ``"moe_dispatch"``),
+        loaded once per backend."""
+        module = self._library.get(name)
+        if module is None:
+            from .. import jit
+            if name not in jit.LIBRARY_MODULES:
+                raise ConfigError(f"name={name!r}: expected one of {sorted(jit.LIBRARY_MODULES)}")
+            module = self._library[name] = self.load_module(jit.read_source(jit.LIBRARY_MODULES[name]), name=name)
         return module
 
-    def ring_module(self):
-        """The loaded ``device/ring.cu`` (ready-made kernels and the host primitives)."""
-        if self._ring_module is None:
-            from . import jit
-            self._ring_module = self.load_module(jit.read_source("ring.cu"), name="ring")
-        return self._ring_module
-
     def _launch(self, kernel: str, args: Tuple, stream=None) -> None:
-        fn = self.ring_module().function(kernel)
+        fn = self.library_module("ring").function(kernel)
         fn((1,), (1,), args, stream=stream if stream is not None else self._cupy.cuda.get_current_stream())
 
     # --- memory ---------------------------------------------------------------------------------------
@@ -371,8 +409,10 @@ class NvshmemBackend(Backend):
             self.free(alloc)
         if self.comm is not None and self.world_size > 1:
             self.comm.Barrier()
-        for module in self._modules:
-            module.finalize()
+        with quiet_nvshmem():
+            for module in self._modules:
+                # bindings.cumodule_finalize: core.module_finalize is broken in nvshmem4py 0.4.1.
+                self._nvshmem.cumodule_finalize(module.ptr)
         self._finalized = True
         with quiet_nvshmem():
             self._nvshmem_core.finalize()

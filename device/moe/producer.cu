@@ -1,10 +1,17 @@
-// MoE producer kernels (symmring.moe.gpu): write one chunk of this PE's tokens into its own ring slot and
-// publish it. Route (topk_idx, topk_weights, meta) and layout (x, x_sf) are separate launches with
-// separate publications, so either may finish first (the RFC's independent readiness generations).
+// MoE producer kernels (symmring.moe.stages, produce_*): write one chunk of this PE's tokens into its own
+// ring slot and publish it. Route (topk_idx, topk_weights, meta) and layout (x, x_sf) are separate launches
+// with separate publications, so either may finish first (the RFC's independent readiness generations).
 //
-// Every kernel here is one grid; its last block to arrive (grid_last_block) publishes, after every
-// block's stores. The slot is acquired (every consumer acknowledged its previous use) by the route
-// kernel, which the layer enqueues first; the layout kernel runs after it in stream order.
+//   moe_wait_slot          one block: wait until the chunk's slot is reusable (every consumer acknowledged
+//                          chunk - num_slots), no reset. The streamed schedule runs it first on the producer
+//                          stream so ONE block spins instead of the route kernel's grid, and its timeline
+//                          shows the wait apart from the work.
+//   moe_produce_route      acquire (every block sees the mask complete; a no-op wait after moe_wait_slot),
+//                          copy topk + meta; the last block resets the mask and publishes route readiness.
+//   moe_produce_layout_*   quantise (fp8) or copy (bf16) x into the slot; the last block publishes layout.
+//
+// Every kernel here is one grid; its last block to arrive publishes (grid_publish), after every block's
+// stores. The layer enqueues the route kernel first (it acquires the slot), the layout kernel after it.
 //
 // fp8 layout, bitwise the same as symmring/moe/quant.py: per token and per 128 channels,
 // scale = amax / 448 (1.0 when that is 0), q = e4m3(clip(x / scale, +-448)), round to nearest even.
@@ -35,6 +42,14 @@ __device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float 
 
 }  // namespace
 
+// One block: wait until every consumer acknowledged the slot's previous use (chunk - num_slots), acquire;
+// no reset (moe_produce_route, next on the stream, resets the mask before it publishes).
+extern "C" __global__ void moe_wait_slot(const RingDescriptor* desc_ptr, int chunk_idx) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    wait_reusable(d, chunk_idx, /*reset=*/false);  // acquire: pairs with the release fence in ack()
+}
+
 // Route of chunk `chunk_idx`: acquire the slot (all blocks wait for the previous use's
 // acknowledgements; the last block resets the mask), copy topk_idx/topk_weights ([num_valid, K],
 // contiguous) and the metadata row, then the last block publishes route readiness.
@@ -56,15 +71,10 @@ extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int
         dst_idx[i] = topk_idx[i];
         dst_weights[i] = topk_weights[i];
     }
-    if (!grid_last_block(counter)) return;
-    if (threadIdx.x == 0) {
-        // Every block saw the mask complete before arriving; the reset is ordered before the
-        // publication below by its release fence (protocol.cuh (4) then (1)).
-        uint64_t* mask = ack_mask_of(d, slot);
-        for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
+    if (blockIdx.x == 0 && threadIdx.x == 0)
         write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
-        signal_generation(d, route_ready_word(d, slot), gen);  // release: pairs with wait_ready
-    }
+    // Every block saw the mask complete before arriving: the last one resets it, then publishes.
+    grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/false);
 }
 
 // Layout of chunk `chunk_idx`, fp8: read bf16 x [num_valid, hidden] (row stride x_row_stride elements),
@@ -125,11 +135,8 @@ extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr
             if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
         }
     }
-    if (!grid_last_block(counter)) return;
-    if (threadIdx.x == 0) {
-        const uint64_t gen = expected_generation(d, chunk_idx);
-        signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
-    }
+    grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
+                 /*layout=*/true);
 }
 
 // Layout of chunk `chunk_idx`, bf16 dispatch format (no quantisation): copy x rows into the slot with
@@ -149,9 +156,6 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
         const int64_t vec = i % vecs_per_row;
         dst[i] = *reinterpret_cast<const int4*>(x + token * x_row_stride + vec * 8);
     }
-    if (!grid_last_block(counter)) return;
-    if (threadIdx.x == 0) {
-        const uint64_t gen = expected_generation(d, chunk_idx);
-        signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
-    }
+    grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
+                 /*layout=*/true);
 }

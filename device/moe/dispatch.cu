@@ -1,10 +1,16 @@
-// MoE dispatch kernels (symmring.moe.gpu): gather, from every source rank's ring slot, the token rows
-// routed to this PE's experts into an expert-contiguous pool, dequantising fp8 to bf16 on the way.
+// MoE dispatch kernels (symmring.moe.stages, wait/count/scan/pull/ack): gather, from every source rank's
+// ring slot, the token rows routed to this PE's experts into an expert-contiguous pool, dequantising fp8
+// to bf16 on the way.
 //
 // Launch order on one stream (each kernel starts after the previous one ended, which orders its reads
-// after the acquire of moe_dispatch_wait):
-//   moe_dispatch_wait   one block per source rank: bounded wait for both ready generations (acquire);
-//                       block 0 also clears the per-expert counters.
+// after the acquire of moe_dispatch_wait). An expert window of chunks [c0, c1] (one chunk for the batch
+// path) runs: for each chunk wait(route) + count (counts accumulate over the window), one scan, then for
+// each chunk wait(layout) + pull; the batch path, whose producers all ran before, waits for both parts
+// at once.
+//   moe_dispatch_wait   one block per source rank: bounded wait for the chunk's route and/or layout
+//                       generation (acquire); with the route part, snapshots the source's meta token_base
+//                       (so nothing after the pull reads the slot); with clear_counts (a window's first
+//                       chunk), block 0 also clears the per-expert counters.
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
 //   moe_dispatch_scan   one block: exclusive scan -> row offsets, group ends for torch._grouped_mm
 //                       (int32), the total row count; clears the reservation cursors.
@@ -13,6 +19,7 @@
 //                       no result since every row is computed independently and combine reduces in
 //                       a fixed k order), pull the row over NVLink with 16-byte loads, dequantise, and
 //                       record its source (rank, token, k) and weight.
+//   moe_dispatch_ack    EARLY acknowledgement policy: acknowledge every owner's slot right after the pull.
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
 // Capacity: the pool has num_ranks * tokens_per_slot * num_topk rows, one per (source rank, token, k),
@@ -50,16 +57,34 @@ __device__ __forceinline__ bool slot_reachable(const RingDescriptor& d, int slot
 
 }  // namespace
 
-// Block r waits for source rank r's chunk (both generations, bounded, acquire). Block 0 also zeroes
-// `counts` [num_local_experts] for moe_dispatch_count.
-extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                             int num_local_experts) {
+// Parts of a chunk moe_dispatch_wait waits for (stages.WAIT_*).
+enum WaitParts : int { kWaitRoute = 1, kWaitLayout = 2 };
+
+// Block r waits for source rank r's chunk: its route and/or layout generation (bounded, acquire). With the
+// route part, thread 0 then copies the source's meta token_base into token_base[r] (the caller passes the
+// chunk's row of a [window][num_ranks] array). With clear_counts, block 0 zeroes `counts`
+// [num_local_experts] for moe_dispatch_count.
+extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int parts, int* counts,
+                                             int num_local_experts, long long* token_base, int clear_counts) {
     const RingDescriptor& d = *desc_ptr;
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0 && clear_counts)
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
     if (error_pending(d)) return;
+    const int src_rank = blockIdx.x;
+    const int slot = slot_of(chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, chunk_idx);
-    wait_ready(d, chunk_idx, blockIdx.x, gen);  // acquire: pairs with publish in producer.cu
+    if (parts & kWaitRoute) {
+        // acquire: pairs with the route publication of moe_produce_route on src_rank.
+        if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute)) return;
+        if (threadIdx.x == 0) {
+            const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
+            // A null mapping is reported by moe_dispatch_count's status bit; use the protocol's own base here.
+            token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
+                                                   : chunk_token_base(chunk_idx, d.tokens_per_slot);
+        }
+    }
+    // acquire: pairs with the layout publication of moe_produce_layout_* on src_rank.
+    if (parts & kWaitLayout) wait_published(d, chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout);
 }
 
 // counts[e] += number of (token, k) entries of every source rank routed to local expert e. Grid:
@@ -199,4 +224,13 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
             }
         }
     }
+}
+
+// One block, after moe_dispatch_pull (the last read of every source's slot; its meta was snapshotted by
+// moe_dispatch_wait): the EARLY acknowledgement of every owner's slot. ack() fences first (release: pairs
+// with the acquire in the owner's wait_reusable).
+extern "C" __global__ void moe_dispatch_ack(const RingDescriptor* desc_ptr, int chunk_idx) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
 }

@@ -1,0 +1,147 @@
+// MoE combine kernels (symmring.moe.stages, combine_*): send every expert output row back to the rank that
+// owns its token, then reduce each token's top-k rows in a fixed order.
+//
+// Combine buffer: a symmetric allocation holding, on every PE, a signal word per source rank,
+// combine_ready[num_ranks] (uint64), and rows [max_tokens][num_topk][hidden] bf16: the (token, k) place of
+// every entry of the owner's tokens over the WHOLE call, by logical token row, so the chunks of one call
+// never share rows.
+//
+// Launch order on one stream, per expert window [c0, c1] (one chunk for the batch path):
+//   moe_combine_scatter  one warp per pool row: store the row into its owner's combine buffer at
+//                        (logical token, k) over NVLink (16-byte stores); the logical token is the
+//                        owner's snapshot token_base (moe_dispatch_wait) + the chunk-local token.
+//   moe_combine_signal   one block: release, then SET combine_ready[this rank] = the generation of the
+//                        window's last chunk on every owner; with ack_now (the CONSERVATIVE policy)
+//                        acknowledge the window's chunks too (this PE is now done with them).
+//   moe_combine_wait     one thread: bounded wait until every rank's combine_ready word on this PE is >=
+//                        that generation (acquire; PROTOCOL.md 7.1: a consumer may signal chunk c + 1
+//                        before the owner saw chunk c, and generations only grow, so >= admits no stale
+//                        value).
+//   moe_combine_reduce   one warp per token of the window: y[t] = sum over k = 0..K-1 (in that order) of
+//                        topk_weights[t][k] * row(t, k), float32 accumulation, bf16 result, the routing
+//                        read from the owner's LOCAL buffers (never the slot, which EARLY may already have
+//                        handed back); entries whose expert is outside [0, num_experts) (the mask -1)
+//                        contribute nothing. With end_call_chunks > 0 (a single-stream schedule whose last
+//                        kernel this is) block 0 then ends the call.
+//
+// Reuse of the combine buffer: a rank writes into an owner's buffer for call n+1 only after it saw the
+// owner's call-n+1 publication, which the owner enqueues after its call-n reduce (stream order).
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+
+#include <symmring/protocol.cuh>
+
+using namespace symmring;
+
+// Rows [total[0]] of pool_out ([rows][hidden] bf16) to the owners' combine rows at (logical token, k).
+// row_src[row] = {src_rank, chunk-local token, k, chunk} (moe_dispatch_pull); token_base: [window][num_ranks],
+// the snapshots of moe_dispatch_wait for the window that starts at chunk window_begin.
+extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
+                                               const int4* row_src, const int* total, const long long* token_base,
+                                               int window_begin, __nv_bfloat16* combine_rows) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
+    const int num_rows = total[0];
+    for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
+         row += gridDim.x * warps_per_block) {
+        const int4 src = row_src[row];
+        const int64_t token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
+        __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
+        int4* dst = reinterpret_cast<int4*>(owner_rows + (token * d.num_topk + src.z) * d.hidden);
+        const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
+        for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
+    }
+}
+
+// One block, after moe_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that this
+// PE's rows of those chunks are in place (one signal, the last chunk's generation: the release covers
+// every row, and owners wait with >=); with ack_now (CONSERVATIVE) acknowledge every chunk of the window.
+extern "C" __global__ void moe_combine_signal(const RingDescriptor* desc_ptr, int chunk_begin, int chunk_end,
+                                              uint64_t* combine_ready, int ack_now) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const uint64_t gen = expected_generation(d, chunk_end);
+    __syncthreads();
+    for (int owner = threadIdx.x; owner < d.num_ranks; owner += blockDim.x) {
+        // release, in every signalling thread: the rows this PE stored (an earlier kernel) before the signal;
+        // pairs with the acquire in moe_combine_wait on `owner`.
+        nvshmem_fence();
+        nvshmemx_signal_op(combine_ready + d.rank, gen, NVSHMEM_SIGNAL_SET, owner);
+    }
+    if (!ack_now) return;
+    // CONSERVATIVE: after this PE's combine of the window; ack() fences (release: pairs with wait_reusable).
+    for (int chunk = chunk_begin; chunk <= chunk_end; ++chunk)
+        for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk, owner);
+}
+
+// One thread: bounded wait until every source rank's combine_ready word on this PE is >= the chunk's
+// generation (acquire), so moe_combine_reduce (the next kernel) reads the rows they stored. On timeout the
+// error record (kind combine, peer = the late source) is written.
+extern "C" __global__ void moe_combine_wait(const RingDescriptor* desc_ptr, int chunk_idx,
+                                            const uint64_t* combine_ready) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d) || threadIdx.x != 0) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    for (int src = 0; src < d.num_ranks; ++src) {
+        Deadline deadline(d);
+        uint64_t observed;
+        // acquire: pairs with the release fence of moe_combine_signal on rank `src`.
+        while ((observed = ld_acquire_sys(combine_ready + src)) < gen) {
+            if (deadline.expired(d)) {
+                if (!deadline.aborted)
+                    record_error(d, kErrorCombine, src, slot_of(chunk_idx, d.num_slots), chunk_idx, gen,
+                                 observed, 0);
+                return;
+            }
+        }
+    }
+}
+
+// One warp per token t in [token_begin, token_begin + num_valid): y[t] = bf16(sum_k w[t][k] * rows[t][k]) in
+// k order, float32, masked entries skipped. topk_idx / topk_weights: the owner's local [n][K] routing of the
+// whole call; combine_rows: [max_tokens][K][hidden] by logical token; y: row stride y_row_stride elements.
+// end_call_chunks > 0: this is the call's last kernel that reads the generation base (single-stream
+// schedules): block 0 advances it by that many chunks (no other block reads it).
+extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, const __nv_bfloat16* combine_rows,
+                                              const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
+                                              long long y_row_stride, int token_begin, int num_valid,
+                                              int end_call_chunks) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    if (end_call_chunks > 0 && blockIdx.x == 0 && threadIdx.x == 0) end_call(d, end_call_chunks);
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int vecs_per_row = d.hidden / 8;
+    const int K = d.num_topk;
+    for (int i = blockIdx.x * warps_per_block + threadIdx.x / 32; i < num_valid; i += gridDim.x * warps_per_block) {
+        const int64_t token = int64_t(token_begin) + i;
+        const int32_t* token_idx = topk_idx + token * K;
+        const float* token_weights = topk_weights + token * K;
+        const __nv_bfloat16* rows = combine_rows + token * K * d.hidden;
+        for (int v = lane; v < vecs_per_row; v += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int k = 0; k < K; ++k) {
+                const int expert = token_idx[k];
+                if (expert < 0 || expert >= d.num_experts) continue;  // masked: contributes nothing
+                const float w = token_weights[k];
+                const int4 raw = reinterpret_cast<const int4*>(rows + int64_t(k) * d.hidden)[v];
+                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = __bfloat1622float2(pairs[j]);
+                    acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
+                    acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
+                }
+            }
+            int4 out;
+            __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out_pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            *reinterpret_cast<int4*>(y + token * y_row_stride + v * 8) = out;
+        }
+    }
+}

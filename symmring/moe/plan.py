@@ -1,0 +1,131 @@
+"""The per-call plan of the GPU MoE layer: which chunks and expert windows a call runs, in which order.
+
+A plan depends only on every rank's token count, the ring's shape and the schedule (batch or streamed),
+so `symmring.moe.gpu.MoE` builds it once per distinct call and reuses it: an eager call then only binds
+its tensors and launches (no argument re-derivation, no host work that depends on the routing).
+
+Two schedules, one protocol (every call is a call of the ring protocol, `symmring.protocol`):
+
+* **batch** (``streaming=False``, the default and the fallback): every chunk of the call is produced
+  first (all routes, then all layouts), then ONE expert window over all chunks is consumed. With the
+  default ring (one slot of ``max_tokens``) that is one chunk: the classic batch-ready handoff. A call
+  whose chunks do not all fit the ring at once (more than ``num_slots`` chunks) cannot run batch.
+* **streamed** (``streaming=True``): `protocol.windowed_enqueue_order` -- the producer runs ahead by up to
+  ``num_slots`` chunks, the consumer takes expert windows of ``expert_window`` chunks -- on a producer and
+  a consumer stream (or one stream, ``single_stream``). Executed serially it completes (PROTOCOL.md 9.1a).
+
+Example:
+    >>> plan = make_plan((300, 0), rank=0, tokens_per_slot=128, num_slots=3, expert_window=3,
+    ...                  streaming=False, two_streams=False, topk=2, capacity=1536)
+    >>> plan.num_chunks, [w.first for w in plan.windows.values()], plan.windows[0].rows_bound
+    (3, [0], 600)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple
+
+from .. import protocol
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ChunkStep:
+    """This rank's part of one chunk: logical token base and valid tokens (0 for a zero-token chunk)."""
+
+    chunk: int
+    token_base: int
+    num_valid: int
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One expert window ``[first, last]`` of chunks consumed together (one grouped GEMM).
+
+    Attributes:
+        rows_bound: pool rows the experts run over: every (token, k) of every rank's chunks of the window
+            (a host bound from the token counts; the exact count stays on the device), at least 1.
+        token_begin, num_valid: this rank's logical tokens of the window (the rows of ``y`` it reduces).
+    """
+
+    first: int
+    last: int
+    rows_bound: int
+    token_begin: int
+    num_valid: int
+
+    @property
+    def chunks(self) -> range:
+        return range(self.first, self.last + 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one call runs (see the module docstring).
+
+    Attributes:
+        streaming: the schedule; counts: every rank's tokens of the call; num_chunks: the call's chunks.
+        two_streams: producer and consumer on their own streams (streamed, not ``single_stream``).
+        order: the enqueue order, ``("produce", c, c)`` and ``("consume", first, last)`` items.
+        chunks: this rank's `ChunkStep` per chunk; windows: `WindowStep` by first chunk, in order.
+    """
+
+    streaming: bool
+    counts: Tuple[int, ...]
+    num_chunks: int
+    two_streams: bool
+    order: Tuple[Tuple[str, int, int], ...]
+    chunks: Tuple[ChunkStep, ...]
+    windows: Dict[int, WindowStep]
+
+    @property
+    def last_window(self) -> int:
+        """First chunk of the call's last window."""
+        return next(reversed(self.windows))
+
+
+def batch_fits(counts: Sequence[int], tokens_per_slot: int, num_slots: int) -> bool:
+    """Whether a call with these token counts can run batch: all its chunks in the ring at once."""
+    return protocol.call_num_chunks(counts, tokens_per_slot) <= num_slots
+
+
+def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
+              streaming: bool, two_streams: bool, topk: int, capacity: int) -> Plan:
+    """The plan of a call with every rank's token ``counts`` on rank ``rank``.
+
+    Args:
+        counts: tokens of every rank in this call (the same list on every rank).
+        tokens_per_slot, num_slots: the ring's shape; expert_window: chunks per window when streamed.
+        streaming: the schedule; two_streams: streamed on a producer and a consumer stream.
+        topk: experts per token; capacity: rows of the expert pool (bounds ``rows_bound``).
+
+    Raises:
+        ConfigError: a batch call with more chunks than ``num_slots`` (it cannot be in the ring at once),
+            or a bad window.
+    """
+    counts = tuple(int(c) for c in counts)
+    T, S = tokens_per_slot, num_slots
+    num_chunks = protocol.call_num_chunks(counts, T)
+    if streaming:
+        window = expert_window
+    else:
+        if num_chunks > S:
+            raise ConfigError(f"batch call of {max(counts)} tokens on a rank: {num_chunks} chunks of "
+                              f"tokens_per_slot={T} do not fit the ring of num_slots={S} at once (at most "
+                              f"{S * T} tokens per rank); use streaming=True, or a ring with "
+                              "num_slots * tokens_per_slot >= max_tokens")
+        window, two_streams = max(1, num_chunks), False
+    protocol.check_expert_window(window, S)
+    own = counts[rank]
+    chunks = tuple(ChunkStep(c, protocol.chunk_token_base(c, T), protocol.chunk_valid_tokens(own, c, T))
+                   for c in range(num_chunks))
+    windows: Dict[int, WindowStep] = {}
+    for first, last in protocol.expert_windows(num_chunks, window):
+        entries = topk * sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
+        windows[first] = WindowStep(first, last, rows_bound=max(1, min(capacity, entries)),
+                                    token_begin=protocol.chunk_token_base(first, T),
+                                    num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)))
+    order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))
+    return Plan(streaming=bool(streaming), counts=counts, num_chunks=num_chunks, two_streams=bool(two_streams),
+                order=order, chunks=chunks, windows=windows)

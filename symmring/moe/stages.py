@@ -1,0 +1,319 @@
+"""The GPU MoE layer's stages: one named launcher per kernel, and the two sequences a call is made of.
+
+Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every argument named):
+
+* producer (``producer.cu``): `wait_slot`, `produce_route`, `produce_layout`;
+* dispatch (``dispatch.cu``): `wait`, `count`, `scan`, `pull`, `ack`;
+* combine (``combine.cu``): `combine_scatter`, `combine_signal`, `combine_wait`, `combine_reduce`;
+* schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`.
+
+Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.plan.Plan`):
+
+* `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
+* `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
+  (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce. The acknowledgement
+  policy is applied here and nowhere else: EARLY acknowledges each chunk right after its pull (its last
+  read of slot memory), CONSERVATIVE with the window's combine signal.
+
+The kernels' launch geometry (grid sizes from the ring's shape and a chunk's valid tokens) is computed
+here too, so the layer holds no kernel arguments of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import protocol
+from . import timeline
+from .experts import ExpertEngine, Pool
+from .plan import ChunkStep, WindowStep
+
+#: Threads per block of the MoE kernels (8 warps).
+THREADS_PER_BLOCK = 256
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // 32
+#: Grid caps: enough blocks to fill an H200 (132 SMs) several times over, few enough to stay cheap.
+MAX_BLOCKS = 1056
+#: Blocks of the route kernel, whose blocks all poll the acknowledgement mask while they wait.
+MAX_ROUTE_BLOCKS = 16
+#: Blocks of the count kernel per source rank.
+MAX_COUNT_BLOCKS = 64
+#: Largest top-k the dispatch kernel handles (one lane per k).
+MAX_TOPK = 32
+#: Parts of a chunk `wait` waits for (device/moe/dispatch.cu WaitParts).
+WAIT_ROUTE, WAIT_LAYOUT = 1, 2
+#: Bits of the device status word (device/moe/dispatch.cu MoeStatus).
+STATUS_NO_PEER_MAPPING = 1
+
+
+def blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
+    """Blocks for ``num_items`` items at ``per_block`` per block, between 1 and ``cap``."""
+    return max(1, min(cap, -(-num_items // per_block)))
+
+
+def _p(tensor) -> np.uint64:
+    """A tensor's device address as a kernel argument."""
+    return np.uint64(tensor.data_ptr())
+
+
+class Kernels:
+    """The layer's kernels, looked up once from the backend's library modules (loaded once per backend)."""
+
+    def __init__(self, backend):
+        producer, dispatch = backend.library_module("moe_producer"), backend.library_module("moe_dispatch")
+        combine, schedule = backend.library_module("moe_combine"), backend.library_module("moe_schedule")
+        self.wait_slot = producer.function("moe_wait_slot")
+        self.produce_route = producer.function("moe_produce_route")
+        self.produce_layout_fp8 = producer.function("moe_produce_layout_fp8")
+        self.produce_layout_bf16 = producer.function("moe_produce_layout_bf16")
+        self.wait = dispatch.function("moe_dispatch_wait")
+        self.count = dispatch.function("moe_dispatch_count")
+        self.scan = dispatch.function("moe_dispatch_scan")
+        self.pull = dispatch.function("moe_dispatch_pull")
+        self.ack = dispatch.function("moe_dispatch_ack")
+        self.combine_scatter = combine.function("moe_combine_scatter")
+        self.combine_signal = combine.function("moe_combine_signal")
+        self.combine_wait = combine.function("moe_combine_wait")
+        self.combine_reduce = combine.function("moe_combine_reduce")
+        self.end_call = schedule.function("moe_end_call")
+        self.stamp = schedule.function("moe_stamp")
+        self.sleep = schedule.function("moe_sleep")
+
+
+@dataclass
+class State:
+    """The device state the stages read and write: the ring descriptor, the dispatch buffers, the pool,
+    the combine buffer's local addresses, the owner's routing buffers and the timeline stamps.
+
+    Shapes (R ranks, E local experts, W = window chunks, capacity pool rows): counts/begin/group_end/cursor
+    int32 [E]; total/status int32 [1]; counters uint32 [2] (route, layout grid handshakes); pool_x [capacity,
+    hidden]; row_src int32 [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R].
+    """
+
+    desc: object
+    num_ranks: int
+    expert_begin: int
+    num_local_experts: int
+    tokens_per_slot: int
+    topk: int
+    hidden: int
+    fp8_layout: bool
+    capacity: int
+    counts: object
+    begin: object
+    group_end: object
+    cursor: object
+    total: object
+    status: object
+    counters: object
+    pool_x: object
+    row_src: object
+    row_weight: object
+    token_base: object
+    combine_ready: np.uint64
+    combine_rows: np.uint64
+    stamps: object
+
+    @property
+    def pool(self) -> Pool:
+        return Pool(x=self.pool_x, group_end=self.group_end)
+
+
+# --- launchers ------------------------------------------------------------------------------------------
+
+def wait_slot(k: Kernels, s: State, stream, *, chunk: int) -> None:
+    """One block: wait until ``chunk``'s slot is reusable (acks of ``chunk - num_slots``), no reset."""
+    k.wait_slot((1,), (32,), (s.desc, np.int32(chunk)), stream=stream)
+
+
+def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_ptr: int,
+                  topk_weights_ptr: int) -> None:
+    """Acquire the slot, copy ``num_valid`` rows of topk (contiguous ``[n, K]`` at the pointers) and the
+    meta row into it, publish route readiness."""
+    grid = blocks(chunk.num_valid * s.topk, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS)
+    k.produce_route((grid,), (THREADS_PER_BLOCK,),
+                    (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx_ptr), np.uint64(topk_weights_ptr),
+                     np.int32(chunk.num_valid), _p(s.counters)), stream=stream)
+
+
+def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None:
+    """Quantise (fp8 rings) or copy (bf16) the chunk's rows of bf16 ``x`` (the call's ``[n, hidden]``)
+    into the slot, publish layout readiness."""
+    if s.fp8_layout:  # a warp per token
+        fn, grid = k.produce_layout_fp8, blocks(chunk.num_valid, WARPS_PER_BLOCK)
+    else:  # 4 vectors of 8 bf16 per thread
+        fn, grid = k.produce_layout_bf16, blocks(chunk.num_valid * s.hidden // 8, THREADS_PER_BLOCK * 4)
+    stride = x.stride(0)
+    fn((grid,), (THREADS_PER_BLOCK,),
+       (s.desc, np.int32(chunk.chunk), np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
+        np.int32(chunk.num_valid), np.uint64(s.counters.data_ptr() + 4)), stream=stream)
+
+
+def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool) -> None:
+    """Block r waits for source rank r's ``parts`` (`WAIT_ROUTE` | `WAIT_LAYOUT`) of ``chunk``; the route
+    part snapshots each source's token base into row ``window_row`` of ``token_base``; ``clear_counts``
+    zeroes the expert counts (a window's first chunk)."""
+    token_base = np.uint64(s.token_base.data_ptr() + window_row * s.num_ranks * 8)
+    k.wait((s.num_ranks,), (32,), (s.desc, np.int32(chunk), np.int32(parts), _p(s.counts),
+                                   np.int32(s.num_local_experts), token_base, np.int32(clear_counts)),
+           stream=stream)
+
+
+def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
+    """Add the chunk's (token, k) entries of every source routed to each local expert to ``counts``."""
+    grid = (blocks(s.tokens_per_slot * s.topk, THREADS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
+    k.count(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.counts), np.int32(s.expert_begin),
+                                         np.int32(s.num_local_experts), _p(s.status)),
+            stream=stream, shared_mem=4 * s.num_local_experts)
+
+
+def scan(k: Kernels, s: State, stream) -> None:
+    """Row offsets of every local expert's group (begin, group_end), the total, cleared cursors."""
+    k.scan((1,), (1024,), (_p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor), _p(s.total),
+                           np.int32(s.num_local_experts)), stream=stream, shared_mem=4 * 1024)
+
+
+def pull(k: Kernels, s: State, stream, *, chunk: int) -> None:
+    """Pull the chunk's rows routed to local experts from every source into the pool (one warp a token)."""
+    grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // s.num_ranks)), s.num_ranks)
+    k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
+                                        _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
+                                        np.int32(s.num_local_experts), _p(s.status)), stream=stream)
+
+
+def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
+    """Acknowledge every owner's slot of ``chunk`` (after this PE's last read of them)."""
+    k.ack((1,), (32,), (s.desc, np.int32(chunk)), stream=stream)
+
+
+def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int) -> None:
+    """Expert output rows ``out`` to their owners' combine rows at (logical token, k)."""
+    k.combine_scatter((blocks(s.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                      (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
+                       s.combine_rows), stream=stream)
+
+
+def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
+    """Signal every owner that this PE's rows of the window are in place; ``ack_chunks``: acknowledge the
+    window's chunks too."""
+    k.combine_signal((1,), (32,), (s.desc, np.int32(first), np.int32(last), s.combine_ready, np.int32(ack_chunks)),
+                     stream=stream)
+
+
+def combine_wait(k: Kernels, s: State, stream, *, chunk: int) -> None:
+    """Wait until every source signalled its rows of the window ending at ``chunk``."""
+    k.combine_wait((1,), (32,), (s.desc, np.int32(chunk), s.combine_ready), stream=stream)
+
+
+def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx, topk_weights, y,
+                   end_call_chunks: int) -> None:
+    """``y``'s rows of the window: the weighted sum of each token's top-k rows in k order; with
+    ``end_call_chunks`` > 0 this kernel also ends the call (single-stream schedules)."""
+    k.combine_reduce((blocks(window.num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                     (s.desc, s.combine_rows, _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
+                      np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks)),
+                     stream=stream)
+
+
+def end_call(k: Kernels, s: State, stream, *, num_chunks: int) -> None:
+    """Advance the device-resident generation base by the call's chunks (after every kernel of the call)."""
+    k.end_call((1,), (32,), (s.desc, np.int32(num_chunks)), stream=stream)
+
+
+def stamp(k: Kernels, s: State, stream, *, chunk: int, stage, end: bool) -> None:
+    """Record the device clock as the start (or end) of ``stage`` (a `timeline.STAGES` pair) of ``chunk``."""
+    k.stamp((1,), (32,), (_p(s.stamps), np.int32(timeline.stamp_index(chunk, stage, end))), stream=stream)
+
+
+def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
+    """Spin the stream for ``ns`` nanoseconds (tests: a deliberately slow producer or consumer)."""
+    k.sleep((1,), (32,), (np.uint64(ns),), stream=stream)
+
+
+# --- the two sequences ------------------------------------------------------------------------------------
+
+def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: Optional[Callable], topk_idx,
+                  topk_weights, delay_ns: int = 0, stamps: bool = False) -> None:
+    """Produce ``chunk`` (streamed schedule) on ``stream``, which must be the current torch stream too:
+    wait for the slot on one block, route the chunk's rows (``route(rows)`` enqueues the router into
+    ``topk_idx``/``topk_weights``, the call's ``[n, K]`` buffers; None when they were given), then the
+    route and layout kernels."""
+    if delay_ns:
+        sleep(k, s, stream, ns=delay_ns)
+    if stamps:
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "wait"), end=False)
+    wait_slot(k, s, stream, chunk=chunk.chunk)
+    if stamps:
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "wait"), end=True)
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "route"), end=False)
+    if chunk.num_valid and route is not None:
+        route(slice(chunk.token_base, chunk.token_base + chunk.num_valid))
+    row_bytes = s.topk * 4
+    produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=topk_idx.data_ptr() + chunk.token_base * row_bytes,
+                  topk_weights_ptr=topk_weights.data_ptr() + chunk.token_base * row_bytes)
+    if stamps:
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "route"), end=True)
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "layout"), end=False)
+    produce_layout(k, s, stream, chunk=chunk, x=x)
+    if stamps:
+        stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "layout"), end=True)
+
+
+def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: ExpertEngine,
+                   ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y,
+                   end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False,
+                   mark: Optional[Callable[[str], None]] = None) -> None:
+    """Consume the expert window on ``stream`` (the current torch stream too: the engine runs there).
+
+    Args:
+        split_waits: wait for each chunk's route before counting and for its layout before pulling (the
+            streamed schedule, so counting overlaps the producer's layout); False waits for both at once
+            (the batch schedule, whose producers all ran before).
+        topk_idx, topk_weights: the owner's ``[n, K]`` routing of the call (the reduce reads it here).
+        end_call_chunks: > 0 ends the call in the reduce (the last window of a single-stream schedule).
+        delay_ns, stamps: tests and the timeline; mark: called with "dispatch", "experts" and "combine"
+            after each part (per-stage timing).
+    """
+    early = ack_policy == protocol.AckPolicy.EARLY
+    if delay_ns:
+        sleep(k, s, stream, ns=delay_ns)
+    if stamps:
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "wait"), end=False)
+    first_parts = WAIT_ROUTE if split_waits else WAIT_ROUTE | WAIT_LAYOUT
+    for c in window.chunks:
+        # Route readiness alone lets the consumer count (and reserve pool rows across the window's chunks)
+        # while the producer still writes the layout.
+        wait(k, s, stream, chunk=c, parts=first_parts, window_row=c - window.first, clear_counts=c == window.first)
+        if stamps and c == window.first:
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "wait"), end=True)
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=False)
+        count(k, s, stream, chunk=c)
+    scan(k, s, stream)
+    for c in window.chunks:
+        if split_waits:
+            wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
+        pull(k, s, stream, chunk=c)
+        if early:  # the pull was this PE's last read of every source's slot (meta was snapshotted)
+            ack(k, s, stream, chunk=c)
+    if mark is not None:
+        mark("dispatch")
+    if stamps:
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
+    out = engine.forward(s.pool, window.rows_bound)
+    if mark is not None:
+        mark("experts")
+    if stamps:
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
+    combine_scatter(k, s, stream, out=out, window_begin=window.first)
+    combine_signal(k, s, stream, first=window.first, last=window.last, ack_chunks=not early)
+    combine_wait(k, s, stream, chunk=window.last)
+    combine_reduce(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
+                   end_call_chunks=end_call_chunks)
+    if mark is not None:
+        mark("combine")
+    if stamps:
+        stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=True)
