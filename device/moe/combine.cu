@@ -36,10 +36,12 @@ using namespace symmring;
 
 // Rows [total[0]] of pool_out ([rows][hidden] bf16) to the owners' combine rows at (logical token, k).
 // row_src[row] = {src_rank, chunk-local token, k, chunk} (moe_dispatch_pull); token_base: [window][num_ranks],
-// the snapshots of moe_dispatch_wait for the window that starts at chunk window_begin.
+// the snapshots of moe_dispatch_wait for the window that starts at chunk window_begin. m_indices (aligned
+// pools, else null): rows holding -1 are padding and skipped; every other row's entry is put back to -1
+// after its row is sent, so the next window's pool starts with no row marked.
 extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                                const int4* row_src, const int* total, const long long* token_base,
-                                               int window_begin, __nv_bfloat16* combine_rows) {
+                                               int window_begin, int* m_indices, __nv_bfloat16* combine_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int lane = threadIdx.x % 32;
@@ -48,12 +50,17 @@ extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, c
     const int num_rows = total[0];
     for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
          row += gridDim.x * warps_per_block) {
+        if (m_indices != nullptr && m_indices[row] < 0) continue;  // padding (the whole warp skips it)
         const int4 src = row_src[row];
         const int64_t token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
         __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
         int4* dst = reinterpret_cast<int4*>(owner_rows + (token * d.num_topk + src.z) * d.hidden);
         const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
         for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
+        if (m_indices != nullptr) {
+            __syncwarp();  // every lane read m_indices[row] above before lane 0 clears it
+            if (lane == 0) m_indices[row] = -1;
+        }
     }
 }
 

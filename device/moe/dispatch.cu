@@ -12,19 +12,24 @@
 //                       (so nothing after the pull reads the slot); with clear_counts (a window's first
 //                       chunk), block 0 also clears the per-expert counters.
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
-//   moe_dispatch_scan   one block: exclusive scan -> row offsets, group ends for torch._grouped_mm
-//                       (int32), the total row count; clears the reservation cursors.
+//   moe_dispatch_scan   one block: exclusive scan -> row offsets (each group aligned to `align` rows), group
+//                       ends for torch._grouped_mm (int32), the rows spanned; clears the reservation cursors.
 //   moe_dispatch_pull   one warp per (source rank, token): reserve one pool row per local expert of the
 //                       token (atomic cursor: rows of an expert come in no fixed order, which changes
 //                       no result since every row is computed independently and combine reduces in
 //                       a fixed k order), pull the row over NVLink with 16-byte loads, dequantise, and
 //                       record its source (rank, token, k) and weight.
+//   moe_dispatch_pull_fp8  the same for the fp8 engines: rows stay fp8 (bytes and scales copied, no
+//                       dequantisation) and every row's local expert goes to m_indices (the contiguous
+//                       layout: with align 128 from the scan, every expert's group starts at a multiple of 128
+//                       rows; rows of m_indices that no pull wrote hold -1: the layer fills them once and the
+//                       combine scatter puts -1 back after reading each row, so every window starts clean).
 //   moe_dispatch_ack    EARLY acknowledgement policy: acknowledge every owner's slot right after the pull.
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
-// Capacity: the pool has num_ranks * tokens_per_slot * num_topk rows, one per (source rank, token, k),
-// so it cannot overflow whatever the routing. Expert ids outside [0, num_experts) (the mask -1) are
-// skipped.
+// Capacity: the pool has num_ranks * window tokens * num_topk rows, one per (source rank, token, k), plus
+// num_local_experts * (align - 1) rows of alignment padding, so it cannot overflow whatever the routing.
+// Expert ids outside [0, num_experts) (the mask -1) are skipped.
 #include <stdint.h>
 
 #include <cuda_bf16.h>
@@ -36,8 +41,10 @@ using namespace symmring;
 
 namespace {
 
-// Bits of the MoE status word (gpu.STATUS_*): problems that are not protocol timeouts.
-enum MoeStatus : int { kStatusNoPeerMapping = 1 };
+// Bits of the MoE status word (stages.STATUS_*): problems that are not protocol timeouts.
+enum MoeStatus : int { kStatusNoPeerMapping = 1, kStatusBadExpertId = 2 };
+// Words of the bad-expert record (stages.BAD_ID_*): the first id outside [-1, num_experts) seen.
+enum BadIdWord : int { kBadIdValue = 0, kBadIdRank = 1, kBadIdToken = 2, kBadIdK = 3, kBadIdWords = 4 };
 
 __device__ __forceinline__ int num_valid_of(const RingDescriptor& d, int slot, int src_rank) {
     const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
@@ -88,9 +95,12 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
 }
 
 // counts[e] += number of (token, k) entries of every source rank routed to local expert e. Grid:
-// (token blocks, num_ranks); one thread per (token, k) entry; shared-memory histogram per block.
+// (token blocks, num_ranks); one thread per (token, k) entry; shared-memory histogram per block. An expert id
+// outside [-1, num_experts) sets kStatusBadExpertId and, the first time, the bad-id record (value, source
+// rank, logical token, k); the entry is then skipped like a masked one, so nothing else breaks, and
+// check_errors() names it (no host sync in the layer).
 extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                              int expert_begin, int num_local_experts, int* status) {
+                                              int expert_begin, int num_local_experts, int* status, int* bad_id) {
     extern __shared__ int block_counts[];
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
@@ -104,8 +114,19 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
         const int64_t num_entries = int64_t(num_valid) * d.num_topk;
         for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
              i += int64_t(gridDim.x) * blockDim.x) {
-            const int local = idx[i] - expert_begin;
-            if (local >= 0 && local < num_local_experts) atomicAdd(&block_counts[local], 1);
+            const int expert = idx[i];
+            const int local = expert - expert_begin;
+            if (local >= 0 && local < num_local_experts) {
+                atomicAdd(&block_counts[local], 1);
+            } else if (expert < -1 || expert >= d.num_experts) {
+                if ((atomicOr(status, kStatusBadExpertId) & kStatusBadExpertId) == 0) {
+                    bad_id[kBadIdValue] = expert;
+                    bad_id[kBadIdRank] = src_rank;
+                    bad_id[kBadIdToken] = static_cast<int>(chunk_token_base(chunk_idx, d.tokens_per_slot) +
+                                                           i / d.num_topk);
+                    bad_id[kBadIdK] = static_cast<int>(i % d.num_topk);
+                }
+            }
         }
     }
     __syncthreads();
@@ -113,16 +134,20 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
         if (block_counts[e]) atomicAdd(&counts[e], block_counts[e]);
 }
 
-// One block: begin[e] = sum of counts[< e]; group_end[e] = begin[e] + counts[e] (int32, the `offs` of
-// torch._grouped_mm); total[0] = all rows; cursor[e] = 0. Blocked scan: each thread sums a contiguous
-// run of experts, then a shared-memory scan over the threads' sums.
+// One block: the expert-contiguous row layout of the pool. With a = align (1: packed rows), expert e's group
+// starts at begin[e] = sum over e' < e of align_up(counts[e'], a), so every group starts at a multiple of a
+// (the contiguous layout of the fp8 engines: a = 128); group_end[e] = begin[e] + counts[e] (int32; with a = 1
+// the cumulative ends torch._grouped_mm takes as `offs`); total[0] = the rows spanned, padding included;
+// cursor[e] = 0. Blocked scan: each thread sums a contiguous run of experts, then a shared-memory scan over
+// the threads' sums.
 extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int* group_end, int* cursor,
-                                             int* total, int num_local_experts) {
+                                             int* total, int num_local_experts, int align) {
     extern __shared__ int partial[];  // [blockDim.x]
     const int per_thread = (num_local_experts + blockDim.x - 1) / blockDim.x;
     const int first = threadIdx.x * per_thread;
+    auto span = [align](int count) { return (count + align - 1) / align * align; };
     int sum = 0;
-    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += counts[e];
+    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += span(counts[e]);
     partial[threadIdx.x] = sum;
     __syncthreads();
     // Hillis-Steele inclusive scan of the per-thread sums.
@@ -135,11 +160,30 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
     int running = partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
         begin[e] = running;
-        running += counts[e];
-        group_end[e] = running;
+        group_end[e] = running + counts[e];
+        running += span(counts[e]);
         cursor[e] = 0;
     }
     if (threadIdx.x == blockDim.x - 1) total[0] = partial[threadIdx.x];
+}
+
+// Lane k of the warp of (source rank, token): reserve a pool row for entry k when its expert is local (atomic
+// cursor: rows of an expert come in no fixed order, which changes no result since every row is computed
+// independently and combine reduces in a fixed k order) and record row_src[row] = {src_rank, token, k,
+// chunk_idx}, row_weight[row] and (aligned pools) m_indices[row] = the local expert. -1 when not local.
+__device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_t* idx, const float* weights,
+                                           int token, int lane, int src_rank, int chunk_idx, const int* begin,
+                                           int* cursor, int4* row_src, float* row_weight, int* m_indices,
+                                           int expert_begin, int num_local_experts) {
+    if (lane >= d.num_topk) return -1;
+    const int64_t entry = int64_t(token) * d.num_topk + lane;
+    const int local = idx[entry] - expert_begin;
+    if (local < 0 || local >= num_local_experts) return -1;
+    const int row = begin[local] + atomicAdd(&cursor[local], 1);
+    row_src[row] = make_int4(src_rank, token, lane, chunk_idx);
+    row_weight[row] = weights[entry];
+    if (m_indices != nullptr) m_indices[row] = local;
+    return row;
 }
 
 // One warp per (source rank, token): reserve a pool row for each of the token's local experts, copy the
@@ -167,17 +211,8 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
 
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
-        // Lane k reserves the row of entry k when its expert is local.
-        int row = -1;
-        if (lane < d.num_topk) {
-            const int64_t entry = int64_t(token) * d.num_topk + lane;
-            const int local = idx[entry] - expert_begin;
-            if (local >= 0 && local < num_local_experts) {
-                row = begin[local] + atomicAdd(&cursor[local], 1);
-                row_src[row] = make_int4(src_rank, token, lane, chunk_idx);
-                row_weight[row] = weights[entry];
-            }
-        }
+        const int row = reserve_row(d, idx, weights, token, lane, src_rank, chunk_idx, begin, cursor, row_src,
+                                    row_weight, nullptr, expert_begin, num_local_experts);
         unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
         if (fp8) {
@@ -233,4 +268,57 @@ extern "C" __global__ void moe_dispatch_ack(const RingDescriptor* desc_ptr, int 
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
+}
+
+// The fp8 pool (the fp8 engines): as moe_dispatch_pull, but the rows stay fp8. One warp per (source rank,
+// token): reserve a row per local expert of the token (m_indices[row] = its local expert), copy the token's
+// fp8 row (16 bytes per lane and step) and its num_sf float32 scales from the source slot into every reserved
+// row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at row * sf_row_stride + j * sf_col_stride (so the
+// scales can be laid out row-major or MN-major, the layout DeepGEMM reads). Needs an fp8 ring.
+extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr, int chunk_idx, const int* begin,
+                                                 int* cursor, uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
+                                                 long long sf_col_stride, int* m_indices, int4* row_src,
+                                                 float* row_weight, int expert_begin, int num_local_experts,
+                                                 int* status) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.y;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    if (!slot_reachable(d, slot, src_rank, status)) return;
+    const int num_valid = num_valid_of(d, slot, src_rank);
+    const int lane = threadIdx.x % 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int hidden = d.hidden;
+    const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
+    const float* weights = peer_ptr(d, topk_weights_of(d, slot), src_rank);
+    const uint8_t* x = peer_ptr(d, x_of(d, slot), src_rank);
+    const float* x_sf = peer_ptr(d, x_sf_of(d, slot), src_rank);
+
+    for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
+         token += gridDim.x * warps_per_block) {
+        const int row = reserve_row(d, idx, weights, token, lane, src_rank, chunk_idx, begin, cursor, row_src,
+                                    row_weight, m_indices, expert_begin, num_local_experts);
+        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (rows_mask == 0) continue;
+        const uint8_t* src = x + int64_t(token) * hidden;
+        // Lane j < num_sf also carries scale j of the token (num_sf = hidden / 128 <= 32 lanes per step).
+        for (int j0 = 0; j0 < d.num_sf; j0 += 32) {
+            const int j = j0 + lane;
+            const float scale = j < d.num_sf ? x_sf[int64_t(token) * d.num_sf + j] : 0.0f;
+            for (unsigned m = rows_mask; m; m &= m - 1) {
+                const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+                if (j < d.num_sf) pool_sf[int64_t(dst_row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
+            }
+        }
+        for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
+            const int col = col0 + lane * 16;
+            const bool active = col < hidden;
+            int4 raw = make_int4(0, 0, 0, 0);
+            if (active) raw = *reinterpret_cast<const int4*>(src + col);
+            for (unsigned m = rows_mask; m; m &= m - 1) {
+                const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+                if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
+            }
+        }
+    }
 }

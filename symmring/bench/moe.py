@@ -1,21 +1,29 @@
-"""``python -m symmring bench moe [--json PATH]``: latency of the GPU MoE layer (batch-ready path).
+"""``python -m symmring bench moe [--json PATH] [--plot PNG]``: latency of the GPU MoE layer, bf16 and fp8 experts.
 
 For three model shapes -- DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts, top-8), Qwen3-30B-A3B-
-like (2048, 768, 128, top-8) and Mixtral-like (4096, 14336, 8, top-2) -- and tokens per rank from 128 to
-16384, it measures, with CUDA events on warm runs (median of ``--repeats``, fewer at large sizes):
+like (2048, 768, 128, top-8) and Mixtral-like (4096, 14336, 8, top-2) -- and tokens per rank from 1 to
+16384, it measures, in one run, with CUDA events on warm runs (median of ``--repeats``, fewer at large
+sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``builtin`` = fp8 Triton,
+``deepgemm`` = fp8 DeepGEMM where it imports):
 
-* the layer's latency (`symmring.moe.gpu.MoE.forward`, fp8 dispatch, router GEMM and TopK included) and
-  its stages (route, layout, dispatch, experts, combine);
-* the expert GEMMs' rate as a fraction of the bf16 matmul rate measured in the same run (dense
-  8192^3), and dispatch + combine bytes per second as a fraction of the measured device copy bandwidth;
-* the same layer written plainly in torch on one GPU (`symmring.moe.torch_ref.TorchMoE`: router, topk,
-  sort by expert, grouped GEMM, scatter-add), as the ratio layer / torch (<= 1.0 is the goal; only
-  with one rank, where both see the same work).
+* the layer's latency (`symmring.moe.gpu.MoE.forward`, batch-ready path, fp8 dispatch, router GEMM and TopK
+  included), eagerly and replayed from a CUDA graph, and its stages (route, layout, dispatch, experts,
+  combine);
+* the expert stage's rate (TFLOP/s over the rows actually routed), and, for the fp8 engines, each fp8
+  engine's expert step timed alone on the SAME pool (the same grouped problem), so ``vs DG`` is the
+  built-in engine's rate over DeepGEMM's on identical data; against the dense fp8 GEMM rate
+  (``torch._scaled_mm`` of 8192^3) measured in the same run;
+* the fp8 roofline ``max(fp8 weight bytes of the experts the call touched / copy rate, FLOPs / dense fp8
+  rate)`` with both rates measured in the same run, and the layer's graph latency over it;
+* the pool and symmetric-heap bytes per PE;
+* with one rank, the same layer written plainly in torch (`symmring.moe.torch_ref.TorchMoE`, bf16) as the
+  ratio layer / torch.
 
 Weights and tokens are random (seeded); routing comes from random router weights, so expert loads are
-roughly uniform. Prints a table; ``--json PATH`` writes every figure. Under several ranks
-(``python -m symmring.launch -n N -- python -m symmring bench moe``) each rank holds its experts and its
-own tokens; rank 0 prints.
+roughly uniform. Prints a table (progress on stderr); ``--json PATH`` writes every figure, ``--plot PNG``
+draws latency against tokens per shape with the roofline. Under several ranks (``python -m
+symmring.launch -n N -- python -m symmring bench moe``) each rank holds its experts and its own tokens;
+rank 0 prints.
 """
 
 from __future__ import annotations
@@ -39,7 +47,12 @@ SHAPES = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral": (4096, 14336, 8, 2),
 }
-DEFAULT_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ENGINE_NAMES = ("torch", "builtin", "deepgemm")
+
+
+def _progress(message: str) -> None:
+    print(f"bench moe: {message}", file=sys.stderr, flush=True)
 
 
 def _timed(fn, repeats: int, warmup: int = 2) -> List[float]:
@@ -59,16 +72,23 @@ def _timed(fn, repeats: int, warmup: int = 2) -> List[float]:
 
 
 def measure_ceilings(device) -> Dict[str, float]:
-    """bf16 dense matmul rate (TFLOP/s, 8192^3) and device copy bandwidth (GB/s, bytes read + written)."""
+    """bf16 dense matmul rate and fp8 dense GEMM rate (TFLOP/s, 8192^3, ``torch._scaled_mm`` with per-row
+    scales) and device copy bandwidth (GB/s, bytes read + written)."""
     import torch
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_ms = statistics.median(_timed(lambda: a @ b, 10, 3))
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as cuBLASLt wants
+    sa = torch.ones(8192, 1, device=device, dtype=torch.float32)
+    sb = torch.ones(1, 8192, device=device, dtype=torch.float32)
+    fp8_ms = statistics.median(_timed(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb,
+                                                               out_dtype=torch.bfloat16), 10, 3))
     src = torch.empty(2 ** 30 // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = statistics.median(_timed(lambda: dst.copy_(src), 10, 3))
-    del a, b, src, dst
+    del a, b, a8, b8, src, dst
     return {"matmul_tflops": 2 * 8192 ** 3 / (mm_ms * 1e-3) / 1e12,
+            "fp8_matmul_tflops": 2 * 8192 ** 3 / (fp8_ms * 1e-3) / 1e12,
             "copy_gbps": 2 * 2 ** 30 / (copy_ms * 1e-3) / 1e9}
 
 
@@ -98,105 +118,193 @@ def layer_weights(ctx, name: str, seed: int):
                          weights(E_local, hidden, inter, fan_in=inter), weights(num_experts, hidden, fan_in=hidden))
 
 
-def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float],
-                seed: int = 0) -> List[Dict]:
+def available_engines(names) -> List[str]:
+    """The requested engines that can run here (DeepGEMM only where it imports; reasons logged)."""
+    out = []
+    for name in names:
+        if name == "deepgemm":
+            from ..moe import deepgemm
+            ok, reason = deepgemm.deepgemm_status()
+            if not ok:
+                _progress(f"engine deepgemm skipped: {reason}")
+                continue
+        out.append(name)
+    return out
+
+
+def fp8_roofline_ms(touched_experts: int, rows: int, hidden: int, inter: int, ceilings: Dict[str, float]) -> float:
+    """``max(fp8 weight bytes touched / copy rate, FLOPs / dense fp8 rate)`` in ms: the experts' weights
+    (gate, up, down: ``3 * hidden * inter`` bytes each, plus their 128x128 block scales) read once, the
+    expert GEMMs at the dense fp8 rate (the copy rate counts bytes read + written, so reads alone move at
+    about half of it: the bound uses the measured rate as is, a lower bound)."""
+    weight_bytes = touched_experts * (3 * hidden * inter + 3 * (hidden // 128) * (inter // 128) * 4)
+    flops = 2.0 * rows * 3 * hidden * inter
+    return max(weight_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["fp8_matmul_tflops"] * 1e12)) * 1e3
+
+
+def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float], engines: List[str],
+                graphs: bool = True, seed: int = 0) -> List[Dict]:
     import torch
+    from ..moe.experts import Fp8Experts
     from ..moe.gpu import MoE, STAGES
     from ..moe.torch_ref import TorchMoE
     hidden, inter, num_experts, topk = SHAPES[name]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
-    moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(tokens))
-    plain = TorchMoE(w_gate, w_up, w_down, topk) if ctx.world_size == 1 else None
+    layers = {}
+    for engine in engines:
+        layers[engine] = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(tokens),
+                             engine=engine, expert_dtype="bf16" if engine == "torch" else "fp8")
+    # The other fp8 engine on the same weights: each fp8 layer's pool is timed under both engines.
+    twins = {}
+    if "builtin" in layers and "deepgemm" in layers:
+        twins = {"builtin": Fp8Experts(layers["builtin"].engine.weights, "deepgemm"),
+                 "deepgemm": Fp8Experts(layers["deepgemm"].engine.weights, "builtin")}
+    plain = TorchMoE(w_gate, w_up, w_down, topk) if ctx.world_size == 1 and "torch" in layers else None
     rows = []
     try:
         for n in tokens:
             x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
             reps = repeats if n <= 4096 else max(3, repeats // 4)
-            ctx.comm.Barrier()
-            layer_ms = statistics.median(_timed(lambda: moe.forward(x, router_weight=router), reps))
-            moe.check_errors()
-            # Per-stage split (a separate pass, so the events do not perturb the latency above).
-            stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
-            for _ in range(reps):
-                events: List = []
-                moe.forward(x, router_weight=router, stage_events=events)
-                events[-1][1].synchronize()
-                for s, ms in _stage_ms(events).items():
-                    stage_runs[s].append(ms)
-            stages = {s: statistics.median(v) for s, v in stage_runs.items()}
-            num_rows = moe.routed_rows()
-            gemm_flops = 2.0 * num_rows * (hidden * 2 * inter + inter * hidden)
-            x_bytes = 1 if moe.x_format == "fp8_e4m3" else 2
-            # dispatch: read each token row once per rank, write bf16 pool rows; combine: read pool rows,
-            # write combine rows, read them again and write y.
-            dispatch_bytes = n * hidden * x_bytes + num_rows * hidden * 2
-            combine_bytes = 3 * num_rows * hidden * 2 + n * hidden * 2
-            row = {
-                "shape": name, "hidden": hidden, "inter": inter, "num_experts": num_experts, "topk": topk,
-                "world_size": ctx.world_size, "tokens_per_rank": n, "routed_rows": num_rows,
-                "layer_ms": layer_ms, "stages_ms": stages,
-                "expert_tflops": gemm_flops / (stages["experts"] * 1e-3) / 1e12 if stages["experts"] else 0.0,
-                "dispatch_combine_gbps": (dispatch_bytes + combine_bytes) /
-                ((stages["dispatch"] + stages["combine"]) * 1e-3) / 1e9,
-            }
-            row["expert_fraction_of_matmul"] = row["expert_tflops"] / ceilings["matmul_tflops"]
-            row["dc_fraction_of_copy"] = row["dispatch_combine_gbps"] / ceilings["copy_gbps"]
-            # The same call captured into a CUDA graph (removes the host's launch cost; every replay is a
-            # call with a fresh device-side generation).
-            try:
-                graph, _ = moe.capture(x, router_weight=router)
-                row["layer_graph_ms"] = statistics.median(_timed(graph.replay, reps))
-                moe.check_errors()
-                del graph
-            except Exception as exc:  # report, keep benchmarking the eager path
-                row["layer_graph_error"] = f"{type(exc).__name__}: {exc}"
-                logger.warning("%s n=%d: graph capture failed: %s", name, n, exc)
+            torch_ms = None
             if plain is not None:
                 torch_ms = statistics.median(_timed(lambda: plain.forward(x, router_weight=router), reps))
-                row["torch_ms"] = torch_ms
-                row["ratio_vs_torch"] = layer_ms / torch_ms
-                if "layer_graph_ms" in row:
-                    row["ratio_graph_vs_torch"] = row["layer_graph_ms"] / torch_ms
-            rows.append(row)
-            logger.info("%s n=%d: %.3f ms", name, n, layer_ms)
+            for engine, moe in layers.items():
+                ctx.comm.Barrier()
+                layer_ms = statistics.median(_timed(lambda: moe.forward(x, router_weight=router), reps))
+                moe.check_errors()
+                # Per-stage split (a separate pass, so the events do not perturb the latency above).
+                stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
+                for _ in range(reps):
+                    events: List = []
+                    moe.forward(x, router_weight=router, stage_events=events)
+                    events[-1][1].synchronize()
+                    for s, ms in _stage_ms(events).items():
+                        stage_runs[s].append(ms)
+                stages = {s: statistics.median(v) for s, v in stage_runs.items()}
+                counts = moe._state.counts
+                num_rows = int(counts.sum().item())
+                touched = int((counts > 0).sum().item())
+                gemm_flops = 2.0 * num_rows * 3 * hidden * inter
+                mem = moe.memory()
+                row = {"shape": name, "engine": engine, "expert_dtype": moe.expert_dtype, "hidden": hidden,
+                       "inter": inter, "num_experts": num_experts, "topk": topk, "world_size": ctx.world_size,
+                       "tokens_per_rank": n, "routed_rows": num_rows, "touched_experts": touched,
+                       "layer_ms": layer_ms, "stages_ms": stages, "pool_bytes": mem["pool_bytes"],
+                       "heap_bytes": mem["heap_bytes"], "weight_bytes": mem["weight_bytes"],
+                       "expert_tflops": gemm_flops / (stages["experts"] * 1e-3) / 1e12 if stages["experts"] else 0.0}
+                row["expert_fraction_of_fp8_dense"] = row["expert_tflops"] / ceilings["fp8_matmul_tflops"]
+                row["fp8_roofline_ms"] = fp8_roofline_ms(touched, num_rows, hidden, inter, ceilings)
+                if moe.expert_dtype == "fp8" and num_rows:
+                    # Both fp8 engines on this layer's pool as the last forward left it (the same grouped problem).
+                    window_rows = moe.last_plan.windows[0].rows_bound
+                    pool = moe._state.pool(window_rows)
+                    own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows), reps))
+                    row["engine_step_ms"] = own
+                    row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
+                    if engine in twins:
+                        other = statistics.median(_timed(lambda: twins[engine].forward(pool, window_rows), reps))
+                        dg_ms = other if engine == "builtin" else own
+                        bi_ms = own if engine == "builtin" else other
+                        row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms
+                if graphs:
+                    try:
+                        graph, _ = moe.capture(x, router_weight=router)
+                        row["layer_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                        moe.check_errors()
+                        del graph
+                    except Exception as exc:  # report, keep benchmarking the eager path
+                        row["layer_graph_error"] = f"{type(exc).__name__}: {exc}"
+                        logger.warning("%s %s n=%d: graph capture failed: %s", name, engine, n, exc)
+                best = row.get("layer_graph_ms", layer_ms)
+                row["vs_fp8_roofline"] = best / row["fp8_roofline_ms"] if row["fp8_roofline_ms"] else float("nan")
+                if torch_ms is not None:
+                    row["torch_ms"] = torch_ms
+                    row["ratio_vs_torch"] = layer_ms / torch_ms
+                rows.append(row)
+                _progress(f"{name} {engine} n={n}: {layer_ms:.3f} ms eager, {row.get('layer_graph_ms', float('nan')):.3f} "
+                          f"ms graph, {row['vs_fp8_roofline']:.2f}x the fp8 roofline")
             del x
     finally:
-        moe.close()
-        del w_gate, w_up, w_down, router, plain
+        for moe in layers.values():
+            moe.close()
+        del w_gate, w_up, w_down, router, plain, layers, twins
         torch.cuda.empty_cache()
     return rows
 
 
-def format_table(rows: List[Dict], ceilings: Dict[str, float]) -> str:
-    lines = [f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_gbps']:.0f} GB/s "
-             "(measured in this run)",
-             f"{'shape':<14} {'tokens':>6} {'layer ms':>9} {'graph ms':>9} {'torch ms':>9} {'ratio':>6} "
-             f"{'g.ratio':>7} {'route':>7} "
-             f"{'layout':>7} {'disp':>7} {'experts':>8} {'combine':>8} {'GEMM %':>7} {'D+C %':>6}"]
+def add_ratios(rows: List[Dict]) -> None:
+    """``fp8_vs_bf16``: each fp8 row's graph (else eager) latency over the bf16 row's at the same size."""
+    base = {(r["shape"], r["tokens_per_rank"]): r for r in rows if r["engine"] == "torch"}
     for r in rows:
-        s = r["stages_ms"]
-        nan = float("nan")
-        lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['layer_ms']:>9.3f} "
-                     f"{r.get('layer_graph_ms', nan):>9.3f} {r.get('torch_ms', nan):>9.3f} "
-                     f"{r.get('ratio_vs_torch', nan):>6.2f} {r.get('ratio_graph_vs_torch', nan):>7.2f} "
-                     f"{s['route']:>7.3f} {s['layout']:>7.3f} {s['dispatch']:>7.3f} {s['experts']:>8.3f} "
-                     f"{s['combine']:>8.3f} {100 * r['expert_fraction_of_matmul']:>6.1f}% "
-                     f"{100 * r['dc_fraction_of_copy']:>5.1f}%")
+        b = base.get((r["shape"], r["tokens_per_rank"]))
+        if b is not None and r["engine"] != "torch":
+            r["fp8_vs_bf16"] = r.get("layer_graph_ms", r["layer_ms"]) / b.get("layer_graph_ms", b["layer_ms"])
+
+
+def format_table(rows: List[Dict], ceilings: Dict[str, float]) -> str:
+    nan = float("nan")
+    lines = [f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, fp8 matmul {ceilings['fp8_matmul_tflops']:.0f} "
+             f"TFLOP/s, copy {ceilings['copy_gbps']:.0f} GB/s (measured in this run)",
+             f"{'shape':<14} {'tokens':>6} {'engine':<8} {'eager ms':>9} {'graph ms':>9} {'experts':>8} "
+             f"{'TFLOP/s':>7} {'vs DG':>5} {'roof ms':>8} {'/roof':>6} {'/bf16':>6} {'/torch':>6} {'pool MB':>8} "
+             f"{'heap MB':>8}"]
+    for r in rows:
+        lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['engine']:<8} {r['layer_ms']:>9.3f} "
+                     f"{r.get('layer_graph_ms', nan):>9.3f} {r['stages_ms']['experts']:>8.3f} "
+                     f"{r.get('engine_step_tflops', r['expert_tflops']):>7.0f} "
+                     f"{r.get('builtin_vs_deepgemm_rate', nan):>5.2f} {r['fp8_roofline_ms']:>8.3f} "
+                     f"{r['vs_fp8_roofline']:>6.2f} {r.get('fp8_vs_bf16', nan):>6.2f} {r.get('ratio_vs_torch', nan):>6.2f} "
+                     f"{r['pool_bytes'] / 2 ** 20:>8.1f} {r['heap_bytes'] / 2 ** 20:>8.1f}")
     return "\n".join(lines)
+
+
+def draw_plot(rows: List[Dict], png_path: str) -> None:
+    """Per shape: graph latency (eager where no graph) against tokens per rank, one line per engine, and the
+    fp8 roofline (matplotlib, Agg, log-log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        for engine in dict.fromkeys(r["engine"] for r in mine):
+            pts = sorted((r["tokens_per_rank"], r.get("layer_graph_ms", r["layer_ms"])) for r in mine
+                         if r["engine"] == engine)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=engine)
+        roof = sorted({(r["tokens_per_rank"], r["fp8_roofline_ms"]) for r in mine if r["engine"] == mine[0]["engine"]})
+        ax.plot([p[0] for p in roof], [p[1] for p in roof], "k--", label="fp8 roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("ms (CUDA graph replay)")
+        ax.set_title(shape)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m symmring bench moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="draw latency vs tokens with the fp8 roofline")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="comma-separated tokens per rank")
+    parser.add_argument("--engines", default=",".join(ENGINE_NAMES),
+                        help=f"comma-separated subset of {list(ENGINE_NAMES)} (deepgemm only where it imports)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per size (a quarter above 4096)")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph timings")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected some of {list(SHAPES)}")
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or any(e not in ENGINE_NAMES for e in engines):
+        parser.error(f"--engines={args.engines!r}: expected some of {list(ENGINE_NAMES)}")
     try:
         tokens = sorted({int(t) for t in args.tokens.split(",") if t})
     except ValueError:
@@ -208,27 +316,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bench moe: {missing}", file=sys.stderr)
         return 2
     import torch
-    # The combine buffer of the largest size must fit the symmetric heap (default 1 GiB).
-    need = max(t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2 for s in shapes for t in tokens[-1:])
+    # Every engine's layer holds a combine buffer of the largest size in the symmetric heap (default 1 GiB).
+    need = len(engines) * max(t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2 for s in shapes
+                              for t in tokens[-1:])
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))
     from ..context import init
     ctx = init("nvshmem")
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
     try:
+        engines = available_engines(engines)
         ceilings = measure_ceilings(device)
         rows = []
         for shape in shapes:
-            rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings)
+            rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph)
+        add_ratios(rows)
     finally:
         ctx.close()
     if ctx.rank == 0:
         print(format_table(rows, ceilings))
-        print(f"bench moe: {len(rows)} sizes in {time.perf_counter() - started:.0f} s")
+        print(f"bench moe: {len(rows)} measurements in {time.perf_counter() - started:.0f} s")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"ceilings": ceilings, "rows": rows, "device": ctx.device,
                            "world_size": ctx.world_size}, fh, indent=1)
+        if args.plot:
+            draw_plot(rows, args.plot)
     return 0
 
 

@@ -7,17 +7,37 @@ owners. The engine says which pool it wants: its row format (``"bf16"``: dispatc
 way) and the row alignment of every expert's group (1: packed). Nothing else in the layer knows how the
 experts compute.
 
-Engines here: `TorchBf16Experts` (``torch._grouped_mm`` over bf16 rows, float32 accumulation).
+Engines (`make_engine`, the layer's ``engine=`` argument):
 
-Weights use the ``nn.Linear`` convention of Mixtral and Qwen-MoE: gate and up ``[E, inter, hidden]``,
-down ``[E, hidden, inter]``; L1 runs on the fused ``[E, 2 * inter, hidden]`` (`fuse_gate_up`).
+* ``"torch"``: `TorchBf16Experts`, bf16 experts on ``torch._grouped_mm`` (float32 accumulation, bf16
+  SwiGLU); dispatch dequantises the fp8 rows into a bf16 pool.
+* ``"builtin"``: `Fp8Experts` on the project's Triton kernels (`symmring.moe.fp8_kernels`): fp8 pool (rows
+  and their 1x128 scales as the producer wrote them), L1 block-scaled fp8 grouped GEMM, SwiGLU fused with
+  the 1x128 fp8 quantisation of its output, L2 fp8 grouped GEMM to bf16.
+* ``"deepgemm"``: `Fp8Experts` with DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` for both GEMMs
+  (`symmring.moe.deepgemm`; optional, imported lazily) and the same SwiGLU kernel.
+* ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
+
+The fp8 engines want the contiguous layout: every expert's group starts at a multiple of 128 pool rows
+and ``m_indices`` names each row's expert (-1 for padding). Weights: `symmring.moe.weights`.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 from typing import Optional
+
+from ..errors import BackendError, ConfigError
+from .weights import ExpertWeights
+
+logger = logging.getLogger(__name__)
+
+#: Values of the layer's ``engine`` argument.
+ENGINES = ("auto", "deepgemm", "builtin", "torch")
+#: Row alignment of every expert group in an fp8 pool (DeepGEMM's and the Triton kernel's M block).
+FP8_ALIGN_M = 128
 
 
 def _torch():
@@ -96,10 +116,10 @@ class TorchBf16Experts(ExpertEngine):
     """bf16 experts on ``torch._grouped_mm`` (CUTLASS on sm_90), float32 accumulation, bf16 SwiGLU.
 
     Args:
-        w_gate, w_up: bf16 ``[E, inter, hidden]``; w_down: bf16 ``[E, hidden, inter]`` (this rank's experts).
+        weights: bf16 `ExpertWeights` of this rank's experts.
 
     Example:
-        >>> engine = TorchBf16Experts(w_gate, w_up, w_down)
+        >>> engine = TorchBf16Experts(expert_weights(w_gate, w_up, w_down, ...))
         >>> out = engine.forward(Pool(x=pool_x, group_end=group_end), num_rows)
     """
 
@@ -107,13 +127,82 @@ class TorchBf16Experts(ExpertEngine):
     pool_format = "bf16"
     align_m = 1
 
-    def __init__(self, w_gate, w_up, w_down):
-        self.num_local_experts, self.inter, self.hidden = (int(s) for s in w_gate.shape)
-        self.w13 = fuse_gate_up(w_gate, w_up)
-        self.w_down = w_down.contiguous()
-        self._w13_t, self._w_down_t = self.w13.transpose(1, 2), self.w_down.transpose(1, 2)  # [E, K, N] views
+    def __init__(self, weights: ExpertWeights):
+        if weights.dtype != "bf16":
+            raise ConfigError(f"engine 'torch': expected bf16 expert weights, got {weights.dtype}")
+        self.weights = weights
+        self.inter = weights.inter
+        self._w13_t, self._w_down_t = weights.w13.transpose(1, 2), weights.w_down.transpose(1, 2)  # [E, K, N] views
 
     def forward(self, pool: Pool, num_rows: int):
         h = grouped_mm(pool.x[:num_rows], self._w13_t, pool.group_end)
         act = swiglu(h, self.inter)
         return grouped_mm(act, self._w_down_t, pool.group_end)
+
+
+class Fp8Experts(ExpertEngine):
+    """fp8 experts: block-scaled fp8 grouped GEMMs over the contiguous layout, SwiGLU fused with the fp8
+    quantisation of its output (see the module docstring).
+
+    Args:
+        weights: fp8 `ExpertWeights` (128x128 block scales).
+        gemm: ``"builtin"`` (Triton, `symmring.moe.fp8_kernels`) or ``"deepgemm"``.
+
+    Raises:
+        BackendError: the chosen GEMM cannot run here (no Triton, DeepGEMM absent or incompatible).
+    """
+
+    pool_format = "fp8"
+    align_m = FP8_ALIGN_M
+
+    def __init__(self, weights: ExpertWeights, gemm: str):
+        if weights.dtype != "fp8":
+            raise ConfigError(f"engine {gemm!r}: expected fp8 expert weights, got {weights.dtype}")
+        from . import fp8_kernels
+        self.name = gemm
+        self.weights = weights
+        self._swiglu_quant = fp8_kernels.swiglu_quant_fp8  # L2's scales MN-major: DeepGEMM reads them as they are
+        if gemm == "deepgemm":
+            from . import deepgemm
+            ok, reason = deepgemm.deepgemm_status()
+            if not ok:
+                raise BackendError(f"engine='deepgemm': {reason}")
+            self._gemm = deepgemm.grouped_gemm_fp8
+            self._w13, self._w13_scale = deepgemm.prepare_weights(weights.w13, weights.w13_scale)
+            self._w_down, self._w_down_scale = deepgemm.prepare_weights(weights.w_down, weights.w_down_scale)
+        elif gemm == "builtin":
+            self._gemm = fp8_kernels.grouped_gemm_fp8
+            self._w13, self._w13_scale = weights.w13, weights.w13_scale
+            self._w_down, self._w_down_scale = weights.w_down, weights.w_down_scale
+        else:
+            raise ConfigError(f"gemm={gemm!r}: expected 'builtin' or 'deepgemm'")
+
+    def forward(self, pool: Pool, num_rows: int):
+        m_indices = pool.m_indices[:num_rows]
+        h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices)
+        act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True)
+        return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices)
+
+
+def make_engine(engine: str, weights: ExpertWeights) -> ExpertEngine:
+    """The `ExpertEngine` named by ``engine`` (one of `ENGINES`) for these weights.
+
+    Raises:
+        ConfigError: an unknown name, or one that does not fit the weights (``"torch"`` needs bf16 experts,
+            ``"builtin"``/``"deepgemm"`` fp8 ones).
+        BackendError: the engine cannot run here (the message says what is missing).
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r}: expected one of {list(ENGINES)}")
+    if engine == "auto":
+        if weights.dtype == "bf16":
+            engine = "torch"
+        else:
+            from . import deepgemm
+            ok, reason = deepgemm.deepgemm_status()
+            engine = "deepgemm" if ok else "builtin"
+            if not ok:
+                logger.info("engine='auto': DeepGEMM not usable (%s); using the built-in fp8 kernels", reason)
+    if engine == "torch":
+        return TorchBf16Experts(weights)
+    return Fp8Experts(weights, engine)

@@ -61,7 +61,6 @@ from ..layout import ALIGN, RingSpec, align_up
 from . import plan as plans
 from . import routing as routing_mod
 from . import stages, timeline
-from .experts import TorchBf16Experts
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +110,10 @@ class MoE:
         hidden, inter: model and expert intermediate sizes (multiples of 128 for fp8, of 8 for bf16;
             ``inter`` a multiple of 8).
         topk: experts per token (``1 <= topk <= min(32, num_experts)``).
-        w_gate, w_up: this rank's experts, bf16 CUDA tensors ``[num_experts / world_size, inter, hidden]``
+        w_gate, w_up: this rank's experts, CUDA tensors ``[num_experts / world_size, inter, hidden]``
             (``nn.Linear`` layout, Mixtral's ``w1``/``w3``); w_down: ``[num_experts / world_size, hidden,
-            inter]`` (``w2``). Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
+            inter]`` (``w2``): bf16, or fp8 e4m3 with block scales (the checkpoint layout,
+            `symmring.moe.weights`). Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
         max_tokens: most tokens per rank per call.
         num_slots: slots of the ring (>= 1); the streamed producer runs up to ``num_slots - 1`` chunks ahead.
         tokens_per_slot: tokens per chunk, the slot's capacity (default ``max_tokens``; at most that). A
@@ -129,6 +129,13 @@ class MoE:
         timeout_s: bound of every device wait (default: the context's).
         policy: a `symmring.moe.policy.StreamPolicy` for ``streaming="auto"`` (default: the one measured on
             an H200, `StreamPolicy.default`).
+        expert_dtype: ``"bf16"`` or ``"fp8"`` experts (None: what ``engine`` needs, else the weights' own
+            format); bf16 weights are quantised to 128x128-block fp8 once, fp8 ones dequantised for bf16.
+        engine: the experts' GEMMs (`symmring.moe.experts.ENGINES`): ``"torch"`` (bf16), ``"builtin"``
+            (Triton fp8), ``"deepgemm"`` (fp8, optional), ``"auto"`` (DeepGEMM where it loads for fp8).
+        w_gate_scale, w_up_scale, w_down_scale: float32 block scales of fp8 e4m3 weights
+            (``[E, ceil(inter / 128), ceil(hidden / 128)]``, down ``[E, ceil(hidden / 128), ceil(inter /
+            128)]``: the dequantisation multipliers, ``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -144,7 +151,8 @@ class MoE:
                  max_tokens: int, num_slots: int = 1, tokens_per_slot: Optional[int] = None, ack_policy=None,
                  expert_window: int = 1, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
                  routed_scaling_factor: float = 1.0, single_stream: bool = False,
-                 timeout_s: Optional[float] = None, policy=None):
+                 timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
+                 engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -195,9 +203,19 @@ class MoE:
         self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         E, K, H = self.num_local_experts, self.topk, self.hidden
-        for name, w, shape in (("w_gate", w_gate, (E, self.inter, H)), ("w_up", w_up, (E, self.inter, H)),
-                               ("w_down", w_down, (E, H, self.inter))):
-            self._check_tensor(name, w, torch.bfloat16, shape)
+        from .experts import ENGINES, make_engine
+        from .weights import expert_weights
+        if engine not in ENGINES:
+            raise ConfigError(f"engine={engine!r}: expected one of {list(ENGINES)}")
+        wanted = {"torch": "bf16", "builtin": "fp8", "deepgemm": "fp8"}.get(engine)
+        if expert_dtype is not None and wanted is not None and expert_dtype != wanted:
+            raise ConfigError(f"expert_dtype={expert_dtype!r} with engine={engine!r}: that engine runs {wanted} experts")
+        weights = expert_weights(w_gate, w_up, w_down, num_local_experts=E, hidden=H, inter=self.inter,
+                                 device=self.device, expert_dtype=expert_dtype or wanted, w_gate_scale=w_gate_scale,
+                                 w_up_scale=w_up_scale, w_down_scale=w_down_scale)
+        if weights.dtype == "fp8" and x_format != "fp8_e4m3":
+            raise ConfigError(f"x_format={x_format!r}: fp8 experts read the fp8 dispatch rows as they are; "
+                              "expected x_format='fp8_e4m3' (or expert_dtype='bf16')")
         self.bias = None
         if bias is not None:
             self._check_tensor("bias", bias, None, (self.num_experts,))
@@ -206,7 +224,8 @@ class MoE:
         if policy is not None and not isinstance(policy, StreamPolicy):
             raise ConfigError(f"policy={policy!r}: expected a StreamPolicy or None")
         self.policy = policy
-        self.engine = TorchBf16Experts(w_gate, w_up, w_down)
+        self.engine = make_engine(engine, weights)
+        self.expert_dtype = weights.dtype
 
         # --- symmetric memory (collective) ------------------------------------------------------------
         from ..kernels import DeviceRing
@@ -220,8 +239,12 @@ class MoE:
         self._kernels = stages.Kernels(backend)
 
         # --- local buffers (fixed size: no allocation depends on the routing; graph-capturable) ---------
+        # One pool row per (source rank, token, k) of a window, plus every group's alignment padding.
         window_tokens = min(self.max_tokens, self.num_slots * self.tokens_per_slot)
-        self.capacity = self.world_size * window_tokens * K
+        align = self.engine.align_m
+        entries = self.world_size * window_tokens * K
+        self.capacity = entries + min(E, entries) * (align - 1)
+        fp8_pool = self.engine.pool_format == "fp8"
         i32 = dict(dtype=torch.int32, device=self.device)
         self.max_chunks = protocol.num_chunks_for(self.max_tokens, self.tokens_per_slot)
         self._state = stages.State(
@@ -231,7 +254,13 @@ class MoE:
             counts=torch.zeros(E, **i32), begin=torch.zeros(E, **i32), group_end=torch.zeros(E, **i32),
             cursor=torch.zeros(E, **i32), total=torch.zeros(1, **i32), status=torch.zeros(1, **i32),
             counters=torch.zeros(2, **i32),
-            pool_x=torch.empty((self.capacity, H), dtype=torch.bfloat16, device=self.device),
+            pool_x=torch.empty((self.capacity, H), dtype=torch.float8_e4m3fn if fp8_pool else torch.bfloat16,
+                               device=self.device),
+            # Scales of fp8 rows, [num_sf][align4(rows)] per window (State.pool_scales), and every row's group.
+            pool_sf=(torch.empty(stages.pool_scale_words(self.capacity, H), dtype=torch.float32, device=self.device)
+                     if fp8_pool else None),
+            m_indices=torch.full((self.capacity,), -1, **i32) if fp8_pool else None, align=align,
+            bad_id=torch.zeros(stages.BAD_ID_WORDS, **i32),
             row_src=torch.zeros((self.capacity, 4), **i32),
             row_weight=torch.zeros(self.capacity, dtype=torch.float32, device=self.device),
             # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
@@ -247,13 +276,25 @@ class MoE:
         self._producer_stream = torch.cuda.Stream(device=self.device)
         self._consumer_stream = torch.cuda.Stream(device=self.device)
         self._timeline = (0, {})  # (chunks, windows) of the last forward(timeline=True)
+        self.last_plan: Optional[plans.Plan] = None  # of the last forward (benchmarks and tests read it)
         self.closed = False
         backend.barrier()
-        logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s, max_tokens %d, "
-                    "ring %d x %d tokens, %s ack, window %d, pool %d rows", self.rank, self.world_size,
-                    self.expert_begin, self.expert_begin + E, self.num_experts, H, self.inter, K, x_format,
-                    self.max_tokens, self.num_slots, self.tokens_per_slot, self.ack_policy.name.lower(),
-                    self.expert_window, self.capacity)
+        logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s dispatch, %s experts "
+                    "(engine %s), max_tokens %d, ring %d x %d tokens, %s ack, window %d, pool %d rows (%d bytes)",
+                    self.rank, self.world_size, self.expert_begin, self.expert_begin + E, self.num_experts, H,
+                    self.inter, K, x_format, self.expert_dtype, self.engine.name, self.max_tokens, self.num_slots,
+                    self.tokens_per_slot, self.ack_policy.name.lower(), self.expert_window, self.capacity,
+                    self.memory()["pool_bytes"])
+
+    def memory(self) -> Dict[str, int]:
+        """Device bytes this layer holds on this PE: ``pool_bytes`` (the expert pool: rows, scales, row
+        sources, weights and group ids), ``heap_bytes`` (symmetric: the ring and the combine buffer) and
+        ``weight_bytes`` (the experts)."""
+        s = self._state
+        pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
+                   if t is not None)
+        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes,
+                "weight_bytes": self.engine.weights.nbytes}
 
     # --- validation -----------------------------------------------------------------------------------
 
@@ -378,6 +419,7 @@ class MoE:
                               "records a timeline (timeline=True)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
         plan = self._plan(self._all_token_counts(n), stream_it)
+        self.last_plan = plan
         y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
             return y
@@ -397,7 +439,8 @@ class MoE:
         if plan is None:
             plan = plans.make_plan(counts, self.rank, tokens_per_slot=self.tokens_per_slot, num_slots=self.num_slots,
                                    expert_window=self.expert_window, streaming=streaming,
-                                   two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity)
+                                   two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity,
+                                   align=self._state.align, num_groups=self.num_local_experts)
             self._plans[key] = plan
             if len(self._plans) > MAX_CACHED_PLANS:
                 self._plans.popitem(last=False)
@@ -564,11 +607,20 @@ class MoE:
                                  (num_tokens,) + tuple(region.slot_shape[1:]))
 
     def check_errors(self) -> None:
-        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, or
-        `BackendError` if a peer's memory was not load/store reachable."""
+        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `ConfigError`
+        if a routed expert id was outside ``[-1, num_experts)`` (the entry was skipped; the record is cleared,
+        so the next valid call works), or `BackendError` if a peer's memory was not load/store reachable."""
         self._check_open()
         self.ring.kernels.check_errors(synchronize=True)
         status = int(self._state.status.item())
+        if status & stages.STATUS_BAD_EXPERT_ID:
+            value, src, token, k = (int(v) for v in self._state.bad_id.tolist())
+            self._state.status.fill_(status & ~stages.STATUS_BAD_EXPERT_ID)
+            self._state.bad_id.zero_()
+            torch = _torch()
+            torch.cuda.synchronize()
+            raise ConfigError(f"topk_idx: expert id {value} of token {token} (k={k}) on rank {src} is outside "
+                              f"[-1, num_experts={self.num_experts}); that entry contributed nothing")
         if status & stages.STATUS_NO_PEER_MAPPING:
             raise BackendError(f"rank {self.rank}: a peer's ring is not load/store reachable (nvshmem_ptr "
                                "returned null); the MoE layer needs all PEs on one node with P2P/NVLink")
@@ -584,6 +636,9 @@ class MoE:
         self.ring.reset()
         self._state.counters.zero_()
         self._state.status.zero_()
+        self._state.bad_id.zero_()
+        if self._state.m_indices is not None:  # a window cut short by a timeout leaves rows marked
+            self._state.m_indices.fill_(-1)
         _cupy().cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
         self.backend.barrier()
 

@@ -45,7 +45,8 @@ class WindowStep:
 
     Attributes:
         rows_bound: pool rows the experts run over: every (token, k) of every rank's chunks of the window
-            (a host bound from the token counts; the exact count stays on the device), at least 1.
+            plus the alignment padding of every expert group (a host bound from the token counts; the
+            exact count stays on the device), at least 1.
         token_begin, num_valid: this rank's logical tokens of the window (the rows of ``y`` it reduces).
     """
 
@@ -91,7 +92,8 @@ def batch_fits(counts: Sequence[int], tokens_per_slot: int, num_slots: int) -> b
 
 
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
-              streaming: bool, two_streams: bool, topk: int, capacity: int) -> Plan:
+              streaming: bool, two_streams: bool, topk: int, capacity: int, align: int = 1,
+              num_groups: int = 1) -> Plan:
     """The plan of a call with every rank's token ``counts`` on rank ``rank``.
 
     Args:
@@ -99,6 +101,8 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
         tokens_per_slot, num_slots: the ring's shape; expert_window: chunks per window when streamed.
         streaming: the schedule; two_streams: streamed on a producer and a consumer stream.
         topk: experts per token; capacity: rows of the expert pool (bounds ``rows_bound``).
+        align, num_groups: every one of the ``num_groups`` expert groups starts at a multiple of ``align``
+            rows, so a window of ``m`` entries spans at most ``m + min(num_groups, m) * (align - 1)`` rows.
 
     Raises:
         ConfigError: a batch call with more chunks than ``num_slots`` (it cannot be in the ring at once),
@@ -123,7 +127,8 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
     windows: Dict[int, WindowStep] = {}
     for first, last in protocol.expert_windows(num_chunks, window):
         entries = topk * sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
-        windows[first] = WindowStep(first, last, rows_bound=max(1, min(capacity, entries)),
+        spanned = entries + min(num_groups, entries) * (align - 1)
+        windows[first] = WindowStep(first, last, rows_bound=max(1, min(capacity, spanned)),
                                     token_begin=protocol.chunk_token_base(first, T),
                                     num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)))
     order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))

@@ -52,6 +52,10 @@ from . import quant
 TOPK_METHODS = ("softmax", "sigmoid_bias")
 #: Expert id of a masked (token, k) entry: it contributes nothing.
 MASKED_EXPERT = -1
+#: What the experts' intermediates are: ``"f32"`` (the contract above) or ``"fp8"`` (the GPU layer's fp8
+#: experts: gate and up rounded to bf16, the SwiGLU output quantised to 1x128-scaled fp8 e4m3 before L2;
+#: the weights given are the dequantised fp8 ones).
+EXPERT_FORMATS = ("f32", "fp8")
 
 
 # --- validation ---------------------------------------------------------------------------------------
@@ -343,7 +347,8 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
                   logits: Optional[np.ndarray] = None, topk_idx: Optional[np.ndarray] = None,
                   topk_weights: Optional[np.ndarray] = None, topk_method: str = "softmax",
                   bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0,
-                  x_format: str = "fp8_e4m3", sf_group_size: int = quant.DEFAULT_GROUP_SIZE) -> ReferenceResult:
+                  x_format: str = "fp8_e4m3", sf_group_size: int = quant.DEFAULT_GROUP_SIZE,
+                  expert_format: str = "f32") -> ReferenceResult:
     """The whole MoE layer on one process, all experts local.
 
     Args:
@@ -355,6 +360,7 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         topk_method, bias, routed_scaling_factor: see `select_topk`.
         x_format: ``"fp8_e4m3"`` or ``"bf16"``, how the experts see ``x``.
         sf_group_size: channels per fp8 scale.
+        expert_format: `EXPERT_FORMATS`: ``"fp8"`` models the fp8 experts' intermediate roundings.
 
     Returns:
         `ReferenceResult`.
@@ -372,6 +378,8 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         [0, 0, 0, 0]
     """
     num_experts, _, hidden = check_expert_weights(w_gate, w_up, w_down)
+    if expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"expert_format={expert_format!r}: expected one of {list(EXPERT_FORMATS)}")
     quant._check_x(x)
     if x.shape[1] != hidden:
         raise ConfigError(f"x.shape={x.shape}: expected hidden={hidden} (from the expert weights)")
@@ -389,7 +397,12 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         h64 = x_deq[rows].astype(np.float64)
         gate = _matmul_t64(h64, w_gate[expert]).astype(np.float32)
         up = _matmul_t64(h64, w_up[expert]).astype(np.float32)
-        act64 = swiglu(gate, up).astype(np.float64)
+        if expert_format == "fp8":  # L1 writes bf16; L2 reads the SwiGLU output as 1x128-scaled fp8
+            gate, up = quant.from_bf16(quant.to_bf16(gate)), quant.from_bf16(quant.to_bf16(up))
+            act64 = quant.decode(*quant.encode(swiglu(gate, up), "fp8_e4m3", sf_group_size),
+                                 "fp8_e4m3").astype(np.float64)
+        else:
+            act64 = swiglu(gate, up).astype(np.float64)
         expert_out[rows, ks] = _matmul_t64(act64, w_down[expert]).astype(np.float32)
     y = combine_rows(expert_out, idx, weights)
     return ReferenceResult(y=y, topk_idx=idx, topk_weights=weights, x_q=x_q, x_sf=x_sf, x_deq=x_deq,

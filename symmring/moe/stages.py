@@ -45,12 +45,19 @@ MAX_TOPK = 32
 #: Parts of a chunk `wait` waits for (device/moe/dispatch.cu WaitParts).
 WAIT_ROUTE, WAIT_LAYOUT = 1, 2
 #: Bits of the device status word (device/moe/dispatch.cu MoeStatus).
-STATUS_NO_PEER_MAPPING = 1
+STATUS_NO_PEER_MAPPING, STATUS_BAD_EXPERT_ID = 1, 2
+#: Words of the bad-expert-id record (device/moe/dispatch.cu BadIdWord): value, source rank, token, k.
+BAD_ID_WORDS = 4
 
 
 def blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
     """Blocks for ``num_items`` items at ``per_block`` per block, between 1 and ``cap``."""
     return max(1, min(cap, -(-num_items // per_block)))
+
+
+def pool_scale_words(capacity: int, hidden: int) -> int:
+    """float32 words of an fp8 pool's scales: every window's ``[hidden / 128][align4(rows)]`` block fits."""
+    return (hidden // 128) * (-(-capacity // 4) * 4)
 
 
 def _p(tensor) -> np.uint64:
@@ -72,6 +79,7 @@ class Kernels:
         self.count = dispatch.function("moe_dispatch_count")
         self.scan = dispatch.function("moe_dispatch_scan")
         self.pull = dispatch.function("moe_dispatch_pull")
+        self.pull_fp8 = dispatch.function("moe_dispatch_pull_fp8")
         self.ack = dispatch.function("moe_dispatch_ack")
         self.combine_scatter = combine.function("moe_combine_scatter")
         self.combine_signal = combine.function("moe_combine_signal")
@@ -88,8 +96,12 @@ class State:
     the combine buffer's local addresses, the owner's routing buffers and the timeline stamps.
 
     Shapes (R ranks, E local experts, W = window chunks, capacity pool rows): counts/begin/group_end/cursor
-    int32 [E]; total/status int32 [1]; counters uint32 [2] (route, layout grid handshakes); pool_x [capacity,
-    hidden]; row_src int32 [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R].
+    int32 [E]; total/status int32 [1]; bad_id int32 [4]; counters uint32 [2] (route, layout grid
+    handshakes); pool_x [capacity, hidden] (bf16, or fp8 bytes for fp8 pools); pool_sf float32
+    [capacity * hidden / 128] (fp8 pools, laid out per window: `pool_scales`) or None; m_indices int32
+    [capacity] (aligned pools: -1 except while a window's rows are in the pool) or None; row_src int32
+    [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R]. align: the row alignment of every
+    expert group (the engine's).
     """
 
     desc: object
@@ -109,6 +121,10 @@ class State:
     status: object
     counters: object
     pool_x: object
+    pool_sf: object
+    m_indices: object
+    align: int
+    bad_id: object
     row_src: object
     row_weight: object
     token_base: object
@@ -116,9 +132,19 @@ class State:
     combine_rows: np.uint64
     stamps: object
 
-    @property
-    def pool(self) -> Pool:
-        return Pool(x=self.pool_x, group_end=self.group_end)
+    def pool_scales(self, rows: int):
+        """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
+        strides ``(1, align4(rows))`` (MN-major, each column 16-byte aligned: the layout DeepGEMM's TMA reads
+        without a transform; the Triton kernel takes any strides)."""
+        column = -(-rows // 4) * 4
+        num_sf = self.hidden // 128
+        return self.pool_sf[: num_sf * column].view(num_sf, column).t()[:rows]
+
+    def pool(self, rows: int) -> Pool:
+        """The pool the engine reads for a window of ``rows`` rows."""
+        if self.pool_sf is None:
+            return Pool(x=self.pool_x, group_end=self.group_end)
+        return Pool(x=self.pool_x, group_end=self.group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -162,25 +188,35 @@ def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: in
 
 
 def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
-    """Add the chunk's (token, k) entries of every source routed to each local expert to ``counts``."""
+    """Add the chunk's (token, k) entries of every source routed to each local expert to ``counts``; an
+    expert id outside ``[-1, num_experts)`` sets `STATUS_BAD_EXPERT_ID` and the bad-id record."""
     grid = (blocks(s.tokens_per_slot * s.topk, THREADS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
     k.count(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.counts), np.int32(s.expert_begin),
-                                         np.int32(s.num_local_experts), _p(s.status)),
+                                         np.int32(s.num_local_experts), _p(s.status), _p(s.bad_id)),
             stream=stream, shared_mem=4 * s.num_local_experts)
 
 
 def scan(k: Kernels, s: State, stream) -> None:
-    """Row offsets of every local expert's group (begin, group_end), the total, cleared cursors."""
+    """Row offsets of every local expert's group (begin, group_end; groups aligned to ``s.align`` rows),
+    the rows spanned, cleared cursors."""
     k.scan((1,), (1024,), (_p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor), _p(s.total),
-                           np.int32(s.num_local_experts)), stream=stream, shared_mem=4 * 1024)
+                           np.int32(s.num_local_experts), np.int32(s.align)), stream=stream, shared_mem=4 * 1024)
 
 
-def pull(k: Kernels, s: State, stream, *, chunk: int) -> None:
-    """Pull the chunk's rows routed to local experts from every source into the pool (one warp a token)."""
+def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep) -> None:
+    """Pull the chunk's rows routed to local experts from every source into the pool (one warp a token):
+    dequantised to bf16, or as fp8 rows with their scales (fp8 pools, laid out for ``window``)."""
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // s.num_ranks)), s.num_ranks)
-    k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
-                                        _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                        np.int32(s.num_local_experts), _p(s.status)), stream=stream)
+    if s.pool_sf is None:
+        k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
+                                            _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
+                                            np.int32(s.num_local_experts), _p(s.status)), stream=stream)
+        return
+    sf = s.pool_scales(window.rows_bound)
+    k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
+                                            _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
+                                            _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
+                                            np.int32(s.num_local_experts), _p(s.status)), stream=stream)
 
 
 def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
@@ -189,10 +225,12 @@ def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
 
 
 def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int) -> None:
-    """Expert output rows ``out`` to their owners' combine rows at (logical token, k)."""
+    """Expert output rows ``out`` to their owners' combine rows at (logical token, k); aligned pools skip
+    padding rows and mark every row free (-1) again."""
+    m_indices = np.uint64(0) if s.m_indices is None else _p(s.m_indices)
     k.combine_scatter((blocks(s.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                       (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
-                       s.combine_rows), stream=stream)
+                       m_indices, s.combine_rows), stream=stream)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
@@ -294,7 +332,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     for c in window.chunks:
         if split_waits:
             wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
-        pull(k, s, stream, chunk=c)
+        pull(k, s, stream, chunk=c, window=window)
         if early:  # the pull was this PE's last read of every source's slot (meta was snapshotted)
             ack(k, s, stream, chunk=c)
     if mark is not None:
@@ -302,7 +340,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
-    out = engine.forward(s.pool, window.rows_bound)
+    out = engine.forward(s.pool(window.rows_bound), window.rows_bound)
     if mark is not None:
         mark("experts")
     if stamps:

@@ -448,7 +448,9 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
     # acknowledges with the combine signal, after the experts: the wait always ends after them. EARLY
     # acknowledges right after the pull: the wait can end while chunk c - 1's experts still run (it must,
     # for some chunk of 12, with experts several times longer than an acknowledgement; if EARLY behaved like
-    # CONSERVATIVE it never would).
+    # CONSERVATIVE it never would). The consumer sleeps 300 us before each window so the host has enqueued
+    # the next chunk's producer before the GPU reaches the pull (eagerly, a one-slot ring otherwise runs at
+    # the host's pace, and the producer's wait would start only after the previous window ended).
     H, I = 512, 1024
     weights = make_weights(SEED + 9, NUM_EXPERTS, H, I)
     E_local = NUM_EXPERTS // ctx.world_size
@@ -463,7 +465,8 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
         x = to_torch(rng.standard_normal((n, H)).astype(np.float32), torch.bfloat16, device_of())
         logits = torch.from_numpy(rng.standard_normal((n, NUM_EXPERTS)).astype(np.float32)).to(device_of())
         moe.forward(x, logits=logits, streaming=True)  # warm-up
-        moe.forward(x, logits=logits, streaming=True, timeline=True)
+        moe.forward(x, logits=logits, streaming=True, timeline=True,
+                    consumer_delay_ns={c: 300_000 for c in range(12)})
         moe.check_errors()
         records = moe.timeline_records()
         early_frees = [c for c in range(1, 12) if stage(records, "producer", "wait", c)["end_ns"]
@@ -471,7 +474,11 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
         if ack_policy == AckPolicy.CONSERVATIVE and early_frees:
             problems.append(f"CONSERVATIVE: chunks {early_frees} got their slot before chunk c - 1's experts ended")
         if ack_policy == AckPolicy.EARLY and not early_frees:
-            problems.append("EARLY: no chunk got its slot before the previous chunk's experts ended")
+            seen = [(c, stage(records, "producer", "wait", c)["end_ns"] // 1000,
+                     stage(records, "consumer", "dispatch", c - 1)["end_ns"] // 1000,
+                     stage(records, "consumer", "experts", c - 1)["end_ns"] // 1000) for c in range(1, 4)]
+            problems.append("EARLY: no chunk got its slot before the previous chunk's experts ended; (chunk, its "
+                            f"slot wait end, previous dispatch end, previous experts end) in us: {seen}")
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))

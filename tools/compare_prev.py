@@ -1,0 +1,198 @@
+"""The GPU layer against the previous commit's layers, side by side in one process (issue gpu-one-layer).
+
+Usage (on a GPU machine; ``PREV`` holds a copy of an earlier commit's package renamed ``symmring_prev``, with
+its ``device/`` beside it: ``git archive <commit> symmring device | tar -x -C PREV && mv PREV/symmring
+PREV/symmring_prev``)::
+
+    python tools/compare_prev.py --prev PREV [--shapes ...] [--tokens 1,64,1024,4096,16384] [--json OUT]
+
+For every shape of ``bench moe`` and token count it times, interleaved call by call (CUDA events, median of
+``--repeats``), the new `symmring.moe.gpu.MoE` batch path and the previous ``MoE``, eagerly and as CUDA graph
+replays, on the same weights and inputs, and checks their outputs bitwise. Then, for a few streamed
+configurations, the new layer's ``streaming=True`` against the previous ``StreamedMoE`` with the same ring,
+window and ack policy: bitwise. Both packages share one NVSHMEM initialisation: the previous layers get a
+small adapter over the new backend that compiles their device code with their own headers.
+
+Prints one table (ratios new / previous) and ``compare: PASS`` when every batch ratio is within the issue's
+bounds (graph <= 1.02, eager <= 1.05) and every output matched bitwise, else ``compare: FAIL`` with the misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+GRAPH_BOUND, EAGER_BOUND = 1.02, 1.05
+
+
+class PrevBackend:
+    """What the previous layers call on a backend, over the new one (same allocations, same NVSHMEM)."""
+
+    name = "nvshmem"
+
+    def __init__(self, backend, prev_jit):
+        self._b, self._jit, self._modules, self._ring = backend, prev_jit, [], None
+        for attr in ("rank", "world_size", "local_rank", "device", "device_id", "num_sms", "compute_capability",
+                     "alloc", "free", "view", "torch_view", "address", "barrier"):
+            setattr(self, attr, getattr(backend, attr))
+
+    def load_module(self, source, *, name, extra_options=()):
+        module = self._jit.load_module(source, name=f"prev_{name}", cc=self._b.compute_capability,
+                                       local_comm=self._b._local_comm, extra_options=extra_options)
+        self._modules.append(module)
+        return module
+
+    def ring_module(self):
+        if self._ring is None:
+            self._ring = self.load_module(self._jit.read_source("ring.cu"), name="ring")
+        return self._ring
+
+    def finalize_modules(self):
+        for module in self._modules:
+            module.finalize()
+
+
+def timed(fns, repeats, warmup=2):
+    import torch
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [statistics.median(t) for t in times]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prev", required=True, help="folder holding symmring_prev/ and device/")
+    parser.add_argument("--shapes", default="deepseek-v3,qwen3-30b-a3b,mixtral")
+    parser.add_argument("--tokens", default="1,64,1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--prev-first", action="store_true",
+                        help="build the previous layer first (its weights and pool allocated before the new one's)")
+    parser.add_argument("--no-streamed", action="store_true", help="skip the streamed bitwise checks")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(args.prev).resolve()))
+    import torch
+    import symmring_prev.context as prev_context
+    import symmring_prev.jit as prev_jit
+    from symmring_prev.moe.gpu import MoE as PrevMoE
+    from symmring_prev.moe.gpu_streamed import StreamedMoE as PrevStreamedMoE
+
+    from symmring.bench.moe import SHAPES, layer_weights
+    from symmring.context import init
+    from symmring.moe.gpu import MoE
+
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    shapes = [s for s in args.shapes.split(",") if s]
+    need = max(2 * (t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2) for s in shapes for t in tokens[-1:])
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 31, int(need * 1.5) + 2 ** 29)))
+    ctx = init("nvshmem")
+    prev_backend = PrevBackend(ctx.backend, prev_jit)
+    prev_ctx = prev_context.Context(prev_backend, ctx.comm, ctx.timeout_s)
+    rows, misses = [], []
+    try:
+        for shape in shapes:
+            hidden, inter, num_experts, topk = SHAPES[shape]
+            device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=0)
+            max_tokens = max(tokens)
+            def build_new():
+                return MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
+
+            def build_old():
+                return PrevMoE(prev_ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
+            if args.prev_first:
+                old = build_old()
+                new = build_new()
+            else:
+                new = build_new()
+                old = build_old()
+            try:
+                for n in tokens:
+                    x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+                    reps = args.repeats if n <= 4096 else max(5, args.repeats // 2)
+                    y_new = new.forward(x, router_weight=router)
+                    y_old = old.forward(x, router_weight=router)
+                    new.check_errors()
+                    old.check_errors()
+                    same = bool(torch.equal(y_new, y_old))
+                    eager_new, eager_old = timed([lambda: new.forward(x, router_weight=router),
+                                                  lambda: old.forward(x, router_weight=router)], reps)
+                    g_new, _ = new.capture(x, router_weight=router)
+                    g_old, _ = old.capture(x, router_weight=router)
+                    graph_new, graph_old = timed([g_new.replay, g_old.replay], reps)
+                    new.check_errors()
+                    old.check_errors()
+                    del g_new, g_old
+                    row = {"shape": shape, "tokens": n, "eager_new_ms": eager_new, "eager_prev_ms": eager_old,
+                           "eager_ratio": eager_new / eager_old, "graph_new_ms": graph_new, "graph_prev_ms": graph_old,
+                           "graph_ratio": graph_new / graph_old, "bitwise": same}
+                    rows.append(row)
+                    print(f"  {shape} {n}: eager {row['eager_ratio']:.3f} graph {row['graph_ratio']:.3f} "
+                          f"bitwise {same}", file=sys.stderr, flush=True)
+                    if row["graph_ratio"] > GRAPH_BOUND or row["eager_ratio"] > EAGER_BOUND or not same:
+                        misses.append(f"{shape} {n}")
+            finally:
+                new.close()
+                old.close()
+                del new, old, w_gate, w_up, w_down, router
+                torch.cuda.empty_cache()
+        # Streamed: the same ring, window and ack policy through both layers, bitwise.
+        streamed = []
+        shape = "qwen3-30b-a3b"
+        hidden, inter, num_experts, topk = SHAPES[shape]
+        device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=1)
+        configs = () if args.no_streamed else ((4096, 1024, 2, 1, "conservative"), (4096, 512, 8, 8, "early"),
+                                               (3000, 256, 3, 2, "early"), (1000, 64, 16, 16, "conservative"))
+        for n, T, S, W, ack in configs:
+            x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+            new = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, tokens_per_slot=T,
+                      num_slots=S, expert_window=W, ack_policy=ack)
+            old = PrevStreamedMoE(prev_ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
+                                  tokens_per_slot=T, num_slots=S, expert_window=W, ack_policy=ack)
+            try:
+                same = all(torch.equal(new.forward(x, router_weight=router, streaming=True),
+                                       old.forward(x, router_weight=router)) for _ in range(2))
+                new.check_errors()
+                old.check_errors()
+            finally:
+                new.close()
+                old.close()
+            streamed.append({"tokens": n, "tokens_per_slot": T, "num_slots": S, "expert_window": W, "ack": ack,
+                             "bitwise": same})
+            if not same:
+                misses.append(f"streamed {n} {T}x{S} w{W} {ack}")
+    finally:
+        prev_backend.finalize_modules()
+        ctx.close()
+    if ctx.rank == 0:
+        print(f"{'shape':<14} {'tokens':>6} {'eager new':>10} {'eager prev':>10} {'ratio':>6} {'graph new':>10} "
+              f"{'graph prev':>10} {'ratio':>6} {'bitwise':>7}")
+        for r in rows:
+            print(f"{r['shape']:<14} {r['tokens']:>6} {r['eager_new_ms']:>10.3f} {r['eager_prev_ms']:>10.3f} "
+                  f"{r['eager_ratio']:>6.3f} {r['graph_new_ms']:>10.3f} {r['graph_prev_ms']:>10.3f} "
+                  f"{r['graph_ratio']:>6.3f} {str(r['bitwise']):>7}")
+        for s in streamed:
+            print(f"streamed {s['tokens']} tokens, {s['tokens_per_slot']} x {s['num_slots']} slots, window "
+                  f"{s['expert_window']}, {s['ack']}: bitwise equal to the previous StreamedMoE: {s['bitwise']}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"batch": rows, "streamed": streamed, "bounds": [GRAPH_BOUND, EAGER_BOUND]}, fh, indent=1)
+        print("compare: PASS" if not misses else f"compare: FAIL {misses}")
+    return 0 if not misses else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
