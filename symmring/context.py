@@ -106,7 +106,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         backend: ``"auto"`` (``SYMMRING_BACKEND``, else ``"nvshmem"`` when `symmring.backends.nvshmem.gpu_available`
             says a GPU, CuPy and nvshmem4py are usable, else ``"host"``), ``"host"`` or ``"nvshmem"``.
         comm: mpi4py communicator of the ranks; ``MPI.COMM_WORLD`` when None (a world of 1 outside
-            mpiexec).
+            mpiexec; without an MPI library, `symmring.mpi`'s single-process stand-in).
         timeout_s: bound of every protocol wait; ``SYMMRING_TIMEOUT_S`` (default 60 s) when None.
 
     Returns:
@@ -114,7 +114,8 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
 
     Raises:
         ConfigError: unknown backend name or a non-positive timeout.
-        BackendError: the backend cannot run here (no GPU, ranks on several nodes, ...).
+        BackendError: the backend cannot run here (no GPU, ranks on several nodes, no MPI library for
+            several ranks, ...).
 
     Example:
         >>> ctx = symmring.init("host", timeout_s=5.0)
@@ -128,11 +129,9 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         timeout_s = env.timeout_s()
     elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
-        raise BackendError(f"symmring needs mpi4py to join ranks: {exc}") from exc
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:
+        from . import mpi
+        comm = mpi.load().COMM_WORLD  # a world of one without an MPI library (symmring.mpi)
     if name == "host":
         from .backends.host import HostBackend
         impl: Backend = HostBackend(comm)

@@ -24,7 +24,6 @@ Nothing here runs at import time; importing this module does not import CuPy or 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import logging
 import os
@@ -33,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import env
+from .. import deps, env
 from ..errors import BackendError, ConfigError, RingClosedError
 from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
@@ -46,6 +45,9 @@ NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT":
 #: default) the first launch of a kernel may wait for running kernels, and symmring's kernels spin on
 #: each other across streams and PEs (CUDA's lazy-loading notes name exactly this deadlock).
 CUDA_ENV_DEFAULTS = {"CUDA_MODULE_LOADING": "EAGER"}
+
+#: Modules the backend needs (`gpu_available` checks them without importing them).
+GPU_MODULES = ("cupy", "nvshmem", "nvidia.nvshmem")
 
 _WORD_OPS = {"set": 0, "add": 1, "or": 2}  # device/ring.cu WordOp
 _CMP_CODES = {name: code for code, name in enumerate(CMP)}  # device/ring.cu WordCmp (order of base.CMP)
@@ -61,9 +63,8 @@ def gpu_available() -> bool:
     try:
         for key, value in CUDA_ENV_DEFAULTS.items():  # before CUDA initialises in this process
             os.environ.setdefault(key, value)
-        for module in ("cupy", "nvshmem", "nvidia.nvshmem"):
-            if importlib.util.find_spec(module) is None:
-                return False
+        if not all(deps.installed(m) for m in GPU_MODULES):
+            return False
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # any failure (no driver, broken install) means "not available"
@@ -130,8 +131,8 @@ class NvshmemBackend(DeviceBackend):
     """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
 
     Args:
-        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD`` when mpi4py is importable, else
-            a world of one).
+        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD``; `symmring.mpi`'s world of one
+            without an MPI library).
         device_id: CUDA device of this PE (default: local rank modulo the visible GPUs).
 
     Raises:
@@ -220,11 +221,8 @@ class NvshmemBackend(DeviceBackend):
 
     @staticmethod
     def _default_comm():
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            return None
-        return MPI.COMM_WORLD
+        from .. import mpi
+        return mpi.load().COMM_WORLD  # a world of one without an MPI library
 
     # --- device code ----------------------------------------------------------------------------------
 
