@@ -100,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     import numpy
-    from . import __version__
+    from . import __version__, env
+    user_env = dict(os.environ)  # before auto_backend, whose GPU probe applies env.GPU_ENV
     lines = [f"symmring: {__version__}",
              f"python: {sys.version.split()[0]} ({platform.python_implementation()}, {sys.executable})",
              f"platform: {platform.platform()}, {os.cpu_count()} CPUs",
@@ -130,9 +131,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         lines += [f"GPUs ({how}): {len(gpus)}"] + [f"  {i}: {name}" for i, name in enumerate(gpus)]
     else:
         lines.append(f"GPUs: none ({how})")
-    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(("SYMMRING_", "NVSHMEM_")))
+    settings = sorted((k, v) for k, v in user_env.items() if k.startswith(("SYMMRING_", "NVSHMEM_")))
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in settings) if settings
                                     else "no SYMMRING_*/NVSHMEM_* variables set (defaults in effect)"))
+    lines.append("GPU environment (symmring.env.GPU_ENV): " + ", ".join(
+        f"{k}={v}" + (" (yours)" if user_env.get(k) else "") for k, v in env.gpu_env(user_env).items()))
     if rank == 0:
         print("\n".join(lines), flush=True)
     return 0

@@ -7,7 +7,9 @@
   ``uid`` in a single process;
 * one GPU per local rank, or several PEs on one GPU when a node has more ranks than GPUs (logged;
   kernels of different PEs then run concurrently only under CUDA MPS -- see `symmring.launch`);
-* ``NVSHMEM_DISABLE_NVLS=1`` and ``NVSHMEM_REMOTE_TRANSPORT=none`` are set unless the user set them;
+* the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
+  ``NVSHMEM_REMOTE_TRANSPORT=none``, ``CUDA_MODULE_LOADING=EAGER``, ...) is applied unless the user set
+  the variables;
 * nvshmem4py's own prints are kept out of the user's output;
 * allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
   this PE's or a peer's copy (peers through ``nvshmem_ptr``), `torch_view` the same as torch tensors;
@@ -38,14 +40,6 @@ from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
 logger = logging.getLogger(__name__)
 
-#: Environment variables set before NVSHMEM init unless the user set them (NVLink multicast stays off;
-#: a single node needs no remote transport).
-NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
-#: Set before the first CUDA call of the process unless the user set it: with lazy loading (CUDA's
-#: default) the first launch of a kernel may wait for running kernels, and symmring's kernels spin on
-#: each other across streams and PEs (CUDA's lazy-loading notes name exactly this deadlock).
-CUDA_ENV_DEFAULTS = {"CUDA_MODULE_LOADING": "EAGER"}
-
 #: Modules the backend needs (`gpu_available` checks them without importing them).
 GPU_MODULES = ("cupy", "nvshmem", "nvidia.nvshmem")
 
@@ -57,12 +51,11 @@ _quiet_lock = threading.Lock()
 def gpu_available() -> bool:
     """Whether the nvshmem backend can run here: CuPy with a visible CUDA device, nvshmem4py and the
     nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
-    Sets ``CUDA_MODULE_LOADING=EAGER`` unless set (see `CUDA_ENV_DEFAULTS`), since it may be the first
-    CUDA call of the process.
+    Applies the GPU environment policy (`symmring.env.apply_gpu_env`: ``CUDA_MODULE_LOADING=EAGER``,
+    NVLink multicast off, ...) first, since its device query may be the first CUDA call of the process.
     """
     try:
-        for key, value in CUDA_ENV_DEFAULTS.items():  # before CUDA initialises in this process
-            os.environ.setdefault(key, value)
+        env.apply_gpu_env()  # before CUDA initialises in this process; the user's values are kept
         if not all(deps.installed(m) for m in GPU_MODULES):
             return False
         import cupy
@@ -176,8 +169,7 @@ class NvshmemBackend(DeviceBackend):
                            "concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the job with "
                            "`python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
                            num_gpus, self.pes_per_gpu, os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>"))
-        for key, value in NVSHMEM_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        env.apply_gpu_env()  # before NVSHMEM init (gpu_available applied it already; a no-op then)
 
         # CUDA runtime first, on the PE's device (NVSHMEM init on an uninitialised context can fail).
         cupy.cuda.Device(device_id).use()
