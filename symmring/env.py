@@ -5,7 +5,7 @@
 | ``SYMMRING_BACKEND`` | ``auto``, ``host`` (CPU, MPI shared memory) or ``nvshmem`` (GPU) | ``auto`` |
 | ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait, in seconds | ``60`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
-| ``SYMMRING_DEBUG`` | ``1`` turns on debug logging and extra payload checks | ``0`` |
+| ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.expert_parallel`) | ``0`` |
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
