@@ -113,7 +113,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         The `Context`; `finalize()` (or ``ctx.close()``) releases it.
 
     Raises:
-        ConfigError: unknown backend name or a non-positive timeout.
+        ConfigError: unknown backend name, a non-positive timeout or a bad ``SYMMRING_LOG_LEVEL``.
         BackendError: the backend cannot run here (no GPU, ranks on several nodes, no MPI library for
             several ranks, ...).
 
@@ -124,6 +124,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         >>> symmring.finalize()
     """
     global _current
+    env.configure_logging()  # SYMMRING_LOG_LEVEL / SYMMRING_DEBUG: symmring's log lines on stderr
     name = _choose_backend(backend)
     if timeout_s is None:
         timeout_s = env.timeout_s()

@@ -6,6 +6,7 @@
 | ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait, in seconds | ``60`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.expert_parallel`) | ``0`` |
+| ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
@@ -23,8 +24,10 @@ scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, MutableMapping, NamedTuple, Optional
 
@@ -61,6 +64,68 @@ def cache_dir() -> Path:
 def debug() -> bool:
     """Whether ``SYMMRING_DEBUG`` asks for debug logging and extra checks."""
     return os.environ.get("SYMMRING_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+#: Names ``SYMMRING_LOG_LEVEL`` accepts (a number works too).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> Optional[int]:
+    """The level ``SYMMRING_LOG_LEVEL`` asks for (``DEBUG`` when only ``SYMMRING_DEBUG`` is on), or None.
+
+    Raises:
+        ConfigError: a value that is neither one of `LOG_LEVELS` nor a number.
+    """
+    raw = os.environ.get("SYMMRING_LOG_LEVEL", "").strip()
+    if raw:
+        if raw.isdigit():
+            return int(raw)
+        if raw.upper() in LOG_LEVELS:
+            return logging.getLevelName(raw.upper())
+        raise ConfigError(f"SYMMRING_LOG_LEVEL={raw!r}: expected one of {', '.join(LOG_LEVELS)} or a number")
+    return logging.DEBUG if debug() else None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record arrives (like logging's last-resort handler)."""
+
+    symmring_handler = True
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+def configure_logging(verbosity: int = 0) -> int:
+    """Show symmring's log lines on stderr at the level asked for: the lower (more verbose) of
+    ``SYMMRING_LOG_LEVEL`` (`log_level`) and ``verbosity`` (1: INFO, 2 or more: DEBUG; the CLI's ``-v``).
+
+    When neither asks for anything, nothing changes (symmring stays quiet: WARNING and above, Python's
+    default). Otherwise the ``symmring`` logger gets that level and, unless the application configured
+    logging itself (the root logger has handlers), one stderr handler (``[rank R] LEVEL name: message``
+    under an MPI launcher). Called by the CLI and by `symmring.init`; calling it again only updates the
+    level. Returns the effective level.
+
+    Raises:
+        ConfigError: a bad ``SYMMRING_LOG_LEVEL``.
+    """
+    logger = logging.getLogger("symmring")
+    asked = [level for level in (log_level(), logging.INFO if verbosity == 1 else
+                                 logging.DEBUG if verbosity >= 2 else None) if level is not None]
+    if not asked:
+        return logger.getEffectiveLevel()
+    logger.setLevel(min(asked))
+    if not logging.getLogger().handlers and not any(getattr(h, "symmring_handler", False) for h in logger.handlers):
+        from .mpi import LAUNCHER_SIZE_VARS, launcher_rank
+        launched = any(os.environ.get(name) for name in LAUNCHER_SIZE_VARS)
+        handler = _StderrHandler()
+        prefix = f"[rank {launcher_rank()}] " if launched else ""
+        handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    return logger.getEffectiveLevel()
 
 
 class EnvDefault(NamedTuple):

@@ -94,7 +94,11 @@ def auto_backend() -> Tuple[str, str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Print the report. Returns 0 (2 for bad arguments)."""
-    parser = argparse.ArgumentParser(prog="python -m symmring info", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m symmring info",
+        description="Print versions, the backend 'auto' would pick and why, the GPUs, and the SYMMRING_*, "
+                    "NVSHMEM_* and GPU environment settings. Initialises nothing (no NVSHMEM; GPU facts come "
+                    "from CuPy or nvidia-smi). Under mpiexec only rank 0 prints.")
     try:
         parser.parse_args(argv)
     except SystemExit as exc:
