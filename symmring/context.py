@@ -118,6 +118,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
             several ranks, ...).
 
     Example:
+        >>> import symmring
         >>> ctx = symmring.init("host", timeout_s=5.0)
         >>> ctx.world_size
         1

@@ -132,11 +132,11 @@ class NvshmemBackend(DeviceBackend):
         BackendError: CuPy, nvshmem4py, the nvidia-nvshmem wheel or a GPU is missing, or NVSHMEM failed
             to initialise.
 
-    Example:
-        >>> backend = NvshmemBackend()                # python script.py, or under mpirun
-        >>> alloc = backend.alloc(4096)
-        >>> words = backend.view(alloc, backend.rank, 0, np.uint64, (8,))   # a CuPy array
-        >>> backend.free(alloc); backend.finalize()
+    Example (a GPU with NVSHMEM; skipped by the CPU doctest run):
+        >>> backend = NvshmemBackend()                # python script.py, or under mpirun  # doctest: +SKIP
+        >>> alloc = backend.alloc(4096)                                                  # doctest: +SKIP
+        >>> words = backend.view(alloc, backend.rank, 0, np.uint64, (8,))   # a CuPy array # doctest: +SKIP
+        >>> backend.free(alloc); backend.finalize()                                      # doctest: +SKIP
     """
 
     name = "nvshmem"

@@ -219,6 +219,7 @@ class ExpertParallelMoE:
             the number of ranks, weight shapes, ...).
 
     Example:
+        >>> import numpy as np, symmring
         >>> ctx = symmring.init("host")
         >>> shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
         >>> rng = np.random.default_rng(0)
