@@ -53,14 +53,21 @@ def gpu_available() -> bool:
     nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
     Applies the GPU environment policy (`symmring.env.apply_gpu_env`: ``CUDA_MODULE_LOADING=EAGER``,
     NVLink multicast off, ...) first, since its device query may be the first CUDA call of the process.
+    Logs why not at INFO (the reason behind ``init("auto")`` choosing the host backend).
     """
     try:
         env.apply_gpu_env()  # before CUDA initialises in this process; the user's values are kept
-        if not all(deps.installed(m) for m in GPU_MODULES):
+        missing = [deps.OPTIONAL[m][0] for m in GPU_MODULES if not deps.installed(m)]
+        if missing:
+            logger.info("no GPU backend: %s not installed (pip install \"symmring[gpu]\")", ", ".join(missing))
             return False
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # any failure (no driver, broken install) means "not available"
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count == 0:
+            logger.info("no GPU backend: CuPy sees no CUDA device")
+        return count > 0
+    except Exception as exc:  # any failure (no driver, broken install) means "not available"
+        logger.info("no GPU backend: %s: %s", type(exc).__name__, exc)
         return False
 
 
