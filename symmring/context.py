@@ -106,33 +106,34 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         backend: ``"auto"`` (``SYMMRING_BACKEND``, else ``"nvshmem"`` when `symmring.backends.nvshmem.gpu_available`
             says a GPU, CuPy and nvshmem4py are usable, else ``"host"``), ``"host"`` or ``"nvshmem"``.
         comm: mpi4py communicator of the ranks; ``MPI.COMM_WORLD`` when None (a world of 1 outside
-            mpiexec).
+            mpiexec; without an MPI library, `symmring.mpi`'s single-process stand-in).
         timeout_s: bound of every protocol wait; ``SYMMRING_TIMEOUT_S`` (default 60 s) when None.
 
     Returns:
         The `Context`; `finalize()` (or ``ctx.close()``) releases it.
 
     Raises:
-        ConfigError: unknown backend name or a non-positive timeout.
-        BackendError: the backend cannot run here (no GPU, ranks on several nodes, ...).
+        ConfigError: unknown backend name, a non-positive timeout or a bad ``SYMMRING_LOG_LEVEL``.
+        BackendError: the backend cannot run here (no GPU, ranks on several nodes, no MPI library for
+            several ranks, ...).
 
     Example:
+        >>> import symmring
         >>> ctx = symmring.init("host", timeout_s=5.0)
         >>> ctx.world_size
         1
         >>> symmring.finalize()
     """
     global _current
+    env.configure_logging()  # SYMMRING_LOG_LEVEL / SYMMRING_DEBUG: symmring's log lines on stderr
     name = _choose_backend(backend)
     if timeout_s is None:
         timeout_s = env.timeout_s()
     elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
-        raise BackendError(f"symmring needs mpi4py to join ranks: {exc}") from exc
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:
+        from . import mpi
+        comm = mpi.load().COMM_WORLD  # a world of one without an MPI library (symmring.mpi)
     if name == "host":
         from .backends.host import HostBackend
         impl: Backend = HostBackend(comm)

@@ -107,8 +107,10 @@ class Reporter:
     """Rank 0 prints; every rank logs."""
 
     def __init__(self, comm):
+        from . import mpi
         self.comm = comm
         self.rank = comm.Get_rank()
+        self._MPI = mpi.namespace_of(comm)
 
     def say(self, line: str) -> None:
         log.debug(line)
@@ -116,20 +118,16 @@ class Reporter:
             print(line, flush=True)
 
     def all_ok(self, ok: bool) -> bool:
-        from mpi4py import MPI
-        return bool(self.comm.allreduce(int(bool(ok)), op=MPI.MIN))
+        return bool(self.comm.allreduce(int(bool(ok)), op=self._MPI.MIN))
 
     def max(self, value: float) -> float:
-        from mpi4py import MPI
-        return float(self.comm.allreduce(float(value), op=MPI.MAX))
+        return float(self.comm.allreduce(float(value), op=self._MPI.MAX))
 
     def sum(self, value: int) -> int:
-        from mpi4py import MPI
-        return int(self.comm.allreduce(int(value), op=MPI.SUM))
+        return int(self.comm.allreduce(int(value), op=self._MPI.SUM))
 
     def fsum(self, value: float) -> float:
-        from mpi4py import MPI
-        return float(self.comm.allreduce(float(value), op=MPI.SUM))
+        return float(self.comm.allreduce(float(value), op=self._MPI.SUM))
 
 
 def _timed_calls(fn: Callable[[], np.ndarray], report: Reporter, repeats: int,
@@ -292,11 +290,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    from mpi4py import MPI
-
-    from . import __version__
+    from . import __version__, mpi
     from .context import init
-    report = Reporter(MPI.COMM_WORLD)
+    try:
+        report = Reporter(mpi.load().COMM_WORLD)
+    except SymmringError as exc:  # no MPI library under a multi-rank launch
+        if mpi.launcher_rank() == 0:
+            print(f"demo: FAIL {exc}", flush=True)
+        return 1
     for name in ("tokens", "hidden", "experts", "topk", "inter", "tokens_per_slot", "num_slots", "repeats"):
         low = 0 if name in ("tokens", "repeats") else 1
         if getattr(args, name) < low:
@@ -325,7 +326,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             comm = ctx.comm
             ctx.close()
             ctx = init("host", comm=comm)
-        report.say(f"CPU layer (backend {ctx.backend.name}, MPI shared memory):")
+        from . import mpi
+        memory = "process memory, no MPI library" if mpi.is_standin(ctx.comm) else "MPI shared memory"
+        report.say(f"CPU layer (backend {ctx.backend.name}, {memory}):")
         backends_used.append(ctx.backend.name)
         results.append(run_cpu(ctx, args, prob, report))
     except ConfigError as exc:  # collective: every rank raises it

@@ -5,13 +5,31 @@
 | ``SYMMRING_BACKEND`` | ``auto``, ``host`` (CPU, MPI shared memory) or ``nvshmem`` (GPU) | ``auto`` |
 | ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait, in seconds | ``60`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
-| ``SYMMRING_DEBUG`` | ``1`` turns on debug logging and extra payload checks | ``0`` |
+| ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.expert_parallel`) | ``0`` |
+| ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
+
+GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
+set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
+launchers (``python -m symmring.launch``, ``launch/symmring-mpirun``) for every rank, and by the GPU
+scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them as ``export`` lines).
+
+| variable | value | why |
+|---|---|---|
+| ``NVSHMEM_DISABLE_NVLS`` | ``1`` | NVLink multicast stays off (see `GPU_ENV`) |
+| ``NVSHMEM_REMOTE_TRANSPORT`` | ``none`` | one node: no network transport to initialise |
+| ``CUDA_MODULE_LOADING`` | ``EAGER`` | lazy loading can deadlock kernels that spin on each other |
+| ``NCCL_NVLS_ENABLE`` | ``0`` | NVLink multicast off in NCCL too |
+| ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` | ``1`` | and in torch's symmetric memory |
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import sys
 from pathlib import Path
+from typing import Dict, Iterable, List, MutableMapping, NamedTuple, Optional
 
 from .errors import ConfigError
 
@@ -46,3 +64,143 @@ def cache_dir() -> Path:
 def debug() -> bool:
     """Whether ``SYMMRING_DEBUG`` asks for debug logging and extra checks."""
     return os.environ.get("SYMMRING_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+#: Names ``SYMMRING_LOG_LEVEL`` accepts (a number works too).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> Optional[int]:
+    """The level ``SYMMRING_LOG_LEVEL`` asks for (``DEBUG`` when only ``SYMMRING_DEBUG`` is on), or None.
+
+    Raises:
+        ConfigError: a value that is neither one of `LOG_LEVELS` nor a number.
+    """
+    raw = os.environ.get("SYMMRING_LOG_LEVEL", "").strip()
+    if raw:
+        if raw.isdigit():
+            return int(raw)
+        if raw.upper() in LOG_LEVELS:
+            return logging.getLevelName(raw.upper())
+        raise ConfigError(f"SYMMRING_LOG_LEVEL={raw!r}: expected one of {', '.join(LOG_LEVELS)} or a number")
+    return logging.DEBUG if debug() else None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record arrives (like logging's last-resort handler)."""
+
+    symmring_handler = True
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+def configure_logging(verbosity: int = 0) -> int:
+    """Show symmring's log lines on stderr at the level asked for: the lower (more verbose) of
+    ``SYMMRING_LOG_LEVEL`` (`log_level`) and ``verbosity`` (1: INFO, 2 or more: DEBUG; the CLI's ``-v``).
+
+    When neither asks for anything, nothing changes (symmring stays quiet: WARNING and above, Python's
+    default). Otherwise the ``symmring`` logger gets that level and, unless the application configured
+    logging itself (the root logger has handlers), one stderr handler (``[rank R] LEVEL name: message``
+    under an MPI launcher). Called by the CLI and by `symmring.init`; calling it again only updates the
+    level. Returns the effective level.
+
+    Raises:
+        ConfigError: a bad ``SYMMRING_LOG_LEVEL``.
+    """
+    logger = logging.getLogger("symmring")
+    asked = [level for level in (log_level(), logging.INFO if verbosity == 1 else
+                                 logging.DEBUG if verbosity >= 2 else None) if level is not None]
+    if not asked:
+        return logger.getEffectiveLevel()
+    logger.setLevel(min(asked))
+    if not logging.getLogger().handlers and not any(getattr(h, "symmring_handler", False) for h in logger.handlers):
+        from .mpi import LAUNCHER_SIZE_VARS, launcher_rank
+        launched = any(os.environ.get(name) for name in LAUNCHER_SIZE_VARS)
+        handler = _StderrHandler()
+        prefix = f"[rank {launcher_rank()}] " if launched else ""
+        handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    return logger.getEffectiveLevel()
+
+
+class EnvDefault(NamedTuple):
+    """One setting of the GPU environment policy."""
+
+    name: str
+    value: str
+    reason: str
+
+
+#: The GPU environment policy: what every GPU process of symmring runs with unless the user set the
+#: variable (to a non-empty value). The one table the backend, both launchers and tools/ read.
+GPU_ENV = (
+    EnvDefault("NVSHMEM_DISABLE_NVLS", "1",
+               "symmring never uses NVLink multicast (NVLS), and multicast objects can take a shared host's "
+               "GPUs out of service"),
+    EnvDefault("NVSHMEM_REMOTE_TRANSPORT", "none",
+               "symmring runs on one node: no network (IB/UCX) transport to look for or initialise"),
+    EnvDefault("CUDA_MODULE_LOADING", "EAGER",
+               "with lazy loading a kernel's first launch may wait for running kernels, and symmring's "
+               "kernels spin on each other across streams and PEs (a deadlock)"),
+    EnvDefault("NCCL_NVLS_ENABLE", "0",
+               "NVLink multicast off in NCCL too (torch.distributed in the same job)"),
+    EnvDefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1",
+               "NVLink multicast off in torch's symmetric memory too"),
+)
+
+
+def gpu_env_defaults() -> Dict[str, str]:
+    """`GPU_ENV` as ``{name: value}``.
+
+    Example:
+        >>> gpu_env_defaults()["NVSHMEM_DISABLE_NVLS"]
+        '1'
+    """
+    return {d.name: d.value for d in GPU_ENV}
+
+
+def gpu_env(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
+    """The values of `GPU_ENV` in effect: the user's where set (non-empty), the default otherwise.
+
+    Example:
+        >>> gpu_env({"NCCL_NVLS_ENABLE": "1"})["NCCL_NVLS_ENABLE"], gpu_env({})["NCCL_NVLS_ENABLE"]
+        ('1', '0')
+    """
+    environ = os.environ if environ is None else environ
+    return {d.name: environ.get(d.name) or d.value for d in GPU_ENV}
+
+
+def apply_gpu_env(environ: Optional[MutableMapping[str, str]] = None,
+                  names: Optional[Iterable[str]] = None) -> Dict[str, str]:
+    """Set each variable of `GPU_ENV` (or of ``names``) in ``environ`` (``os.environ``) unless it holds a
+    non-empty value. Returns what was set.
+
+    Example:
+        >>> environ = {"NVSHMEM_DISABLE_NVLS": "0"}
+        >>> sorted(apply_gpu_env(environ)) == sorted(set(gpu_env_defaults()) - {"NVSHMEM_DISABLE_NVLS"})
+        True
+        >>> environ["NVSHMEM_DISABLE_NVLS"], environ["CUDA_MODULE_LOADING"]   # the user's value is kept
+        ('0', 'EAGER')
+    """
+    environ = os.environ if environ is None else environ
+    wanted = None if names is None else set(names)
+    applied = {}
+    for default in GPU_ENV:
+        if (wanted is None or default.name in wanted) and not environ.get(default.name):
+            environ[default.name] = applied[default.name] = default.value
+    return applied
+
+
+def shell_exports(environ: Optional[MutableMapping[str, str]] = None) -> List[str]:
+    """``export NAME=VALUE`` lines (bash) of the `GPU_ENV` values in effect (`gpu_env`).
+
+    Example:
+        >>> shell_exports({})[0]
+        'export NVSHMEM_DISABLE_NVLS=1'
+    """
+    return [f"export {name}={shlex.quote(value)}" for name, value in gpu_env(environ).items()]

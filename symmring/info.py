@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import importlib.util
 import os
 import platform
 import shutil
@@ -46,7 +45,8 @@ def _module_version(module: str) -> str:
 def gpu_devices() -> Tuple[List[str], str]:
     """``(GPU names, how they were found or why there are none)``; never raises, initialises nothing
     beyond the CUDA runtime query."""
-    if importlib.util.find_spec("cupy") is not None:
+    from . import deps
+    if deps.installed("cupy"):
         try:
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
@@ -81,14 +81,12 @@ def auto_backend() -> Tuple[str, str]:
     requested = env.backend_name()
     if requested != "auto":
         return requested, f"SYMMRING_BACKEND={requested}"
-    missing = [m for m in ("cupy", "nvshmem", "nvidia.nvshmem") if importlib.util.find_spec(m) is None]
+    from . import deps
+    from .backends.nvshmem import GPU_MODULES, gpu_available
+    missing = [m for m in GPU_MODULES if not deps.installed(m)]
     if missing:
-        names = {"nvshmem": "nvshmem4py", "nvidia.nvshmem": "nvidia-nvshmem"}
-        return "host", "no usable GPU: " + ", ".join(names.get(m, m) for m in missing) + " not installed"
-    try:
-        from .backends.nvshmem import gpu_available
-    except ImportError as exc:
-        return "host", f"symmring.backends.nvshmem not importable: {exc}"
+        names = [deps.OPTIONAL[m][0] for m in missing]
+        return "host", f"no usable GPU: {', '.join(names)} not installed (pip install \"symmring[gpu]\")"
     if gpu_available():
         return "nvshmem", "a CUDA GPU, CuPy and nvshmem4py are usable"
     return "host", "CuPy and nvshmem4py are installed but no CUDA device is visible"
@@ -96,27 +94,37 @@ def auto_backend() -> Tuple[str, str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Print the report. Returns 0 (2 for bad arguments)."""
-    parser = argparse.ArgumentParser(prog="python -m symmring info", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m symmring info",
+        description="Print versions, the backend 'auto' would pick and why, the GPUs, and the SYMMRING_*, "
+                    "NVSHMEM_* and GPU environment settings. Initialises nothing (no NVSHMEM; GPU facts come "
+                    "from CuPy or nvidia-smi). Under mpiexec only rank 0 prints.")
     try:
         parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     import numpy
-    from . import __version__
+    from . import __version__, env
+    user_env = dict(os.environ)  # before auto_backend, whose GPU probe applies env.GPU_ENV
     lines = [f"symmring: {__version__}",
              f"python: {sys.version.split()[0]} ({platform.python_implementation()}, {sys.executable})",
              f"platform: {platform.platform()}, {os.cpu_count()} CPUs",
              f"numpy: {numpy.__version__}",
              f"ml_dtypes: {_module_version('ml_dtypes')}"]
-    rank = 0  # under mpiexec only rank 0 prints
+    from . import mpi
+    rank = mpi.launcher_rank()  # under mpiexec only rank 0 prints
     try:
-        from mpi4py import MPI
+        MPI = mpi.load()
         rank = MPI.COMM_WORLD.Get_rank()
-        # Open MPI's version string carries a trailing NUL byte.
-        library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-        lines.append(f"mpi4py: {_module_version('mpi4py')}; MPI library: {library}; world size "
-                     f"{MPI.COMM_WORLD.Get_size()}")
-    except Exception as exc:  # noqa: BLE001
+        if mpi.is_standin(MPI):
+            lines.append(f"mpi4py: {_module_version('mpi4py')}; MPI library: none ({mpi.unavailable_reason()}); "
+                         f"one process only; for mpiexec and several ranks: {mpi.INSTALL_HINT}")
+        else:
+            # Open MPI's version string carries a trailing NUL byte.
+            library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+            lines.append(f"mpi4py: {_module_version('mpi4py')}; MPI library: {library}; world size "
+                         f"{MPI.COMM_WORLD.Get_size()}")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
         lines.append(f"mpi4py: not usable ({type(exc).__name__}: {exc})")
     for label, names in _OPTIONAL_DISTRIBUTIONS:
         lines.append(f"{label}: {_distribution_version(names) or 'not installed'}")
@@ -127,9 +135,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         lines += [f"GPUs ({how}): {len(gpus)}"] + [f"  {i}: {name}" for i, name in enumerate(gpus)]
     else:
         lines.append(f"GPUs: none ({how})")
-    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(("SYMMRING_", "NVSHMEM_")))
+    settings = sorted((k, v) for k, v in user_env.items() if k.startswith(("SYMMRING_", "NVSHMEM_")))
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in settings) if settings
                                     else "no SYMMRING_*/NVSHMEM_* variables set (defaults in effect)"))
+    lines.append("GPU environment (symmring.env.GPU_ENV): " + ", ".join(
+        f"{k}={v}" + (" (yours)" if user_env.get(k) else "") for k, v in env.gpu_env(user_env).items()))
     if rank == 0:
         print("\n".join(lines), flush=True)
     return 0

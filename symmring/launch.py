@@ -2,8 +2,12 @@
 
 What it does around ``mpirun -n N cmd ...``:
 
-* exports ``NVSHMEM_DISABLE_NVLS=1``, ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``CUDA_MODULE_LOADING=EAGER``
-  (spinning kernels and lazy kernel loading can deadlock) unless already set;
+* exports the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
+  ``NVSHMEM_REMOTE_TRANSPORT=none``, ``CUDA_MODULE_LOADING=EAGER``, ``NCCL_NVLS_ENABLE=0``,
+  ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless already set; ``--print-env`` prints it as ``export``
+  lines and exits (``tools/gpu_common.sh`` and ``launch/symmring-mpirun`` read it from there);
+* runs a command ``python`` or ``python3`` with this launcher's own interpreter (``sys.executable``),
+  as torchrun does: an MPI launcher may put another ``python3`` first on the ranks' ``PATH``;
 * maps local ranks to GPUs: every rank runs through a small shim (``--rank-shim``) that sets
   ``CUDA_VISIBLE_DEVICES`` to GPU ``local_rank % num_gpus`` of the GPUs visible to the launcher, so
   ranks beyond the GPU count share GPUs (several PEs per GPU);
@@ -11,7 +15,8 @@ What it does around ``mpirun -n N cmd ...``:
   daemon with private ``CUDA_MPS_PIPE_DIRECTORY``/``CUDA_MPS_LOG_DIRECTORY`` exported to every rank,
   and stops it (``echo quit | nvidia-cuda-mps-control``) when the job ends, also on failure;
 * works with Open MPI's ``mpirun`` (adds ``--oversubscribe``, ``--allow-run-as-root`` when run as root,
-  and ``-x VAR`` for every exported variable) and with MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich``
+  and ``-x VAR`` for every exported variable: `symmring.env.GPU_ENV` and ``SYMMRING_*``, ``NVSHMEM_*``,
+  ``CUDA_*``, ``NCCL_*``, ``TORCH_SYMM_MEM_*``, ``PYTHON*``, ``PATH``, ``LD_LIBRARY_PATH``) and with MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich``
   wheel's, which forwards the environment itself).
 
 The MPI launcher is ``--mpirun PATH``, else ``$SYMMRING_MPIRUN``, else the ``mpiexec`` next to this
@@ -34,8 +39,12 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-#: Environment every rank gets (unless the user set it).
-NVSHMEM_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none", "CUDA_MODULE_LOADING": "EAGER"}
+from . import env
+
+#: Command names that are run with this launcher's interpreter (`rank_command`).
+PYTHON_NAMES = ("python", "python3")
+#: Prefixes of the variables an Open MPI launch forwards (``-x``), besides `symmring.env.GPU_ENV`.
+EXPORTED_PREFIXES = ("SYMMRING_", "NVSHMEM_", "CUDA_", "NCCL_", "TORCH_SYMM_MEM_", "PYTHON")
 #: Variables naming a process's rank within its node, by MPI launcher.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPIR_CVAR_LOCAL_RANK",
                    "SLURM_LOCALID")
@@ -65,6 +74,21 @@ def find_mpirun(explicit: Optional[str] = None) -> str:
             return candidate
     raise LaunchError("no MPI launcher found: pass --mpirun PATH, set SYMMRING_MPIRUN, or install the "
                       "`mpich` wheel (pip install mpich) or Open MPI")
+
+
+def rank_command(cmd: Sequence[str]) -> List[str]:
+    """``cmd`` as every rank runs it: a leading ``python``/``python3`` becomes ``sys.executable``.
+
+    Example:
+        >>> rank_command(["python3", "-m", "pytest"])[0] == sys.executable
+        True
+        >>> rank_command(["/usr/bin/python3", "x.py"])[0]     # an explicit path is kept
+        '/usr/bin/python3'
+    """
+    cmd = list(cmd)
+    if cmd and cmd[0] in PYTHON_NAMES:
+        cmd[0] = sys.executable
+    return cmd
 
 
 def mpi_flavor(mpirun: str) -> str:
@@ -152,31 +176,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["--rank-shim"]:
         rest = argv[1:]
         return rank_shim(rest[1:] if rest[:1] == ["--"] else rest)
-    parser = argparse.ArgumentParser(prog="python -m symmring.launch", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-n", "--num-ranks", type=int, required=True, help="ranks (PEs) on this node")
+    parser = argparse.ArgumentParser(
+        prog="python -m symmring.launch", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python -m symmring.launch -n N [--mps] [--mpirun PATH] [--mpirun-arg ARG] -- cmd ...\n"
+              "       python -m symmring.launch --print-env",
+        description="Start a symmring job on one node: N MPI ranks, each pinned to GPU local_rank % num_gpus\n"
+                    "of the GPUs visible here, with the GPU environment set. The MPI launcher is --mpirun,\n"
+                    "else $SYMMRING_MPIRUN, else the mpiexec next to this Python, else mpirun/mpiexec on\n"
+                    "PATH. Exit status: the job's; 2 when the launch itself fails.",
+        epilog="A command `python` or `python3` runs with this launcher's own interpreter on every rank\n"
+               f"({sys.executable}), as torchrun does; name another interpreter by its path.\n\n"
+               "Every rank gets these unless already set (symmring.env.GPU_ENV):\n" +
+               "\n".join(f"  {d.name}={d.value}: {d.reason}" for d in env.GPU_ENV))
+    parser.add_argument("-n", "--num-ranks", type=int, help="ranks (PEs) on this node")
+    parser.add_argument("--print-env", action="store_true",
+                        help="print the GPU environment as bash `export` lines (user-set values kept) and exit")
     parser.add_argument("--mps", action="store_true", help="run CUDA MPS around the job (several PEs per GPU)")
     parser.add_argument("--mpirun", help="MPI launcher (default: $SYMMRING_MPIRUN, the venv's mpiexec, mpirun)")
     parser.add_argument("--mpirun-arg", action="append", default=[], help="extra argument for the MPI launcher")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
     args = parser.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.print_env:
+        print("\n".join(env.shell_exports()))
+        return 0
+    cmd = rank_command(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
     if not cmd:
         parser.error("missing the command: python -m symmring.launch -n N [--mps] -- cmd ...")
+    if args.num_ranks is None:
+        parser.error("the following arguments are required: -n/--num-ranks")
     if args.num_ranks <= 0:
         parser.error(f"-n {args.num_ranks}: expected a positive number of ranks")
     try:
         mpirun = find_mpirun(args.mpirun)
         flavor = mpi_flavor(mpirun)
         gpus = visible_gpus()
-        for key, value in NVSHMEM_ENV.items():
-            os.environ.setdefault(key, value)
+        env.apply_gpu_env()
         os.environ["SYMMRING_LAUNCH_GPUS"] = ",".join(gpus)
         if gpus and args.num_ranks > len(gpus) and not args.mps:
             print(f"symmring.launch: {args.num_ranks} ranks on {len(gpus)} GPU(s) without --mps: their kernels "
                   "will time-slice, and waits between PEs of one GPU may time out", file=sys.stderr)
-        exported = sorted(set(NVSHMEM_ENV) | {"SYMMRING_LAUNCH_GPUS", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"} |
-                          {k for k in os.environ if k.startswith(("SYMMRING_", "NVSHMEM_", "CUDA_", "PYTHON"))})
+        exported = sorted(set(env.gpu_env_defaults()) | {"SYMMRING_LAUNCH_GPUS", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"} |
+                          {k for k in os.environ if k.startswith(EXPORTED_PREFIXES)})
         mps = Mps() if args.mps else None
         if mps is not None:
             mps.__enter__()

@@ -79,7 +79,9 @@ class RingSpec:
         ConfigError: naming the argument, the value and what was expected.
 
     Example:
-        >>> RingSpec(num_slots=4, tokens_per_slot=128, hidden=7168, num_topk=8, num_experts=256)
+        >>> spec = RingSpec(num_slots=4, tokens_per_slot=128, hidden=7168, num_topk=8, num_experts=256)
+        >>> spec.x_format, spec.num_sf                     # fp8 by default: 7168 / 128 scales per token
+        ('fp8_e4m3', 56)
     """
 
     num_slots: int

@@ -62,6 +62,19 @@ complete, the consumer of ``c`` needs only producers of ``c``, and the producer 
 consumers of ``c - num_slots``, all enqueued before it on every rank. With ``lookahead >= num_slots`` a
 rank's single stream holds the producer of chunk ``num_slots`` ahead of the consumer of chunk 0 it waits
 for: a deadlock (the model checker shows the trace).
+
+Example
+-------
+A call of three chunks from generation base 10 through a 2-slot ring, three ranks::
+
+    >>> [(slot_of(c, 2), generation(10, c)) for c in range(3)]      # slot and generation of each chunk
+    [(0, 11), (1, 12), (0, 13)]
+    >>> next_base(10, 3), call_num_chunks([5, 0, 9], tokens_per_slot=4), chunk_valid_tokens(9, 2, 4)
+    (13, 3, 1)
+    >>> missing_ranks((0b101,), full_mask(3))                          # rank 1 has not acknowledged
+    [1]
+    >>> enqueue_order(3, num_slots=2)                                  # the producer runs 1 chunk ahead
+    [('produce', 0), ('produce', 1), ('consume', 0), ('produce', 2), ('consume', 1), ('consume', 2)]
 """
 
 from __future__ import annotations

@@ -138,6 +138,8 @@ class Ring:
         RingClosedError: ``ctx`` is closed.
 
     Example:
+        >>> import symmring
+        >>> ctx = symmring.init("host")
         >>> ring = Ring(ctx, RingSpec(num_slots=2, tokens_per_slot=4, hidden=128, num_topk=2, num_experts=8))
         >>> call = ring.begin_call(1)
         >>> ring.acquire_slot(call, 0)
@@ -145,7 +147,9 @@ class Ring:
         >>> ring.write_layout(call, 0, np.zeros((4, 128), np.uint8), np.ones((4, 1), np.float32))
         >>> ring.publish_route(call, 0); ring.publish_layout(call, 0)
         >>> ring.wait_ready(call, 0, 0); view = ring.read(call, 0, 0); ring.ack(call, 0, 0)
-        >>> ring.end_call(call); ring.close()
+        >>> view.num_valid, float(view.topk_weights.sum())
+        (4, 8.0)
+        >>> ring.end_call(call); ring.close(); ctx.close()
     """
 
     def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy=None, timeout_s: Optional[float] = None):

@@ -16,24 +16,16 @@
 # nvshmem4py is installed from .whl/ into /tmp/site when it is not importable (the device machine has no
 # package index). Each stage runs under its own `timeout`.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
+# OUT, PY, the GPU environment (symmring.env.GPU_ENV), PYTHONPATH, SYMMRING_CACHE_DIR, install_nvshmem4py.
+source "$(dirname "$0")/gpu_common.sh"
 LOG="$OUT/gpu_check.log"
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER
-export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"  # absolute: mpirun's ranks get it too
-if ! "$PY" -c "import nvshmem" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
+install_nvshmem4py
 # The GPU tests of the runtime (GPU_TESTS overrides, e.g. GPU_TESTS=tests/gpu for every GPU test).
 read -r -a TESTS <<<"${GPU_TESTS:-tests/gpu/test_runtime.py tests/gpu/test_kernels.py tests/gpu/test_soak.py tests/gpu/test_ring_gpu.py}"
 # -o faulthandler_timeout: a test that hangs dumps every thread's stack into the log before the stage limit.
 PYTEST_OPTS=(-q -s -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=100)
 PYTEST=("$PY" -m pytest "${PYTEST_OPTS[@]}")
 MPI_PYTEST=("$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}")
-summary=()
 
 stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2

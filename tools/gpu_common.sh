@@ -1,16 +1,19 @@
-# Sourced by tools/gpu_stream_check.sh and tools/multi_gpu_check.sh: the environment every GPU step runs
-# in, the nvshmem4py install from .whl/ (the device machine has no package index), and `step`.
+# Sourced by every GPU script under tools/ (gpu_check.sh, gpu_moe_check.sh, gpu_stream_check.sh,
+# multi_gpu_check.sh): the environment every GPU step runs in, the nvshmem4py install from .whl/ (the
+# device machine has no package index), and `step`.
 # Sets OUT (default ./out), PY (absolute: mpirun's ranks get it too) and the summary array.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-# NVLink multicast stays off in everything started from here.
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_REMOTE_TRANSPORT=none CUDA_MODULE_LOADING=EAGER
-export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"
+# The GPU environment policy, symmring.env.GPU_ENV (NVLink multicast off in NVSHMEM, NCCL and torch;
+# no remote transport; eager module loading), from the package through the launcher, which falls back
+# to its own copy of the table only when $PY cannot import symmring. Values set by the caller are kept.
+eval "$(SYMMRING_PYTHON="$PY" bash launch/symmring-mpirun --print-env)"
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$PWD/.symcache}"
 summary=()
 
 install_nvshmem4py() {  # from .whl/ into /tmp/site, when nvshmem4py is not importable

@@ -4,30 +4,15 @@
 #   tools/gpu_moe_check.sh [quick|full]
 #
 # quick: compile, the 1-PE test file, a two-size benchmark.  full: the 1-PE tests, 2 and 4 PEs under MPS,
-# and the benchmark sweep. Run from the repository root on the GPU machine, after the wheel prefix:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# and the benchmark sweep. Logs under $OUT (default ./out). The environment, nvshmem4py from .whl/ and
+# `step` come from tools/gpu_common.sh.
 set -u
 mode=${1:-quick}
-out=${OUT:-/tmp/moe_out}
-mkdir -p "$out"
-export NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none PYTHONUNBUFFERED=1
-export SYMMRING_CACHE_DIR=${SYMMRING_CACHE_DIR:-/tmp/symmring-cache}
+source "$(dirname "$0")/gpu_common.sh"
+out=$OUT
 # Fail fast: a hung wait becomes a ProtocolTimeout after 5 s instead of 60.
 export SYMMRING_TIMEOUT_S=${SYMMRING_TIMEOUT_S:-5}
-
-step() {  # step NAME SECONDS CMD...: run bounded, log to $out/NAME.log, print the tail
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
-    local rc=$?
-    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
-    tail -n 25 "$out/$name.log"
-}
-
-# Absolute interpreter: mpirun's ranks may not have the same PATH (they found /usr/bin/python3).
-PY=$(command -v python3)
+install_nvshmem4py
 nvidia-smi -L
 "$PY" -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
@@ -39,6 +24,8 @@ step test_1pe 60 "$PY" -m pytest tests/gpu/test_moe_batch.py -q -p no:cacheprovi
 if [ "$mode" = quick ]; then
     step bench 150 "$PY" -m symmring.bench.moe --shapes qwen3-30b-a3b,mixtral --tokens 128,4096 --repeats 10 \
         --json "$out/bench.json"
+    echo "=== summary"
+    printf '%s\n' "${summary[@]}"
     exit 0
 fi
 
@@ -48,3 +35,5 @@ step test_2pe 60 "$PY" -m symmring.launch -n 2 --mps -- "$PY" -m mpi4py -m pytes
     -q -p no:cacheprovider --timeout 60 --maxfail 2
 step test_4pe 70 "$PY" -m symmring.launch -n 4 --mps -- "$PY" -m mpi4py -m pytest tests/gpu/test_moe_batch.py \
     -q -p no:cacheprovider --timeout 60 --maxfail 2
+echo "=== summary"
+printf '%s\n' "${summary[@]}"

@@ -70,12 +70,13 @@ class HostBackend(Backend):
     """Symmetric memory and 64-bit signals for CPU ranks of one node, over MPI shared memory.
 
     Args:
-        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None). All its ranks must share one
-            node; ``Split_type(COMM_TYPE_SHARED)`` must give back the whole communicator.
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None; `symmring.mpi.load`'s world of
+            one when no MPI library is installed). All its ranks must share one node;
+            ``Split_type(COMM_TYPE_SHARED)`` must give back the whole communicator.
 
     Raises:
-        BackendError: mpi4py is missing, the ranks span several nodes, or MPI's window memory model is
-            not unified.
+        BackendError: no MPI library under a multi-rank launch (`symmring.mpi.load`), the ranks span
+            several nodes, or MPI's window memory model is not unified.
 
     Example:
         >>> backend = HostBackend()          # a world of 1 outside mpiexec
@@ -87,10 +88,8 @@ class HostBackend(Backend):
     name = "host"
 
     def __init__(self, comm=None):
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:  # pragma: no cover - mpi4py is a dependency
-            raise BackendError(f"the host backend needs mpi4py: {exc}") from exc
+        from .. import mpi
+        MPI = mpi.namespace_of(comm)  # mpi4py's MPI, or the one-process stand-in without an MPI library
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = self.comm.Get_rank()

@@ -7,7 +7,9 @@
   ``uid`` in a single process;
 * one GPU per local rank, or several PEs on one GPU when a node has more ranks than GPUs (logged;
   kernels of different PEs then run concurrently only under CUDA MPS -- see `symmring.launch`);
-* ``NVSHMEM_DISABLE_NVLS=1`` and ``NVSHMEM_REMOTE_TRANSPORT=none`` are set unless the user set them;
+* the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
+  ``NVSHMEM_REMOTE_TRANSPORT=none``, ``CUDA_MODULE_LOADING=EAGER``, ...) is applied unless the user set
+  the variables;
 * nvshmem4py's own prints are kept out of the user's output;
 * allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
   this PE's or a peer's copy (peers through ``nvshmem_ptr``), `torch_view` the same as torch tensors;
@@ -24,7 +26,6 @@ Nothing here runs at import time; importing this module does not import CuPy or 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import logging
 import os
@@ -33,19 +34,14 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import env
+from .. import deps, env
 from ..errors import BackendError, ConfigError, RingClosedError
 from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
 logger = logging.getLogger(__name__)
 
-#: Environment variables set before NVSHMEM init unless the user set them (NVLink multicast stays off;
-#: a single node needs no remote transport).
-NVSHMEM_ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none"}
-#: Set before the first CUDA call of the process unless the user set it: with lazy loading (CUDA's
-#: default) the first launch of a kernel may wait for running kernels, and symmring's kernels spin on
-#: each other across streams and PEs (CUDA's lazy-loading notes name exactly this deadlock).
-CUDA_ENV_DEFAULTS = {"CUDA_MODULE_LOADING": "EAGER"}
+#: Modules the backend needs (`gpu_available` checks them without importing them).
+GPU_MODULES = ("cupy", "nvshmem", "nvidia.nvshmem")
 
 _WORD_OPS = {"set": 0, "add": 1, "or": 2}  # device/ring.cu WordOp
 _CMP_CODES = {name: code for code, name in enumerate(CMP)}  # device/ring.cu WordCmp (order of base.CMP)
@@ -55,18 +51,23 @@ _quiet_lock = threading.Lock()
 def gpu_available() -> bool:
     """Whether the nvshmem backend can run here: CuPy with a visible CUDA device, nvshmem4py and the
     nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
-    Sets ``CUDA_MODULE_LOADING=EAGER`` unless set (see `CUDA_ENV_DEFAULTS`), since it may be the first
-    CUDA call of the process.
+    Applies the GPU environment policy (`symmring.env.apply_gpu_env`: ``CUDA_MODULE_LOADING=EAGER``,
+    NVLink multicast off, ...) first, since its device query may be the first CUDA call of the process.
+    Logs why not at INFO (the reason behind ``init("auto")`` choosing the host backend).
     """
     try:
-        for key, value in CUDA_ENV_DEFAULTS.items():  # before CUDA initialises in this process
-            os.environ.setdefault(key, value)
-        for module in ("cupy", "nvshmem", "nvidia.nvshmem"):
-            if importlib.util.find_spec(module) is None:
-                return False
+        env.apply_gpu_env()  # before CUDA initialises in this process; the user's values are kept
+        missing = [deps.OPTIONAL[m][0] for m in GPU_MODULES if not deps.installed(m)]
+        if missing:
+            logger.info("no GPU backend: %s not installed (pip install \"symmring[gpu]\")", ", ".join(missing))
+            return False
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # any failure (no driver, broken install) means "not available"
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count == 0:
+            logger.info("no GPU backend: CuPy sees no CUDA device")
+        return count > 0
+    except Exception as exc:  # any failure (no driver, broken install) means "not available"
+        logger.info("no GPU backend: %s: %s", type(exc).__name__, exc)
         return False
 
 
@@ -130,19 +131,19 @@ class NvshmemBackend(DeviceBackend):
     """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
 
     Args:
-        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD`` when mpi4py is importable, else
-            a world of one).
+        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD``; `symmring.mpi`'s world of one
+            without an MPI library).
         device_id: CUDA device of this PE (default: local rank modulo the visible GPUs).
 
     Raises:
         BackendError: CuPy, nvshmem4py, the nvidia-nvshmem wheel or a GPU is missing, or NVSHMEM failed
             to initialise.
 
-    Example:
-        >>> backend = NvshmemBackend()                # python script.py, or under mpirun
-        >>> alloc = backend.alloc(4096)
-        >>> words = backend.view(alloc, backend.rank, 0, np.uint64, (8,))   # a CuPy array
-        >>> backend.free(alloc); backend.finalize()
+    Example (a GPU with NVSHMEM; skipped by the CPU doctest run):
+        >>> backend = NvshmemBackend()                # python script.py, or under mpirun  # doctest: +SKIP
+        >>> alloc = backend.alloc(4096)                                                  # doctest: +SKIP
+        >>> words = backend.view(alloc, backend.rank, 0, np.uint64, (8,))   # a CuPy array # doctest: +SKIP
+        >>> backend.free(alloc); backend.finalize()                                      # doctest: +SKIP
     """
 
     name = "nvshmem"
@@ -175,8 +176,7 @@ class NvshmemBackend(DeviceBackend):
                            "concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the job with "
                            "`python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
                            num_gpus, self.pes_per_gpu, os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>"))
-        for key, value in NVSHMEM_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        env.apply_gpu_env()  # before NVSHMEM init (gpu_available applied it already; a no-op then)
 
         # CUDA runtime first, on the PE's device (NVSHMEM init on an uninitialised context can fail).
         cupy.cuda.Device(device_id).use()
@@ -220,11 +220,8 @@ class NvshmemBackend(DeviceBackend):
 
     @staticmethod
     def _default_comm():
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            return None
-        return MPI.COMM_WORLD
+        from .. import mpi
+        return mpi.load().COMM_WORLD  # a world of one without an MPI library
 
     # --- device code ----------------------------------------------------------------------------------
 

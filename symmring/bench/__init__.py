@@ -4,6 +4,8 @@ against batch-ready)."""
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Optional
 
 
@@ -16,3 +18,25 @@ def missing_cuda_torch() -> Optional[str]:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     return None
+
+
+def progress(bench: str, done: int, total: Optional[int], what: str, *, rank: int = 0,
+             started_s: Optional[float] = None, stream=None) -> None:
+    """Say on stderr (rank 0 only; stdout keeps the table) that an item of a sweep finished.
+
+    Args:
+        bench: the benchmark, e.g. ``"bench moe"``.
+        done: items finished so far, this one included; total: items in the sweep (None: unknown).
+        what: the item and its figure, e.g. ``"qwen3-30b-a3b n=4096: 0.532 ms"``.
+        rank: the caller's rank; started_s: ``time.perf_counter()`` at the sweep's start (adds the elapsed
+            seconds); stream: where to write (``sys.stderr`` when None).
+
+    Example:
+        >>> progress("bench moe", 3, 12, "mixtral n=4096: 1.250 ms", stream=sys.stdout)
+        bench moe: [3/12] mixtral n=4096: 1.250 ms
+    """
+    if rank != 0:
+        return
+    count = f"[{done}/{total}]" if total else f"[{done}]"
+    elapsed = f" ({time.perf_counter() - started_s:.0f} s)" if started_s is not None else ""
+    print(f"{bench}: {count} {what}{elapsed}", file=sys.stderr if stream is None else stream, flush=True)

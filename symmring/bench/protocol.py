@@ -26,6 +26,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -86,9 +87,15 @@ def _median_ms(launch, repeats: int, hold, inner: int = 5) -> float:
     return statistics.median(times)
 
 
-def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str, float]]:
+#: Items of one run, for the progress lines: latency, the copy references, three pull configurations.
+_NUM_ITEMS = 5
+
+
+def _pull(backend, tokens: int, hidden: int, repeats: int, started_s: float) -> Optional[Dict[str, float]]:
     """Pull-vs-copy figures on rank 0 (pulling from rank 1, or from itself with one PE)."""
     import cupy
+
+    from . import progress
     from ..kernels import MAX_SPIN_BLOCKS, DeviceRing
     from ..layout import RingSpec
     spec = RingSpec(num_slots=1, tokens_per_slot=tokens, hidden=hidden, num_topk=8, num_experts=256,
@@ -127,6 +134,8 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
                                                                        cupy.cuda.get_current_stream().ptr),
                                  repeats, hold)
             figures["peer_copy_GBps"] = num_bytes / peer_ms / 1e6  # bytes moved in one direction
+            progress("bench protocol", 2, _NUM_ITEMS, f"copy {figures['copy_GBps']:.0f} GB/s, peer copy "
+                     f"{figures['peer_copy_GBps']:.0f} GB/s", started_s=started_s)
             for label, blocks in (("spin_budget", MAX_SPIN_BLOCKS), ("all_sms", backend.num_sms),
                                   ("two_per_sm", 2 * backend.num_sms)):
                 k.consume(0, src, out, ack=False, num_blocks=blocks)  # warm-up
@@ -135,6 +144,9 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
                 figures[f"pull_{label}_GBps"] = 2 * num_bytes / pull_ms / 1e6
                 figures[f"pull_{label}_ratio"] = copy_ms / pull_ms
                 figures[f"pull_{label}_vs_peer_copy"] = peer_ms / pull_ms
+                progress("bench protocol", 3 + ("spin_budget", "all_sms", "two_per_sm").index(label),
+                         _NUM_ITEMS, f"pull with {blocks} blocks: {figures[f'pull_{label}_ratio']:.2f} of copy",
+                         started_s=started_s)
             k.check_errors()
             want = np.random.default_rng(src).integers(0, 2**16, (tokens, hidden), dtype=np.uint16)
             figures["pulled_bitwise_equal"] = bool(np.array_equal(out["x"].get(), want))
@@ -149,11 +161,15 @@ def _pull(backend, tokens: int, hidden: int, repeats: int) -> Optional[Dict[str,
 def run(*, rounds: int = 10000, tokens: int = 8192, hidden: int = 7168, repeats: int = 20) -> Dict[str, object]:
     """Run the benchmark on this process's PE (collective); returns the figures (complete on rank 0)."""
     from ..backends.nvshmem import NvshmemBackend
+    from . import progress
+    started_s = time.perf_counter()
     backend = NvshmemBackend()
     try:
         _pingpong(backend, 200, 1, 10.0)  # warm-up: module load, first launches
         latency_us = _pingpong(backend, rounds, 1_000_000, 30.0)
-        pull = _pull(backend, tokens, hidden, repeats)
+        progress("bench protocol", 1, _NUM_ITEMS, f"publish->observe {latency_us or float('nan'):.2f} us one way",
+                 rank=backend.rank, started_s=started_s)
+        pull = _pull(backend, tokens, hidden, repeats, started_s)
         return {"benchmark": "protocol", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "device": backend.device, "world_size": backend.world_size, "pes_per_gpu": backend.pes_per_gpu,
                 "rounds": rounds, "publish_observe_one_way_us": latency_us, "goal_latency_us": GOAL_LATENCY_US,
@@ -181,7 +197,12 @@ def format_table(figures: Dict[str, object]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m symmring bench protocol", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m symmring bench protocol",
+        description="Protocol benchmark on GPU PEs: one-way publish->observe latency (goal <= 2 us) and the "
+                    "slot-pull bandwidth as a ratio of a device-to-device copy of the same bytes (goal >= 0.8). "
+                    "One PE: two streams of one GPU; several PEs: ranks 0 and 1 (start them with "
+                    "python -m symmring.launch). Prints a table on rank 0.")
     parser.add_argument("--json", help="write the figures to this file (rank 0)")
     parser.add_argument("--rounds", type=int, default=10000, help="ping-pong rounds")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of the pulled slot")

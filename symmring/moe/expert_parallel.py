@@ -38,26 +38,37 @@ of a token does not depend on which chunk, pool or batch it was computed in.
 Every argument is validated on every rank and the verdicts are exchanged (`ConfigError` on all ranks,
 naming the rank and the argument) before any shared memory is touched, so a rejected call leaves the
 rings usable and no rank waits for a rank that gave up.
+
+Arrays may be NumPy arrays or torch CPU tensors (converted at the boundary without a copy, `as_numpy`);
+`ExpertParallelMoE.forward` returns a torch tensor when ``x`` was one, a NumPy array otherwise.
+
+``SYMMRING_DEBUG=1`` adds checks after every call (`ExpertParallelMoE.forward`), as the GPU layer checks
+its device error records: this rank's ring words (``gen_base``, the ready generations and metadata of
+every slot the call used) hold what the call published, every consumer's acknowledgement of this
+rank's slots arrives within ``timeout_s`` (so the next call's producer will not time out), every
+consumer's combine signal is at the call's last generation, and the output is finite. A failed check
+raises `SymmringError` (`ProtocolTimeout` for a missing acknowledgement).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import protocol
+from .. import env, protocol
 from ..context import Context
 from ..errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
 from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec, align_up
 from ..protocol import AckPolicy
 from ..ring import Call, Ring
 from . import quant
-from .reference import (TOPK_METHODS, check_expert_weights, combine_rows, route, row_matmul, swiglu,
-                        transposed_f64)
+from .reference import (TOPK_METHODS, check_expert_weights, check_routing, combine_rows, route, row_matmul,
+                        swiglu, transposed_f64)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +140,30 @@ def local_experts(rank: int, world_size: int, num_experts: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def as_numpy(name: str, value):
+    """``value`` as a NumPy array if it is a torch CPU tensor (zero-copy: the array shares its memory);
+    anything else unchanged. Returns ``(value, was_torch)``.
+
+    Raises:
+        ConfigError: a torch tensor on another device, or of a dtype NumPy has no equivalent of (bf16).
+
+    Example:
+        >>> as_numpy("x", np.zeros(2, np.float32))[1]
+        False
+    """
+    torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
+    if torch is None or not isinstance(value, torch.Tensor):
+        return value, False
+    if value.device.type != "cpu":
+        raise ConfigError(f"{name}: a torch tensor on {value.device}; expected a CPU tensor or a NumPy array "
+                          "(symmring.moe.gpu.MoE is the layer for GPU tensors)")
+    try:
+        return value.detach().numpy(), True
+    except (TypeError, RuntimeError) as exc:
+        raise ConfigError(f"{name}.dtype={value.dtype}: expected a dtype NumPy has (the CPU layer computes in "
+                          f"float32; convert with .float()): {exc}") from None
+
+
 def _agree(comm, error: Optional[str], what: str) -> None:
     """Collective verdict on local validation: raise `ConfigError` on every rank if any rank failed."""
     errors = comm.allgather(error)
@@ -184,6 +219,7 @@ class ExpertParallelMoE:
             the number of ranks, weight shapes, ...).
 
     Example:
+        >>> import numpy as np, symmring
         >>> ctx = symmring.init("host")
         >>> shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
         >>> rng = np.random.default_rng(0)
@@ -208,6 +244,8 @@ class ExpertParallelMoE:
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
+        (w_gate, _), (w_up, _), (w_down, _), (bias, _) = (as_numpy(n, v) for n, v in (
+            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("bias", bias)))
         setup, error = _config_error(lambda: self._validate_setup(
             spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
             max_tokens_per_rank, timeout_s))
@@ -234,6 +272,10 @@ class ExpertParallelMoE:
         self._combine_base = 0  # generation base of the combine signals (grows over all calls)
         self.closed = False
         self.last_stats = ForwardStats()
+        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, "
+                 "timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
+                 self.shapes.num_experts, self.shapes.hidden, self.inter, self.shapes.num_topk, topk_method,
+                 self.shapes.x_format, self.timeout_s, "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
 
     def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
                         max_tokens_per_rank, timeout_s):
@@ -268,7 +310,8 @@ class ExpertParallelMoE:
         """The layer on this rank's tokens (collective: every rank calls it, with its own tokens).
 
         Args:
-            x: float32 ``[num_tokens, hidden]``; ``num_tokens`` may differ between ranks and may be 0.
+            x: float32 ``[num_tokens, hidden]`` (NumPy, or a torch CPU tensor); ``num_tokens`` may differ
+                between ranks and may be 0.
             router_weight / logits / (topk_idx, topk_weights): exactly one routing source: float32
                 ``[E, hidden]``; float32 ``[num_tokens, E]``; int32/float32 ``[num_tokens, K]`` (-1 masked).
             streaming: False: the batch-ready path (one chunk of the whole batch). True: chunks of
@@ -281,7 +324,8 @@ class ExpertParallelMoE:
                 default ``num_slots - 1``.
 
         Returns:
-            float32 ``[num_tokens, hidden]``: this rank's output rows, in its input order.
+            float32 ``[num_tokens, hidden]``: this rank's output rows, in its input order; a torch tensor
+            (sharing the array's memory) when ``x`` was one, else a NumPy array.
 
         Raises:
             ConfigError: on every rank, before any shared-memory work, if any rank's arguments are bad
@@ -292,6 +336,9 @@ class ExpertParallelMoE:
         """
         self._check_open()
         start_s = time.perf_counter()
+        (x, torch_in), (router_weight, _), (logits, _), (topk_idx, _), (topk_weights, _) = (
+            as_numpy(n, v) for n, v in (("x", x), ("router_weight", router_weight), ("logits", logits),
+                                        ("topk_idx", topk_idx), ("topk_weights", topk_weights)))
         plan, error = _config_error(lambda: self._validate_call(
             x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot, num_slots,
             ack_policy, lookahead))
@@ -323,6 +370,9 @@ class ExpertParallelMoE:
                                        tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
         y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
         self.last_stats.elapsed_s = time.perf_counter() - start_s
+        if torch_in:
+            import torch
+            return torch.from_numpy(y)
         return y
 
     __call__ = forward
@@ -362,23 +412,15 @@ class ExpertParallelMoE:
         sources = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
 
         def route_rows(rows: slice):
-            # Per-token sources are cut to ``rows``; a source that is not a 2-D array goes through as-is,
-            # so that route() names its type or shape.
-            cut = {k: (v[rows] if k in per_token and _is_2d(v) else v) for k, v in sources.items()}
+            # Per-token sources are cut to ``rows`` (checked whole below: chunks route their own rows).
+            cut = {k: (v[rows] if k in per_token and v is not None else v) for k, v in sources.items()}
             return route(x[rows], shapes.num_topk, shapes.num_experts, topk_method=self.topk_method,
                          bias=self.bias, routed_scaling_factor=self.routed_scaling_factor, **cut)[:2]
 
-        # Check the routing source on zero rows (no logits computed yet: chunks route their own rows).
-        route_rows(slice(0, 0))
-        num_tokens = x.shape[0]
-        for name, arr in (("logits", logits), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if arr is not None and arr.shape[0] != num_tokens:
-                raise ConfigError(f"{name}.shape={arr.shape}: expected {num_tokens} rows (x has {num_tokens})")
-        if topk_idx is not None:
-            # Full check (expert ids in range, finite weights) before any shared-memory work.
-            route(x, shapes.num_topk, shapes.num_experts, topk_idx=topk_idx, topk_weights=topk_weights)
-        if logits is not None and not np.all(np.isfinite(logits)):
-            raise ConfigError("logits: expected finite values (found NaN or inf)")
+        # The whole source as the caller passed it (messages name its shape), before any shared-memory
+        # work: types, shapes, expert ids, finite values. bias and routed_scaling_factor were checked at
+        # construction.
+        check_routing(x.shape[0], shapes.hidden, shapes.num_topk, shapes.num_experts, **sources)
         if not isinstance(streaming, (bool, np.bool_)):
             raise ConfigError(f"streaming={streaming!r}: expected True or False")
         ack_policy = AckPolicy.parse(ack_policy)
@@ -458,7 +500,53 @@ class ExpertParallelMoE:
                 self._reduce(ring, call, chunk, own_routes.pop(chunk), combine_gen, y)
         ring.end_call(call)
         self._combine_base = protocol.next_base(combine_base, num_chunks)
+        if env.debug():
+            self._debug_check(ring, call, combine_base, y)
         return y
+
+    def _debug_check(self, ring: Ring, call: Call, combine_base: int, y: np.ndarray) -> None:
+        """``SYMMRING_DEBUG=1``: the shared state a finished call must leave behind (module docstring)."""
+        backend, alloc, lay = self.ctx.backend, ring.allocation, ring.layout
+        num_chunks, num_slots = call.num_chunks, ring.spec.num_slots
+        base = backend.read_word(alloc, lay["gen_base"].offset, self.rank)
+        if base != protocol.next_base(call.base, num_chunks):
+            raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: gen_base is {base} after a call of {num_chunks} "
+                                f"chunks from base {call.base}, expected {protocol.next_base(call.base, num_chunks)}")
+        for chunk in range(max(0, num_chunks - num_slots), num_chunks):  # the last use of each slot
+            slot, gen = protocol.slot_of(chunk, num_slots), protocol.generation(call.base, chunk)
+            words = {kind: backend.read_word(alloc, lay[kind].slot_offset(slot), self.rank)
+                     for kind in ("route_ready", "layout_ready")}
+            meta = ring.meta(slot)
+            if words != {"route_ready": gen, "layout_ready": gen} or int(meta[META_PAYLOAD_GEN]) != gen \
+                    or int(meta[META_CHUNK_IDX]) != chunk:
+                raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: slot {slot} holds ready words {words} and "
+                                    f"metadata {meta.tolist()}, expected generation {gen} of chunk {chunk}")
+        required = protocol.full_mask(self.world_size)
+        deadline = time.monotonic() + self.timeout_s
+        for slot in range(num_slots):
+            for word_idx, want in enumerate(required):
+                offset = lay["ack_mask"].slot_offset(slot) + word_idx * _WORD_BYTES
+                # Acquire (pairs with each consumer's fence before its atomic_or in Ring.ack): every consumer
+                # acknowledges this call's chunks without waiting for this rank, so they must all arrive.
+                ok, observed = backend.wait_until(alloc, offset, self.rank, "eq", want,
+                                                  max(deadline - time.monotonic(), 1e-6))
+                if not ok:
+                    mask = [backend.read_word(alloc, lay["ack_mask"].slot_offset(slot) + w * _WORD_BYTES, self.rank)
+                            for w in range(len(required))]
+                    raise ProtocolTimeout("reuse", rank=self.rank, peer=self.rank, slot=slot, chunk=num_chunks - 1,
+                                          expected=want, observed=observed,
+                                          missing_ranks=protocol.missing_ranks(mask, required), timeout_s=self.timeout_s)
+        if num_chunks:
+            last = protocol.generation(combine_base, num_chunks - 1)
+            behind = [q for q in range(self.world_size)
+                      if backend.read_word(self._combine, q * _WORD_BYTES, self.rank) < last]
+            if behind:
+                raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: combine signals of consumer(s) {behind} are "
+                                    f"below the call's last generation {last}")
+        bad = np.nonzero(~np.isfinite(y).all(axis=1))[0]
+        if bad.size:
+            raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: output rows {bad[:8].tolist()} (of {bad.size}) "
+                                "are not finite")
 
     def _chunk_rows(self, ring: Ring, chunk: int, num_tokens: int) -> slice:
         tokens_per_slot = ring.spec.tokens_per_slot
@@ -568,10 +656,6 @@ class ExpertParallelMoE:
         self.ctx.check_open()
 
 
-def _is_2d(arr) -> bool:
-    return isinstance(arr, np.ndarray) and arr.ndim == 2
-
-
 def shard_experts(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, rank: int, world_size: int):
     """This rank's slices of global expert weights (experts `local_experts`).
 
@@ -585,4 +669,4 @@ def shard_experts(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, rank
     return w_gate[sl], w_up[sl], w_down[sl]
 
 
-__all__ = ["ExpertParallelMoE", "MoEShapes", "ForwardStats", "local_experts", "shard_experts"]
+__all__ = ["ExpertParallelMoE", "MoEShapes", "ForwardStats", "as_numpy", "local_experts", "shard_experts"]

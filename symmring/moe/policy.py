@@ -17,11 +17,14 @@ window); everywhere else -- an unmeasured shape, a size where batch won, another
 `StreamPolicy.default` is the table measured on one H200 (``policy_h200.json`` beside this module; every
 entry there chose batch, since one GPU has no NVLink dispatch for streaming to hide).
 
-Example:
-    >>> policy = StreamPolicy.load("bench_stream.json")
+Example (``StreamPolicy.load("bench_stream.json")`` reads a benchmark's table; here two measured rows):
+    >>> rows = [dict(shape="deepseek-v3", tokens_per_rank=n, ratio=r, tokens_per_slot=2048, num_slots=8,
+    ...              expert_window=8, ack_policy="early") for n, r in ((8192, 1.01), (16384, 0.90))]
+    >>> policy = StreamPolicy.from_rows(rows)   # streamed must beat batch by 3 %
     >>> policy.choose("deepseek-v3", 8192)      # None: use the batch layer
     >>> policy.choose("deepseek-v3", 16384)
     {'tokens_per_slot': 2048, 'num_slots': 8, 'expert_window': 8, 'ack_policy': 'early'}
+    >>> StreamPolicy.default().choose("deepseek-v3@1pe", 16384)   # one H200: batch at every size
 """
 
 from __future__ import annotations

@@ -304,6 +304,50 @@ class ReferenceResult:
     expert_out: np.ndarray
 
 
+def check_routing(num_tokens: int, hidden: int, num_topk: int, num_experts: int, *, router_weight=None,
+                  logits=None, topk_idx=None, topk_weights=None) -> str:
+    """Validate a routing source as given (the caller's arrays, so messages name their shapes) without
+    computing anything. Returns the source's name: ``"router_weight"``, ``"logits"`` or ``"topk_idx"``.
+
+    Raises:
+        ConfigError: zero or several sources, or a source with the wrong type, dtype, shape, expert ids
+            or non-finite values.
+
+    Example:
+        >>> check_routing(5, 128, 2, 8, logits=np.zeros((5, 8), np.float32))
+        'logits'
+        >>> check_routing(5, 128, 2, 8, topk_idx=np.zeros((5, 3), np.int32),
+        ...               topk_weights=np.ones((5, 3), np.float32))
+        Traceback (most recent call last):
+        ...
+        symmring.errors.ConfigError: topk_idx.shape=(5, 3): expected [num_tokens, num_topk] = (5, 2)
+    """
+    sources = [name for name, v in (("router_weight", router_weight), ("logits", logits),
+                                    ("topk_idx", topk_idx)) if v is not None]
+    if len(sources) != 1:
+        raise ConfigError(f"routing: got {sources or 'none'}; expected exactly one of router_weight, "
+                          "logits, or topk_idx with topk_weights")
+    if topk_idx is not None:
+        if topk_weights is None:
+            raise ConfigError("topk_weights=None: expected float32 [num_tokens, num_topk] with topk_idx")
+        check_route(topk_idx, topk_weights, num_tokens, num_topk, num_experts)
+    elif topk_weights is not None:
+        raise ConfigError("topk_weights: given without topk_idx")
+    elif router_weight is not None:
+        _check_array("router_weight", router_weight, np.float32, 2)
+        if router_weight.shape != (num_experts, hidden):
+            raise ConfigError(f"router_weight.shape={router_weight.shape}: expected "
+                              f"[num_experts={num_experts}, hidden={hidden}]")
+        _check_finite("router_weight", router_weight)
+    else:
+        _check_array("logits", logits, np.float32, 2)
+        if logits.shape != (num_tokens, num_experts):
+            raise ConfigError(f"logits.shape={logits.shape}: expected [num_tokens, num_experts] = "
+                              f"{(num_tokens, num_experts)}")
+        _check_finite("logits", logits)
+    return sources[0]
+
+
 def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None, logits=None,
           topk_idx=None, topk_weights=None, topk_method: str = "softmax", bias=None,
           routed_scaling_factor: float = 1.0):
@@ -311,32 +355,15 @@ def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None,
     ``topk_weights``. Returns ``(topk_idx, topk_weights, logits or None)``.
 
     Raises:
-        ConfigError: zero or several sources given, or a source with the wrong shape or dtype.
+        ConfigError: zero or several sources given, or a source with the wrong shape or dtype
+            (`check_routing`); bad ``topk_method``, ``bias`` or ``routed_scaling_factor`` (`select_topk`).
     """
-    sources = [name for name, v in (("router_weight", router_weight), ("logits", logits),
-                                    ("topk_idx", topk_idx)) if v is not None]
-    if len(sources) != 1:
-        raise ConfigError(f"routing: got {sources or 'none'}; expected exactly one of router_weight, "
-                          "logits, or topk_idx with topk_weights")
-    num_tokens = x.shape[0]
-    if topk_idx is not None:
-        if topk_weights is None:
-            raise ConfigError("topk_weights=None: expected float32 [num_tokens, num_topk] with topk_idx")
-        check_route(topk_idx, topk_weights, num_tokens, num_topk, num_experts)
+    source = check_routing(x.shape[0], x.shape[1], num_topk, num_experts, router_weight=router_weight,
+                           logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
+    if source == "topk_idx":
         return topk_idx, topk_weights, None
-    if topk_weights is not None:
-        raise ConfigError("topk_weights: given without topk_idx")
-    if router_weight is not None:
-        _check_array("router_weight", router_weight, np.float32, 2)
-        if router_weight.shape[0] != num_experts:
-            raise ConfigError(f"router_weight.shape={router_weight.shape}: expected "
-                              f"[num_experts={num_experts}, hidden={x.shape[1]}]")
+    if source == "router_weight":
         logits = router_logits(x, router_weight)
-    else:
-        _check_array("logits", logits, np.float32, 2)
-        if logits.shape != (num_tokens, num_experts):
-            raise ConfigError(f"logits.shape={logits.shape}: expected [num_tokens, num_experts] = "
-                              f"{(num_tokens, num_experts)}")
     idx, weights = select_topk(logits, num_topk, topk_method, bias=bias,
                                routed_scaling_factor=routed_scaling_factor)
     return idx, weights, logits

@@ -43,6 +43,7 @@ def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scal
         ConfigError: bad ``scoring``, ``topk`` or shapes.
 
     Example:
+        >>> import torch
         >>> idx, w = route(torch.randn(4, 8), topk=2)
         >>> idx.shape, float(w.sum(-1)[0])
         (torch.Size([4, 2]), 1.0)

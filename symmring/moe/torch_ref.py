@@ -73,8 +73,15 @@ class TorchMoE:
         topk: experts per token; scoring, bias, routed_scaling_factor: as in `route`.
 
     Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> w_gate, w_up = (torch.randn(4, 32, 128, generator=g).bfloat16() / 11 for _ in range(2))
+        >>> w_down = (torch.randn(4, 128, 32, generator=g) / 6).bfloat16()
+        >>> x, router = torch.randn(6, 128, generator=g).bfloat16(), torch.randn(4, 128, generator=g)
         >>> moe = TorchMoE(w_gate, w_up, w_down, topk=2)
         >>> y = moe.forward(x, logits=x.float() @ router.T)
+        >>> y.shape, y.dtype
+        (torch.Size([6, 128]), torch.bfloat16)
     """
 
     def __init__(self, w_gate, w_up, w_down, topk: int, scoring: str = "softmax", *, bias=None,

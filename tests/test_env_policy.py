@@ -1,0 +1,190 @@
+"""One GPU environment policy (symmring.env.GPU_ENV), applied by the backend, both launchers and tools/.
+
+No GPU is needed: the backend's environment step runs in `gpu_available` before any CUDA call, and the
+launchers are run with a stand-in MPI launcher that starts the rank command once, so the rank's
+interpreter and environment can be read back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from symmring import env
+from symmring.launch import rank_command
+
+ROOT = Path(__file__).resolve().parents[1]
+BASH_LAUNCHER = ROOT / "launch" / "symmring-mpirun"
+NAMES = [d.name for d in env.GPU_ENV]
+#: What a rank prints: its interpreter and the policy's variables.
+PROBE = ("import json, os, sys; print('RANK ' + json.dumps({'exe': sys.executable, "
+         f"'env': {{k: os.environ.get(k) for k in {NAMES!r}}}}}))")
+
+
+def _env_without_policy(**extra):
+    environ = {k: v for k, v in os.environ.items() if k not in NAMES and k != "SYMMRING_PYTHON"}
+    environ.pop("PYTEST_ADDOPTS", None)
+    environ.update(extra)
+    return environ
+
+
+def _exports(text: str) -> dict:
+    """``export K=V`` lines as a dict (values unquoted by bash itself)."""
+    out = subprocess.run(["bash", "-c", f'{text}\nfor n in {" ".join(NAMES)}; do echo "$n=${{!n}}"; done'],
+                         capture_output=True, text=True, check=True, env=_env_without_policy()).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+@pytest.fixture
+def fake_mpirun(tmp_path):
+    """An "MPI launcher" that drops ``-n N`` and runs the rank command once, in this environment."""
+    path = tmp_path / "fake-mpirun"
+    path.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "fake launcher"; exit 0; }\nshift 2\nexec "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture
+def decoy_path(tmp_path):
+    """A PATH whose first ``python``/``python3`` is not this interpreter (as an MPI launcher's PATH was)."""
+    bin_dir = tmp_path / "decoy-bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        decoy = bin_dir / name
+        decoy.write_text("#!/bin/sh\necho 'decoy python ran' >&2\nexit 3\n")
+        decoy.chmod(decoy.stat().st_mode | stat.S_IEXEC)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def _rank_report(run: subprocess.CompletedProcess) -> dict:
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RANK ")]
+    assert len(lines) == 1, run.stdout + run.stderr
+    return json.loads(lines[0][5:])
+
+
+def test_table_has_one_reason_per_variable_and_the_issue_values():
+    assert env.gpu_env_defaults() == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_REMOTE_TRANSPORT": "none",
+                                      "CUDA_MODULE_LOADING": "EAGER", "NCCL_NVLS_ENABLE": "0",
+                                      "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    assert all(d.reason and "\n" not in d.reason for d in env.GPU_ENV)
+
+
+def test_apply_keeps_user_values_and_fills_empty_ones():
+    environ = {"NCCL_NVLS_ENABLE": "1", "CUDA_MODULE_LOADING": ""}
+    applied = env.apply_gpu_env(environ)
+    assert environ == {**env.gpu_env_defaults(), "NCCL_NVLS_ENABLE": "1"}
+    assert set(applied) == set(NAMES) - {"NCCL_NVLS_ENABLE"}
+    assert env.apply_gpu_env(environ) == {}  # idempotent
+
+
+def test_backend_env_step_applies_the_table(monkeypatch):
+    """`gpu_available` (the backend's first step, before any CUDA call) sets the table, keeping a user value."""
+    from symmring.backends import nvshmem
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ucx")
+    nvshmem.gpu_available()
+    assert {n: os.environ.get(n) for n in NAMES} == {**env.gpu_env_defaults(), "NVSHMEM_REMOTE_TRANSPORT": "ucx"}
+
+
+def test_rank_command_rewrites_only_bare_python():
+    assert rank_command(["python", "-c", "1"]) == [sys.executable, "-c", "1"]
+    assert rank_command(["python3", "x.py"]) == [sys.executable, "x.py"]
+    assert rank_command(["/opt/py/bin/python3", "x.py"]) == ["/opt/py/bin/python3", "x.py"]
+    assert rank_command(["pytest", "python"]) == ["pytest", "python"]
+
+
+def test_python_launcher_ranks_get_its_interpreter_and_the_table(fake_mpirun, decoy_path, tmp_path):
+    environ = _env_without_policy(PATH=decoy_path, CUDA_MODULE_LOADING="LAZY")
+    run = subprocess.run([sys.executable, "-m", "symmring.launch", "-n", "2", "--mpirun", str(fake_mpirun), "--",
+                          "python3", "-c", PROBE], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=environ)
+    report = _rank_report(run)
+    assert report["exe"] == sys.executable
+    assert report["env"] == {**env.gpu_env_defaults(), "CUDA_MODULE_LOADING": "LAZY"}
+
+
+def test_python_launcher_help_and_print_env(tmp_path):
+    help_text = subprocess.run([sys.executable, "-m", "symmring.launch", "--help"], capture_output=True, text=True,
+                               timeout=60, cwd=tmp_path, env=_env_without_policy()).stdout
+    assert "`python` or `python3` runs with this launcher's own interpreter" in help_text
+    assert all(name in help_text for name in NAMES)
+    out = subprocess.run([sys.executable, "-m", "symmring.launch", "--print-env"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=_env_without_policy(), check=True).stdout
+    assert _exports(out) == env.gpu_env_defaults()
+
+
+@pytest.mark.parametrize("python", ["package", "fallback copy"])
+def test_bash_launcher_print_env_equals_the_table(python, tmp_path):
+    """From the package, and from the launcher's own copy when Python is unusable: the same set, and a
+    user-set value is kept by both."""
+    interpreter = sys.executable if python == "package" else str(tmp_path / "no-such-python")
+    for user, want in (({}, env.gpu_env_defaults()),
+                       ({"NCCL_NVLS_ENABLE": "1 2"}, {**env.gpu_env_defaults(), "NCCL_NVLS_ENABLE": "1 2"})):
+        run = subprocess.run(["bash", str(BASH_LAUNCHER), "--print-env"], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path, env=_env_without_policy(SYMMRING_PYTHON=interpreter, **user))
+        assert run.returncode == 0, run.stderr
+        assert ("launcher's copy" in run.stderr) == (python == "fallback copy"), run.stderr
+        lines = run.stdout.strip().splitlines()
+        assert len(lines) == len(NAMES) and all(line.startswith("export ") for line in lines)
+        exported = subprocess.run(["bash", "-c", f'{run.stdout}\nfor n in {" ".join(NAMES)}; do echo "$n=${{!n}}"; '
+                                   "done"], capture_output=True, text=True, check=True, env=_env_without_policy())
+        assert dict(line.split("=", 1) for line in exported.stdout.splitlines()) == want
+
+
+def test_bash_launcher_ranks_get_its_interpreter_and_the_table(fake_mpirun, decoy_path, tmp_path):
+    """SYMMRING_PYTHON names the interpreter; without it, the python3 installed beside the script (a venv's
+    bin/) wins over the PATH's."""
+    installed = tmp_path / "venv-bin"
+    installed.mkdir()
+    (installed / "symmring-mpirun").write_bytes(BASH_LAUNCHER.read_bytes())
+    beside = installed / "python3"  # this venv's interpreter, as a venv's bin/python3 would be
+    beside.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    beside.chmod(beside.stat().st_mode | stat.S_IEXEC)
+    for script, extra in ((BASH_LAUNCHER, {"SYMMRING_PYTHON": sys.executable}), (installed / "symmring-mpirun", {})):
+        environ = _env_without_policy(PATH=decoy_path, TORCH_SYMM_MEM_DISABLE_MULTICAST="0", **extra)
+        run = subprocess.run(["bash", str(script), "-n", "2", "--mpirun", str(fake_mpirun), "--", "python", "-c",
+                              PROBE], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=environ)
+        report = _rank_report(run)
+        assert Path(report["exe"]).resolve() == Path(sys.executable).resolve(), script
+        assert report["env"] == {**env.gpu_env_defaults(), "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+        assert "launcher's copy" not in run.stderr
+
+
+def test_every_gpu_tool_sources_the_common_helper_and_sets_no_policy_variable_itself():
+    tools = sorted((ROOT / "tools").glob("*.sh"))
+    assert {p.name for p in tools} >= {"gpu_common.sh", "gpu_check.sh", "gpu_moe_check.sh", "gpu_stream_check.sh",
+                                       "multi_gpu_check.sh"}
+    assignment = re.compile(r"\b(" + "|".join(NAMES) + r")=")
+    for path in tools:
+        text = path.read_text()
+        assert not assignment.search(text), f"{path.name} sets a GPU_ENV variable itself"
+        if path.name != "gpu_common.sh":
+            assert 'source "$(dirname "$0")/gpu_common.sh"' in text, f"{path.name} does not source gpu_common.sh"
+
+
+def test_sourcing_gpu_common_exports_the_table(tmp_path):
+    environ = _env_without_policy(OUT=str(tmp_path / "out"), PYTHON=sys.executable, NVSHMEM_DISABLE_NVLS="1")
+    run = subprocess.run(["bash", "-c", f'source tools/gpu_common.sh && for n in {" ".join(NAMES)}; do '
+                          'echo "$n=${!n}"; done; env | grep -c "^PYTHONPATH="'], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=environ)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert dict(line.split("=", 1) for line in lines[:-1]) == env.gpu_env_defaults()
+    assert "launcher's copy" not in run.stderr, run.stderr
+
+
+def test_docs_list_the_table():
+    """README's and env.py's environment tables name every variable with its value."""
+    readme = (ROOT / "README.md").read_text()
+    for default in env.GPU_ENV:
+        assert re.search(rf"\| `{default.name}` \|.*`{re.escape(default.value)}` \|", readme), default.name
+        assert f"| ``{default.name}`` | ``{default.value}`` |" in env.__doc__, default.name
