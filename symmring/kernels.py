@@ -135,12 +135,12 @@ class DeviceRing:
         ConfigError: bad backend, spec or timeout.
 
     Example:
-        >>> ring = DeviceRing(backend, RingSpec(num_slots=2, tokens_per_slot=64, hidden=512, num_topk=4,
+        >>> ring = DeviceRing(backend, RingSpec(num_slots=2, tokens_per_slot=64, hidden=512, num_topk=4,  # doctest: +SKIP
         ...                                      num_experts=16, x_format="bf16"))
-        >>> k = ring.kernels
-        >>> k.produce(0, x=x, topk_idx=idx, topk_weights=w, token_base=0, num_valid=64)
-        >>> out = k.new_outputs(); k.consume(0, src_rank=0, out=out); k.end_call(1)
-        >>> k.check_errors(); ring.close()
+        >>> k = ring.kernels  # doctest: +SKIP
+        >>> k.produce(0, x=x, topk_idx=idx, topk_weights=w, token_base=0, num_valid=64)  # doctest: +SKIP
+        >>> out = k.new_outputs(); k.consume(0, src_rank=0, out=out); k.end_call(1)  # doctest: +SKIP
+        >>> k.check_errors(); ring.close()  # doctest: +SKIP
     """
 
     def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None):

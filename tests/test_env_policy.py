@@ -161,8 +161,7 @@ def test_bash_launcher_ranks_get_its_interpreter_and_the_table(fake_mpirun, deco
 
 def test_every_gpu_tool_sources_the_common_helper_and_sets_no_policy_variable_itself():
     tools = sorted((ROOT / "tools").glob("*.sh"))
-    assert {p.name for p in tools} >= {"gpu_common.sh", "gpu_check.sh", "gpu_moe_check.sh", "gpu_stream_check.sh",
-                                       "multi_gpu_check.sh"}
+    assert {p.name for p in tools} >= {"gpu_common.sh", "gpu_check.sh", "multi_gpu_check.sh"}
     assignment = re.compile(r"\b(" + "|".join(NAMES) + r")=")
     for path in tools:
         text = path.read_text()

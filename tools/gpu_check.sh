@@ -1,31 +1,47 @@
 #!/usr/bin/env bash
-# tools/gpu_check.sh -- everything symmring checks on a GPU machine, in one command.
+# tools/gpu_check.sh -- everything symmring checks on a GPU machine (one node), stage by stage.
 #
-#   tools/gpu_check.sh [stage ...]      (default: all stages, in this order)
+#   tools/gpu_check.sh [stage|preset ...]     (default: the preset "tests")
 #
-# stages: env compile pe1 blocking pe2 pe4 blocking2 bench
-#   env       GPU, driver, nvcc, Python packages
-#   compile   JIT-compile every device/ module and tests/gpu/user_kernels.cu into $SYMMRING_CACHE_DIR
-#   pe1       pytest tests/gpu with one PE
-#   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: the two-stream tests complete when serialized
-#   pe2, pe4  tests/gpu with 2 and 4 PEs on the GPU(s) under CUDA MPS (python -m symmring.launch --mps)
-#   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs (serialized kernels on every PE still complete)
-#   bench     python -m symmring bench protocol, 1 PE and 2 PEs (MPS); JSON under $OUT
+# presets (each sized for one device call of at most 10 minutes; every call starts a bare machine):
+#   tests     env compile pe1 pe2 pe4                 every GPU test on 1, 2 and 4 PEs (MPS)
+#   extra     env compile slow blocking blocking2     1000 graph replays; serialized kernels
+#   bench     env compile gemm moe                    the fp8 GEMM sweep and the layer benchmark
+#   stream    env compile stream stream_graph         streamed vs batch (eager, CUDA graphs)
+# stages:
+#   env       GPU, driver, nvcc, packages; nvshmem4py from .whl/ into /tmp/site when missing
+#   compile   python -m symmring.jit: every device/ module and tests/gpu/user_kernels.cu (sm_90)
+#   pe1       pytest tests/gpu, one PE (-m "not slow")
+#   pe2, pe4  the same under python -m symmring.launch -n 2|4 --mps (one GPU shared under CUDA MPS)
+#   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager)
+#   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
+#   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs: the two-stream ring kernels
+#   protocol  python -m symmring bench protocol on 1 and 2 PEs (bench_protocol_*pe.json)
+#   gemm      python -m symmring bench gemm (bench_gemm.json)
+#   moe       python -m symmring bench moe, bf16 and fp8 engines (bench_moe.json, bench_moe.png)
+#   stream, stream_graph   python -m symmring bench stream, eager and from graphs (bench_stream*.json)
+#   compare   tools/compare_prev.py against $PREV (a copy of an earlier commit's package: see its --help)
 #
-# Logs go to $OUT/gpu_check.log (OUT defaults to ./out); a summary table is printed last.
-# nvshmem4py is installed from .whl/ into /tmp/site when it is not importable (the device machine has no
-# package index). Each stage runs under its own `timeout`.
+# One log, $OUT/gpu_check.log (OUT defaults to ./out); a summary table is printed last. Kernel caches
+# (symmring's cubins, Triton's and DeepGEMM's JIT) live under $CACHE (default /tmp/symmring-gpu-cache); with
+# CACHE_TGZ=path a tarball of them is restored before and written after, so a later call skips the
+# compiles. Each stage runs under its own `timeout`; a hung wait becomes a ProtocolTimeout after
+# SYMMRING_TIMEOUT_S (10 s here).
 set -uo pipefail
 # OUT, PY, the GPU environment (symmring.env.GPU_ENV), PYTHONPATH, SYMMRING_CACHE_DIR, install_nvshmem4py.
+CACHE="${CACHE:-/tmp/symmring-gpu-cache}"
+export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$CACHE/symmring}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$CACHE/triton}" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-$CACHE/deep_gemm}"
 source "$(dirname "$0")/gpu_common.sh"
+export SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-10}"
 LOG="$OUT/gpu_check.log"
 install_nvshmem4py
-# The GPU tests of the runtime (GPU_TESTS overrides, e.g. GPU_TESTS=tests/gpu for every GPU test).
-read -r -a TESTS <<<"${GPU_TESTS:-tests/gpu/test_runtime.py tests/gpu/test_kernels.py tests/gpu/test_soak.py tests/gpu/test_ring_gpu.py}"
+if [[ -n "${CACHE_TGZ:-}" && -f "$CACHE_TGZ" ]]; then tar -xzf "$CACHE_TGZ" -C / 2>/dev/null || true; fi
 # -o faulthandler_timeout: a test that hangs dumps every thread's stack into the log before the stage limit.
-PYTEST_OPTS=(-q -s -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=100)
-PYTEST=("$PY" -m pytest "${PYTEST_OPTS[@]}")
-MPI_PYTEST=("$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}")
+PYTEST_OPTS=(-q -s -p no:cacheprovider -rfEs -W ignore::DeprecationWarning --color=no -o faulthandler_timeout=120)
+PYTEST=("$PY" -m pytest "${PYTEST_OPTS[@]}" --timeout 150)
+MPI_PYTEST=("$PY" -m mpi4py -m pytest "${PYTEST_OPTS[@]}" --timeout 150 --maxfail 8)
+LAUNCH=("$PY" -m symmring.launch --mps)
 
 stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
@@ -39,44 +55,66 @@ stage() {  # stage NAME LIMIT_S CMD...
   fi
   local rc=$?
   local line
-  line=$(tail -n "+$first" "$LOG" | grep -aE "passed|failed|error|skipped" | tail -n 1)
-  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
+  line=$(tail -n "+$first" "$LOG" | grep -aE "passed|failed|error|skipped|measurements|problems|compare:" | tail -n 1)
+  summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$line")")
   echo "--- $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$LOG"
-  tail -n 15 "$LOG"
+  tail -n 12 "$LOG"
 }
 
 run_env() {
   nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvcc --version | tail -n 2
-  "$PY" -c "import sys, cupy, torch, mpi4py, nvshmem, numpy; from importlib import metadata as m; \
-print(sys.version.split()[0], 'cupy', cupy.__version__, 'torch', torch.__version__, 'mpi4py', mpi4py.__version__, \
-'nvshmem4py', m.version('nvshmem4py-cu13'), 'nvidia-nvshmem', m.version('nvidia-nvshmem-cu13'))"
-  "$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+  "$PY" -c "import sys, cupy, torch, triton, mpi4py, nvshmem, numpy; from importlib import metadata as m; \
+print(sys.version.split()[0], 'cupy', cupy.__version__, 'torch', torch.__version__, 'triton', triton.__version__, \
+'mpi4py', mpi4py.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'nvidia-nvshmem', m.version('nvidia-nvshmem-cu13'))"
+  "$PY" -c "from symmring.moe import deepgemm; print('DeepGEMM:', deepgemm.deepgemm_status()[1])"
   command -v nvidia-cuda-mps-control mpirun
 }
 
 run_compile() {  # every module, in parallel, into the cache (the tests and benchmarks then load them)
-  "$PY" -m symmring.jit tests/gpu/user_kernels.cu=user_kernels
+  "$PY" -m symmring.jit --workers 8 tests/gpu/user_kernels.cu=user_kernels
 }
 
-stages=("$@")
-[[ ${#stages[@]} -gt 0 ]] || stages=(env compile pe1 blocking pe2 pe4 blocking2 bench)
-for s in "${stages[@]}"; do
+steps=()
+for a in "${@:-tests}"; do
+  case $a in
+    tests) steps+=(env compile pe1 pe2 pe4) ;;
+    extra) steps+=(env compile slow blocking blocking2) ;;
+    bench) steps+=(env compile gemm moe) ;;
+    stream) steps+=(env compile stream stream_graph) ;;
+    *) steps+=("$a") ;;
+  esac
+done
+STREAM=(--tokens 1024,4096,16384 --tokens-per-slot 1024,2048,4096 --num-slots 2,call --windows 1,all --repeats 10)
+for s in "${steps[@]}"; do
   case "$s" in
     env) stage env 60 run_env ;;
     compile) stage compile 200 run_compile ;;
-    pe1) stage pe1 150 "${PYTEST[@]}" "${TESTS[@]}" ;;
-    blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 90 "${PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams or random_delays" ;;
-    pe2) stage pe2 170 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" "${TESTS[@]}" ;;
-    pe4) stage pe4 170 "$PY" -m symmring.launch -n 4 --mps -- "${MPI_PYTEST[@]}" "${TESTS[@]}" ;;
-    blocking2) CUDA_LAUNCH_BLOCKING=1 stage blocking2 90 "$PY" -m symmring.launch -n 2 --mps -- "${MPI_PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams" ;;
-    bench)
-      stage bench1 60 "$PY" -m symmring.bench.protocol --json "$OUT/bench_1pe.json"
-      stage bench2 60 "$PY" -m symmring.launch -n 2 --mps -- "$PY" -m symmring.bench.protocol --json "$OUT/bench_2pe.json" ;;
-    *) echo "unknown stage $s" >&2 ;;
+    pe1) stage pe1 240 "${PYTEST[@]}" tests/gpu -m "not slow" ;;
+    pe2) stage pe2 200 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" --deselect tests/gpu/test_fp8_kernels.py ;;
+    pe4) stage pe4 240 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" --deselect tests/gpu/test_fp8_kernels.py ;;
+    slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow ;;
+    blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 120 "${PYTEST[@]}" -m "not slow" tests/gpu/test_kernels.py \
+                tests/gpu/test_moe_streamed.py tests/gpu/test_moe_fp8.py \
+                -k "two_streams or random_delays or schedules or token_counts or whole_window or graph_replay_matches" ;;
+    blocking2) CUDA_LAUNCH_BLOCKING=1 stage blocking2 90 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams" ;;
+    protocol)
+      stage protocol1 60 "$PY" -m symmring bench protocol --json "$OUT/bench_protocol_1pe.json"
+      stage protocol2 60 "${LAUNCH[@]}" -n 2 -- "$PY" -m symmring bench protocol --json "$OUT/bench_protocol_2pe.json" ;;
+    gemm) stage gemm 230 "$PY" -m symmring bench gemm --budget-s 190 --json "$OUT/bench_gemm.json" ;;
+    moe) stage moe 330 "$PY" -m symmring bench moe --tokens "${MOE_TOKENS:-1,8,64,256,1024,4096,16384}" --repeats 5 \
+           --json "$OUT/bench_moe.json" --plot "$OUT/bench_moe.png" ;;
+    stream) stage stream 300 "$PY" -m symmring bench stream "${STREAM[@]}" --ack early,conservative --spin-check \
+              --json "$OUT/bench_stream.json" --timeline "$OUT/timeline.png" ;;
+    stream_graph) stage stream_graph 250 "$PY" -m symmring bench stream "${STREAM[@]}" --ack early --graph \
+                    --json "$OUT/bench_stream_graph.json" ;;
+    compare) stage compare 240 "$PY" tools/compare_prev.py --prev "${PREV:?set PREV to the earlier package copy}" \
+               --json "$OUT/compare.json" ;;
+    *) echo "unknown stage $s (see the header of $0)" >&2; exit 2 ;;
   esac
 done
+if [[ -n "${CACHE_TGZ:-}" ]]; then tar -czf "$OUT/$(basename "$CACHE_TGZ")" "$CACHE" 2>/dev/null || true; fi
 echo
 echo "==================== gpu_check summary ($(date -u +%FT%TZ))"
 printf '%s\n' "${summary[@]}"
-grep -ahE "^(soak|graph replay)|publish->observe|pull, |copy \(D2D" "$LOG" | sort -u
+grep -ahE "^\[figure\]|^(soak|graph replay)|publish->observe|compare: |bitwise equal to the previous" "$LOG" | sort -u | head -40

@@ -1,4 +1,4 @@
-# Sourced by every GPU script under tools/ (gpu_check.sh, gpu_moe_check.sh, gpu_stream_check.sh,
+# Sourced by every GPU script under tools/ (gpu_check.sh and
 # multi_gpu_check.sh): the environment every GPU step runs in, the nvshmem4py install from .whl/ (the
 # device machine has no package index), and `step`.
 # Sets OUT (default ./out), PY (absolute: mpirun's ranks get it too) and the summary array.

@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import missing_cuda_torch
+from . import missing_cuda_torch, progress
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ENGINE_NAMES = ("torch", "builtin", "deepgemm")
 
 
-def _progress(message: str) -> None:
-    print(f"bench moe: {message}", file=sys.stderr, flush=True)
+#: The command's one-line description (plain text for --help).
+DESCRIPTION = ("Latency of the GPU MoE layer with bf16 and fp8 experts (every engine) against the fp8 roofline, "
+               "per model shape and tokens per rank.")
 
 
 def _timed(fn, repeats: int, warmup: int = 2) -> List[float]:
@@ -126,7 +127,7 @@ def available_engines(names) -> List[str]:
             from ..moe import deepgemm
             ok, reason = deepgemm.deepgemm_status()
             if not ok:
-                _progress(f"engine deepgemm skipped: {reason}")
+                logger.warning("bench moe: engine deepgemm skipped: %s", reason)
                 continue
         out.append(name)
     return out
@@ -142,8 +143,23 @@ def fp8_roofline_ms(touched_experts: int, rows: int, hidden: int, inter: int, ce
     return max(weight_bytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["fp8_matmul_tflops"] * 1e12)) * 1e3
 
 
+def _mark_rows(state, mark: bool) -> None:
+    """Rebuild the fp8 pool's row -> expert marks of the last window from its counts (``mark``), or put
+    every row back to -1 (the layer's invariant between windows: its combine clears the marks)."""
+    import torch
+    m = state.m_indices
+    m.fill_(-1)
+    if mark:
+        begin, counts = state.begin.tolist(), state.counts.tolist()
+        for e, (b, c) in enumerate(zip(begin, counts)):
+            if c:
+                m[b:b + c] = e
+        torch.cuda.synchronize()
+
+
 def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float], engines: List[str],
-                graphs: bool = True, seed: int = 0) -> List[Dict]:
+                graphs: bool = True, seed: int = 0, done: Optional[List[int]] = None, total: Optional[int] = None,
+                started: Optional[float] = None) -> List[Dict]:
     import torch
     from ..moe.experts import Fp8Experts
     from ..moe.gpu import MoE, STAGES
@@ -195,9 +211,11 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 row["expert_fraction_of_fp8_dense"] = row["expert_tflops"] / ceilings["fp8_matmul_tflops"]
                 row["fp8_roofline_ms"] = fp8_roofline_ms(touched, num_rows, hidden, inter, ceilings)
                 if moe.expert_dtype == "fp8" and num_rows:
-                    # Both fp8 engines on this layer's pool as the last forward left it (the same grouped problem).
+                    # Both fp8 engines on this layer's pool as the last forward left it (the same grouped problem;
+                    # its row marks are rebuilt for the timing and cleared again after).
                     window_rows = moe.last_plan.windows[0].rows_bound
                     pool = moe._state.pool(window_rows)
+                    _mark_rows(moe._state, True)
                     own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows), reps))
                     row["engine_step_ms"] = own
                     row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
@@ -206,6 +224,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                         dg_ms = other if engine == "builtin" else own
                         bi_ms = own if engine == "builtin" else other
                         row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms
+                    _mark_rows(moe._state, False)
                 if graphs:
                     try:
                         graph, _ = moe.capture(x, router_weight=router)
@@ -221,8 +240,12 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     row["torch_ms"] = torch_ms
                     row["ratio_vs_torch"] = layer_ms / torch_ms
                 rows.append(row)
-                _progress(f"{name} {engine} n={n}: {layer_ms:.3f} ms eager, {row.get('layer_graph_ms', float('nan')):.3f} "
-                          f"ms graph, {row['vs_fp8_roofline']:.2f}x the fp8 roofline")
+                if done is not None:
+                    done[0] += 1
+                progress("bench moe", done[0] if done else len(rows), total,
+                         f"{name} {engine} n={n}: {layer_ms:.3f} ms eager, "
+                         f"{row.get('layer_graph_ms', float('nan')):.3f} ms graph, {row['vs_fp8_roofline']:.2f}x the "
+                         "fp8 roofline", rank=ctx.rank, started_s=started)
             del x
     finally:
         for moe in layers.values():
@@ -287,7 +310,7 @@ def draw_plot(rows: List[Dict], png_path: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m symmring bench moe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m symmring bench moe", description=DESCRIPTION)
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw latency vs tokens with the fp8 roofline")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
@@ -327,10 +350,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         engines = available_engines(engines)
         ceilings = measure_ceilings(device)
-        rows = []
+        rows: List[Dict] = []
+        done, total = [0], len(shapes) * len(tokens) * len(engines)
         for shape in shapes:
-            rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph)
-        add_ratios(rows)
+            rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph,
+                                done=done, total=total, started=started)
+            add_ratios(rows)
+            if args.json and ctx.rank == 0:  # after every shape: a run cut short keeps what it measured
+                with open(args.json, "w") as fh:
+                    json.dump({"ceilings": ceilings, "rows": rows, "device": ctx.device,
+                               "world_size": ctx.world_size, "complete": False}, fh, indent=1)
     finally:
         ctx.close()
     if ctx.rank == 0:
@@ -339,7 +368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"ceilings": ceilings, "rows": rows, "device": ctx.device,
-                           "world_size": ctx.world_size}, fh, indent=1)
+                           "world_size": ctx.world_size, "complete": True}, fh, indent=1)
         if args.plot:
             draw_plot(rows, args.plot)
     return 0

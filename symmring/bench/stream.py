@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from . import missing_cuda_torch
+from . import missing_cuda_torch, progress
 
 from ..moe.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 from .moe import SHAPES, layer_weights
@@ -127,6 +127,8 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
                            "batch_ms": statistics.median(t_batch), "streamed_ms": statistics.median(t_stream)}
                     row["ratio"] = row["streamed_ms"] / row["batch_ms"]
                     rows.append(row)
+                    progress("bench stream", len(rows), None, f"{name} n={n} {layer_cfg}: ratio {row['ratio']:.2f}",
+                             rank=ctx.rank)
                     logger.info("%s n=%d %s: batch %.3f ms, streamed %.3f ms (%.2f)", name, n, layer_cfg,
                                 row["batch_ms"], row["streamed_ms"], row["ratio"])
             finally:
@@ -334,7 +336,9 @@ def _ints_or(text: str, name: str, word: str, parser) -> List:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m symmring bench stream", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m symmring bench stream",
+                                     description="The streamed schedule against the batch-ready path of the GPU MoE "
+                                                 "layer, side by side, and the automatic streaming policy.")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument("--timeline", metavar="PNG", help="draw the overlap timeline of one call to this PNG")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")

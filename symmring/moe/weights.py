@@ -83,6 +83,7 @@ def quantize_blocks(w):
     device; ``N`` and ``K`` multiples of 128): the module's block rule, one group at a time (bounded memory).
 
     Example:
+        >>> import torch
         >>> q, scale = quantize_blocks(torch.randn(2, 256, 128))
         >>> q.dtype, tuple(scale.shape)
         (torch.float8_e4m3fn, (2, 2, 1))
