@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 from . import protocol  # noqa: E402
 from .context import Context, finalize, init  # noqa: E402
-from .errors import (BackendError, CompileError, ConfigError, ProtocolTimeout,  # noqa: E402
-                     RingClosedError, SymmringError)
+from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, PeerTimeout,  # noqa: E402
+                     ProtocolTimeout, RingClosedError, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.expert_parallel import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .protocol import AckPolicy  # noqa: E402
@@ -22,5 +22,6 @@ from .ring import Call, ChunkView, Ring  # noqa: E402
 __all__ = [
     "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",
     "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes",
-    "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "RingClosedError", "CompileError",
+    "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
+    "RingClosedError", "CompileError",
 ]

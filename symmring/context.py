@@ -17,6 +17,7 @@ from typing import Optional
 
 from . import env
 from .backends.base import Backend
+from .collective import Collectives
 from .errors import BackendError, ConfigError, RingClosedError
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,16 @@ class Context:
         rank, world_size, local_rank: this process's rank, the number of ranks, its rank on its node.
         device: human-readable device (``"cpu"`` or the GPU).
         comm: the mpi4py communicator of the ranks.
-        timeout_s: bound of every protocol wait, in seconds.
+        collectives: the bounded host collectives over ``comm`` (`symmring.collective.Collectives`): every
+            barrier and exchange of the rings and layers goes through them.
+        timeout_s: bound of every protocol wait and host collective, in seconds.
         closed: whether `close()` ran.
     """
 
-    def __init__(self, backend: Backend, comm, timeout_s: float):
+    def __init__(self, backend: Backend, comm, timeout_s: float, collectives: Optional[Collectives] = None):
         self.backend = backend
         self.comm = comm
+        self.collectives = collectives if collectives is not None else backend.collectives
         self.timeout_s = timeout_s
         self.rank = backend.rank
         self.world_size = backend.world_size
@@ -50,17 +54,32 @@ class Context:
         self.closed = False
 
     def check_open(self) -> None:
-        """Raise `RingClosedError` if the context was closed."""
+        """Raise `RingClosedError` if the context was closed, `BrokenStateError` if a host collective
+        failed on its communicator (the ranks are then in an unknown state)."""
         if self.closed:
             raise RingClosedError(f"{self!r} was closed (finalize); call symmring.init() again")
+        self.collectives.check()
+
+    @property
+    def broken(self) -> bool:
+        """Whether a host collective failed (`symmring.errors.PeerTimeout`): only `close` still works."""
+        return self.collectives.broken
 
     def close(self) -> None:
-        """Collective: finalize the backend. Idempotent (the same as `symmring.finalize` for this context)."""
+        """Collective: finalize the backend. Idempotent (the same as `symmring.finalize` for this context).
+
+        On a broken context (`broken`) nothing collective runs: the backend drops its memory without
+        the collective release, and the process aborts the MPI job at exit instead of entering
+        ``MPI_Finalize`` (`symmring.collective`), unless a new ``symmring.init()`` succeeds first.
+        """
         global _current
         if self.closed:
             return
         self.closed = True
-        self.backend.finalize()
+        try:
+            self.backend.finalize()
+        finally:
+            self.collectives.close()
         if _current is self:
             _current = None
         log.debug("symmring context closed on rank %d", self.rank)
@@ -72,7 +91,7 @@ class Context:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = "closed" if self.closed else ("broken" if self.broken else "open")
         return (f"Context(backend={self.backend.name!r}, rank={self.rank}, world_size={self.world_size}, "
                 f"device={self.device!r}, timeout_s={self.timeout_s:g}, {state})")
 
@@ -116,6 +135,7 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
         ConfigError: unknown backend name, a non-positive timeout or a bad ``SYMMRING_LOG_LEVEL``.
         BackendError: the backend cannot run here (no GPU, ranks on several nodes, no MPI library for
             several ranks, ...).
+        PeerTimeout: not every rank of ``comm`` called ``init`` within the bound.
 
     Example:
         >>> import symmring
@@ -134,16 +154,18 @@ def init(backend: str = "auto", *, comm=None, timeout_s: Optional[float] = None)
     if comm is None:
         from . import mpi
         comm = mpi.load().COMM_WORLD  # a world of one without an MPI library (symmring.mpi)
+    # First: every rank is here (bounded), so the backend's blocking MPI setup cannot wait for a late one.
+    collectives = Collectives(comm, float(timeout_s), what="symmring.init")
     if name == "host":
         from .backends.host import HostBackend
-        impl: Backend = HostBackend(comm)
+        impl: Backend = HostBackend(comm, collectives=collectives)
     else:
         try:
             from .backends.nvshmem import NvshmemBackend
         except ImportError as exc:
             raise BackendError(f"backend='nvshmem' needs symmring.backends.nvshmem (CuPy, nvshmem4py): {exc}") from exc
-        impl = NvshmemBackend(comm)
-    ctx = Context(impl, comm, float(timeout_s))
+        impl = NvshmemBackend(comm, collectives=collectives)
+    ctx = Context(impl, comm, float(timeout_s), collectives)
     _current = ctx
     log.info("symmring: rank %d of %d uses the %s backend on %s (timeout %g s)", ctx.rank, ctx.world_size,
              impl.name, ctx.device, ctx.timeout_s)

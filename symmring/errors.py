@@ -2,7 +2,10 @@
 
 ``ConfigError`` is raised before any GPU or shared-memory work starts, so a bad argument never leaves a
 ring half-written. ``ProtocolTimeout`` is raised when a bounded wait expires; it names who waited for
-what, and who did not answer, so a stalled rank is identified rather than merely suspected.
+what, and who did not answer, so a stalled rank is identified rather than merely suspected. Its subclass
+``PeerTimeout`` is the same for a host collective (a barrier or an exchange of `symmring.collective`)
+that a rank did not reach in time. ``BrokenStateError`` is what a context, ring or layer raises after
+such a failure left the ranks in an unknown state, until it is re-initialised.
 """
 
 from __future__ import annotations
@@ -78,3 +81,57 @@ class ProtocolTimeout(SymmringError, TimeoutError):
             what = "acknowledgements" if kind == "reuse" else "signals"
             msg += f"; missing {what} from ranks {list(self.missing_ranks)}"
         super().__init__(msg)
+
+
+class PeerTimeout(ProtocolTimeout):
+    """A bounded host collective (`symmring.collective`) did not complete: a rank is late, stalled or gone.
+
+    Raised on every rank that waited, naming the ranks that did not arrive; and on a late rank that
+    arrives after another rank gave up, naming that rank (``origin``). The communicator is then in an
+    unknown state: the context refuses further calls (`BrokenStateError`) until ``symmring.init()``
+    runs again (see docs/CPU_BACKEND.md, "Host-side faults").
+
+    Attributes (beyond `ProtocolTimeout`'s, where ``kind`` is ``"collective"``):
+        operation: what the collective was for, e.g. ``"Ring: spec exchange"``.
+        sequence: the collective's number on this communicator (the same on every rank).
+        origin: the rank that gave up first when it is not this rank (a notice it sent), else ``None``.
+    """
+
+    def __init__(self, operation: str, *, rank: int, world_size: int, missing_ranks: Sequence[int],
+                 timeout_s: float, sequence: int = 0, origin: Optional[int] = None):
+        self.operation = operation
+        self.sequence = sequence
+        self.origin = origin
+        missing = sorted(missing_ranks)
+        arrived = world_size - len(missing)
+        super().__init__("collective", rank=rank, slot=0, expected=world_size, observed=arrived,
+                         peer=origin if origin is not None else (missing[0] if missing else None),
+                         missing_ranks=missing, timeout_s=timeout_s)
+        if origin is not None:
+            late = "this rank arrived too late" if rank in missing else "this rank was waiting for them too"
+            msg = (f"rank {rank}: rank {origin} gave up on collective '{operation}' (#{sequence}) after "
+                   f"{timeout_s:g} s waiting for ranks {missing}; {late}")
+        elif missing:
+            msg = (f"rank {rank}: timed out after {timeout_s:g} s in collective '{operation}' (#{sequence}): "
+                   f"ranks {missing} did not arrive ({arrived} of {world_size} did)")
+        else:
+            msg = (f"rank {rank}: timed out after {timeout_s:g} s in collective '{operation}' (#{sequence}): "
+                   "which ranks are missing is unknown (before the first exchange)")
+        self.args = (msg,)
+
+
+class BrokenStateError(SymmringError, RuntimeError):
+    """A context, ring or layer whose state across ranks is unknown after an earlier failure.
+
+    Raised instead of running any further collective or protocol step (which could pair with a different
+    step on another rank): after a `PeerTimeout` on the context's communicator, and by a layer after a
+    wait expired inside one of its calls. ``close()`` still works (it skips collective teardown when the
+    communicator is broken); then ``symmring.init()`` (or a new layer) starts afresh.
+
+    Attributes:
+        cause: the error that left the state unknown.
+    """
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None):
+        self.cause = cause
+        super().__init__(message)

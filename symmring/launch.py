@@ -23,6 +23,11 @@ The MPI launcher is ``--mpirun PATH``, else ``$SYMMRING_MPIRUN``, else the ``mpi
 Python (a venv with the ``mpich`` wheel), else ``mpirun``/``mpiexec`` on ``PATH``. The exit status is
 the job's; 2 when the launch itself fails (no MPI launcher, MPS cannot start).
 
+``--timeout S`` (or ``SYMMRING_JOB_TIMEOUT_S``) bounds the whole job: past ``S`` seconds the launcher
+sends SIGTERM to the MPI launcher and every rank (they run in a process group of their own), SIGKILL
+5 s later if any is left, and exits with 124 (as coreutils ``timeout``). It is the last line of defence
+behind symmring's own bounds (``SYMMRING_TIMEOUT_S``), for whatever else a job may wait on.
+
 Example::
 
     python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
@@ -33,9 +38,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -50,8 +57,79 @@ LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_R
                    "SLURM_LOCALID")
 
 
+#: Exit status of a job stopped by ``--timeout`` (as coreutils ``timeout``).
+TIMEOUT_EXIT_STATUS = 124
+#: Seconds between SIGTERM and SIGKILL of a job past its timeout.
+KILL_GRACE_S = 5.0
+
+
 class LaunchError(RuntimeError):
     """The job could not be started (no MPI launcher, MPS did not start, ...)."""
+
+
+def job_timeout_s(value: Optional[str]) -> Optional[float]:
+    """``--timeout``'s value (else ``SYMMRING_JOB_TIMEOUT_S``) in seconds, or None for no bound.
+
+    Raises:
+        LaunchError: not a positive number.
+    """
+    raw = value if value is not None else os.environ.get("SYMMRING_JOB_TIMEOUT_S", "")
+    if raw is None or str(raw).strip() == "":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        source = "--timeout" if value is not None else "SYMMRING_JOB_TIMEOUT_S"
+        raise LaunchError(f"{source}={raw!r}: expected a positive number of seconds")
+    return seconds
+
+
+def run_job(cmd: Sequence[str], timeout_s: Optional[float]) -> int:
+    """Run the launcher command line and return its exit status; past ``timeout_s`` stop its whole process
+    group (SIGTERM, then SIGKILL after `KILL_GRACE_S`) and return `TIMEOUT_EXIT_STATUS`."""
+    if timeout_s is None:
+        return subprocess.run(list(cmd), check=False).returncode
+    # A session of its own: the signals reach the MPI launcher and every rank it started, nothing else.
+    proc = subprocess.Popen(list(cmd), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"symmring.launch: the job ran past --timeout {timeout_s:g} s; stopping it (SIGTERM, SIGKILL "
+              f"after {KILL_GRACE_S:g} s)", file=sys.stderr, flush=True)
+        _stop_group(proc)
+        return TIMEOUT_EXIT_STATUS
+    except BaseException:  # Ctrl-C: the job is not in the terminal's process group any more
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's process group (mpirun forwards it to its ranks), SIGKILL what is left after
+    `KILL_GRACE_S`."""
+    _killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        proc.poll()  # reap the MPI launcher, so that only live processes keep the group alive
+        time.sleep(0.05)
+    _killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def visible_gpus() -> List[str]:
@@ -194,6 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--mps", action="store_true", help="run CUDA MPS around the job (several PEs per GPU)")
     parser.add_argument("--mpirun", help="MPI launcher (default: $SYMMRING_MPIRUN, the venv's mpiexec, mpirun)")
     parser.add_argument("--mpirun-arg", action="append", default=[], help="extra argument for the MPI launcher")
+    parser.add_argument("--timeout", metavar="S", help="stop the whole job after S seconds and exit 124 "
+                        "(default: $SYMMRING_JOB_TIMEOUT_S, else no bound)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
     args = parser.parse_args(argv)
     if args.print_env:
@@ -207,6 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.num_ranks <= 0:
         parser.error(f"-n {args.num_ranks}: expected a positive number of ranks")
     try:
+        timeout_s = job_timeout_s(args.timeout)
         mpirun = find_mpirun(args.mpirun)
         flavor = mpi_flavor(mpirun)
         gpus = visible_gpus()
@@ -225,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             full = mpirun_command(mpirun, flavor, args.num_ranks, [e for e in exported if e in os.environ], cmd,
                                   args.mpirun_arg)
-            return subprocess.run(full, check=False).returncode
+            return run_job(full, timeout_s)
         finally:
             if mps is not None:
                 mps.__exit__(None, None, None)

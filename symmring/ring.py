@@ -22,8 +22,9 @@ One call moves chunks ``0 .. num_chunks-1``::
 A rank that runs its producer at most ``num_slots - 1`` chunks ahead of its consumer never deadlocks
 (`protocol.enqueue_order`). Every wait is bounded by the ring's ``timeout_s`` and raises
 `ProtocolTimeout` naming the waiting rank, the peer, the slot, the chunk, the expected and observed values
-and the ranks that did not answer. Every argument is checked before shared memory is touched
-(`ConfigError`), so a rejected call leaves the ring as it was.
+and the ranks that did not answer; the collective steps (construction, `Ring.close`) go through the
+context's bounded collectives and raise `PeerTimeout` naming a rank that did not come. Every argument is
+checked before shared memory is touched (`ConfigError`), so a rejected call leaves the ring as it was.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Ring:
     Raises:
         ConfigError: a bad argument, or ranks passing different specs.
         RingClosedError: ``ctx`` is closed.
+        BrokenStateError: an earlier host collective of ``ctx`` failed.
+        PeerTimeout: a rank did not construct its ring within the bound (named).
 
     Example:
         >>> import symmring
@@ -164,7 +167,7 @@ class Ring:
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         # Every rank must lay the ring out identically, or offsets disagree between ranks.
-        specs = ctx.comm.allgather(spec)
+        specs = ctx.collectives.allgather(spec, what="Ring: spec exchange", timeout_s=timeout_s)
         odd_ranks = [r for r, other in enumerate(specs) if other != specs[0]]
         if odd_ranks:
             raise ConfigError(f"spec={spec} on rank {ctx.rank}: ranks {odd_ranks} passed a RingSpec different "
@@ -188,7 +191,7 @@ class Ring:
                                    (spec.num_slots, self.layout.mask_words))
         for word_idx, required in enumerate(self._required_mask):
             masks[:, word_idx] = required
-        self._backend.barrier()
+        self._backend.barrier(what="Ring: masks initialised")
         log.debug("rank %d: ring %s, %d bytes per rank", self.rank, spec, self.layout.nbytes)
 
     @property
@@ -305,10 +308,10 @@ class Ring:
                                              required, max(deadline - time.monotonic(), 1e-6))
             if not ok:
                 mask = self._read_mask(slot, self.rank)
-                raise ProtocolTimeout("reuse", rank=self.rank, peer=self.rank, slot=slot, chunk=chunk,
-                                      expected=_join_words(self._required_mask), observed=_join_words(mask),
-                                      missing_ranks=protocol.missing_ranks(mask, self._required_mask),
-                                      timeout_s=self.timeout_s)
+                raise self._timed_out(ProtocolTimeout(
+                    "reuse", rank=self.rank, peer=self.rank, slot=slot, chunk=chunk,
+                    expected=_join_words(self._required_mask), observed=_join_words(mask),
+                    missing_ranks=protocol.missing_ranks(mask, self._required_mask), timeout_s=self.timeout_s))
         for word_idx in range(self.layout.mask_words):
             # Relaxed: ordered before this use's acknowledgements by the release in publish_*.
             self._backend.signal_set(self._alloc, self._ack_offset(slot, word_idx), 0, self.rank)
@@ -445,9 +448,9 @@ class Ring:
             ok, observed = self._backend.wait_until(self._alloc, self._ready_offset(kind, slot), src_rank, "eq",
                                                     expected, max(deadline - time.monotonic(), 1e-6))
             if not ok:
-                raise ProtocolTimeout(kind, rank=self.rank, peer=src_rank, slot=slot, chunk=chunk,
-                                      expected=expected, observed=observed,
-                                      timeout_s=self.timeout_s)
+                raise self._timed_out(ProtocolTimeout(kind, rank=self.rank, peer=src_rank, slot=slot, chunk=chunk,
+                                                      expected=expected, observed=observed,
+                                                      timeout_s=self.timeout_s))
         call._ready.add((chunk, src_rank))
 
     def read(self, call: Call, chunk: int, src_rank: int) -> ChunkView:
@@ -495,14 +498,19 @@ class Ring:
     # --- lifetime -------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Collective: free the ring's symmetric memory. Idempotent; later use raises RingClosedError."""
+        """Collective: free the ring's symmetric memory (the backend's free waits, bounded, until no rank
+        uses it). Idempotent; later use raises RingClosedError. On a broken context the memory is only
+        dropped (nothing collective runs).
+
+        Raises:
+            PeerTimeout: a rank did not close its ring within the bound.
+        """
         if self.closed:
             return
         self.closed = True
         self._open_call = None
         self._views.clear()
         if not self.ctx.closed:
-            self._backend.barrier()
             self._backend.free(self._alloc)
 
     def __enter__(self) -> "Ring":
@@ -516,6 +524,12 @@ class Ring:
                 f"ack_policy={self.ack_policy.name}, closed={self.closed})")
 
     # --- checks ---------------------------------------------------------------------------------------
+
+    def _timed_out(self, error: ProtocolTimeout) -> ProtocolTimeout:
+        """``error``, recorded with the context's collectives (until every rank meets again in a collective,
+        a peer may be stalled or gone: the process then aborts the job at exit instead of hanging)."""
+        self.ctx.collectives.record_fault(error)
+        return error
 
     def _check_open(self) -> None:
         if self.closed:

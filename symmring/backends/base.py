@@ -23,15 +23,22 @@ Semantics every implementation provides (the protocol's correctness argument use
   It returns ``(satisfied, observed)``; raising ``ProtocolTimeout`` is the caller's job, since only the
   caller knows which rank, slot and generation the word stands for.
 * ``fence()`` is a release fence over all earlier stores to any rank (system scope).
+* ``alloc``, ``free``, ``barrier`` and ``finalize`` wait for the other ranks only through the backend's
+  bounded collectives (``collectives``, a `symmring.collective.Collectives`): a late or vanished rank is a
+  `symmring.errors.PeerTimeout` naming it, never a hang. Once they are broken, ``free`` and ``finalize``
+  drop their memory without any collective step.
 """
 
 from __future__ import annotations
 
 import abc
 import operator
-from typing import Callable, Dict, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..collective import Collectives
 
 #: Comparisons accepted by ``wait_until`` (NVSHMEM's NVSHMEM_CMP_* names).
 CMP: Dict[str, Callable[[int, int], bool]] = {
@@ -61,6 +68,8 @@ class Backend(abc.ABC):
     local_rank: int
     #: Human-readable device, e.g. ``"cpu"`` or ``"cuda:0 (NVIDIA H200)"``.
     device: str
+    #: The bounded host collectives over the backend's ranks (`symmring.collective.Collectives`).
+    collectives: "Collectives"
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> SymmetricAllocation:
@@ -103,8 +112,9 @@ class Backend(abc.ABC):
         """Release fence: earlier stores (to any rank) are visible before later signal operations."""
 
     @abc.abstractmethod
-    def barrier(self) -> None:
-        """Collective barrier over all ranks, with full memory ordering."""
+    def barrier(self, *, what: str = "barrier") -> None:
+        """Collective barrier over all ranks, with full memory ordering, bounded by ``collectives``
+        (``what`` is named in its `symmring.errors.PeerTimeout`)."""
 
     @abc.abstractmethod
     def finalize(self) -> None:

@@ -29,6 +29,11 @@ Primitives and why they are correctly ordered (MPI's *unified* memory model, che
 
 Waits back off: a few ``sched_yield`` polls, then sleeps that double from 20 us up to 1 ms, so four
 ranks on two cores still make progress (a spinning rank would starve the very producer it waits for).
+
+Every wait for other ranks is bounded: ``barrier`` and the verdicts of ``alloc`` are
+`symmring.collective.Collectives` exchanges, and the blocking MPI calls that have no bounded form
+(``Split_type``, ``Win.Allocate_shared``, ``Win.Free``) each run right after a bounded barrier, so they
+start only when every rank is there. A late or vanished rank is a `PeerTimeout` naming it.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import env
+from ..collective import Collectives
 from ..errors import BackendError, ConfigError, RingClosedError
 from .base import CMP, Backend, SymmetricAllocation
 
@@ -73,10 +80,13 @@ class HostBackend(Backend):
         comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None; `symmring.mpi.load`'s world of
             one when no MPI library is installed). All its ranks must share one node;
             ``Split_type(COMM_TYPE_SHARED)`` must give back the whole communicator.
+        collectives: the bounded collectives over ``comm`` (the context's); None makes the backend its
+            own, bounded by ``SYMMRING_TIMEOUT_S``.
 
     Raises:
         BackendError: no MPI library under a multi-rank launch (`symmring.mpi.load`), the ranks span
             several nodes, or MPI's window memory model is not unified.
+        PeerTimeout: a rank did not arrive within the bound.
 
     Example:
         >>> backend = HostBackend()          # a world of 1 outside mpiexec
@@ -87,18 +97,23 @@ class HostBackend(Backend):
 
     name = "host"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, collectives: Optional[Collectives] = None):
         from .. import mpi
         MPI = mpi.namespace_of(comm)  # mpi4py's MPI, or the one-process stand-in without an MPI library
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
+        self._owns_collectives = collectives is None
+        self.collectives = Collectives(self.comm, env.timeout_s(), what="HostBackend") if collectives is None \
+            else collectives
+        self.collectives.barrier(what="host backend: init")
         # key=rank keeps the world order, so node rank == world rank whenever the node is the world.
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         num_node_ranks = self.node_comm.Get_size()
         # Collective verdict: every rank raises, or none does (no rank left waiting in a later collective).
-        all_on_one_node = self.comm.allreduce(int(num_node_ranks == self.world_size), op=MPI.MIN)
+        all_on_one_node = self.collectives.agree(num_node_ranks == self.world_size,
+                                                 what="host backend: all ranks on one node")
         if not all_on_one_node:
             self.node_comm.Free()
             raise BackendError(f"the host backend needs all {self.world_size} ranks on one node (shared "
@@ -120,12 +135,16 @@ class HostBackend(Backend):
         Raises:
             ConfigError: ``nbytes`` is not a positive int.
             BackendError: the window model is not unified, or a segment is not 8-byte aligned.
+            PeerTimeout: a rank did not arrive within the bound.
         """
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
             raise ConfigError(f"nbytes={nbytes!r}: expected a positive int")
         MPI = self._MPI
         nbytes = int(nbytes)
+        chan = self.collectives
+        # Win.Allocate_shared blocks until every rank calls it: start it only once all are here.
+        chan.barrier(what=f"host backend: alloc of {nbytes} bytes")
         info = MPI.Info.Create()
         # Non-contiguous segments: each rank's segment starts on its own page (no false sharing of the
         # signal words of neighbouring ranks).
@@ -133,7 +152,7 @@ class HostBackend(Backend):
         win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=self.node_comm)
         info.Free()
         model = win.Get_attr(MPI.WIN_MODEL)
-        unified = self.node_comm.allreduce(int(model == MPI.WIN_UNIFIED), op=MPI.MIN)
+        unified = chan.agree(model == MPI.WIN_UNIFIED, what="host backend: alloc (window model)")
         if not unified:
             win.Free()
             raise BackendError(f"MPI window memory model is {model}, expected MPI.WIN_UNIFIED "
@@ -144,7 +163,7 @@ class HostBackend(Backend):
             buf, _ = win.Shared_query(peer)
             segment = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
             segments.append(segment)
-        aligned = self.node_comm.allreduce(int(all(s.ctypes.data % 8 == 0 for s in segments)), op=MPI.MIN)
+        aligned = chan.agree(all(s.ctypes.data % 8 == 0 for s in segments), what="host backend: alloc (alignment)")
         if not aligned:
             win.Free()
             raise BackendError("a shared-memory segment is not 8-byte aligned: 64-bit signal words "
@@ -154,22 +173,37 @@ class HostBackend(Backend):
         segments[self.rank][:] = 0
         # Zeroes visible to all before anyone uses the window: Sync (barrier) Sync, the unified-model idiom.
         win.Sync()
-        self.node_comm.Barrier()
+        chan.barrier(what="host backend: alloc (zero fill)")
         win.Sync()
         alloc = HostAllocation(win, segments, nbytes)
         self._live[id(alloc)] = alloc
         return alloc
 
     def free(self, alloc: HostAllocation) -> None:
-        """Collective: unmap and free ``alloc``'s window. Freeing twice is a no-op."""
+        """Collective: unmap and free ``alloc``'s window (after a bounded barrier: no rank still uses it).
+        Freeing twice is a no-op. With broken collectives the window is only dropped (its collective
+        release could wait forever).
+
+        Raises:
+            PeerTimeout: a rank did not arrive within the bound (the window is then dropped).
+        """
         if alloc.freed:
             return
+        if not self.collectives.broken:
+            try:
+                self.collectives.barrier(what=f"host backend: free of {alloc.nbytes} bytes")
+            except Exception:
+                self._drop(alloc)
+                raise
+            alloc.win.Sync()
+            alloc.win.Unlock_all()
+            alloc.win.Free()
+        self._drop(alloc)
+
+    def _drop(self, alloc: HostAllocation) -> None:
         alloc.freed = True
         self._live.pop(id(alloc), None)
         alloc.segments = []
-        alloc.win.Sync()
-        alloc.win.Unlock_all()
-        alloc.win.Free()
 
     # --- access ---------------------------------------------------------------------------------------
 
@@ -263,21 +297,33 @@ class HostBackend(Backend):
         for alloc in self._live.values():
             alloc.win.Sync()
 
-    def barrier(self) -> None:
-        """Collective barrier with full ordering: Sync, Barrier, Sync on every live window."""
+    def barrier(self, *, what: str = "host backend: barrier") -> None:
+        """Collective barrier with full ordering: Sync, bounded barrier, Sync on every live window.
+
+        Raises:
+            PeerTimeout: a rank did not arrive within the bound.
+        """
         self._check_open()
         self.fence()
-        self.comm.Barrier()
+        self.collectives.barrier(what=what)
         self.fence()
 
     def finalize(self) -> None:
-        """Collective: free every window still live and the node communicator. Idempotent."""
+        """Collective: free every window still live and the node communicator. Idempotent. With broken
+        collectives nothing collective runs: the windows are dropped."""
         if self._finalized:
             return
-        for alloc in list(self._live.values()):
-            self.free(alloc)
         self._finalized = True
-        self.node_comm.Free()
+        try:
+            for alloc in list(self._live.values()):
+                self.free(alloc)
+            if not self.collectives.broken:
+                self.node_comm.Free()
+        finally:
+            for alloc in list(self._live.values()):
+                self._drop(alloc)
+            if self._owns_collectives:
+                self.collectives.close()
         log.debug("host backend finalized on rank %d", self.rank)
 
     # --- checks ---------------------------------------------------------------------------------------

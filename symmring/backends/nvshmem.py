@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import deps, env
+from ..collective import Collectives
 from ..errors import BackendError, ConfigError, RingClosedError
 from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
@@ -134,10 +135,13 @@ class NvshmemBackend(DeviceBackend):
         comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD``; `symmring.mpi`'s world of one
             without an MPI library).
         device_id: CUDA device of this PE (default: local rank modulo the visible GPUs).
+        collectives: the bounded host collectives over ``comm`` (the context's); None makes the backend
+            its own, bounded by ``SYMMRING_TIMEOUT_S``.
 
     Raises:
         BackendError: CuPy, nvshmem4py, the nvidia-nvshmem wheel or a GPU is missing, or NVSHMEM failed
             to initialise.
+        PeerTimeout: a PE did not arrive within the bound.
 
     Example (a GPU with NVSHMEM; skipped by the CPU doctest run):
         >>> backend = NvshmemBackend()                # python script.py, or under mpirun  # doctest: +SKIP
@@ -148,7 +152,7 @@ class NvshmemBackend(DeviceBackend):
 
     name = "nvshmem"
 
-    def __init__(self, comm=None, *, device_id: Optional[int] = None):
+    def __init__(self, comm=None, *, device_id: Optional[int] = None, collectives: Optional[Collectives] = None):
         if not gpu_available():
             raise BackendError("the nvshmem backend needs a CUDA GPU, CuPy (cupy-cuda13x), nvshmem4py-cu13 and "
                                "nvidia-nvshmem-cu13; use backend='host' on machines without them")
@@ -157,6 +161,11 @@ class NvshmemBackend(DeviceBackend):
         self.comm = comm if comm is not None else self._default_comm()
         self.rank = self.comm.Get_rank() if self.comm is not None else 0
         self.world_size = self.comm.Get_size() if self.comm is not None else 1
+        self._owns_collectives = collectives is None
+        self.collectives = Collectives(self.comm, env.timeout_s(), what="NvshmemBackend") if collectives is None \
+            else collectives
+        # Split_type and NVSHMEM's init block until every PE calls them: start them only once all are here.
+        self.collectives.barrier(what="nvshmem backend: init")
         self._local_comm = None
         if self.comm is not None and self.world_size > 1:
             from mpi4py import MPI
@@ -274,6 +283,8 @@ class NvshmemBackend(DeviceBackend):
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
             raise ConfigError(f"nbytes={nbytes!r}: expected a positive int")
+        # nvshmem_malloc is collective (it synchronises every PE): start it only once all are here.
+        self.collectives.barrier(what=f"nvshmem backend: alloc of {nbytes} bytes")
         ptr = int(self._nvshmem.malloc(int(nbytes)))
         if ptr == 0:
             raise BackendError(f"nvshmem_malloc({nbytes}) failed on rank {self.rank}: symmetric heap exhausted? "
@@ -281,14 +292,18 @@ class NvshmemBackend(DeviceBackend):
         alloc = NvshmemAllocation(ptr, int(nbytes))
         self._cupy.cuda.runtime.memset(ptr, 0, int(nbytes))
         self._allocs[ptr] = alloc
-        self.barrier()  # every PE's zero fill is done before anyone signals into it
+        self.barrier(what="nvshmem backend: alloc (zero fill)")  # every PE's zero fill is done first
         return alloc
 
     def free(self, alloc: NvshmemAllocation) -> None:
         """Collective: release ``alloc`` (idempotent per allocation)."""
         if alloc.freed or self._finalized:
             return
-        self.barrier()  # no PE still uses any copy
+        if self.collectives.broken:  # nvshmem_free is collective: drop it (the heap goes with the process)
+            alloc.freed = True
+            self._allocs.pop(alloc.ptr, None)
+            return
+        self.barrier(what=f"nvshmem backend: free of {alloc.nbytes} bytes")  # no PE still uses any copy
         self._nvshmem.free(alloc.ptr)
         alloc.freed = True
         self._allocs.pop(alloc.ptr, None)
@@ -390,22 +405,34 @@ class NvshmemBackend(DeviceBackend):
         self._check_open()
         self._launch("symmring_fence", ())
 
-    def barrier(self) -> None:
-        """Collective: the device is idle and every PE arrived (device sync, then an MPI barrier)."""
+    def barrier(self, *, what: str = "nvshmem backend: barrier") -> None:
+        """Collective: the device is idle and every PE arrived (device sync, then a bounded barrier).
+
+        Raises:
+            PeerTimeout: a PE did not arrive within the bound.
+        """
         self._check_open()
         self._cupy.cuda.runtime.deviceSynchronize()
-        if self.comm is not None and self.world_size > 1:
-            self.comm.Barrier()
+        self.collectives.barrier(what=what)
 
     def finalize(self) -> None:
-        """Collective, idempotent: free what is left, unregister modules, finalize NVSHMEM."""
+        """Collective, idempotent: free what is left, unregister modules, finalize NVSHMEM. With broken
+        collectives nothing collective runs (``nvshmem_free`` and ``nvshmem_finalize`` are collective):
+        the allocations are dropped and NVSHMEM is left to the process exit."""
         if self._finalized:
+            return
+        if self.collectives.broken:
+            self._finalized = True
+            for alloc in self._allocs.values():
+                alloc.freed = True
+            self._allocs.clear()
+            logger.warning("rank %d: nvshmem backend dropped without the collective teardown (broken "
+                           "collectives: %s)", self.rank, self.collectives.failure)
             return
         self._cupy.cuda.runtime.deviceSynchronize()
         for alloc in list(self._allocs.values()):
             self.free(alloc)
-        if self.comm is not None and self.world_size > 1:
-            self.comm.Barrier()
+        self.collectives.barrier(what="nvshmem backend: finalize")
         with quiet_nvshmem():
             for module in self._modules:
                 # bindings.cumodule_finalize: core.module_finalize is broken in nvshmem4py 0.4.1.
@@ -416,6 +443,8 @@ class NvshmemBackend(DeviceBackend):
         if self._local_comm is not None:
             self._local_comm.Free()
             self._local_comm = None
+        if self._owns_collectives:
+            self.collectives.close()
 
     @property
     def finalized(self) -> bool:

@@ -37,7 +37,10 @@ of a token does not depend on which chunk, pool or batch it was computed in.
 
 Every argument is validated on every rank and the verdicts are exchanged (`ConfigError` on all ranks,
 naming the rank and the argument) before any shared memory is touched, so a rejected call leaves the
-rings usable and no rank waits for a rank that gave up.
+rings usable and no rank waits for a rank that gave up. Every exchange is a bounded collective of the
+context (`symmring.collective`): a late or vanished rank is a `PeerTimeout` naming it within
+``timeout_s``; a wait that expires inside a call leaves the layer refusing further calls
+(`BrokenStateError`) until it is closed and rebuilt.
 
 Arrays may be NumPy arrays or torch CPU tensors (converted at the boundary without a copy, `as_numpy`);
 `ExpertParallelMoE.forward` returns a torch tensor when ``x`` was one, a NumPy array otherwise.
@@ -62,7 +65,7 @@ import numpy as np
 
 from .. import env, protocol
 from ..context import Context
-from ..errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
+from ..errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
 from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec, align_up
 from ..protocol import AckPolicy
 from ..ring import Call, Ring
@@ -164,12 +167,13 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _agree(comm, error: Optional[str], what: str) -> None:
-    """Collective verdict on local validation: raise `ConfigError` on every rank if any rank failed."""
-    errors = comm.allgather(error)
+def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
+    """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
+    any rank failed."""
+    errors = ctx.collectives.allgather(error, what=f"{what}: argument check", timeout_s=timeout_s)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
-        mine = errors[comm.Get_rank()]
+        mine = errors[ctx.rank]
         if mine:
             raise ConfigError(mine)
         raise ConfigError(f"{what}: rejected by rank(s) {[r for r, _ in bad]}: " + "; ".join(
@@ -249,15 +253,16 @@ class ExpertParallelMoE:
         setup, error = _config_error(lambda: self._validate_setup(
             spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
             max_tokens_per_rank, timeout_s))
-        _agree(ctx.comm, error, "ExpertParallelMoE")
+        _agree(ctx, error, "ExpertParallelMoE")
         self.shapes, self.experts, self.inter, self.timeout_s = setup
         # Every rank must agree on the shapes and the routing parameters, or the rings would differ.
         params = (self.shapes, topk_method, None if bias is None else bias.tobytes(), routed_scaling_factor,
                   max_tokens_per_rank, self.inter)
-        others = ctx.comm.allgather(params)
+        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange",
+                                           timeout_s=self.timeout_s)
         mismatch = [r for r, p in enumerate(others) if p != params]
-        _agree(ctx.comm, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
-               if mismatch else None, "ExpertParallelMoE")
+        _agree(ctx, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
+               if mismatch else None, "ExpertParallelMoE", self.timeout_s)
         self.topk_method = topk_method
         self.bias = bias
         self.routed_scaling_factor = routed_scaling_factor
@@ -271,6 +276,7 @@ class ExpertParallelMoE:
         self._combine_rows = 0
         self._combine_base = 0  # generation base of the combine signals (grows over all calls)
         self.closed = False
+        self._failure: Optional[BaseException] = None  # a wait that expired inside a call (state unknown)
         self.last_stats = ForwardStats()
         log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, "
                  "timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
@@ -331,7 +337,11 @@ class ExpertParallelMoE:
             ConfigError: on every rank, before any shared-memory work, if any rank's arguments are bad
                 (named), or the ranks disagree on ``streaming``/``tokens_per_slot``/``num_slots``/
                 ``ack_policy``/``lookahead``.
-            ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks).
+            ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks);
+                the layer then refuses further calls (`BrokenStateError`) until it is closed and rebuilt.
+            PeerTimeout: a rank did not reach one of the call's exchanges within ``timeout_s`` (named);
+                the context is then broken.
+            BrokenStateError: an earlier call failed part-way, or the context is broken.
             RingClosedError: the layer or its context is closed.
         """
         self._check_open()
@@ -342,15 +352,16 @@ class ExpertParallelMoE:
         plan, error = _config_error(lambda: self._validate_call(
             x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot, num_slots,
             ack_policy, lookahead))
-        _agree(self.ctx.comm, error, "forward")
+        _agree(self.ctx, error, "forward", self.timeout_s)
         route_rows, call_params = plan
         # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
-        gathered = self.ctx.comm.allgather((x.shape[0], call_params))
+        gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts",
+                                                  timeout_s=self.timeout_s)
         counts = [n for n, _ in gathered]
         mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
-        _agree(self.ctx.comm, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
+        _agree(self.ctx, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
                f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
-               if mismatch else None, "forward")
+               if mismatch else None, "forward", self.timeout_s)
         over = [r for r, n in enumerate(counts) if self.max_tokens_per_rank is not None
                 and n > self.max_tokens_per_rank]
         if over:
@@ -368,7 +379,13 @@ class ExpertParallelMoE:
         self._ensure_combine(max_tokens)
         self.last_stats = ForwardStats(streaming=streaming, num_chunks=num_chunks, num_slots=num_slots,
                                        tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
-        y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
+        try:
+            y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
+        except SymmringError as exc:
+            # The call stopped part-way (a wait expired): the ranks' rings and combine counters now
+            # disagree, so no later call may run on them.
+            self._failure = exc
+            raise
         self.last_stats.elapsed_s = time.perf_counter() - start_s
         if torch_in:
             import torch
@@ -386,8 +403,7 @@ class ExpertParallelMoE:
             ring.close()
         self._rings.clear()
         if self._combine is not None and not self.ctx.closed:
-            self.ctx.backend.barrier()
-            self.ctx.backend.free(self._combine)
+            self.ctx.backend.free(self._combine)  # bounded: waits until no rank uses it
         self._combine = None
 
     def __enter__(self) -> "ExpertParallelMoE":
@@ -468,8 +484,7 @@ class ExpertParallelMoE:
             return
         backend = self.ctx.backend
         if self._combine is not None:
-            backend.barrier()  # nobody still reads or writes the old buffer
-            backend.free(self._combine)
+            backend.free(self._combine)  # bounded: nobody still reads or writes the old buffer
             self._combine = None
         rows = max(num_rows, self.max_tokens_per_rank or 0, 1)
         self._out_offset = align_up(self.world_size * _WORD_BYTES, ALIGN)
@@ -642,9 +657,11 @@ class ExpertParallelMoE:
             if not ok:
                 missing = [q for q in range(self.world_size)
                            if backend.read_word(self._combine, q * _WORD_BYTES, self.rank) < combine_gen]
-                raise ProtocolTimeout("combine", rank=self.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
-                                      expected=combine_gen, observed=observed, missing_ranks=missing,
-                                      timeout_s=self.timeout_s)
+                error = ProtocolTimeout("combine", rank=self.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
+                                        expected=combine_gen, observed=observed, missing_ranks=missing,
+                                        timeout_s=self.timeout_s)
+                self.ctx.collectives.record_fault(error)  # a peer may be stalled or gone (see Ring)
+                raise error
         topk_idx, topk_weights = own_route
         rows = self._chunk_rows(ring, chunk, y.shape[0])
         if rows.stop > rows.start:
@@ -653,6 +670,10 @@ class ExpertParallelMoE:
     def _check_open(self) -> None:
         if self.closed:
             raise RingClosedError(f"{self!r} was closed")
+        if self._failure is not None:
+            raise BrokenStateError(f"rank {self.rank}: {self!r} is in an unknown state after an earlier call "
+                                   f"failed ({type(self._failure).__name__}: {self._failure}); close it "
+                                   "(collective) and build a new layer", self._failure)
         self.ctx.check_open()
 
 

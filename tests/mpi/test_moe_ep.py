@@ -301,8 +301,9 @@ def test_constructor_rejects_on_every_rank(ctx, comm, seed, outcome, check):
 @pytest.mark.mpi
 def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outcome, check, figure):
     """A consumer that never signals its combine (a broken rank) makes every owner's bounded combine wait
-    expire with a ProtocolTimeout that names it, instead of hanging."""
-    from symmring.errors import ProtocolTimeout
+    expire with a ProtocolTimeout that names it, instead of hanging; the layer then refuses further calls
+    (BrokenStateError) and still closes."""
+    from symmring.errors import BrokenStateError, ProtocolTimeout
     world, rank = comm.Get_size(), comm.Get_rank()
     case = Case("stall", 2, "router")
     counts, x, weights, routing, options, _ = make_problem(case, world, seed)
@@ -317,18 +318,23 @@ def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outco
         layer._signal_combine = lambda combine_gen: None  # the mutant: combine stores never signalled
     comm.Barrier()
     start_s = time.monotonic()
+    refused = None
     try:
         outcome.run(layer.forward, x[lo:hi], router_weight=routing["router_weight"])
-    finally:
         elapsed_s = time.monotonic() - start_s
-        layer.close()
+        try:  # the call stopped part-way: the layer must refuse the next one (no mismatched steps)
+            layer.forward(x[lo:hi], router_weight=routing["router_weight"])
+        except BrokenStateError as exc:
+            refused = exc
+    finally:
+        layer.close()  # still collective and bounded: every rank is alive
     exc = outcome.exception
     ok = (isinstance(exc, ProtocolTimeout) and exc.kind == "combine" and broken in exc.missing_ranks
-          and exc.rank == rank and elapsed_s < 10 * timeout_s)
+          and exc.rank == rank and elapsed_s < 10 * timeout_s and refused is not None and refused.cause is exc)
     figure(f"moe_ep[stalled combine]: ranks={world} broken rank {broken}: rank 0 got "
            f"{type(exc).__name__}: {exc} after {elapsed_s:.2f} s")
-    check(comm, ok, f"expected ProtocolTimeout('combine') naming rank {broken} within {10 * timeout_s} s, got "
-          f"{exc!r} after {elapsed_s:.2f} s")
+    check(comm, ok, f"expected ProtocolTimeout('combine') naming rank {broken} within {10 * timeout_s} s, then "
+          f"BrokenStateError; got {exc!r} after {elapsed_s:.2f} s, then {refused!r}")
 
 
 @pytest.mark.mpi

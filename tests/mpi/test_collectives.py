@@ -1,0 +1,112 @@
+"""Bounded host collectives (symmring.collective) across ranks: exchanges in rank order; a late rank is
+named by every rank that waited and learns it itself; ranks in different collectives are reported, not
+paired; a broken context refuses work, closes without collectives, and a new init() recovers.
+
+Run: ``mpiexec -n 3 python -m mpi4py -m pytest tests/mpi/test_collectives.py -q -p no:cacheprovider``
+(the fault cases need two ranks; as a world of 1 they check the one-rank behaviour).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from symmring import RingSpec, collective
+from symmring.context import init
+from symmring.errors import BrokenStateError, PeerTimeout
+from symmring.ring import Ring
+
+#: The bound of the fault cases, and how much later than it an error may come (2 cores, 4 ranks).
+BOUND_S = 1.0
+SLACK_S = 2.0
+SPEC = RingSpec(num_slots=2, tokens_per_slot=4, hidden=32, num_topk=2, num_experts=8, sf_group_size=16)
+
+
+@pytest.mark.mpi
+def test_exchanges_in_rank_order(ctx, comm, check):
+    chan, rank, world = ctx.collectives, comm.Get_rank(), comm.Get_size()
+    values = chan.allgather({"rank": rank, "items": list(range(rank))}, what="test: allgather")
+    chan.barrier(what="test: barrier")
+    all_true = chan.agree(True, what="test: agree (all)")
+    not_all = chan.agree(rank != 0, what="test: agree (one rank says no)")
+    ok = (values == [{"rank": r, "items": list(range(r))} for r in range(world)] and all_true
+          and not not_all and not chan.broken)
+    check(comm, ok, f"allgather gave {values}, agree gave {all_true}, {not_all}")
+
+
+def _after_failure(ctx):
+    """What a broken context does: refuses work, closes without collectives."""
+    refused = []
+    for what, thunk in (("barrier", lambda: ctx.collectives.barrier(what="after")),
+                        ("Ring", lambda: Ring(ctx, SPEC)), ("check_open", ctx.check_open)):
+        try:
+            thunk()
+        except BrokenStateError:
+            refused.append(what)
+    ctx.close()  # must not wait for anyone
+    return refused, "broken" in repr(ctx) or ctx.closed
+
+
+@pytest.mark.mpi
+def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
+    world, rank = comm.Get_size(), comm.Get_rank()
+    if world == 1:
+        pytest.skip("needs two ranks: one of them is late")
+    late = world - 1
+    ctx = init("host", timeout_s=BOUND_S)
+    ctx.collectives.barrier(what="test: start")
+    start_s = time.monotonic()
+    if rank == late:
+        time.sleep(BOUND_S + 1.5)
+    error = None
+    try:
+        ctx.collectives.barrier(what="test: the late barrier")
+        if rank == late:
+            # It may find every value and miss the notice of the rank that gave up (still in flight): the
+            # others never send the next collective's values, so it learns it there at the latest.
+            ctx.collectives.barrier(what="test: the next barrier")
+    except PeerTimeout as exc:
+        error = exc
+    elapsed_s = time.monotonic() - start_s
+    unresolved = collective.unresolved_failure() is not None
+    refused, closed = _after_failure(ctx)
+    # Every rank joins the new context (the late one a little later): the job is consistent again.
+    fresh = init("host", timeout_s=30.0)
+    values = fresh.collectives.allgather(rank, what="test: after re-init")
+    recovered = collective.unresolved_failure() is None
+    fresh.close()
+    if rank == late:
+        ok = error is not None and error.origin is not None and late in error.missing_ranks
+    else:
+        ok = (error is not None and late in error.missing_ranks and error.timeout_s == BOUND_S
+              and BOUND_S <= elapsed_s <= BOUND_S + SLACK_S)
+    ok = ok and unresolved and refused == ["barrier", "Ring", "check_open"] and closed
+    ok = ok and values == list(range(world)) and recovered
+    if rank == 0:
+        figure(f"[figure] late rank {late} of {world}: rank 0 got after {elapsed_s:.2f} s: {error}")
+    check(comm, ok, f"error={error!r} after {elapsed_s:.2f} s; unresolved={unresolved}; refused={refused}; "
+                    f"closed={closed}; after re-init {values}, recovered={recovered}")
+
+
+@pytest.mark.mpi
+def test_ranks_in_different_collectives_are_reported(comm, check):
+    world, rank = comm.Get_size(), comm.Get_rank()
+    if world == 1:
+        pytest.skip("needs two ranks in different collectives")
+    ctx = init("host", timeout_s=10.0)
+    start_s = time.monotonic()
+    error = None
+    try:
+        ctx.collectives.barrier(what="test: A" if rank == 0 else "test: B")
+    except BrokenStateError as exc:
+        error = exc
+    elapsed_s = time.monotonic() - start_s
+    refused, _ = _after_failure(ctx)
+    fresh = init("host", timeout_s=30.0)
+    fresh.collectives.barrier(what="test: after re-init")
+    fresh.close()
+    # Reported at once (not after the 10 s bound), naming both collectives.
+    ok = (error is not None and "different collectives" in str(error) and elapsed_s < 5.0
+          and refused == ["barrier", "Ring", "check_open"] and collective.unresolved_failure() is None)
+    check(comm, ok, f"got {error!r} after {elapsed_s:.2f} s; refused={refused}")

@@ -1,0 +1,113 @@
+"""Host-side faults under ``mpiexec -n 3`` with ``SYMMRING_TIMEOUT_S=2``: a late rank, a rank that exits and
+a mid-stream stall, on the CPU layer (`symmring.ExpertParallelMoE`) and on the `symmring.Ring`.
+
+Each case is one mpiexec run of ``tests/faults/driver.py`` (the faulty rank is rank 2) under an outer
+timeout far above the bound. Every surviving rank must end with a typed error (`ProtocolTimeout` or its
+subclass `PeerTimeout`) naming rank 2 within 2x the bound, and the job must end non-zero long before the
+faulty rank would have come back (no hang: the outer timeout never fires), through symmring's abort at
+exit rather than ``MPI_Finalize``. Each case prints one figure line per rank: the fault, the error text
+and the seconds from the start of the call to the error.
+
+One case is MPICH's, not symmring's: a rank that vanishes without finalizing MPI (``os._exit``) makes
+mpiexec kill every other rank at once (within a second, before any bound expires; its exit status was 9,
+and in some runs 0). The survivors then cannot report anything, so that case only checks that the job
+ended quickly. With ``mpiexec -disable-auto-cleanup`` the survivors live on and report the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from test_under_mpi import find_mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "faults" / "driver.py"
+#: The bound of every wait and collective inside the runs, in seconds.
+BOUND_S = 2.0
+#: Hard bound of one mpiexec run: if it fires, the job hung.
+OUTER_TIMEOUT_S = 90
+#: The faulty rank comes back (late, stall) only after this many seconds (driver.LATE_S): a job that
+#: ends sooner did not wait for it.
+LATE_S = 20.0
+NUM_RANKS, FAULTY = 3, 2
+
+CASES = [
+    ("layer", "late", ()), ("layer", "exit", ()), ("layer", "stall", ()),
+    ("layer", "hard-exit", ("-disable-auto-cleanup",)),
+    ("ring", "late", ()), ("ring", "exit", ()), ("ring", "stall", ()),
+]
+
+
+def _run(subject: str, fault: str, extra=()):
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
+    outdir = tempfile.mkdtemp(prefix=f"symmring-fault-{subject}-{fault}-")
+    cmd = [mpiexec, *extra, "-n", str(NUM_RANKS), sys.executable, str(DRIVER), subject, fault, outdir]
+    env = dict(os.environ, SYMMRING_TIMEOUT_S=str(BOUND_S), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    start_s = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=OUTER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"HUNG: {' '.join(cmd)} ran past {OUTER_TIMEOUT_S} s; output:\n{output[-8000:]}", pytrace=False)
+    wall_s = time.monotonic() - start_s
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(outdir).glob("rank*.json")}
+    return proc.returncode, wall_s, records, output
+
+
+def _figures(capsys, subject, fault, extra, rc, wall_s, records):
+    with capsys.disabled():
+        mode = f" {' '.join(extra)}" if extra else ""
+        print(f"\n[figure] fault {subject}/{fault}{mode}: mpiexec exit {rc} after {wall_s:.2f} s "
+              f"(bound {BOUND_S:g} s, faulty rank {FAULTY})")
+        for rank, rec in sorted(records.items()):
+            print(f"[figure]   rank {rank}: {rec['error']} after {rec['elapsed_s']:.2f} s: {rec.get('text', '')}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("subject, fault, extra", CASES, ids=[f"{s}-{f}" for s, f, _ in CASES])
+def test_survivors_raise_a_typed_error_naming_the_rank(capsys, subject, fault, extra):
+    rc, wall_s, records, output = _run(subject, fault, extra)
+    _figures(capsys, subject, fault, extra, rc, wall_s, records)
+    survivors = [r for r in range(NUM_RANKS) if r != FAULTY]
+    problems = []
+    for rank in survivors:
+        rec = records.get(rank)
+        if rec is None:
+            problems.append(f"rank {rank} reported nothing")
+            continue
+        names_it = rec.get("peer") == FAULTY or FAULTY in rec.get("missing_ranks", [])
+        if not (rec["error"] and rec.get("typed") and names_it and rec["elapsed_s"] <= 2 * BOUND_S):
+            problems.append(f"rank {rank}: expected a ProtocolTimeout naming rank {FAULTY} within "
+                            f"{2 * BOUND_S:g} s, got {rec}")
+    if rc == 0 or wall_s >= LATE_S:
+        problems.append(f"the job should end non-zero before the faulty rank returns ({LATE_S:g} s): "
+                        f"exit {rc} after {wall_s:.1f} s")
+    if "aborting the MPI job at exit" not in output:
+        problems.append("no rank went through symmring's abort at exit")
+    assert not problems, "\n".join(problems) + f"\noutput:\n{output[-6000:]}"
+
+
+@pytest.mark.mpi
+def test_vanished_rank_under_mpiexec_cleanup(capsys):
+    """os._exit without MPI_Finalize, mpiexec's default: it kills the job before the bound expires."""
+    rc, wall_s, records, output = _run("layer", "hard-exit")
+    _figures(capsys, "layer", "hard-exit", ("(mpiexec default: auto-cleanup)",), rc, wall_s, records)
+    survivors_reported = all(r in records for r in range(NUM_RANKS) if r != FAULTY)
+    # Either mpiexec killed the survivors before their bound, or (if it ever lets them run) they reported.
+    assert wall_s < BOUND_S + 5 or survivors_reported, (rc, wall_s, records, output[-4000:])
+    assert not records or survivors_reported, records
