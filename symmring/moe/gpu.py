@@ -47,7 +47,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
@@ -56,7 +55,7 @@ import numpy as np
 
 from .. import env, protocol
 from ..backends.base import DeviceBackend
-from ..errors import BackendError, ConfigError, ProtocolTimeout, RingClosedError
+from ..errors import BackendError, ConfigError, RingClosedError
 from ..layout import ALIGN, RingSpec, align_up
 from . import plan as plans
 from . import routing as routing_mod
@@ -399,8 +398,9 @@ class MoE:
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
                 than the ring (nothing is enqueued).
-            ProtocolTimeout: the ranks' token counts did not arrive within the timeout (host), or, with
-                ``SYMMRING_DEBUG=1``, a device wait expired.
+            PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
+            BrokenStateError: an earlier host exchange of the context failed (re-initialise).
+            ProtocolTimeout: with ``SYMMRING_DEBUG=1``, a device wait expired.
         """
         torch = _torch()
         self._check_open()
@@ -556,17 +556,12 @@ class MoE:
         return graph, y
 
     def _all_token_counts(self, n: int) -> List[int]:
-        """Every rank's token count of this call: a non-blocking MPI allgather, polled with the bound."""
+        """Every rank's token count of this call: a bounded exchange of the context (`PeerTimeout` naming
+        the late ranks; the context then refuses further calls until it is re-initialised)."""
         if self.world_size == 1:
             return [n]
-        send, recv = np.array([n], np.int64), np.zeros(self.world_size, np.int64)
-        request = self.ctx.comm.Iallgather(send, recv)
-        deadline = time.monotonic() + self.timeout_s
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise ProtocolTimeout("token_counts", rank=self.rank, slot=0, expected=self.world_size,
-                                      observed=0, timeout_s=self.timeout_s)
-        return [int(c) for c in recv]
+        return [int(c) for c in self.ctx.collectives.allgather(n, what="MoE.forward: token counts",
+                                                               timeout_s=self.timeout_s)]
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
