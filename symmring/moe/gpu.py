@@ -574,15 +574,15 @@ class MoE:
 
     # --- state, errors, teardown ----------------------------------------------------------------------
 
-    def timeline_records(self) -> List[Dict]:
+    def timeline_records(self, relative: bool = True) -> List[Dict]:
         """Device timestamps of the last ``forward(streaming=True, timeline=True)`` (synchronises): see
-        `symmring.moe.timeline.records`."""
+        `symmring.moe.timeline.records` (``relative=False``: the device clock's values)."""
         self._check_open()
         num_chunks, windows = self._timeline
         if not num_chunks:
             return []
         stamps = self._state.stamps[: timeline.num_stamps(num_chunks)].cpu().numpy().astype(np.int64)
-        return timeline.records(stamps, num_chunks, windows)
+        return timeline.records(stamps, num_chunks, windows, relative)
 
     def slot_view(self, name: str, num_tokens: int, slot: int = 0):
         """Zero-copy CuPy view of this rank's ring slot ``slot``'s payload ``name`` (``x``, ``x_sf``,

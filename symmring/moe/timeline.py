@@ -30,22 +30,24 @@ def stamp_index(chunk: int, stage, end: bool) -> int:
     return 2 * (chunk * len(STAGES) + _STAGE[stage]) + int(end)
 
 
-def records(stamps: np.ndarray, num_chunks: int, windows: Dict[int, int]) -> List[Dict]:
+def records(stamps: np.ndarray, num_chunks: int, windows: Dict[int, int], relative: bool = True) -> List[Dict]:
     """One record per producer stage of every chunk and per consumer stage of every expert window.
 
     Args:
         stamps: the int64 stamps of the call (`num_stamps` words at least).
         num_chunks: chunks of the call; windows: first chunk -> last chunk of every expert window.
+        relative: times relative to the earliest stamp; False: the device clock's own values (PEs that share
+            a GPU share that clock, so their records can be compared).
 
     Returns:
         ``{"chunk", "last_chunk", "stream", "stage", "start_ns", "end_ns"}`` dicts (a window's records carry
-        its first and last chunk), times relative to the earliest stamp.
+        its first and last chunk).
     """
     stamped = [(chunk, s) for chunk in range(num_chunks) for s, (stream_name, _) in enumerate(STAGES)
                if stream_name == "producer" or chunk in windows]
     if not stamped:
         return []
-    t0 = min(int(stamps[2 * (chunk * len(STAGES) + s)]) for chunk, s in stamped)
+    t0 = min(int(stamps[2 * (chunk * len(STAGES) + s)]) for chunk, s in stamped) if relative else 0
     out = []
     for chunk, s in stamped:
         stream_name, stage = STAGES[s]

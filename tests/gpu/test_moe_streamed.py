@@ -444,13 +444,16 @@ def test_timeline_overlap_is_zero_when_the_consumer_starts_last(ctx):
 
 @pytest.mark.parametrize("ack_policy", [AckPolicy.CONSERVATIVE, AckPolicy.EARLY])
 def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
-    # One slot: chunk c's producer waits for every consumer's acknowledgement of chunk c - 1. CONSERVATIVE
-    # acknowledges with the combine signal, after the experts: the wait always ends after them. EARLY
-    # acknowledges right after the pull: the wait can end while chunk c - 1's experts still run (it must,
-    # for some chunk of 12, with experts several times longer than an acknowledgement; if EARLY behaved like
-    # CONSERVATIVE it never would). The consumer sleeps 300 us before each window so the host has enqueued
-    # the next chunk's producer before the GPU reaches the pull (eagerly, a one-slot ring otherwise runs at
-    # the host's pace, and the producer's wait would start only after the previous window ended).
+    # One slot: chunk c's producer waits for EVERY consumer's acknowledgement of chunk c - 1. CONSERVATIVE
+    # acknowledges with the combine signal, after the experts: the wait always ends after this rank's
+    # experts of c - 1. EARLY acknowledges right after the pull: the wait can end while the last consumer's
+    # experts of chunk c - 1 still run (it must, for some chunk of 12, with experts several times longer
+    # than an acknowledgement; if EARLY behaved like CONSERVATIVE it never would). "The last consumer":
+    # the ranks' consumers drift apart, so each rank compares with the latest experts end of c - 1 over all
+    # ranks, in the device clock (the PEs of these tests share one GPU, hence one clock). The consumer
+    # sleeps 2 ms before each window (the host needs a few hundred us to enqueue a window and a chunk) so
+    # the host has enqueued the next chunk's producer before the GPU reaches the pull (eagerly, a one-slot ring otherwise runs at the host's pace, and the producer's wait
+    # would start only after the previous window ended).
     H, I = 512, 1024
     weights = make_weights(SEED + 9, NUM_EXPERTS, H, I)
     E_local = NUM_EXPERTS // ctx.world_size
@@ -466,19 +469,27 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
         logits = torch.from_numpy(rng.standard_normal((n, NUM_EXPERTS)).astype(np.float32)).to(device_of())
         moe.forward(x, logits=logits, streaming=True)  # warm-up
         moe.forward(x, logits=logits, streaming=True, timeline=True,
-                    consumer_delay_ns={c: 300_000 for c in range(12)})
+                    consumer_delay_ns={c: 2_000_000 for c in range(12)})
         moe.check_errors()
-        records = moe.timeline_records()
+        records = moe.timeline_records(relative=False)
+        experts_end = [stage(records, "consumer", "experts", c)["end_ns"] for c in range(12)]
+        latest_experts_end = experts_end if ctx.world_size == 1 else [
+            max(ends) for ends in zip(*ctx.comm.allgather(experts_end))]
         early_frees = [c for c in range(1, 12) if stage(records, "producer", "wait", c)["end_ns"]
-                       < stage(records, "consumer", "experts", c - 1)["end_ns"]]
+                       < latest_experts_end[c - 1]]
+        if ack_policy == AckPolicy.CONSERVATIVE:  # this rank's own acknowledgement comes after its experts
+            early_frees = [c for c in range(1, 12) if stage(records, "producer", "wait", c)["end_ns"]
+                           < experts_end[c - 1]]
         if ack_policy == AckPolicy.CONSERVATIVE and early_frees:
             problems.append(f"CONSERVATIVE: chunks {early_frees} got their slot before chunk c - 1's experts ended")
         if ack_policy == AckPolicy.EARLY and not early_frees:
-            seen = [(c, stage(records, "producer", "wait", c)["end_ns"] // 1000,
-                     stage(records, "consumer", "dispatch", c - 1)["end_ns"] // 1000,
-                     stage(records, "consumer", "experts", c - 1)["end_ns"] // 1000) for c in range(1, 4)]
-            problems.append("EARLY: no chunk got its slot before the previous chunk's experts ended; (chunk, its "
-                            f"slot wait end, previous dispatch end, previous experts end) in us: {seen}")
+            t0 = min(r["start_ns"] for r in records)
+            seen = [(c, (stage(records, "producer", "wait", c)["end_ns"] - t0) // 1000,
+                     (stage(records, "consumer", "dispatch", c - 1)["end_ns"] - t0) // 1000,
+                     (latest_experts_end[c - 1] - t0) // 1000) for c in range(1, 4)]
+            problems.append("EARLY: no chunk got its slot before the previous chunk's experts ended on every rank; "
+                            f"(chunk, its slot wait end, previous dispatch end here, latest previous experts end) "
+                            f"in us: {seen}")
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
