@@ -56,21 +56,10 @@ class PrevBackend:
             module.finalize()
 
 
-def timed(fns, repeats, warmup=2):
-    import torch
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end))
-    return [statistics.median(t) for t in times]
+def timed(fns, repeats):
+    """Median milliseconds of each of ``fns``, interleaved call by call (`symmring.bench.stream`'s timer)."""
+    from symmring.bench.stream import _interleaved
+    return [statistics.median(t) for t in _interleaved(fns, repeats)]
 
 
 def main(argv=None) -> int:
