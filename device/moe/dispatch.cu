@@ -1,6 +1,6 @@
 // MoE dispatch kernels (symmring.moe.stages, wait/count/scan/pull/ack): gather, from every source rank's
-// ring slot, the token rows routed to this PE's experts into an expert-contiguous pool, dequantising fp8
-// to bf16 on the way.
+// ring slot, the token rows routed to this PE's experts into an expert-contiguous pool: dequantised to bf16
+// (moe_dispatch_pull, for bf16 experts) or as fp8 rows with their scales (moe_dispatch_pull_fp8).
 //
 // Launch order on one stream (each kernel starts after the previous one ended, which orders its reads
 // after the acquire of moe_dispatch_wait). An expert window of chunks [c0, c1] (one chunk for the batch

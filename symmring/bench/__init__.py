@@ -1,6 +1,6 @@
 """Benchmarks (``python -m symmring bench <name>``): `protocol` (publish->observe latency and slot-pull
-bandwidth of the device protocol), `moe` (the GPU MoE layer against plain torch) and `stream` (streamed
-against batch-ready)."""
+bandwidth of the device protocol), `gemm` (the fp8 expert GEMM engines), `moe` (the GPU MoE layer, bf16
+and fp8 experts, against the fp8 roofline and plain torch) and `stream` (streamed against batch-ready)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ Numerics
     interpreter), the division is IEEE (``div_rn``; Triton's ``/`` is the approximate ``div.full.f32``),
     and fused multiply-add contraction is disabled for this kernel, so every step is one float32 rounding
     in the formula's order, as torch's or NumPy's elementwise ops do it. The quantisation is exactly the rule of
-    `symmring.moe.quant.quantize_fp8` and of ``device/producer.cu`` (``moe_produce_layout_fp8``): per row
+    `symmring.moe.quant.quantize_fp8` and of ``device/moe/producer.cu`` (``moe_produce_layout_fp8``): per row
     and 128 columns ``scale = amax / 448`` (IEEE division; 1.0 when 0), ``q = e4m3fn(clip(act / scale,
     -448, 448))`` with round-to-nearest-even (the hardware ``cvt.rn.satfinite.e4m3x2.f32``). Given the same
     float32 ``act``, ``(q, q_sf)`` are bitwise those of ``quantize_fp8``; ``act`` itself equals a float32

@@ -20,13 +20,15 @@ torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publi
 ``moe_produce_layout_fp8`` quantises ``x`` to fp8 e4m3 with per-128-channel scales, bitwise
 `symmring.moe.quant`, or ``_bf16`` copies it, and publishes layout readiness); **dispatch** (wait for both
 generations of every source, count and scan the local experts' rows, pull every routed row over NVLink
-into the expert pool, dequantising fp8); **experts** (the `symmring.moe.experts.ExpertEngine` seam: L1,
+into the expert pool: dequantised to bf16 for bf16 experts, as fp8 rows with their scales for fp8
+experts); **experts** (the `symmring.moe.experts.ExpertEngine` seam: L1,
 SwiGLU, L2); **combine** (rows back to their owners at the logical token row, a signal per owner, then a
 fixed-order weighted reduce into ``y``). The plan of each distinct call (`symmring.moe.plan`) is built
 once and reused.
 
-Capacity: the expert pool has ``world_size * min(max_tokens, num_slots * tokens_per_slot) * topk`` rows,
-one per possible (source rank, token, k) of a window, so no routing can overflow it; ``max_tokens``
+Capacity: the expert pool has ``m = world_size * min(max_tokens, num_slots * tokens_per_slot) * topk`` rows,
+one per possible (source rank, token, k) of a window, plus ``min(E, m) * 127`` rows of group alignment for
+the fp8 engines (every expert's group starts at a multiple of 128 rows), so no routing can overflow it; ``max_tokens``
 (tokens per rank per call) is fixed at construction and a larger batch is a ConfigError before anything
 is enqueued.
 
