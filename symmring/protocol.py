@@ -309,7 +309,8 @@ def expert_windows(num_chunks: int, expert_window: int) -> List[Tuple[int, int]]
     return [(c, min(num_chunks, c + expert_window) - 1) for c in range(0, num_chunks, expert_window)]
 
 
-def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int = 1) -> List[Tuple[str, int, int]]:
+def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int = 1,
+                           *, check: bool = True) -> List[Tuple[str, int, int]]:
     """One rank's host enqueue order with expert windows: ``("produce", c, c)`` and ``("consume", first,
     last)`` items.
 
@@ -317,8 +318,12 @@ def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int =
     previous chunk ``c - num_slots < c0`` was consumed, hence acknowledged, earlier in the order), which
     includes the whole window since ``c1 < c0 + expert_window <= c0 + num_slots``. Executed serially on every
     rank, it completes. ``expert_window = 1`` is `enqueue_order` with the default lookahead.
+    ``check=False`` builds the order for a forbidden window (the model checker's deadlock mutant).
     """
-    check_expert_window(expert_window, num_slots)
+    if check:
+        check_expert_window(expert_window, num_slots)
+    else:
+        _check_pos("num_slots", num_slots)
     order: List[Tuple[str, int, int]] = []
     produced = 0
     for first, last in expert_windows(num_chunks, expert_window):
@@ -326,4 +331,6 @@ def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int =
             order.append(("produce", produced, produced))
             produced += 1
         order.append(("consume", first, last))
+    # Only a forbidden window (check=False) leaves chunks unproduced before the last window.
+    order += [("produce", c, c) for c in range(produced, num_chunks)]
     return order
