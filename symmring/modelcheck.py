@@ -61,6 +61,7 @@ class MutantSpec:
         needs_wrap: needs ``num_chunks > num_slots`` (a slot reused within a call).
         window: runs with the GPU layer's windowed consumer (`protocol.windowed_enqueue_order`) instead of
             the per-chunk one.
+        graph: runs each rank's call as a captured graph (`protocol.call_dependency_graph`).
     """
 
     name: str
@@ -73,6 +74,7 @@ class MutantSpec:
     min_slots: int = 1
     needs_wrap: bool = False
     window: bool = False
+    graph: bool = False
 
 
 MUTANTS: Tuple[MutantSpec, ...] = (
@@ -110,11 +112,20 @@ MUTANTS: Tuple[MutantSpec, ...] = (
                "(num_slots - 1 and num_slots, alternating): a window's combine waits for every consumer's "
                "window ending at or after its last chunk", INV_LIVENESS, serial=True, min_consumers=2,
                min_slots=3, needs_wrap=True, window=True),
+    MutantSpec("graph_without_own_chunk_edges", "each rank's captured graph lacks the edges 'consume a "
+               "window after this rank's produce of its last chunk', run by an executor that runs one item at "
+               "a time in any topological order", INV_LIVENESS, serial=True, window=True, graph=True),
+    MutantSpec("graph_without_own_ack_edges", "each rank's captured graph lacks the edges 'produce c after this "
+               "rank's consume of the window holding c - num_slots', run by an executor that runs one item at "
+               "a time in any topological order", INV_LIVENESS, serial=True, window=True, graph=True,
+               needs_wrap=True),
 )
 
 MUTANT_NAMES = tuple(m.name for m in MUTANTS)
 #: Mutants of the windowed consumer (run on the window shapes).
 WINDOW_MUTANTS = tuple(m.name for m in MUTANTS if m.window)
+#: Mutants of the captured graph (run with graph=True).
+GRAPH_MUTANTS = tuple(m.name for m in MUTANTS if m.graph)
 _MUTANT_BY_NAME = {m.name: m for m in MUTANTS}
 
 #: Mutants that break a premise of the coarse-step reduction (payload visible at publish, reads after
@@ -158,6 +169,9 @@ class ModelConfig:
         expert_window: ``None``: the per-chunk consumer of `symmring.ring` and the CPU layer. An int ``W``
             (or one per rank): the GPU layer's windowed consumer, whose serial order is
             `protocol.windowed_enqueue_order` (docs/MODELCHECK.md, section 1a).
+        graph: (windowed consumer) each rank's call is the captured graph of its order with the layer's
+            local edges (`protocol.call_dependency_graph`): an item starts once its predecessors finished;
+            with ``serial`` one item at a time per rank, in any topological order (docs/MODELCHECK.md, 1b).
         mutant: name of a mutant in `MUTANT_NAMES` or `EQUIVALENT_VARIANTS`, or ``None``.
         fine: one step per memory operation even where the coarse steps are sound (a cross-check; the
             variants in `FINE_MUTANTS` always use fine steps).
@@ -176,6 +190,7 @@ class ModelConfig:
     fine: bool = False
     reduce: Optional[bool] = None
     expert_window: Optional[Union[int, Tuple[int, ...]]] = None
+    graph: bool = False
 
     def reduced(self) -> bool:
         """Whether the partial-order reduction applies: by default for the protocol and the equivalence
@@ -200,6 +215,8 @@ class ModelConfig:
             widths = self.window_widths()
             window = str(widths[0]) if len(set(widths)) == 1 else "/".join(map(str, widths))
             mode = f"serial(window={window})" if self.serial else f"two-stream(window={window})"
+            if self.graph:
+                mode = f"graph-{'serial' if self.serial else 'concurrent'}(window={window})"
         else:
             lookaheads = self.lookaheads()
             ahead = str(lookaheads[0]) if len(set(lookaheads)) == 1 else "/".join(map(str, lookaheads))
@@ -278,6 +295,13 @@ def _validate(cfg: ModelConfig) -> None:
                 protocol.check_expert_window(width, cfg.num_slots)
     elif cfg.mutant in WINDOW_MUTANTS:
         raise ConfigError(f"mutant={cfg.mutant!r} needs expert_window (the windowed consumer)")
+    if cfg.graph and cfg.expert_window is None:
+        raise ConfigError("graph=True: the captured graph is the windowed consumer's (set expert_window)")
+    if cfg.mutant in GRAPH_MUTANTS and not cfg.graph:
+        raise ConfigError(f"mutant={cfg.mutant!r} needs graph=True")
+    if cfg.graph and max(len(protocol.expert_windows(n, w)) + n + 1 for n in cfg.chunks_per_call()
+                         for w in cfg.window_widths()) > 16:
+        raise ConfigError("graph=True: at most 16 items per call (the done set is stored in two bytes)")
 
 
 Label = Tuple
@@ -335,8 +359,11 @@ class RingModel:
         # Per consumer: call, chunk, then a phase per source; windowed: call, window's first chunk, stage
         # of the window, the sources done with that stage (a bit mask).
         self.cons_words = 4 if self.windowed else 2 + P
+        # Per rank: serial: its position in its stream; graph: the set of its finished items of the call
+        # (two words) and the item its serial executor runs (1 + index; 0: none).
+        self.stream_words = 3 if cfg.graph else 1
         self.o_stream = self.o_cons + self.cons_words * Q
-        self.o_base = self.o_stream + self.R
+        self.o_base = self.o_stream + self.stream_words * self.R
         self.o_mem = self.o_base + self.R
         self.o_acked = self.o_mem + _SLOT_WORDS * P * S
         self.o_written = self.o_acked + P * total
@@ -377,8 +404,14 @@ class RingModel:
                                       for first, last in protocol.expert_windows(n, width)} for n in self.chunks])
 
         # Serial mode: each rank's single stream, call after call, ending each call with the base advance.
+        #: Graph mode: per rank and call, each item's (index, mask of the items it must follow).
+        self.graph_nodes: List[List[Dict[Tuple[str, int, int], Tuple[int, int]]]] = []
+        self.graph_serial = cfg.graph and cfg.serial
+        if cfg.graph:
+            for r in range(self.R):
+                self.graph_nodes.append([self._call_graph(r, k) for k in range(C)])
         self.stream_items: List[Tuple[Tuple[str, int, int], ...]] = []
-        if cfg.serial:
+        if cfg.serial and not cfg.graph:
             for r in range(self.R):
                 items = []
                 for k in range(C):
@@ -389,6 +422,21 @@ class RingModel:
                 self.stream_items.append(tuple(items))
             if max(len(items) for items in self.stream_items) > 250:
                 raise ConfigError("serial stream too long for the byte encoding: reduce num_chunks*num_calls")
+
+    def _call_graph(self, r: int, k: int) -> Dict[Tuple[str, int, int], Tuple[int, int]]:
+        """Rank ``r``'s captured graph of call ``k``: each model item -> (index, predecessor mask)."""
+        N = self.chunks[k]
+        order = protocol.windowed_enqueue_order(N, self.S, self.cfg.window_widths()[r])
+        items, edges = protocol.call_dependency_graph(order, self.S, two_streams=True)
+        dropped = {"graph_without_own_chunk_edges": "own chunks", "graph_without_own_ack_edges": "own acknowledgement"}
+        edges = tuple(e for e in edges if e.why != dropped.get(self.mutant))
+        names = {"produce": "produce", "consume": "consume", "end_call": "advance"}
+        model = {item: (names[item[0]], k, item[1]) for item in items}
+        index = {item: i for i, item in enumerate(items)}
+        preds = {item: 0 for item in items}
+        for edge in edges:
+            preds[edge.after] |= 1 << index[edge.before]
+        return {model[item]: (index[item], preds[item]) for item in items}
 
     def _rank_order(self, r: int, N: int) -> List[Tuple[str, int]]:
         """Rank ``r``'s serial enqueue order of a call of ``N`` chunks: ``(kind, chunk)`` items (a consume
@@ -434,12 +482,55 @@ class RingModel:
         return f"(call {k}, chunk {tag - 1 - self.call_offset[k]})"
 
     def _gate(self, w: Sequence[int], r: int, item: Tuple[str, int, int]) -> bool:
-        """Serial mode: whether ``item`` is the next work item on rank ``r``'s single stream."""
+        """Whether ``item`` may take a step on rank ``r``: serial, it is the next work item on the rank's
+        single stream; graph, it runs already, or every item it follows finished (and, with a serial
+        executor, no other item of the rank runs)."""
+        if self.cfg.graph:
+            idx, preds = self.graph_nodes[r][item[1]][item]
+            if self.graph_serial and item[0] != "advance":
+                return w[self.o_stream + 3 * r + 2] == idx + 1  # the executor started it
+            done = self._graph_done(w, r)
+            return not done >> idx & 1 and done & preds == preds
         if not self.cfg.serial:
             return True
         idx = w[self.o_stream + r]
         items = self.stream_items[r]
         return idx < len(items) and items[idx] == item
+
+    def _graph_done(self, w: Sequence[int], r: int) -> int:
+        o = self.o_stream + 3 * r
+        return w[o] | w[o + 1] << 8
+
+    def _executor_steps(self, w: bytes, out: List[Successor]) -> None:
+        """Graph mode with a serial executor: a rank that runs no item starts one whose predecessors all
+        finished (any of them: every topological order). It then runs only that item until it finishes,
+        even while the item waits (a launched kernel holds the executor)."""
+        for r in range(self.R):
+            if w[self.o_stream + 3 * r + 2]:
+                continue
+            o_prod, o_cons = _PROD_WORDS * r, self.o_cons + self.cons_words * r
+            for item in (("produce", w[o_prod], w[o_prod + 1]), ("consume", w[o_cons], w[o_cons + 1])):
+                k, c = item[1], item[2]
+                if k >= self.C or c >= self.chunks[k]:
+                    continue
+                idx, preds = self.graph_nodes[r][k][item]
+                done = self._graph_done(w, r)
+                if not done >> idx & 1 and done & preds == preds:
+                    nxt = bytearray(w)
+                    nxt[self.o_stream + 3 * r + 2] = idx + 1
+                    out.append((("start", r, item), bytes(nxt), None))
+
+    def _item_finished(self, nxt: bytearray, r: int, item: Tuple[str, int, int]) -> None:
+        """``item`` of rank ``r`` finished: the next stream item (serial), a finished item (graph)."""
+        if self.cfg.graph:
+            o = self.o_stream + 3 * r
+            if item[0] == "advance":  # a new call: nothing of it finished yet
+                nxt[o] = nxt[o + 1] = nxt[o + 2] = 0
+                return
+            done = self._graph_done(nxt, r) | 1 << self.graph_nodes[r][item[1]][item][0]
+            nxt[o], nxt[o + 1], nxt[o + 2] = done & 0xFF, done >> 8, 0
+        elif self.cfg.serial:
+            nxt[self.o_stream + r] += 1
 
     def _reuse_ok(self, mask: int, p: int) -> bool:
         required = self.required[p]
@@ -525,6 +616,8 @@ class RingModel:
         self._drain_steps(w, out)
         consumer_steps(w, out)
         self._advance_steps(w, out)
+        if self.graph_serial:
+            self._executor_steps(w, out)
         return out
 
     def _producer_steps(self, w: bytes, out: List[Successor]) -> None:
@@ -599,10 +692,9 @@ class RingModel:
         if self.mutant == "reset_after_publish":
             done = done and nxt[o + 5]
         if done:
+            self._item_finished(nxt, p, ("produce", nxt[o], nxt[o + 1]))
             nxt[o + 1] += 1
             nxt[o + 2] = nxt[o + 3] = nxt[o + 4] = nxt[o + 5] = 0
-            if self.cfg.serial:
-                nxt[self.o_stream + p] += 1
 
     def _check_overwrite(self, w: bytes, p: int, k: int, c: int, s: int,
                          field: int) -> Optional[Tuple[str, str]]:
@@ -684,11 +776,10 @@ class RingModel:
                 else:
                     nxt[o + 2 + p] = phase + 1
                     if all(nxt[o + 2 + i] == num_steps for i in range(P)):
+                        self._item_finished(nxt, q, ("consume", k, c))
                         nxt[o + 1] += 1
                         for i in range(P):
                             nxt[o + 2 + i] = 0
-                        if self.cfg.serial:
-                            nxt[self.o_stream + q] += 1
                     out.append((tuple(labels), bytes(nxt), violation))
                     if reduce:
                         return
@@ -721,8 +812,7 @@ class RingModel:
                     nxt[o + 2] = stage + 1
                     if stage + 1 == len(stages):  # the window is done
                         nxt[o + 1], nxt[o + 2] = last + 1, 0
-                        if self.cfg.serial:
-                            nxt[self.o_stream + q] += 1
+                        self._item_finished(nxt, q, ("consume", k, first))
                 else:
                     nxt[o + 3] = done_now
                 out.append((label, bytes(nxt), violation))
@@ -874,8 +964,7 @@ class RingModel:
             if r < self.Q:
                 o = self.o_cons + self.cons_words * r
                 nxt[o], nxt[o + 1] = k + 1, 0
-            if self.cfg.serial:
-                nxt[self.o_stream + r] += 1
+            self._item_finished(nxt, r, ("advance", k, N))
             out.append((("advance", r, k, base, new_base), bytes(nxt), None))
 
     # --- traces ---------------------------------------------------------------------------------------
@@ -892,6 +981,12 @@ class RingModel:
                 continue
             if c >= self.chunks[k]:
                 lines.append(f"{role} {r} waits for the end of call {k} on rank {r}")
+            elif self.cfg.graph and not self._gate(w, r, item):
+                idx, preds = self.graph_nodes[r][k][item]
+                missing = [it for it, (i, _) in self.graph_nodes[r][k].items()
+                           if preds >> i & 1 and not self._graph_done(w, r) >> i & 1]
+                why = f"it follows {missing}, not finished" if missing else "the executor runs another item"
+                lines.append(f"{role} {r} call {k}: {item[0]} {c} is not started: {why}")
             elif self.cfg.serial and not self._gate(w, r, item):
                 lines.append(f"{role} {r} call {k} chunk {c} is queued behind "
                              f"{self.stream_items[r][w[self.o_stream + r]]} on rank {r}'s stream")
@@ -980,6 +1075,10 @@ class RingModel:
         if kind == "advance":
             _, r, k, base, new_base = label
             return f"rank {r}: end of call {k}, generation base {base} -> {new_base}"
+        if kind == "start":
+            _, r, item = label
+            what = f"produce chunk {item[2]}" if item[0] == "produce" else f"consume the window from chunk {item[2]}"
+            return f"rank {r}: the executor starts call {item[1]}'s {what}"
         if kind in ("wroute", "wlayout"):
             _, q, p, k, c, s, observed, gen, seen, tag = label
             what = "counts its route" if kind == "wroute" else "pulls its layout (and route)"
@@ -1162,10 +1261,11 @@ FULL_CROSS_CHECKS: Tuple[CrossCheck, ...] = QUICK_CROSS_CHECKS + (
 
 
 def window_configs(shape: Shape) -> List[ModelConfig]:
-    """The windowed consumer (the GPU layer) on ``shape``: every window ``1..num_slots``, both policies,
-    two streams and serial (`protocol.windowed_enqueue_order`)."""
-    return [ModelConfig(*shape, ack_policy=policy, serial=serial, expert_window=width)
-            for width in range(1, shape[2] + 1) for serial in (False, True)
+    """The windowed consumer (the GPU layer) on ``shape``: every window ``1..num_slots``, both policies;
+    two streams, serial (`protocol.windowed_enqueue_order`), and each rank's call as its captured graph
+    (`protocol.call_dependency_graph`) run one item at a time in any topological order or concurrently."""
+    return [ModelConfig(*shape, ack_policy=policy, serial=serial, expert_window=width, graph=graph)
+            for width in range(1, shape[2] + 1) for graph in (False, True) for serial in (False, True)
             for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY)]
 
 
@@ -1213,12 +1313,13 @@ def mutant_configs(spec: MutantSpec, shapes: Sequence[Shape]) -> List[ModelConfi
         if Q < spec.min_consumers or C < spec.min_calls or S < spec.min_slots or (
                 spec.needs_wrap and N <= S and C < 2):
             continue
-        if spec.window and (P != Q or N <= S):  # the window of S + 1 chunks must fit the call
+        if spec.window and (P != Q or (spec.needs_wrap and N <= S)):  # a slot reused within the call
             continue
         policies = (spec.policy,) if spec.policy is not None else (AckPolicy.CONSERVATIVE, AckPolicy.EARLY)
+        width = S + 1 if spec.name == "window_exceeds_slots" else 1
         for policy in policies:
             configs.append(ModelConfig(*shape, ack_policy=policy, serial=spec.serial, mutant=spec.name,
-                                       expert_window=S + 1 if spec.window else None))
+                                       expert_window=width if spec.window else None, graph=spec.graph))
     return configs
 
 

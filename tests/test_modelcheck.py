@@ -42,16 +42,20 @@ def test_quick_protocol_has_no_violation(quick_report):
 
 
 def test_quick_checks_the_windowed_order_in_every_window(quick_report):
-    # The GPU layer's order: for every window shape, every window 1..S, both policies, two streams and
-    # serial (windowed_enqueue_order), every invariant held and the one terminal state is the complete one.
-    windowed = {(run.config.shape(), run.config.expert_window, run.config.ack_policy, run.config.serial): run
+    # The GPU layer's order: for every window shape, every window 1..S, both policies, two streams, serial
+    # (windowed_enqueue_order) and the captured graph (every topological order, one item at a time, and
+    # concurrently), every invariant held and the one terminal state is the complete one.
+    windowed = {(run.config.shape(), run.config.expert_window, run.config.ack_policy, run.config.serial,
+                 run.config.graph): run
                 for run in quick_report.protocol_runs if run.config.expert_window is not None and run.config.reduced()}
     for shape in QUICK_WINDOW_SHAPES:
         for width in range(1, shape[2] + 1):
             for policy in AckPolicy:
                 for serial in (False, True):
-                    run = windowed[(shape, width, policy, serial)]
-                    assert run.violation is None and run.terminal_states == 1 and run.states > 1, run.config.label()
+                    for graph in (False, True):
+                        run = windowed[(shape, width, policy, serial, graph)]
+                        assert run.violation is None and run.terminal_states == 1 and run.states > 1, \
+                            run.config.label()
     # The serial walk follows windowed_enqueue_order item by item.
     model = RingModel(ModelConfig(2, 2, 3, 4, 1, serial=True, expert_window=2))
     assert [item[::2] for item in model.stream_items[0][:-1]] == [
@@ -91,6 +95,8 @@ def test_quick_kills_every_mutant_with_expected_invariant(quick_report):
     ("lookahead_eq_slots", INV_LIVENESS),
     ("window_exceeds_slots", INV_LIVENESS),
     ("windows_differ_per_rank", INV_LIVENESS),
+    ("graph_without_own_chunk_edges", INV_LIVENESS),
+    ("graph_without_own_ack_edges", INV_LIVENESS),
 ])
 def test_named_mutant_killed_by_expected_invariant(quick_report, mutant, invariant):
     result = next(r for r in quick_report.mutants if r.spec.name == mutant)
@@ -116,6 +122,20 @@ def test_window_of_more_chunks_than_slots_deadlocks_with_two_streams(quick_repor
     for cfg in (ModelConfig(1, 1, 2, 3, 1, serial=True, expert_window=3, mutant="window_exceeds_slots"),
                 ModelConfig(2, 2, 2, 3, 1, ack_policy=AckPolicy.EARLY, expert_window=3, mutant="window_exceeds_slots")):
         assert explore(cfg).violation.invariant == INV_LIVENESS
+
+
+def test_captured_graph_needs_both_local_edges(quick_report):
+    # Without "consume after own produce" an executor that starts the consumer first spins at once; without
+    # "produce after own acknowledgement" one that runs the producer ahead waits for a slot forever.
+    chunk = next(r for r in quick_report.mutants if r.spec.name == "graph_without_own_chunk_edges")
+    assert chunk.killing_run.violation.trace == ["  1. rank 0: the executor starts call 0's consume the window from chunk 0"]
+    ack = next(r for r in quick_report.mutants if r.spec.name == "graph_without_own_ack_edges")
+    assert "waits to acquire slot" in ack.killing_run.violation.message
+    # With both edges, every topological order of every rank completes, also on three ranks and windows of 2.
+    for cfg in (ModelConfig(3, 3, 2, 4, 1, serial=True, expert_window=1, graph=True),
+                ModelConfig(2, 2, 3, 5, 2, serial=True, expert_window=2, graph=True, ack_policy=AckPolicy.EARLY)):
+        run = explore(cfg)
+        assert run.violation is None and run.terminal_states == 1
 
 
 def test_one_rank_with_a_forbidden_lookahead_deadlocks_everyone():
@@ -198,7 +218,7 @@ def test_cli_one_config_one_mutant_and_json(tmp_path):
     assert lines[-1] == (f"modelcheck: states={data['states']} violations=0 "
                          f"mutants_killed={data['mutants_killed']}/{len(MUTANT_NAMES)}")
     # reuse_on_any_ack needs two consumers and windows_differ_per_rank two ranks and three slots: one
-    # shape with Q=1, S=2 cannot kill them, and the exit status says so.
+    # shape with Q=1, S=2 cannot kill them, and the exit status says so (the graph mutants are killed).
     assert status == 1 and data["mutants_killed"] == len(MUTANT_NAMES) - 2
 
     out = io.StringIO()
@@ -217,6 +237,8 @@ def test_cli_one_config_one_mutant_and_json(tmp_path):
     (dict(num_producers=2, expert_window=1), "P == Q"),
     (dict(expert_window=1, mutant="fence_removed"), "mutant"),
     (dict(mutant="window_exceeds_slots"), "expert_window"),
+    (dict(graph=True), "expert_window"),
+    (dict(expert_window=1, mutant="graph_without_own_ack_edges"), "graph=True"),
 ])
 def test_bad_config_raises_config_error(kwargs, word):
     base = dict(num_producers=1, num_consumers=1, num_slots=2, num_chunks=3, num_calls=1)

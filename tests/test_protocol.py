@@ -334,3 +334,65 @@ def test_windowed_enqueue_order_shape():
 # Deadlock freedom of both orders (every interleaving, every lookahead and window, mixes over the ranks)
 # and their converses (lookahead == num_slots, window == num_slots + 1) are checked by the model checker
 # on the full protocol model: tests/test_modelcheck.py, docs/MODELCHECK.md.
+
+
+# --- the captured dependency graph of one rank's call ----------------------------------------------------
+
+def _topological_orders(items, edges):
+    """Every topological order of the graph (small graphs only)."""
+    preds = {item: {e.before for e in edges if e.after == item} for item in items}
+
+    def extend(done, order):
+        ready = [it for it in items if it not in done and preds[it] <= done]
+        if not ready:
+            yield list(order)
+        for it in ready:
+            yield from extend(done | {it}, order + [it])
+    yield from extend(frozenset(), [])
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_dependency_graph_of_one_stream_is_the_order(num_slots):
+    for window in range(1, num_slots + 1):
+        for num_chunks in range(0, 6):
+            order = protocol.windowed_enqueue_order(num_chunks, num_slots, window)
+            items, edges = protocol.call_dependency_graph(order, num_slots, two_streams=False)
+            assert items == tuple(order) + (("end_call", num_chunks, num_chunks),)
+            assert list(_topological_orders(items, edges)) == [list(items)]
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_dependency_graph_of_two_streams_has_the_local_edges(num_slots):
+    for window in range(1, num_slots + 1):
+        for num_chunks in range(0, 7):
+            order = protocol.windowed_enqueue_order(num_chunks, num_slots, window)
+            items, edges = protocol.call_dependency_graph(order, num_slots, two_streams=True)
+            orders = list(_topological_orders(items, edges))
+            assert list(items) in orders  # the enqueue order itself is one of them
+            windows = protocol.expert_windows(num_chunks, window)
+            for topo in orders:
+                at = {item: i for i, item in enumerate(topo)}
+                assert topo[-1][0] == "end_call"
+                for first, last in windows:
+                    # every chunk of the window produced before it (this rank's own route and layout)
+                    assert all(at[("produce", c, c)] < at[("consume", first, last)] for c in range(first, last + 1))
+                for c in range(num_slots, num_chunks):
+                    # the slot's previous use consumed (acknowledged) before its reuse
+                    holder = next(w for w in windows if w[0] <= c - num_slots <= w[1])
+                    assert at[("consume", *holder)] < at[("produce", c, c)]
+                produced = [it[1] for it in topo if it[0] == "produce"]
+                consumed = [it[1] for it in topo if it[0] == "consume"]
+                assert produced == sorted(produced) and consumed == sorted(consumed)  # each stream in order
+            # A window smaller than the ring leaves the executor a choice (the streams can overlap).
+            if window < num_slots and num_chunks > window:
+                assert len(orders) > 1, (num_slots, window, num_chunks)
+
+
+def test_dependency_graph_rejects_orders_that_are_not_enqueue_orders():
+    for bad in ([("consume", 0, 0), ("produce", 0, 0)],  # a window before its own chunk
+                [("produce", 1, 1), ("produce", 0, 0), ("consume", 0, 1)],
+                [("produce", 0, 0), ("consume", 0, 1)],
+                [("produce", 0, 0), ("produce", 1, 1), ("produce", 2, 2), ("consume", 0, 0), ("consume", 1, 2)]):
+        with pytest.raises(ConfigError, match="order"):
+            protocol.call_dependency_graph(bad, 2, two_streams=True)
+
