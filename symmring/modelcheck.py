@@ -26,7 +26,7 @@ import json
 import sys
 import time
 from array import array
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple, Union
 
 from . import protocol
 from .errors import ConfigError
@@ -57,7 +57,11 @@ class MutantSpec:
         policy: the acknowledgement policy to run under (``None``: both, CONSERVATIVE first).
         min_consumers: smallest consumer count for which the mutant is observable.
         min_calls: smallest call count for which the mutant is observable.
+        min_slots: smallest slot count for which the mutant is observable.
         needs_wrap: needs ``num_chunks > num_slots`` (a slot reused within a call).
+        window: runs with the GPU layer's windowed consumer (`protocol.windowed_enqueue_order`) instead of
+            the per-chunk one.
+        graph: runs each rank's call as a captured graph (`protocol.call_dependency_graph`).
     """
 
     name: str
@@ -67,7 +71,10 @@ class MutantSpec:
     policy: Optional[AckPolicy] = None
     min_consumers: int = 1
     min_calls: int = 1
+    min_slots: int = 1
     needs_wrap: bool = False
+    window: bool = False
+    graph: bool = False
 
 
 MUTANTS: Tuple[MutantSpec, ...] = (
@@ -90,16 +97,35 @@ MUTANTS: Tuple[MutantSpec, ...] = (
                "between calls)", INV_NO_STALE_WAIT, min_calls=2),
     MutantSpec("reuse_on_any_ack", "owner reuses a slot when any acknowledgement bit is present instead "
                "of all", INV_REUSE, min_consumers=2, needs_wrap=True),
-    MutantSpec("lookahead_eq_slots", "serial streams with producer lookahead == num_slots",
+    MutantSpec("lookahead_eq_slots", "serial streams where one rank (the last) runs its producer num_slots "
+               "chunks ahead (lookahead == num_slots)",
                INV_LIVENESS, serial=True, needs_wrap=True),
     MutantSpec("combine_rereads_slot", "EARLY ack, but the combine re-reads route metadata (source token "
                "index, top-k weights) from the slot after acknowledging", INV_EXACT_READ,
                policy=AckPolicy.EARLY, needs_wrap=True),
     MutantSpec("required_mask_excludes_owner", "the owner's required mask leaves out its own consumer "
                "(as if local reads needed no acknowledgement)", INV_REUSE, needs_wrap=True),
+    MutantSpec("window_exceeds_slots", "expert windows of num_slots + 1 chunks (two streams): a window's "
+               "consumer counts the route of every chunk of the window before it acknowledges any",
+               INV_LIVENESS, needs_wrap=True, window=True),
+    MutantSpec("windows_differ_per_rank", "serial streams whose ranks use different expert windows "
+               "(num_slots - 1 and num_slots, alternating): a window's combine waits for every consumer's "
+               "window ending at or after its last chunk", INV_LIVENESS, serial=True, min_consumers=2,
+               min_slots=3, needs_wrap=True, window=True),
+    MutantSpec("graph_without_own_chunk_edges", "each rank's captured graph lacks the edges 'consume a "
+               "window after this rank's produce of its last chunk', run by an executor that runs one item at "
+               "a time in any topological order", INV_LIVENESS, serial=True, window=True, graph=True),
+    MutantSpec("graph_without_own_ack_edges", "each rank's captured graph lacks the edges 'produce c after this "
+               "rank's consume of the window holding c - num_slots', run by an executor that runs one item at "
+               "a time in any topological order", INV_LIVENESS, serial=True, window=True, graph=True,
+               needs_wrap=True),
 )
 
 MUTANT_NAMES = tuple(m.name for m in MUTANTS)
+#: Mutants of the windowed consumer (run on the window shapes).
+WINDOW_MUTANTS = tuple(m.name for m in MUTANTS if m.window)
+#: Mutants of the captured graph (run with graph=True).
+GRAPH_MUTANTS = tuple(m.name for m in MUTANTS if m.graph)
 _MUTANT_BY_NAME = {m.name: m for m in MUTANTS}
 
 #: Mutants that break a premise of the coarse-step reduction (payload visible at publish, reads after
@@ -133,11 +159,19 @@ class ModelConfig:
         num_producers: producer ranks ``0..P-1`` (each owns ``num_slots`` slots).
         num_consumers: consumer ranks ``0..Q-1`` (each reads every producer's slots).
         num_slots: ring slots per owner.
-        num_chunks: chunks per call.
-        num_calls: calls (call ``k > 0`` is a CUDA Graph replay of call 0).
+        num_chunks: chunks per call, or one count per call (eager calls of different token counts; a
+            slot's previous use may then lie several calls back).
+        num_calls: calls (call ``k > 0`` is a CUDA Graph replay of call 0, or with per-call counts the
+            next eager call).
         ack_policy: when consumers acknowledge (`AckPolicy`).
         serial: one stream per rank running `protocol.enqueue_order` (else two independent streams).
-        lookahead: producer lookahead of the serial order (``None``: ``num_slots - 1``).
+        lookahead: producer lookahead of the serial order (``None``: ``num_slots - 1``), or one per rank.
+        expert_window: ``None``: the per-chunk consumer of `symmring.ring` and the CPU layer. An int ``W``
+            (or one per rank): the GPU layer's windowed consumer, whose serial order is
+            `protocol.windowed_enqueue_order` (docs/MODELCHECK.md, section 1a).
+        graph: (windowed consumer) each rank's call is the captured graph of its order with the layer's
+            local edges (`protocol.call_dependency_graph`): an item starts once its predecessors finished;
+            with ``serial`` one item at a time per rank, in any topological order (docs/MODELCHECK.md, 1b).
         mutant: name of a mutant in `MUTANT_NAMES` or `EQUIVALENT_VARIANTS`, or ``None``.
         fine: one step per memory operation even where the coarse steps are sound (a cross-check; the
             variants in `FINE_MUTANTS` always use fine steps).
@@ -147,14 +181,16 @@ class ModelConfig:
     num_producers: int
     num_consumers: int
     num_slots: int
-    num_chunks: int
+    num_chunks: Union[int, Tuple[int, ...]]
     num_calls: int
     ack_policy: AckPolicy = AckPolicy.CONSERVATIVE
     serial: bool = False
-    lookahead: Optional[int] = None
+    lookahead: Optional[Union[int, Tuple[int, ...]]] = None
     mutant: Optional[str] = None
     fine: bool = False
     reduce: Optional[bool] = None
+    expert_window: Optional[Union[int, Tuple[int, ...]]] = None
+    graph: bool = False
 
     def reduced(self) -> bool:
         """Whether the partial-order reduction applies: by default for the protocol and the equivalence
@@ -163,47 +199,132 @@ class ModelConfig:
             return self.mutant is None or self.mutant in EQUIVALENT_VARIANTS
         return self.reduce
 
-    def shape(self) -> Tuple[int, int, int, int, int]:
+    def shape(self) -> "Shape":
         """``(P, Q, S, N, C)``."""
         return (self.num_producers, self.num_consumers, self.num_slots, self.num_chunks, self.num_calls)
 
+    def chunks_per_call(self) -> Tuple[int, ...]:
+        """Chunks of each call."""
+        if isinstance(self.num_chunks, tuple):
+            return self.num_chunks
+        return (self.num_chunks,) * self.num_calls
+
     def label(self) -> str:
         """Short human-readable name of this configuration."""
-        mode = f"serial(lookahead={self.effective_lookahead()})" if self.serial else "two-stream"
-        text = "P={},Q={},S={},N={},C={}".format(*self.shape())
+        if self.expert_window is not None:
+            widths = self.window_widths()
+            window = str(widths[0]) if len(set(widths)) == 1 else "/".join(map(str, widths))
+            mode = f"serial(window={window})" if self.serial else f"two-stream(window={window})"
+            if self.graph:
+                mode = f"graph-{'serial' if self.serial else 'concurrent'}(window={window})"
+        else:
+            lookaheads = self.lookaheads()
+            ahead = str(lookaheads[0]) if len(set(lookaheads)) == 1 else "/".join(map(str, lookaheads))
+            mode = f"serial(lookahead={ahead})" if self.serial else "two-stream"
+        chunks = "/".join(map(str, self.num_chunks)) if isinstance(self.num_chunks, tuple) else self.num_chunks
+        text = "P={},Q={},S={},N={},C={}".format(self.num_producers, self.num_consumers, self.num_slots, chunks,
+                                                 self.num_calls)
         text += f" {self.ack_policy.name.lower()} {mode}"
         text += " fine" if self.fine else ""
         text += "" if self.reduced() else " unreduced"
         return text + (f" mutant={self.mutant}" if self.mutant else "")
 
     def effective_lookahead(self) -> int:
-        """The lookahead the serial order uses."""
+        """The lookahead the serial order uses (rank 0's, when they differ)."""
+        return self.lookaheads()[0]
+
+    def lookaheads(self) -> Tuple[int, ...]:
+        """The lookahead of each rank's serial order."""
+        ranks = max(self.num_producers, self.num_consumers)
         if self.mutant == "lookahead_eq_slots":
-            return self.num_slots
+            return (protocol.default_lookahead(self.num_slots),) * (ranks - 1) + (self.num_slots,)
         if self.lookahead is None:
-            return protocol.default_lookahead(self.num_slots)
-        return self.lookahead
+            return (protocol.default_lookahead(self.num_slots),) * ranks
+        if isinstance(self.lookahead, tuple):
+            return self.lookahead
+        return (self.lookahead,) * ranks
+
+    def window_widths(self) -> Tuple[int, ...]:
+        """Chunks per expert window of each rank (windowed consumer only)."""
+        ranks = max(self.num_producers, self.num_consumers)
+        if self.mutant == "window_exceeds_slots":
+            return (self.num_slots + 1,) * ranks
+        if self.mutant == "windows_differ_per_rank":
+            return tuple(self.num_slots - 1 + r % 2 for r in range(ranks))
+        if isinstance(self.expert_window, tuple):
+            return self.expert_window
+        return (self.expert_window,) * ranks
 
 
 def _validate(cfg: ModelConfig) -> None:
     for name in ("num_producers", "num_consumers", "num_slots", "num_chunks", "num_calls"):
         value = getattr(cfg, name)
+        if name == "num_chunks" and isinstance(value, tuple):
+            if len(value) != cfg.num_calls or not sum(value) or any(
+                    not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in value):
+                raise ConfigError(f"num_chunks={value!r}: expected a positive int or one count >= 0 per call "
+                                  f"({cfg.num_calls}), not all 0")
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{name}={value!r}: expected a positive int")
     if cfg.num_consumers > 8:
         # The state stores each acknowledgement mask in one byte.
         raise ConfigError(f"num_consumers={cfg.num_consumers}: expected at most 8 (one mask byte)")
-    if cfg.num_calls * cfg.num_chunks > 120:
-        raise ConfigError(f"num_calls*num_chunks={cfg.num_calls * cfg.num_chunks}: expected at most 120 "
+    if sum(cfg.chunks_per_call()) > 120:
+        raise ConfigError(f"chunks over all calls={sum(cfg.chunks_per_call())}: expected at most 120 "
                           "(generations and stream positions are stored in one byte)")
     if cfg.mutant is not None and cfg.mutant not in MUTANT_NAMES + EQUIVALENT_VARIANTS:
         raise ConfigError(f"mutant={cfg.mutant!r}: expected one of {MUTANT_NAMES + EQUIVALENT_VARIANTS}")
-    if cfg.lookahead is not None and (not isinstance(cfg.lookahead, int) or cfg.lookahead < 0):
-        raise ConfigError(f"lookahead={cfg.lookahead!r}: expected a non-negative int or None")
+    ranks = max(cfg.num_producers, cfg.num_consumers)
+    for name in ("lookahead", "expert_window"):
+        value = getattr(cfg, name)
+        values = value if isinstance(value, tuple) else (value,)
+        low = 0 if name == "lookahead" else 1
+        if value is not None and (not values or any(not isinstance(v, int) or isinstance(v, bool) or v < low
+                                                    for v in values)
+                                  or (isinstance(value, tuple) and len(value) != ranks)):
+            raise ConfigError(f"{name}={value!r}: expected None, an int >= {low} or one per rank ({ranks})")
+    if cfg.expert_window is not None:
+        if cfg.num_producers != cfg.num_consumers:
+            raise ConfigError(f"expert_window={cfg.expert_window!r}: the windowed consumer needs every rank to be "
+                              f"producer and consumer (P == Q), got P={cfg.num_producers}, Q={cfg.num_consumers}")
+        if cfg.mutant is not None and cfg.mutant not in WINDOW_MUTANTS:
+            raise ConfigError(f"mutant={cfg.mutant!r}: only {list(WINDOW_MUTANTS)} run with expert windows")
+        if cfg.mutant != "window_exceeds_slots":
+            for width in cfg.window_widths():
+                protocol.check_expert_window(width, cfg.num_slots)
+    elif cfg.mutant in WINDOW_MUTANTS:
+        raise ConfigError(f"mutant={cfg.mutant!r} needs expert_window (the windowed consumer)")
+    if cfg.graph and cfg.expert_window is None:
+        raise ConfigError("graph=True: the captured graph is the windowed consumer's (set expert_window)")
+    if cfg.mutant in GRAPH_MUTANTS and not cfg.graph:
+        raise ConfigError(f"mutant={cfg.mutant!r} needs graph=True")
+    if cfg.graph and max(len(protocol.expert_windows(n, w)) + n + 1 for n in cfg.chunks_per_call()
+                         for w in cfg.window_widths()) > 16:
+        raise ConfigError("graph=True: at most 16 items per call (the done set is stored in two bytes)")
 
 
 Label = Tuple
 Successor = Tuple[Label, bytes, Optional[Tuple[str, str]]]
+
+
+def _window_stages(first: int, last: int, policy: AckPolicy) -> Tuple[Tuple, ...]:
+    """The stages of the GPU layer's consumer of the expert window ``[first, last]`` (moe/stages.py
+    ``consume_window``), each done for every source before the next starts:
+
+    ``("route", c)`` for each chunk: wait for its route, read it (count); then for each chunk
+    ``("layout", c)``: wait for its layout, read it and its route again (pull), and under EARLY
+    ``("ack", c)``; then ``("combine",)``: write the window's results into every owner's combine rows,
+    signal the owner (the window's last generation) and under CONSERVATIVE acknowledge the window's chunks;
+    then ``("reduce",)``, once for the rank: wait until every consumer's combine signal for this rank's
+    rows reached the window's last generation (``>=``), then read them.
+    """
+    stages: List[Tuple] = [("route", c) for c in range(first, last + 1)]
+    for c in range(first, last + 1):
+        stages.append(("layout", c))
+        if policy == AckPolicy.EARLY:
+            stages.append(("ack", c))
+    return tuple(stages) + (("combine",), ("reduce",))
 
 
 class RingModel:
@@ -224,19 +345,31 @@ class RingModel:
     def __init__(self, cfg: ModelConfig):
         _validate(cfg)
         self.cfg = cfg
-        P, Q, S, N, C = cfg.shape()
-        self.P, self.Q, self.S, self.N, self.C = P, Q, S, N, C
+        P, Q, S, _, C = cfg.shape()
+        self.P, self.Q, self.S, self.C = P, Q, S, C
+        #: Chunks of each call, and the index of each call's first chunk among all the calls' chunks.
+        self.chunks = cfg.chunks_per_call()
+        self.call_offset = [sum(self.chunks[:k]) for k in range(C)]
+        total = sum(self.chunks)
         self.R = max(P, Q)
         mutant = cfg.mutant
         self.mutant = mutant
+        self.windowed = cfg.expert_window is not None
         self.o_cons = _PROD_WORDS * P
-        self.cons_words = 2 + P
+        # Per consumer: call, chunk, then a phase per source; windowed: call, window's first chunk, stage
+        # of the window, the sources done with that stage (a bit mask).
+        self.cons_words = 4 if self.windowed else 2 + P
+        # Per rank: serial: its position in its stream; graph: the set of its finished items of the call
+        # (two words) and the item its serial executor runs (1 + index; 0: none).
+        self.stream_words = 3 if cfg.graph else 1
         self.o_stream = self.o_cons + self.cons_words * Q
-        self.o_base = self.o_stream + self.R
+        self.o_base = self.o_stream + self.stream_words * self.R
         self.o_mem = self.o_base + self.R
         self.o_acked = self.o_mem + _SLOT_WORDS * P * S
-        self.o_written = self.o_acked + P * C * N
-        self.num_words = self.o_written + P * C * N
+        self.o_written = self.o_acked + P * total
+        # Windowed: the combine-ready word of each consumer on each owner (the generation it last signalled).
+        self.o_comb = self.o_written + P * total
+        self.num_words = self.o_comb + (P * Q if self.windowed else 0)
 
         self.all_consumers = protocol.full_mask(Q)[0]
         # Required mask per owner (the protocol: all consumers; one mutant leaves out the owner itself).
@@ -262,28 +395,64 @@ class RingModel:
             steps = [tuple(ops[:3]), tuple(ops[3:])]
         #: The consumer's per-source program: a tuple of steps, each a tuple of operations done atomically.
         self.consumer_steps = tuple(steps)
+        #: Windowed consumer: per consumer and call, its windows by first chunk: (last chunk, stages).
+        self.windows: List[List[Dict[int, Tuple[int, Tuple[Tuple, ...]]]]] = []
+        if self.windowed:
+            self.policy = policy
+            for q, width in enumerate(cfg.window_widths()[:Q]):
+                self.windows.append([{first: (last, _window_stages(first, last, policy))
+                                      for first, last in protocol.expert_windows(n, width)} for n in self.chunks])
 
         # Serial mode: each rank's single stream, call after call, ending each call with the base advance.
+        #: Graph mode: per rank and call, each item's (index, mask of the items it must follow).
+        self.graph_nodes: List[List[Dict[Tuple[str, int, int], Tuple[int, int]]]] = []
+        self.graph_serial = cfg.graph and cfg.serial
+        if cfg.graph:
+            for r in range(self.R):
+                self.graph_nodes.append([self._call_graph(r, k) for k in range(C)])
         self.stream_items: List[Tuple[Tuple[str, int, int], ...]] = []
-        if cfg.serial:
-            if mutant == "lookahead_eq_slots":
-                # The forbidden lookahead: the producer of chunk S is enqueued before consumer of chunk 0.
-                order = protocol.enqueue_order(N, S, S, check=False)
-            else:
-                try:
-                    order = protocol.enqueue_order(N, S, cfg.effective_lookahead())
-                except ValueError as exc:
-                    raise ConfigError(str(exc)) from None
+        if cfg.serial and not cfg.graph:
             for r in range(self.R):
                 items = []
                 for k in range(C):
-                    for kind, c in order:
+                    for kind, c in self._rank_order(r, self.chunks[k]):
                         if (kind == "produce" and r < P) or (kind == "consume" and r < Q):
                             items.append((kind, k, c))
-                    items.append(("advance", k, N))
+                    items.append(("advance", k, self.chunks[k]))
                 self.stream_items.append(tuple(items))
             if max(len(items) for items in self.stream_items) > 250:
                 raise ConfigError("serial stream too long for the byte encoding: reduce num_chunks*num_calls")
+
+    def _call_graph(self, r: int, k: int) -> Dict[Tuple[str, int, int], Tuple[int, int]]:
+        """Rank ``r``'s captured graph of call ``k``: each model item -> (index, predecessor mask)."""
+        N = self.chunks[k]
+        order = protocol.windowed_enqueue_order(N, self.S, self.cfg.window_widths()[r])
+        items, edges = protocol.call_dependency_graph(order, self.S, two_streams=True)
+        dropped = {"graph_without_own_chunk_edges": "own chunks", "graph_without_own_ack_edges": "own acknowledgement"}
+        edges = tuple(e for e in edges if e.why != dropped.get(self.mutant))
+        names = {"produce": "produce", "consume": "consume", "end_call": "advance"}
+        model = {item: (names[item[0]], k, item[1]) for item in items}
+        index = {item: i for i, item in enumerate(items)}
+        preds = {item: 0 for item in items}
+        for edge in edges:
+            preds[edge.after] |= 1 << index[edge.before]
+        return {model[item]: (index[item], preds[item]) for item in items}
+
+    def _rank_order(self, r: int, N: int) -> List[Tuple[str, int]]:
+        """Rank ``r``'s serial enqueue order of a call of ``N`` chunks: ``(kind, chunk)`` items (a consume
+        item of a windowed order names its window's first chunk)."""
+        S, cfg = self.S, self.cfg
+        if self.windowed:
+            width = cfg.window_widths()[r]
+            order = protocol.windowed_enqueue_order(N, S, width, check=self.mutant != "window_exceeds_slots")
+            return [(kind, first) for kind, first, _ in order]
+        lookahead = cfg.lookaheads()[r]
+        # lookahead_eq_slots: the forbidden lookahead S, the producer of chunk S before the consumer of 0.
+        check = not (self.mutant == "lookahead_eq_slots" and lookahead == S)
+        try:
+            return protocol.enqueue_order(N, S, lookahead, check=check)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     # --- encoding helpers -----------------------------------------------------------------------------
 
@@ -299,25 +468,69 @@ class RingModel:
         return self.o_mem + _SLOT_WORDS * (p * self.S + s)
 
     def _chunk_idx(self, p: int, k: int, c: int) -> int:
-        return (p * self.C + k) * self.N + c
+        return p * sum(self.chunks) + self.call_offset[k] + c
 
     def tag(self, k: int, c: int) -> int:
         """Payload tag of chunk ``c`` of call ``k`` (0 means never written)."""
-        return k * self.N + c + 1
+        return self.call_offset[k] + c + 1
 
     def tag_text(self, tag: int) -> str:
         """Human-readable tag."""
         if tag == 0:
             return "(never written)"
-        return f"(call {(tag - 1) // self.N}, chunk {(tag - 1) % self.N})"
+        k = max(k for k in range(self.C) if self.call_offset[k] < tag)
+        return f"(call {k}, chunk {tag - 1 - self.call_offset[k]})"
 
     def _gate(self, w: Sequence[int], r: int, item: Tuple[str, int, int]) -> bool:
-        """Serial mode: whether ``item`` is the next work item on rank ``r``'s single stream."""
+        """Whether ``item`` may take a step on rank ``r``: serial, it is the next work item on the rank's
+        single stream; graph, it runs already, or every item it follows finished (and, with a serial
+        executor, no other item of the rank runs)."""
+        if self.cfg.graph:
+            idx, preds = self.graph_nodes[r][item[1]][item]
+            if self.graph_serial and item[0] != "advance":
+                return w[self.o_stream + 3 * r + 2] == idx + 1  # the executor started it
+            done = self._graph_done(w, r)
+            return not done >> idx & 1 and done & preds == preds
         if not self.cfg.serial:
             return True
         idx = w[self.o_stream + r]
         items = self.stream_items[r]
         return idx < len(items) and items[idx] == item
+
+    def _graph_done(self, w: Sequence[int], r: int) -> int:
+        o = self.o_stream + 3 * r
+        return w[o] | w[o + 1] << 8
+
+    def _executor_steps(self, w: bytes, out: List[Successor]) -> None:
+        """Graph mode with a serial executor: a rank that runs no item starts one whose predecessors all
+        finished (any of them: every topological order). It then runs only that item until it finishes,
+        even while the item waits (a launched kernel holds the executor)."""
+        for r in range(self.R):
+            if w[self.o_stream + 3 * r + 2]:
+                continue
+            o_prod, o_cons = _PROD_WORDS * r, self.o_cons + self.cons_words * r
+            for item in (("produce", w[o_prod], w[o_prod + 1]), ("consume", w[o_cons], w[o_cons + 1])):
+                k, c = item[1], item[2]
+                if k >= self.C or c >= self.chunks[k]:
+                    continue
+                idx, preds = self.graph_nodes[r][k][item]
+                done = self._graph_done(w, r)
+                if not done >> idx & 1 and done & preds == preds:
+                    nxt = bytearray(w)
+                    nxt[self.o_stream + 3 * r + 2] = idx + 1
+                    out.append((("start", r, item), bytes(nxt), None))
+
+    def _item_finished(self, nxt: bytearray, r: int, item: Tuple[str, int, int]) -> None:
+        """``item`` of rank ``r`` finished: the next stream item (serial), a finished item (graph)."""
+        if self.cfg.graph:
+            o = self.o_stream + 3 * r
+            if item[0] == "advance":  # a new call: nothing of it finished yet
+                nxt[o] = nxt[o + 1] = nxt[o + 2] = 0
+                return
+            done = self._graph_done(nxt, r) | 1 << self.graph_nodes[r][item[1]][item][0]
+            nxt[o], nxt[o + 1], nxt[o + 2] = done & 0xFF, done >> 8, 0
+        elif self.cfg.serial:
+            nxt[self.o_stream + r] += 1
 
     def _reuse_ok(self, mask: int, p: int) -> bool:
         required = self.required[p]
@@ -339,11 +552,12 @@ class RingModel:
         """(call, chunk) that occupied the slot of chunk ``c`` of call ``k`` before it, or ``None``."""
         if c >= self.S:
             return (k, c - self.S)
-        if k == 0:
-            return None
         s = protocol.slot_of(c, self.S)
-        last = s + self.S * ((self.N - 1 - s) // self.S) if s < self.N else None
-        return (k - 1, last) if last is not None else None
+        for earlier in range(k - 1, -1, -1):  # the last earlier call whose chunks reached slot s
+            n = self.chunks[earlier]
+            if s < n:
+                return (earlier, s + self.S * ((n - 1 - s) // self.S))
+        return None
 
     def _published(self, w: Sequence[int], p: int, k: int, c: int, field: int) -> bool:
         """Ghost: whether producer ``p`` has executed its publish of ``field`` for chunk ``(k, c)``."""
@@ -375,7 +589,7 @@ class RingModel:
         """Invariant 4 at the end: every (source, call, chunk, consumer) result was written."""
         for p in range(self.P):
             for k in range(self.C):
-                for c in range(self.N):
+                for c in range(self.chunks[k]):
                     written = w[self.o_written + self._chunk_idx(p, k, c)]
                     if written != self.all_consumers:
                         missing = [q for q in range(self.Q) if not written >> q & 1]
@@ -391,24 +605,27 @@ class RingModel:
         """
         w = state
         out: List[Successor] = []
+        consumer_steps = self._window_steps if self.windowed else self._consumer_steps
         if self.cfg.reduced():
             # Partial-order reduction (docs/MODELCHECK.md): a consumer step that no other step can conflict
             # with before it runs is explored alone.
-            self._consumer_steps(w, out, reduce=True)
+            consumer_steps(w, out, reduce=True)
             if out:
                 return out
         self._producer_steps(w, out)
         self._drain_steps(w, out)
-        self._consumer_steps(w, out)
+        consumer_steps(w, out)
         self._advance_steps(w, out)
+        if self.graph_serial:
+            self._executor_steps(w, out)
         return out
 
     def _producer_steps(self, w: bytes, out: List[Successor]) -> None:
-        N, S, mutant = self.N, self.S, self.mutant
+        S, mutant = self.S, self.mutant
         for p in range(self.P):
             o = _PROD_WORDS * p
             k, c = w[o], w[o + 1]
-            if k >= self.C or c >= N or not self._gate(w, p, ("produce", k, c)):
+            if k >= self.C or c >= self.chunks[k] or not self._gate(w, p, ("produce", k, c)):
                 continue
             s = protocol.slot_of(c, S)
             m = self._slot(p, s)
@@ -475,10 +692,9 @@ class RingModel:
         if self.mutant == "reset_after_publish":
             done = done and nxt[o + 5]
         if done:
+            self._item_finished(nxt, p, ("produce", nxt[o], nxt[o + 1]))
             nxt[o + 1] += 1
             nxt[o + 2] = nxt[o + 3] = nxt[o + 4] = nxt[o + 5] = 0
-            if self.cfg.serial:
-                nxt[self.o_stream + p] += 1
 
     def _check_overwrite(self, w: bytes, p: int, k: int, c: int, s: int,
                          field: int) -> Optional[Tuple[str, str]]:
@@ -517,9 +733,15 @@ class RingModel:
         phase = w[self.o_cons + self.cons_words * q + 2 + p]
         if self.consumer_steps[phase] == (OP_COMBINE,) and self.mutant != "combine_rereads_slot":
             return True  # a lone combine write touches only ghost state of q's own results
+        return self._slot_guarded(w, q, p, c)
+
+    def _slot_guarded(self, w: bytes, q: int, p: int, c: int) -> bool:
+        """Whether owner ``p`` cannot touch the slot of chunk ``c`` before consumer ``q`` acknowledges it:
+        ``q``'s bit is required and absent from the slot's mask, and the owner does not hold the slot for
+        another use."""
         s = protocol.slot_of(c, self.S)
         o = _PROD_WORDS * p
-        if w[o] < self.C and w[o + 1] < self.N and w[o + 2] and protocol.slot_of(w[o + 1], self.S) == s:
+        if w[o] < self.C and w[o + 1] < self.chunks[w[o]] and w[o + 2] and protocol.slot_of(w[o + 1], self.S) == s:
             return False  # the owner already holds the slot for another use: its writes may come first
         _, bit = protocol.ack_bit(q)
         required = self.required[p][0]
@@ -530,12 +752,12 @@ class RingModel:
 
     def _consumer_steps(self, w: bytes, out: List[Successor], reduce: bool = False) -> None:
         """Consumer steps; with ``reduce``, only the first independent one (`_independent`)."""
-        P, N, S, steps = self.P, self.N, self.S, self.consumer_steps
+        P, steps = self.P, self.consumer_steps
         num_steps = len(steps)
         for q in range(self.Q):
             o = self.o_cons + self.cons_words * q
             k, c = w[o], w[o + 1]
-            if k >= self.C or c >= N or not self._gate(w, q, ("consume", k, c)):
+            if k >= self.C or c >= self.chunks[k] or not self._gate(w, q, ("consume", k, c)):
                 continue
             for p in range(P):
                 phase = w[o + 2 + p]
@@ -554,14 +776,114 @@ class RingModel:
                 else:
                     nxt[o + 2 + p] = phase + 1
                     if all(nxt[o + 2 + i] == num_steps for i in range(P)):
+                        self._item_finished(nxt, q, ("consume", k, c))
                         nxt[o + 1] += 1
                         for i in range(P):
                             nxt[o + 2 + i] = 0
-                        if self.cfg.serial:
-                            nxt[self.o_stream + q] += 1
                     out.append((tuple(labels), bytes(nxt), violation))
                     if reduce:
                         return
+
+    def _window_steps(self, w: bytes, out: List[Successor], reduce: bool = False) -> None:
+        """Steps of the windowed consumers (`_window_stages`); with ``reduce``, only the first one that no
+        other step can conflict with before it runs (a read of a slot its owner cannot touch before this
+        consumer acknowledges it, an acknowledgement, a combine write and signal, the reduce)."""
+        P, all_sources = self.P, (1 << self.P) - 1
+        for q in range(self.Q):
+            o = self.o_cons + self.cons_words * q
+            k, first, stage, done = w[o], w[o + 1], w[o + 2], w[o + 3]
+            if k >= self.C or first >= self.chunks[k] or not self._gate(w, q, ("consume", k, first)):
+                continue
+            last, stages = self.windows[q][k][first]
+            step = stages[stage]
+            for p in ((None,) if step[0] == "reduce" else range(P)):
+                if p is not None and done >> p & 1:
+                    continue
+                if reduce and step[0] in ("route", "layout") and not self._slot_guarded(w, q, p, step[1]):
+                    continue
+                nxt = bytearray(w)
+                result = self._window_op(nxt, step, q, p, k, first, last)
+                if result is None:
+                    continue  # a wait that is not satisfied
+                label, violation = result
+                done_now = all_sources if p is None else nxt[o + 3] | 1 << p
+                if done_now == all_sources:  # every source finished the stage: the next one
+                    nxt[o + 3] = 0
+                    nxt[o + 2] = stage + 1
+                    if stage + 1 == len(stages):  # the window is done
+                        nxt[o + 1], nxt[o + 2] = last + 1, 0
+                        self._item_finished(nxt, q, ("consume", k, first))
+                else:
+                    nxt[o + 3] = done_now
+                out.append((label, bytes(nxt), violation))
+                if reduce:
+                    return
+
+    def _window_op(self, nxt: bytearray, step: Tuple, q: int, p: Optional[int], k: int, first: int,
+                   last: int) -> Optional[Tuple[Label, Optional[Tuple[str, str]]]]:
+        """Apply one stage of consumer ``q``'s window ``[first, last]`` for source ``p`` (``None``: the
+        reduce) to ``nxt``; ``None`` when it is a wait that is not satisfied."""
+        base = nxt[self.o_base + q]
+        _, bit = protocol.ack_bit(q)
+        kind = step[0]
+        if kind in ("route", "layout"):
+            c = step[1]
+            s = protocol.slot_of(c, self.S)
+            m = self._slot(p, s)
+            gen, tag = protocol.generation(base, c), self.tag(k, c)
+            field = 0 if kind == "route" else 1
+            observed = nxt[m + field]
+            # acquire: pairs with the producer's release before its publish of this field
+            if observed != gen:
+                return None
+            violation = None
+            if not self._published(nxt, p, k, c, field):
+                violation = (INV_NO_STALE_WAIT, f"consumer {q} passed its {kind} wait for source {p} call {k} "
+                             f"chunk {c} (gen {gen}) seeing {kind}_ready={observed}, but that chunk's {kind} is "
+                             "not published yet")
+            # route: count (reads topk_idx); layout: pull (reads x, and topk_idx again for the rows)
+            seen = [nxt[m + f] for f in ((0,) if field == 0 else (1, 0))]
+            for f, tag_seen in zip((0,) if field == 0 else (1, 0), seen):
+                violation = violation or self._check_read(q, p, k, c, s, f, tag_seen, tag)
+            return ("w" + kind, q, p, k, c, s, observed, gen, tuple(seen), tag), violation
+        if kind == "ack":
+            c = step[1]
+            m = self._slot(p, protocol.slot_of(c, self.S))
+            # release: pairs with the owner's acquire of the slot (its mask wait)
+            nxt[m + 2] |= bit
+            nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
+            return ("ack", q, p, k, c, protocol.slot_of(c, self.S), nxt[m + 2]), None
+        if kind == "combine":
+            violation = None
+            gen = protocol.generation(base, last)
+            for c in range(first, last + 1):
+                idx = self.o_written + self._chunk_idx(p, k, c)
+                if nxt[idx] & bit:
+                    violation = violation or (INV_COMBINE_ONCE, f"consumer {q} writes the result of source {p} "
+                                              f"call {k} chunk {c} a second time")
+                nxt[idx] |= bit
+            # release: the rows before the signal; pairs with the acquire of owner p's reduce
+            nxt[self.o_comb + p * self.Q + q] = gen
+            conservative = self.policy == AckPolicy.CONSERVATIVE
+            if conservative:
+                for c in range(first, last + 1):
+                    m = self._slot(p, protocol.slot_of(c, self.S))
+                    nxt[m + 2] |= bit
+                    nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
+            return ("wcombine", q, p, k, first, last, gen, conservative), None
+        # reduce: this rank's own rows of the window, once every consumer signalled them (>=, as the device)
+        gen = protocol.generation(base, last)
+        signals = [nxt[self.o_comb + q * self.Q + r] for r in range(self.Q)]
+        if any(sig < gen for sig in signals):
+            return None
+        violation = None
+        for c in range(first, last + 1):
+            written = nxt[self.o_written + self._chunk_idx(q, k, c)]
+            if written != self.all_consumers:
+                missing = [r for r in range(self.Q) if not written >> r & 1]
+                violation = violation or (INV_COMBINE_ONCE, f"owner {q} reduces call {k} chunk {c} before "
+                                          f"consumers {missing} wrote their results")
+        return ("reduce", q, k, first, last, gen, tuple(signals)), violation
 
     def _consumer_op(self, nxt: bytearray, op: int, q: int, p: int, k: int,
                      c: int) -> Optional[Tuple[Label, Optional[Tuple[str, str]]]]:
@@ -617,7 +939,7 @@ class RingModel:
 
     def _advance_steps(self, w: bytes, out: List[Successor]) -> None:
         """End of a call on one rank: both streams joined, the device advances the generation base."""
-        N, C = self.N, self.C
+        C = self.C
         for r in range(self.R):
             calls = []
             if r < self.P:
@@ -627,7 +949,10 @@ class RingModel:
                 o = self.o_cons + self.cons_words * r
                 calls.append((w[o], w[o + 1]))
             k = calls[0][0]
-            if k >= C or any(pc != (k, N) for pc in calls) or not self._gate(w, r, ("advance", k, N)):
+            if k >= C:
+                continue
+            N = self.chunks[k]
+            if any(pc != (k, N) for pc in calls) or not self._gate(w, r, ("advance", k, N)):
                 continue
             nxt = bytearray(w)
             base = w[self.o_base + r]
@@ -639,8 +964,7 @@ class RingModel:
             if r < self.Q:
                 o = self.o_cons + self.cons_words * r
                 nxt[o], nxt[o + 1] = k + 1, 0
-            if self.cfg.serial:
-                nxt[self.o_stream + r] += 1
+            self._item_finished(nxt, r, ("advance", k, N))
             out.append((("advance", r, k, base, new_base), bytes(nxt), None))
 
     # --- traces ---------------------------------------------------------------------------------------
@@ -655,8 +979,14 @@ class RingModel:
             item = ("produce" if role == "producer" else "consume", k, c)
             if k >= self.C:
                 continue
-            if c >= self.N:
+            if c >= self.chunks[k]:
                 lines.append(f"{role} {r} waits for the end of call {k} on rank {r}")
+            elif self.cfg.graph and not self._gate(w, r, item):
+                idx, preds = self.graph_nodes[r][k][item]
+                missing = [it for it, (i, _) in self.graph_nodes[r][k].items()
+                           if preds >> i & 1 and not self._graph_done(w, r) >> i & 1]
+                why = f"it follows {missing}, not finished" if missing else "the executor runs another item"
+                lines.append(f"{role} {r} call {k}: {item[0]} {c} is not started: {why}")
             elif self.cfg.serial and not self._gate(w, r, item):
                 lines.append(f"{role} {r} call {k} chunk {c} is queued behind "
                              f"{self.stream_items[r][w[self.o_stream + r]]} on rank {r}'s stream")
@@ -665,6 +995,8 @@ class RingModel:
                 mask = w[self._slot(r, s) + 2]
                 lines.append(f"producer {r} call {k} chunk {c} waits to acquire slot {s}: mask {mask:#b}, "
                              f"required {self.required[r][0]:#b}")
+            elif self.windowed:
+                lines += self._window_blocked(w, r, k, c)
             else:
                 s = protocol.slot_of(c, self.S)
                 gen = protocol.generation(w[self.o_base + r], c)
@@ -676,6 +1008,24 @@ class RingModel:
                                      f"gen {gen}: "
                                      f"route_ready={w[m]} layout_ready={w[m + 1]}")
         return lines
+
+    def _window_blocked(self, w: bytes, q: int, k: int, first: int) -> List[str]:
+        o = self.o_cons + self.cons_words * q
+        last, stages = self.windows[q][k][first]
+        step, done = stages[w[o + 2]], w[o + 3]
+        where = f"consumer {q} call {k} window [{first}, {last}]"
+        base = w[self.o_base + q]
+        if step[0] == "reduce":
+            gen = protocol.generation(base, last)
+            signals = [w[self.o_comb + q * self.Q + r] for r in range(self.Q)]
+            return [f"{where} waits to reduce: combine signals {signals}, needs >= {gen} from every consumer"]
+        if step[0] not in ("route", "layout"):
+            return []
+        c = step[1]
+        s, gen = protocol.slot_of(c, self.S), protocol.generation(base, c)
+        field = 0 if step[0] == "route" else 1
+        return [f"{where} waits for the {step[0]} of chunk {c} of source {p} slot {s} gen {gen}: "
+                f"{step[0]}_ready={w[self._slot(p, s) + field]}" for p in range(self.P) if not done >> p & 1]
 
     def describe(self, label: Label) -> str:
         """One line of a counterexample trace (a coarse step's operations joined by ``; ``)."""
@@ -725,6 +1075,25 @@ class RingModel:
         if kind == "advance":
             _, r, k, base, new_base = label
             return f"rank {r}: end of call {k}, generation base {base} -> {new_base}"
+        if kind == "start":
+            _, r, item = label
+            what = f"produce chunk {item[2]}" if item[0] == "produce" else f"consume the window from chunk {item[2]}"
+            return f"rank {r}: the executor starts call {item[1]}'s {what}"
+        if kind in ("wroute", "wlayout"):
+            _, q, p, k, c, s, observed, gen, seen, tag = label
+            what = "counts its route" if kind == "wroute" else "pulls its layout (and route)"
+            reads = ", ".join(f"{self.tag_text(t)} {'ok' if t == tag else 'WRONG'}" for t in seen)
+            return (f"consumer {q} call {k} chunk {c}: {kind[1:]} wait on source {p} slot {s} satisfied "
+                    f"({kind[1:]}_ready={observed}, expected gen {gen}), {what}: {reads}")
+        if kind == "wcombine":
+            _, q, p, k, first, last, gen, acked = label
+            text = (f"consumer {q} call {k} window [{first}, {last}]: writes its results of source {p}'s "
+                    f"chunks, signals combine_ready = {gen} to owner {p}")
+            return text + (", acknowledges the window's chunks of source {}".format(p) if acked else "")
+        if kind == "reduce":
+            _, q, k, first, last, gen, signals = label
+            return (f"owner {q} call {k} window [{first}, {last}]: every consumer's combine signal "
+                    f"{list(signals)} >= {gen}, reduces its rows")
         return repr(label)
 
 
@@ -849,14 +1218,15 @@ def explore(cfg: ModelConfig, max_states: Optional[int] = None) -> RunResult:
 
 # --- suites -------------------------------------------------------------------------------------------
 
-Shape = Tuple[int, int, int, int, int]
+#: ``(P, Q, S, N, C)``; ``N`` an int, or one chunk count per call.
+Shape = Tuple[int, int, int, Union[int, Tuple[int, ...]], int]
 #: A cross-check: a shape explored with (fine steps?, partial-order reduction?).
 CrossCheck = Tuple[Shape, bool, bool]
 
-#: ``--quick``: CI size. Shapes are (P, Q, S, N, C).
+#: ``--quick``: CI size. Shapes are (P, Q, S, N, C); a tuple N gives each call its own chunk count.
 QUICK_SHAPES: Tuple[Shape, ...] = (
     (1, 1, 1, 2, 2), (1, 1, 2, 3, 2), (2, 1, 2, 3, 2), (1, 2, 2, 3, 2), (2, 2, 2, 3, 2), (2, 2, 2, 4, 2),
-    (3, 3, 2, 3, 1),
+    (3, 3, 2, 3, 1), (2, 2, 2, (3, 1, 2), 3),
 )
 #: ``--quick`` cross-checks of the reductions: the same shape without reduction and with fine steps.
 QUICK_CROSS_CHECKS: Tuple[CrossCheck, ...] = (
@@ -865,7 +1235,23 @@ QUICK_CROSS_CHECKS: Tuple[CrossCheck, ...] = (
 #: Full run.
 FULL_SHAPES: Tuple[Shape, ...] = QUICK_SHAPES + (
     (1, 1, 3, 7, 2), (2, 2, 1, 3, 2), (2, 2, 3, 6, 2), (3, 2, 2, 4, 2), (2, 3, 2, 4, 2),
-    (3, 3, 2, 4, 2), (3, 3, 3, 6, 2), (4, 4, 2, 4, 2),
+    (3, 3, 2, 4, 2), (3, 3, 3, 6, 2), (4, 4, 2, 4, 2), (2, 1, 2, (3, 0, 2), 3), (2, 2, 2, (1, 3, 0, 2), 4),
+    (3, 3, 2, (3, 1), 2),
+)
+#: Shapes of the windowed consumer (the GPU layer's order; every rank producer and consumer, P == Q): every
+#: window 1..S, both policies, two streams and serial (`window_configs`).
+QUICK_WINDOW_SHAPES: Tuple[Shape, ...] = (
+    (1, 1, 1, 2, 2), (1, 1, 2, 3, 2), (2, 2, 2, 3, 2), (2, 2, 2, 4, 2), (3, 3, 2, 3, 1), (2, 2, 3, 4, 1),
+    (2, 2, 2, (3, 1, 2), 3),
+)
+FULL_WINDOW_SHAPES: Tuple[Shape, ...] = QUICK_WINDOW_SHAPES + (
+    (1, 1, 3, 7, 2), (2, 2, 1, 3, 2), (2, 2, 3, 6, 2), (3, 3, 2, 4, 2), (3, 3, 3, 6, 2),
+    (2, 2, 3, (4, 1, 2), 3), (3, 3, 2, (3, 1), 2),
+)
+#: Cross-checks of the windowed consumer's reduction: (shape, window) explored unreduced.
+QUICK_WINDOW_CROSS_CHECKS: Tuple[Tuple[Shape, int], ...] = (((2, 2, 2, 3, 1), 1), ((2, 2, 2, 3, 1), 2))
+FULL_WINDOW_CROSS_CHECKS: Tuple[Tuple[Shape, int], ...] = QUICK_WINDOW_CROSS_CHECKS + (
+    ((2, 2, 2, 4, 2), 1), ((2, 2, 2, 4, 2), 2), ((3, 3, 2, 3, 1), 2), ((2, 2, 3, 4, 1), 3),
 )
 FULL_CROSS_CHECKS: Tuple[CrossCheck, ...] = QUICK_CROSS_CHECKS + (
     ((2, 2, 2, 2, 1), True, False), ((2, 2, 2, 3, 1), True, False),
@@ -874,13 +1260,25 @@ FULL_CROSS_CHECKS: Tuple[CrossCheck, ...] = QUICK_CROSS_CHECKS + (
 )
 
 
+def window_configs(shape: Shape) -> List[ModelConfig]:
+    """The windowed consumer (the GPU layer) on ``shape``: every window ``1..num_slots``, both policies;
+    two streams, serial (`protocol.windowed_enqueue_order`), and each rank's call as its captured graph
+    (`protocol.call_dependency_graph`) run one item at a time in any topological order or concurrently."""
+    return [ModelConfig(*shape, ack_policy=policy, serial=serial, expert_window=width, graph=graph)
+            for width in range(1, shape[2] + 1) for graph in (False, True) for serial in (False, True)
+            for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY)]
+
+
 def protocol_configs(shapes: Sequence[Shape], cross_checks: Sequence[CrossCheck] = (),
-                     mutant: Optional[str] = None) -> List[ModelConfig]:
+                     mutant: Optional[str] = None, window_shapes: Sequence[Shape] = (),
+                     window_cross_checks: Sequence[Tuple[Shape, int]] = ()) -> List[ModelConfig]:
     """Every configuration the real protocol (or an equivalence variant) is checked in.
 
     Per shape: both ack policies with two streams, and serial streams with every allowed lookahead
-    (``0..num_slots-1``), all with coarse steps and partial-order reduction. Each cross-check adds
-    two-stream runs of both policies with the given step granularity and reduction.
+    (``0..num_slots-1``) and with two mixes of lookaheads over the ranks, all with coarse steps and
+    partial-order reduction. Per window shape (the protocol only): `window_configs`; per window
+    cross-check, the two-stream runs of both policies without reduction. Each cross-check adds two-stream
+    runs of both policies with the given step granularity and reduction.
     """
     configs = []
     for shape in shapes:
@@ -888,6 +1286,18 @@ def protocol_configs(shapes: Sequence[Shape], cross_checks: Sequence[CrossCheck]
             configs.append(ModelConfig(*shape, ack_policy=policy, mutant=mutant))
         for lookahead in range(shape[2]):
             configs.append(ModelConfig(*shape, serial=True, lookahead=lookahead, mutant=mutant))
+        ranks, slots = max(shape[0], shape[1]), shape[2]
+        if ranks > 1 and slots > 1:
+            # Ranks with different lookaheads: the rule is per rank (0 and S-1, alternating, and the reverse).
+            for phase in (0, 1):
+                mixed = tuple((slots - 1) * ((r + phase) % 2) for r in range(ranks))
+                configs.append(ModelConfig(*shape, serial=True, lookahead=mixed, mutant=mutant))
+    if mutant is None:
+        for shape in window_shapes:
+            configs += window_configs(shape)
+        for shape, width in window_cross_checks:
+            for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
+                configs.append(ModelConfig(*shape, ack_policy=policy, expert_window=width, reduce=False))
     for shape, fine, reduce in cross_checks:
         for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
             configs.append(ModelConfig(*shape, ack_policy=policy, mutant=mutant, fine=fine, reduce=reduce))
@@ -897,13 +1307,19 @@ def protocol_configs(shapes: Sequence[Shape], cross_checks: Sequence[CrossCheck]
 def mutant_configs(spec: MutantSpec, shapes: Sequence[Shape]) -> List[ModelConfig]:
     """Configurations a mutant is tried in, smallest first (the first violation kills it)."""
     configs = []
-    for shape in sorted(shapes, key=lambda sh: (sh[0] * sh[1] * sh[3] * sh[4], sh)):
+    for shape in sorted((sh for sh in shapes if isinstance(sh[3], int)),  # one chunk count for every call
+                        key=lambda sh: (sh[0] * sh[1] * sh[3] * sh[4], sh)):
         P, Q, S, N, C = shape
-        if Q < spec.min_consumers or C < spec.min_calls or (spec.needs_wrap and N <= S and C < 2):
+        if Q < spec.min_consumers or C < spec.min_calls or S < spec.min_slots or (
+                spec.needs_wrap and N <= S and C < 2):
+            continue
+        if spec.window and (P != Q or (spec.needs_wrap and N <= S)):  # a slot reused within the call
             continue
         policies = (spec.policy,) if spec.policy is not None else (AckPolicy.CONSERVATIVE, AckPolicy.EARLY)
+        width = S + 1 if spec.name == "window_exceeds_slots" else 1
         for policy in policies:
-            configs.append(ModelConfig(*shape, ack_policy=policy, serial=spec.serial, mutant=spec.name))
+            configs.append(ModelConfig(*shape, ack_policy=policy, serial=spec.serial, mutant=spec.name,
+                                       expert_window=width if spec.window else None, graph=spec.graph))
     return configs
 
 
@@ -934,10 +1350,11 @@ class MutantResult:
         return run.violation.invariant if run is not None else None
 
 
-def run_mutant(spec: MutantSpec, shapes: Sequence[Shape]) -> MutantResult:
-    """Explore the mutant's configurations, smallest first, until one yields a counterexample."""
+def run_mutant(spec: MutantSpec, shapes: Sequence[Shape], window_shapes: Sequence[Shape] = ()) -> MutantResult:
+    """Explore the mutant's configurations, smallest first, until one yields a counterexample (a windowed
+    mutant on ``window_shapes``)."""
     runs = []
-    for cfg in mutant_configs(spec, shapes):
+    for cfg in mutant_configs(spec, window_shapes if spec.window else shapes):
         run = explore(cfg)
         runs.append(run)
         if run.violation is not None:
@@ -1003,12 +1420,17 @@ def check(shapes: Sequence[Shape],
           cross_checks: Sequence[CrossCheck] = (),
           mutants: Optional[Sequence[str]] = None, check_protocol: bool = True,
           log: Optional[TextIO] = None,
-          equivalence_cross_checks: Optional[Sequence[CrossCheck]] = None) -> Report:
+          equivalence_cross_checks: Optional[Sequence[CrossCheck]] = None,
+          window_shapes: Sequence[Shape] = (),
+          window_cross_checks: Sequence[Tuple[Shape, int]] = ()) -> Report:
     """Check the protocol, the mutants and the equivalence variants over ``shapes``.
 
     Args:
         shapes: ``(P, Q, S, N, C)`` tuples.
         cross_checks: ``(shape, fine, reduce)`` runs that cross-check the step granularity and reduction.
+        window_shapes: shapes of the windowed consumer (the GPU layer's order), P == Q; the windowed
+            mutants run on them.
+        window_cross_checks: ``(shape, window)`` runs of the windowed consumer without reduction.
         mutants: names of the mutants to run (``None``: all of `MUTANT_NAMES`).
         check_protocol: also explore the real protocol and the equivalence variants.
         log: where progress lines go (``None``: nowhere).
@@ -1033,7 +1455,8 @@ def check(shapes: Sequence[Shape],
     equivalents: Dict[str, List[RunResult]] = {}
     if check_protocol:
         write("== protocol ==\n")
-        for cfg in protocol_configs(shapes, cross_checks):
+        for cfg in protocol_configs(shapes, cross_checks, window_shapes=window_shapes,
+                                    window_cross_checks=window_cross_checks):
             run = explore(cfg)
             protocol_runs.append(run)
             write(_run_line(run))
@@ -1054,7 +1477,7 @@ def check(shapes: Sequence[Shape],
     write("== mutants ==\n")
     results = []
     for name in names:
-        result = run_mutant(_MUTANT_BY_NAME[name], shapes)
+        result = run_mutant(_MUTANT_BY_NAME[name], shapes, window_shapes)
         results.append(result)
         write(_mutant_text(result))
     report = Report(protocol_runs, results, equivalents)
@@ -1097,14 +1520,19 @@ def _mutant_text(result: MutantResult) -> str:
     return head + text + _violation_text(run.violation)
 
 
-def _parse_shape(text: str) -> Tuple[int, int, int, int, int]:
+def _parse_shape(text: str) -> Shape:
+    """``P,Q,S,N,C``; ``N`` may be one count per call joined by ``/`` (e.g. ``2,2,2,3/1/3,3``)."""
     try:
-        values = tuple(int(part) for part in text.split(","))
+        parts = text.split(",")
+        values = [tuple(int(n) for n in part.split("/")) if i == 3 and "/" in part else int(part)
+                  for i, part in enumerate(parts)]
     except ValueError:
-        values = ()
-    if len(values) != 5 or min(values) <= 0:
-        raise ConfigError(f"--config={text!r}: expected five positive integers P,Q,S,N,C")
-    return values  # type: ignore[return-value]
+        values = []
+    ints = [v for v in values if isinstance(v, int)]
+    if len(values) != 5 or not ints or min(ints) <= 0 or (isinstance(values[3], tuple) and len(values[3]) != values[4]):
+        raise ConfigError(f"--config={text!r}: expected five positive integers P,Q,S,N,C (N may be one count per "
+                          "call, joined by '/')")
+    return tuple(values)  # type: ignore[return-value]
 
 
 def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
@@ -1127,17 +1555,22 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             out.write(f"{spec.name}: {spec.description} (expected: {spec.expected})\n")
         return 0
     try:
+        window_cross_checks: Sequence[Tuple[Shape, int]] = ()
         if args.config:
             shapes: Sequence[Shape] = (_parse_shape(args.config),)
             cross_checks: Sequence[CrossCheck] = ()
+            window_shapes: Sequence[Shape] = tuple(sh for sh in shapes if sh[0] == sh[1])
         elif args.quick:
             shapes, cross_checks = QUICK_SHAPES, QUICK_CROSS_CHECKS
+            window_shapes, window_cross_checks = QUICK_WINDOW_SHAPES, QUICK_WINDOW_CROSS_CHECKS
         else:
             shapes, cross_checks = FULL_SHAPES, FULL_CROSS_CHECKS
+            window_shapes, window_cross_checks = FULL_WINDOW_SHAPES, FULL_WINDOW_CROSS_CHECKS
         start = time.perf_counter()
         # The equivalence variants skip the full run's largest unreduced cross-checks (minutes each).
         report = check(shapes, cross_checks, mutants=args.mutant, check_protocol=not args.mutant, log=out,
-                       equivalence_cross_checks=[cc for cc in cross_checks if cc in QUICK_CROSS_CHECKS])
+                       equivalence_cross_checks=[cc for cc in cross_checks if cc in QUICK_CROSS_CHECKS],
+                       window_shapes=window_shapes, window_cross_checks=window_cross_checks)
     except ConfigError as exc:
         parser.error(str(exc))
     out.write(f"total time {time.perf_counter() - start:.1f}s\n")

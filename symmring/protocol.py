@@ -80,7 +80,7 @@ A call of three chunks from generation base 10 through a 2-slot ring, three rank
 from __future__ import annotations
 
 import enum
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Sequence, Tuple
 
 from .errors import ConfigError
 
@@ -322,7 +322,8 @@ def expert_windows(num_chunks: int, expert_window: int) -> List[Tuple[int, int]]
     return [(c, min(num_chunks, c + expert_window) - 1) for c in range(0, num_chunks, expert_window)]
 
 
-def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int = 1) -> List[Tuple[str, int, int]]:
+def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int = 1,
+                           *, check: bool = True) -> List[Tuple[str, int, int]]:
     """One rank's host enqueue order with expert windows: ``("produce", c, c)`` and ``("consume", first,
     last)`` items.
 
@@ -330,8 +331,12 @@ def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int =
     previous chunk ``c - num_slots < c0`` was consumed, hence acknowledged, earlier in the order), which
     includes the whole window since ``c1 < c0 + expert_window <= c0 + num_slots``. Executed serially on every
     rank, it completes. ``expert_window = 1`` is `enqueue_order` with the default lookahead.
+    ``check=False`` builds the order for a forbidden window (the model checker's deadlock mutant).
     """
-    check_expert_window(expert_window, num_slots)
+    if check:
+        check_expert_window(expert_window, num_slots)
+    else:
+        _check_pos("num_slots", num_slots)
     order: List[Tuple[str, int, int]] = []
     produced = 0
     for first, last in expert_windows(num_chunks, expert_window):
@@ -339,4 +344,94 @@ def windowed_enqueue_order(num_chunks: int, num_slots: int, expert_window: int =
             order.append(("produce", produced, produced))
             produced += 1
         order.append(("consume", first, last))
+    # Only a forbidden window (check=False) leaves chunks unproduced before the last window.
+    order += [("produce", c, c) for c in range(produced, num_chunks)]
     return order
+
+
+# --- the captured dependency graph of one rank's call -----------------------------------------------------
+
+#: An item of a (windowed) enqueue order -- ``("produce", c, c)`` or ``("consume", first, last)`` -- or the
+#: end of the call, ``("end_call", num_chunks, num_chunks)``.
+Item = Tuple[str, int, int]
+
+
+class DependencyEdge(NamedTuple):
+    """``after`` may start only once ``before`` finished on this rank; ``why`` names the rule."""
+
+    before: Item
+    after: Item
+    why: str  #: ``"stream"``, ``"own chunks"``, ``"own acknowledgement"`` or ``"end"``
+
+
+def call_dependency_graph(order: Sequence[Item], num_slots: int, *,
+                          two_streams: bool) -> Tuple[Tuple[Item, ...], Tuple[DependencyEdge, ...]]:
+    """The dependency graph of one rank's call as captured (a CUDA graph of the layer's enqueue order), with
+    the local edges that make every topological order of it a valid serial schedule.
+
+    A captured graph keeps only the edges it is given: stream order within each stream, and the fork and
+    join of the streams. With producer and consumer on two streams that lets an executor run a window's
+    consumer before this rank's own producer of its chunks, or a producer before this rank's own
+    acknowledgement of the slot's previous use, and spin there forever. So the layer adds, between the
+    streams (one stream already orders both, as `windowed_enqueue_order` does):
+
+    * ``"own chunks"``: consume ``[c0, c1]`` after this rank's produce of ``c1`` (hence of every chunk of the
+      window: the producer stream runs them in order), whose route and layout the window waits for;
+    * ``"own acknowledgement"``: produce ``c`` after this rank's consume of the window holding
+      ``c - num_slots``, the previous use of ``c``'s slot (EARLY acknowledges inside that window,
+      CONSERVATIVE at its end: after the window holds for both).
+
+    Plus ``"stream"`` edges (each item after the previous item of its stream) and ``"end"`` edges (the end of
+    the call, which advances the generation base, after the last item of each stream). The waits on other
+    ranks stay waits: the model checker explores every rank running any topological order of its graph
+    (``symmring.modelcheck``, ``ModelConfig(graph=True)``).
+
+    Args:
+        order: the call's items, ``("produce", c, c)`` and ``("consume", first, last)``, as
+            `windowed_enqueue_order` returns them (any order that produces every chunk once, in order, and
+            consumes consecutive windows).
+        num_slots: ring slots.
+        two_streams: producer and consumer items on two streams (else one stream runs ``order``).
+
+    Returns:
+        ``(items, edges)``: the items of ``order`` followed by ``("end_call", n, n)``, and the edges.
+
+    Raises:
+        ConfigError: ``order`` is not such an order.
+
+    Example:
+        >>> items, edges = call_dependency_graph(windowed_enqueue_order(3, 2, 1), 2, two_streams=True)
+        >>> [(e.before, e.after) for e in edges if e.why == "own acknowledgement"]
+        [(('consume', 0, 0), ('produce', 2, 2))]
+    """
+    _check_pos("num_slots", num_slots)
+    items = [tuple(item) for item in order]
+    produced = [c for kind, c, _ in items if kind == "produce"]
+    windows = [(first, last) for kind, first, last in items if kind == "consume"]
+    num_chunks = len(produced)
+    if (produced != list(range(num_chunks)) or len(produced) + len(windows) != len(items)
+            or any(kind == "produce" and a != b for kind, a, b in items)
+            or [c for first, last in windows for c in range(first, last + 1)] != list(range(num_chunks))):
+        raise ConfigError(f"order={list(order)!r}: expected ('produce', c, c) for every chunk in order and "
+                          "('consume', first, last) windows covering the chunks consecutively")
+    end: Item = ("end_call", num_chunks, num_chunks)
+    position = {item: i for i, item in enumerate(items)}
+    edges: List[DependencyEdge] = []
+    streams = ([[it for it in items if it[0] == "produce"], [it for it in items if it[0] == "consume"]]
+               if two_streams else [items])
+    for stream in streams:
+        edges += [DependencyEdge(a, b, "stream") for a, b in zip(stream, stream[1:])]
+        if stream:
+            edges.append(DependencyEdge(stream[-1], end, "end"))
+    if two_streams:
+        window_of = {c: (first, last) for first, last in windows for c in range(first, last + 1)}
+        for first, last in windows:
+            edges.append(DependencyEdge(("produce", last, last), ("consume", first, last), "own chunks"))
+        for c in range(num_slots, num_chunks):
+            first, last = window_of[c - num_slots]
+            edges.append(DependencyEdge(("consume", first, last), ("produce", c, c), "own acknowledgement"))
+    for before, after, why in edges:
+        if why != "end" and position[before] > position[after]:
+            raise ConfigError(f"order={list(order)!r}: {after} comes before {before} ({why}): not a valid "
+                              "enqueue order")
+    return tuple(items) + (end,), tuple(edges)

@@ -3,9 +3,9 @@ a mid-stream stall, on the CPU layer (`symmring.ExpertParallelMoE`) and on the `
 
 Each case is one mpiexec run of ``tests/faults/driver.py`` (the faulty rank is rank 2) under an outer
 timeout far above the bound. Every surviving rank must end with a typed error (`ProtocolTimeout` or its
-subclass `PeerTimeout`) naming rank 2 within 2x the bound, and the job must end non-zero long before the
-faulty rank would have come back (no hang: the outer timeout never fires), through symmring's abort at
-exit rather than ``MPI_Finalize``. Each case prints one figure line per rank: the fault, the error text
+subclass `PeerTimeout`) naming rank 2 within 2x the bound, and the job must end long before the faulty
+rank would have come back (no hang: the outer timeout never fires), through symmring's abort at exit
+(``MPI_Abort``, status 1) rather than ``MPI_Finalize`` (which would wait for the faulty rank). Each case prints one figure line per rank: the fault, the error text
 and the seconds from the start of the call to the error.
 
 One case is MPICH's, not symmring's: a rank that vanishes without finalizing MPI (``os._exit``) makes
@@ -94,11 +94,11 @@ def test_survivors_raise_a_typed_error_naming_the_rank(capsys, subject, fault, e
         if not (rec["error"] and rec.get("typed") and names_it and rec["elapsed_s"] <= 2 * BOUND_S):
             problems.append(f"rank {rank}: expected a ProtocolTimeout naming rank {FAULTY} within "
                             f"{2 * BOUND_S:g} s, got {rec}")
-    if rc == 0 or wall_s >= LATE_S:
-        problems.append(f"the job should end non-zero before the faulty rank returns ({LATE_S:g} s): "
-                        f"exit {rc} after {wall_s:.1f} s")
-    if "aborting the MPI job at exit" not in output:
-        problems.append("no rank went through symmring's abort at exit")
+    # Exit status 1 is MPI_Abort's (symmring's abort at exit); the driver's own status, through
+    # MPI_Finalize, would be 3. (mpiexec does not always forward the aborting ranks' last output.)
+    if rc != 1 or wall_s >= LATE_S:
+        problems.append(f"the job should end through symmring's abort at exit (status 1) before the faulty "
+                        f"rank returns ({LATE_S:g} s): exit {rc} after {wall_s:.1f} s")
     assert not problems, "\n".join(problems) + f"\noutput:\n{output[-6000:]}"
 
 

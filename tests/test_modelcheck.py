@@ -1,5 +1,7 @@
 """The model checker of the ring protocol (symmring.modelcheck): the quick configuration finds no violation
-of the real protocol, kills every mutant with the expected invariant, and its search really explores.
+of the real protocol -- per-chunk consumers in every lookahead (and mixes of them over the ranks), and the
+GPU layer's windowed consumer (`protocol.windowed_enqueue_order`) in every window -- kills every mutant
+with the expected invariant (a window of num_slots + 1 chunks deadlocks), and its search really explores.
 
 Runs in-process in well under a minute; the full run is ``python -m symmring.modelcheck``
 (docs/MODELCHECK.md).
@@ -15,12 +17,15 @@ from symmring import protocol
 from symmring.errors import ConfigError
 from symmring.modelcheck import (INV_COMBINE_ONCE, INV_EXACT_READ, INV_LIVENESS, INV_NO_STALE_WAIT,
                                  INV_REUSE, MUTANT_NAMES, MUTANTS, QUICK_CROSS_CHECKS, QUICK_SHAPES,
-                                 ModelConfig, RingModel, check, explore, main)
+                                 QUICK_WINDOW_CROSS_CHECKS, QUICK_WINDOW_SHAPES, ModelConfig, RingModel, check,
+                                 explore, main)
+from symmring.protocol import AckPolicy
 
 
 @pytest.fixture(scope="module")
 def quick_report():
-    return check(QUICK_SHAPES, QUICK_CROSS_CHECKS)
+    return check(QUICK_SHAPES, QUICK_CROSS_CHECKS, window_shapes=QUICK_WINDOW_SHAPES,
+                 window_cross_checks=QUICK_WINDOW_CROSS_CHECKS)
 
 
 def test_quick_protocol_has_no_violation(quick_report):
@@ -30,6 +35,41 @@ def test_quick_protocol_has_no_violation(quick_report):
     assert all(run.states > 1 and run.terminal_states == 1 for run in runs)
     assert {run.config.shape() for run in runs} >= set(QUICK_SHAPES)
     assert any(run.config.serial for run in runs) and any(not run.config.serial for run in runs)
+    # Ranks with different lookaheads are among them (the rule is per rank), and calls of different chunk
+    # counts (a slot's previous use then lies one or more calls back).
+    assert any(run.config.serial and len(set(run.config.lookaheads())) > 1 for run in runs)
+    assert any(len(set(run.config.chunks_per_call())) > 1 for run in runs)
+
+
+def test_quick_checks_the_windowed_order_in_every_window(quick_report):
+    # The GPU layer's order: for every window shape, every window 1..S, both policies, two streams, serial
+    # (windowed_enqueue_order) and the captured graph (every topological order, one item at a time, and
+    # concurrently), every invariant held and the one terminal state is the complete one.
+    windowed = {(run.config.shape(), run.config.expert_window, run.config.ack_policy, run.config.serial,
+                 run.config.graph): run
+                for run in quick_report.protocol_runs if run.config.expert_window is not None and run.config.reduced()}
+    for shape in QUICK_WINDOW_SHAPES:
+        for width in range(1, shape[2] + 1):
+            for policy in AckPolicy:
+                for serial in (False, True):
+                    for graph in (False, True):
+                        run = windowed[(shape, width, policy, serial, graph)]
+                        assert run.violation is None and run.terminal_states == 1 and run.states > 1, \
+                            run.config.label()
+    # The serial walk follows windowed_enqueue_order item by item.
+    model = RingModel(ModelConfig(2, 2, 3, 4, 1, serial=True, expert_window=2))
+    assert [item[::2] for item in model.stream_items[0][:-1]] == [
+        (kind, first) for kind, first, _ in protocol.windowed_enqueue_order(4, 3, 2)]
+
+
+def test_windowed_reduction_agrees_with_full_search():
+    for shape, width in QUICK_WINDOW_CROSS_CHECKS:
+        for policy in AckPolicy:
+            reduced = explore(ModelConfig(*shape, ack_policy=policy, expert_window=width))
+            full = explore(ModelConfig(*shape, ack_policy=policy, expert_window=width, reduce=False))
+            for run in (reduced, full):
+                assert run.violation is None and run.terminal_states == 1
+            assert reduced.states < full.states
 
 
 def test_quick_kills_every_mutant_with_expected_invariant(quick_report):
@@ -53,6 +93,10 @@ def test_quick_kills_every_mutant_with_expected_invariant(quick_report):
     ("generation_baked", INV_NO_STALE_WAIT),
     ("reuse_on_any_ack", INV_REUSE),
     ("lookahead_eq_slots", INV_LIVENESS),
+    ("window_exceeds_slots", INV_LIVENESS),
+    ("windows_differ_per_rank", INV_LIVENESS),
+    ("graph_without_own_chunk_edges", INV_LIVENESS),
+    ("graph_without_own_ack_edges", INV_LIVENESS),
 ])
 def test_named_mutant_killed_by_expected_invariant(quick_report, mutant, invariant):
     result = next(r for r in quick_report.mutants if r.spec.name == mutant)
@@ -64,6 +108,42 @@ def test_fence_removed_trace_shows_buffered_store_then_stale_read(quick_report):
     trace = result.killing_run.violation.trace
     assert any("store buffer" in line for line in trace)
     assert "WRONG" in trace[-1] and INV_EXACT_READ in trace[-1]
+
+
+def test_window_of_more_chunks_than_slots_deadlocks_with_two_streams(quick_report):
+    # W = S + 1: the window's consumer counts the route of chunk S, whose slot still holds chunk 0 of the
+    # same window, unacknowledged: a deadlock even with producer and consumer on their own streams.
+    result = next(r for r in quick_report.mutants if r.spec.name == "window_exceeds_slots")
+    run = result.killing_run
+    assert not run.config.serial and run.config.window_widths() == (run.config.num_slots + 1,) * run.config.num_consumers
+    message = run.violation.message
+    assert "waits for the route of chunk" in message and "waits to acquire slot" in message
+    # Serial too, and on two ranks.
+    for cfg in (ModelConfig(1, 1, 2, 3, 1, serial=True, expert_window=3, mutant="window_exceeds_slots"),
+                ModelConfig(2, 2, 2, 3, 1, ack_policy=AckPolicy.EARLY, expert_window=3, mutant="window_exceeds_slots")):
+        assert explore(cfg).violation.invariant == INV_LIVENESS
+
+
+def test_captured_graph_needs_both_local_edges(quick_report):
+    # Without "consume after own produce" an executor that starts the consumer first spins at once; without
+    # "produce after own acknowledgement" one that runs the producer ahead waits for a slot forever.
+    chunk = next(r for r in quick_report.mutants if r.spec.name == "graph_without_own_chunk_edges")
+    assert chunk.killing_run.violation.trace == ["  1. rank 0: the executor starts call 0's consume the window from chunk 0"]
+    ack = next(r for r in quick_report.mutants if r.spec.name == "graph_without_own_ack_edges")
+    assert "waits to acquire slot" in ack.killing_run.violation.message
+    # With both edges, every topological order of every rank completes, also on three ranks and windows of 2.
+    for cfg in (ModelConfig(3, 3, 2, 4, 1, serial=True, expert_window=1, graph=True),
+                ModelConfig(2, 2, 3, 5, 2, serial=True, expert_window=2, graph=True, ack_policy=AckPolicy.EARLY)):
+        run = explore(cfg)
+        assert run.violation is None and run.terminal_states == 1
+
+
+def test_one_rank_with_a_forbidden_lookahead_deadlocks_everyone():
+    # The rule is per rank: the last rank with lookahead S, the others within the rule.
+    for shape in ((2, 2, 2, 4, 1), (3, 3, 1, 2, 1)):
+        cfg = ModelConfig(*shape, serial=True, mutant="lookahead_eq_slots")
+        assert cfg.lookaheads()[:-1] == (shape[2] - 1,) * (shape[0] - 1) and cfg.lookaheads()[-1] == shape[2]
+        assert explore(cfg).violation.invariant == INV_LIVENESS
 
 
 def test_ready_ge_variant_is_equivalent(quick_report):
@@ -137,8 +217,9 @@ def test_cli_one_config_one_mutant_and_json(tmp_path):
     assert status == (0 if data["mutants_killed"] == data["mutants_total"] else 1)
     assert lines[-1] == (f"modelcheck: states={data['states']} violations=0 "
                          f"mutants_killed={data['mutants_killed']}/{len(MUTANT_NAMES)}")
-    # reuse_on_any_ack needs two consumers: one shape with Q=1 cannot kill it, and the exit status says so.
-    assert status == 1 and data["mutants_killed"] == len(MUTANT_NAMES) - 1
+    # reuse_on_any_ack needs two consumers and windows_differ_per_rank two ranks and three slots: one
+    # shape with Q=1, S=2 cannot kill them, and the exit status says so (the graph mutants are killed).
+    assert status == 1 and data["mutants_killed"] == len(MUTANT_NAMES) - 2
 
     out = io.StringIO()
     assert main(["--config", "1,2,2,3,2", "--mutant", "reuse_on_any_ack"], out=out) == 0
@@ -150,6 +231,14 @@ def test_cli_one_config_one_mutant_and_json(tmp_path):
     (dict(num_consumers=9), "num_consumers"),
     (dict(mutant="nope"), "mutant"),
     (dict(serial=True, lookahead=2), "lookahead"),
+    (dict(serial=True, lookahead=(0, 1)), "lookahead"),
+    (dict(expert_window=3), "expert_window"),
+    (dict(expert_window=0), "expert_window"),
+    (dict(num_producers=2, expert_window=1), "P == Q"),
+    (dict(expert_window=1, mutant="fence_removed"), "mutant"),
+    (dict(mutant="window_exceeds_slots"), "expert_window"),
+    (dict(graph=True), "expert_window"),
+    (dict(expert_window=1, mutant="graph_without_own_ack_edges"), "graph=True"),
 ])
 def test_bad_config_raises_config_error(kwargs, word):
     base = dict(num_producers=1, num_consumers=1, num_slots=2, num_chunks=3, num_calls=1)

@@ -1,17 +1,14 @@
 """Unit tests of symmring/protocol.py: the arithmetic of generations, slots, masks and enqueue order.
 
 Every function of the module is exercised on seeded random inputs and checked against a property or an
-independent derivation (not against hard-coded answers). The enqueue-order tests execute the orders on a
-small simulated cluster and explore every interleaving, so the deadlock-freedom claim of
-``protocol.enqueue_order`` (lookahead < num_slots) and its converse (lookahead == num_slots deadlocks) are
-checked, not assumed.
+independent derivation (not against hard-coded answers). The enqueue orders are checked for their shape
+here; their deadlock freedom (and the converses) by the model checker (tests/test_modelcheck.py), which
+explores every interleaving of them on the protocol model.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections import deque
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
@@ -314,122 +311,6 @@ def test_enqueue_order_shape(num_slots):
                 assert produced_before == min(num_chunks, c + effective + 1)
 
 
-def _explore(orders: Sequence[Sequence[Tuple[str, int]]], slot_uses: Sequence[Tuple[int, int]],
-             num_slots: int) -> Tuple[bool, bool]:
-    """Every interleaving of the ranks' serial streams: ``(some run completes, some run deadlocks)``.
-
-    ``orders[r]`` is rank r's stream of ``(op, use)`` where ``use`` indexes ``slot_uses`` (one entry per
-    chunk of the concatenated calls: ``(call, chunk)``). Produce of a use needs every rank's consume of
-    the slot's previous use (its acknowledgements); consume of a use needs every rank's produce of it.
-    A consume item may also carry a tuple of uses (an expert window: it waits for all of them before it
-    acknowledges any, the CONSERVATIVE worst case).
-    """
-    num_ranks = len(orders)
-    prev_use: Dict[int, int] = {}
-    last_in_slot: Dict[int, int] = {}
-    for use, (_, chunk) in enumerate(slot_uses):
-        slot = protocol.slot_of(chunk, num_slots)
-        if slot in last_in_slot:
-            prev_use[use] = last_in_slot[slot]
-        last_in_slot[slot] = use
-    positions = []
-    for order in orders:
-        pos = {}
-        for i, (op, uses) in enumerate(order):
-            for use in (uses if isinstance(uses, tuple) else (uses,)):
-                pos[(op, use)] = i
-        positions.append(pos)
-
-    def done(state, rank, item):
-        return positions[rank][item] < state[rank]
-
-    def enabled(state, rank):
-        if state[rank] == len(orders[rank]):
-            return False
-        op, use = orders[rank][state[rank]]
-        if op == "produce":
-            return use not in prev_use or all(done(state, q, ("consume", prev_use[use])) for q in range(num_ranks))
-        uses = use if isinstance(use, tuple) else (use,)
-        return all(done(state, q, ("produce", u)) for q in range(num_ranks) for u in uses)
-
-    start = (0,) * num_ranks
-    seen = {start}
-    queue = deque([start])
-    completes = deadlocks = False
-    while queue:
-        state = queue.popleft()
-        moves = [r for r in range(num_ranks) if enabled(state, r)]
-        if not moves:
-            if all(state[r] == len(orders[r]) for r in range(num_ranks)):
-                completes = True
-            else:
-                deadlocks = True
-        for r in moves:
-            nxt = state[:r] + (state[r] + 1,) + state[r + 1:]
-            if nxt not in seen:
-                seen.add(nxt)
-                queue.append(nxt)
-    return completes, deadlocks
-
-
-def _streams(chunk_counts: Sequence[int], num_slots: int, lookaheads: Sequence[int], check: bool = True):
-    """Each rank's stream over consecutive calls, and the (call, chunk) of every use."""
-    slot_uses = [(call, c) for call, n in enumerate(chunk_counts) for c in range(n)]
-    use_idx = {u: i for i, u in enumerate(slot_uses)}
-    orders = []
-    for lookahead in lookaheads:
-        order = []
-        for call, n in enumerate(chunk_counts):
-            order += [(op, use_idx[(call, c)])
-                      for op, c in protocol.enqueue_order(n, num_slots, lookahead, check=check)]
-        orders.append(order)
-    return orders, slot_uses
-
-
-def test_enqueue_order_is_deadlock_free_in_every_interleaving():
-    # Exhaustive over small clusters, rings, chunk counts and per-rank lookaheads below num_slots.
-    for num_ranks in (1, 2, 3):
-        for num_slots in (1, 2, 3):
-            for num_chunks in range(0, 2 * num_slots + 2):
-                for lookaheads in itertools.product(range(num_slots), repeat=num_ranks):
-                    orders, uses = _streams([num_chunks], num_slots, lookaheads)
-                    completes, deadlocks = _explore(orders, uses, num_slots)
-                    assert completes and not deadlocks, (num_ranks, num_slots, num_chunks, lookaheads)
-
-
-def test_enqueue_order_is_deadlock_free_across_calls():
-    # Consecutive calls with random chunk counts: a slot's previous use may lie in an earlier call.
-    rng = random.Random(SEED + 8)
-    for _ in range(25):
-        num_ranks, num_slots = rng.randint(1, 3), rng.randint(1, 3)
-        chunk_counts = [rng.randint(0, 2 * num_slots + 1) for _ in range(rng.randint(1, 3))]
-        lookaheads = [rng.randrange(num_slots) for _ in range(num_ranks)]
-        orders, uses = _streams(chunk_counts, num_slots, lookaheads)
-        completes, deadlocks = _explore(orders, uses, num_slots)
-        assert completes and not deadlocks, (num_slots, chunk_counts, lookaheads)
-
-
-def _windowed_streams(chunk_counts: Sequence[int], num_slots: int, windows: Sequence[int]):
-    """As `_streams`, with `protocol.windowed_enqueue_order` (one expert window per rank, unchecked)."""
-    slot_uses = [(call, c) for call, n in enumerate(chunk_counts) for c in range(n)]
-    use_idx = {u: i for i, u in enumerate(slot_uses)}
-    orders = []
-    for window in windows:
-        order = []
-        for call, n in enumerate(chunk_counts):
-            if window <= num_slots:
-                items = protocol.windowed_enqueue_order(n, num_slots, window)
-            else:  # the forbidden window: produce all it can, then consume windows (what W > S would do)
-                items = [("produce", c, c) for c in range(min(n, num_slots))] + [
-                    ("consume", a, b) for a, b in protocol.expert_windows(n, window)]
-                items += [("produce", c, c) for c in range(min(n, num_slots), n)]
-            for op, first, last in items:
-                uses = tuple(use_idx[(call, c)] for c in range(first, last + 1))
-                order.append((op, uses[0] if op == "produce" else uses))
-        orders.append(order)
-    return orders, slot_uses
-
-
 def test_windowed_enqueue_order_shape():
     for num_slots in (1, 2, 3, 5):
         for window in range(1, num_slots + 1):
@@ -444,49 +325,74 @@ def test_windowed_enqueue_order_shape():
     for bad in (0, 4, "2", None):
         with pytest.raises(ValueError, match="expert_window"):
             protocol.windowed_enqueue_order(5, 3, bad)
+    # check=False builds the forbidden window (the model checker's window_exceeds_slots mutant): the window
+    # [0, S] is consumed after producing only chunks 0..S-1.
+    order = protocol.windowed_enqueue_order(4, 3, 4, check=False)
+    assert order == [("produce", 0, 0), ("produce", 1, 1), ("produce", 2, 2), ("consume", 0, 3), ("produce", 3, 3)]
 
 
-def test_windowed_enqueue_order_is_deadlock_free_in_every_interleaving():
-    # Exhaustive over small clusters, rings, chunk counts, one call and two, per-rank windows <= num_slots.
-    for num_ranks in (1, 2, 3):
-        for num_slots in (1, 2, 3):
-            for counts in [[n] for n in range(0, 2 * num_slots + 2)] + [[num_slots + 1, 2], [1, 2 * num_slots]]:
-                for windows in itertools.product(range(1, num_slots + 1), repeat=num_ranks):
-                    orders, uses = _windowed_streams(counts, num_slots, windows)
-                    completes, deadlocks = _explore(orders, uses, num_slots)
-                    assert completes and not deadlocks, (num_ranks, num_slots, counts, windows)
+# Deadlock freedom of both orders (every interleaving, every lookahead and window, mixes over the ranks)
+# and their converses (lookahead == num_slots, window == num_slots + 1) are checked by the model checker
+# on the full protocol model: tests/test_modelcheck.py, docs/MODELCHECK.md.
 
 
-def test_window_larger_than_the_ring_deadlocks():
-    # W = num_slots + 1 with more chunks than slots: the window's consumer waits for a chunk whose slot
-    # still holds an unacknowledged chunk of the same window.
-    for num_ranks in (1, 2):
-        for num_slots in (1, 2, 3):
-            orders, uses = _windowed_streams([num_slots + 1], num_slots, [num_slots + 1] * num_ranks)
-            completes, deadlocks = _explore(orders, uses, num_slots)
-            assert deadlocks and not completes, (num_ranks, num_slots)
+# --- the captured dependency graph of one rank's call ----------------------------------------------------
+
+def _topological_orders(items, edges):
+    """Every topological order of the graph (small graphs only)."""
+    preds = {item: {e.before for e in edges if e.after == item} for item in items}
+
+    def extend(done, order):
+        ready = [it for it in items if it not in done and preds[it] <= done]
+        if not ready:
+            yield list(order)
+        for it in ready:
+            yield from extend(done | {it}, order + [it])
+    yield from extend(frozenset(), [])
 
 
-@pytest.mark.parametrize("extra", [0, 1])
-def test_lookahead_of_num_slots_or_more_deadlocks(extra):
-    for num_ranks in (1, 2, 3):
-        for num_slots in (1, 2, 3):
-            lookahead = num_slots + extra
-            for num_chunks in range(0, 2 * num_slots + 3):
-                orders, uses = _streams([num_chunks], num_slots, [lookahead] * num_ranks, check=False)
-                completes, deadlocks = _explore(orders, uses, num_slots)
-                # Deadlock exactly when a producer of chunk num_slots exists and precedes consume 0.
-                if num_chunks > num_slots:
-                    assert deadlocks and not completes, (num_ranks, num_slots, num_chunks)
-                else:
-                    assert completes and not deadlocks, (num_ranks, num_slots, num_chunks)
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_dependency_graph_of_one_stream_is_the_order(num_slots):
+    for window in range(1, num_slots + 1):
+        for num_chunks in range(0, 6):
+            order = protocol.windowed_enqueue_order(num_chunks, num_slots, window)
+            items, edges = protocol.call_dependency_graph(order, num_slots, two_streams=False)
+            assert items == tuple(order) + (("end_call", num_chunks, num_chunks),)
+            assert list(_topological_orders(items, edges)) == [list(items)]
 
 
-def test_one_rank_with_forbidden_lookahead_deadlocks_everyone():
-    # The rule is per rank: one rank breaking it stalls the whole cluster, however the others behave.
-    num_slots, num_chunks = 2, 4
-    for num_ranks in (2, 3):
-        lookaheads = [0] * (num_ranks - 1) + [num_slots]
-        orders, uses = _streams([num_chunks], num_slots, lookaheads, check=False)
-        completes, deadlocks = _explore(orders, uses, num_slots)
-        assert deadlocks and not completes
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_dependency_graph_of_two_streams_has_the_local_edges(num_slots):
+    for window in range(1, num_slots + 1):
+        for num_chunks in range(0, 7):
+            order = protocol.windowed_enqueue_order(num_chunks, num_slots, window)
+            items, edges = protocol.call_dependency_graph(order, num_slots, two_streams=True)
+            orders = list(_topological_orders(items, edges))
+            assert list(items) in orders  # the enqueue order itself is one of them
+            windows = protocol.expert_windows(num_chunks, window)
+            for topo in orders:
+                at = {item: i for i, item in enumerate(topo)}
+                assert topo[-1][0] == "end_call"
+                for first, last in windows:
+                    # every chunk of the window produced before it (this rank's own route and layout)
+                    assert all(at[("produce", c, c)] < at[("consume", first, last)] for c in range(first, last + 1))
+                for c in range(num_slots, num_chunks):
+                    # the slot's previous use consumed (acknowledged) before its reuse
+                    holder = next(w for w in windows if w[0] <= c - num_slots <= w[1])
+                    assert at[("consume", *holder)] < at[("produce", c, c)]
+                produced = [it[1] for it in topo if it[0] == "produce"]
+                consumed = [it[1] for it in topo if it[0] == "consume"]
+                assert produced == sorted(produced) and consumed == sorted(consumed)  # each stream in order
+            # A window smaller than the ring leaves the executor a choice (the streams can overlap).
+            if window < num_slots and num_chunks > window:
+                assert len(orders) > 1, (num_slots, window, num_chunks)
+
+
+def test_dependency_graph_rejects_orders_that_are_not_enqueue_orders():
+    for bad in ([("consume", 0, 0), ("produce", 0, 0)],  # a window before its own chunk
+                [("produce", 1, 1), ("produce", 0, 0), ("consume", 0, 1)],
+                [("produce", 0, 0), ("consume", 0, 1)],
+                [("produce", 0, 0), ("produce", 1, 1), ("produce", 2, 2), ("consume", 0, 0), ("consume", 1, 2)]):
+        with pytest.raises(ConfigError, match="order"):
+            protocol.call_dependency_graph(bad, 2, two_streams=True)
+
