@@ -4,7 +4,7 @@ The model is the protocol of `symmring.protocol`'s module docstring, with every 
 computed by the functions of `symmring.protocol` (``generation``, ``next_base``, ``slot_of``,
 ``is_ready``, ``ack_bit``, ``required_mask``, ``full_mask``, ``mask_complete``, ``enqueue_order``). A
 breadth-first search visits every reachable state once (states are ``bytes``, hashed in a dict) and checks
-the invariants of ``/work/shared/notes/testing.md`` on every transition and every terminal state. Pure
+the five ring invariants (docs/MODELCHECK.md section 2) on every transition and every terminal state. Pure
 Python, no dependencies. ``docs/MODELCHECK.md`` explains the model, the step granularity and the figures.
 
 Usage::
