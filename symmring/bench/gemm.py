@@ -38,7 +38,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 import time
