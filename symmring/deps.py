@@ -8,6 +8,8 @@ brings it, so a missing one is reported in one line instead of a traceback.
 | ``nvidia.nvshmem`` | ``nvidia-nvshmem-cu13`` | ``gpu`` or ``device`` |
 | ``torch`` | ``torch`` | ``gpu`` |
 | ``matplotlib`` | ``matplotlib`` | ``bench`` |
+| ``triton`` | ``triton`` (comes with torch's Linux CUDA wheels) | ``gpu`` |
+| ``deep_gemm`` | ``tokenspeed-deepgemm`` | ``deepgemm`` |
 | ``pytest`` | ``pytest`` | ``test`` |
 
 An MPI library (for ``mpiexec`` and several ranks) comes with the ``mpi`` extra; see `symmring.mpi`.
@@ -32,6 +34,8 @@ OPTIONAL: Dict[str, Tuple[str, str]] = {
     "nvidia": ("nvidia-nvshmem-cu13", "device"),
     "torch": ("torch", "gpu"),
     "matplotlib": ("matplotlib", "bench"),
+    "triton": ("triton", "gpu"),
+    "deep_gemm": ("tokenspeed-deepgemm", "deepgemm"),
     "pytest": ("pytest", "test"),
 }
 
