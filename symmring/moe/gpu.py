@@ -288,9 +288,9 @@ class MoE:
                     self.memory()["pool_bytes"])
 
     def memory(self) -> Dict[str, int]:
-        """Device bytes this layer holds on this PE: ``pool_bytes`` (the expert pool: rows, scales, row
-        sources, weights and group ids), ``heap_bytes`` (symmetric: the ring and the combine buffer) and
-        ``weight_bytes`` (the experts)."""
+        """Device bytes this layer holds on this PE: ``pool_bytes`` (the expert pool: its rows, their scales,
+        sources, routing weights and group ids), ``heap_bytes`` (symmetric: the ring and the combine buffer)
+        and ``weight_bytes`` (the experts and their scales)."""
         s = self._state
         pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
                    if t is not None)
