@@ -45,15 +45,15 @@ import zlib
 from typing import Callable, Dict, List, Optional, Sequence
 
 from . import missing_cuda_torch
+from .moe import SHAPES
 
 logger = logging.getLogger(__name__)
 
+#: Expert groups per GPU for each model shape of `symmring.bench.moe.SHAPES`: DeepSeek-V3's 256 experts
+#: over 8 ranks; Qwen3's and Mixtral's all on one.
+LOCAL_GROUPS = {"deepseek-v3": 32, "qwen3-30b-a3b": 128, "mixtral": 8}
 #: name: (hidden, inter, local groups)
-MODELS = {
-    "deepseek-v3": (7168, 2048, 32),
-    "qwen3-30b-a3b": (2048, 768, 128),
-    "mixtral": (4096, 14336, 8),
-}
+MODELS = {name: (SHAPES[name][0], SHAPES[name][1], groups) for name, groups in LOCAL_GROUPS.items()}
 ROWS_PER_GROUP = (128, 256, 2048)
 #: (groups, rows per group, N, K) -> DeepGEMM TFLOP/s measured on the H200 earlier (tokenspeed-deepgemm 2.5.0.post20260424)
 ANCHORS = {

@@ -622,11 +622,6 @@ class MoE:
             raise BackendError(f"rank {self.rank}: a peer's ring is not load/store reachable (nvshmem_ptr "
                                "returned null); the MoE layer needs all PEs on one node with P2P/NVLink")
 
-    def routed_rows(self) -> int:
-        """Rows the last window of the last forward computed on this rank (synchronises; for tests and
-        benchmarks)."""
-        return int(self._state.total.item())
-
     def reset(self) -> None:
         """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout)."""
         self._check_open()

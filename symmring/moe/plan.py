@@ -86,11 +86,6 @@ class Plan:
         return next(reversed(self.windows))
 
 
-def batch_fits(counts: Sequence[int], tokens_per_slot: int, num_slots: int) -> bool:
-    """Whether a call with these token counts can run batch: all its chunks in the ring at once."""
-    return protocol.call_num_chunks(counts, tokens_per_slot) <= num_slots
-
-
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
               streaming: bool, two_streams: bool, topk: int, capacity: int, align: int = 1,
               num_groups: int = 1) -> Plan:

@@ -115,9 +115,6 @@ class StreamPolicy:
         """The table measured on one H200 (`DEFAULT_TABLE`)."""
         return cls.load(DEFAULT_TABLE)
 
-    def to_json(self) -> Dict:
-        return {"policy": self.entries, "shapes": self.shapes}
-
     def shape_of(self, dims: Dict[str, int]) -> Optional[str]:
         """The name of the measured shape with these `DIM_KEYS` values, or None."""
         wanted = {k: int(dims[k]) for k in DIM_KEYS}
