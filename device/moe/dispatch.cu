@@ -25,6 +25,11 @@
 //                       rows; rows of m_indices that no pull wrote hold -1: the layer fills them once and the
 //                       combine scatter puts -1 back after reading each row, so every window starts clean).
 //   moe_dispatch_ack    EARLY acknowledgement policy: acknowledge every owner's slot right after the pull.
+//   moe_dispatch_fused_fp8  the small-batch schedule: wait + count + scan + pull_fp8 (+ the EARLY ack) of one
+//                       chunk in ONE kernel. Every block waits for every source and counts every entry itself
+//                       (a few thousand at decode sizes), so it derives the same group offsets as every other
+//                       block and, from the entries before its own tokens, where its rows start in each group:
+//                       no grid-wide handshake, and rows land in a fixed order.
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
 // Capacity: the pool has num_ranks * window tokens * num_topk rows, one per (source rank, token, k), plus
@@ -60,6 +65,17 @@ __device__ __forceinline__ bool slot_reachable(const RingDescriptor& d, int slot
                     peer_ptr(d, x_of(d, slot), src_rank) != nullptr;
     if (!ok) atomicOr(status, kStatusNoPeerMapping);
     return ok;
+}
+
+// An expert id outside [-1, num_experts) at entry `entry` (token * K + k) of src_rank's chunk: set
+// kStatusBadExpertId and, the first time, the bad-id record (value, source rank, logical token, k).
+__device__ __forceinline__ void flag_bad_id(const RingDescriptor& d, int chunk_idx, int expert, int src_rank,
+                                            int64_t entry, int* status, int* bad_id) {
+    if ((atomicOr(status, kStatusBadExpertId) & kStatusBadExpertId) != 0) return;
+    bad_id[kBadIdValue] = expert;
+    bad_id[kBadIdRank] = src_rank;
+    bad_id[kBadIdToken] = static_cast<int>(chunk_token_base(chunk_idx, d.tokens_per_slot) + entry / d.num_topk);
+    bad_id[kBadIdK] = static_cast<int>(entry % d.num_topk);
 }
 
 }  // namespace
@@ -119,13 +135,7 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
             if (local >= 0 && local < num_local_experts) {
                 atomicAdd(&block_counts[local], 1);
             } else if (expert < -1 || expert >= d.num_experts) {
-                if ((atomicOr(status, kStatusBadExpertId) & kStatusBadExpertId) == 0) {
-                    bad_id[kBadIdValue] = expert;
-                    bad_id[kBadIdRank] = src_rank;
-                    bad_id[kBadIdToken] = static_cast<int>(chunk_token_base(chunk_idx, d.tokens_per_slot) +
-                                                           i / d.num_topk);
-                    bad_id[kBadIdK] = static_cast<int>(i % d.num_topk);
-                }
+                flag_bad_id(d, chunk_idx, expert, src_rank, i, status, bad_id);
             }
         }
     }
@@ -165,6 +175,34 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
         cursor[e] = 0;
     }
     if (threadIdx.x == blockDim.x - 1) total[0] = partial[threadIdx.x];
+}
+
+// One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
+// with one): copy the token's fp8 row `src` [hidden] (16 bytes per lane and step) and its num_sf float32
+// scales `src_sf` into every reserved row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at
+// row * sf_row_stride + j * sf_col_stride (row-major or MN-major, the layout DeepGEMM reads).
+__device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* src_sf, int row, unsigned rows_mask,
+                                               uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
+                                               long long sf_col_stride, int hidden, int num_sf, int lane) {
+    // Lane j < num_sf also carries scale j of the token (num_sf = hidden / 128 <= 32 lanes per step).
+    for (int j0 = 0; j0 < num_sf; j0 += 32) {
+        const int j = j0 + lane;
+        const float scale = j < num_sf ? src_sf[j] : 0.0f;
+        for (unsigned m = rows_mask; m; m &= m - 1) {
+            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            if (j < num_sf) pool_sf[int64_t(dst_row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
+        }
+    }
+    for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
+        const int col = col0 + lane * 16;
+        const bool active = col < hidden;
+        int4 raw = make_int4(0, 0, 0, 0);
+        if (active) raw = *reinterpret_cast<const int4*>(src + col);
+        for (unsigned m = rows_mask; m; m &= m - 1) {
+            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
+        }
+    }
 }
 
 // Lane k of the warp of (source rank, token): reserve a pool row for entry k when its expert is local (atomic
@@ -300,25 +338,171 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
                                     row_weight, m_indices, expert_begin, num_local_experts);
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
-        const uint8_t* src = x + int64_t(token) * hidden;
-        // Lane j < num_sf also carries scale j of the token (num_sf = hidden / 128 <= 32 lanes per step).
-        for (int j0 = 0; j0 < d.num_sf; j0 += 32) {
-            const int j = j0 + lane;
-            const float scale = j < d.num_sf ? x_sf[int64_t(token) * d.num_sf + j] : 0.0f;
-            for (unsigned m = rows_mask; m; m &= m - 1) {
-                const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-                if (j < d.num_sf) pool_sf[int64_t(dst_row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
+        copy_token_fp8(x + int64_t(token) * hidden, x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x, pool_sf,
+                       sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
+    }
+}
+
+// The small-batch schedule's dispatch of one chunk into an fp8 pool (see the header): wait, count, scan, pull
+// and (ack_now: EARLY) acknowledge, in one grid of `warps per block`-token blocks over the chunk's tokens of
+// all sources in source order. Dynamic shared memory: (2 * num_local_experts + num_ranks + 1) ints.
+//   1. Thread r < num_ranks waits for both of source r's generations (one deadline, acquire) and reads its
+//      valid count and token base (block 0 stores the base into token_base[r] for the combine).
+//   2. Every block counts every entry per local expert, and separately the entries of tokens before its own.
+//   3. Warp 0 scans the counts (groups aligned to `align` rows): block 0 writes counts, begin, group_end and
+//      total (as moe_dispatch_count and _scan would); every block starts its cursor of expert e at begin[e] +
+//      (entries of e before its tokens).
+//   4. One warp per token of the block: reserve rows (shared cursors), copy fp8 rows and scales, record
+//      row_src / row_weight / m_indices, as moe_dispatch_pull_fp8.
+// counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise).
+extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr, int chunk_idx, long long* token_base,
+                                                  int* expert_counts, int* begin, int* group_end, int* total, uint8_t* pool_x, float* pool_sf,
+                                                  long long sf_row_stride, long long sf_col_stride, int* m_indices,
+                                                  int4* row_src, float* row_weight, int expert_begin,
+                                                  int num_local_experts, int align, int* status, int* bad_id,
+                                                  int ack_now, unsigned int* counter) {
+    extern __shared__ int shared[];
+    int* counts = shared;                          // [num_local_experts]
+    int* cursor = shared + num_local_experts;      // [num_local_experts]: entries before this block, then rows
+    int* first_token = cursor + num_local_experts;  // [num_ranks + 1]: flat position of each source's first token
+    __shared__ int failed;
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int K = d.num_topk;
+    const int R = d.num_ranks;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    if (threadIdx.x == 0) failed = 0;
+    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
+    __syncthreads();
+
+    // 1. Thread r waits for source r's route and layout (one deadline for both words; num_ranks <= blockDim).
+    if (threadIdx.x < R) {
+        const int src = threadIdx.x;
+        int valid = 0;
+        if (!slot_reachable(d, slot, src, status)) {
+            failed = 1;
+        } else {
+            uint64_t* route_local = route_ready_word(d, slot);
+            uint64_t* layout_local = layout_ready_word(d, slot);
+            const uint64_t* route = peer_ptr(d, route_local, src);
+            const uint64_t* layout = peer_ptr(d, layout_local, src);
+            Deadline deadline(d);
+            for (;;) {
+                // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src.
+                const uint64_t route_gen = load_word_acquire(route, route_local, src);
+                const uint64_t layout_gen = load_word_acquire(layout, layout_local, src);
+                if (is_ready(route_gen, layout_gen, gen)) break;
+                if (deadline.expired(d)) {
+                    if (!deadline.aborted) {
+                        const bool route_late = route_gen != gen;
+                        record_error(d, route_late ? kErrorRoute : kErrorLayout, src, slot, chunk_idx, gen,
+                                     route_late ? route_gen : layout_gen, 0);
+                    }
+                    failed = 1;
+                    break;
+                }
+            }
+            if (!failed) {
+                valid = num_valid_of(d, slot, src);
+                if (blockIdx.x == 0) token_base[src] = peer_ptr(d, meta_of(d, slot), src)[kMetaTokenBase];
             }
         }
-        for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
-            const int col = col0 + lane * 16;
-            const bool active = col < hidden;
-            int4 raw = make_int4(0, 0, 0, 0);
-            if (active) raw = *reinterpret_cast<const int4*>(src + col);
-            for (unsigned m = rows_mask; m; m &= m - 1) {
-                const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-                if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
-            }
+        first_token[src + 1] = valid;
+    }
+    __syncthreads();  // the other threads read the payload only after the waiting threads' acquires
+    if (failed) return;
+    if (threadIdx.x == 0) {
+        first_token[0] = 0;
+        for (int r = 0; r < R; ++r) first_token[r + 1] += first_token[r];
+    }
+    __syncthreads();
+    const int num_tokens = first_token[R];
+    const int warps_per_block = blockDim.x / 32;
+    const int my_first = blockIdx.x * warps_per_block;
+    auto source_of = [&](int pos) {
+        int src = 0;
+        while (pos >= first_token[src + 1]) ++src;
+        return src;
+    };
+
+    // 2. Count every entry; those of tokens before this block's also into cursor.
+    int idx_src = -1;  // the source whose topk_idx mapping is cached (a thread's entries change source rarely)
+    const int32_t* src_idx = nullptr;
+    for (int64_t i = threadIdx.x; i < int64_t(num_tokens) * K; i += blockDim.x) {
+        const int pos = static_cast<int>(i / K);
+        const int src = source_of(pos);
+        if (src != idx_src) {
+            idx_src = src;
+            src_idx = peer_ptr(d, topk_idx_of(d, slot), src);
+        }
+        const int64_t entry = int64_t(pos - first_token[src]) * K + i % K;
+        const int expert = src_idx[entry];
+        const int local = expert - expert_begin;
+        if (local >= 0 && local < num_local_experts) {
+            atomicAdd(&counts[local], 1);
+            if (pos < my_first) atomicAdd(&cursor[local], 1);
+        } else if ((expert < -1 || expert >= d.num_experts) && blockIdx.x == 0) {
+            flag_bad_id(d, chunk_idx, expert, src, entry, status, bad_id);
         }
     }
+    __syncthreads();
+
+    // 3. Warp 0: exclusive scan of the aligned group spans (each lane a contiguous run of experts).
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per_lane = (num_local_experts + 31) / 32;
+        const int first = lane * per_lane;
+        const int last = min(first + per_lane, num_local_experts);
+        auto span = [align](int count) { return (count + align - 1) / align * align; };
+        int sum = 0;
+        for (int e = first; e < last; ++e) sum += span(counts[e]);
+        int inclusive = sum;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset *= 2) {
+            const int add = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if (lane >= offset) inclusive += add;
+        }
+        int running = inclusive - sum;
+        for (int e = first; e < last; ++e) {
+            if (blockIdx.x == 0) {
+                expert_counts[e] = counts[e];
+                begin[e] = running;
+                group_end[e] = running + counts[e];
+            }
+            cursor[e] += running;
+            running += span(counts[e]);
+        }
+        if (blockIdx.x == 0 && lane == 31) total[0] = inclusive;
+    }
+    __syncthreads();
+
+    // 4. One warp per token of this block.
+    const int lane = threadIdx.x % 32;
+    const int pos = my_first + threadIdx.x / 32;
+    if (pos < num_tokens) {
+        const int src = source_of(pos);
+        const int token = pos - first_token[src];
+        const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src);
+        const float* weights = peer_ptr(d, topk_weights_of(d, slot), src);
+        int row = -1;
+        if (lane < K) {
+            const int64_t entry = int64_t(token) * K + lane;
+            const int local = idx[entry] - expert_begin;
+            if (local >= 0 && local < num_local_experts) {
+                row = atomicAdd(&cursor[local], 1);
+                row_src[row] = make_int4(src, token, lane, chunk_idx);
+                row_weight[row] = weights[entry];
+                m_indices[row] = local;
+            }
+        }
+        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+        if (rows_mask != 0)
+            copy_token_fp8(peer_ptr(d, x_of(d, slot), src) + int64_t(token) * d.hidden,
+                           peer_ptr(d, x_sf_of(d, slot), src) + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
+                           pool_sf, sf_row_stride, sf_col_stride, d.hidden, d.num_sf, lane);
+    }
+    // EARLY: the pulls were this PE's last reads of every source's slot (the meta was read in step 1).
+    if (ack_now && grid_last_block(counter))
+        for (int owner = 0; owner < R; ++owner) ack(d, chunk_idx, owner);
 }

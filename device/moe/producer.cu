@@ -9,6 +9,9 @@
 //   moe_produce_route      acquire (every block sees the mask complete; a no-op wait after moe_wait_slot),
 //                          copy topk + meta; the last block resets the mask and publishes route readiness.
 //   moe_produce_layout_*   quantise (fp8) or copy (bf16) x into the slot; the last block publishes layout.
+//   moe_produce_chunk_fp8  the small-batch schedule's producer: route and fp8 layout in one grid (acquire,
+//                          copy topk + meta, quantise x), the last block resets the mask and publishes both
+//                          (route first), so a decode call pays one launch instead of two.
 //
 // Every kernel here is one grid; its last block to arrive publishes (grid_publish), after every block's
 // stores. The layer enqueues the route kernel first (it acquires the slot), the layout kernel after it.
@@ -40,6 +43,77 @@ __device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float 
     return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// Grid-stride: copy the chunk's topk_idx / topk_weights ([num_valid, K], contiguous) into its slot; block 0
+// writes the metadata row. Part of the route payload (published by the caller's grid_publish).
+__device__ __forceinline__ void write_route(const RingDescriptor& d, int chunk_idx, const int32_t* topk_idx,
+                                            const float* topk_weights, int num_valid, uint64_t gen) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    int32_t* dst_idx = topk_idx_of(d, slot);
+    float* dst_weights = topk_weights_of(d, slot);
+    const int64_t num_entries = int64_t(num_valid) * d.num_topk;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        dst_idx[i] = topk_idx[i];
+        dst_weights[i] = topk_weights[i];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
+}
+
+// One warp (all 32 lanes): quantise one token's bf16 row `src` [hidden] into fp8 e4m3 `dst` and its float32
+// scales `dst_sf` [hidden / 128]. Each lane converts 8 channels per step with one 16-byte load, 16 lanes
+// share a group's amax. Needs hidden % 128 == 0 (checked by the layer).
+__device__ __forceinline__ void quantize_token_fp8(const __nv_bfloat16* src, uint8_t* dst, float* dst_sf, int hidden,
+                                                   int lane) {
+    // Every lane runs the same number of steps (hidden is a multiple of 2 groups or the second
+    // half-warp idles), so the shuffles below always have all 32 lanes.
+    for (int col0 = 0; col0 < hidden; col0 += 2 * kGroupSize) {
+        const int col = col0 + lane * kChannelsPerLane;
+        const bool active = col < hidden;
+        float v[kChannelsPerLane];
+        float amax = 0.0f;
+        if (active) {
+            const int4 raw = *reinterpret_cast<const int4*>(src + col);
+            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+            for (int i = 0; i < kChannelsPerLane / 2; ++i) {
+                const float2 f = __bfloat1622float2(pairs[i]);
+                v[2 * i] = f.x;
+                v[2 * i + 1] = f.y;
+                amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+        }
+        // amax over the 16 lanes of this group (xor offsets stay inside a half-warp).
+#pragma unroll
+        for (int offset = kLanesPerGroup / 2; offset > 0; offset /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        if (!active) continue;
+        float scale = amax / kFp8E4M3Max;  // IEEE division, as NumPy's float32 amax / 448
+        if (scale == 0.0f) scale = 1.0f;   // zero group: quantise to zeros, no division by zero
+        float q[kChannelsPerLane];
+#pragma unroll
+        for (int i = 0; i < kChannelsPerLane; ++i) q[i] = fminf(fmaxf(v[i] / scale, -kFp8E4M3Max), kFp8E4M3Max);
+        uint2 packed;
+        packed.x = pack_fp8x4(q[0], q[1], q[2], q[3]);
+        packed.y = pack_fp8x4(q[4], q[5], q[6], q[7]);
+        *reinterpret_cast<uint2*>(dst + col) = packed;
+        if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
+    }
+}
+
+// Grid-stride over tokens, one warp each: the chunk's fp8 layout (x and x_sf) into its slot.
+__device__ __forceinline__ void write_layout_fp8(const RingDescriptor& d, int chunk_idx, const __nv_bfloat16* x,
+                                                 long long x_row_stride, int num_valid) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int warps_per_block = blockDim.x / 32;
+    uint8_t* slot_x = x_of(d, slot);
+    float* slot_sf = x_sf_of(d, slot);
+    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < num_valid;
+         token += int64_t(gridDim.x) * warps_per_block)
+        quantize_token_fp8(x + token * x_row_stride, slot_x + token * d.hidden, slot_sf + token * d.num_sf, d.hidden,
+                           threadIdx.x % 32);
+}
+
 }  // namespace
 
 // One block: wait until every consumer acknowledged the slot's previous use (chunk - num_slots), acquire;
@@ -59,20 +133,9 @@ extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int
                                              int num_valid, unsigned int* counter) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const int slot = slot_of(chunk_idx, d.num_slots);
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
-
-    int32_t* dst_idx = topk_idx_of(d, slot);
-    float* dst_weights = topk_weights_of(d, slot);
-    const int64_t num_entries = int64_t(num_valid) * d.num_topk;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
-         i += int64_t(gridDim.x) * blockDim.x) {
-        dst_idx[i] = topk_idx[i];
-        dst_weights[i] = topk_weights[i];
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
+    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
     // Every block saw the mask complete before arriving: the last one resets it, then publishes.
     grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/false);
 }
@@ -87,54 +150,7 @@ extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr
                                                   int num_valid, unsigned int* counter) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const int lane = threadIdx.x % 32;
-    const int warps_per_block = blockDim.x / 32;
-    const int hidden = d.hidden;
-    uint8_t* slot_x = x_of(d, slot);
-    float* slot_sf = x_sf_of(d, slot);
-
-    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < num_valid;
-         token += int64_t(gridDim.x) * warps_per_block) {
-        const __nv_bfloat16* src = x + token * x_row_stride;
-        uint8_t* dst = slot_x + token * hidden;
-        float* dst_sf = slot_sf + token * d.num_sf;
-        // Every lane runs the same number of steps (hidden is a multiple of 2 groups or the second
-        // half-warp idles), so the shuffles below always have all 32 lanes.
-        for (int col0 = 0; col0 < hidden; col0 += 2 * kGroupSize) {
-            const int col = col0 + lane * kChannelsPerLane;
-            const bool active = col < hidden;
-            float v[kChannelsPerLane];
-            float amax = 0.0f;
-            if (active) {
-                const int4 raw = *reinterpret_cast<const int4*>(src + col);
-                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-                for (int i = 0; i < kChannelsPerLane / 2; ++i) {
-                    const float2 f = __bfloat1622float2(pairs[i]);
-                    v[2 * i] = f.x;
-                    v[2 * i + 1] = f.y;
-                    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-                }
-            }
-            // amax over the 16 lanes of this group (xor offsets stay inside a half-warp).
-#pragma unroll
-            for (int offset = kLanesPerGroup / 2; offset > 0; offset /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-            if (!active) continue;
-            float scale = amax / kFp8E4M3Max;  // IEEE division, as NumPy's float32 amax / 448
-            if (scale == 0.0f) scale = 1.0f;   // zero group: quantise to zeros, no division by zero
-            float q[kChannelsPerLane];
-#pragma unroll
-            for (int i = 0; i < kChannelsPerLane; ++i)
-                q[i] = fminf(fmaxf(v[i] / scale, -kFp8E4M3Max), kFp8E4M3Max);
-            uint2 packed;
-            packed.x = pack_fp8x4(q[0], q[1], q[2], q[3]);
-            packed.y = pack_fp8x4(q[4], q[5], q[6], q[7]);
-            *reinterpret_cast<uint2*>(dst + col) = packed;
-            if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
-        }
-    }
+    write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
     grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
                  /*layout=*/true);
 }
@@ -158,4 +174,21 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
     }
     grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
                  /*layout=*/true);
+}
+
+// The small-batch schedule's producer, fp8 layout: moe_produce_route and moe_produce_layout_fp8 in one grid.
+// Every block waits for the slot's previous acknowledgements, then writes its share of topk, meta and the
+// quantised rows; the last block to arrive resets the mask and publishes route readiness, then layout
+// readiness (the consumer sees both parts, in the protocol's order). counter: as for moe_produce_route.
+extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
+                                                 const int32_t* topk_idx, const float* topk_weights,
+                                                 const __nv_bfloat16* x, long long x_row_stride, int num_valid,
+                                                 unsigned int* counter) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
+    write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
+    grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
 }

@@ -12,6 +12,10 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   chunk ``c`` (a producer and a consumer stream), the consumer takes expert windows of ``expert_window``
   chunks (1 = chunk-local pools; W > 1 reserves pool rows across the window's chunks, counted from route
   readiness alone, and runs one grouped GEMM per window).
+* small batches (decode): a batch call of one chunk with at most ``small_batch_tokens`` tokens on every
+  rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in four fused
+  kernels around the experts (`symmring.moe.stages.small_batch_call`), bitwise the same output;
+  ``forward(small_batch=True/False)`` forces either.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
   layer's shape, ring and token count; batch where it has no measurement that beat batch.
 
@@ -71,6 +75,8 @@ FP8_GROUP_SIZE = 128
 STAGES = ("route", "layout", "dispatch", "experts", "combine")
 #: Values of ``forward(streaming=...)``.
 STREAMING_MODES = (False, True, "auto")
+#: Default ``small_batch_tokens``: the most tokens per rank a call may have for the small-batch schedule.
+SMALL_BATCH_TOKENS = 128
 #: Plans kept per layer (one per distinct (token counts, schedule); a serving loop sees few).
 MAX_CACHED_PLANS = 64
 
@@ -137,6 +143,8 @@ class MoE:
         w_gate_scale, w_up_scale, w_down_scale: float32 block scales of fp8 e4m3 weights
             (``[E, ceil(inter / 128), ceil(hidden / 128)]``, down ``[E, ceil(hidden / 128), ceil(inter /
             128)]``: the dequantisation multipliers, ``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8).
+        small_batch_tokens: batch calls of one chunk with at most this many tokens on every rank run the
+            small-batch schedule (fp8 dispatch and experts only; 0: never unless forced).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -153,7 +161,8 @@ class MoE:
                  expert_window: int = 1, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
                  routed_scaling_factor: float = 1.0, single_stream: bool = False,
                  timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
-                 engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None):
+                 engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
+                 small_batch_tokens: int = SMALL_BATCH_TOKENS):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -195,6 +204,7 @@ class MoE:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not timeout_s > 0):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
@@ -254,7 +264,7 @@ class MoE:
             fp8_layout=x_format == "fp8_e4m3", capacity=self.capacity,
             counts=torch.zeros(E, **i32), begin=torch.zeros(E, **i32), group_end=torch.zeros(E, **i32),
             cursor=torch.zeros(E, **i32), total=torch.zeros(1, **i32), status=torch.zeros(1, **i32),
-            counters=torch.zeros(2, **i32),
+            counters=torch.zeros(stages.NUM_COUNTERS, **i32),
             pool_x=torch.empty((self.capacity, H), dtype=torch.float8_e4m3fn if fp8_pool else torch.bfloat16,
                                device=self.device),
             # Scales of fp8 rows, [num_sf][align4(rows)] per window (State.pool_scales), and every row's group.
@@ -375,8 +385,8 @@ class MoE:
     # --- the layer ------------------------------------------------------------------------------------
 
     def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
-                stage_events: Optional[List] = None, timeline: bool = False, producer_delay_ns=None,
-                consumer_delay_ns=None):
+                small_batch: Optional[bool] = None, stage_events: Optional[List] = None, timeline: bool = False,
+                producer_delay_ns=None, consumer_delay_ns=None):
         """Run the layer on this rank's tokens (collective: every rank calls forward once per call, with
         the same ``streaming``).
 
@@ -386,6 +396,8 @@ class MoE:
             logits: ``[n, num_experts]`` (any float dtype), or
             topk_idx / topk_weights: int32 / float32 ``[n, topk]`` routing (``-1`` = masked).
             streaming: False (batch-ready), True (chunked through the ring) or ``"auto"`` (the policy).
+            small_batch: None (the small-batch schedule where it applies: `small_batch_applies`), True
+                (force it: a ConfigError where it cannot run) or False (the general kernels).
             stage_events: batch path only: a list that receives ``(stage name, torch.cuda.Event)`` pairs
                 after each stage of `STAGES` (with a leading ``("start", event)``) for per-stage timing.
             timeline: streamed only: stamp every stage of every chunk with the device clock
@@ -419,8 +431,16 @@ class MoE:
         if stream_it and stage_events is not None:
             raise ConfigError("stage_events: only for the batch path (streaming=False); the streamed schedule "
                               "records a timeline (timeline=True)")
+        if small_batch not in (None, True, False):
+            raise ConfigError(f"small_batch={small_batch!r}: expected None, True or False")
+        if small_batch and not self._small_batch_capable():
+            raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts "
+                              f"(this layer: x_format={self.x_format!r}, engine {self.engine.name!r})")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        plan = self._plan(self._all_token_counts(n), stream_it)
+        counts = self._all_token_counts(n)
+        # Forced on a call it cannot run (streamed, several chunks): make_plan names why.
+        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        plan = self._plan(counts, stream_it, small)
         self.last_plan = plan
         y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -435,14 +455,25 @@ class MoE:
 
     __call__ = forward
 
-    def _plan(self, counts: List[int], streaming: bool) -> plans.Plan:
-        key = (tuple(counts), streaming)
+    def _small_batch_capable(self) -> bool:
+        return self.x_format == "fp8_e4m3" and self.engine.pool_format == "fp8"
+
+    def small_batch_applies(self, counts: List[int], streaming: bool) -> bool:
+        """Whether a call with every rank's token ``counts`` runs the small-batch schedule by default: fp8
+        dispatch and experts, batch, one chunk, and at most ``small_batch_tokens`` tokens on every rank."""
+        most = max(counts)
+        return (self._small_batch_capable() and not streaming and 0 < most <= self.small_batch_tokens
+                and most <= self.tokens_per_slot)
+
+    def _plan(self, counts: List[int], streaming: bool, small_batch: bool = False) -> plans.Plan:
+        key = (tuple(counts), streaming, small_batch)
         plan = self._plans.get(key)
         if plan is None:
             plan = plans.make_plan(counts, self.rank, tokens_per_slot=self.tokens_per_slot, num_slots=self.num_slots,
                                    expert_window=self.expert_window, streaming=streaming,
                                    two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity,
-                                   align=self._state.align, num_groups=self.num_local_experts)
+                                   align=self._state.align, num_groups=self.num_local_experts,
+                                   small_batch=small_batch)
             self._plans[key] = plan
             if len(self._plans) > MAX_CACHED_PLANS:
                 self._plans.popitem(last=False)
@@ -464,6 +495,12 @@ class MoE:
 
         mark("start")
         idx, weights = source if kind == "given" else self._route(x, kind, source)
+        if plan.small_batch:
+            mark("route")
+            stages.small_batch_call(k, s, stream, chunk=plan.chunks[0], window=plan.windows[0], engine=self.engine,
+                                    ack_policy=self.ack_policy, x=x, topk_idx=idx, topk_weights=weights, y=y,
+                                    num_chunks=plan.num_chunks, mark=mark if events is not None else None)
+            return
         row_bytes = self.topk * 4
         for chunk in plan.chunks:
             stages.produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=idx.data_ptr() + chunk.token_base * row_bytes,
@@ -523,7 +560,7 @@ class MoE:
             stages.end_call(k, s, self._stream(caller.cuda_stream), num_chunks=plan.num_chunks)
 
     def capture(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
-                warmup: int = 1):
+                small_batch: Optional[bool] = None, warmup: int = 1):
         """Capture one `forward` on these (static) tensors into a CUDA graph (collective).
 
         Runs ``warmup`` eager calls first (real calls: every rank must make the same ones), then
@@ -544,7 +581,7 @@ class MoE:
         """
         torch = _torch()
         kwargs = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights,
-                      streaming=streaming)
+                      streaming=streaming, small_batch=small_batch)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

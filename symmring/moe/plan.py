@@ -48,6 +48,8 @@ class WindowStep:
             plus the alignment padding of every expert group (a host bound from the token counts; the
             exact count stays on the device), at least 1.
         token_begin, num_valid: this rank's logical tokens of the window (the rows of ``y`` it reduces).
+        source_tokens: the window's tokens of all ranks (no expert holds more rows than this unless a
+            token names one expert twice).
     """
 
     first: int
@@ -55,6 +57,7 @@ class WindowStep:
     rows_bound: int
     token_begin: int
     num_valid: int
+    source_tokens: int = 0
 
     @property
     def chunks(self) -> range:
@@ -67,6 +70,8 @@ class Plan:
 
     Attributes:
         streaming: the schedule; counts: every rank's tokens of the call; num_chunks: the call's chunks.
+        small_batch: a one-chunk batch call run by the small-batch schedule's fused kernels
+            (`symmring.moe.stages.small_batch_call`).
         two_streams: producer and consumer on their own streams (streamed, not ``single_stream``).
         order: the enqueue order, ``("produce", c, c)`` and ``("consume", first, last)`` items.
         chunks: this rank's `ChunkStep` per chunk; windows: `WindowStep` by first chunk, in order.
@@ -79,6 +84,7 @@ class Plan:
     order: Tuple[Tuple[str, int, int], ...]
     chunks: Tuple[ChunkStep, ...]
     windows: Dict[int, WindowStep]
+    small_batch: bool = False
 
     @property
     def last_window(self) -> int:
@@ -88,7 +94,7 @@ class Plan:
 
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
               streaming: bool, two_streams: bool, topk: int, capacity: int, align: int = 1,
-              num_groups: int = 1) -> Plan:
+              num_groups: int = 1, small_batch: bool = False) -> Plan:
     """The plan of a call with every rank's token ``counts`` on rank ``rank``.
 
     Args:
@@ -98,10 +104,11 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
         topk: experts per token; capacity: rows of the expert pool (bounds ``rows_bound``).
         align, num_groups: every one of the ``num_groups`` expert groups starts at a multiple of ``align``
             rows, so a window of ``m`` entries spans at most ``m + min(num_groups, m) * (align - 1)`` rows.
+        small_batch: run the call with the small-batch schedule (a batch call of one chunk).
 
     Raises:
         ConfigError: a batch call with more chunks than ``num_slots`` (it cannot be in the ring at once),
-            or a bad window.
+            a bad window, or ``small_batch`` for a call that is not a one-chunk batch call.
     """
     counts = tuple(int(c) for c in counts)
     T, S = tokens_per_slot, num_slots
@@ -116,16 +123,22 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
                               "num_slots * tokens_per_slot >= max_tokens")
         window, two_streams = max(1, num_chunks), False
     protocol.check_expert_window(window, S)
+    if small_batch and (streaming or num_chunks != 1):
+        raise ConfigError(f"small_batch: the small-batch schedule runs one-chunk batch calls; this call is "
+                          f"{'streamed' if streaming else f'{num_chunks} chunks'} (at most tokens_per_slot={T} "
+                          "tokens per rank, streaming=False)")
     own = counts[rank]
     chunks = tuple(ChunkStep(c, protocol.chunk_token_base(c, T), protocol.chunk_valid_tokens(own, c, T))
                    for c in range(num_chunks))
     windows: Dict[int, WindowStep] = {}
     for first, last in protocol.expert_windows(num_chunks, window):
-        entries = topk * sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
+        tokens = sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
+        entries = topk * tokens
         spanned = entries + min(num_groups, entries) * (align - 1)
         windows[first] = WindowStep(first, last, rows_bound=max(1, min(capacity, spanned)),
                                     token_begin=protocol.chunk_token_base(first, T),
-                                    num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)))
+                                    num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)),
+                                    source_tokens=tokens)
     order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))
     return Plan(streaming=bool(streaming), counts=counts, num_chunks=num_chunks, two_streams=bool(two_streams),
-                order=order, chunks=chunks, windows=windows)
+                order=order, chunks=chunks, windows=windows, small_batch=bool(small_batch))

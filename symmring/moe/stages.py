@@ -5,15 +5,22 @@ Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every a
 * producer (``producer.cu``): `wait_slot`, `produce_route`, `produce_layout`;
 * dispatch (``dispatch.cu``): `wait`, `count`, `scan`, `pull`, `ack`;
 * combine (``combine.cu``): `combine_scatter`, `combine_signal`, `combine_wait`, `combine_reduce`;
-* schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`.
+* schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`;
+* the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
+  (``dispatch.cu``), `combine_send` and `combine_finish` (``combine.cu``).
 
 Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.plan.Plan`):
 
 * `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
-  (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce. The acknowledgement
-  policy is applied here and nowhere else: EARLY acknowledges each chunk right after its pull (its last
-  read of slot memory), CONSERVATIVE with the window's combine signal.
+  (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce;
+* `small_batch_call`: a whole one-chunk batch call (fp8 pools) in four fused kernels around the experts:
+  produce (route + layout), dispatch (wait + count + scan + pull), combine send (scatter + signal) and
+  finish (wait + reduce + end of call). The same protocol, generations and acknowledgements; the pool rows
+  and the expert engine are the general schedule's, so the output is bitwise the same.
+
+The acknowledgement policy is applied in these sequences and nowhere else: EARLY acknowledges each chunk
+right after its pull (its last read of slot memory), CONSERVATIVE with the window's combine signal.
 
 The kernels' launch geometry (grid sizes from the ring's shape and a chunk's valid tokens) is computed
 here too, so the layer holds no kernel arguments of its own.
@@ -48,6 +55,9 @@ WAIT_ROUTE, WAIT_LAYOUT = 1, 2
 STATUS_NO_PEER_MAPPING, STATUS_BAD_EXPERT_ID = 1, 2
 #: Words of the bad-expert-id record (device/moe/dispatch.cu BadIdWord): value, source rank, token, k.
 BAD_ID_WORDS = 4
+#: Words of `State.counters`, one zeroed grid-handshake word per kernel that ends in a last-block step.
+COUNTER_ROUTE, COUNTER_LAYOUT, COUNTER_DISPATCH, COUNTER_SEND, COUNTER_FINISH = range(5)
+NUM_COUNTERS = 5
 
 
 def blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
@@ -63,6 +73,11 @@ def pool_scale_words(capacity: int, hidden: int) -> int:
 def _p(tensor) -> np.uint64:
     """A tensor's device address as a kernel argument."""
     return np.uint64(tensor.data_ptr())
+
+
+def _counter(s: "State", word: int) -> np.uint64:
+    """The address of grid-handshake word ``word`` (`COUNTER_ROUTE`, ...) of `State.counters`."""
+    return np.uint64(s.counters.data_ptr() + 4 * word)
 
 
 class Kernels:
@@ -88,6 +103,10 @@ class Kernels:
         self.end_call = schedule.function("moe_end_call")
         self.stamp = schedule.function("moe_stamp")
         self.sleep = schedule.function("moe_sleep")
+        self.produce_chunk_fp8 = producer.function("moe_produce_chunk_fp8")
+        self.dispatch_fused_fp8 = dispatch.function("moe_dispatch_fused_fp8")
+        self.combine_send = combine.function("moe_combine_send")
+        self.combine_finish = combine.function("moe_combine_finish")
 
 
 @dataclass
@@ -96,8 +115,7 @@ class State:
     the combine buffer's local addresses, the owner's routing buffers and the timeline stamps.
 
     Shapes (R ranks, E local experts, W = window chunks, capacity pool rows): counts/begin/group_end/cursor
-    int32 [E]; total/status int32 [1]; bad_id int32 [4]; counters uint32 [2] (route, layout grid
-    handshakes); pool_x [capacity, hidden] (bf16, or fp8 bytes for fp8 pools); pool_sf float32
+    int32 [E]; total/status int32 [1]; bad_id int32 [4]; counters uint32 [`NUM_COUNTERS`] (grid handshakes); pool_x [capacity, hidden] (bf16, or fp8 bytes for fp8 pools); pool_sf float32
     [capacity * hidden / 128] (fp8 pools, laid out per window: `pool_scales`) or None; m_indices int32
     [capacity] (aligned pools: -1 except while a window's rows are in the pool) or None; row_src int32
     [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R]. align: the row alignment of every
@@ -161,7 +179,7 @@ def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_pt
     grid = blocks(chunk.num_valid * s.topk, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS)
     k.produce_route((grid,), (THREADS_PER_BLOCK,),
                     (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx_ptr), np.uint64(topk_weights_ptr),
-                     np.int32(chunk.num_valid), _p(s.counters)), stream=stream)
+                     np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)), stream=stream)
 
 
 def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None:
@@ -174,7 +192,7 @@ def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None
     stride = x.stride(0)
     fn((grid,), (THREADS_PER_BLOCK,),
        (s.desc, np.int32(chunk.chunk), np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-        np.int32(chunk.num_valid), np.uint64(s.counters.data_ptr() + 4)), stream=stream)
+        np.int32(chunk.num_valid), _counter(s, COUNTER_LAYOUT)), stream=stream)
 
 
 def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool) -> None:
@@ -270,7 +288,50 @@ def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
     k.sleep((1,), (32,), (np.uint64(ns),), stream=stream)
 
 
-# --- the two sequences ------------------------------------------------------------------------------------
+def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x) -> None:
+    """The small-batch producer (fp8 rings): acquire the slot, write route (``topk_idx``/``topk_weights``, the
+    call's contiguous ``[n, K]``) and the fp8 layout of ``x``, publish both, in one grid (a warp per token)."""
+    row_bytes, stride = s.topk * 4, x.stride(0)
+    k.produce_chunk_fp8((blocks(chunk.num_valid, WARPS_PER_BLOCK, MAX_ROUTE_BLOCKS),), (THREADS_PER_BLOCK,),
+                        (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
+                         np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
+                         np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
+                         np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)), stream=stream)
+
+
+def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool) -> None:
+    """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, count, scan and pull in one
+    grid of one warp per token of all sources (every block counts every entry); ``ack_now``: EARLY."""
+    sf = s.pool_scales(window.rows_bound)
+    grid = blocks(window.source_tokens, WARPS_PER_BLOCK, cap=1 << 30)  # exactly one warp per token: no cap
+    shared = 4 * (2 * s.num_local_experts + s.num_ranks + 1)
+    k.dispatch_fused_fp8((grid,), (THREADS_PER_BLOCK,),
+                         (s.desc, np.int32(window.first), _p(s.token_base), _p(s.counts), _p(s.begin),
+                          _p(s.group_end), _p(s.total),
+                          _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
+                          _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
+                          np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
+                          np.int32(ack_now), _counter(s, COUNTER_DISPATCH)), stream=stream, shared_mem=shared)
+
+
+def combine_send(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool) -> None:
+    """`combine_scatter` + `combine_signal` of ``window`` in one grid (the last block signals)."""
+    k.combine_send((blocks(window.rows_bound, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                   (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window.first),
+                    _p(s.m_indices), s.combine_rows, np.int32(window.first), np.int32(window.last), s.combine_ready,
+                    np.int32(ack_now), _counter(s, COUNTER_SEND)), stream=stream)
+
+
+def combine_finish(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx, topk_weights, y,
+                   end_call_chunks: int) -> None:
+    """`combine_wait` + `combine_reduce` of ``window`` in one grid; ``end_call_chunks`` > 0 ends the call."""
+    k.combine_finish((blocks(window.num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                     (s.desc, np.int32(window.last), s.combine_ready, s.combine_rows, _p(topk_idx), _p(topk_weights),
+                      _p(y), np.int64(y.stride(0)), np.int32(window.token_begin), np.int32(window.num_valid),
+                      np.int32(end_call_chunks), _counter(s, COUNTER_FINISH)), stream=stream)
+
+
+# --- the sequences ----------------------------------------------------------------------------------------
 
 def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: Optional[Callable], topk_idx,
                   topk_weights, delay_ns: int = 0, stamps: bool = False) -> None:
@@ -355,3 +416,26 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         mark("combine")
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=True)
+
+
+def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
+                     ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
+                     mark: Optional[Callable[[str], None]] = None) -> None:
+    """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too), after
+    the router filled ``topk_idx``/``topk_weights``: produce, dispatch, experts, combine send, finish (which
+    ends the call). ``mark``: as for `consume_window`, with "layout" after the producer."""
+    early = ack_policy == protocol.AckPolicy.EARLY
+    produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x)
+    if mark is not None:
+        mark("layout")
+    dispatch_fused(k, s, stream, window=window, ack_now=early)
+    if mark is not None:
+        mark("dispatch")
+    out = engine.forward(s.pool(window.rows_bound), window.rows_bound)
+    if mark is not None:
+        mark("experts")
+    combine_send(k, s, stream, out=out, window=window, ack_now=not early)
+    combine_finish(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
+                   end_call_chunks=num_chunks)
+    if mark is not None:
+        mark("combine")

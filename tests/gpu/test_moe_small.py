@@ -1,0 +1,229 @@
+"""The small-batch schedule of the GPU MoE layer (decode): four fused kernels around the experts.
+
+A one-chunk batch call with fp8 dispatch and fp8 experts runs produce (route + layout), dispatch (wait +
+count + scan + pull), combine send (scatter + signal) and finish (wait + reduce + end of call) as one
+kernel each (`symmring.moe.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
+so its output must be BITWISE the general schedule's, for every ack policy, any mix of token counts per rank
+(zero-token ranks included), masked entries, and graph replays. Auto selection follows
+``small_batch_tokens``; what it cannot run is a ConfigError before anything is enqueued.
+
+Several PEs: ``python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu/test_moe_small.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU MoE layer needs torch (not installed here)")
+if not torch.cuda.is_available():
+    pytest.skip("the GPU MoE layer needs a CUDA GPU (torch sees none)", allow_module_level=True)
+from symmring.backends.nvshmem import gpu_available  # noqa: E402
+
+if not gpu_available():
+    pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
+pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
+
+from moe_helpers import agree, make_tokens, make_weights, to_torch  # noqa: E402
+
+from symmring.errors import ConfigError  # noqa: E402
+from symmring.moe.gpu import MoE  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261202))
+HIDDEN, INTER, NUM_EXPERTS = 256, 256, 16
+
+
+def _deepgemm_reason():
+    from symmring.moe import deepgemm
+    ok, reason = deepgemm.deepgemm_status()
+    return None if ok else reason
+
+
+ENGINES = ["builtin", pytest.param("deepgemm", marks=pytest.mark.skipif(_deepgemm_reason() is not None,
+                                                                        reason=f"{_deepgemm_reason()}"))]
+
+
+@pytest.fixture(scope="module")
+def ctx(nvshmem_ctx):
+    return nvshmem_ctx
+
+
+def dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def verdict(ctx, ok, message):
+    all_ok, messages = agree(ctx.comm, ok, message)
+    assert all_ok, messages
+
+
+def layer(ctx, engine, max_tokens, topk, **kwargs):
+    """An fp8 layer with this rank's slice of seeded weights (quantised by the layer)."""
+    w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
+    e = NUM_EXPERTS // ctx.world_size
+    mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
+    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *(to_torch(w[mine], torch.bfloat16, dev())
+                                                       for w in (w_gate, w_up, w_down)),
+               max_tokens=max_tokens, engine=engine, expert_dtype="fp8", **kwargs)
+
+
+def routing(seed, n, topk, masked: bool):
+    """Seeded ``(topk_idx, topk_weights)`` with distinct experts per token; ``masked``: some entries -1."""
+    rng = np.random.default_rng(seed)
+    idx = np.array([rng.permutation(NUM_EXPERTS)[:topk] for _ in range(n)], dtype=np.int32).reshape(n, topk)
+    if masked and n:
+        idx[rng.random((n, topk)) < 0.2] = -1
+    weights = rng.random((n, topk)).astype(np.float32)
+    return to_torch(idx, torch.int32, dev()), to_torch(weights, torch.float32, dev())
+
+
+def call(moe, x, idx, w, **kwargs):
+    y = moe.forward(x, topk_idx=idx, topk_weights=w, **kwargs)
+    moe.check_errors()
+    return y.float().cpu().numpy(), moe.last_plan.small_batch
+
+
+# Token counts of ranks 0..3 (a world of R ranks takes the first R).
+COUNTS = [(1, 1, 1, 1), (7, 0, 3, 128), (0, 5, 0, 0), (128, 128, 128, 128), (33, 64, 1, 0)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("ack_policy", ["conservative", "early"])
+@pytest.mark.parametrize("topk", [1, 8])
+def test_small_batch_bitwise_equals_general(ctx, engine, ack_policy, topk):
+    moe = layer(ctx, engine, 128, topk, ack_policy=ack_policy)
+    problems = []
+    try:
+        for case, counts in enumerate(COUNTS):
+            counts = counts[:ctx.world_size]
+            if max(counts) == 0:
+                continue
+            n = counts[ctx.rank]
+            x = to_torch(make_tokens(SEED + 10 * case + ctx.rank, n, HIDDEN), torch.bfloat16, dev())
+            idx, w = routing(SEED + 100 * case + ctx.rank, n, topk, masked=case % 2 == 1)
+            y_small, small = call(moe, x, idx, w, small_batch=True)
+            y_general, general = call(moe, x, idx, w, small_batch=False)
+            y_auto, auto = call(moe, x, idx, w)
+            if not (small and not general and auto):
+                problems.append(f"counts {counts}: plans small={small} general={general} auto={auto}")
+            for name, y in (("small", y_small), ("auto", y_auto)):
+                if not np.array_equal(y, y_general):
+                    rows = int(np.sum(np.any(y != y_general, axis=1)))
+                    problems.append(f"counts {counts}: {name} != general ({rows} of {n} rows differ)")
+            if n and not np.isfinite(y_small).all():
+                problems.append(f"counts {counts}: non-finite output")
+    finally:
+        moe.close()
+    verdict(ctx, not problems, f"{engine}/{ack_policy}/top-{topk}: " + "; ".join(problems))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_small_batch_graph_replays_bitwise(ctx, engine):
+    n = 4 + ctx.rank
+    moe = layer(ctx, engine, 64, 2)
+    problems = []
+    try:
+        x = to_torch(make_tokens(SEED + 1 + ctx.rank, n, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED + 2 + ctx.rank, n, 2, masked=False)
+        graph, y_static = moe.capture(x, topk_idx=idx, topk_weights=w, small_batch=True)
+        for replay in range(3):
+            x_new = to_torch(make_tokens(SEED + 50 + 7 * replay + ctx.rank, n, HIDDEN), torch.bfloat16, dev())
+            idx_new, w_new = routing(SEED + 60 + 7 * replay + ctx.rank, n, 2, masked=replay == 1)
+            x.copy_(x_new)
+            idx.copy_(idx_new)
+            w.copy_(w_new)
+            graph.replay()
+            moe.check_errors()
+            got = y_static.float().cpu().numpy()
+            want, _ = call(moe, x_new, idx_new, w_new, small_batch=False)
+            if not np.array_equal(got, want):
+                problems.append(f"replay {replay} != eager general")
+        del graph
+    finally:
+        moe.close()
+    verdict(ctx, not problems, f"{engine}: " + "; ".join(problems))
+
+
+def test_small_batch_with_router_weight_matches_general(ctx):
+    """The router path (logits from x @ router.T in torch) feeds the fused producer like given routing."""
+    _, _, _, router = make_weights(SEED + 3, NUM_EXPERTS, HIDDEN, INTER)
+    router = to_torch(router, torch.bfloat16, dev())
+    moe = layer(ctx, "builtin", 32, 4)
+    try:
+        x = to_torch(make_tokens(SEED + 4 + ctx.rank, 32, HIDDEN), torch.bfloat16, dev())
+        y_small = moe.forward(x, router_weight=router, small_batch=True).float().cpu().numpy()
+        y_general = moe.forward(x, router_weight=router, small_batch=False).float().cpu().numpy()
+        moe.check_errors()
+        ok = np.array_equal(y_small, y_general)
+    finally:
+        moe.close()
+    verdict(ctx, ok, "router path: small != general")
+
+
+def test_auto_selection_follows_small_batch_tokens(ctx):
+    moe = layer(ctx, "builtin", 16, 2, small_batch_tokens=4)
+    problems = []
+    try:
+        for n, want in ((4, True), (5, False)):
+            x = to_torch(make_tokens(SEED + n, n, HIDDEN), torch.bfloat16, dev())
+            idx, w = routing(SEED + n, n, 2, masked=False)
+            _, small = call(moe, x, idx, w)
+            if small != want:
+                problems.append(f"{n} tokens, small_batch_tokens=4: small={small}, expected {want}")
+    finally:
+        moe.close()
+    never = layer(ctx, "builtin", 16, 2, small_batch_tokens=0)
+    try:
+        x = to_torch(make_tokens(SEED, 1, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED, 1, 2, masked=False)
+        if call(never, x, idx, w)[1]:
+            problems.append("small_batch_tokens=0 still chose the small-batch schedule")
+    finally:
+        never.close()
+    verdict(ctx, not problems, "; ".join(problems))
+
+
+def test_small_batch_rejections(ctx):
+    problems = []
+    moe = layer(ctx, "builtin", 64, 2, tokens_per_slot=16, num_slots=4)
+    try:
+        x = to_torch(make_tokens(SEED, 32, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED, 32, 2, masked=False)
+        for kwargs, what in ((dict(small_batch=True, streaming=True), "streamed"),
+                             (dict(small_batch=True), "2 chunks"),
+                             (dict(small_batch="yes"), "expected None, True or False")):
+            try:
+                moe.forward(x, topk_idx=idx, topk_weights=w, **kwargs)
+                problems.append(f"{kwargs}: no ConfigError")
+            except ConfigError as exc:
+                if what not in str(exc):
+                    problems.append(f"{kwargs}: message does not say {what!r}: {exc}")
+        # Nothing was enqueued: the next call works.
+        _, small = call(moe, x[:16], idx[:16], w[:16])
+        if not small:
+            problems.append("16 tokens (one chunk) did not take the small-batch schedule")
+    finally:
+        moe.close()
+    w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
+    e = NUM_EXPERTS // ctx.world_size
+    mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
+    bf16 = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(a[mine], torch.bfloat16, dev())
+                                                    for a in (w_gate, w_up, w_down)), max_tokens=8, engine="torch")
+    try:
+        x = to_torch(make_tokens(SEED, 8, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED, 8, 2, masked=False)
+        try:
+            bf16.forward(x, topk_idx=idx, topk_weights=w, small_batch=True)
+            problems.append("bf16 experts with small_batch=True: no ConfigError")
+        except ConfigError as exc:
+            if "fp8" not in str(exc):
+                problems.append(f"bf16 experts: message does not name fp8: {exc}")
+        if call(bf16, x, idx, w)[1]:
+            problems.append("bf16 experts chose the small-batch schedule")
+    finally:
+        bf16.close()
+    verdict(ctx, not problems, "; ".join(problems))

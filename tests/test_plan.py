@@ -1,0 +1,42 @@
+"""The GPU layer's per-call plan (symmring.moe.plan), on the CPU: windows, bounds and the small-batch flag."""
+
+import pytest
+
+from symmring.errors import ConfigError
+from symmring.moe.plan import make_plan
+
+KW = dict(tokens_per_slot=128, num_slots=3, expert_window=3, two_streams=True, topk=2, capacity=4096)
+
+
+def test_batch_plan_is_one_window_over_every_chunk_on_one_stream():
+    plan = make_plan((300, 0, 17), 0, streaming=False, **KW)
+    assert plan.num_chunks == 3 and not plan.two_streams and not plan.small_batch
+    (window,) = plan.windows.values()
+    assert (window.first, window.last, window.num_valid, window.source_tokens) == (0, 2, 300, 317)
+    assert window.rows_bound == 2 * 317
+    assert [c.num_valid for c in plan.chunks] == [128, 128, 44]
+
+
+def test_rows_bound_counts_alignment_padding_and_is_capped_by_the_pool():
+    plan = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **KW)
+    (window,) = plan.windows.values()
+    assert window.rows_bound == 16 + 4 * 127 and window.source_tokens == 8 and window.num_valid == 3
+    capped = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **{**KW, "capacity": 100})
+    assert capped.windows[0].rows_bound == 100
+
+
+def test_small_batch_plan_is_a_one_chunk_batch_plan():
+    plan = make_plan((1, 4), 1, streaming=False, small_batch=True, **KW)
+    assert plan.small_batch and plan.num_chunks == 1 and plan.order == (("produce", 0, 0), ("consume", 0, 0))
+    assert plan.windows[0].source_tokens == 5 and plan.chunks[0].num_valid == 4
+
+
+@pytest.mark.parametrize("counts,streaming,words", [((129,), False, "2 chunks"), ((5,), True, "streamed")])
+def test_small_batch_rejects_calls_it_cannot_run(counts, streaming, words):
+    with pytest.raises(ConfigError, match=words):
+        make_plan(counts, 0, streaming=streaming, small_batch=True, **KW)
+
+
+def test_batch_call_larger_than_the_ring_is_rejected():
+    with pytest.raises(ConfigError, match="do not fit the ring"):
+        make_plan((4 * 128,), 0, streaming=False, **KW)
