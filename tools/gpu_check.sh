@@ -19,6 +19,7 @@
 #   protocol  python -m symmring bench protocol on 1 and 2 PEs (bench_protocol_*pe.json)
 #   gemm      python -m symmring bench gemm (bench_gemm.json)
 #   moe       python -m symmring bench moe, bf16 and fp8 engines (bench_moe.json, bench_moe.png)
+#   decode    python -m symmring bench moe --decode, 1-128 tokens, small-batch vs general (bench_decode.json)
 #   stream, stream_graph   python -m symmring bench stream, eager and from graphs (bench_stream*.json)
 #   compare   tools/compare_prev.py against $PREV (a copy of an earlier commit's package: see its --help)
 #
@@ -104,6 +105,7 @@ for s in "${steps[@]}"; do
     gemm) stage gemm 230 "$PY" -m symmring bench gemm --budget-s 190 --json "$OUT/bench_gemm.json" ;;
     moe) stage moe 330 "$PY" -m symmring bench moe --tokens "${MOE_TOKENS:-1,8,64,256,1024,4096,16384}" --repeats 5 \
            --json "$OUT/bench_moe.json" --plot "$OUT/bench_moe.png" ;;
+    decode) stage decode 300 "$PY" -m symmring bench moe --decode --repeats 10 --json "$OUT/bench_decode.json" ;;
     stream) stage stream 300 "$PY" -m symmring bench stream "${STREAM[@]}" --ack early,conservative --spin-check \
               --json "$OUT/bench_stream.json" --timeline "$OUT/timeline.png" ;;
     stream_graph) stage stream_graph 250 "$PY" -m symmring bench stream "${STREAM[@]}" --ack early --graph \

@@ -17,7 +17,14 @@ sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``built
   rate)`` with both rates measured in the same run, and the layer's graph latency over it;
 * the pool and symmetric-heap bytes per PE;
 * with one rank, the same layer written plainly in torch (`symmring.moe.torch_ref.TorchMoE`, bf16) as the
-  ratio layer / torch.
+  ratio layer / torch;
+* where a call takes the small-batch schedule (fp8, at most ``small_batch_tokens`` per rank), the general
+  schedule on the same inputs too (``general_ms``, ``general_graph_ms``), so the fused kernels' gain is
+  measured side by side.
+
+``--decode`` is the decode sweep: 1, 2, 4, ..., 128 tokens per rank, the fp8 engines, and per row the target
+of the decode issue, ``1.3 x the fp8 weight-read limit + 25 us`` (``target_ms``; at these sizes the roofline
+is the weight read), graph latency over the limit and eager over graph.
 
 Weights and tokens are random (seeded); routing comes from random router weights, so expert loads are
 roughly uniform. Prints a table (progress on stderr); ``--json PATH`` writes every figure, ``--plot PNG``
@@ -48,6 +55,9 @@ SHAPES = {
     "mixtral": (4096, 14336, 8, 2),
 }
 DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: The decode target: graph latency <= DECODE_SLOPE x the fp8 weight-read limit + DECODE_OFFSET_MS.
+DECODE_SLOPE, DECODE_OFFSET_MS = 1.3, 0.025
 ENGINE_NAMES = ("torch", "builtin", "deepgemm")
 
 
@@ -70,6 +80,27 @@ def _timed(fn, repeats: int, warmup: int = 2) -> List[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def kernel_profile(fn, repeats: int) -> Dict[str, float]:
+    """Device microseconds per call of every kernel ``fn`` runs (torch.profiler over ``repeats`` calls after
+    one warm-up; CUDA graph replays show their kernels too), largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    out: Dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = getattr(evt, "cuda_time_total", 0.0)
+        if us and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            out[evt.key[:60]] = out.get(evt.key[:60], 0.0) + us / repeats
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def measure_ceilings(device) -> Dict[str, float]:
@@ -159,7 +190,7 @@ def _mark_rows(state, mark: bool) -> None:
 
 def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float], engines: List[str],
                 graphs: bool = True, seed: int = 0, done: Optional[List[int]] = None, total: Optional[int] = None,
-                started: Optional[float] = None) -> List[Dict]:
+                started: Optional[float] = None, kernels: bool = False) -> List[Dict]:
     import torch
     from ..moe.experts import Fp8Experts
     from ..moe.gpu import MoE, STAGES
@@ -229,16 +260,30 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     try:
                         graph, _ = moe.capture(x, router_weight=router)
                         row["layer_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                        if kernels:  # where a replay's time goes, kernel by kernel
+                            row["graph_kernels_us"] = kernel_profile(graph.replay, 5)
                         moe.check_errors()
                         del graph
                     except Exception as exc:  # report, keep benchmarking the eager path
                         row["layer_graph_error"] = f"{type(exc).__name__}: {exc}"
                         logger.warning("%s %s n=%d: graph capture failed: %s", name, engine, n, exc)
+                row["small_batch"] = bool(moe.last_plan.small_batch)
+                if row["small_batch"]:  # the general schedule on the same inputs, side by side
+                    ctx.comm.Barrier()
+                    row["general_ms"] = statistics.median(
+                        _timed(lambda: moe.forward(x, router_weight=router, small_batch=False), reps))
+                    if graphs:
+                        graph, _ = moe.capture(x, router_weight=router, small_batch=False)
+                        row["general_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                        del graph
+                    moe.check_errors()
                 best = row.get("layer_graph_ms", layer_ms)
                 row["vs_fp8_roofline"] = best / row["fp8_roofline_ms"] if row["fp8_roofline_ms"] else float("nan")
                 if torch_ms is not None:
                     row["torch_ms"] = torch_ms
                     row["ratio_vs_torch"] = layer_ms / torch_ms
+                row["target_ms"] = DECODE_SLOPE * row["fp8_roofline_ms"] + DECODE_OFFSET_MS
+                row["eager_vs_graph"] = layer_ms / row["layer_graph_ms"] if "layer_graph_ms" in row else float("nan")
                 rows.append(row)
                 if done is not None:
                     done[0] += 1
@@ -262,6 +307,24 @@ def add_ratios(rows: List[Dict]) -> None:
         b = base.get((r["shape"], r["tokens_per_rank"]))
         if b is not None and r["engine"] != "torch":
             r["fp8_vs_bf16"] = r.get("layer_graph_ms", r["layer_ms"]) / b.get("layer_graph_ms", b["layer_ms"])
+
+
+def format_decode_table(rows: List[Dict]) -> str:
+    """The decode view: per row the small-batch and general schedules (graph, eager), the weight-read
+    limit, the target and the ratios the decode issue asks for."""
+    nan = float("nan")
+    lines = [f"{'shape':<14} {'tokens':>6} {'engine':<8} {'small':>5} {'graph ms':>9} {'eager ms':>9} "
+             f"{'gen graph':>9} {'gen eager':>9} {'limit ms':>8} {'target':>7} {'/limit':>6} {'eag/gr':>6} "
+             f"{'ok':>3}"]
+    for r in rows:
+        graph = r.get("layer_graph_ms", nan)
+        ok = graph <= r["target_ms"] and r["eager_vs_graph"] <= 2.0
+        limit = r["fp8_roofline_ms"] or nan
+        lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['engine']:<8} {str(r['small_batch'])[0]:>5} "
+                     f"{graph:>9.3f} {r['layer_ms']:>9.3f} {r.get('general_graph_ms', nan):>9.3f} "
+                     f"{r.get('general_ms', nan):>9.3f} {r['fp8_roofline_ms']:>8.3f} {r['target_ms']:>7.3f} "
+                     f"{graph / limit:>6.2f} {r['eager_vs_graph']:>6.2f} {'yes' if ok else 'NO':>3}")
+    return "\n".join(lines)
 
 
 def format_table(rows: List[Dict], ceilings: Dict[str, float]) -> str:
@@ -320,7 +383,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated subset of {list(ENGINE_NAMES)} (deepgemm only where it imports)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per size (a quarter above 4096)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph timings")
+    parser.add_argument("--kernels", action="store_true",
+                        help="profile each graph replay kernel by kernel (torch.profiler; the JSON's graph_kernels_us)")
+    parser.add_argument("--decode", action="store_true",
+                        help=f"the decode sweep: tokens {','.join(map(str, DECODE_TOKENS))}, fp8 engines, the "
+                             "decode table (unless --tokens/--engines are given)")
     args = parser.parse_args(argv)
+    if args.decode:
+        if args.tokens == ",".join(map(str, DEFAULT_TOKENS)):
+            args.tokens = ",".join(map(str, DECODE_TOKENS))
+        if args.engines == ",".join(ENGINE_NAMES):
+            args.engines = "builtin,deepgemm"
+
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -354,7 +428,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         done, total = [0], len(shapes) * len(tokens) * len(engines)
         for shape in shapes:
             rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph,
-                                done=done, total=total, started=started)
+                                done=done, total=total, started=started, kernels=args.kernels)
             add_ratios(rows)
             if args.json and ctx.rank == 0:  # after every shape: a run cut short keeps what it measured
                 with open(args.json, "w") as fh:
@@ -364,6 +438,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         ctx.close()
     if ctx.rank == 0:
         print(format_table(rows, ceilings))
+        if args.decode:
+            print(format_decode_table(rows))
+        for r in rows:
+            if r.get("graph_kernels_us"):
+                top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["graph_kernels_us"].items())[:8])
+                print(f"kernels {r['shape']} n={r['tokens_per_rank']} {r['engine']} (us per replay): {top}")
         print(f"bench moe: {len(rows)} measurements in {time.perf_counter() - started:.0f} s")
         if args.json:
             with open(args.json, "w") as fh:
