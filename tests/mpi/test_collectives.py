@@ -79,8 +79,10 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     if rank == late:
         ok = error is not None and error.origin is not None and late in error.missing_ranks
     else:
+        # A rank told by the first rank to give up may see a hair less than the bound: that rank's clock
+        # started when it left the start barrier, which may be a little before this one did.
         ok = (error is not None and late in error.missing_ranks and error.timeout_s == BOUND_S
-              and BOUND_S <= elapsed_s <= BOUND_S + SLACK_S)
+              and BOUND_S - 0.1 <= elapsed_s <= BOUND_S + SLACK_S)
     ok = ok and unresolved and refused == ["barrier", "Ring", "check_open"] and closed
     ok = ok and values == list(range(world)) and recovered
     if rank == 0:
