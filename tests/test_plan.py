@@ -40,3 +40,21 @@ def test_small_batch_rejects_calls_it_cannot_run(counts, streaming, words):
 def test_batch_call_larger_than_the_ring_is_rejected():
     with pytest.raises(ConfigError, match="do not fit the ring"):
         make_plan((4 * 128,), 0, streaming=False, **KW)
+
+
+@pytest.mark.parametrize("num_chunks,num_slots,window", [(5, 2, 1), (6, 3, 3), (7, 4, 2), (1, 1, 1)])
+def test_streamed_plan_waits_are_the_protocols_cross_stream_edges(num_chunks, num_slots, window):
+    """Every wait names an item enqueued earlier on the other stream; together they are the "own chunks" and
+    "own acknowledgement" edges of `protocol.call_dependency_graph`, the ones a captured graph would lose."""
+    from symmring import protocol
+    kw = {**KW, "tokens_per_slot": 10, "num_slots": num_slots, "expert_window": window}
+    plan = make_plan((10 * num_chunks, 3), 0, streaming=True, **kw)
+    _, edges = protocol.call_dependency_graph(plan.order, num_slots, two_streams=True)
+    want = {(e.before, e.after) for e in edges if e.why in ("own chunks", "own acknowledgement")}
+    got = {(b, a) for a, befores in plan.waits.items() for b in befores}
+    assert got == want and plan.signals == {b for b, _ in want}
+    position = {item: i for i, item in enumerate(plan.order)}
+    for before, after in got:
+        assert position[before] < position[after] and before[0] != after[0]
+    single = make_plan((10 * num_chunks, 3), 0, streaming=True, **{**kw, "two_streams": False})
+    assert single.waits == {} and single.signals == frozenset()

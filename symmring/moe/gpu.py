@@ -288,6 +288,7 @@ class MoE:
         self._consumer_stream = torch.cuda.Stream(device=self.device)
         self._timeline = (0, {})  # (chunks, windows) of the last forward(timeline=True)
         self.last_plan: Optional[plans.Plan] = None  # of the last forward (benchmarks and tests read it)
+        self._call_done = None  # torch.cuda.Event after the last call's end (eager call or CapturedCall.replay)
         self.closed = False
         backend.barrier()
         logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s dispatch, %s experts "
@@ -445,15 +446,31 @@ class MoE:
         y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
             return y
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._after_previous_call()
         if plan.streaming:
             self._run_streamed(plan, x, kind, source, y, timeline, delays, consumer_delays)
         else:
             self._run_batch(plan, x, kind, source, y, stage_events)
+        if not capturing:
+            self._end_of_call()
         if env.debug():
             self.check_errors()
         return y
 
     __call__ = forward
+
+    def _after_previous_call(self) -> None:
+        """Order this call after the previous one's end (its generation base advance), whatever stream either
+        was issued on: a call on another stream, or a graph replay there, never publishes a stale generation."""
+        if self._call_done is not None:
+            _torch().cuda.current_stream().wait_event(self._call_done)
+
+    def _end_of_call(self) -> None:
+        event = _torch().cuda.Event()
+        event.record()
+        self._call_done = event
 
     def _small_batch_capable(self) -> bool:
         return self.x_format == "fp8_e4m3" and self.engine.pool_format == "fp8"
@@ -541,7 +558,13 @@ class MoE:
         self._timeline = (plan.num_chunks, {w.first: w.last for w in plan.windows.values()}) if stamps else (0, {})
         last_window = plan.last_window
         p_stream, c_stream = self._stream(producer.cuda_stream), self._stream(consumer.cuda_stream)
-        for item, first, _ in plan.order:
+        # The local edges between the streams (plan.waits): a captured graph keeps them, so no executor can
+        # run a window before this rank's own chunks of it, or a chunk before the acknowledgement of its slot.
+        done = {b: torch.cuda.Event() for b in plan.signals}
+        for entry in plan.order:
+            item, first, _ = entry
+            for before in plan.waits.get(entry, ()):
+                (producer if item == "produce" else consumer).wait_event(done[before])
             if item == "produce":
                 with torch.cuda.stream(producer):
                     stages.produce_chunk(k, s, p_stream, chunk=plan.chunks[first], x=x, route=route, topk_idx=idx,
@@ -553,6 +576,8 @@ class MoE:
                                           ack_policy=self.ack_policy, split_waits=True, topk_idx=idx,
                                           topk_weights=weights, y=y, end_call_chunks=plan.num_chunks if end_here else 0,
                                           delay_ns=consumer_delays.get(first, 0), stamps=stamps)
+            if entry in done:
+                done[entry].record(producer if item == "produce" else consumer)
         if plan.two_streams:
             caller.wait_stream(producer)  # join: every kernel that reads the generation base is done
             caller.wait_stream(consumer)
@@ -570,7 +595,10 @@ class MoE:
         token count must stay the same).
 
         Returns:
-            ``(graph, y)``: the ``torch.cuda.CUDAGraph`` and its static output tensor.
+            ``(call, y)``: a `CapturedCall` (``call.replay()``; ``call.graph`` is the ``torch.cuda.CUDAGraph``)
+            and its static output tensor. ``call.replay()`` on any stream runs after the layer's previous
+            call, eager or replayed, as `forward` does; a bare ``call.graph.replay()`` leaves that order to the
+            caller (one stream keeps it).
 
         Raises:
             ConfigError: as `forward`.
@@ -592,7 +620,7 @@ class MoE:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = self.forward(x, **kwargs)
-        return graph, y
+        return CapturedCall(self, graph), y
 
     def _all_token_counts(self, n: int) -> List[int]:
         """Every rank's token count of this call: a bounded exchange of the context (`PeerTimeout` naming
@@ -684,3 +712,22 @@ class MoE:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class CapturedCall:
+    """One `MoE.forward` captured into a CUDA graph (`MoE.capture`): each `replay` is one more call of the
+    layer, ordered after its previous call whatever stream either runs on.
+
+    Attributes:
+        graph: the ``torch.cuda.CUDAGraph``.
+    """
+
+    def __init__(self, layer: MoE, graph):
+        self.layer, self.graph = layer, graph
+
+    def replay(self) -> None:
+        """Replay on the current stream, after the layer's previous call (no host synchronisation)."""
+        self.layer._check_open()
+        self.layer._after_previous_call()
+        self.graph.replay()
+        self.layer._end_of_call()

@@ -23,8 +23,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, Sequence, Tuple
 
 from .. import protocol
 from ..errors import ConfigError
@@ -72,6 +72,10 @@ class Plan:
         streaming: the schedule; counts: every rank's tokens of the call; num_chunks: the call's chunks.
         small_batch: a one-chunk batch call run by the small-batch schedule's fused kernels
             (`symmring.moe.stages.small_batch_call`).
+        waits: two streams only: for an item of ``order``, the items of the other stream it must follow
+            (`protocol.call_dependency_graph`'s "own chunks" and "own acknowledgement" edges), so every
+            topological order of the captured call is a valid serial schedule; ``signals``: the items
+            whose end an item of the other stream waits for.
         two_streams: producer and consumer on their own streams (streamed, not ``single_stream``).
         order: the enqueue order, ``("produce", c, c)`` and ``("consume", first, last)`` items.
         chunks: this rank's `ChunkStep` per chunk; windows: `WindowStep` by first chunk, in order.
@@ -85,6 +89,8 @@ class Plan:
     chunks: Tuple[ChunkStep, ...]
     windows: Dict[int, WindowStep]
     small_batch: bool = False
+    waits: Dict[Tuple[str, int, int], Tuple[Tuple[str, int, int], ...]] = field(default_factory=dict)
+    signals: FrozenSet[Tuple[str, int, int]] = frozenset()
 
     @property
     def last_window(self) -> int:
@@ -140,5 +146,12 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
                                     num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)),
                                     source_tokens=tokens)
     order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))
+    waits: Dict[Tuple[str, int, int], Tuple[Tuple[str, int, int], ...]] = {}
+    if two_streams:
+        _, edges = protocol.call_dependency_graph(order, S, two_streams=True)
+        for e in edges:
+            if e.why in ("own chunks", "own acknowledgement"):
+                waits[e.after] = waits.get(e.after, ()) + (e.before,)
     return Plan(streaming=bool(streaming), counts=counts, num_chunks=num_chunks, two_streams=bool(two_streams),
-                order=order, chunks=chunks, windows=windows, small_batch=bool(small_batch))
+                order=order, chunks=chunks, windows=windows, small_batch=bool(small_batch), waits=waits,
+                signals=frozenset(b for befores in waits.values() for b in befores))
