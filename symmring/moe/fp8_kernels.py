@@ -555,6 +555,15 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     return out
 
 
+def act_scales_empty(M: int, num_groups: int, device, *, mn_major: bool):
+    """An uninitialised float32 ``[M, num_groups]`` of 1x128 activation scales: row-major, or MN-major with
+    16-byte aligned columns (strides ``(1, align4(M))``, what DeepGEMM's TMA reads without a transform)."""
+    torch = _torch()
+    if mn_major:
+        return torch.empty((num_groups, -(-M // 4) * 4), dtype=torch.float32, device=device).t()[:M]
+    return torch.empty((M, num_groups), dtype=torch.float32, device=device)
+
+
 def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = False):
     """SwiGLU of L1's output and fp8 quantisation for L2, in one kernel.
 
@@ -609,11 +618,7 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
         names.append("act_out")
     _check_device(tensors, names)
     q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
-    if sf_mn_major:
-        column = -(-M // 4) * 4
-        q_sf = torch.empty((inter // 128, column), dtype=torch.float32, device=h.device).t()[:M]
-    else:
-        q_sf = torch.empty((M, inter // 128), dtype=torch.float32, device=h.device)
+    q_sf = act_scales_empty(M, inter // 128, h.device, mn_major=sf_mn_major)
     if M == 0:
         return q, q_sf
     grid = (_ceil_div(M, SWIGLU_BLOCK_ROWS), inter // 128)
