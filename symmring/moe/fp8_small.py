@@ -90,9 +90,10 @@ BLOCK_N_CHOICES = (64, 128)
 #: SMs of an H200/H100 SXM: the default rule's "does the grid fill the machine" test.
 _NUM_SMS_HOPPER = 132
 
-# Set by _jit() on first use (the kernel resolves ``tl`` and ``libdevice`` from this module's globals).
+# Set by _jit() on first use (the kernel resolves ``tl`` and fp8_kernels' jitted ``swiglu_quant_rows``
+# from this module's globals).
 tl: Any = None
-libdevice: Any = None
+swiglu_quant_rows: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,17 +281,8 @@ def _small_gemm_fp8_kernel(
         # Exactly swiglu_quant_fp8 on the bf16 h = [gate | up] the unfused path would have stored.
         gate = tl.trans(acc).to(tl.bfloat16).to(tl.float32)
         up = tl.trans(acc_u).to(tl.bfloat16).to(tl.float32)
-        if ACCURATE_EXP:
-            e = libdevice.exp(-gate)  # CUDA's expf, as swiglu_quant_fp8
-        else:
-            e = tl.exp(-gate)  # the Triton interpreter: NumPy's float32 exp
-        act = tl.math.div_rn(gate, 1.0 + e) * up
-        amax = tl.max(tl.abs(act), axis=1)
-        scale = tl.math.div_rn(amax, 448.0)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        scaled = tl.math.div_rn(act, scale[:, None])
-        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-        tl.store(o_ptrs, scaled.to(tl.float8e4nv), mask=row_ok[:, None])
+        act, q, scale = swiglu_quant_rows(gate, up, ACCURATE_EXP)
+        tl.store(o_ptrs, q, mask=row_ok[:, None])
         tl.store(q_sf_ptr + rows64 * stride_sfm + pid_n * stride_sfk, scale, mask=row_ok)
     else:
         tl.store(o_ptrs, tl.trans(acc).to(tl.bfloat16), mask=row_ok[:, None] & (cols < N_OUT)[None, :])
@@ -301,9 +293,9 @@ def _small_gemm_fp8_kernel(
 @functools.lru_cache(maxsize=None)
 def _jit():
     """torch, the jitted kernel and TensorDescriptor (fp8_kernels' imports and its BackendError)."""
-    global tl, libdevice
+    global tl, swiglu_quant_rows
     torch, triton, _, _, tensor_descriptor = fp8_kernels._triton()
-    tl, libdevice = fp8_kernels.tl, fp8_kernels.libdevice
+    tl, swiglu_quant_rows = fp8_kernels.tl, fp8_kernels.swiglu_quant_rows
     kernel = triton.jit(_small_gemm_fp8_kernel,
                         do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
                                            "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
