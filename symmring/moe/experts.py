@@ -18,6 +18,9 @@ Engines (`make_engine`, the layer's ``engine=`` argument):
   (`symmring.moe.deepgemm`; optional, imported lazily) and the same SwiGLU kernel.
 * ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
 
+For tiny groups (decode: ``forward``'s ``rows_per_expert`` bound at most ``small_rows``) both fp8 engines run
+`symmring.moe.fp8_small`'s swap-AB kernels instead (L1 fused with SwiGLU and the quantisation).
+
 The fp8 engines want the contiguous layout: every expert's group starts at a multiple of 128 pool rows
 and ``m_indices`` names each row's expert (-1 for padding). Weights: `symmring.moe.weights`.
 """
