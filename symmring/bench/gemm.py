@@ -24,6 +24,9 @@ L2):
   fraction of a device-to-device copy measured in the same run, and whether it is bitwise equal to the
   quantisation rule evaluated with torch.
 
+``--decode`` and ``--decode-sweep`` run the decode-size problems of `symmring.bench.gemm_decode` instead
+(the small-group kernels of `symmring.moe.fp8_small` against today's path and the weight-read time).
+
 Progress goes to stderr, the table last to stdout; ``--json PATH`` writes every figure (all configs'
 rates, so `default_config` can be retuned from it). ``--quick``: the four anchors, four configurations,
 10 repeats. A time budget (``--budget-s``, 270 s) stops the configuration sweep early (defaults only) so
@@ -343,7 +346,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--problems", default="", help="only problems whose name contains one of these "
                                                        "comma-separated words")
     parser.add_argument("--no-deepgemm", action="store_true", help="skip DeepGEMM even when importable")
+    parser.add_argument("--decode", action="store_true",
+                        help="instead: decode sizes (1..128 tokens), the small-group kernels (fp8_small: fused L1, L2) "
+                             "vs grouped_gemm_fp8 + swiglu_quant_fp8 (and DeepGEMM) vs the weight-read time")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="instead: every fp8_small configuration per shape and token count (fused L1, L2)")
+    parser.add_argument("--tokens", default="", help="with --decode/--decode-sweep: comma-separated token counts")
     args = parser.parse_args(argv)
+    try:
+        from .gemm_decode import parse_tokens
+        args.tokens = parse_tokens(args.tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.repeats = args.repeats or (10 if args.quick else 20)
     if args.repeats < 1:
         parser.error("--repeats must be positive")
@@ -373,6 +387,17 @@ def main(argv: Optional[List[str]] = None) -> int:
              "l2_bytes": torch.cuda.get_device_properties(device).L2_cache_size,
              "copy_gbps": measure_copy_gbps(device)}
     _progress(f"device copy {state['copy_gbps']:.0f} GB/s")
+    if args.decode or args.decode_sweep:
+        from . import gemm_decode
+        state["device"] = device
+        figures = gemm_decode.run(args, state)
+        print(f"bench gemm: decode in {time.perf_counter() - started:.0f} s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                           "triton": __import__("triton").__version__, "deepgemm": dg_reason,
+                           "copy_gbps": state["copy_gbps"], **figures}, fh, indent=1)
+        return 0
     todo = problems(args.quick)
     if args.problems:
         words = [w for w in args.problems.split(",") if w]

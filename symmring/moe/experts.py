@@ -18,6 +18,9 @@ Engines (`make_engine`, the layer's ``engine=`` argument):
   (`symmring.moe.deepgemm`; optional, imported lazily) and the same SwiGLU kernel.
 * ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
 
+For tiny groups (decode: ``forward``'s ``rows_per_expert`` bound at most ``small_rows``) both fp8 engines run
+`symmring.moe.fp8_small`'s swap-AB kernels instead (L1 fused with SwiGLU and the quantisation).
+
 The fp8 engines want the contiguous layout: every expert's group starts at a multiple of 128 pool rows
 and ``m_indices`` names each row's expert (-1 for padding). Weights: `symmring.moe.weights`.
 """
@@ -38,6 +41,9 @@ logger = logging.getLogger(__name__)
 ENGINES = ("auto", "deepgemm", "builtin", "torch")
 #: Row alignment of every expert group in an fp8 pool (DeepGEMM's and the Triton kernel's M block).
 FP8_ALIGN_M = 128
+#: `Fp8Experts`' default threshold: at most this many rows per expert take the small-group kernels (their
+#: largest row tile; above it a 64-row tile of the large-group GEMM wastes little).
+SMALL_ROWS = 64
 
 
 def _torch():
@@ -107,9 +113,12 @@ class ExpertEngine(abc.ABC):
     align_m: int = 1
 
     @abc.abstractmethod
-    def forward(self, pool: Pool, num_rows: int):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         """bf16 ``[num_rows, hidden]``: the expert output of pool rows ``[0, num_rows)`` (a host-side bound;
-        rows past the groups' end are undefined and never read). Enqueued on the current torch stream."""
+        rows past the groups' end are undefined and never read). Enqueued on the current torch stream.
+
+        ``rows_per_expert``: a host bound on the rows any one local expert holds in this window (None:
+        unknown); an engine may pick its kernels by it, and must then trust it."""
 
 
 class TorchBf16Experts(ExpertEngine):
@@ -134,7 +143,7 @@ class TorchBf16Experts(ExpertEngine):
         self.inter = weights.inter
         self._w13_t, self._w_down_t = weights.w13.transpose(1, 2), weights.w_down.transpose(1, 2)  # [E, K, N] views
 
-    def forward(self, pool: Pool, num_rows: int):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         h = grouped_mm(pool.x[:num_rows], self._w13_t, pool.group_end)
         act = swiglu(h, self.inter)
         return grouped_mm(act, self._w_down_t, pool.group_end)
@@ -144,22 +153,36 @@ class Fp8Experts(ExpertEngine):
     """fp8 experts: block-scaled fp8 grouped GEMMs over the contiguous layout, SwiGLU fused with the fp8
     quantisation of its output (see the module docstring).
 
+    Small groups (decode): when the host bound ``rows_per_expert`` of `forward` is at most ``small_rows``,
+    both GEMMs run as `symmring.moe.fp8_small`'s swap-AB kernels (the weights on the MMA's M side, the few
+    rows on its N side, L1 fused with SwiGLU and the quantisation), whatever ``gemm`` is: DeepGEMM's
+    small-batch kernel wants the masked layout (rows of each expert in a ``[G, max_rows, K]`` block), not
+    the contiguous pool the layer's dispatch writes, and its contiguous kernel computes 128-row blocks.
+
     Args:
         weights: fp8 `ExpertWeights` (128x128 block scales).
-        gemm: ``"builtin"`` (Triton, `symmring.moe.fp8_kernels`) or ``"deepgemm"``.
+        gemm: ``"builtin"`` (Triton, `symmring.moe.fp8_kernels`) or ``"deepgemm"``: the GEMM of larger groups.
+        small_rows: the largest ``rows_per_expert`` that takes the small kernels (default `SMALL_ROWS`;
+            0 disables them, a large value forces them where the bound is given; at most 128).
 
     Raises:
+        ConfigError: bad weights, ``gemm`` or ``small_rows``.
         BackendError: the chosen GEMM cannot run here (no Triton, DeepGEMM absent or incompatible).
     """
 
     pool_format = "fp8"
     align_m = FP8_ALIGN_M
 
-    def __init__(self, weights: ExpertWeights, gemm: str):
+    def __init__(self, weights: ExpertWeights, gemm: str, small_rows: Optional[int] = None):
         if weights.dtype != "fp8":
             raise ConfigError(f"engine {gemm!r}: expected fp8 expert weights, got {weights.dtype}")
+        small_rows = SMALL_ROWS if small_rows is None else small_rows
+        if isinstance(small_rows, bool) or not isinstance(small_rows, int) or not 0 <= small_rows <= FP8_ALIGN_M:
+            raise ConfigError(f"small_rows={small_rows!r}: expected an int in [0, {FP8_ALIGN_M}] (0: never the "
+                              f"small-group kernels)")
         from . import fp8_kernels
         self.name = gemm
+        self.small_rows = small_rows
         self.weights = weights
         self._swiglu_quant = fp8_kernels.swiglu_quant_fp8  # L2's scales MN-major: DeepGEMM reads them as they are
         if gemm == "deepgemm":
@@ -177,8 +200,15 @@ class Fp8Experts(ExpertEngine):
         else:
             raise ConfigError(f"gemm={gemm!r}: expected 'builtin' or 'deepgemm'")
 
-    def forward(self, pool: Pool, num_rows: int):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         m_indices = pool.m_indices[:num_rows]
+        if rows_per_expert is not None and rows_per_expert <= self.small_rows:
+            from . import fp8_small
+            bound = min(rows_per_expert, num_rows)
+            act, act_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(
+                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound)
+            return fp8_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices,
+                                                    rows_per_group=bound)
         h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices)
         act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True)
         return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices)

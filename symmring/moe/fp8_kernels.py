@@ -84,9 +84,11 @@ FP8_E4M3_MAX = 448.0
 #: Rows per program of the SwiGLU + quantise kernel (8 bf16 = 16 bytes per thread and load at 4 warps).
 SWIGLU_BLOCK_ROWS = 32
 
-# Set by _triton() on first use: the kernels below resolve ``tl`` and ``libdevice`` from this module's globals.
+# Set by _triton() on first use: the kernels below resolve ``tl``, ``libdevice`` and the jitted helper
+# ``swiglu_quant_rows`` from this module's globals.
 tl: Any = None
 libdevice: Any = None
+swiglu_quant_rows: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +299,24 @@ def _grouped_gemm_fp8_kernel(
             tl.store(o_ptrs + SUB_N, acc1.to(tl.bfloat16), mask=m_ok[:, None] & (offs_n + SUB_N < N)[None, :])
 
 
+def _swiglu_quant_rows(gate, up, ACCURATE_EXP: tl.constexpr):
+    """``silu(gate) * up`` and its fp8 quantisation, one scale per row of the ``[rows, 128]`` tiles
+    (float32 values of bf16 numbers): ``(act, q e4m3, scale)``. The one definition both SwiGLU kernels
+    (`swiglu_quant_fp8` and `fp8_small`'s fused L1) run, so they agree bitwise."""
+    if ACCURATE_EXP:
+        e = libdevice.exp(-gate)  # CUDA's expf, as torch's float32 exp (tl.exp would be ex2.approx)
+    else:
+        e = tl.exp(-gate)  # the Triton interpreter: NumPy's float32 exp (it has no libdevice)
+    act = tl.math.div_rn(gate, 1.0 + e) * up
+    amax = tl.max(tl.abs(act), axis=1)
+    scale = tl.math.div_rn(amax, 448.0)  # IEEE division, as quant.quantize_fp8 and producer.cu
+    scale = tl.where(scale == 0.0, 1.0, scale)  # zero group: scale 1, quantises to zeros
+    scaled = tl.math.div_rn(act, scale[:, None])
+    # amax / (amax / 448) can round just above 448; clip so the conversion never saturates differently.
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    return act, scaled.to(tl.float8e4nv), scale
+
+
 def _swiglu_quant_fp8_kernel(
         h_ptr, q_ptr, q_sf_ptr, act_ptr, m_indices_ptr, M, I,
         stride_hm, stride_qm, stride_sfm, stride_sfk, stride_actm,
@@ -321,18 +341,8 @@ def _swiglu_quant_fp8_kernel(
     h_tile = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     gate = tl.load(h_tile, mask=ok[:, None], other=0.0).to(tl.float32)
     up = tl.load(h_tile + I, mask=ok[:, None], other=0.0).to(tl.float32)
-    if ACCURATE_EXP:
-        e = libdevice.exp(-gate)  # CUDA's expf, as torch's float32 exp (tl.exp would be ex2.approx)
-    else:
-        e = tl.exp(-gate)  # the Triton interpreter: NumPy's float32 exp (it has no libdevice)
-    act = tl.math.div_rn(gate, 1.0 + e) * up
-    amax = tl.max(tl.abs(act), axis=1)
-    scale = tl.math.div_rn(amax, 448.0)  # IEEE division, as quant.quantize_fp8 and producer.cu
-    scale = tl.where(scale == 0.0, 1.0, scale)  # zero group: scale 1, quantises to zeros
-    scaled = tl.math.div_rn(act, scale[:, None])
-    # amax / (amax / 448) can round just above 448; clip so the conversion never saturates differently.
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], scaled.to(tl.float8e4nv), mask=ok[:, None])
+    act, q, scale = swiglu_quant_rows(gate, up, ACCURATE_EXP)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
     tl.store(q_sf_ptr + rows64 * stride_sfm + pid_k * stride_sfk, scale, mask=ok)
     if STORE_ACT:
         tl.store(act_ptr + rows64[:, None] * stride_actm + cols[None, :], act, mask=ok[:, None])
@@ -348,7 +358,7 @@ def interpreting() -> bool:
 @functools.lru_cache(maxsize=None)
 def _triton():
     """torch, triton and the jitted kernels; BackendError when torch or triton is missing."""
-    global tl, libdevice
+    global tl, libdevice, swiglu_quant_rows
     try:
         import torch
         import triton
@@ -358,6 +368,7 @@ def _triton():
         raise BackendError(f"symmring.moe.fp8_kernels needs torch and triton (Triton ships with torch's Linux "
                            f"CUDA wheels): {exc}") from exc
     tl, libdevice = _tl, _libdevice
+    swiglu_quant_rows = triton.jit(_swiglu_quant_rows)
     # No value specialisation (divisibility by 16, == 1) of the row count and the scale strides: they do
     # not matter for speed, and specialising on them would compile one more variant per pattern (the pool
     # bound M varies; K / 128 is 56 for DeepSeek-V3, 16 for Qwen3; MN-major a_sf has stride 1 along M).
@@ -555,6 +566,15 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     return out
 
 
+def act_scales_empty(M: int, num_groups: int, device, *, mn_major: bool):
+    """An uninitialised float32 ``[M, num_groups]`` of 1x128 activation scales: row-major, or MN-major with
+    16-byte aligned columns (strides ``(1, align4(M))``, what DeepGEMM's TMA reads without a transform)."""
+    torch = _torch()
+    if mn_major:
+        return torch.empty((num_groups, -(-M // 4) * 4), dtype=torch.float32, device=device).t()[:M]
+    return torch.empty((M, num_groups), dtype=torch.float32, device=device)
+
+
 def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = False):
     """SwiGLU of L1's output and fp8 quantisation for L2, in one kernel.
 
@@ -609,11 +629,7 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
         names.append("act_out")
     _check_device(tensors, names)
     q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
-    if sf_mn_major:
-        column = -(-M // 4) * 4
-        q_sf = torch.empty((inter // 128, column), dtype=torch.float32, device=h.device).t()[:M]
-    else:
-        q_sf = torch.empty((M, inter // 128), dtype=torch.float32, device=h.device)
+    q_sf = act_scales_empty(M, inter // 128, h.device, mn_major=sf_mn_major)
     if M == 0:
         return q, q_sf
     grid = (_ceil_div(M, SWIGLU_BLOCK_ROWS), inter // 128)

@@ -401,7 +401,10 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
-    out = engine.forward(s.pool(window.rows_bound), window.rows_bound)
+    # rows_per_expert: rows_bound is a valid bound (no expert holds more rows than the window's pool) but a
+    # loose one (>= 128 with the fp8 alignment), so the fp8 engines' small-group kernels stay off here until
+    # the tokens of all ranks in the window are passed instead.
+    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_bound)
     if mark is not None:
         mark("experts")
     if stamps:

@@ -1,0 +1,426 @@
+"""Small-batch fp8 expert kernels: "swap-AB" block-scaled grouped GEMMs for groups of a few rows (decode).
+
+Same formats and pool as `symmring.moe.fp8_kernels` (the contiguous layout: every group starts at a
+multiple of `ALIGN_M` = 128 pool rows, ``m_indices`` the group of each row, -1 for padding; 1x128
+activation scales with any strides, 128x128 weight block scales), the same checks, and the same per-row
+definition ``out[r, n] = sum_kb (a[r, kb] . b[g, n, kb]) * a_sf[r, kb] * b_sf[g, n // 128, kb]``. What
+differs is the tiling, for the case where each expert holds 1-64 rows and the layer's time should be the
+time to read the touched experts' weights:
+
+* `grouped_gemm_fp8_small`: one program per (row tile of ``BLOCK_T`` pool rows, tile of ``BLOCK_N`` weight
+  rows). It computes ``W[g][n0:n0 + BLOCK_N, :] @ A[rows]^T`` with ``tl.dot(W tile [BLOCK_N, 128], A tile^T
+  [128, BLOCK_T])``: the weights are the MMA's M side (64 or 128, what Hopper's wgmma wants) and the few
+  tokens its N side (16, 32 or 64), so no MMA lane computes a padding row of a 128-row block. Rows are
+  the output's columns here; the epilogue stores them transposed back to ``out [M, N]`` rows (bf16).
+* `grouped_gemm_swiglu_quant_fp8_small`: L1 fused with SwiGLU and the 1x128 fp8 quantisation of L2's
+  input. ``BLOCK_N = 128``: each program computes gate channels ``[n0, n0 + 128)`` and the matching up
+  channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]`` (`symmring.moe.experts.fuse_gate_up`)
+  as two accumulators, so it owns exactly one 128-channel scale group of every row and needs nothing
+  from other programs. It writes L2's ``(q, q_sf)`` (scales MN-major, as ``swiglu_quant_fp8(sf_mn_major=True)``).
+
+Which tiles run
+    The host passes ``rows_per_group``, a bound on the rows any one group holds (the layer's: the tokens
+    of all ranks in the window, since a token sends each expert at most one row). A group starts at a
+    128-row block, so only the first ``ceil(min(rows_per_group, 128) / BLOCK_T)`` row tiles of each block
+    can hold rows: the grid covers those alone (``cdiv(M, 128)`` blocks of them). A tile reads the group of
+    its first row and exits at once when it is padding (-1): the empty blocks at the end of a window's pool
+    cost one 4-byte load per program. ``BLOCK_T`` divides 128, so a tile never spans two groups.
+    ``rows_per_group=None`` visits every tile (any contiguous layout).
+
+Numerics (bitwise contracts)
+    Per K block of 128 the MMA forms the 128 fp8 products' sum (Hopper's reduced-precision fp8
+    accumulation inside the block, as in `fp8_kernels`); the block result is promoted with one explicit
+    fused multiply-add ``acc = fma(block, a_sf[r, kb] * b_sf[g, n // 128, kb], acc)`` (scale product
+    rounded to float32 first), K blocks in increasing order, and FMA contraction is otherwise off (every
+    other float32 step is its own rounding). So a row's result depends only on its own activations, its
+    group's weights and the configuration: never on where the row sits in the pool nor on the other rows
+    (each output column of the swapped MMA is one row's dot products). The fused kernel runs the same K loop
+    for gate and up, rounds both to bf16 (the rounding the unfused path's ``h`` goes through), then evaluates
+    SwiGLU and the quantisation exactly as `fp8_kernels.swiglu_quant_fp8` does (CUDA's accurate ``expf``,
+    IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3 nearest even). Hence, for the
+    same configuration, ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise
+    ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, ...), m_indices)`` on every real row. Against the
+    float64 definition the GEMM is within the bf16 rounding (as `fp8_kernels`); the swap changes which
+    operand is A, not the arithmetic per output element, so results are close to but not bitwise those of
+    `fp8_kernels.grouped_gemm_fp8` (its promotion may contract differently).
+
+    Padding rows inside a real tile are computed from whatever the pool holds (garbage or NaN spoils only
+    their own columns) and never stored: every output row whose ``m_indices`` is -1 is left as it was, in
+    both kernels.
+
+Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` measures the alternatives)
+    * ``BLOCK_T``: the smallest of 16, 32, 64 that holds ``rows_per_group`` (one row tile per group; the
+      MMA's N side costs nothing in a weight-bound GEMM, a second row tile would read the weights again).
+    * ``BLOCK_N``: 128, unless the 128-wide grid has fewer programs than SMs; then 64 (twice the programs,
+      each half the weight rows). The programs that can work are ``min(G, cdiv(M, 128))`` groups times the
+      row tiles per block times the N tiles: Mixtral-like L2 at 1 token is 2 groups x 32 tiles of 128 = 64
+      programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one 128-row scale block has
+      one weight scale per K block (a scalar per program). The fused L1 keeps 128 (one scale group per
+      program): its grids are 2 x 112 (Mixtral-like, 1 token), 8 x 16 (DeepSeek-V3-like) and 8 x 6 = 48
+      (Qwen3-like, whose 512 KiB of weights per program are small anyway).
+    * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
+      bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
+      with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
+      descriptor does not fit).
+
+    Split-K was considered for the grids that stay below the SM count (Mixtral-like L2 at 64 wide still
+    leaves 4 SMs idle; Qwen3-like L1 runs 48 programs): it is not done. A deterministic split needs an
+    fp32 workspace and a fixed-order reduction (a second launch, or a last-arrival counter), and it would
+    change the fused kernel's SwiGLU input, which then must follow the reduction; the sweep's figures
+    decide whether it is worth that.
+
+DeepGEMM's small-batch kernel wants the masked layout (``[G, max_rows, K]`` per expert), not the contiguous
+pool the layer's dispatch writes, so the layer's fp8 engines use these kernels for tiny groups whatever
+their large-group GEMM is (`symmring.moe.experts.Fp8Experts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, List, Optional
+
+from ..errors import ConfigError
+from . import fp8_kernels
+from .fp8_kernels import ALIGN_M, BLOCK_K, _ceil_div, _tma_ok, check_gemm_args, interpreting
+
+#: Row tiles (the MMA's N side) and weight tiles (its M side) the kernels take.
+BLOCK_T_CHOICES = (16, 32, 64)
+BLOCK_N_CHOICES = (64, 128)
+#: SMs of an H200/H100 SXM: the default rule's "does the grid fill the machine" test.
+_NUM_SMS_HOPPER = 132
+
+# Set by _jit() on first use (the kernel resolves ``tl`` and fp8_kernels' jitted ``swiglu_quant_rows``
+# from this module's globals).
+tl: Any = None
+swiglu_quant_rows: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallConfig:
+    """One launch configuration of the small-batch kernels.
+
+    Attributes:
+        block_n: weight rows per program (the MMA's M side), 64 or 128; the fused L1 needs 128.
+        block_t: pool rows per program (the MMA's N side), 16, 32 or 64 (divisors of `ALIGN_M`).
+        num_warps: 4 (one warpgroup) or 8.
+        num_stages: K blocks in flight.
+        tma: TMA loads of weights and activations; False: pointer loads (cp.async).
+    """
+    block_n: int = 128
+    block_t: int = 16
+    num_warps: int = 4
+    num_stages: int = 4
+    tma: bool = True
+
+    def __post_init__(self):
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ConfigError(f"block_n={self.block_n}: expected one of {BLOCK_N_CHOICES}")
+        if self.block_t not in BLOCK_T_CHOICES:
+            raise ConfigError(f"block_t={self.block_t}: expected one of {BLOCK_T_CHOICES} (divisors of {ALIGN_M})")
+        if self.num_warps not in (4, 8):
+            raise ConfigError(f"num_warps={self.num_warps}: expected 4 or 8")
+        if not 1 <= self.num_stages <= 8:
+            raise ConfigError(f"num_stages={self.num_stages}: expected 1..8")
+
+    @property
+    def name(self) -> str:
+        return f"n{self.block_n}t{self.block_t}w{self.num_warps}s{self.num_stages}{'' if self.tma else '-ptr'}"
+
+    def smem_bytes(self, fused: bool = False) -> int:
+        """Shared memory of the operand pipeline (fp8 tiles)."""
+        return self.num_stages * (self.block_n * (2 if fused else 1) + self.block_t) * BLOCK_K
+
+
+def block_t_for(rows_per_group: Optional[int]) -> int:
+    """The smallest row tile that holds ``rows_per_group`` rows (64 when it is larger or unknown).
+
+    Example:
+        >>> [block_t_for(r) for r in (1, 16, 17, 64, 100, None)]
+        [16, 16, 32, 64, 64, 64]
+    """
+    if rows_per_group is None:
+        return BLOCK_T_CHOICES[-1]
+    return next((t for t in BLOCK_T_CHOICES if t >= rows_per_group), BLOCK_T_CHOICES[-1])
+
+
+def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], *, fused: bool = False,
+                 num_sms: int = _NUM_SMS_HOPPER) -> SmallConfig:
+    """The configuration the small kernels use when none is given (the rule of the module notes).
+
+    Args:
+        M: pool rows (host bound). N: weight rows per group (``2 * I`` for the fused L1). K: input features.
+        G: groups. rows_per_group: host bound of any group's rows (None: unknown).
+        fused: the L1 + SwiGLU kernel (always 128 weight rows per program).
+        num_sms: SMs of the device.
+
+    Example:
+        >>> small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 7168, 2048, 256, 1).name
+        ('n64t16w4s4', 'n128t16w4s4')
+        >>> small_config(256, 28672, 4096, 8, 1, fused=True).name
+        'n128t16w4s4'
+    """
+    block_t = block_t_for(rows_per_group)
+    block_n = 128
+    if not fused:
+        groups = min(G, _ceil_div(M, ALIGN_M))
+        tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
+        if groups * tiles_per_block * _ceil_div(N, 128) < num_sms:
+            block_n = 64
+    return SmallConfig(block_n=block_n, block_t=block_t)
+
+
+def configs(fused: bool = False) -> List[SmallConfig]:
+    """The configurations ``bench gemm --decode-sweep`` times (every row tile, 4 or 8 warps, 3-6 stages).
+
+    Example:
+        >>> all(c.smem_bytes(True) <= 227 * 1024 for c in configs(fused=True))
+        True
+    """
+    out = []
+    for block_n in ((128,) if fused else BLOCK_N_CHOICES):
+        for block_t in BLOCK_T_CHOICES:
+            for num_warps in (4, 8):
+                for num_stages in (3, 4, 6):
+                    cfg = SmallConfig(block_n, block_t, num_warps, num_stages)
+                    if cfg.smem_bytes(fused) <= 200 * 1024:
+                        out.append(cfg)
+    return out
+
+
+# --- the kernel (a plain function; _jit() wraps it in triton.jit on first use) ----------------------------
+
+def _small_gemm_fp8_kernel(
+        a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, m_indices_ptr, out_ptr, q_sf_ptr,
+        M, N_OUT, NB, K, tiles_per_block,
+        stride_am, stride_asm, stride_ask,
+        stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
+        stride_om, stride_sfm, stride_sfk,
+        BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOAD: tl.constexpr,
+        SWIGLU: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+):
+    # SWIGLU: b is w13 [G, NB = 2 * N_OUT, K]; out is q (fp8 [M, N_OUT]) and q_sf its scales.
+    # Else: b is [G, NB = N_OUT, K] and out bf16 [M, N_OUT].
+    BLOCK_KK: tl.constexpr = 128
+    tl.assume(M > 0)
+    tl.assume(N_OUT > 0)
+    tl.assume(K > 0)
+    tl.assume(tiles_per_block > 0)
+    tl.assume(stride_am > 0)
+    tl.assume(stride_asm >= 0)
+    tl.assume(stride_ask >= 0)
+    tl.assume(stride_bg > 0)
+    tl.assume(stride_bn > 0)
+    tl.assume(stride_bsg >= 0)
+    tl.assume(stride_bsn >= 0)
+    tl.assume(stride_bsk >= 0)
+    tl.assume(stride_om > 0)
+
+    # Row tile fastest, then the N tile, then the 128-row block: the row tiles of one group read the same
+    # weight tile one after the other (L2), and the empty blocks at the pool's end come last.
+    pid = tl.program_id(0)
+    tl.assume(pid >= 0)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    sub = pid % tiles_per_block
+    pid_n = (pid // tiles_per_block) % num_pid_n
+    blk = pid // (tiles_per_block * num_pid_n)
+    off_t = blk * 128 + sub * BLOCK_T
+    if off_t >= M:
+        return
+    # Groups start at multiples of 128 and BLOCK_T divides 128: the first row names the tile's group.
+    group = tl.load(m_indices_ptr + off_t)
+    if group < 0:
+        return
+    off_n = pid_n * BLOCK_N
+
+    offs_t = off_t + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < M
+    offs_k = tl.arange(0, BLOCK_KK)
+    a_sf_rows = a_sf_ptr + offs_t * stride_asm
+    # One weight scale per K block: the tile's BLOCK_N <= 128 rows lie in one 128-row scale block.
+    b_sf_g = b_sf_ptr + group.to(tl.int64) * stride_bsg + (off_n // 128) * stride_bsn
+    b_row0 = group * NB + off_n  # row of b viewed as [G * NB, K] (TMA coordinates)
+    if SWIGLU:
+        b_sf_u = b_sf_g + (N_OUT // 128) * stride_bsn
+    if not TMA_LOAD:
+        a_ptrs = a_ptr + offs_t.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_OUT
+        b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    if SWIGLU:
+        acc_u = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    k_tiles = K // BLOCK_KK
+    for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+        off_k = kt * BLOCK_KK
+        if TMA_LOAD:
+            a = a_desc.load([off_t, off_k])
+            w = b_desc.load([b_row0, off_k])
+        else:
+            a = tl.load(a_ptrs + off_k, mask=t_ok[:, None], other=0.0)
+            w = tl.load(b_ptrs + off_k, mask=n_ok[:, None], other=0.0)
+        a_s = tl.load(a_sf_rows + kt * stride_ask, mask=t_ok, other=0.0)
+        # The promotion: scale = a_sf * b_sf (one float32 rounding), acc = fma(block, scale, acc).
+        s = tl.broadcast_to((a_s * tl.load(b_sf_g + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
+        acc = tl.fma(tl.dot(w, a.T), s, acc)
+        if SWIGLU:
+            if TMA_LOAD:
+                w_u = b_desc.load([b_row0 + N_OUT, off_k])
+            else:
+                w_u = tl.load(b_ptrs + N_OUT * stride_bn + off_k, mask=n_ok[:, None], other=0.0)
+            s_u = tl.broadcast_to((a_s * tl.load(b_sf_u + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
+            acc_u = tl.fma(tl.dot(w_u, a.T), s_u, acc_u)
+
+    # Only real rows are stored (padding rows of the tile are computed but never written).
+    row_ok = t_ok & (tl.load(m_indices_ptr + offs_t, mask=t_ok, other=-1) >= 0)
+    rows64 = offs_t.to(tl.int64)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    o_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+    if SWIGLU:
+        # Exactly swiglu_quant_fp8 on the bf16 h = [gate | up] the unfused path would have stored.
+        gate = tl.trans(acc).to(tl.bfloat16).to(tl.float32)
+        up = tl.trans(acc_u).to(tl.bfloat16).to(tl.float32)
+        act, q, scale = swiglu_quant_rows(gate, up, ACCURATE_EXP)
+        tl.store(o_ptrs, q, mask=row_ok[:, None])
+        tl.store(q_sf_ptr + rows64 * stride_sfm + pid_n * stride_sfk, scale, mask=row_ok)
+    else:
+        tl.store(o_ptrs, tl.trans(acc).to(tl.bfloat16), mask=row_ok[:, None] & (cols < N_OUT)[None, :])
+
+
+# --- host side --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _jit():
+    """torch, the jitted kernel and TensorDescriptor (fp8_kernels' imports and its BackendError)."""
+    global tl, swiglu_quant_rows
+    torch, triton, _, _, tensor_descriptor = fp8_kernels._triton()
+    tl, swiglu_quant_rows = fp8_kernels.tl, fp8_kernels.swiglu_quant_rows
+    kernel = triton.jit(_small_gemm_fp8_kernel,
+                        do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
+                                           "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
+    return torch, kernel, tensor_descriptor
+
+
+def _check_rows_per_group(rows_per_group) -> Optional[int]:
+    if rows_per_group is None:
+        return None
+    if isinstance(rows_per_group, bool) or not isinstance(rows_per_group, int) or rows_per_group < 1:
+        raise ConfigError(f"rows_per_group={rows_per_group!r}: expected None or a positive int (a bound on the "
+                          f"rows of any one group)")
+    return rows_per_group
+
+
+def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_group, config, swiglu):
+    torch, kernel, tensor_descriptor = _jit()
+    NB = b.shape[1]
+    tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), config.block_t)
+    tma_hw = interpreting() or torch.cuda.get_device_capability(a.device)[0] >= 9
+    tma_load = bool(config.tma and tma_hw and tensor_descriptor is not None and _tma_ok(a) and
+                    b.stride(0) == NB * b.stride(1) and b.data_ptr() % 16 == 0 and b.stride(1) % 16 == 0)
+    a_desc = b_desc = None
+    if tma_load:
+        a_desc = tensor_descriptor(a, [M, K], [a.stride(0), 1], [config.block_t, BLOCK_K])
+        b_desc = tensor_descriptor(b, [G * NB, K], [b.stride(1), 1], [config.block_n, BLOCK_K])
+    grid = (_ceil_div(M, ALIGN_M) * tiles_per_block * _ceil_div(n_out, config.block_n),)
+    kernel[grid](
+        a, a_desc, a_sf, b, b_desc, b_sf, m_indices, out, q_sf if q_sf is not None else a_sf,
+        M, n_out, NB, K, tiles_per_block,
+        a.stride(0), a_sf.stride(0), a_sf.stride(1),
+        b.stride(0), b.stride(1), b_sf.stride(0), b_sf.stride(1), b_sf.stride(2),
+        out.stride(0), q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
+        BLOCK_N=config.block_n, BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, TMA_LOAD=tma_load,
+        SWIGLU=swiglu, ACCURATE_EXP=not interpreting(),
+        # No FMA contraction: the promotion's fma is explicit, every other step its own rounding, so the
+        # fused and the unfused kernels do the same arithmetic (and swiglu_quant_fp8's).
+        enable_fp_fusion=False, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _resolve_config(config, M, N, K, G, rows_per_group, fused) -> SmallConfig:
+    if config is None:
+        return small_config(M, N, K, G, rows_per_group, fused=fused)
+    if not isinstance(config, SmallConfig):
+        raise ConfigError(f"config: expected a SmallConfig, got {type(config).__name__}")
+    if fused and config.block_n != 128:
+        raise ConfigError(f"config.block_n={config.block_n}: the fused L1 needs 128 (one program per "
+                          f"128-channel scale group)")
+    return config
+
+
+def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_group: Optional[int] = None,
+                           config: Optional[SmallConfig] = None):
+    """Block-scaled fp8 grouped GEMM of the contiguous layout for small groups (swap-AB tiles, Triton).
+
+    The contract of `fp8_kernels.grouped_gemm_fp8` (``out[r] = a[r] @ b[g]^T`` block-scaled, float32
+    accumulation, bf16) with every padding row left unwritten. Enqueued on the current stream.
+
+    Args:
+        a, a_sf, b, b_sf, m_indices: as `fp8_kernels.grouped_gemm_fp8` (a ``[M, K]`` fp8, a_sf any strides,
+            b ``[G, N, K]`` fp8, b_sf ``[G, ceil(N / 128), K / 128]``, m_indices int32 ``[M]``).
+        out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
+        rows_per_group: a bound on any group's rows (None: every row tile is visited). A group with more
+            rows than the bound has rows past it left unwritten: the bound must hold.
+        config: a `SmallConfig`; `small_config` when None.
+
+    Returns:
+        ``out`` (rows with ``m_indices == -1`` as they were).
+
+    Raises:
+        ConfigError: bad shapes, dtypes, strides, devices, bound or config (before any launch).
+        BackendError: torch/triton missing, or a GPU without fp8 tensor cores.
+
+    Example:
+        >>> out = grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, rows_per_group=1)  # doctest: +SKIP
+    """
+    torch = fp8_kernels._torch()
+    M, N, K, G = check_gemm_args(a, a_sf, b, b_sf, m_indices, out)
+    rows_per_group = _check_rows_per_group(rows_per_group)
+    config = _resolve_config(config, M, N, K, G, rows_per_group, fused=False)
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
+    if M:
+        _launch(a, a_sf, b, b_sf, m_indices, out, None, M=M, n_out=N, K=K, G=G, rows_per_group=rows_per_group,
+                config=config, swiglu=False)
+    return out
+
+
+def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows_per_group: Optional[int] = None,
+                                        config: Optional[SmallConfig] = None):
+    """L1 of small groups fused with SwiGLU and the 1x128 fp8 quantisation: L2's input in one kernel.
+
+    Bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, a_sf, b13, b13_sf, m_indices, config=config),
+    m_indices, sf_mn_major=True)`` on every real row (module notes), without the bf16 ``h`` round trip.
+
+    Args:
+        a, a_sf, m_indices: as `grouped_gemm_fp8_small`.
+        b13, b13_sf: the fused L1 weight ``[G, 2 * I, K]`` (gate rows then up rows, ``I % 128 == 0``) and its
+            block scales ``[G, 2 * I / 128, K / 128]``.
+        rows_per_group: as `grouped_gemm_fp8_small`.
+        config: a `SmallConfig` with ``block_n == 128``; `small_config(..., fused=True)` when None.
+
+    Returns:
+        ``(q, q_sf)``: float8_e4m3fn ``[M, I]`` and float32 ``[M, I / 128]`` MN-major (strides
+        ``(1, align4(M))``); padding rows undefined.
+
+    Raises:
+        ConfigError: bad shapes, dtypes, strides, devices, bound or config (before any launch).
+        BackendError: torch/triton missing, or a GPU without fp8 tensor cores.
+
+    Example:
+        >>> q, q_sf = grouped_gemm_swiglu_quant_fp8_small(x, x_sf, w13, w13_sf, m_indices, rows_per_group=4)  # doctest: +SKIP
+    """
+    torch = fp8_kernels._torch()
+    M, two_i, K, G = check_gemm_args(a, a_sf, b13, b13_sf, m_indices)
+    if two_i % 256:
+        raise ConfigError(f"b13.shape={tuple(b13.shape)}: expected [G, 2 * I, K] with I a multiple of 128 "
+                          f"(gate rows then up rows)")
+    inter = two_i // 2
+    rows_per_group = _check_rows_per_group(rows_per_group)
+    config = _resolve_config(config, M, two_i, K, G, rows_per_group, fused=True)
+    q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=a.device)
+    q_sf = fp8_kernels.act_scales_empty(M, inter // 128, a.device, mn_major=True)
+    if M:
+        _launch(a, a_sf, b13, b13_sf, m_indices, q, q_sf, M=M, n_out=inter, K=K, G=G,
+                rows_per_group=rows_per_group, config=config, swiglu=True)
+    return q, q_sf
+
