@@ -21,6 +21,9 @@ def test_rows_bound_counts_alignment_padding_and_is_capped_by_the_pool():
     plan = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **KW)
     (window,) = plan.windows.values()
     assert window.rows_bound == 16 + 4 * 127 and window.source_tokens == 8 and window.num_valid == 3
+    assert window.rows_per_expert == 16  # given routing may name an expert twice per token: tokens * topk
+    distinct = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, distinct_experts=True, **KW)
+    assert distinct.windows[0].rows_per_expert == 8  # one row per token at most
     capped = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **{**KW, "capacity": 100})
     assert capped.windows[0].rows_bound == 100
 

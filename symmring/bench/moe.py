@@ -244,14 +244,16 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 if moe.expert_dtype == "fp8" and num_rows:
                     # Both fp8 engines on this layer's pool as the last forward left it (the same grouped problem;
                     # its row marks are rebuilt for the timing and cleared again after).
-                    window_rows = moe.last_plan.windows[0].rows_bound
+                    window = moe.last_plan.windows[0]
+                    window_rows, bound = window.rows_bound, window.rows_per_expert
                     pool = moe._state.pool(window_rows)
                     _mark_rows(moe._state, True)
-                    own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows), reps))
+                    own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows, bound), reps))
                     row["engine_step_ms"] = own
                     row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
                     if engine in twins:
-                        other = statistics.median(_timed(lambda: twins[engine].forward(pool, window_rows), reps))
+                        other = statistics.median(_timed(lambda: twins[engine].forward(pool, window_rows, bound),
+                                                         reps))
                         dg_ms = other if engine == "builtin" else own
                         bi_ms = own if engine == "builtin" else other
                         row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms

@@ -438,10 +438,10 @@ class MoE:
             raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts "
                               f"(this layer: x_format={self.x_format!r}, engine {self.engine.name!r})")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        counts = self._all_token_counts(n)
+        counts, distinct = self._all_token_counts(n, own_router=kind != "given")
         # Forced on a call it cannot run (streamed, several chunks): make_plan names why.
         small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
-        plan = self._plan(counts, stream_it, small)
+        plan = self._plan(counts, stream_it, small, distinct)
         self.last_plan = plan
         y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -482,15 +482,16 @@ class MoE:
         return (self._small_batch_capable() and not streaming and 0 < most <= self.small_batch_tokens
                 and most <= self.tokens_per_slot)
 
-    def _plan(self, counts: List[int], streaming: bool, small_batch: bool = False) -> plans.Plan:
-        key = (tuple(counts), streaming, small_batch)
+    def _plan(self, counts: List[int], streaming: bool, small_batch: bool = False,
+              distinct_experts: bool = False) -> plans.Plan:
+        key = (tuple(counts), streaming, small_batch, distinct_experts)
         plan = self._plans.get(key)
         if plan is None:
             plan = plans.make_plan(counts, self.rank, tokens_per_slot=self.tokens_per_slot, num_slots=self.num_slots,
                                    expert_window=self.expert_window, streaming=streaming,
                                    two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity,
                                    align=self._state.align, num_groups=self.num_local_experts,
-                                   small_batch=small_batch)
+                                   small_batch=small_batch, distinct_experts=distinct_experts)
             self._plans[key] = plan
             if len(self._plans) > MAX_CACHED_PLANS:
                 self._plans.popitem(last=False)
@@ -622,13 +623,16 @@ class MoE:
             y = self.forward(x, **kwargs)
         return CapturedCall(self, graph), y
 
-    def _all_token_counts(self, n: int) -> List[int]:
-        """Every rank's token count of this call: a bounded exchange of the context (`PeerTimeout` naming
-        the late ranks; the context then refuses further calls until it is re-initialised)."""
+    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool]:
+        """Every rank's token count of this call, and whether every rank routes with the layer's own router
+        (distinct experts per token, so no expert gets more rows than there are tokens): a bounded exchange
+        of the context (`PeerTimeout` naming the late ranks; the context then refuses further calls until it
+        is re-initialised)."""
         if self.world_size == 1:
-            return [n]
-        return [int(c) for c in self.ctx.collectives.allgather(n, what="MoE.forward: token counts",
-                                                               timeout_s=self.timeout_s)]
+            return [n], own_router
+        pairs = self.ctx.collectives.allgather((n, own_router), what="MoE.forward: token counts",
+                                               timeout_s=self.timeout_s)
+        return [int(c) for c, _ in pairs], all(bool(r) for _, r in pairs)
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""

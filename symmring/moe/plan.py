@@ -48,8 +48,11 @@ class WindowStep:
             plus the alignment padding of every expert group (a host bound from the token counts; the
             exact count stays on the device), at least 1.
         token_begin, num_valid: this rank's logical tokens of the window (the rows of ``y`` it reduces).
-        source_tokens: the window's tokens of all ranks (no expert holds more rows than this unless a
-            token names one expert twice).
+        source_tokens: the window's tokens of all ranks.
+        rows_per_expert: a host bound of the rows any one local expert holds in the window (the engine's
+            small-group kernels cover that many rows of each group): ``source_tokens`` when every rank's
+            routing has distinct experts per token (the layer's own router), else ``source_tokens * topk``
+            (given routing may name an expert twice); at most ``rows_bound``.
     """
 
     first: int
@@ -58,6 +61,7 @@ class WindowStep:
     token_begin: int
     num_valid: int
     source_tokens: int = 0
+    rows_per_expert: int = 0
 
     @property
     def chunks(self) -> range:
@@ -100,7 +104,7 @@ class Plan:
 
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
               streaming: bool, two_streams: bool, topk: int, capacity: int, align: int = 1,
-              num_groups: int = 1, small_batch: bool = False) -> Plan:
+              num_groups: int = 1, small_batch: bool = False, distinct_experts: bool = False) -> Plan:
     """The plan of a call with every rank's token ``counts`` on rank ``rank``.
 
     Args:
@@ -111,6 +115,8 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
         align, num_groups: every one of the ``num_groups`` expert groups starts at a multiple of ``align``
             rows, so a window of ``m`` entries spans at most ``m + min(num_groups, m) * (align - 1)`` rows.
         small_batch: run the call with the small-batch schedule (a batch call of one chunk).
+        distinct_experts: every rank's routing names each expert at most once per token (tightens
+            ``rows_per_expert``).
 
     Raises:
         ConfigError: a batch call with more chunks than ``num_slots`` (it cannot be in the ring at once),
@@ -141,10 +147,12 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
         tokens = sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
         entries = topk * tokens
         spanned = entries + min(num_groups, entries) * (align - 1)
-        windows[first] = WindowStep(first, last, rows_bound=max(1, min(capacity, spanned)),
+        rows_bound = max(1, min(capacity, spanned))
+        windows[first] = WindowStep(first, last, rows_bound=rows_bound,
                                     token_begin=protocol.chunk_token_base(first, T),
                                     num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)),
-                                    source_tokens=tokens)
+                                    source_tokens=tokens,
+                                    rows_per_expert=max(1, min(rows_bound, tokens if distinct_experts else entries)))
     order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))
     waits: Dict[Tuple[str, int, int], Tuple[Tuple[str, int, int], ...]] = {}
     if two_streams:

@@ -401,10 +401,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
-    # rows_per_expert: rows_bound is a valid bound (no expert holds more rows than the window's pool) but a
-    # loose one (>= 128 with the fp8 alignment), so the fp8 engines' small-group kernels stay off here until
-    # the tokens of all ranks in the window are passed instead.
-    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_bound)
+    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_per_expert)
     if mark is not None:
         mark("experts")
     if stamps:
@@ -434,7 +431,7 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     dispatch_fused(k, s, stream, window=window, ack_now=early)
     if mark is not None:
         mark("dispatch")
-    out = engine.forward(s.pool(window.rows_bound), window.rows_bound)
+    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_per_expert)
     if mark is not None:
         mark("experts")
     combine_send(k, s, stream, out=out, window=window, ack_now=not early)
