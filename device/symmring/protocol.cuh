@@ -179,8 +179,9 @@ __device__ inline bool wait_slot_free(const RingDescriptor& d, int chunk_idx, co
     uint64_t required = 0, observed = 0;
     for (;;) {
         // acquire: pairs with the release fence in ack(); the consumers' reads of the previous generation
-        // are complete before we overwrite the slot. Complete words stay complete: only the owner clears
-        // them, after this wait.
+        // are complete before we overwrite the slot. A word seen complete stays complete until the slot is
+        // acquired: the owner clears the mask only after a wait saw every word complete (the other part of
+        // a split producer, whose publication this wait then also accepts below).
         for (; w < d.mask_words; ++w) {
             required = required_mask_word(w, d.num_ranks);
             observed = ld_acquire_sys(mask + w);
