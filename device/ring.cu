@@ -86,7 +86,10 @@ __device__ __forceinline__ bool compare(uint64_t v, int cmp, uint64_t value) {
 
 // Copy one chunk from user tensors (contiguous, row-major) into this PE's slot and publish it.
 //   flags: kProduceAcquire (wait for the slot's previous acknowledgements and reset the mask),
-//          kProduceRoute (topk_idx, topk_weights, meta), kProduceLayout (x, x_sf).
+//          kProduceRoute (topk_idx, topk_weights, meta), kProduceLayout (x, x_sf). A launch of ONE part
+//          with kProduceAcquire (the split producer: route and layout by two launches, either order, one
+//          stream or two) also stops waiting once the other part of this generation is published: that
+//          part acquired the slot already and may have reset the mask (wait_reusable_or_published).
 //   counter: a zeroed device word private to this (slot, parts) pair (kernels.py owns them).
 //   generation_override: 0 in normal use. Non-zero publishes that generation instead of the one read
 //          from gen_base: only for tests that show why generations must not be baked into a graph.
@@ -99,7 +102,13 @@ extern "C" __global__ void symmring_produce(const RingDescriptor* desc_ptr, int 
     if (error_pending(d)) return;
     const uint64_t gen = generation_override ? generation_override : expected_generation(d, chunk_idx);
     const int slot = slot_of(chunk_idx, d.num_slots);
-    if ((flags & kProduceAcquire) && !wait_reusable(d, chunk_idx, /*reset=*/false)) return;
+    if (flags & kProduceAcquire) {
+        const bool route = flags & kProduceRoute, layout = flags & kProduceLayout;
+        const uint64_t* other = route ? layout_ready_word(d, slot) : route_ready_word(d, slot);
+        const bool ok = route == layout ? wait_reusable(d, chunk_idx, /*reset=*/false)
+                                        : wait_reusable_or_published(d, chunk_idx, other, gen);
+        if (!ok) return;
+    }
 
     const uint64_t thread_idx = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const uint64_t num_threads = uint64_t(gridDim.x) * blockDim.x;
@@ -150,6 +159,10 @@ extern "C" __global__ void symmring_consume(const RingDescriptor* desc_ptr, int 
     const uint64_t gen = generation_override ? generation_override : expected_generation(d, chunk_idx);
     const int slot = slot_of(chunk_idx, d.num_slots);
     if (!wait_ready(d, chunk_idx, src_rank, gen)) return;
+    __shared__ int payload_ok;
+    if (threadIdx.x == 0) payload_ok = check_payload(d, chunk_idx, src_rank, gen);  // after wait_ready's acquire
+    __syncthreads();
+    if (!payload_ok) return;
 
     int64_t* meta_local = meta_of(d, slot);
     const int64_t* meta = peer_ptr(d, meta_local, src_rank);

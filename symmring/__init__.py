@@ -12,8 +12,9 @@ __version__ = "0.1.0"
 
 from . import protocol  # noqa: E402
 from .context import Context, finalize, init  # noqa: E402
-from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, PeerTimeout,  # noqa: E402
-                     ProtocolTimeout, RingClosedError, SymmringError)
+from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, DoubleAck,  # noqa: E402
+                     PeerTimeout, ProtocolAborted, ProtocolTimeout, ProtocolViolation, RingClosedError,
+                     StalePayload, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.expert_parallel import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .protocol import AckPolicy  # noqa: E402
@@ -23,5 +24,5 @@ __all__ = [
     "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",
     "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
-    "RingClosedError", "CompileError",
+    "RingClosedError", "CompileError", "ProtocolAborted", "ProtocolViolation", "StalePayload", "DoubleAck",
 ]

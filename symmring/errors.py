@@ -4,8 +4,11 @@
 ring half-written. ``ProtocolTimeout`` is raised when a bounded wait expires; it names who waited for
 what, and who did not answer, so a stalled rank is identified rather than merely suspected. Its subclass
 ``PeerTimeout`` is the same for a host collective (a barrier or an exchange of `symmring.collective`)
-that a rank did not reach in time. ``BrokenStateError`` is what a context, ring or layer raises after
-such a failure left the ranks in an unknown state, until it is re-initialised.
+that a rank did not reach in time; its subclass ``ProtocolAborted`` is a device wait that gave up because
+another rank recorded a device error first (it names that rank and its error). ``ProtocolViolation``
+(``StalePayload``, ``DoubleAck``) is a device check that found the protocol broken. ``BrokenStateError``
+is what a context, ring or layer raises after such a failure left the ranks in an unknown state, until it
+is re-initialised.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class ProtocolTimeout(SymmringError, TimeoutError):
 
     def __init__(self, kind: str, *, rank: int, slot: int, expected: int, observed: int,
                  peer: Optional[int] = None, missing_ranks: Sequence[int] = (), timeout_s: float = 0.0,
-                 chunk: Optional[int] = None):
+                 chunk: Optional[int] = None, advice: str = ""):
         self.kind = kind
         self.rank = rank
         self.peer = peer
@@ -80,7 +83,99 @@ class ProtocolTimeout(SymmringError, TimeoutError):
         if self.missing_ranks:
             what = "acknowledgements" if kind == "reuse" else "signals"
             msg += f"; missing {what} from ranks {list(self.missing_ranks)}"
+        if advice:
+            msg += f"; {advice}"
         super().__init__(msg)
+
+
+class ProtocolAborted(ProtocolTimeout):
+    """A device wait (or kernel) of this rank gave up because another rank recorded a device error first and
+    raised this rank's abort word (docs/PROTOCOL.md section 10).
+
+    Attributes (beyond `ProtocolTimeout`'s, where ``kind`` is ``"aborted"``, ``peer`` is the origin, and
+    ``slot``/``chunk``/``expected`` describe this rank's wait, or are None when a kernel returned at entry):
+        origin: the rank whose error aborted the ring.
+        origin_kind: that rank's error kind (``"route_ready"``, ``"reuse"``, ``"stale_payload"``, ...).
+        origin_peer: the peer named in that rank's record (the rank it waited for, or the slot's owner).
+        origin_chunk: the chunk of that rank's record (None when it did not fit the abort word).
+        waited: what this rank's wait awaited (``"route_ready"``, ...), or None.
+    """
+
+    def __init__(self, *, rank: int, origin: int, origin_kind: str, origin_peer: int,
+                 origin_chunk: Optional[int], waited: Optional[str] = None, slot: Optional[int] = None,
+                 chunk: Optional[int] = None, expected: Optional[int] = None, advice: str = ""):
+        super().__init__("aborted", rank=rank, slot=-1 if slot is None else slot, expected=expected or 0,
+                         observed=0, peer=origin, chunk=chunk)
+        self.slot = slot
+        self.expected = expected
+        self.origin = origin
+        self.origin_kind = origin_kind
+        self.origin_peer = origin_peer
+        self.origin_chunk = origin_chunk
+        self.waited = waited
+        at = f" chunk {origin_chunk}" if origin_chunk is not None else " a chunk"
+        if waited is not None:
+            what = (f"while waiting for {waited} on slot {slot} (chunk {chunk}, expected {expected})")
+        else:
+            what = "(a kernel returned at entry, before any wait of its own)"
+        msg = (f"rank {rank}: aborted {what}: rank {origin} recorded a device error first ({origin_kind} about "
+               f"rank {origin_peer},{at}); rank {origin}'s check_errors() names it")
+        if advice:
+            msg += f"; {advice}"
+        self.args = (msg,)
+
+
+class ProtocolViolation(SymmringError, RuntimeError):
+    """A device check found the protocol broken (not a timeout): the error record of a detector.
+
+    Attributes:
+        kind: ``"stale_payload"`` or ``"double_ack"``.
+        rank: the rank whose check failed; peer: the slot's owner; slot, chunk: where.
+        expected, observed: what the check wanted and what it found.
+    """
+
+    def __init__(self, kind: str, message: str, *, rank: int, peer: int, slot: int, chunk: int, expected: int,
+                 observed: int):
+        self.kind = kind
+        self.rank = rank
+        self.peer = peer
+        self.slot = slot
+        self.chunk = chunk
+        self.expected = expected
+        self.observed = observed
+        super().__init__(message)
+
+
+class StalePayload(ProtocolViolation):
+    """A consumer acquired a slot's readiness for generation ``expected`` of ``chunk``, but the slot's meta
+    row named another generation (``observed``) or chunk (``observed_chunk``): the slot was overwritten while
+    in use, or the ranks ran different call sequences."""
+
+    def __init__(self, *, rank: int, peer: int, slot: int, chunk: int, expected: int, observed: int,
+                 observed_chunk: int, advice: str = ""):
+        self.observed_chunk = observed_chunk
+        msg = (f"rank {rank}: stale payload in rank {peer}'s slot {slot}: its readiness said chunk {chunk}, "
+               f"generation {expected}, but the slot's meta row holds chunk {observed_chunk}, generation "
+               f"{observed} (the slot was overwritten while in use, or the ranks ran different call "
+               "sequences); the payload was not used")
+        if advice:
+            msg += f"; {advice}"
+        super().__init__("stale_payload", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
+                         observed=observed)
+
+
+class DoubleAck(ProtocolViolation):
+    """A consumer's acknowledgement bit was already set in the owner's mask when it acknowledged: the same
+    generation acknowledged twice, or a slot the owner never acquired."""
+
+    def __init__(self, *, rank: int, peer: int, slot: int, chunk: int, expected: int, observed: int,
+                 advice: str = ""):
+        msg = (f"rank {rank}: acknowledged chunk {chunk} (slot {slot}) of rank {peer} twice: its bit "
+               f"{expected:#x} was already set in rank {peer}'s mask word ({observed:#x} before the OR)")
+        if advice:
+            msg += f"; {advice}"
+        super().__init__("double_ack", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
+                         observed=observed)
 
 
 class PeerTimeout(ProtocolTimeout):

@@ -11,7 +11,8 @@ launches the kernels of one ring on any stream:
   (16-byte loads through ``nvshmem_ptr``) into local buffers and acknowledges; `ack` acknowledges
   separately (the CONSERVATIVE policy, after the combine).
 * `end_call` advances the device-resident generation base (graph-safe), `check_errors` turns the device
-  error record into `ProtocolTimeout`.
+  error record and the abort word into a named error (`ProtocolTimeout`, `ProtocolAborted`,
+  `StalePayload`, `DoubleAck`), and `reset` (collective) is the one way back after any of them.
 
 SM budget: kernels that spin (consume, acquire) are launched with at most ``MAX_SPIN_BLOCKS`` blocks by
 default, so producers and compute always find SMs; every wait is bounded by the ring's timeout.
@@ -30,9 +31,11 @@ import numpy as np
 
 from . import env, protocol
 from .backends.base import DeviceBackend
-from .errors import ConfigError, ProtocolTimeout, RingClosedError
-from .layout import (ERROR_KIND_NAMES, ERROR_KIND_NONE, ERROR_KIND_REUSE, ERROR_WORDS, META_COLUMNS,
-                     RingLayout, RingSpec)
+from .errors import (ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError, StalePayload,
+                     SymmringError)
+from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_DOUBLE_ACK, ERROR_KIND_NAMES, ERROR_KIND_NONE,
+                     ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS, RingLayout, RingSpec,
+                     unpack_abort)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,10 @@ MAX_SPIN_BLOCKS = 32
 #: Threads per block of the ready-made kernels.
 THREADS_PER_BLOCK = 512
 _PARTS = {"route": PRODUCE_ROUTE, "layout": PRODUCE_LAYOUT, "both": PRODUCE_ROUTE | PRODUCE_LAYOUT}
+#: What every device error's text tells the user to do.
+RESET_ADVICE = ("the ring stays stopped (its kernels return at once) until reset: call reset() on every rank "
+                "(collective: DeviceRing.reset / RingKernels.reset, or the layer's MoE.reset)")
+_U64 = (1 << 64) - 1
 
 
 def _cupy():
@@ -162,7 +169,7 @@ class DeviceRing:
 
     def region(self, name: str, rank: Optional[int] = None):
         """Zero-copy CuPy view of a protocol-word region (``route_ready``, ``layout_ready``, ``ack_mask``,
-        ``gen_base``, ``error``, ``meta``) of ``rank``'s copy (default: this PE), all slots."""
+        ``gen_base``, ``error``, ``abort``, ``meta``) of ``rank``'s copy (default: this PE), all slots."""
         self._check_open()
         region = self.layout[name]
         if region.slot_stride != region.slot_nbytes:
@@ -172,20 +179,13 @@ class DeviceRing:
                                  region.dtype, shape)
 
     def _init_words(self) -> None:
-        # Fresh slots are free: every acknowledgement mask starts full (protocol.full_mask).
-        full = np.array(protocol.full_mask(self.backend.world_size), dtype=np.uint64)
-        masks = self.region("ack_mask")
-        masks[...] = _cupy().asarray(np.broadcast_to(full, masks.shape))
-        self.backend.barrier()
+        _fill_full_masks(self.backend, self.layout, self.alloc)
+        self.backend.barrier(what="DeviceRing: initial masks")
 
     def reset(self) -> None:
-        """Collective: put the ring back to its initial state (after a ProtocolTimeout, say): zero every
-        word and payload, full masks, generation base 0, no error record, zeroed kernel counters."""
+        """Collective: put the ring back to its initial state after any device error (`RingKernels.reset`)."""
         self._check_open()
-        self.backend.barrier()
-        _cupy().cuda.runtime.memset(self.alloc.ptr, 0, self.alloc.nbytes)
-        self.kernels.counters.fill(0)
-        self._init_words()
+        self.kernels.reset()
 
     def close(self) -> None:
         """Collective, idempotent: free the allocation."""
@@ -204,6 +204,14 @@ class DeviceRing:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _fill_full_masks(backend, layout: RingLayout, alloc) -> None:
+    """Fresh slots are free: store full_mask(R) into every slot's acknowledgement mask (on CuPy's stream)."""
+    full = np.array(protocol.full_mask(backend.world_size), dtype=np.uint64)
+    region = layout["ack_mask"]
+    masks = backend.view(alloc, backend.rank, region.offset, region.dtype, (region.num_slots,) + region.slot_shape)
+    masks[...] = _cupy().asarray(np.broadcast_to(full, masks.shape))
 
 
 class RingKernels:
@@ -289,7 +297,10 @@ class RingKernels:
             token_base: logical index of the chunk's first token; num_valid: valid tokens (0..T).
             parts: ``"route"``, ``"layout"`` or ``"both"``.
             acquire: wait for the previous use's acknowledgements first (and reset the mask). Use False
-                only after an explicit `acquire` of this chunk.
+                only after an explicit `acquire` of this chunk. A chunk produced in two parts
+                (``parts="route"`` and ``parts="layout"``, either order, one stream or two) may acquire in
+                both: a part also stops waiting once the other part of this generation is published (that
+                part acquired the slot and may have reset the mask already).
             stream: where to enqueue (see `as_stream`); num_blocks: grid size (default by size).
             generation_override: tests only; publishes that generation instead of the device one.
 
@@ -391,17 +402,56 @@ class RingKernels:
         return int(self._words("gen_base", 1, np.uint64)[0].get())
 
     def check_errors(self, *, synchronize: bool = True) -> None:
-        """Raise `ProtocolTimeout` if a device wait of this PE timed out (the first one that did).
+        """Raise the device error of this PE, if any (its first one), after synchronising the device.
 
-        The record stays set (later kernels on this ring bail out at once) until `clear_errors`.
+        Raises:
+            ProtocolTimeout: a device wait of this PE expired (kind ``route_ready``, ``layout_ready``,
+                ``reuse`` or ``combine``: who waited for whom, on which slot and chunk, expected and observed).
+            ProtocolAborted: a wait (or kernel) of this PE gave up because another PE recorded an error
+                first; names that PE and its error.
+            StalePayload, DoubleAck: a device detector found the protocol broken (`ProtocolViolation`).
+
+        The error is also recorded with the context's collectives (`Collectives.record_fault`: until a
+        collective completes on every rank, exiting aborts the job rather than waiting for a rank that may
+        be gone). The record and the abort word stay set -- every later kernel of the ring returns at once
+        -- until `reset` (collective) clears them on every PE.
         """
         cupy = _cupy()
         if synchronize:
             cupy.cuda.runtime.deviceSynchronize()
         record = [int(v) for v in self._words("error", ERROR_WORDS, np.int64).get()]
-        kind, rank, peer, slot, chunk, expected, observed, missing = record
-        if kind == ERROR_KIND_NONE:
+        abort_word = int(self._words("abort", 1, np.uint64).get()[0])
+        error = self._device_error(record, abort_word)
+        if error is None:
             return
+        collectives = getattr(self.backend, "collectives", None)
+        if collectives is not None:
+            collectives.record_fault(error)
+        raise error
+
+    def _device_error(self, record, abort_word: int) -> Optional[SymmringError]:
+        """The error a record and an abort word describe (None when both are clear)."""
+        kind, rank, peer, slot, chunk, expected, observed, missing = record
+        names = ERROR_KIND_NAMES
+        if kind == ERROR_KIND_NONE and abort_word == 0:
+            return None
+        if kind in (ERROR_KIND_NONE, ERROR_KIND_ABORTED):
+            # Aborted: by the record (a wait that gave up: observed holds the abort word) or, when a kernel
+            # returned at entry before any wait, by the abort word alone.
+            info = unpack_abort(observed if kind == ERROR_KIND_ABORTED else abort_word)
+            origin_chunk = None if info["chunk"] == ABORT_CHUNK_MAX else info["chunk"]
+            common = dict(origin=info["origin"], origin_kind=names.get(info["kind"], f"kind {info['kind']}"),
+                          origin_peer=info["peer"], origin_chunk=origin_chunk, advice=RESET_ADVICE)
+            if kind == ERROR_KIND_NONE:
+                return ProtocolAborted(rank=self.backend.rank, **common)
+            return ProtocolAborted(rank=rank, waited=names.get(missing, f"kind {missing}"), slot=slot, chunk=chunk,
+                                   expected=expected & _U64, **common)
+        if kind == ERROR_KIND_STALE_PAYLOAD:
+            return StalePayload(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
+                                observed=observed & _U64, observed_chunk=missing, advice=RESET_ADVICE)
+        if kind == ERROR_KIND_DOUBLE_ACK:
+            return DoubleAck(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
+                             observed=observed & _U64, advice=RESET_ADVICE)
         missing_ranks = ()
         if kind == ERROR_KIND_REUSE:
             W = self.layout.mask_words
@@ -410,17 +460,29 @@ class RingKernels:
             missing_ranks = protocol.missing_ranks([int(m) for m in masks],
                                                    protocol.full_mask(self.backend.world_size))
             if not missing_ranks:  # arrived after the timeout: report what the device saw
-                missing_ranks = protocol.missing_ranks([(1 << 64) - 1 - (missing & ((1 << 64) - 1))],
-                                                       [expected & ((1 << 64) - 1)])
+                missing_ranks = protocol.missing_ranks([_U64 - (missing & _U64)], [expected & _U64])
             peer = None
-        raise ProtocolTimeout(ERROR_KIND_NAMES.get(kind, f"kind {kind}"), rank=rank, peer=peer, slot=slot,
-                              chunk=chunk, expected=expected & ((1 << 64) - 1),
-                              observed=observed & ((1 << 64) - 1), missing_ranks=missing_ranks,
-                              timeout_s=self.timeout_s)
+        return ProtocolTimeout(names.get(kind, f"kind {kind}"), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                               expected=expected & _U64, observed=observed & _U64, missing_ranks=missing_ranks,
+                               timeout_s=self.timeout_s, advice=RESET_ADVICE)
 
-    def clear_errors(self) -> None:
-        """Clear this PE's error record and the grid counters (after handling a ProtocolTimeout)."""
-        _cupy().cuda.runtime.deviceSynchronize()
-        self._words("error", ERROR_WORDS, np.int64).fill(0)
+    def reset(self) -> None:
+        """Collective: the one recovery path after any device error (or to start afresh). On every PE:
+        wait until the device is idle and every PE arrived (so no kernel anywhere can still write an
+        acknowledgement or an abort word into this PE), zero the whole ring allocation (ready words, masks,
+        generation base, payload, meta, error record, abort word), zero the grid counters, store the full
+        initial masks, and meet every PE again before returning. Afterwards the ring is as new.
+
+        Raises:
+            PeerTimeout: a PE did not reach the reset within the bound.
+            RingClosedError: the ring was closed.
+        """
+        if self.closed:
+            raise RingClosedError("the ring was closed")
+        cupy = _cupy()
+        self.backend.barrier(what="RingKernels.reset: every device idle")
+        cupy.cuda.runtime.memset(self.alloc.ptr, 0, self.alloc.nbytes)
         self.counters.fill(0)
-        _cupy().cuda.runtime.deviceSynchronize()
+        _fill_full_masks(self.backend, self.layout, self.alloc)
+        cupy.cuda.runtime.deviceSynchronize()
+        self.backend.barrier(what="RingKernels.reset: ring cleared")

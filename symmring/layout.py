@@ -14,7 +14,8 @@ read with 16-byte vector loads and described to the TMA engine)::
     layout_ready  uint64 [S]            generation whose x/x_sf are published
     ack_mask      uint64 [S, W]         consumer acknowledgement bits of the current generation
     gen_base      uint64 [1]            device-resident generation base (advanced once per call)
-    error         int64  [8]            error record written by a device wait that timed out
+    error         int64  [8]            error record written by a device wait that timed out (or a detector)
+    abort         uint64 [1]            abort word: raised by another PE that recorded an error (0: running)
     meta          int64  [S, 4]         token_base, num_valid, chunk_idx, payload generation
     x             fp8/bf16 [S, T, H]    activations (fp8 e4m3 stored as uint8, bf16 as uint16)
     x_sf          float32 [S, T, H/G]   per-token, per-G-channel scales (fp8 only; empty for bf16)
@@ -46,9 +47,43 @@ META_COLUMNS = 4
 (ERROR_WORD_KIND, ERROR_WORD_RANK, ERROR_WORD_PEER, ERROR_WORD_SLOT, ERROR_WORD_CHUNK, ERROR_WORD_EXPECTED,
  ERROR_WORD_OBSERVED, ERROR_WORD_MISSING) = range(8)
 ERROR_WORDS = 8
-ERROR_KIND_NONE, ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE = range(5)
+(ERROR_KIND_NONE, ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE, ERROR_KIND_ABORTED,
+ ERROR_KIND_STALE_PAYLOAD, ERROR_KIND_DOUBLE_ACK) = range(8)
 ERROR_KIND_NAMES = {ERROR_KIND_ROUTE: "route_ready", ERROR_KIND_LAYOUT: "layout_ready",
-                    ERROR_KIND_REUSE: "reuse", ERROR_KIND_COMBINE: "combine"}
+                    ERROR_KIND_REUSE: "reuse", ERROR_KIND_COMBINE: "combine", ERROR_KIND_ABORTED: "aborted",
+                    ERROR_KIND_STALE_PAYLOAD: "stale_payload", ERROR_KIND_DOUBLE_ACK: "double_ack"}
+#: Kinds that are timeouts of a wait (the others are raised by detectors, or by an abort).
+ERROR_TIMEOUT_KINDS = (ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE)
+
+#: The abort word (``AbortWord`` in descriptor.cuh): bit fields of the one uint64 a PE that recorded an
+#: error stores into every other PE's ``abort`` region (0 while the ring runs).
+ABORT_CHUNK_SHIFT, ABORT_PEER_SHIFT, ABORT_ORIGIN_SHIFT, ABORT_KIND_SHIFT, ABORT_FLAG_SHIFT = 0, 24, 40, 56, 63
+ABORT_FIELD_BITS = 16
+#: The chunk field's largest value: chunks outside [0, ABORT_CHUNK_MAX) are stored as ABORT_CHUNK_MAX.
+ABORT_CHUNK_MAX = (1 << (ABORT_PEER_SHIFT - ABORT_CHUNK_SHIFT)) - 1
+
+
+def pack_abort(origin: int, kind: int, peer: int, chunk: int) -> int:
+    """The abort word ``origin`` raises for its error ``kind`` about ``(peer, chunk)`` (as the device's
+    ``pack_abort``).
+
+    Example:
+        >>> unpack_abort(pack_abort(3, ERROR_KIND_DOUBLE_ACK, 1, 7))
+        {'origin': 3, 'kind': 7, 'peer': 1, 'chunk': 7}
+    """
+    field = (1 << ABORT_FIELD_BITS) - 1
+    chunk = ABORT_CHUNK_MAX if chunk < 0 or chunk > ABORT_CHUNK_MAX else chunk
+    return ((1 << ABORT_FLAG_SHIFT) | (kind & 0x7F) << ABORT_KIND_SHIFT | (origin & field) << ABORT_ORIGIN_SHIFT
+            | (peer & field) << ABORT_PEER_SHIFT | chunk << ABORT_CHUNK_SHIFT)
+
+
+def unpack_abort(word: int) -> Dict[str, int]:
+    """The fields of an abort word: ``origin`` (the PE that recorded the error), its error ``kind``
+    (``ERROR_KIND_*``), the ``peer`` and ``chunk`` of its record."""
+    word &= (1 << 64) - 1
+    field = (1 << ABORT_FIELD_BITS) - 1
+    return {"origin": word >> ABORT_ORIGIN_SHIFT & field, "kind": word >> ABORT_KIND_SHIFT & 0x7F,
+            "peer": word >> ABORT_PEER_SHIFT & field, "chunk": word >> ABORT_CHUNK_SHIFT & ABORT_CHUNK_MAX}
 
 
 def align_up(value: int, alignment: int = ALIGN) -> int:
@@ -174,6 +209,7 @@ class RingLayout:
             ("ack_mask", np.uint64, (self.mask_words,), True),
             ("gen_base", np.uint64, (1,), False),
             ("error", np.int64, (ERROR_WORDS,), False),
+            ("abort", np.uint64, (1,), False),
             ("meta", np.int64, (META_COLUMNS,), True),
             ("x", x_dtype, (T, H), True),
             ("x_sf", np.float32, (T, spec.num_sf), True),
@@ -213,7 +249,7 @@ class RingLayout:
         spec = self.spec
         d = np.zeros((), dtype=DESCRIPTOR_DTYPE)
         for name in ("x", "x_sf", "topk_idx", "topk_weights", "meta", "route_ready", "layout_ready",
-                     "ack_mask", "gen_base", "error"):
+                     "ack_mask", "gen_base", "error", "abort"):
             d[f"{name}_ptr"] = base_address + self.regions[name].offset
         d["x_slot_stride"] = self.regions["x"].slot_stride
         d["x_sf_slot_stride"] = self.regions["x_sf"].slot_stride
@@ -241,6 +277,7 @@ DESCRIPTOR_DTYPE = np.dtype([
     ("ack_mask_ptr", np.uint64),
     ("gen_base_ptr", np.uint64),
     ("error_ptr", np.uint64),
+    ("abort_ptr", np.uint64),
     ("x_slot_stride", np.uint64),
     ("x_sf_slot_stride", np.uint64),
     ("topk_slot_stride", np.uint64),

@@ -62,6 +62,7 @@ class MutantSpec:
         window: runs with the GPU layer's windowed consumer (`protocol.windowed_enqueue_order`) instead of
             the per-chunk one.
         graph: runs each rank's call as a captured graph (`protocol.call_dependency_graph`).
+        split: runs with the split producer (``split_acquire``: route and layout acquire separately).
     """
 
     name: str
@@ -75,6 +76,7 @@ class MutantSpec:
     needs_wrap: bool = False
     window: bool = False
     graph: bool = False
+    split: bool = False
 
 
 MUTANTS: Tuple[MutantSpec, ...] = (
@@ -119,6 +121,10 @@ MUTANTS: Tuple[MutantSpec, ...] = (
                "rank's consume of the window holding c - num_slots', run by an executor that runs one item at "
                "a time in any topological order", INV_LIVENESS, serial=True, window=True, graph=True,
                needs_wrap=True),
+    MutantSpec("split_acquire_full_mask_only", "split producer whose second part waits for a complete mask "
+               "like the first, not also for the first part's publication (RingKernels.produce before "
+               "2026-12: the first part's reset left the second waiting for acknowledgements that need it)",
+               INV_LIVENESS, needs_wrap=True, split=True),
 )
 
 MUTANT_NAMES = tuple(m.name for m in MUTANTS)
@@ -172,6 +178,10 @@ class ModelConfig:
         graph: (windowed consumer) each rank's call is the captured graph of its order with the layer's
             local edges (`protocol.call_dependency_graph`): an item starts once its predecessors finished;
             with ``serial`` one item at a time per rank, in any topological order (docs/MODELCHECK.md, 1b).
+        split_acquire: the split producer (`RingKernels.produce(parts="route")` and ``(parts="layout")``,
+            both acquiring): each part acquires the slot on its own, when the mask is complete or when the
+            other part of this chunk is published, and resets the mask in its publication step
+            (``symmring_produce``: ``wait_reusable_or_published`` then ``grid_publish(reset_mask=true)``).
         mutant: name of a mutant in `MUTANT_NAMES` or `EQUIVALENT_VARIANTS`, or ``None``.
         fine: one step per memory operation even where the coarse steps are sound (a cross-check; the
             variants in `FINE_MUTANTS` always use fine steps).
@@ -191,6 +201,7 @@ class ModelConfig:
     reduce: Optional[bool] = None
     expert_window: Optional[Union[int, Tuple[int, ...]]] = None
     graph: bool = False
+    split_acquire: bool = False
 
     def reduced(self) -> bool:
         """Whether the partial-order reduction applies: by default for the protocol and the equivalence
@@ -225,6 +236,7 @@ class ModelConfig:
         text = "P={},Q={},S={},N={},C={}".format(self.num_producers, self.num_consumers, self.num_slots, chunks,
                                                  self.num_calls)
         text += f" {self.ack_policy.name.lower()} {mode}"
+        text += " split-acquire" if self.split_acquire else ""
         text += " fine" if self.fine else ""
         text += "" if self.reduced() else " unreduced"
         return text + (f" mutant={self.mutant}" if self.mutant else "")
@@ -295,6 +307,11 @@ def _validate(cfg: ModelConfig) -> None:
                 protocol.check_expert_window(width, cfg.num_slots)
     elif cfg.mutant in WINDOW_MUTANTS:
         raise ConfigError(f"mutant={cfg.mutant!r} needs expert_window (the windowed consumer)")
+    if cfg.split_acquire and (cfg.expert_window is not None or cfg.mutant not in (
+            None, "split_acquire_full_mask_only")):
+        raise ConfigError("split_acquire=True: only with the per-chunk consumer and the split mutant")
+    if cfg.mutant == "split_acquire_full_mask_only" and not cfg.split_acquire:
+        raise ConfigError(f"mutant={cfg.mutant!r} needs split_acquire=True")
     if cfg.graph and cfg.expert_window is None:
         raise ConfigError("graph=True: the captured graph is the windowed consumer's (set expert_window)")
     if cfg.mutant in GRAPH_MUTANTS and not cfg.graph:
@@ -355,6 +372,7 @@ class RingModel:
         mutant = cfg.mutant
         self.mutant = mutant
         self.windowed = cfg.expert_window is not None
+        self.split = cfg.split_acquire
         self.o_cons = _PROD_WORDS * P
         # Per consumer: call, chunk, then a phase per source; windowed: call, window's first chunk, stage
         # of the window, the sources done with that stage (a bit mask).
@@ -629,8 +647,10 @@ class RingModel:
                 continue
             s = protocol.slot_of(c, S)
             m = self._slot(p, s)
-            acquired = w[o + 2]
-            if not acquired:
+            acquired = w[o + 2]  # split producer: one bit per part (1 << field), else 1 for both
+            if self.split:
+                self._split_acquire_steps(w, out, p, k, c, s)
+            elif not acquired:
                 mask = w[m + 2]
                 # acquire: pairs with the consumers' release of their acknowledgement (atomic OR)
                 if self._reuse_ok(mask, p):
@@ -644,12 +664,16 @@ class RingModel:
             gen = protocol.generation(w[self.o_base + p], c)
             tag = self.tag(k, c)
             for field in (0, 1):
+                if self.split and not acquired >> field & 1:
+                    continue
                 phase = w[o + 3 + field]
                 if phase == _PH_NONE and not self.fine:
                     # Coarse: write the payload, release fence, publish, as one step.
                     nxt = bytearray(w)
                     violation = self._check_overwrite(w, p, k, c, s, field)
                     nxt[m + 3 + field] = tag
+                    if self.split:
+                        nxt[m + 2] = 0  # grid_publish(reset_mask=true): the reset, then the release
                     # release: pairs with the consumers' acquire in their ready wait
                     nxt[m + field] = gen
                     nxt[o + 3 + field] = _PH_PUBLISHED
@@ -674,6 +698,8 @@ class RingModel:
                 elif phase == _PH_WRITTEN:
                     # release: pairs with the consumers' acquire in their ready wait
                     nxt = bytearray(w)
+                    if self.split:
+                        nxt[m + 2] = 0  # grid_publish(reset_mask=true): the reset, then the release
                     nxt[m + field] = gen
                     nxt[o + 3 + field] = _PH_PUBLISHED
                     self._finish_producer_chunk(nxt, p)
@@ -685,6 +711,22 @@ class RingModel:
                 nxt[o + 5] = 1
                 self._finish_producer_chunk(nxt, p)
                 out.append((("late_reset", p, k, c, s, w[m + 2]), bytes(nxt), None))
+
+    def _split_acquire_steps(self, w: bytes, out: List[Successor], p: int, k: int, c: int, s: int) -> None:
+        """The split producer: each part not yet acquired acquires when the mask is complete (acquire:
+        pairs with the consumers' release) or when the other part of this chunk is published (acquire:
+        pairs with that part's release, issued after its own acquire saw the mask complete)."""
+        o = _PROD_WORDS * p
+        acquired, mask = w[o + 2], w[self._slot(p, s) + 2]
+        for field in (0, 1):
+            if acquired >> field & 1:
+                continue
+            free = self._reuse_ok(mask, p)
+            other = w[o + 3 + (1 - field)] == _PH_PUBLISHED and self.mutant != "split_acquire_full_mask_only"
+            if free or other:
+                nxt = bytearray(w)
+                nxt[o + 2] = acquired | 1 << field
+                out.append((("acquire_part", p, k, c, s, field, mask, free), bytes(nxt), None))
 
     def _finish_producer_chunk(self, nxt: bytearray, p: int) -> None:
         o = _PROD_WORDS * p
@@ -1036,6 +1078,10 @@ class RingModel:
             _, p, k, c, s, mask, reset = label
             what = "resets mask to 0b0" if reset else "does NOT reset the mask"
             return (f"producer {p} call {k} chunk {c}: acquires slot {s} (mask {mask:#b} accepted), {what}")
+        if kind == "acquire_part":
+            _, p, k, c, s, field, mask, free = label
+            why = f"mask {mask:#b} complete" if free else f"its {_FIELD_NAMES[1 - field]} part is published"
+            return f"producer {p} call {k} chunk {c}: {_FIELD_NAMES[field]} part acquires slot {s} ({why})"
         if kind == "write":
             _, p, k, c, s, field, tag, buffered = label
             where = "into its store buffer (not yet visible)" if buffered else "(visible)"
@@ -1301,6 +1347,19 @@ def protocol_configs(shapes: Sequence[Shape], cross_checks: Sequence[CrossCheck]
     for shape, fine, reduce in cross_checks:
         for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
             configs.append(ModelConfig(*shape, ack_policy=policy, mutant=mutant, fine=fine, reduce=reduce))
+    if mutant is None:
+        configs += split_configs(shapes)
+    return configs
+
+
+def split_configs(shapes: Sequence[Shape]) -> List[ModelConfig]:
+    """The split producer (``split_acquire``) on ``shapes``: both policies with two streams, and serial
+    streams with the default lookahead."""
+    configs = []
+    for shape in shapes:
+        for policy in (AckPolicy.CONSERVATIVE, AckPolicy.EARLY):
+            configs.append(ModelConfig(*shape, ack_policy=policy, split_acquire=True))
+        configs.append(ModelConfig(*shape, serial=True, split_acquire=True))
     return configs
 
 
@@ -1319,7 +1378,8 @@ def mutant_configs(spec: MutantSpec, shapes: Sequence[Shape]) -> List[ModelConfi
         width = S + 1 if spec.name == "window_exceeds_slots" else 1
         for policy in policies:
             configs.append(ModelConfig(*shape, ack_policy=policy, serial=spec.serial, mutant=spec.name,
-                                       expert_window=width if spec.window else None, graph=spec.graph))
+                                       expert_window=width if spec.window else None, graph=spec.graph,
+                                       split_acquire=spec.split))
     return configs
 
 

@@ -102,6 +102,7 @@ def test_regions_aligned_disjoint_and_covered():
             "route_ready": ((), np.uint64, S), "layout_ready": ((), np.uint64, S),
             "ack_mask": ((protocol.mask_words(num_ranks),), np.uint64, S),
             "gen_base": ((1,), np.uint64, 1), "error": ((layout.ERROR_WORDS,), np.int64, 1),
+            "abort": ((1,), np.uint64, 1),
             "meta": ((layout.META_COLUMNS,), np.int64, S),
             "x": ((T, H), np.uint8 if spec.x_format == "fp8_e4m3" else np.uint16, S),
             "x_sf": ((T, spec.num_sf), np.float32, S),
@@ -292,6 +293,7 @@ def python_enums(layout_module=layout, protocol_module=protocol) -> Dict[str, Di
         "ErrorKind": {"kError" + _camel(n): v for n, v in consts("ERROR_KIND_").items()},
         "ErrorWord": {**{"kErr" + _camel(n): v for n, v in consts("ERROR_WORD_").items()},
                       "kErrorWords": layout_module.ERROR_WORDS},
+        "AbortWord": {"kAbort" + _camel(n): v for n, v in consts("ABORT_").items()},
     }
     return {enum: {name.lower(): value for name, value in members.items()} for enum, members in groups.items()}
 

@@ -97,6 +97,7 @@ def test_quick_kills_every_mutant_with_expected_invariant(quick_report):
     ("windows_differ_per_rank", INV_LIVENESS),
     ("graph_without_own_chunk_edges", INV_LIVENESS),
     ("graph_without_own_ack_edges", INV_LIVENESS),
+    ("split_acquire_full_mask_only", INV_LIVENESS),
 ])
 def test_named_mutant_killed_by_expected_invariant(quick_report, mutant, invariant):
     result = next(r for r in quick_report.mutants if r.spec.name == mutant)
@@ -251,3 +252,19 @@ def test_config_label_names_mode():
     cfg = ModelConfig(2, 2, 2, 4, 2, serial=True)
     assert "serial(lookahead=1)" in cfg.label()
     assert "unreduced" in dataclasses.replace(cfg, mutant="fence_removed").label()
+
+
+def test_split_producer_whose_parts_both_acquire_completes_and_the_old_rule_deadlocks(quick_report):
+    # RingKernels.produce(c, parts="route") and produce(c, parts="layout"), both acquiring: each part
+    # acquires when the mask is complete or the other part is published, and resets in its publication.
+    split_runs = [run for run in quick_report.protocol_runs if run.config.split_acquire]
+    assert split_runs and all(run.violation is None for run in split_runs)
+    assert {run.config.serial for run in split_runs} == {False, True}
+    for cfg in (ModelConfig(2, 2, 2, 4, 2, split_acquire=True, reduce=False),
+                ModelConfig(1, 2, 1, 3, 1, ack_policy=AckPolicy.EARLY, split_acquire=True, fine=True)):
+        assert explore(cfg).violation is None, cfg.label()
+    # The rule before the fix (the second part waits for a complete mask only): the first part's reset
+    # leaves it waiting for acknowledgements that need its own publication.
+    result = next(r for r in quick_report.mutants if r.spec.name == "split_acquire_full_mask_only")
+    assert "waits to acquire slot" in result.killing_run.violation.message
+    assert any("part acquires slot" in line for line in result.killing_run.violation.trace)

@@ -16,8 +16,19 @@ enum MetaColumn : int32_t { kMetaTokenBase = 0, kMetaNumValid = 1, kMetaChunkIdx
 // Device error record (layout.ERROR_*): words and kinds.
 enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 3, kErrChunk = 4,
                            kErrExpected = 5, kErrObserved = 6, kErrMissing = 7, kErrorWords = 8 };
+// Timeouts (route, layout, reuse, combine); kErrorAborted: a wait of this PE gave up because another PE
+// raised the ring's abort word; kErrorStalePayload: a slot's meta row did not name the awaited chunk and
+// generation after its readiness was acquired; kErrorDoubleAck: this PE's acknowledgement bit was already
+// set in the owner's mask when it acknowledged.
 enum ErrorKind : int64_t { kErrorNone = 0, kErrorRoute = 1, kErrorLayout = 2, kErrorReuse = 3,
-                           kErrorCombine = 4 };
+                           kErrorCombine = 4, kErrorAborted = 5, kErrorStalePayload = 6, kErrorDoubleAck = 7 };
+
+// The abort word (layout.ABORT_*): one uint64 per PE, 0 while the ring runs. A PE that records a device
+// error stores (1 << kAbortFlagShift) | kind << kAbortKindShift | origin << kAbortOriginShift |
+// peer << kAbortPeerShift | chunk << kAbortChunkShift into every other PE's word (first abort wins there);
+// origin and peer are kAbortFieldBits wide, the kind 7 bits, the chunk 24 bits (saturated at kAbortChunkMax).
+enum AbortWord : int32_t { kAbortChunkShift = 0, kAbortPeerShift = 24, kAbortOriginShift = 40, kAbortKindShift = 56,
+                           kAbortFlagShift = 63, kAbortFieldBits = 16, kAbortChunkMax = (1 << 24) - 1 };
 
 struct RingDescriptor {
     // Local addresses of the regions of this PE's ring allocation. Offsets are identical on every PE
@@ -32,6 +43,7 @@ struct RingDescriptor {
     uint64_t ack_mask_ptr;      // [S][mask_words] uint64 acknowledgement bits
     uint64_t gen_base_ptr;      // [1] uint64: expected generation of chunk c is *gen_base_ptr + c + 1
     uint64_t error_ptr;         // [kErrorWords] int64 error record
+    uint64_t abort_ptr;         // [1] uint64 abort word (AbortWord), written by other PEs
     uint64_t x_slot_stride;     // bytes
     uint64_t x_sf_slot_stride;  // bytes
     uint64_t topk_slot_stride;  // bytes (topk_idx and topk_weights)

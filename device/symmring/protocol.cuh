@@ -16,10 +16,16 @@
 // system atomics; nvshmem_fence() is __threadfence_system(); signal_wait_until has no acquire):
 //   (1) publish:   payload stores; __syncthreads; nvshmem_fence (release); signal SET.
 //   (2) wait_ready: ld.acquire.sys of the owner's word; __syncthreads before other threads read.
-//   (3) ack:       last payload read; __syncthreads; nvshmem_fence (release); atomic OR of our bit.
+//   (3) ack:       last payload read; __syncthreads; nvshmem_fence (release); atomic fetch-OR of our bit
+//                  (kErrorDoubleAck if it was already set).
 //   (4) acquire_slot: ld.acquire.sys of the own mask until complete; reset to 0 (ordered before the next
 //                  publication by fence (1)).
-// (1) pairs with (2); (3) pairs with (4).
+// (1) pairs with (2); (3) pairs with (4). Every acquire that pairs with another GPU's release is
+// ld.acquire.sys (system scope); a volatile poll followed by __threadfence() (gpu scope) is not one.
+//
+// Detectors (each records a typed error and aborts the ring on every PE, timeout.cuh): check_payload after
+// the acquire of readiness (kErrorStalePayload), ack (kErrorDoubleAck); every wait gives up when another
+// PE aborted (kErrorAborted). The host's reset (collective) is the one way back.
 //
 // Generations come from the device-resident gen_base word (RingDescriptor::gen_base_ptr), never from a
 // kernel argument, so a CUDA Graph replay computes fresh generations; end_call() advances the word.
@@ -159,36 +165,71 @@ __device__ __forceinline__ void end_call(const RingDescriptor& d, int num_chunks
 
 // --- producer side ------------------------------------------------------------------------------------
 
+namespace detail {
+
+// One thread: bounded wait until every word of the chunk's slot mask holds its required bits, or (when
+// `other_ready` is not null) until that word of this PE holds `gen`. One deadline for the whole wait.
+// Returns false on timeout (error record kind reuse) or abort.
+__device__ inline bool wait_slot_free(const RingDescriptor& d, int chunk_idx, const uint64_t* other_ready,
+                                      uint64_t gen) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const uint64_t* mask = ack_mask_of(d, slot);
+    Deadline deadline(d);
+    int w = 0;
+    uint64_t required = 0, observed = 0;
+    for (;;) {
+        // acquire: pairs with the release fence in ack(); the consumers' reads of the previous generation
+        // are complete before we overwrite the slot. A word seen complete stays complete until the slot is
+        // acquired: the owner clears the mask only after a wait saw every word complete (the other part of
+        // a split producer, whose publication this wait then also accepts below).
+        for (; w < d.mask_words; ++w) {
+            required = required_mask_word(w, d.num_ranks);
+            observed = ld_acquire_sys(mask + w);
+            if ((observed & required) != required) break;
+        }
+        if (w == d.mask_words) return true;
+        // acquire: pairs with the release in the other part's publication (signal_generation), which that
+        // part issued after its own wait for this slot saw the mask complete.
+        if (other_ready != nullptr && ld_acquire_sys(other_ready) == gen) return true;
+        if (deadline.expired(d)) {
+            deadline.give_up(d, kErrorReuse, d.rank, slot, chunk_idx, required, observed, required & ~observed);
+            return false;
+        }
+    }
+}
+
+}  // namespace detail
+
 // Block-level: wait until every required consumer acknowledged the slot's previous use, then (reset=true)
-// clear the mask for the next one. Returns false on timeout (error record written, kind reuse).
+// clear the mask for the next one. Returns false on timeout (error record written, kind reuse) or abort.
 // With several blocks, let every block wait with reset=false and one block (grid_last_block) reset.
 __device__ inline bool wait_reusable(const RingDescriptor& d, int chunk_idx, bool reset) {
     __shared__ int ok;
     if (threadIdx.x == 0) {
-        const int slot = slot_of(chunk_idx, d.num_slots);
-        uint64_t* mask = ack_mask_of(d, slot);
-        ok = 1;
-        for (int w = 0; w < d.mask_words && ok; ++w) {
-            const uint64_t required = required_mask_word(w, d.num_ranks);
-            Deadline deadline(d);
-            uint64_t observed;
-            // acquire: pairs with the release fence in ack(); the consumers' reads of the previous
-            // generation are complete before we overwrite the slot.
-            while (((observed = ld_acquire_sys(mask + w)) & required) != required) {
-                if (deadline.expired(d)) {
-                    if (!deadline.aborted)
-                        record_error(d, kErrorReuse, d.rank, slot, chunk_idx, required, observed,
-                                     required & ~observed);
-                    ok = 0;
-                    break;
-                }
-            }
-        }
+        ok = detail::wait_slot_free(d, chunk_idx, nullptr, 0) ? 1 : 0;
         if (ok && reset) {
             // Ordered before this generation's publication by the release fence in publish().
+            uint64_t* mask = ack_mask_of(d, slot_of(chunk_idx, d.num_slots));
             for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
         }
     }
+    __syncthreads();
+    return ok != 0;
+}
+
+// Block-level, for a chunk whose route and layout parts are written and published by two launches that
+// each acquire the slot (RingKernels.produce(parts="route") and produce(parts="layout"), either order, one
+// stream or two): wait until the slot is reusable as in wait_reusable, OR until `other_ready_local` (this
+// PE's ready word of the OTHER part: route_ready_word / layout_ready_word) holds `gen` -- the other part
+// then already acquired the slot for this generation and may have cleared the mask, so waiting for a
+// complete mask would never end. Never resets: the caller resets the mask before its own publication
+// (grid_publish(..., reset_mask=true, ...)). Both parts may reset: a consumer acknowledges `gen` only
+// after it saw BOTH publications, each released after its part's reset, so no reset clears a bit of
+// `gen`. Returns false on timeout (kind reuse) or abort.
+__device__ inline bool wait_reusable_or_published(const RingDescriptor& d, int chunk_idx,
+                                                  const uint64_t* other_ready_local, uint64_t gen) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = detail::wait_slot_free(d, chunk_idx, other_ready_local, gen) ? 1 : 0;
     __syncthreads();
     return ok != 0;
 }
@@ -248,11 +289,9 @@ __device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int sr
             layout_gen = load_word_acquire(layout, layout_local, src_rank);
             if (is_ready(route_gen, layout_gen, expected)) break;
             if (deadline.expired(d)) {
-                if (!deadline.aborted) {
-                    const bool route_late = route_gen != expected;
-                    record_error(d, route_late ? kErrorRoute : kErrorLayout, src_rank, slot, chunk_idx,
-                                 expected, route_late ? route_gen : layout_gen, 0);
-                }
+                const bool route_late = route_gen != expected;
+                deadline.give_up(d, route_late ? kErrorRoute : kErrorLayout, src_rank, slot, chunk_idx, expected,
+                                 route_late ? route_gen : layout_gen, 0);
                 ok = 0;
                 break;
             }
@@ -277,8 +316,7 @@ __device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, in
         // acquire: pairs with the release fence of the publication (signal_generation) on src_rank.
         while ((observed = load_word_acquire(word, word_local, src_rank)) != expected) {
             if (deadline.expired(d)) {
-                if (!deadline.aborted)
-                    record_error(d, kind, src_rank, slot_of(chunk_idx, d.num_slots), chunk_idx, expected,
+                deadline.give_up(d, kind, src_rank, slot_of(chunk_idx, d.num_slots), chunk_idx, expected,
                                  observed, 0);
                 ok = 0;
                 break;
@@ -289,15 +327,48 @@ __device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, in
     return ok != 0;
 }
 
+// One thread, after the acquire of `src_rank`'s route readiness of chunk `chunk_idx` at generation
+// `expected_gen` (wait_ready or wait_published(route) returned true; in another thread of the block, with
+// the __syncthreads that ends those waits in between): whether the slot's meta row names that chunk and
+// generation (kMetaChunkIdx, kMetaPayloadGen, written by write_meta before the route publication). On a
+// mismatch (a slot overwritten while in use, or ranks whose call sequences diverged) it records
+// kErrorStalePayload (peer = src_rank, expected = expected_gen, observed = the payload generation found,
+// missing = the chunk index found), aborts the ring, and returns false: do not use the payload.
+__device__ inline bool check_payload(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected_gen) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    int64_t* meta_local = meta_of(d, slot);
+    const int64_t* meta = peer_ptr(d, meta_local, src_rank);
+    int64_t gen, idx;
+    if (meta != nullptr) {
+        gen = static_cast<int64_t>(ld_relaxed_sys(reinterpret_cast<const uint64_t*>(meta + kMetaPayloadGen)));
+        idx = static_cast<int64_t>(ld_relaxed_sys(reinterpret_cast<const uint64_t*>(meta + kMetaChunkIdx)));
+    } else {
+        gen = nvshmem_int64_g(meta_local + kMetaPayloadGen, src_rank);
+        idx = nvshmem_int64_g(meta_local + kMetaChunkIdx, src_rank);
+    }
+    if (static_cast<uint64_t>(gen) == expected_gen && idx == chunk_idx) return true;
+    record_error(d, kErrorStalePayload, src_rank, slot, chunk_idx, expected_gen, static_cast<uint64_t>(gen),
+                 static_cast<uint64_t>(idx));
+    return false;
+}
+
 // Block-level: acknowledge `src_rank`'s slot of chunk `chunk_idx` after this PE's last read of it
 // (payload and metadata). With several reading blocks, call it from one block after all finished
-// (grid_last_block). Sets this PE's bit in the owner's mask.
+// (grid_last_block). Sets this PE's bit in the owner's mask with an atomic fetch-OR; if the bit was
+// already set (this PE acknowledged the generation twice, or acknowledged a slot the owner never
+// acquired), records kErrorDoubleAck (peer = src_rank, expected = the bit, observed = the mask word
+// before the OR) and aborts the ring. A second acknowledgement that arrives after the owner reset the
+// mask for the next generation cannot be told apart from a first one.
 __device__ inline void ack(const RingDescriptor& d, int chunk_idx, int src_rank) {
     __syncthreads();  // every thread's reads of the slot precede thread 0's release fence
     if (threadIdx.x == 0) {
-        uint64_t* word = ack_mask_of(d, slot_of(chunk_idx, d.num_slots)) + ack_word(d.rank);
+        const int slot = slot_of(chunk_idx, d.num_slots);
+        uint64_t* word = ack_mask_of(d, slot) + ack_word(d.rank);
+        const uint64_t bit = ack_bit(d.rank);
         nvshmem_fence();  // release: pairs with the acquire in wait_reusable(); reads before the bit
-        nvshmem_uint64_atomic_or(word, ack_bit(d.rank), src_rank);
+        // System-scope atomicOr through the P2P mapping (NVSHMEM's remote AMO where there is none).
+        const uint64_t before = nvshmem_uint64_atomic_fetch_or(word, bit, src_rank);
+        if (before & bit) record_error(d, kErrorDoubleAck, src_rank, slot, chunk_idx, bit, before, 0);
     }
 }
 

@@ -35,15 +35,22 @@ def collective(test):
     return wrapper
 
 
-def errors_of(kernels) -> Optional[str]:
-    """The ProtocolTimeout a ring's device error record holds, as text (None when clean); never raises
-    it, so every rank goes on to the same collectives."""
-    from symmring.errors import ProtocolTimeout
+def device_error(kernels):
+    """The error a ring's device error record (or abort word) holds: a `ProtocolTimeout` (its subclass
+    `ProtocolAborted` included) or a `ProtocolViolation`, or None when clean; never raises it, so every
+    rank goes on to the same collectives."""
+    from symmring.errors import ProtocolTimeout, ProtocolViolation
     try:
         kernels.check_errors()
-    except ProtocolTimeout as exc:
-        return str(exc)
+    except (ProtocolTimeout, ProtocolViolation) as exc:
+        return exc
     return None
+
+
+def errors_of(kernels) -> Optional[str]:
+    """`device_error` as text (None when clean)."""
+    error = device_error(kernels)
+    return None if error is None else str(error)
 
 
 def all_ok(flag: bool) -> bool:
