@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Optional, Tuple
+from typing import Tuple
 
 from ..errors import BackendError, ConfigError
 
