@@ -120,6 +120,10 @@ class ExpertEngine(abc.ABC):
         ``rows_per_expert``: a host bound on the rows any one local expert holds in this window (None:
         unknown); an engine may pick its kernels by it, and must then trust it."""
 
+    def refresh_weights(self) -> None:
+        """Re-derive whatever the engine keeps beside `weights` (views, prepared layouts) after the
+        weights' tensors were overwritten in place (`symmring.moe.module.MoEModule.load_state_dict`)."""
+
 
 class TorchBf16Experts(ExpertEngine):
     """bf16 experts on ``torch._grouped_mm`` (CUTLASS on sm_90), float32 accumulation, bf16 SwiGLU.
@@ -141,7 +145,11 @@ class TorchBf16Experts(ExpertEngine):
             raise ConfigError(f"engine 'torch': expected bf16 expert weights, got {weights.dtype}")
         self.weights = weights
         self.inter = weights.inter
-        self._w13_t, self._w_down_t = weights.w13.transpose(1, 2), weights.w_down.transpose(1, 2)  # [E, K, N] views
+        self.refresh_weights()
+
+    def refresh_weights(self) -> None:
+        w = self.weights
+        self._w13_t, self._w_down_t = w.w13.transpose(1, 2), w.w_down.transpose(1, 2)  # [E, K, N] views
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         h = grouped_mm(pool.x[:num_rows], self._w13_t, pool.group_end)
@@ -191,14 +199,21 @@ class Fp8Experts(ExpertEngine):
             if not ok:
                 raise BackendError(f"engine='deepgemm': {reason}")
             self._gemm = deepgemm.grouped_gemm_fp8
-            self._w13, self._w13_scale = deepgemm.prepare_weights(weights.w13, weights.w13_scale)
-            self._w_down, self._w_down_scale = deepgemm.prepare_weights(weights.w_down, weights.w_down_scale)
         elif gemm == "builtin":
             self._gemm = fp8_kernels.grouped_gemm_fp8
-            self._w13, self._w13_scale = weights.w13, weights.w13_scale
-            self._w_down, self._w_down_scale = weights.w_down, weights.w_down_scale
         else:
             raise ConfigError(f"gemm={gemm!r}: expected 'builtin' or 'deepgemm'")
+        self.refresh_weights()
+
+    def refresh_weights(self) -> None:
+        w = self.weights
+        if self.name == "deepgemm":  # contiguous float32 scales: the same tensors unless a copy was needed
+            from . import deepgemm
+            self._w13, self._w13_scale = deepgemm.prepare_weights(w.w13, w.w13_scale)
+            self._w_down, self._w_down_scale = deepgemm.prepare_weights(w.w_down, w.w_down_scale)
+        else:
+            self._w13, self._w13_scale = w.w13, w.w13_scale
+            self._w_down, self._w_down_scale = w.w_down, w.w_down_scale
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         m_indices = pool.m_indices[:num_rows]

@@ -131,6 +131,8 @@ class MoE:
         x_format: dispatch format, ``"fp8_e4m3"`` (per-token, per-128-channel scales) or ``"bf16"``.
         scoring: ``"softmax"`` (Mixtral) or ``"sigmoid_bias"`` (DeepSeek-V3); bias and
             routed_scaling_factor: as in `symmring.moe.routing.route`.
+        n_group, topk_group, norm_topk_prob: DeepSeek-V3's group-limited top-k and the variant without
+            renormalisation (Qwen3-MoE's ``norm_topk_prob=False``), as in `symmring.moe.routing.route`.
         single_stream: run the streamed schedule's producer and consumer on the caller's stream, in the
             enqueue order (the serial schedule of PROTOCOL.md 9.1; for tests and as a fallback).
         timeout_s: bound of every device wait (default: the context's).
@@ -162,6 +164,7 @@ class MoE:
                  routed_scaling_factor: float = 1.0, single_stream: bool = False,
                  timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
                  engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
+                 n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  small_batch_tokens: int = SMALL_BATCH_TOKENS):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
@@ -199,6 +202,9 @@ class MoE:
             raise ConfigError(f"inter={inter}: expected a multiple of 8 (16-byte rows for the grouped GEMM)")
         if scoring not in routing_mod.SCORINGS:
             raise ConfigError(f"scoring={scoring!r}: expected one of {list(routing_mod.SCORINGS)}")
+        routing_mod.check_options(self.num_experts, self.topk, scoring, n_group=n_group, topk_group=topk_group,
+                                  norm_topk_prob=norm_topk_prob)
+        self.n_group, self.topk_group, self.norm_topk_prob = int(n_group), int(topk_group), norm_topk_prob
         if not isinstance(single_stream, bool):
             raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
@@ -366,7 +372,8 @@ class MoE:
         """``(topk_idx, topk_weights)`` of ``x[rows]`` from a validated router or logits source (enqueued)."""
         logits = x[rows] @ source.t() if kind == "router" else source[rows]
         idx, weights = routing_mod.route(logits, self.topk, self.scoring, bias=self.bias,
-                                         routed_scaling_factor=self.routed_scaling_factor)
+                                         routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+                                         topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
         return idx.contiguous(), weights.contiguous()
 
     def streams(self, streaming, num_tokens: int) -> bool:

@@ -23,9 +23,16 @@ TopK variants (`select_topk`):
 * ``"softmax"`` (Mixtral): probabilities ``softmax(logits)`` over all experts (float64), the ``K``
   experts with the largest logits (softmax is monotonic, so the same experts as the largest
   probabilities), weights = their probabilities renormalised to sum to 1.
-* ``"sigmoid_bias"`` (DeepSeek-V3, without group-limited routing): ``scores = sigmoid(logits)``; the
-  ``K`` experts with the largest ``scores + bias`` are chosen; weights = their *unbiased* scores divided
-  by the sum of those scores, times ``routed_scaling_factor``.
+* ``"sigmoid_bias"`` (DeepSeek-V3): ``scores = sigmoid(logits)``; the ``K`` experts with the largest
+  ``scores + bias`` are chosen; weights = their *unbiased* scores divided by the sum of those scores,
+  times ``routed_scaling_factor``.
+* ``norm_topk_prob=False`` (Qwen3-MoE's variant; a DeepSeek-V3 option): the chosen probabilities (times
+  ``routed_scaling_factor`` for ``"sigmoid_bias"``) are not divided by their sum.
+* ``n_group > 1`` with ``topk_group`` (DeepSeek-V3's group-limited top-k, ``"sigmoid_bias"``): experts
+  form ``n_group`` groups of consecutive ids; a group scores the sum of its two largest
+  ``scores + bias``; the ``K`` experts are chosen among the ``topk_group`` best groups only.
+
+The options are validated by `symmring.moe.routing.check_options`, the one rule of the torch routing.
 
 Tie-breaking is deterministic: among equal selection keys the lower expert id wins (a stable sort of the
 negated key). The selected experts are listed in decreasing key order, so ``k = 0`` is the top choice.
@@ -186,16 +193,18 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
-                bias: Optional[np.ndarray] = None,
-                routed_scaling_factor: float = 1.0) -> Tuple[np.ndarray, np.ndarray]:
-    """TopK routing of each token from its logits (see the module docstring for the two variants).
+                bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
+                topk_group: int = 1, norm_topk_prob: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """TopK routing of each token from its logits (see the module docstring for the variants).
 
     Args:
         logits: float32 ``[num_tokens, num_experts]``, finite.
         num_topk: experts per token, ``1 <= num_topk <= num_experts``.
         method: ``"softmax"`` or ``"sigmoid_bias"``.
         bias: float32 ``[num_experts]`` selection bias (``sigmoid_bias`` only; zeros when omitted).
-        routed_scaling_factor: factor on the normalised weights (``sigmoid_bias`` only).
+        routed_scaling_factor: factor on the weights (``sigmoid_bias`` only).
+        n_group, topk_group: group-limited top-k (``sigmoid_bias`` only; ``n_group=1``: none).
+        norm_topk_prob: renormalise the chosen weights to sum to 1 (the default).
 
     Returns:
         ``(topk_idx int32 [T, K], topk_weights float32 [T, K])``, experts in decreasing selection key,
@@ -217,6 +226,9 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         raise ConfigError(f"num_topk={num_topk!r}: expected an int in [1, num_experts={num_experts}]")
     if method not in TOPK_METHODS:
         raise ConfigError(f"method={method!r}: expected one of {TOPK_METHODS}")
+    from .routing import check_options
+    check_options(num_experts, int(num_topk), method, n_group=n_group, topk_group=topk_group,
+                  norm_topk_prob=norm_topk_prob)
     logits64 = logits.astype(np.float64)
     if method == "softmax":
         if bias is not None:
@@ -238,17 +250,35 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         with np.errstate(over="ignore"):  # exp(-l) overflows to inf for l << 0: sigmoid is then 0
             probs = 1.0 / (1.0 + np.exp(-logits64))
         key = probs + bias.astype(np.float64)
+        if n_group > 1:
+            key = _limit_to_groups(key, n_group, topk_group)
     # Stable sort of the negated key: equal keys keep ascending expert order, so the lower id wins.
     order = np.argsort(-key, axis=1, kind="stable")[:, :num_topk]
     chosen = np.take_along_axis(probs, order, axis=1)
-    # Accumulate the normaliser in k order (row-independent; a sum() could use pairwise blocking).
-    total = np.zeros((num_tokens, 1), np.float64)
-    for k in range(num_topk):
-        total += chosen[:, k:k + 1]
-    weights = chosen / total
+    if norm_topk_prob:
+        # Accumulate the normaliser in k order (row-independent; a sum() could use pairwise blocking).
+        total = np.zeros((num_tokens, 1), np.float64)
+        for k in range(num_topk):
+            total += chosen[:, k:k + 1]
+        weights = chosen / total
+    else:
+        weights = chosen
     if method == "sigmoid_bias":
         weights = weights * float(routed_scaling_factor)
     return order.astype(np.int32), weights.astype(np.float32)
+
+
+def _limit_to_groups(key: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """``key`` with every expert outside each token's ``topk_group`` best groups set to ``-inf`` (a group's
+    score: the sum of its two largest keys, added in decreasing order; equal group scores: lower group id)."""
+    num_tokens, num_experts = key.shape
+    grouped = key.reshape(num_tokens, n_group, num_experts // n_group)
+    best = -np.sort(-grouped, axis=2)
+    group_score = best[:, :, 0] + best[:, :, 1]
+    groups = np.argsort(-group_score, axis=1, kind="stable")[:, :topk_group]
+    keep = np.zeros((num_tokens, n_group), bool)
+    np.put_along_axis(keep, groups, True, axis=1)
+    return np.where(keep[:, :, None], grouped, -np.inf).reshape(num_tokens, num_experts)
 
 
 def combine_rows(outputs: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:
@@ -350,13 +380,14 @@ def check_routing(num_tokens: int, hidden: int, num_topk: int, num_experts: int,
 
 def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None, logits=None,
           topk_idx=None, topk_weights=None, topk_method: str = "softmax", bias=None,
-          routed_scaling_factor: float = 1.0):
+          routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True):
     """Routing of ``x`` from exactly one source: ``router_weight``, ``logits`` or ``topk_idx`` +
     ``topk_weights``. Returns ``(topk_idx, topk_weights, logits or None)``.
 
     Raises:
         ConfigError: zero or several sources given, or a source with the wrong shape or dtype
-            (`check_routing`); bad ``topk_method``, ``bias`` or ``routed_scaling_factor`` (`select_topk`).
+            (`check_routing`); bad ``topk_method``, ``bias``, ``routed_scaling_factor`` or group and
+            normalisation options (`select_topk`).
     """
     source = check_routing(x.shape[0], x.shape[1], num_topk, num_experts, router_weight=router_weight,
                            logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -365,7 +396,8 @@ def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None,
     if source == "router_weight":
         logits = router_logits(x, router_weight)
     idx, weights = select_topk(logits, num_topk, topk_method, bias=bias,
-                               routed_scaling_factor=routed_scaling_factor)
+                               routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                               topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     return idx, weights, logits
 
 
@@ -375,7 +407,8 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
                   topk_weights: Optional[np.ndarray] = None, topk_method: str = "softmax",
                   bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0,
                   x_format: str = "fp8_e4m3", sf_group_size: int = quant.DEFAULT_GROUP_SIZE,
-                  expert_format: str = "f32") -> ReferenceResult:
+                  expert_format: str = "f32", n_group: int = 1, topk_group: int = 1,
+                  norm_topk_prob: bool = True) -> ReferenceResult:
     """The whole MoE layer on one process, all experts local.
 
     Args:
@@ -384,7 +417,7 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         num_topk: experts per token (``K``).
         router_weight / logits / (topk_idx, topk_weights): exactly one routing source (float32
             ``[E, H]``; float32 ``[T, E]``; int32 and float32 ``[T, K]`` with ``-1`` = masked).
-        topk_method, bias, routed_scaling_factor: see `select_topk`.
+        topk_method, bias, routed_scaling_factor, n_group, topk_group, norm_topk_prob: see `select_topk`.
         x_format: ``"fp8_e4m3"`` or ``"bf16"``, how the experts see ``x``.
         sf_group_size: channels per fp8 scale.
         expert_format: `EXPERT_FORMATS`: ``"fp8"`` models the fp8 experts' intermediate roundings.
@@ -412,7 +445,8 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         raise ConfigError(f"x.shape={x.shape}: expected hidden={hidden} (from the expert weights)")
     idx, weights, logits = route(x, num_topk, num_experts, router_weight=router_weight, logits=logits,
                                  topk_idx=topk_idx, topk_weights=topk_weights, topk_method=topk_method,
-                                 bias=bias, routed_scaling_factor=routed_scaling_factor)
+                                 bias=bias, routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                                 topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     x_q, x_sf = quant.encode(x, x_format, sf_group_size)
     x_deq = quant.decode(x_q, x_sf, x_format)
     num_tokens = x.shape[0]

@@ -8,6 +8,16 @@ The same definitions as the NumPy reference (`symmring.moe.reference.select_topk
   largest ``s + bias``; weights ``s`` of the chosen experts (no bias) renormalised to sum to 1, times
   ``routed_scaling_factor``.
 
+Options (`check_options`; the names of the transformers configs):
+
+* ``norm_topk_prob=False`` (Qwen3-MoE's variant, DeepSeek-V3's option): no renormalisation. With
+  ``"softmax"`` the weights are the probabilities of a softmax over ALL experts at the chosen experts
+  (chosen by the largest probabilities); with ``"sigmoid_bias"`` the chosen ``s`` times
+  ``routed_scaling_factor``.
+* ``n_group > 1``, ``topk_group`` (DeepSeek-V3's group-limited top-k, ``"sigmoid_bias"`` only): the
+  experts form ``n_group`` groups of ``num_experts / n_group`` consecutive ids; a group's score is the sum
+  of its two largest ``s + bias``; only the ``topk_group`` best groups take part in the top-k.
+
 torch is imported on the first call, not at module import.
 """
 
@@ -23,9 +33,57 @@ def _torch():
 
 #: Routing functions accepted by `route`.
 SCORINGS = ("softmax", "sigmoid_bias")
+#: Experts of a group whose scores make the group's score (DeepSeek-V3: the two largest).
+GROUP_SCORE_TOPK = 2
 
 
-def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scaling_factor: float = 1.0):
+def _is_int(value) -> bool:
+    import numpy as np
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def check_options(num_experts: int, topk: int, scoring: str = "softmax", *, n_group: int = 1, topk_group: int = 1,
+                  norm_topk_prob: bool = True) -> None:
+    """Validate a routing configuration (no tensors): what `route` and the layers accept.
+
+    Raises:
+        ConfigError: naming the argument: an unknown ``scoring``; ``topk`` outside ``[1, num_experts]``;
+            ``n_group`` not a positive divisor of ``num_experts``, or > 1 without ``"sigmoid_bias"`` or with
+            groups of fewer than 2 experts; ``topk_group`` outside ``[1, n_group]``; ``topk`` more than the
+            chosen groups hold; ``norm_topk_prob`` not a bool.
+
+    Example:
+        >>> check_options(256, 8, "sigmoid_bias", n_group=8, topk_group=4)
+        >>> check_options(256, 8, "sigmoid_bias", n_group=3, topk_group=2)
+        Traceback (most recent call last):
+        ...
+        symmring.errors.ConfigError: n_group=3: expected a positive divisor of num_experts=256
+    """
+    if scoring not in SCORINGS:
+        raise ConfigError(f"scoring={scoring!r}: expected one of {list(SCORINGS)}")
+    if not _is_int(topk) or not 1 <= topk <= num_experts:
+        raise ConfigError(f"topk={topk!r}: expected an int in [1, num_experts={num_experts}]")
+    if not _is_int(n_group) or n_group < 1 or num_experts % n_group:
+        raise ConfigError(f"n_group={n_group!r}: expected a positive divisor of num_experts={num_experts}")
+    if not _is_int(topk_group) or not 1 <= topk_group <= n_group:
+        raise ConfigError(f"topk_group={topk_group!r}: expected an int in [1, n_group={n_group}]")
+    if not isinstance(norm_topk_prob, bool):
+        raise ConfigError(f"norm_topk_prob={norm_topk_prob!r}: expected a bool")
+    if n_group > 1:
+        per_group = num_experts // n_group
+        if scoring != "sigmoid_bias":
+            raise ConfigError(f"n_group={n_group}: group-limited routing is defined for scoring='sigmoid_bias' "
+                              f"(DeepSeek-V3), not {scoring!r}")
+        if per_group < GROUP_SCORE_TOPK:
+            raise ConfigError(f"n_group={n_group}: groups of {per_group} expert(s); a group's score sums its "
+                              f"{GROUP_SCORE_TOPK} best experts (expected num_experts / n_group >= {GROUP_SCORE_TOPK})")
+        if topk > topk_group * per_group:
+            raise ConfigError(f"topk={topk}: expected at most topk_group * num_experts / n_group = "
+                              f"{topk_group * per_group} (the experts of the chosen groups)")
+
+
+def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scaling_factor: float = 1.0,
+          n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True):
     """TopK routing of router ``logits``.
 
     Args:
@@ -33,7 +91,8 @@ def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scal
         topk: experts per token, ``1 <= topk <= num_experts``.
         scoring: ``"softmax"`` (Mixtral) or ``"sigmoid_bias"`` (DeepSeek-V3, with ``bias``).
         bias: float ``[num_experts]`` selection bias (sigmoid_bias only; None means zeros).
-        routed_scaling_factor: factor applied to the renormalised sigmoid weights.
+        routed_scaling_factor: factor applied to the sigmoid weights.
+        n_group, topk_group, norm_topk_prob: see the module docstring (`check_options`).
 
     Returns:
         ``(topk_idx int32 [num_tokens, topk], topk_weights float32 [num_tokens, topk])``, on the
@@ -54,17 +113,28 @@ def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scal
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ConfigError(f"logits: expected a 2-D tensor [num_tokens, num_experts], got "
                           f"{getattr(logits, 'shape', type(logits).__name__)}")
-    num_experts = logits.shape[1]
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
-        raise ConfigError(f"topk={topk!r}: expected an int in [1, num_experts={num_experts}]")
+    num_experts = int(logits.shape[1])
+    check_options(num_experts, topk, scoring, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     scores = logits.float()
     if scoring == "softmax":
-        chosen, idx = torch.topk(scores, topk, dim=-1)
-        weights = torch.softmax(chosen, dim=-1)
+        if norm_topk_prob:
+            chosen, idx = torch.topk(scores, topk, dim=-1)
+            weights = torch.softmax(chosen, dim=-1)
+        else:  # the probabilities over all experts, as they are
+            weights, idx = torch.topk(torch.softmax(scores, dim=-1), topk, dim=-1)
     else:
         probs = torch.sigmoid(scores)
         choice = probs if bias is None else probs + bias.float().to(probs.device)[None, :]
+        if n_group > 1:
+            num_tokens = choice.shape[0]
+            grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+            group_scores = grouped.topk(GROUP_SCORE_TOPK, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, topk_group, dim=-1)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, num_experts)
         _, idx = torch.topk(choice, topk, dim=-1)
         weights = probs.gather(1, idx)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * float(routed_scaling_factor)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * float(routed_scaling_factor)
     return idx.to(torch.int32), weights.float()

@@ -1,0 +1,284 @@
+"""The GPU MoE layer as a ``torch.nn.Module``, its forward as a torch custom op (``torch.compile``, CUDA graphs).
+
+`MoEModule` holds one `symmring.moe.gpu.MoE` (this rank's experts), the router weight and the routing
+configuration, and optionally shared experts (any ``nn.Module``, DeepSeek-V3's, run in torch on the same
+hidden states). ``forward(hidden_states)`` takes bf16 ``[..., hidden]`` of any leading shape:
+
+    logits = F.linear(x.to(router_dtype), router_weight.to(router_dtype))    # the router, in torch
+    y      = symmring::moe_forward(x, logits, handle, streaming)               # the layer (routing included)
+    y      = y + shared_experts(x)                                             # when there are any
+
+* **Weights, no second copy.** The layer copies its weights once into its engine's layout (the fused
+  ``w13 [E/R, 2 inter, hidden]``, ``w_down``, fp8 block scales); the module registers *those* tensors as
+  its buffers (``w13``, ``w_down``, ``w13_scale``, ``w_down_scale``, ``bias``) beside ``router_weight``.
+  ``state_dict()`` is this rank's experts in the engine's layout; ``load_state_dict`` copies into the
+  layer's tensors in place (dtype and shape must match: a `ConfigError` otherwise; ``assign=True`` is
+  refused) and then lets the engine re-derive what it keeps beside them
+  (`symmring.moe.experts.ExpertEngine.refresh_weights`). ``.to()``/``.half()``/``.cuda()`` leave the
+  layer's tensors as they are (they live in the layer's fixed layout on its GPU); the router weight and
+  the shared experts follow.
+* **Inference only.** The layer has no backward: a call with an input that requires grad while grad is
+  enabled is a `ConfigError`; run under ``torch.no_grad()`` or ``torch.inference_mode()``.
+* **Collective.** Every rank calls ``forward`` once per layer call, as with the layer; ``close()``
+  (collective) frees the layer's symmetric memory.
+* **torch.compile and CUDA graphs.** ``forward`` calls the layer through the custom op
+  ``symmring::moe_forward(Tensor x, Tensor logits, int handle, int streaming) -> Tensor`` (registered on
+  the first module's construction; `moe_op`). Custom ops take no Python objects, so the layer is found
+  by an integer handle in a registry of live layers (`layer_of`); ``streaming`` is coded as
+  `STREAMING_CODES`. Its fake implementation gives ``empty_like(x)``, so ``torch.compile(model,
+  fullgraph=True)`` traces through it, and the compiled code runs the same kernels as eager. A CUDA graph
+  captures it like the layer's own `symmring.moe.gpu.MoE.capture` (each replay is a new call; the token
+  counts are fixed by the capture). The op is declared pure (``mutates_args=()``): it must not be called
+  twice with the same arguments in one graph, nor its result left unused (it is a collective).
+
+Example:
+    >>> module = MoEModule(ctx, 16, 256, 256, 2, w_gate, w_up, w_down, router_weight=router,  # doctest: +SKIP
+    ...                    max_tokens=4096, streaming=False, engine="builtin")
+    >>> with torch.inference_mode():  # doctest: +SKIP
+    ...     y = module(hidden_states)                       # [batch, seq, 256] bf16
+    ...     y = torch.compile(module, fullgraph=True)(hidden_states)
+    >>> module.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Tuple
+
+from ..errors import BackendError, ConfigError
+
+try:  # symmring imports without torch; this module needs it
+    import torch
+except ImportError:  # pragma: no cover - CI without torch imports the module for its docstrings
+    torch = None
+
+#: Name of the custom op.
+OP_NAME = "symmring::moe_forward"
+#: The op's schema: custom ops take tensors and numbers, so the layer is an integer handle.
+OP_SCHEMA = "(Tensor x, Tensor logits, int handle, int streaming) -> Tensor"
+#: ``streaming`` values and their codes in the op.
+STREAMING_CODES = {False: 0, True: 1, "auto": 2}
+_STREAMING_OF = {code: value for value, code in STREAMING_CODES.items()}
+#: The layer's tensors the module registers as its buffers (the layer's own storage, never copies).
+LAYER_BUFFERS = ("w13", "w_down", "w13_scale", "w_down_scale", "bias")
+
+_layers: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+
+
+def _require_torch():
+    if torch is None:
+        raise BackendError("symmring.moe.module needs torch (pip install 'symmring[gpu]')")
+    return torch
+
+
+def register_layer(layer) -> int:
+    """A new handle for ``layer`` in the registry the custom op reads (held weakly: the module owns the layer)."""
+    handle = next(_next_handle)
+    _layers[handle] = layer
+    return handle
+
+
+def unregister_layer(handle: int) -> None:
+    _layers.pop(handle, None)
+
+
+def layer_of(handle: int):
+    """The live layer of ``handle``; ConfigError when there is none (closed, or never registered)."""
+    layer = _layers.get(handle)
+    if layer is None:
+        raise ConfigError(f"handle={handle!r}: no live symmring MoE layer has this handle (closed module?)")
+    return layer
+
+
+@functools.lru_cache(maxsize=None)
+def moe_op():
+    """``torch.ops.symmring.moe_forward.default``, registered with its fake implementation on first use.
+
+    Example:
+        >>> op = moe_op()
+        >>> str(op)
+        'symmring.moe_forward.default'
+    """
+    torch = _require_torch()
+
+    @torch.library.custom_op(OP_NAME, mutates_args=(), schema=OP_SCHEMA)
+    def moe_forward(x, logits, handle, streaming):
+        if streaming not in _STREAMING_OF:
+            raise ConfigError(f"streaming={streaming!r}: expected a code of {STREAMING_CODES}")
+        return layer_of(handle).forward(x, logits=logits, streaming=_STREAMING_OF[streaming])
+
+    @moe_forward.register_fake
+    def _(x, logits, handle, streaming):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)  # y: bf16 [n, hidden], a new tensor
+
+    return torch.ops.symmring.moe_forward.default
+
+
+def _check_streaming(streaming):
+    if not (streaming is True or streaming is False or (isinstance(streaming, str) and streaming == "auto")):
+        raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_CODES)}")
+    return streaming
+
+
+_Base = torch.nn.Module if torch is not None else object
+
+
+class MoEModule(_Base):
+    """`symmring.moe.gpu.MoE` as an ``nn.Module`` (see the module docstring).
+
+    Args:
+        ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens: as `symmring.moe.gpu.MoE`
+            (``w_*``: this rank's experts; rank ``r`` owns ``[r E/R, (r+1) E/R)``).
+        router_weight: ``[num_experts, hidden]`` float tensor (all experts: every rank routes its own tokens).
+        router_dtype: dtype the router runs in (``None``: the router weight's; DeepSeek-V3: float32).
+        shared_experts: an ``nn.Module`` added to the routed output (``y + shared_experts(x)``), or None.
+        streaming: the layer's schedule for every call: ``False`` (batch), ``True`` or ``"auto"``.
+        layer_factory: builds the layer with `symmring.moe.gpu.MoE`'s signature (default: that class).
+        **layer_kwargs: the layer's other arguments (routing: ``scoring``, ``bias``,
+            ``routed_scaling_factor``, ``n_group``, ``topk_group``, ``norm_topk_prob``; ``engine``,
+            ``expert_dtype``, ``x_format``, the ring's sizes, ...), passed through.
+
+    Raises:
+        ConfigError: a bad argument of the module (before the layer is built) or of the layer.
+        BackendError: torch is missing, or the context is not on a device backend.
+    """
+
+    def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
+                 router_weight, max_tokens: int, router_dtype=None, shared_experts=None, streaming=False,
+                 layer_factory=None, **layer_kwargs):
+        torch = _require_torch()
+        super().__init__()
+        self.streaming = _check_streaming(streaming)
+        if not isinstance(router_weight, torch.Tensor) or not router_weight.is_floating_point() \
+                or tuple(router_weight.shape) != (num_experts, hidden):
+            raise ConfigError(f"router_weight: expected a float tensor [num_experts={num_experts}, hidden={hidden}], "
+                              f"got {getattr(router_weight, 'dtype', type(router_weight).__name__)} "
+                              f"{tuple(getattr(router_weight, 'shape', ()))}")
+        if router_dtype is not None and (not isinstance(router_dtype, torch.dtype) or not router_dtype.is_floating_point):
+            raise ConfigError(f"router_dtype={router_dtype!r}: expected a floating torch.dtype or None")
+        if shared_experts is not None and not isinstance(shared_experts, torch.nn.Module):
+            raise ConfigError(f"shared_experts: expected a torch.nn.Module or None, got {type(shared_experts).__name__}")
+        if layer_factory is None:
+            from .gpu import MoE as layer_factory
+        layer = layer_factory(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens,
+                              **layer_kwargs)
+        self.layer = layer
+        self.num_experts, self.hidden, self.inter, self.topk = (int(v) for v in (num_experts, hidden, inter, topk))
+        self.max_tokens = int(max_tokens)
+        self.device = layer.device
+        self.router_dtype = router_weight.dtype if router_dtype is None else router_dtype
+        self.register_buffer("router_weight", router_weight.detach().to(self.device))
+        weights = layer.engine.weights
+        for name in LAYER_BUFFERS[:4]:
+            self.register_buffer(name, getattr(weights, name))
+        self.register_buffer("bias", layer.bias)
+        self.shared_experts = None if shared_experts is None else shared_experts.to(self.device)
+        self._handle = register_layer(layer)
+        self._op = moe_op()
+        self.register_load_state_dict_post_hook(MoEModule._after_load)
+
+    # --- the forward ------------------------------------------------------------------------------------
+
+    def _tokens(self, hidden_states):
+        """``hidden_states`` validated, as ``[n, hidden]``."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 \
+                or hidden_states.shape[-1] != self.hidden:
+            raise ConfigError(f"hidden_states: expected a tensor [..., hidden={self.hidden}], got "
+                              f"{tuple(getattr(hidden_states, 'shape', ())) or type(hidden_states).__name__}")
+        if hidden_states.dtype != torch.bfloat16:
+            raise ConfigError(f"hidden_states.dtype={hidden_states.dtype}: expected torch.bfloat16 (the layer's "
+                              "activations; cast the model with model.to(torch.bfloat16))")
+        if hidden_states.device != self.device:
+            raise ConfigError(f"hidden_states: expected a tensor on {self.device}, got one on {hidden_states.device}")
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            raise ConfigError("hidden_states requires grad: the symmring MoE layer is inference-only (no backward); "
+                              "call it under torch.no_grad() or torch.inference_mode()")
+        x = hidden_states.reshape(-1, self.hidden)
+        if x.shape[0] > self.max_tokens:
+            raise ConfigError(f"hidden_states.shape={tuple(hidden_states.shape)}: {x.shape[0]} tokens, expected at "
+                              f"most max_tokens={self.max_tokens} per call")
+        return x
+
+    def router_logits(self, x):
+        """The router on ``x [n, hidden]``: ``F.linear`` in ``router_dtype`` (as the transformers blocks do)."""
+        dtype = self.router_dtype
+        return torch.nn.functional.linear(x.to(dtype), self.router_weight.to(dtype))
+
+    def route(self, hidden_states) -> Tuple:
+        """``(logits, topk_idx, topk_weights)`` of ``hidden_states`` as `forward` routes them (the layer's
+        `symmring.moe.routing.route` on `router_logits`); for inspection and tests, no layer call."""
+        from . import routing
+        x = self._tokens(hidden_states)
+        logits = self.router_logits(x)
+        idx, weights = routing.route(logits, self.topk, **self.routing)
+        return logits, idx, weights
+
+    def forward(self, hidden_states):
+        """bf16 ``[..., hidden]`` -> bf16 of the same shape: the routed experts (plus the shared ones).
+
+        Raises:
+            ConfigError: not bf16 ``[..., hidden]`` on the layer's device, more than ``max_tokens`` tokens,
+                or an input that requires grad while grad is enabled.
+        """
+        x = self._tokens(hidden_states)
+        y = self._op(x, self.router_logits(x), self._handle, STREAMING_CODES[self.streaming])
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(hidden_states.shape)
+
+    # --- configuration, state, teardown -----------------------------------------------------------------
+
+    @property
+    def routing(self) -> dict:
+        """The layer's routing options (keyword arguments of `symmring.moe.routing.route`)."""
+        layer = self.layer
+        return dict(scoring=layer.scoring, bias=layer.bias, routed_scaling_factor=layer.routed_scaling_factor,
+                    n_group=layer.n_group, topk_group=layer.topk_group, norm_topk_prob=layer.norm_topk_prob)
+
+    def extra_repr(self) -> str:
+        layer = self.layer
+        begin = layer.expert_begin
+        r = self.routing
+        options = f"{r['scoring']}" + (f", n_group={r['n_group']}, topk_group={r['topk_group']}" if r["n_group"] > 1
+                                       else "") + ("" if r["norm_topk_prob"] else ", norm_topk_prob=False")
+        return (f"experts [{begin}, {begin + layer.num_local_experts}) of {self.num_experts}, hidden={self.hidden}, "
+                f"inter={self.inter}, top-{self.topk} {options}, engine={layer.engine.name}, "
+                f"streaming={self.streaming!r}, max_tokens={self.max_tokens}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ConfigError("load_state_dict(assign=True): the expert weights are the layer's own tensors; "
+                              "load with assign=False (values are copied in place)")
+        for name in LAYER_BUFFERS + ("router_weight",):
+            mine, key = self._buffers.get(name), prefix + name
+            given = state_dict.get(key)
+            if mine is not None and isinstance(given, torch.Tensor) and \
+                    (given.dtype != mine.dtype or tuple(given.shape) != tuple(mine.shape)):
+                raise ConfigError(f"state_dict[{key!r}]: {given.dtype} {tuple(given.shape)}, expected {mine.dtype} "
+                                  f"{tuple(mine.shape)} (this rank's experts in the layer's engine layout, "
+                                  f"engine={self.layer.engine.name})")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    @staticmethod
+    def _after_load(module, incompatible_keys) -> None:
+        module.layer.engine.refresh_weights()
+
+    def _apply(self, fn, recurse=True):
+        # The layer's tensors stay as they are (its fixed layout, on its GPU); the rest follows .to() etc.
+        held = {name: self._buffers[name] for name in LAYER_BUFFERS if name in self._buffers}
+        for name in held:
+            del self._buffers[name]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(held)
+
+    def close(self) -> None:
+        """Collective, idempotent: free the layer (its symmetric memory); the module cannot run afterwards."""
+        unregister_layer(self._handle)
+        self.layer.close()

@@ -1,0 +1,304 @@
+"""`symmring.moe.module.MoEModule`, its custom op and `symmring.moe.hf` on the CPU.
+
+The GPU layer needs a GPU, so here the module runs a stand-in layer with the same constructor and forward
+(`hf_models.StandInLayer`: the layer's routing, `torch_ref`'s experts): what is checked is the module's own
+part (router logits as the transformers block computes them, the routing options taken from the block,
+this rank's experts, shapes, state_dict, the custom op under FakeTensorMode and torch.compile) and the
+routing itself against transformers' routers on real activations, exactly. tests/gpu/test_moe_module.py
+runs the real layer.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from symmring.errors import ConfigError
+
+torch = pytest.importorskip("torch", reason="MoEModule needs torch")
+
+import hf_models  # noqa: E402  (tests/ is on sys.path: pytest's rootdir insertion)
+
+from symmring.moe.module import MoEModule, STREAMING_CODES, layer_of, moe_op  # noqa: E402
+
+SEED = 20261214
+HIDDEN, INTER, E = 256, 256, 16
+
+
+def ctx_of(rank=0, world_size=1):
+    return SimpleNamespace(rank=rank, world_size=world_size)
+
+
+def make_module(seed=SEED, world_size=1, rank=0, shared=False, **kwargs):
+    g = torch.Generator().manual_seed(seed)
+    local = E // world_size
+    w_gate, w_up = (torch.randn(local, INTER, HIDDEN, generator=g).bfloat16() / 16 for _ in range(2))
+    w_down = (torch.randn(local, HIDDEN, INTER, generator=g) / 16).bfloat16()
+    router = (torch.randn(E, HIDDEN, generator=g) / 8).bfloat16()
+    shared_experts = torch.nn.Linear(HIDDEN, HIDDEN, bias=False).bfloat16().requires_grad_(False) if shared else None
+    kwargs.setdefault("max_tokens", 64)
+    return MoEModule(ctx_of(rank, world_size), E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router,
+                     shared_experts=shared_experts, layer_factory=hf_models.StandInLayer, **kwargs)
+
+
+def tokens(seed, *shape):
+    return torch.randn(*shape, HIDDEN, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+# --- the module -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(7,), (2, 5), (2, 3, 4), (1, 64), (0,)])
+def test_any_leading_shape_is_one_layer_call(shape):
+    module = make_module(streaming="auto")
+    x = tokens(SEED, *shape)
+    with torch.inference_mode():
+        y = module(x)
+        flat = module(x.reshape(-1, HIDDEN))
+    n = int(np.prod(shape))
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert module.layer.calls == [(n, "auto"), (n, "auto")]
+    assert torch.equal(y.reshape(-1, HIDDEN), flat)
+    if n:  # the module's output is the layer's on the module's routing: recompute it here
+        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), module.router_weight)
+        y_ref = module.layer.forward(x.reshape(-1, HIDDEN), logits=logits)
+        assert torch.equal(flat, y_ref) and flat.abs().max() > 0
+
+
+def test_shared_experts_are_added():
+    module = make_module(shared=True)
+    x = tokens(SEED + 1, 9)
+    with torch.no_grad():
+        y = module(x)
+        routed = module.layer.forward(x, logits=torch.nn.functional.linear(x, module.router_weight))
+        assert torch.equal(y, routed + module.shared_experts(x))
+
+
+def test_router_dtype():
+    module = make_module(router_dtype=torch.float32)
+    x = tokens(SEED + 2, 5)
+    logits, idx, weights = module.route(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x.float(), module.router_weight.float()))
+    assert idx.shape == (5, 4) and weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("make_bad,match", [
+    (lambda x: x.float(), "hidden_states.dtype=torch.float32: expected torch.bfloat16"),
+    (lambda x: x[..., :128], r"expected a tensor \[\.\.\., hidden=256\]"),
+    (lambda x: torch.zeros(65, HIDDEN, dtype=torch.bfloat16), "65 tokens, expected at most max_tokens=64"),
+    (lambda x: x.clone().requires_grad_(True), "inference-only"),
+    (lambda x: x.tolist(), "expected a tensor"),
+])
+def test_bad_input_rejected(make_bad, match):
+    module = make_module()
+    x = tokens(SEED, 3, 4)
+    with pytest.raises(ConfigError, match=match):
+        module(make_bad(x))
+    assert module.layer.calls == []
+    with torch.no_grad():  # grad off: an input that requires grad is fine
+        assert module(x.clone().requires_grad_(True)).shape == x.shape
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(streaming="yes"), "streaming='yes'"),
+    (dict(streaming=1), "streaming=1"),
+    (dict(router_dtype="float32"), "router_dtype='float32'"),
+    (dict(shared_experts=lambda x: x), "shared_experts: expected a torch.nn.Module"),
+    (dict(router_weight=torch.zeros(E, HIDDEN + 1)), "router_weight: expected a float tensor"),
+])
+def test_bad_module_arguments_rejected(kwargs, match):
+    args = dict(router_weight=torch.zeros(E, HIDDEN), max_tokens=8, layer_factory=hf_models.StandInLayer)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=match):  # before the layer is built (its weights are None here)
+        MoEModule(ctx_of(), E, HIDDEN, INTER, 4, None, None, None, **args)
+
+
+def test_layer_kwargs_pass_through():
+    module = make_module(engine="builtin", num_slots=2, tokens_per_slot=32, scoring="sigmoid_bias",
+                         bias=torch.zeros(E), n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    assert module.layer.others == dict(engine="builtin", num_slots=2, tokens_per_slot=32)
+    assert module.routing["n_group"] == 4 and module.routing["routed_scaling_factor"] == 2.5
+
+
+def test_buffers_are_the_layers_tensors_and_state_dict_round_trips():
+    a, b = make_module(SEED, router_dtype=None), make_module(SEED + 7)
+    w = b.layer.engine.weights
+    assert b.w13 is w.w13 and b.w_down is w.w_down  # no second copy of the experts
+    keys = set(a.state_dict())
+    assert keys == {"router_weight", "w13", "w_down"}
+    x = tokens(SEED + 3, 11)
+    with torch.no_grad():
+        y_a, y_b = a(x), b(x)
+    assert not torch.equal(y_a, y_b)
+    ptr = w.w13.data_ptr()
+    b.load_state_dict(a.state_dict())
+    assert b.layer.engine.weights.w13.data_ptr() == ptr and b.layer.refreshed == 1  # in place, then re-derived
+    with torch.no_grad():
+        assert torch.equal(b(x), y_a)
+    # The layer's tensors stay where and what they are under .to(); the router follows.
+    b.to(torch.float32)
+    assert b.w13.dtype == torch.bfloat16 and b.w13.data_ptr() == ptr and b.router_weight.dtype == torch.float32
+
+
+def test_state_dict_mismatch_rejected():
+    a = make_module()
+    state = a.state_dict()
+    state["w13"] = state["w13"].float()
+    with pytest.raises(ConfigError, match=r"state_dict\['w13'\]: torch.float32"):
+        a.load_state_dict(state)
+    state = a.state_dict()
+    state["w_down"] = state["w_down"][:, :, :128]
+    with pytest.raises(ConfigError, match=r"state_dict\['w_down'\]"):
+        a.load_state_dict(state)
+    with pytest.raises(ConfigError, match="assign=True"):
+        a.load_state_dict(a.state_dict(), assign=True)
+
+
+# --- the custom op --------------------------------------------------------------------------------------
+
+def test_op_registered_with_fake_impl():
+    op = moe_op()
+    assert op is torch.ops.symmring.moe_forward.default
+    module = make_module()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(37, HIDDEN, dtype=torch.bfloat16)
+        y = op(x, torch.empty(37, E), module._handle, STREAMING_CODES[True])
+        assert y.shape == (37, HIDDEN) and y.dtype == torch.bfloat16
+    assert module.layer.calls == []  # the fake ran, not the layer
+    torch.library.opcheck(op, (tokens(SEED, 5), torch.randn(5, E), module._handle, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_unknown_handle_and_closed_module():
+    module = make_module()
+    handle = module._handle
+    assert layer_of(handle) is module.layer
+    module.close()
+    assert module.layer.closed
+    with pytest.raises(ConfigError, match=f"handle={handle}"):
+        layer_of(handle)
+    with pytest.raises(ConfigError, match=f"handle={handle}"):
+        moe_op()(tokens(SEED, 2), torch.zeros(2, E), handle, 0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_compile_fullgraph_matches_eager(shared):
+    module = make_module(shared=shared, router_dtype=torch.float32)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        for seed, shape in ((1, (3, 5)), (2, (4, 7)), (3, (3, 5))):
+            x = tokens(SEED + seed, *shape)
+            assert torch.equal(compiled(x), module(x))
+
+
+# --- transformers ---------------------------------------------------------------------------------------
+
+def _needs_transformers():
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'transformers>=5,<6')")
+
+
+@pytest.mark.parametrize("family,norm", [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False),
+                                         ("deepseek_v3", True), ("deepseek_v3", False)])
+def test_replaced_model_routes_as_transformers(family, norm):
+    """Every MoE block's input in a real forward: the module's routing == the block's router's, exactly
+    (as sets: DeepSeek-V3 takes its top-k unsorted), and the model's logits agree."""
+    _needs_transformers()
+    reference, _ = hf_models.tiny_model(family, SEED, norm_topk_prob=norm)
+    model, _ = hf_models.tiny_model(family, SEED, norm_topk_prob=norm)
+    ids = hf_models.input_ids(SEED, 2, 24)
+    inputs = {}
+    hooks = [block.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0]))
+             for name, block in hf_models.moe_blocks(reference)]
+    with torch.no_grad():
+        want = reference(ids).logits.float()
+    for h in hooks:
+        h.remove()
+    from symmring.moe.hf import replace_moe_blocks
+    replaced = replace_moe_blocks(model, ctx_of(), max_tokens=64, device="cpu", layer_factory=hf_models.StandInLayer)
+    assert list(replaced) == [name for name, _ in hf_models.moe_blocks(reference)] and len(replaced) == 2
+    blocks = dict(hf_models.moe_blocks(reference))
+    with torch.no_grad():
+        for name, module in replaced.items():
+            x = inputs[name].reshape(-1, inputs[name].shape[-1])
+            hf_logits, hf_weights, hf_idx = blocks[name].gate(x)
+            logits, idx, weights = module.route(x)
+            assert logits.dtype == hf_logits.dtype and torch.equal(logits, hf_logits)
+            np.testing.assert_array_equal(np.sort(idx.numpy(), 1), np.sort(hf_idx.numpy(), 1))
+            order, hf_order = np.argsort(idx.numpy(), 1), np.argsort(hf_idx.numpy(), 1)
+            np.testing.assert_allclose(np.take_along_axis(weights.numpy(), order, 1),
+                                       np.take_along_axis(hf_weights.float().numpy(), hf_order, 1),
+                                       rtol=4e-3 if family == "qwen3_moe" else 1e-6)
+        got = model(ids).logits.float()
+    calls = [m.layer.calls for m in replaced.values()]
+    assert calls == [[(48, False)]] * 2
+    # The stand-in's experts compute as transformers' grouped_mm ones (bitwise on most rows); Qwen3's router
+    # also rounds its weights to bf16, which the layer does not.
+    err = float((got - want).norm() / want.norm())
+    assert err <= (3e-2 if family == "qwen3_moe" else 1e-3), err
+
+
+def test_from_hf_takes_this_ranks_experts():
+    _needs_transformers()
+    from symmring.moe.hf import from_hf
+    model, _ = hf_models.tiny_model("deepseek_v3", SEED)
+    block = model.model.layers[1].mlp
+    module = from_hf(block, ctx_of(rank=1, world_size=2), max_tokens=16, device="cpu",
+                     layer_factory=hf_models.StandInLayer, streaming=True)
+    assert torch.equal(module.w13, block.experts.gate_up_proj[8:16])
+    assert torch.equal(module.w_down, block.experts.down_proj[8:16])
+    assert module.router_weight is block.gate.weight or torch.equal(module.router_weight, block.gate.weight)
+    assert torch.equal(module.bias, block.gate.e_score_correction_bias.float())
+    assert module.shared_experts is block.shared_experts and module.streaming is True
+    assert module.layer.expert_begin == 8 and module.router_dtype == torch.float32
+    r = module.routing
+    assert (r["scoring"], r["n_group"], r["topk_group"], r["routed_scaling_factor"]) == ("sigmoid_bias", 4, 2, 2.5)
+
+
+def test_from_hf_rejects_what_it_cannot_run():
+    _needs_transformers()
+    from symmring.moe.hf import from_hf, replace_moe_blocks
+    model, _ = hf_models.tiny_model("qwen3_moe", SEED)
+    block = model.model.layers[0].mlp
+    kw = dict(max_tokens=16, device="cpu", layer_factory=hf_models.StandInLayer)
+    with pytest.raises(ConfigError, match="Linear is not a supported transformers MoE block"):
+        from_hf(torch.nn.Linear(4, 4), ctx_of(), **kw)
+    with pytest.raises(ConfigError, match="16 experts, expected a multiple of world_size=3"):
+        from_hf(block, ctx_of(world_size=3), **kw)
+    with pytest.raises(ConfigError, match="norm_topk_prob, scoring: set by the transformers block"):
+        from_hf(block, ctx_of(), scoring="softmax", norm_topk_prob=False, **kw)
+    with pytest.raises(ConfigError, match="no supported MoE block"):
+        replace_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), ctx_of(), **kw)
+    with pytest.raises(ConfigError, match="streaming='sometimes'"):
+        from_hf(block, ctx_of(), streaming="sometimes", **kw)
+    # A bad second block: nothing is replaced.
+    second = model.model.layers[1].mlp
+    second.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp: block.experts.act_fn=GELU.*expected SiLU"):
+        replace_moe_blocks(model, ctx_of(), **kw)
+    assert [n for n, _ in hf_models.moe_blocks(model)] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    with torch.no_grad():
+        block.experts.down_proj.data = block.experts.down_proj.data.float()
+    with pytest.raises(ConfigError, match=r"block.experts.down_proj.dtype=torch.float32: expected torch.bfloat16"):
+        from_hf(block, ctx_of(), **kw)
+    with torch.device("meta"):
+        meta_model, _ = hf_models.tiny_config("mixtral"), None
+        from transformers import AutoModelForCausalLM
+        meta = AutoModelForCausalLM.from_config(meta_model)
+    with pytest.raises(ConfigError, match="meta device"):
+        from_hf(meta.model.layers[0].mlp, ctx_of(), **kw)
+
+
+def test_compile_fullgraph_through_a_replaced_model():
+    """torch.compile(fullgraph=True) traces a whole transformers model through the custom op (no graph
+    break) and runs what eager runs."""
+    _needs_transformers()
+    from symmring.moe.hf import replace_moe_blocks
+    model, _ = hf_models.tiny_model("deepseek_v3", SEED)
+    replace_moe_blocks(model, ctx_of(), max_tokens=64, device="cpu", layer_factory=hf_models.StandInLayer)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = hf_models.input_ids(SEED + 1, 2, 16)
+    with torch.inference_mode():
+        assert torch.equal(compiled(ids).logits, model(ids).logits)
