@@ -43,6 +43,9 @@ using namespace symmring;
 
 namespace {
 
+// 16-byte vectors (8 channels) of a token's row one warp of the reduce handles: one per lane.
+constexpr int kReduceSliceVecs = 32;
+
 // Grid-stride, one warp per pool row of [0, num_rows): the body of moe_combine_scatter.
 __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv_bfloat16* pool_out,
                                              const int4* row_src, int num_rows, const long long* token_base,
@@ -87,8 +90,7 @@ __device__ inline bool wait_sources(const RingDescriptor& d, int chunk_idx, cons
         // acquire: pairs with the release fence of signal_owners on rank `src`.
         while ((observed = ld_acquire_sys(combine_ready + src)) < gen) {
             if (deadline.expired(d)) {
-                if (!deadline.aborted)
-                    record_error(d, kErrorCombine, src, slot_of(chunk_idx, d.num_slots), chunk_idx, gen, observed, 0);
+                deadline.give_up(d, kErrorCombine, src, slot_of(chunk_idx, d.num_slots), chunk_idx, gen, observed, 0);
                 return false;
             }
         }
@@ -96,20 +98,28 @@ __device__ inline bool wait_sources(const RingDescriptor& d, int chunk_idx, cons
     return true;
 }
 
-// Grid-stride, one warp per token t of [token_begin, token_begin + num_valid): the body of moe_combine_reduce.
+// Grid-stride, one warp per (token t of [token_begin, token_begin + num_valid), slice of 256 channels): the
+// body of moe_combine_reduce. A token's row is cut into slices so a small batch still spreads over the GPU
+// (one warp streaming K rows of 7168 channels alone takes tens of microseconds); every element is the same
+// k-ordered float32 sum whichever warp computes it.
 __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __nv_bfloat16* combine_rows,
                                               const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
                                               long long y_row_stride, int token_begin, int num_valid) {
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int vecs_per_row = d.hidden / 8;
+    const int slices = (vecs_per_row + kReduceSliceVecs - 1) / kReduceSliceVecs;
     const int K = d.num_topk;
-    for (int i = blockIdx.x * warps_per_block + threadIdx.x / 32; i < num_valid; i += gridDim.x * warps_per_block) {
-        const int64_t token = int64_t(token_begin) + i;
+    const int64_t items = int64_t(num_valid) * slices;
+    for (int64_t item = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; item < items;
+         item += int64_t(gridDim.x) * warps_per_block) {
+        const int64_t token = int64_t(token_begin) + item / slices;
         const int32_t* token_idx = topk_idx + token * K;
         const float* token_weights = topk_weights + token * K;
         const __nv_bfloat16* rows = combine_rows + token * K * d.hidden;
-        for (int v = lane; v < vecs_per_row; v += 32) {
+        {
+            const int v = static_cast<int>(item % slices) * kReduceSliceVecs + lane;
+            if (v >= vecs_per_row) continue;
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int k = 0; k < K; ++k) {
                 const int expert = token_idx[k];

@@ -99,6 +99,10 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
     if (parts & kWaitRoute) {
         // acquire: pairs with the route publication of moe_produce_route on src_rank.
         if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute)) return;
+        __shared__ int fresh;
+        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen);  // a stale slot: typed error
+        __syncthreads();
+        if (!fresh) return;
         if (threadIdx.x == 0) {
             const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
             // A null mapping is reported by moe_dispatch_count's status bit; use the protocol's own base here.
@@ -394,15 +398,15 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                 const uint64_t layout_gen = load_word_acquire(layout, layout_local, src);
                 if (is_ready(route_gen, layout_gen, gen)) break;
                 if (deadline.expired(d)) {
-                    if (!deadline.aborted) {
-                        const bool route_late = route_gen != gen;
-                        record_error(d, route_late ? kErrorRoute : kErrorLayout, src, slot, chunk_idx, gen,
+                    const bool route_late = route_gen != gen;
+                    deadline.give_up(d, route_late ? kErrorRoute : kErrorLayout, src, slot, chunk_idx, gen,
                                      route_late ? route_gen : layout_gen, 0);
-                    }
                     failed = 1;
                     break;
                 }
             }
+            // The slot holds this call's chunk (a stale payload is a typed error, not silent data).
+            if (!failed && !check_payload(d, chunk_idx, src, gen)) failed = 1;
             if (!failed) {
                 valid = num_valid_of(d, slot, src);
                 if (blockIdx.x == 0) token_base[src] = peer_ptr(d, meta_of(d, slot), src)[kMetaTokenBase];

@@ -65,6 +65,11 @@ def blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
     return max(1, min(cap, -(-num_items // per_block)))
 
 
+def reduce_slices(hidden: int) -> int:
+    """Warps of the combine reduce per token: one per 256 channels (device/moe/combine.cu kReduceSliceVecs)."""
+    return -(-hidden // 256)
+
+
 def pool_scale_words(capacity: int, hidden: int) -> int:
     """float32 words of an fp8 pool's scales: every window's ``[hidden / 128][align4(rows)]`` block fits."""
     return (hidden // 128) * (-(-capacity // 4) * 4)
@@ -267,7 +272,7 @@ def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx
                    end_call_chunks: int) -> None:
     """``y``'s rows of the window: the weighted sum of each token's top-k rows in k order; with
     ``end_call_chunks`` > 0 this kernel also ends the call (single-stream schedules)."""
-    k.combine_reduce((blocks(window.num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+    k.combine_reduce((blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                      (s.desc, s.combine_rows, _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
                       np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks)),
                      stream=stream)
@@ -325,7 +330,7 @@ def combine_send(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_n
 def combine_finish(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx, topk_weights, y,
                    end_call_chunks: int) -> None:
     """`combine_wait` + `combine_reduce` of ``window`` in one grid; ``end_call_chunks`` > 0 ends the call."""
-    k.combine_finish((blocks(window.num_valid, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+    k.combine_finish((blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                      (s.desc, np.int32(window.last), s.combine_ready, s.combine_rows, _p(topk_idx), _p(topk_weights),
                       _p(y), np.int64(y.stride(0)), np.int32(window.token_begin), np.int32(window.num_valid),
                       np.int32(end_call_chunks), _counter(s, COUNTER_FINISH)), stream=stream)
