@@ -568,11 +568,23 @@ class MoE:
         p_stream, c_stream = self._stream(producer.cuda_stream), self._stream(consumer.cuda_stream)
         # The local edges between the streams (plan.waits): a captured graph keeps them, so no executor can
         # run a window before this rank's own chunks of it, or a chunk before the acknowledgement of its slot.
+        # EARLY acknowledges each chunk right after its pull, inside its window: the producer of the slot's
+        # next use waits for that acknowledgement, not for the whole window.
+        early = self.ack_policy == protocol.AckPolicy.EARLY
         done = {b: torch.cuda.Event() for b in plan.signals}
+        acked: Dict[int, object] = {}
+
+        def record_ack(chunk: int) -> None:
+            acked[chunk] = torch.cuda.Event()
+            acked[chunk].record(consumer)
+
         for entry in plan.order:
             item, first, _ = entry
             for before in plan.waits.get(entry, ()):
-                (producer if item == "produce" else consumer).wait_event(done[before])
+                if early and item == "produce" and before[0] == "consume":
+                    producer.wait_event(acked[first - self.num_slots])
+                else:
+                    (producer if item == "produce" else consumer).wait_event(done[before])
             if item == "produce":
                 with torch.cuda.stream(producer):
                     stages.produce_chunk(k, s, p_stream, chunk=plan.chunks[first], x=x, route=route, topk_idx=idx,
@@ -583,7 +595,8 @@ class MoE:
                     stages.consume_window(k, s, c_stream, window=plan.windows[first], engine=self.engine,
                                           ack_policy=self.ack_policy, split_waits=True, topk_idx=idx,
                                           topk_weights=weights, y=y, end_call_chunks=plan.num_chunks if end_here else 0,
-                                          delay_ns=consumer_delays.get(first, 0), stamps=stamps)
+                                          delay_ns=consumer_delays.get(first, 0), stamps=stamps,
+                                          acked=record_ack if early and plan.two_streams else None)
             if entry in done:
                 done[entry].record(producer if item == "produce" else consumer)
         if plan.two_streams:

@@ -368,7 +368,8 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
 def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: ExpertEngine,
                    ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y,
                    end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False,
-                   mark: Optional[Callable[[str], None]] = None) -> None:
+                   mark: Optional[Callable[[str], None]] = None,
+                   acked: Optional[Callable[[int], None]] = None) -> None:
     """Consume the expert window on ``stream`` (the current torch stream too: the engine runs there).
 
     Args:
@@ -378,7 +379,8 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         topk_idx, topk_weights: the owner's ``[n, K]`` routing of the call (the reduce reads it here).
         end_call_chunks: > 0 ends the call in the reduce (the last window of a single-stream schedule).
         delay_ns, stamps: tests and the timeline; mark: called with "dispatch", "experts" and "combine"
-            after each part (per-stage timing).
+            after each part (per-stage timing); acked: EARLY, called with each chunk right after its
+            acknowledgement is enqueued (the layer orders the producer of the slot's next use there).
     """
     early = ack_policy == protocol.AckPolicy.EARLY
     if delay_ns:
@@ -401,6 +403,8 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         pull(k, s, stream, chunk=c, window=window)
         if early:  # the pull was this PE's last read of every source's slot (meta was snapshotted)
             ack(k, s, stream, chunk=c)
+            if acked is not None:
+                acked(c)
     if mark is not None:
         mark("dispatch")
     if stamps:

@@ -93,7 +93,9 @@ def _fused_problem(rows, inter, K, total, seed=7):
     return a_q, a_sf, b_q, b_sf, m_indices
 
 
-FUSED_CONFIGS = [c for c in CONFIGS if c.block_n == 128]
+# The fused kernel stages two weight tiles (gate and up) per step: only the configurations whose pipeline
+# fits the SM's shared memory (fp8_small.configs applies the same rule).
+FUSED_CONFIGS = [c for c in CONFIGS if c.block_n == 128 and c.smem_bytes(True) <= 200 * 1024]
 
 
 @pytest.mark.parametrize("shape", [([1, 0, 17, 3, 64], 128, 256, 1024), ([33, 2, 0, 65], 256, 128, 640)],
