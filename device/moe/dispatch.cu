@@ -13,7 +13,8 @@
 //                       chunk), block 0 also clears the per-expert counters.
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
 //   moe_dispatch_scan   one block: exclusive scan -> row offsets (each group aligned to `align` rows), group
-//                       ends for torch._grouped_mm (int32), the rows spanned; clears the reservation cursors.
+//                       ends for torch._grouped_mm (int32), the rows spanned; starts each reservation cursor
+//                       at its group.
 //   moe_dispatch_pull   one warp per (source rank, token): reserve one pool row per local expert of the
 //                       token (atomic cursor: rows of an expert come in no fixed order, which changes
 //                       no result since every row is computed independently and combine reduces in
@@ -65,6 +66,18 @@ __device__ __forceinline__ bool slot_reachable(const RingDescriptor& d, int slot
                     peer_ptr(d, x_of(d, slot), src_rank) != nullptr;
     if (!ok) atomicOr(status, kStatusNoPeerMapping);
     return ok;
+}
+
+// Peer pointers of one source's slot payload: routing, rows and (fp8 rings; else null) scales.
+struct SourceSlot {
+    const int32_t* idx;
+    const float* weights;
+    const uint8_t* x;
+    const float* x_sf;
+};
+__device__ __forceinline__ SourceSlot source_slot(const RingDescriptor& d, int slot, int src_rank) {
+    return {peer_ptr(d, topk_idx_of(d, slot), src_rank), peer_ptr(d, topk_weights_of(d, slot), src_rank),
+            peer_ptr(d, x_of(d, slot), src_rank), d.num_sf > 0 ? peer_ptr(d, x_sf_of(d, slot), src_rank) : nullptr};
 }
 
 // An expert id outside [-1, num_experts) at entry `entry` (token * K + k) of src_rank's chunk: set
@@ -152,8 +165,8 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
 // starts at begin[e] = sum over e' < e of align_up(counts[e'], a), so every group starts at a multiple of a
 // (the contiguous layout of the fp8 engines: a = 128); group_end[e] = begin[e] + counts[e] (int32; with a = 1
 // the cumulative ends torch._grouped_mm takes as `offs`); total[0] = the rows spanned, padding included;
-// cursor[e] = 0. Blocked scan: each thread sums a contiguous run of experts, then a shared-memory scan over
-// the threads' sums.
+// cursor[e] = begin[e] (moe_dispatch_pull* reserve rows from it). Blocked scan: each thread sums a
+// contiguous run of experts, then a shared-memory scan over the threads' sums.
 extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int* group_end, int* cursor,
                                              int* total, int num_local_experts, int align) {
     extern __shared__ int partial[];  // [blockDim.x]
@@ -174,9 +187,9 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
     int running = partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
         begin[e] = running;
+        cursor[e] = running;
         group_end[e] = running + counts[e];
         running += span(counts[e]);
-        cursor[e] = 0;
     }
     if (threadIdx.x == blockDim.x - 1) total[0] = partial[threadIdx.x];
 }
@@ -210,18 +223,19 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
 }
 
 // Lane k of the warp of (source rank, token): reserve a pool row for entry k when its expert is local (atomic
-// cursor: rows of an expert come in no fixed order, which changes no result since every row is computed
-// independently and combine reduces in a fixed k order) and record row_src[row] = {src_rank, token, k,
-// chunk_idx}, row_weight[row] and (aligned pools) m_indices[row] = the local expert. -1 when not local.
+// cursor, global or shared, holding the expert's next free row: rows of an expert come in no fixed order,
+// which changes no result since every row is computed independently and combine reduces in a fixed k order)
+// and record row_src[row] = {src_rank, token, k, chunk_idx}, row_weight[row] and (aligned pools)
+// m_indices[row] = the local expert. -1 when not local.
 __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_t* idx, const float* weights,
-                                           int token, int lane, int src_rank, int chunk_idx, const int* begin,
-                                           int* cursor, int4* row_src, float* row_weight, int* m_indices,
+                                           int token, int lane, int src_rank, int chunk_idx, int* cursor,
+                                           int4* row_src, float* row_weight, int* m_indices,
                                            int expert_begin, int num_local_experts) {
     if (lane >= d.num_topk) return -1;
     const int64_t entry = int64_t(token) * d.num_topk + lane;
     const int local = idx[entry] - expert_begin;
     if (local < 0 || local >= num_local_experts) return -1;
-    const int row = begin[local] + atomicAdd(&cursor[local], 1);
+    const int row = atomicAdd(&cursor[local], 1);
     row_src[row] = make_int4(src_rank, token, lane, chunk_idx);
     row_weight[row] = weights[entry];
     if (m_indices != nullptr) m_indices[row] = local;
@@ -232,8 +246,8 @@ __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_
 // token's x row from the source slot into every reserved row as bf16 (fp8: dequantised with the
 // token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
 // row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
-extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, const int* begin,
-                                             int* cursor, __nv_bfloat16* pool_x, int4* row_src,
+extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
+                                             __nv_bfloat16* pool_x, int4* row_src,
                                              float* row_weight, int expert_begin, int num_local_experts,
                                              int* status) {
     const RingDescriptor& d = *desc_ptr;
@@ -245,22 +259,19 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int hidden = d.hidden;
-    const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
-    const float* weights = peer_ptr(d, topk_weights_of(d, slot), src_rank);
-    const uint8_t* x = peer_ptr(d, x_of(d, slot), src_rank);
-    const float* x_sf = d.num_sf > 0 ? peer_ptr(d, x_sf_of(d, slot), src_rank) : nullptr;
+    const SourceSlot from = source_slot(d, slot, src_rank);
     const bool fp8 = d.x_format == kXFormatFp8E4M3;
 
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
-        const int row = reserve_row(d, idx, weights, token, lane, src_rank, chunk_idx, begin, cursor, row_src,
+        const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
                                     row_weight, nullptr, expert_begin, num_local_experts);
         unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
         if (fp8) {
             // 16 fp8 channels per lane and step (one 16-byte load), written as 32 bytes of bf16.
-            const uint8_t* src = x + int64_t(token) * hidden;
-            const float* sf = x_sf + int64_t(token) * d.num_sf;
+            const uint8_t* src = from.x + int64_t(token) * hidden;
+            const float* sf = from.x_sf + int64_t(token) * d.num_sf;
             // Every lane runs every step (shuffles need the whole warp); lanes past the row idle.
             for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
                 const int col = col0 + lane * 16;
@@ -288,7 +299,7 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
             }
         } else {
             // bf16: 8 channels per lane and step.
-            const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(x) + int64_t(token) * hidden;
+            const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden;
             for (int col0 = 0; col0 < hidden; col0 += 32 * 8) {
                 const int col = col0 + lane * 8;
                 const bool active = col < hidden;
@@ -317,8 +328,8 @@ extern "C" __global__ void moe_dispatch_ack(const RingDescriptor* desc_ptr, int 
 // fp8 row (16 bytes per lane and step) and its num_sf float32 scales from the source slot into every reserved
 // row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at row * sf_row_stride + j * sf_col_stride (so the
 // scales can be laid out row-major or MN-major, the layout DeepGEMM reads). Needs an fp8 ring.
-extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr, int chunk_idx, const int* begin,
-                                                 int* cursor, uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
+extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
+                                                 uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
                                                  long long sf_col_stride, int* m_indices, int4* row_src,
                                                  float* row_weight, int expert_begin, int num_local_experts,
                                                  int* status) {
@@ -331,19 +342,16 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int hidden = d.hidden;
-    const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
-    const float* weights = peer_ptr(d, topk_weights_of(d, slot), src_rank);
-    const uint8_t* x = peer_ptr(d, x_of(d, slot), src_rank);
-    const float* x_sf = peer_ptr(d, x_sf_of(d, slot), src_rank);
+    const SourceSlot from = source_slot(d, slot, src_rank);
 
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
-        const int row = reserve_row(d, idx, weights, token, lane, src_rank, chunk_idx, begin, cursor, row_src,
+        const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
                                     row_weight, m_indices, expert_begin, num_local_experts);
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
-        copy_token_fp8(x + int64_t(token) * hidden, x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x, pool_sf,
-                       sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
+        copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
+                       pool_sf, sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
     }
 }
 
@@ -360,7 +368,8 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
 //      row_src / row_weight / m_indices, as moe_dispatch_pull_fp8.
 // counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise).
 extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr, int chunk_idx, long long* token_base,
-                                                  int* expert_counts, int* begin, int* group_end, int* total, uint8_t* pool_x, float* pool_sf,
+                                                  int* expert_counts, int* begin, int* group_end, int* total,
+                                                  uint8_t* pool_x, float* pool_sf,
                                                   long long sf_row_stride, long long sf_col_stride, int* m_indices,
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
@@ -384,33 +393,14 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     if (threadIdx.x < R) {
         const int src = threadIdx.x;
         int valid = 0;
-        if (!slot_reachable(d, slot, src, status)) {
+        // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
+        // hold this call's chunk (a stale payload is a typed error, not silent data).
+        if (!slot_reachable(d, slot, src, status) || !poll_ready(d, chunk_idx, src, gen) ||
+            !check_payload(d, chunk_idx, src, gen)) {
             failed = 1;
         } else {
-            uint64_t* route_local = route_ready_word(d, slot);
-            uint64_t* layout_local = layout_ready_word(d, slot);
-            const uint64_t* route = peer_ptr(d, route_local, src);
-            const uint64_t* layout = peer_ptr(d, layout_local, src);
-            Deadline deadline(d);
-            for (;;) {
-                // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src.
-                const uint64_t route_gen = load_word_acquire(route, route_local, src);
-                const uint64_t layout_gen = load_word_acquire(layout, layout_local, src);
-                if (is_ready(route_gen, layout_gen, gen)) break;
-                if (deadline.expired(d)) {
-                    const bool route_late = route_gen != gen;
-                    deadline.give_up(d, route_late ? kErrorRoute : kErrorLayout, src, slot, chunk_idx, gen,
-                                     route_late ? route_gen : layout_gen, 0);
-                    failed = 1;
-                    break;
-                }
-            }
-            // The slot holds this call's chunk (a stale payload is a typed error, not silent data).
-            if (!failed && !check_payload(d, chunk_idx, src, gen)) failed = 1;
-            if (!failed) {
-                valid = num_valid_of(d, slot, src);
-                if (blockIdx.x == 0) token_base[src] = peer_ptr(d, meta_of(d, slot), src)[kMetaTokenBase];
-            }
+            valid = num_valid_of(d, slot, src);
+            if (blockIdx.x == 0) token_base[src] = peer_ptr(d, meta_of(d, slot), src)[kMetaTokenBase];
         }
         first_token[src + 1] = valid;
     }
@@ -487,24 +477,13 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     if (pos < num_tokens) {
         const int src = source_of(pos);
         const int token = pos - first_token[src];
-        const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src);
-        const float* weights = peer_ptr(d, topk_weights_of(d, slot), src);
-        int row = -1;
-        if (lane < K) {
-            const int64_t entry = int64_t(token) * K + lane;
-            const int local = idx[entry] - expert_begin;
-            if (local >= 0 && local < num_local_experts) {
-                row = atomicAdd(&cursor[local], 1);
-                row_src[row] = make_int4(src, token, lane, chunk_idx);
-                row_weight[row] = weights[entry];
-                m_indices[row] = local;
-            }
-        }
+        const SourceSlot from = source_slot(d, slot, src);
+        const int row = reserve_row(d, from.idx, from.weights, token, lane, src, chunk_idx, cursor, row_src,
+                                    row_weight, m_indices, expert_begin, num_local_experts);
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask != 0)
-            copy_token_fp8(peer_ptr(d, x_of(d, slot), src) + int64_t(token) * d.hidden,
-                           peer_ptr(d, x_sf_of(d, slot), src) + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
-                           pool_sf, sf_row_stride, sf_col_stride, d.hidden, d.num_sf, lane);
+            copy_token_fp8(from.x + int64_t(token) * d.hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask,
+                           pool_x, pool_sf, sf_row_stride, sf_col_stride, d.hidden, d.num_sf, lane);
     }
     // EARLY: the pulls were this PE's last reads of every source's slot (the meta was read in step 1).
     if (ack_now && grid_last_block(counter))

@@ -270,33 +270,35 @@ __device__ __forceinline__ void write_meta(const RingDescriptor& d, int chunk_id
 
 // --- consumer side ------------------------------------------------------------------------------------
 
-// Block-level: bounded wait until both of `src_rank`'s ready words of the chunk's slot equal `expected`.
-// Returns false on timeout (error record: kind route_ready or layout_ready, peer = src_rank).
-__device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected) {
-    __shared__ int ok;
-    if (threadIdx.x == 0) {
-        const int slot = slot_of(chunk_idx, d.num_slots);
-        uint64_t* route_local = route_ready_word(d, slot);
-        uint64_t* layout_local = layout_ready_word(d, slot);
-        const uint64_t* route = peer_ptr(d, route_local, src_rank);
-        const uint64_t* layout = peer_ptr(d, layout_local, src_rank);
-        Deadline deadline(d);
-        uint64_t route_gen = 0, layout_gen = 0;
-        ok = 1;
-        for (;;) {
-            // acquire: pairs with the release fence in publish_route()/publish_layout() on src_rank.
-            route_gen = load_word_acquire(route, route_local, src_rank);
-            layout_gen = load_word_acquire(layout, layout_local, src_rank);
-            if (is_ready(route_gen, layout_gen, expected)) break;
-            if (deadline.expired(d)) {
-                const bool route_late = route_gen != expected;
-                deadline.give_up(d, route_late ? kErrorRoute : kErrorLayout, src_rank, slot, chunk_idx, expected,
-                                 route_late ? route_gen : layout_gen, 0);
-                ok = 0;
-                break;
-            }
+// One thread: bounded wait (one deadline for both words) until both of `src_rank`'s ready words of the
+// chunk's slot equal `expected`. Returns false on timeout (error record: kind route_ready or layout_ready,
+// peer = src_rank). Other threads may read the payload after it returns true once a barrier orders them
+// after this thread (wait_ready), or several threads each poll their own source.
+__device__ inline bool poll_ready(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    uint64_t* route_local = route_ready_word(d, slot);
+    uint64_t* layout_local = layout_ready_word(d, slot);
+    const uint64_t* route = peer_ptr(d, route_local, src_rank);
+    const uint64_t* layout = peer_ptr(d, layout_local, src_rank);
+    Deadline deadline(d);
+    for (;;) {
+        // acquire: pairs with the release fence of the publications (signal_generation) on src_rank.
+        const uint64_t route_gen = load_word_acquire(route, route_local, src_rank);
+        const uint64_t layout_gen = load_word_acquire(layout, layout_local, src_rank);
+        if (is_ready(route_gen, layout_gen, expected)) return true;
+        if (deadline.expired(d)) {
+            const bool route_late = route_gen != expected;
+            deadline.give_up(d, route_late ? kErrorRoute : kErrorLayout, src_rank, slot, chunk_idx, expected,
+                             route_late ? route_gen : layout_gen, 0);
+            return false;
         }
     }
+}
+
+// Block-level: poll_ready by thread 0, then the block's barrier. Returns false on timeout.
+__device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = poll_ready(d, chunk_idx, src_rank, expected);
     __syncthreads();  // the other threads read the payload only after thread 0's acquire
     return ok != 0;
 }

@@ -442,8 +442,9 @@ class MoE:
         if small_batch not in (None, True, False):
             raise ConfigError(f"small_batch={small_batch!r}: expected None, True or False")
         if small_batch and not self._small_batch_capable():
-            raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts "
-                              f"(this layer: x_format={self.x_format!r}, engine {self.engine.name!r})")
+            raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts and at "
+                              f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
+                              f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
         counts, distinct = self._all_token_counts(n, own_router=kind != "given")
         # Forced on a call it cannot run (streamed, several chunks): make_plan names why.
@@ -480,7 +481,9 @@ class MoE:
         self._call_done = event
 
     def _small_batch_capable(self) -> bool:
-        return self.x_format == "fp8_e4m3" and self.engine.pool_format == "fp8"
+        # The fused dispatch waits for source r on thread r of every block.
+        return (self.x_format == "fp8_e4m3" and self.engine.pool_format == "fp8"
+                and self.world_size <= stages.THREADS_PER_BLOCK)
 
     def small_batch_applies(self, counts: List[int], streaming: bool) -> bool:
         """Whether a call with every rank's token ``counts`` runs the small-batch schedule by default: fp8

@@ -221,7 +221,7 @@ def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
 
 def scan(k: Kernels, s: State, stream) -> None:
     """Row offsets of every local expert's group (begin, group_end; groups aligned to ``s.align`` rows),
-    the rows spanned, cleared cursors."""
+    the rows spanned, and each expert's reservation cursor at its group's first row."""
     k.scan((1,), (1024,), (_p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor), _p(s.total),
                            np.int32(s.num_local_experts), np.int32(s.align)), stream=stream, shared_mem=4 * 1024)
 
@@ -231,12 +231,12 @@ def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep) -> Non
     dequantised to bf16, or as fp8 rows with their scales (fp8 pools, laid out for ``window``)."""
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // s.num_ranks)), s.num_ranks)
     if s.pool_sf is None:
-        k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
+        k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
                                             np.int32(s.num_local_experts), _p(s.status)), stream=stream)
         return
     sf = s.pool_scales(window.rows_bound)
-    k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.begin), _p(s.cursor), _p(s.pool_x),
+    k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
                                             _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
                                             np.int32(s.num_local_experts), _p(s.status)), stream=stream)
