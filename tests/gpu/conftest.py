@@ -62,3 +62,9 @@ def seed(request):
     """A seed per test, the same on every rank."""
     import zlib
     return zlib.crc32(request.node.nodeid.encode()) ^ 20261129
+
+
+@pytest.fixture(scope="module")
+def ctx(nvshmem_ctx):
+    """The session's NVSHMEM context under the name the layer tests use."""
+    return nvshmem_ctx

@@ -68,6 +68,33 @@ def agree(comm, ok: bool, message: str) -> Tuple[bool, str]:
     return all_ok, "; ".join(m for m in messages if m)
 
 
+def verdict(ctx, ok: bool, message: str) -> None:
+    """Assert on every rank that every rank passed (`agree`), naming the ranks that did not."""
+    all_ok, messages = agree(ctx.comm, ok, message)
+    assert all_ok, messages
+
+
+def cuda_device():
+    """This process's current CUDA device (torch)."""
+    import torch
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def deepgemm_reason() -> Optional[str]:
+    """Why the DeepGEMM engine cannot run here, or None when it loads."""
+    from symmring.moe import deepgemm
+    ok, reason = deepgemm.deepgemm_status()
+    return None if ok else reason
+
+
+def fp8_engines() -> list:
+    """pytest parameters of the fp8 engines: "builtin", and "deepgemm" skipped with the reason where it
+    does not load."""
+    import pytest
+    reason = deepgemm_reason()
+    return ["builtin", pytest.param("deepgemm", marks=pytest.mark.skipif(reason is not None, reason=f"{reason}"))]
+
+
 def to_torch(a: np.ndarray, dtype, device):
     import torch
     return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from moe_helpers import deepgemm_reason
 from symmring.errors import ConfigError
 from symmring.moe import fp8_kernels, quant
 from symmring.moe.fp8_reference import (grouped_gemm_fp8_reference, make_contiguous_layout,
@@ -308,9 +309,7 @@ def test_swiglu_quant_errors(device):
 def _deepgemm_reason():
     if INTERPRET:
         return "DeepGEMM needs a GPU (running under the Triton interpreter)"
-    from symmring.moe.deepgemm import deepgemm_status
-    ok, reason = deepgemm_status()
-    return None if ok else reason
+    return deepgemm_reason()
 
 
 @pytest.mark.skipif(_deepgemm_reason() is not None, reason=f"DeepGEMM engine: {_deepgemm_reason()}")

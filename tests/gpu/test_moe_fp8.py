@@ -35,7 +35,8 @@ if not gpu_available():
     pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
 
-from moe_helpers import agree, make_tokens, make_weights, mixtral_block, mixtral_forward, rel_error, to_torch  # noqa: E402
+from moe_helpers import (cuda_device as device_of, fp8_engines, make_tokens, make_weights, mixtral_block,  # noqa: E402
+                         mixtral_forward, rel_error, to_torch, verdict)
 
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import fp8_reference  # noqa: E402
@@ -50,30 +51,9 @@ REL_TOL = 1e-2
 MIXTRAL_TOL = 8e-2
 #: The layer's error vs the Mixtral block may exceed the fp8 model's error vs the bf16 model by this much.
 MIXTRAL_VS_MODEL_TOL = 5e-3
+ENGINES = fp8_engines()
 
 
-def _deepgemm_reason():
-    from symmring.moe import deepgemm
-    ok, reason = deepgemm.deepgemm_status()
-    return None if ok else reason
-
-
-ENGINES = ["builtin", pytest.param("deepgemm", marks=pytest.mark.skipif(_deepgemm_reason() is not None,
-                                                                        reason=f"{_deepgemm_reason()}"))]
-
-
-@pytest.fixture(scope="module")
-def ctx(nvshmem_ctx):
-    return nvshmem_ctx
-
-
-def device_of():
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def verdict(ctx, ok, message):
-    all_ok, messages = agree(ctx.comm, ok, message)
-    assert all_ok, messages
 
 
 def checkpoint(seed, num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTER):

@@ -45,7 +45,7 @@ pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_models
 import hf_models  # noqa: E402
-from moe_helpers import agree  # noqa: E402
+from moe_helpers import cuda_device as device_of, verdict  # noqa: E402
 
 from symmring.moe.hf import from_hf, replace_moe_blocks  # noqa: E402
 
@@ -61,20 +61,6 @@ LOGITS_TOL = {"torch": 6e-2, "builtin": 3.5e-1}
 COMPILED_MODEL_TOL = 1.5e-1
 MAX_TOKENS = 256
 BATCH, SEQ = 2, 64
-
-
-@pytest.fixture(scope="module")
-def ctx(nvshmem_ctx):
-    return nvshmem_ctx
-
-
-def device_of():
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def verdict(ctx, ok, message):
-    all_ok, messages = agree(ctx.comm, ok, message)
-    assert all_ok, messages
 
 
 def rel(a, b) -> float:

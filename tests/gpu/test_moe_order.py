@@ -23,7 +23,7 @@ from symmring.backends.nvshmem import gpu_available  # noqa: E402
 if not gpu_available():
     pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
 
-from moe_helpers import agree, make_tokens, make_weights, to_torch  # noqa: E402
+from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
 from symmring.moe.gpu import MoE  # noqa: E402
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261203))
 HIDDEN, INTER, NUM_EXPERTS, TOPK = 256, 256, 8, 2
-
-
-@pytest.fixture(scope="module")
-def ctx(nvshmem_ctx):
-    return nvshmem_ctx
-
-
-def dev():
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 CASES = {
@@ -95,5 +86,4 @@ def test_calls_on_alternating_streams_and_graph_replays_stay_ordered(ctx, case):
         del call
     finally:
         moe.close()
-    ok, messages = agree(ctx.comm, not problems, f"{case}: " + "; ".join(problems))
-    assert ok, messages
+    verdict(ctx, not problems, f"{case}: " + "; ".join(problems))

@@ -26,7 +26,7 @@ if not gpu_available():
     pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
 
-from moe_helpers import agree, make_tokens, make_weights, to_torch  # noqa: E402
+from moe_helpers import cuda_device as dev, fp8_engines, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
@@ -35,30 +35,9 @@ pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261202))
 HIDDEN, INTER, NUM_EXPERTS = 256, 256, 16
+ENGINES = fp8_engines()
 
 
-def _deepgemm_reason():
-    from symmring.moe import deepgemm
-    ok, reason = deepgemm.deepgemm_status()
-    return None if ok else reason
-
-
-ENGINES = ["builtin", pytest.param("deepgemm", marks=pytest.mark.skipif(_deepgemm_reason() is not None,
-                                                                        reason=f"{_deepgemm_reason()}"))]
-
-
-@pytest.fixture(scope="module")
-def ctx(nvshmem_ctx):
-    return nvshmem_ctx
-
-
-def dev():
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def verdict(ctx, ok, message):
-    all_ok, messages = agree(ctx.comm, ok, message)
-    assert all_ok, messages
 
 
 def layer(ctx, engine, max_tokens, topk, **kwargs):
