@@ -235,7 +235,8 @@ def remote_transport_note(num_nodes: Optional[int], environ: Optional[MutableMap
     if num_nodes == 1 and transport == "none":
         return f"{where}: NVSHMEM_REMOTE_TRANSPORT=none (no network transport)"
     chosen = f"NVSHMEM_REMOTE_TRANSPORT={transport} (yours)" if transport else \
-        "NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy)"
+        "NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy)" if num_nodes is not None else \
+        "NVSHMEM_REMOTE_TRANSPORT left to the backend, which counts the nodes (none on one, else NVSHMEM's ibrc)"
     ibgda = environ.get("NVSHMEM_IB_ENABLE_IBGDA")
     chosen += f", NVSHMEM_IB_ENABLE_IBGDA={ibgda}" if ibgda else ", NVSHMEM_IB_ENABLE_IBGDA unset (IBGDA off)"
     if transport == "none" and num_nodes != 1:

@@ -1,27 +1,37 @@
-"""Start a symmring job on one node: ``python -m symmring.launch -n N [--mps] -- cmd ...``.
+"""Start a symmring job: ``python -m symmring.launch -n N [--mps] -- cmd ...`` on this node, or beyond it
+with ``--hosts``/``--hostfile``/``-N``/``--srun`` (docs/GPU.md, "More than one node").
 
 What it does around ``mpirun -n N cmd ...``:
 
 * exports the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
-  ``NVSHMEM_REMOTE_TRANSPORT=none``, ``CUDA_MODULE_LOADING=EAGER``, ``NCCL_NVLS_ENABLE=0``,
-  ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless already set; ``--print-env`` prints it as ``export``
-  lines and exits (``tools/gpu_common.sh`` and ``launch/symmring-mpirun`` read it from there);
+  ``NVSHMEM_REMOTE_TRANSPORT=none`` for a job on one node only, ``CUDA_MODULE_LOADING=EAGER``,
+  ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless already set; ``--print-env``
+  prints the one-node policy as ``export`` lines and exits (``tools/gpu_common.sh`` and
+  ``launch/symmring-mpirun`` read it from there), ``--dry-run`` prints a job's environment and command
+  line and starts nothing;
+* places the ranks (`plan_job`, `launcher_command`): ``--hosts n1:8,n2:8``, ``--hostfile FILE`` (Open MPI
+  or MPICH syntax), ``-N K`` ranks per node, in the launcher's own syntax (Open MPI ``--host``/
+  ``--hostfile``/``--map-by``, Hydra ``-hosts``/``-f``/``-ppn``, srun ``--nodelist``/``--nodes``/
+  ``--ntasks-per-node``), checked before anything starts; the node count it gives decides the transport
+  policy (the backend counts the nodes itself where the MPI launcher places ranks in an allocation);
 * runs a command ``python`` or ``python3`` with this launcher's own interpreter (``sys.executable``),
   as torchrun does: an MPI launcher may put another ``python3`` first on the ranks' ``PATH``;
 * maps local ranks to GPUs: every rank runs through a small shim (``--rank-shim``) that sets
-  ``CUDA_VISIBLE_DEVICES`` to GPU ``local_rank % num_gpus`` of the GPUs visible to the launcher, so
-  ranks beyond the GPU count share GPUs (several PEs per GPU);
-* with ``--mps`` (needed for concurrent kernels of several PEs on one GPU) starts the CUDA MPS control
-  daemon with private ``CUDA_MPS_PIPE_DIRECTORY``/``CUDA_MPS_LOG_DIRECTORY`` exported to every rank,
-  and stops it (``echo quit | nvidia-cuda-mps-control``) when the job ends, also on failure;
+  ``CUDA_VISIBLE_DEVICES`` to GPU ``local_rank % num_gpus`` (`rank_gpu`) of the GPUs visible to the
+  launcher when every rank runs on its node, else of the rank's own node; the local rank is the node's
+  (`node_local_rank`), never the world rank; ranks beyond the GPU count share GPUs (several PEs per GPU);
+* with ``--mps`` (needed for concurrent kernels of several PEs on one GPU; one node only) starts the CUDA
+  MPS control daemon with private ``CUDA_MPS_PIPE_DIRECTORY``/``CUDA_MPS_LOG_DIRECTORY`` exported to every
+  rank, and stops it (``echo quit | nvidia-cuda-mps-control``) when the job ends, also on failure;
 * works with Open MPI's ``mpirun`` (adds ``--oversubscribe``, ``--allow-run-as-root`` when run as root,
   and ``-x VAR`` for every exported variable: `symmring.env.GPU_ENV` and ``SYMMRING_*``, ``NVSHMEM_*``,
-  ``CUDA_*``, ``NCCL_*``, ``TORCH_SYMM_MEM_*``, ``PYTHON*``, ``PATH``, ``LD_LIBRARY_PATH``) and with MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich``
-  wheel's, which forwards the environment itself).
+  ``CUDA_*``, ``NCCL_*``, ``TORCH_SYMM_MEM_*``, ``PYTHON*``, ``PATH``, ``LD_LIBRARY_PATH``), with
+  MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich`` wheel's, which forwards the environment itself), and with
+  Slurm's ``srun`` (``--srun``).
 
 The MPI launcher is ``--mpirun PATH``, else ``$SYMMRING_MPIRUN``, else the ``mpiexec`` next to this
 Python (a venv with the ``mpich`` wheel), else ``mpirun``/``mpiexec`` on ``PATH``. The exit status is
-the job's; 2 when the launch itself fails (no MPI launcher, MPS cannot start).
+the job's; 2 when the launch itself fails (no MPI launcher, a bad placement, MPS cannot start).
 
 ``--timeout S`` (or ``SYMMRING_JOB_TIMEOUT_S``) bounds the whole job: past ``S`` seconds the launcher
 sends SIGTERM to the MPI launcher and every rank (they run in a process group of their own), SIGKILL
@@ -31,6 +41,7 @@ behind symmring's own bounds (``SYMMRING_TIMEOUT_S``), for whatever else a job m
 Example::
 
     python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
+    python -m symmring.launch --hosts node1:8,node2:8 --dry-run -- python -m mpi4py serve.py
 """
 
 from __future__ import annotations
