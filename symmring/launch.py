@@ -409,6 +409,8 @@ def plan_job(launcher: str, program: str, num_ranks: Optional[int], *, ranks_per
                                   f"allocation has {allocation}")
         elif placement:
             job.num_nodes, job.nodes_from = None, f"--mpirun-arg {' '.join(placement)}"
+        elif launcher == "srun" and allocation != 1:
+            job.num_nodes, job.nodes_from = None, "srun places the ranks"
         elif allocation is not None and allocation > 1:
             job.num_nodes, job.nodes_from = None, f"a Slurm allocation of {allocation} nodes"
         elif allocation is None and any(environ.get(v) for v in ALLOCATION_VARS):

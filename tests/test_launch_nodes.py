@@ -87,6 +87,8 @@ def test_plan_leaves_the_count_to_the_backend_where_the_mpi_launcher_places_rank
     assert _plan(num_ranks=8, environ={"PBS_NODEFILE": "/x"}).num_nodes is None
     job = _plan(num_ranks=8, extra=["--hostfile", "f"])
     assert (job.num_nodes, job.nodes_from) == (None, "--mpirun-arg --hostfile")
+    assert _plan("srun", num_ranks=8).num_nodes is None  # srun makes its own allocation
+    assert _plan("srun", num_ranks=8, environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"}).num_nodes == 1
     job = _plan(ranks_per_node=4, environ=slurm2)  # -n from the allocation
     assert (job.num_ranks, job.num_nodes) == (8, 2)
 
