@@ -186,8 +186,8 @@ def gpu_env(environ: Optional[MutableMapping[str, str]] = None, num_nodes: Optio
     Example:
         >>> gpu_env({"NCCL_NVLS_ENABLE": "1"})["NCCL_NVLS_ENABLE"], gpu_env({})["NCCL_NVLS_ENABLE"]
         ('1', '0')
-        >>> gpu_env({}, num_nodes=2).get("NVSHMEM_REMOTE_TRANSPORT"), gpu_env({"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, 2)["NVSHMEM_REMOTE_TRANSPORT"]
-        (None, 'ucx')
+        >>> gpu_env({}, 2).get("NVSHMEM_REMOTE_TRANSPORT"), gpu_env({"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, 2)
+        (None, {..., 'NVSHMEM_REMOTE_TRANSPORT': 'ucx', ...})
     """
     environ = os.environ if environ is None else environ
     return {d.name: environ.get(d.name) or d.value for d in GPU_ENV
@@ -226,8 +226,8 @@ def remote_transport_note(num_nodes: Optional[int], environ: Optional[MutableMap
     Example:
         >>> remote_transport_note(1, {"NVSHMEM_REMOTE_TRANSPORT": "none"})
         'one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport)'
-        >>> remote_transport_note(2, {})
-        '2 nodes: NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy), NVSHMEM_IB_ENABLE_IBGDA unset (IBGDA off)'
+        >>> print(remote_transport_note(2, {"NVSHMEM_IB_ENABLE_IBGDA": "1"}))
+        2 nodes: NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy), NVSHMEM_IB_ENABLE_IBGDA=1
     """
     environ = os.environ if environ is None else environ
     transport = environ.get("NVSHMEM_REMOTE_TRANSPORT")

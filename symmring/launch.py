@@ -329,8 +329,18 @@ class Job:
 
     @property
     def on_this_node(self) -> bool:
-        """Whether every rank runs on the launcher's own node (no host list, no srun, one node)."""
-        return self.num_nodes == 1 and not self.hosts and self.launcher != "srun"
+        """Whether every rank runs on the launcher's own node: one node, no srun, and no host list or one
+        that names this host (`is_this_host`)."""
+        return self.num_nodes == 1 and self.launcher != "srun" and all(
+            is_this_host(h.name) for h in self.hosts[:1])
+
+
+def is_this_host(name: str) -> bool:
+    """Whether host ``name`` is this machine: ``localhost``, a loopback address, or its host name (short
+    or full)."""
+    import socket
+    here = socket.gethostname()
+    return name in ("localhost", "127.0.0.1", "::1", here, here.split(".")[0], socket.getfqdn())
 
 
 def plan_job(launcher: str, program: str, num_ranks: Optional[int], *, ranks_per_node: Optional[int] = None,

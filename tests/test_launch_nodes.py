@@ -6,6 +6,7 @@ rank pins its GPU by (each launcher's variables), and ``--dry-run`` (prints, sta
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_plan_counts_the_nodes_the_ranks_fill():
     job = _plan(num_ranks=4)
     assert (job.num_nodes, job.on_this_node) == (1, True)
     assert not _plan(num_ranks=2, hosts="other:2").on_this_node  # one node, but not this one
+    assert _plan(hosts=f"{socket.gethostname()}:2").on_this_node and _plan(hosts="localhost:2").on_this_node
 
 
 def test_plan_leaves_the_count_to_the_backend_where_the_mpi_launcher_places_ranks():
@@ -242,6 +244,7 @@ def test_dry_run_on_one_node_keeps_the_one_node_policy(fake_mpirun, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--hosts", "n1:2,n2:2", "--mps"], "--mps starts CUDA MPS on this node only, and this job's ranks run on 2 nodes"),
     (["--hosts", "n1,n2", "-n", "4"], "n1, n2 without slots"),
+    (["--hosts", "n1:2", "--mps"], "this job's ranks run on n1"),
     (["--srun", "-n", "2"], None),
     (["-n", "0"], "-n 0: expected a positive number of ranks"),
 ])
