@@ -25,7 +25,7 @@ NO_ALLOCATION = {"PATH": os.environ.get("PATH", "")}
 
 def _plan(launcher="openmpi", num_ranks=None, **kw):
     kw.setdefault("environ", NO_ALLOCATION)
-    return plan_job(launcher, f"/bin/{launcher}", num_ranks, **kw)
+    return plan_job(launcher, f"{launcher}-launcher", num_ranks, **kw)
 
 
 def _tail(argv):
@@ -86,7 +86,7 @@ def test_plan_leaves_the_count_to_the_backend_where_the_mpi_launcher_places_rank
     slurm2 = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
     assert _plan(num_ranks=8, environ=slurm2).num_nodes is None
     assert _plan(num_ranks=8, environ={"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}).num_nodes == 1
-    assert _plan(num_ranks=8, environ={"PBS_NODEFILE": "/x"}).num_nodes is None
+    assert _plan(num_ranks=8, environ={"PBS_NODEFILE": "nodefile"}).num_nodes is None
     job = _plan(num_ranks=8, extra=["--hostfile", "f"])
     assert (job.num_nodes, job.nodes_from) == (None, "--mpirun-arg --hostfile")
     assert _plan("srun", num_ranks=8).num_nodes is None  # srun makes its own allocation
@@ -119,7 +119,7 @@ def test_plan_refuses_bad_placements(kw, words):
 def test_open_mpi_command(tmp_path):
     argv = launcher_command(_plan(hosts="a:8,b:8"), ["NVSHMEM_DISABLE_NVLS", "PATH"], CMD)
     tail = _tail(argv)
-    assert argv[0] == "/bin/openmpi"
+    assert argv[0] == "openmpi-launcher"
     assert tail[:5] == ["-np", "16", "--oversubscribe", "--bind-to", "none"]
     assert tail[tail.index("--host") + 1] == "a:8,b:8" and tail[tail.index("--map-by") + 1] == "slot"
     assert tail[-4:] == ["-x", "NVSHMEM_DISABLE_NVLS", "-x", "PATH"]
