@@ -12,11 +12,15 @@ GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), e
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
 launchers (``python -m symmring.launch``, ``launch/symmring-mpirun``) for every rank, and by the GPU
 scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them as ``export`` lines).
+The settings marked "one node only" (`EnvDefault.one_node_only`) apply only to a job known to run on one
+node: the nvshmem backend counts the job's nodes (an MPI shared-memory split) before NVSHMEM starts, and
+``python -m symmring.launch`` knows them from its host list; across nodes NVSHMEM picks its own remote
+transport.
 
 | variable | value | why |
 |---|---|---|
 | ``NVSHMEM_DISABLE_NVLS`` | ``1`` | NVLink multicast stays off (see `GPU_ENV`) |
-| ``NVSHMEM_REMOTE_TRANSPORT`` | ``none`` | one node: no network transport to initialise |
+| ``NVSHMEM_REMOTE_TRANSPORT`` | ``none`` (one node only) | one node: no network transport to initialise; a job on several nodes leaves it to NVSHMEM |
 | ``CUDA_MODULE_LOADING`` | ``EAGER`` | lazy loading can deadlock kernels that spin on each other |
 | ``NCCL_NVLS_ENABLE`` | ``0`` | NVLink multicast off in NCCL too |
 | ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` | ``1`` | and in torch's symmetric memory |
@@ -129,11 +133,12 @@ def configure_logging(verbosity: int = 0) -> int:
 
 
 class EnvDefault(NamedTuple):
-    """One setting of the GPU environment policy."""
+    """One setting of the GPU environment policy; ``one_node_only``: set only for a job on one node."""
 
     name: str
     value: str
     reason: str
+    one_node_only: bool = False
 
 
 #: The GPU environment policy: what every GPU process of symmring runs with unless the user set the
@@ -143,7 +148,9 @@ GPU_ENV = (
                "symmring never uses NVLink multicast (NVLS), and multicast objects can take a shared host's "
                "GPUs out of service"),
     EnvDefault("NVSHMEM_REMOTE_TRANSPORT", "none",
-               "symmring runs on one node: no network (IB/UCX) transport to look for or initialise"),
+               "a job on one node needs no network (IB/UCX) transport to look for or initialise; on several "
+               "nodes NVSHMEM picks its own (ibrc unless built for UCX; IBGDA with NVSHMEM_IB_ENABLE_IBGDA=1)",
+               one_node_only=True),
     EnvDefault("CUDA_MODULE_LOADING", "EAGER",
                "with lazy loading a kernel's first launch may wait for running kernels, and symmring's "
                "kernels spin on each other across streams and PEs (a deadlock)"),
@@ -154,31 +161,44 @@ GPU_ENV = (
 )
 
 
-def gpu_env_defaults() -> Dict[str, str]:
-    """`GPU_ENV` as ``{name: value}``.
+def _applies(default: EnvDefault, num_nodes: Optional[int]) -> bool:
+    """Whether ``default`` belongs to a job on ``num_nodes`` nodes (None: not known yet)."""
+    return not default.one_node_only or num_nodes == 1
+
+
+def gpu_env_defaults(num_nodes: Optional[int] = 1) -> Dict[str, str]:
+    """`GPU_ENV` as ``{name: value}``, for a job on ``num_nodes`` nodes (None: not known; the settings that
+    are for one node only are left out).
 
     Example:
         >>> gpu_env_defaults()["NVSHMEM_DISABLE_NVLS"]
         '1'
+        >>> "NVSHMEM_REMOTE_TRANSPORT" in gpu_env_defaults(1), "NVSHMEM_REMOTE_TRANSPORT" in gpu_env_defaults(2)
+        (True, False)
     """
-    return {d.name: d.value for d in GPU_ENV}
+    return {d.name: d.value for d in GPU_ENV if _applies(d, num_nodes)}
 
 
-def gpu_env(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
-    """The values of `GPU_ENV` in effect: the user's where set (non-empty), the default otherwise.
+def gpu_env(environ: Optional[MutableMapping[str, str]] = None, num_nodes: Optional[int] = 1) -> Dict[str, str]:
+    """The values of `GPU_ENV` in effect for a job on ``num_nodes`` nodes: the user's where set (non-empty),
+    the default otherwise; a one-node setting the user left unset is absent when ``num_nodes`` is not 1.
 
     Example:
         >>> gpu_env({"NCCL_NVLS_ENABLE": "1"})["NCCL_NVLS_ENABLE"], gpu_env({})["NCCL_NVLS_ENABLE"]
         ('1', '0')
+        >>> gpu_env({}, 2).get("NVSHMEM_REMOTE_TRANSPORT"), gpu_env({"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, 2)
+        (None, {..., 'NVSHMEM_REMOTE_TRANSPORT': 'ucx', ...})
     """
     environ = os.environ if environ is None else environ
-    return {d.name: environ.get(d.name) or d.value for d in GPU_ENV}
+    return {d.name: environ.get(d.name) or d.value for d in GPU_ENV
+            if environ.get(d.name) or _applies(d, num_nodes)}
 
 
 def apply_gpu_env(environ: Optional[MutableMapping[str, str]] = None,
-                  names: Optional[Iterable[str]] = None) -> Dict[str, str]:
+                  names: Optional[Iterable[str]] = None, num_nodes: Optional[int] = 1) -> Dict[str, str]:
     """Set each variable of `GPU_ENV` (or of ``names``) in ``environ`` (``os.environ``) unless it holds a
-    non-empty value. Returns what was set.
+    non-empty value; the settings for one node only just when ``num_nodes`` is 1 (None: not known yet, as
+    before the backend has counted the job's nodes). Returns what was set.
 
     Example:
         >>> environ = {"NVSHMEM_DISABLE_NVLS": "0"}
@@ -186,21 +206,51 @@ def apply_gpu_env(environ: Optional[MutableMapping[str, str]] = None,
         True
         >>> environ["NVSHMEM_DISABLE_NVLS"], environ["CUDA_MODULE_LOADING"]   # the user's value is kept
         ('0', 'EAGER')
+        >>> "NVSHMEM_REMOTE_TRANSPORT" in apply_gpu_env({}, num_nodes=2)
+        False
     """
     environ = os.environ if environ is None else environ
     wanted = None if names is None else set(names)
     applied = {}
     for default in GPU_ENV:
-        if (wanted is None or default.name in wanted) and not environ.get(default.name):
+        if (wanted is None or default.name in wanted) and not environ.get(default.name) and \
+                _applies(default, num_nodes):
             environ[default.name] = applied[default.name] = default.value
     return applied
 
 
-def shell_exports(environ: Optional[MutableMapping[str, str]] = None) -> List[str]:
-    """``export NAME=VALUE`` lines (bash) of the `GPU_ENV` values in effect (`gpu_env`).
+def remote_transport_note(num_nodes: Optional[int], environ: Optional[MutableMapping[str, str]] = None) -> str:
+    """One line saying which NVSHMEM remote transport a job on ``num_nodes`` nodes gets, and why (logged by
+    the launcher and the backend).
+
+    Example:
+        >>> remote_transport_note(1, {"NVSHMEM_REMOTE_TRANSPORT": "none"})
+        'one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport)'
+        >>> print(remote_transport_note(2, {"NVSHMEM_IB_ENABLE_IBGDA": "1"}))
+        2 nodes: NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy), NVSHMEM_IB_ENABLE_IBGDA=1
+    """
+    environ = os.environ if environ is None else environ
+    transport = environ.get("NVSHMEM_REMOTE_TRANSPORT")
+    where = "one node" if num_nodes == 1 else "nodes not known yet" if num_nodes is None else f"{num_nodes} nodes"
+    if num_nodes == 1 and transport == "none":
+        return f"{where}: NVSHMEM_REMOTE_TRANSPORT=none (no network transport)"
+    chosen = f"NVSHMEM_REMOTE_TRANSPORT={transport} (yours)" if transport else \
+        "NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU proxy)" if num_nodes is not None else \
+        "NVSHMEM_REMOTE_TRANSPORT left to the backend, which counts the nodes (none on one, else NVSHMEM's ibrc)"
+    ibgda = environ.get("NVSHMEM_IB_ENABLE_IBGDA")
+    chosen += f", NVSHMEM_IB_ENABLE_IBGDA={ibgda}" if ibgda else ", NVSHMEM_IB_ENABLE_IBGDA unset (IBGDA off)"
+    if transport == "none" and num_nodes != 1:
+        chosen += ("; peers on other nodes are then reachable only if nvshmem_ptr maps them (a multi-node "
+                   "NVLink domain), otherwise NVSHMEM cannot reach them")
+    return f"{where}: {chosen}"
+
+
+def shell_exports(environ: Optional[MutableMapping[str, str]] = None, num_nodes: Optional[int] = 1) -> List[str]:
+    """``export NAME=VALUE`` lines (bash) of the `GPU_ENV` values in effect (`gpu_env`) for a job on
+    ``num_nodes`` nodes.
 
     Example:
         >>> shell_exports({})[0]
         'export NVSHMEM_DISABLE_NVLS=1'
     """
-    return [f"export {name}={shlex.quote(value)}" for name, value in gpu_env(environ).items()]
+    return [f"export {name}={shlex.quote(value)}" for name, value in gpu_env(environ, num_nodes).items()]

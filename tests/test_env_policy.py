@@ -8,6 +8,7 @@ interpreter and environment can be read back.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -75,6 +76,9 @@ def test_table_has_one_reason_per_variable_and_the_issue_values():
                                       "CUDA_MODULE_LOADING": "EAGER", "NCCL_NVLS_ENABLE": "0",
                                       "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     assert all(d.reason and "\n" not in d.reason for d in env.GPU_ENV)
+    assert [d.name for d in env.GPU_ENV if d.one_node_only] == ["NVSHMEM_REMOTE_TRANSPORT"]
+    assert env.gpu_env_defaults(2) == env.gpu_env_defaults(None) == {
+        k: v for k, v in env.gpu_env_defaults().items() if k != "NVSHMEM_REMOTE_TRANSPORT"}
 
 
 def test_apply_keeps_user_values_and_fills_empty_ones():
@@ -86,13 +90,35 @@ def test_apply_keeps_user_values_and_fills_empty_ones():
 
 
 def test_backend_env_step_applies_the_table(monkeypatch):
-    """`gpu_available` (the backend's first step, before any CUDA call) sets the table, keeping a user value."""
+    """`gpu_available` (the backend's first step, before any CUDA call) sets the table but the one-node
+    transport, which waits for the node count; `node_env` then sets it on one node only, and a user value
+    stays in every case."""
     from symmring.backends import nvshmem
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ucx")
     nvshmem.gpu_available()
-    assert {n: os.environ.get(n) for n in NAMES} == {**env.gpu_env_defaults(), "NVSHMEM_REMOTE_TRANSPORT": "ucx"}
+    assert {n: os.environ.get(n) for n in NAMES} == {**env.gpu_env_defaults(), "NVSHMEM_REMOTE_TRANSPORT": None}
+    one, two, users = dict(os.environ), dict(os.environ), {**os.environ, "NVSHMEM_REMOTE_TRANSPORT": "ucx"}
+    assert nvshmem.node_env(1, one) == {"NVSHMEM_REMOTE_TRANSPORT": "none"}
+    assert nvshmem.node_env(2, two) == {} and "NVSHMEM_REMOTE_TRANSPORT" not in two
+    assert nvshmem.node_env(1, users) == {} and users["NVSHMEM_REMOTE_TRANSPORT"] == "ucx"
+
+
+def test_node_env_logs_the_transport_and_warns_on_none_across_nodes(caplog):
+    from symmring.backends import nvshmem
+    with caplog.at_level(logging.INFO, logger="symmring.backends.nvshmem"):
+        nvshmem.node_env(1, {})
+        nvshmem.node_env(2, {"NVSHMEM_IB_ENABLE_IBGDA": "1"})
+        nvshmem.node_env(2, {}, rank=3)  # only rank 0 says it
+        nvshmem.node_env(4, {"NVSHMEM_REMOTE_TRANSPORT": "none"}, rank=3)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("INFO", "nvshmem backend: one node: NVSHMEM_REMOTE_TRANSPORT=none (no network transport)"),
+        ("INFO", "nvshmem backend: 2 nodes: NVSHMEM_REMOTE_TRANSPORT left to NVSHMEM (its default: ibrc, the CPU "
+                 "proxy), NVSHMEM_IB_ENABLE_IBGDA=1"),
+        ("WARNING", "nvshmem backend: 4 nodes: NVSHMEM_REMOTE_TRANSPORT=none (yours), NVSHMEM_IB_ENABLE_IBGDA unset "
+                    "(IBGDA off); peers on other nodes are then reachable only if nvshmem_ptr maps them (a "
+                    "multi-node NVLink domain), otherwise NVSHMEM cannot reach them")], lines
 
 
 def test_rank_command_rewrites_only_bare_python():
@@ -185,5 +211,7 @@ def test_docs_list_the_table():
     """README's and env.py's environment tables name every variable with its value."""
     readme = (ROOT / "README.md").read_text()
     for default in env.GPU_ENV:
-        assert re.search(rf"\| `{default.name}` \|.*`{re.escape(default.value)}` \|", readme), default.name
-        assert f"| ``{default.name}`` | ``{default.value}`` |" in env.__doc__, default.name
+        value = default.value + ("` (one node only)" if default.one_node_only else "`")
+        assert re.search(rf"\| `{default.name}` \|.*`{re.escape(value)} \|", readme), default.name
+        value = default.value + ("`` (one node only)" if default.one_node_only else "``")
+        assert f"| ``{default.name}`` | ``{value} |" in env.__doc__, default.name

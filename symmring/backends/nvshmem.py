@@ -8,8 +8,10 @@
 * one GPU per local rank, or several PEs on one GPU when a node has more ranks than GPUs (logged;
   kernels of different PEs then run concurrently only under CUDA MPS -- see `symmring.launch`);
 * the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
-  ``NVSHMEM_REMOTE_TRANSPORT=none``, ``CUDA_MODULE_LOADING=EAGER``, ...) is applied unless the user set
-  the variables;
+  ``CUDA_MODULE_LOADING=EAGER``, ...) is applied unless the user set the variables, before the first
+  CUDA call; ``NVSHMEM_REMOTE_TRANSPORT=none`` only once the job's nodes are counted (an MPI
+  shared-memory split, before NVSHMEM init) and there is one: across nodes NVSHMEM picks its remote
+  transport, and the backend logs which (`node_env`);
 * nvshmem4py's own prints are kept out of the user's output;
 * allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
   this PE's or a peer's copy (peers through ``nvshmem_ptr``), `torch_view` the same as torch tensors;
@@ -53,11 +55,12 @@ def gpu_available() -> bool:
     """Whether the nvshmem backend can run here: CuPy with a visible CUDA device, nvshmem4py and the
     nvidia-nvshmem wheel are installed. Never raises; imports nothing that prints or initialises NVSHMEM.
     Applies the GPU environment policy (`symmring.env.apply_gpu_env`: ``CUDA_MODULE_LOADING=EAGER``,
-    NVLink multicast off, ...) first, since its device query may be the first CUDA call of the process.
+    NVLink multicast off, ...) first, since its device query may be the first CUDA call of the process;
+    the settings for one node only wait for the backend, which counts the job's nodes (`node_env`).
     Logs why not at INFO (the reason behind ``init("auto")`` choosing the host backend).
     """
     try:
-        env.apply_gpu_env()  # before CUDA initialises in this process; the user's values are kept
+        env.apply_gpu_env(num_nodes=None)  # before CUDA initialises here; the user's values are kept
         missing = [deps.OPTIONAL[m][0] for m in GPU_MODULES if not deps.installed(m)]
         if missing:
             logger.info("no GPU backend: %s not installed (pip install \"symmring[gpu]\")", ", ".join(missing))
@@ -70,6 +73,33 @@ def gpu_available() -> bool:
     except Exception as exc:  # any failure (no driver, broken install) means "not available"
         logger.info("no GPU backend: %s: %s", type(exc).__name__, exc)
         return False
+
+
+def count_nodes(local_rank: int, collectives: Collectives) -> int:
+    """The job's number of nodes: the ranks whose node-local rank (MPI shared-memory split) is 0.
+    Collective over ``collectives`` (bounded)."""
+    return sum(1 for leader in collectives.allgather(local_rank == 0, what="nvshmem backend: node count")
+               if leader)
+
+
+def node_env(num_nodes: int, environ=None, *, rank: int = 0) -> Dict[str, str]:
+    """Apply the GPU environment policy for a job on ``num_nodes`` nodes (`symmring.env.apply_gpu_env`):
+    ``NVSHMEM_REMOTE_TRANSPORT=none`` on one node, left to NVSHMEM across nodes (``ibrc`` unless built for
+    UCX; IBGDA with ``NVSHMEM_IB_ENABLE_IBGDA=1``). Logs the choice at INFO on rank 0, and warns on every
+    rank when the user's ``NVSHMEM_REMOTE_TRANSPORT=none`` meets a job on several nodes. Returns what was set.
+
+    Example:
+        >>> "NVSHMEM_REMOTE_TRANSPORT" in node_env(1, {}), "NVSHMEM_REMOTE_TRANSPORT" in node_env(2, {})
+        (True, False)
+    """
+    environ = os.environ if environ is None else environ
+    applied = env.apply_gpu_env(environ, num_nodes=num_nodes)
+    note = env.remote_transport_note(num_nodes, environ)
+    if num_nodes > 1 and environ.get("NVSHMEM_REMOTE_TRANSPORT") == "none":
+        logger.warning("nvshmem backend: %s", note)
+    elif rank == 0:
+        logger.info("nvshmem backend: %s", note)
+    return applied
 
 
 @contextlib.contextmanager
@@ -170,8 +200,10 @@ class NvshmemBackend(DeviceBackend):
         if self.comm is not None and self.world_size > 1:
             from mpi4py import MPI
             self._local_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        # The node's own rank (MPI's shared-memory split), never the world rank: it picks the GPU.
         self.local_rank = self._local_comm.Get_rank() if self._local_comm is not None else 0
         local_size = self._local_comm.Get_size() if self._local_comm is not None else 1
+        self.num_nodes = count_nodes(self.local_rank, self.collectives) if self.world_size > 1 else 1
 
         num_gpus = cupy.cuda.runtime.getDeviceCount()
         if device_id is None:
@@ -185,7 +217,7 @@ class NvshmemBackend(DeviceBackend):
                            "concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the job with "
                            "`python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
                            num_gpus, self.pes_per_gpu, os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>"))
-        env.apply_gpu_env()  # before NVSHMEM init (gpu_available applied it already; a no-op then)
+        node_env(self.num_nodes, rank=self.rank)  # before NVSHMEM init, which reads the transport variables
 
         # CUDA runtime first, on the PE's device (NVSHMEM init on an uninitialised context can fail).
         cupy.cuda.Device(device_id).use()
