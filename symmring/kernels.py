@@ -164,7 +164,7 @@ class DeviceRing:
         timeout_s = env.timeout_s() if timeout_s is None else timeout_s
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        transport_mod.request(transport)  # a bad request fails before the collective allocation
+        transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)

@@ -168,7 +168,7 @@ class Ring:
         if not isinstance(spec, RingSpec):
             raise ConfigError(f"spec={spec!r}: expected a RingSpec")
         ack_policy = AckPolicy.parse(ack_policy)
-        transport_mod.request(transport)  # validated here; resolved per peer by the device kernels
+        transport_mod.request(transport, ctx.world_size)  # validated here; resolved by the device kernels
         if timeout_s is None:
             timeout_s = ctx.timeout_s
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:

@@ -71,17 +71,27 @@ def parse(value, *, name: str = "transport") -> Tuple[str, Optional[Tuple[int, .
     return "rdma", tuple(sorted(ranks))
 
 
-def request(transport=None) -> Tuple[str, str]:
+def request(transport=None, world_size: Optional[int] = None) -> Tuple[str, str]:
     """``(request, where it came from)``: ``transport`` when given, else ``SYMMRING_TRANSPORT``, else
-    ``"auto"``; validated (`parse`)."""
+    ``"auto"``; validated (`parse`; with ``world_size``, listed ranks outside ``[0, world_size)`` too), so
+    a constructor can reject it before any collective work.
+
+    Raises:
+        ConfigError: naming ``transport`` or ``SYMMRING_TRANSPORT`` and the value.
+    """
     if transport is not None:
-        parse(transport)
-        return transport, "transport="
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
-        return "auto", "default"
-    parse(raw, name=ENV_VAR)
-    return raw, ENV_VAR
+        value, source, name = transport, "transport=", "transport"
+    else:
+        raw = os.environ.get(ENV_VAR, "").strip()
+        if not raw:
+            return "auto", "default"
+        value, source, name = raw, ENV_VAR, ENV_VAR
+    _, ranks = parse(value, name=name)
+    if ranks is not None and world_size is not None:
+        outside = [q for q in ranks if q >= world_size]
+        if outside:
+            raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
+    return value, source
 
 
 def resolve(value, *, rank: int, world_size: int, mapped: Sequence[bool], name: str = "transport") -> List[str]:
@@ -95,10 +105,9 @@ def resolve(value, *, rank: int, world_size: int, mapped: Sequence[bool], name: 
     mode, ranks = parse(value, name=name)
     if len(mapped) != world_size:
         raise ConfigError(f"mapped={list(mapped)!r}: expected {world_size} entries, one per rank")
-    if ranks is not None:
-        outside = [q for q in ranks if q >= world_size]
-        if outside:
-            raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
+    outside = [q for q in ranks or () if q >= world_size]
+    if outside:
+        raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
     out = []
     for q in range(world_size):
         if q == rank:

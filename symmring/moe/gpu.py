@@ -218,7 +218,7 @@ class MoE:
                                       or not timeout_s > 0):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
-        transport_mod.request(transport)  # a bad request is a ConfigError before any collective work
+        transport_mod.request(transport, self.world_size)  # a ConfigError before any collective work
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
