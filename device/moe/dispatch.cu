@@ -11,6 +11,9 @@
 //                       generation (acquire); with the route part, snapshots the source's meta token_base
 //                       (so nothing after the pull reads the slot); with clear_counts (a window's first
 //                       chunk), block 0 also clears the per-expert counters.
+//   moe_dispatch_stage  rdma sources only (symmring/transport.py): get the waited parts of each rdma source's
+//                       slot into this PE's staging ring (one slot per source), which the kernels below then
+//                       read instead of the peer's mapping (source_slot); no launch without rdma peers.
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
 //   moe_dispatch_scan   one block: exclusive scan -> row offsets (each group aligned to `align` rows), group
 //                       ends for torch._grouped_mm (int32), the rows spanned; starts each reservation cursor
