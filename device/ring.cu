@@ -61,14 +61,8 @@ __device__ inline void pull_bytes(const RingDescriptor& d, void* dst, const void
                    uint64_t(gridDim.x) * blockDim.x);
         return;
     }
-    // RMA fallback (no P2P mapping): each block gets its share.
-    const uint64_t share = (num_bytes + gridDim.x - 1) / gridDim.x;
-    const uint64_t begin = share * blockIdx.x;
-    if (begin < num_bytes) {
-        const uint64_t len = begin + share > num_bytes ? num_bytes - begin : share;
-        nvshmemx_getmem_block(static_cast<uint8_t*>(dst) + begin, static_cast<const uint8_t*>(src_local) + begin,
-                              len, pe);
-    }
+    // rdma (or no P2P mapping): each block gets its share with a blocking block-wide get.
+    get_share_block(dst, src_local, pe, num_bytes, blockIdx.x, gridDim.x);
 }
 
 __device__ __forceinline__ bool compare(uint64_t v, int cmp, uint64_t value) {
@@ -245,13 +239,15 @@ extern "C" __global__ void symmring_fence() { nvshmem_fence(); }
 // Ping-pong of publications: the initiator publishes value first+i on its own word (fence + SET, exactly
 // publish()), the responder observes it by polling the initiator's word over NVLink (acquire) and
 // publishes the same value on its own word, which the initiator observes. out[0] = elapsed ns measured by
-// the initiator, out[1] = rounds completed. One-way latency = out[0] / (2 * rounds).
+// the initiator, out[1] = rounds completed. One-way latency = out[0] / (2 * rounds). rdma != 0 polls the
+// other word with NVSHMEM's remote atomic fetch (the rdma transport's wait) even where it is mapped.
 extern "C" __global__ void symmring_bench_pingpong(uint64_t* own_word, uint64_t* other_word, int other_pe,
                                                    int num_rounds, int initiator,
                                                    unsigned long long first_value,
-                                                   unsigned long long timeout_ns, unsigned long long* out) {
+                                                   unsigned long long timeout_ns, unsigned long long* out,
+                                                   int rdma) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const uint64_t* other = static_cast<const uint64_t*>(nvshmem_ptr(other_word, other_pe));
+    const uint64_t* other = rdma ? nullptr : static_cast<const uint64_t*>(nvshmem_ptr(other_word, other_pe));
     const int own_pe = nvshmem_my_pe();
     const uint64_t start_ns = globaltimer_ns();
     int round = 0;

@@ -7,6 +7,7 @@
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.expert_parallel`) | ``0`` |
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
+| ``SYMMRING_TRANSPORT`` | how GPU rings and MoE layers reach each peer without ``transport=``: ``auto``, ``p2p``, ``rdma``, ``rdma:<ranks>`` (`symmring.transport`, which reads it) | ``auto`` |
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the

@@ -8,8 +8,9 @@ launches the kernels of one ring on any stream:
   ``__cuda_array_interface__`` or DLPack) into this PE's slot and publishes route and/or layout;
   `acquire` and `publish` split that for producers that write the slot themselves.
 * consumer: `RingKernels.consume` waits for a chunk of a source rank, pulls its valid rows over NVLink
-  (16-byte loads through ``nvshmem_ptr``) into local buffers and acknowledges; `ack` acknowledges
-  separately (the CONSERVATIVE policy, after the combine).
+  (16-byte loads through ``nvshmem_ptr``; from rdma peers, `symmring.transport`, block-wide
+  ``nvshmemx_getmem_block`` gets) into local buffers and acknowledges; `ack` acknowledges separately (the
+  CONSERVATIVE policy, after the combine).
 * `end_call` advances the device-resident generation base (graph-safe), `check_errors` turns the device
   error record and the abort word into a named error (`ProtocolTimeout`, `ProtocolAborted`,
   `StalePayload`, `DoubleAck`), and `reset` (collective) is the one way back after any of them.
@@ -30,6 +31,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from . import env, protocol
+from . import transport as transport_mod
 from .backends.base import DeviceBackend
 from .errors import (ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError, StalePayload,
                      SymmringError)
@@ -137,9 +139,13 @@ class DeviceRing:
         backend: an initialised `symmring.backends.base.DeviceBackend` (the nvshmem backend).
         spec: the `RingSpec` (identical on every PE).
         timeout_s: bound of every device wait (default ``SYMMRING_TIMEOUT_S``).
+        transport: how this PE reaches each peer (`symmring.transport`: ``"auto"``, ``"p2p"``, ``"rdma"``,
+            ``"rdma:1,3"``; None: ``SYMMRING_TRANSPORT``, else ``"auto"``); the result per rank is
+            ``ring.transports``.
 
     Raises:
-        ConfigError: bad backend, spec or timeout.
+        ConfigError: bad backend, spec, timeout or transport.
+        BackendError: ``transport="p2p"`` and a peer's memory is not load/store reachable (named).
 
     Example:
         >>> ring = DeviceRing(backend, RingSpec(num_slots=2, tokens_per_slot=64, hidden=512, num_topk=4,  # doctest: +SKIP
@@ -150,7 +156,7 @@ class DeviceRing:
         >>> k.check_errors(); ring.close()  # doctest: +SKIP
     """
 
-    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None):
+    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None, transport=None):
         if not isinstance(backend, DeviceBackend):
             raise ConfigError(f"backend={backend!r}: expected a DeviceBackend (the nvshmem backend)")
         if not isinstance(spec, RingSpec):
@@ -158,6 +164,7 @@ class DeviceRing:
         timeout_s = env.timeout_s() if timeout_s is None else timeout_s
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+        transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)
@@ -165,7 +172,12 @@ class DeviceRing:
         self.alloc = backend.alloc(self.layout.nbytes)
         self.closed = False
         self._init_words()
-        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s)
+        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s, transport=transport)
+
+    @property
+    def transports(self):
+        """How this PE reaches each rank: ``"self"``, ``"p2p"`` or ``"rdma"`` (`symmring.transport`)."""
+        return self.kernels.transports
 
     def region(self, name: str, rank: Optional[int] = None):
         """Zero-copy CuPy view of a protocol-word region (``route_ready``, ``layout_ready``, ``ack_mask``,
@@ -221,9 +233,10 @@ class RingKernels:
         backend: the `DeviceBackend` holding ``alloc``.
         layout: the ring's `RingLayout`; alloc: its allocation (``alloc.ptr`` is this PE's address).
         timeout_s: bound of every device wait.
+        transport: as for `DeviceRing` (`symmring.transport`); the result is ``transports``.
     """
 
-    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float):
+    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float, transport=None):
         cupy = _cupy()
         self.backend = backend
         self.layout = layout
@@ -231,7 +244,13 @@ class RingKernels:
         self.alloc = alloc
         self.timeout_s = float(timeout_s)
         self.closed = False
-        desc = layout.descriptor(alloc.ptr, rank=backend.rank, timeout_ns=int(self.timeout_s * 1e9))
+        #: How this PE reaches each rank ("self", "p2p", "rdma"); rdma peers' bits go to the descriptor.
+        self.transports = transport_mod.for_backend(backend, alloc, transport, what="ring")
+        # Local words the descriptor points at (kept alive with the kernels; reset() leaves them alone).
+        self._rdma_mask = cupy.asarray(transport_mod.rdma_mask(self.transports))
+        any_rdma = transport_mod.RDMA in self.transports
+        desc = layout.descriptor(alloc.ptr, rank=backend.rank, timeout_ns=int(self.timeout_s * 1e9),
+                                 rdma_mask_address=int(self._rdma_mask.data.ptr) if any_rdma else 0)
         self.descriptor = desc
         self.desc = cupy.asarray(np.frombuffer(desc.tobytes(), dtype=np.uint8))
         S, R = self.spec.num_slots, backend.world_size
@@ -248,7 +267,8 @@ class RingKernels:
         """Kernels over the allocation of a `symmring.ring.Ring` built on the nvshmem backend."""
         if not isinstance(ring.ctx.backend, DeviceBackend):
             raise ConfigError("ring: expected a Ring on a device backend (the nvshmem backend)")
-        return cls(ring.ctx.backend, ring.layout, ring.allocation, timeout_s=ring.timeout_s)
+        return cls(ring.ctx.backend, ring.layout, ring.allocation, timeout_s=ring.timeout_s,
+                   transport=ring.transport)
 
     # --- helpers --------------------------------------------------------------------------------------
 

@@ -237,11 +237,14 @@ class RingLayout:
     def __repr__(self) -> str:
         return f"RingLayout({self.spec}, num_ranks={self.num_ranks}, nbytes={self.nbytes})"
 
-    def descriptor(self, base_address: int = 0, *, rank: int = 0, timeout_ns: int = 0) -> np.ndarray:
+    def descriptor(self, base_address: int = 0, *, rank: int = 0, timeout_ns: int = 0,
+                   rdma_mask_address: int = 0) -> np.ndarray:
         """The device-visible descriptor (a 0-d array of `DESCRIPTOR_DTYPE`).
 
         Pointers are ``base_address + region offset``: the local address of each region; a device reads
-        a peer's copy through ``nvshmem_ptr(ptr, pe)`` (same offsets everywhere). The expected generation
+        a peer's copy through ``nvshmem_ptr(ptr, pe)`` (same offsets everywhere), or with NVSHMEM's
+        one-sided operations for the peers whose bit is set in the ``mask_words`` uint64 words at
+        ``rdma_mask_address`` (`symmring.transport.rdma_mask`; 0: every peer p2p). The expected generation
         of chunk ``c`` is ``*gen_base_ptr + c + 1``: read from device memory, never baked into a launch.
         """
         if not 0 <= rank < self.num_ranks:
@@ -251,6 +254,7 @@ class RingLayout:
         for name in ("x", "x_sf", "topk_idx", "topk_weights", "meta", "route_ready", "layout_ready",
                      "ack_mask", "gen_base", "error", "abort"):
             d[f"{name}_ptr"] = base_address + self.regions[name].offset
+        d["rdma_mask_ptr"] = rdma_mask_address
         d["x_slot_stride"] = self.regions["x"].slot_stride
         d["x_sf_slot_stride"] = self.regions["x_sf"].slot_stride
         d["topk_slot_stride"] = self.regions["topk_idx"].slot_stride
@@ -278,6 +282,7 @@ DESCRIPTOR_DTYPE = np.dtype([
     ("gen_base_ptr", np.uint64),
     ("error_ptr", np.uint64),
     ("abort_ptr", np.uint64),
+    ("rdma_mask_ptr", np.uint64),
     ("x_slot_stride", np.uint64),
     ("x_sf_slot_stride", np.uint64),
     ("topk_slot_stride", np.uint64),

@@ -37,6 +37,7 @@ import numpy as np
 
 from . import layout as _layout
 from . import protocol
+from . import transport as transport_mod
 from .context import Context
 from .errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
 from .layout import RingLayout, RingSpec
@@ -133,6 +134,10 @@ class Ring:
         ack_policy: when consumers acknowledge (`AckPolicy`, or its name; None: the default), recorded as
             ``ring.ack_policy`` for the layer that consumes the ring; the protocol is the same for both.
         timeout_s: bound of every wait of this ring; ``ctx.timeout_s`` when None.
+        transport: how the ring's device kernels reach each peer (`symmring.transport`; None:
+            ``SYMMRING_TRANSPORT``, else ``"auto"``), recorded as ``ring.transport`` and applied by
+            `symmring.kernels.RingKernels.for_ring`. This class's own host-side views read peers through
+            their mapping (one node).
 
     Raises:
         ConfigError: a bad argument, or ranks passing different specs.
@@ -155,13 +160,15 @@ class Ring:
         >>> ring.end_call(call); ring.close(); ctx.close()
     """
 
-    def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy=None, timeout_s: Optional[float] = None):
+    def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy=None, timeout_s: Optional[float] = None,
+                 transport=None):
         if not isinstance(ctx, Context):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
         ctx.check_open()
         if not isinstance(spec, RingSpec):
             raise ConfigError(f"spec={spec!r}: expected a RingSpec")
         ack_policy = AckPolicy.parse(ack_policy)
+        transport_mod.request(transport, ctx.world_size)  # validated here; resolved by the device kernels
         if timeout_s is None:
             timeout_s = ctx.timeout_s
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -175,6 +182,7 @@ class Ring:
         self.ctx = ctx
         self.spec = spec
         self.ack_policy = ack_policy
+        self.transport = transport
         self.timeout_s = float(timeout_s)
         self.rank = ctx.rank
         self.world_size = ctx.world_size

@@ -46,27 +46,42 @@ namespace {
 // 16-byte vectors (8 channels) of a token's row one warp of the reduce handles: one per lane.
 constexpr int kReduceSliceVecs = 32;
 
-// Grid-stride, one warp per pool row of [0, num_rows): the body of moe_combine_scatter.
+// Grid-stride, one warp per pool row of [0, num_rows): the body of moe_combine_scatter. A p2p owner gets
+// the row by 16-byte stores through its mapping; an rdma owner (is_rdma_peer: peer_ptr is null) by one
+// warp-wide non-blocking put (nvshmemx_putmem_nbi_warp), and every thread of a warp that issued one calls
+// nvshmem_quiet before leaving: its puts are COMPLETE (delivered into the owner's memory) before this grid's
+// arrival and the signal that follows it (signal_owners, after the kernel or grid_last_block). A fence
+// would only order delivery of this thread's later operations to the same PE, and the signal is another
+// thread's (and, in moe_combine_signal, another kernel's). The branch is per row (warp-uniform).
 __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv_bfloat16* pool_out,
                                              const int4* row_src, int num_rows, const long long* token_base,
                                              int window_begin, int* m_indices, __nv_bfloat16* combine_rows) {
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
+    bool put_any = false;  // warp-uniform: this warp issued an rdma put
     for (int row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < num_rows;
          row += gridDim.x * warps_per_block) {
         if (m_indices != nullptr && m_indices[row] < 0) continue;  // padding (the whole warp skips it)
         const int4 src = row_src[row];
         const int64_t token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
+        const int64_t offset = (token * d.num_topk + src.z) * d.hidden;
+        const __nv_bfloat16* from_row = pool_out + int64_t(row) * d.hidden;
         __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
-        int4* dst = reinterpret_cast<int4*>(owner_rows + (token * d.num_topk + src.z) * d.hidden);
-        const int4* from = reinterpret_cast<const int4*>(pool_out + int64_t(row) * d.hidden);
-        for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
+        if (owner_rows != nullptr) {
+            int4* dst = reinterpret_cast<int4*>(owner_rows + offset);
+            const int4* from = reinterpret_cast<const int4*>(from_row);
+            for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
+        } else {
+            nvshmemx_putmem_nbi_warp(combine_rows + offset, from_row, size_t(d.hidden) * sizeof(__nv_bfloat16), src.x);
+            put_any = true;
+        }
         if (m_indices != nullptr) {
             __syncwarp();  // every lane read m_indices[row] above before lane 0 clears it
             if (lane == 0) m_indices[row] = -1;
         }
     }
+    if (put_any) nvshmem_quiet();  // this thread's puts delivered before the grid's arrival (see above)
 }
 
 // Block-level, one block: SET combine_ready[this rank] = gen on every owner, each signalling thread after a

@@ -11,6 +11,9 @@
 //                       generation (acquire); with the route part, snapshots the source's meta token_base
 //                       (so nothing after the pull reads the slot); with clear_counts (a window's first
 //                       chunk), block 0 also clears the per-expert counters.
+//   moe_dispatch_stage  rdma sources only (symmring/transport.py): get the waited parts of each rdma source's
+//                       slot into this PE's staging ring (one slot per source), which the kernels below then
+//                       read instead of the peer's mapping (source_slot); no launch without rdma peers.
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
 //   moe_dispatch_scan   one block: exclusive scan -> row offsets (each group aligned to `align` rows), group
 //                       ends for torch._grouped_mm (int32), the rows spanned; starts each reservation cursor
@@ -52,32 +55,41 @@ enum MoeStatus : int { kStatusNoPeerMapping = 1, kStatusBadExpertId = 2 };
 // Words of the bad-expert record (stages.BAD_ID_*): the first id outside [-1, num_experts) seen.
 enum BadIdWord : int { kBadIdValue = 0, kBadIdRank = 1, kBadIdToken = 2, kBadIdK = 3, kBadIdWords = 4 };
 
-__device__ __forceinline__ int num_valid_of(const RingDescriptor& d, int slot, int src_rank) {
-    const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
-    int64_t n = *reinterpret_cast<const volatile int64_t*>(meta + kMetaNumValid);
-    // A corrupt count must not index past the slot.
-    return static_cast<int>(n < 0 ? 0 : (n > d.tokens_per_slot ? d.tokens_per_slot : n));
-}
-
-// Peer pointers of one source rank's slot; false (and the status bit set) when a region is not
-// load/store reachable, which symmring's single-node layer does not support.
-__device__ __forceinline__ bool slot_reachable(const RingDescriptor& d, int slot, int src_rank, int* status) {
-    const bool ok = peer_ptr(d, meta_of(d, slot), src_rank) != nullptr &&
-                    peer_ptr(d, x_of(d, slot), src_rank) != nullptr;
-    if (!ok) atomicOr(status, kStatusNoPeerMapping);
-    return ok;
-}
-
-// Peer pointers of one source's slot payload: routing, rows and (fp8 rings; else null) scales.
+// One source rank's slot as this PE reads it: meta row, routing, rows and (fp8 rings; else null) scales.
+// A p2p source: its copy through the P2P mapping (peer_ptr). An rdma source (is_rdma_peer): the copy that
+// moe_dispatch_stage got into slot `src_rank` of this PE's staging ring `stage` (null when this PE has no
+// rdma peer). Decided once per block and source; the loops below read whichever it is the same way.
 struct SourceSlot {
+    const int64_t* meta;
     const int32_t* idx;
     const float* weights;
     const uint8_t* x;
     const float* x_sf;
 };
-__device__ __forceinline__ SourceSlot source_slot(const RingDescriptor& d, int slot, int src_rank) {
-    return {peer_ptr(d, topk_idx_of(d, slot), src_rank), peer_ptr(d, topk_weights_of(d, slot), src_rank),
-            peer_ptr(d, x_of(d, slot), src_rank), d.num_sf > 0 ? peer_ptr(d, x_sf_of(d, slot), src_rank) : nullptr};
+__device__ __forceinline__ SourceSlot source_slot(const RingDescriptor& d, const RingDescriptor* stage, int slot,
+                                                  int src_rank) {
+    if (stage != nullptr && is_rdma_peer(d, src_rank)) {
+        const RingDescriptor& st = *stage;
+        return {meta_of(st, src_rank), topk_idx_of(st, src_rank), topk_weights_of(st, src_rank), x_of(st, src_rank),
+                d.num_sf > 0 ? x_sf_of(st, src_rank) : nullptr};
+    }
+    return {peer_ptr(d, meta_of(d, slot), src_rank), peer_ptr(d, topk_idx_of(d, slot), src_rank),
+            peer_ptr(d, topk_weights_of(d, slot), src_rank), peer_ptr(d, x_of(d, slot), src_rank),
+            d.num_sf > 0 ? peer_ptr(d, x_sf_of(d, slot), src_rank) : nullptr};
+}
+
+// False (and the status bit set) when a source's slot can be read neither through a mapping nor from a
+// staged copy (an rdma peer without a staging ring: the layer always passes one when it has rdma peers).
+__device__ __forceinline__ bool slot_reachable(const SourceSlot& from, int* status) {
+    const bool ok = from.meta != nullptr && from.x != nullptr;
+    if (!ok) atomicOr(status, kStatusNoPeerMapping);
+    return ok;
+}
+
+__device__ __forceinline__ int num_valid_of(const RingDescriptor& d, const SourceSlot& from) {
+    int64_t n = *reinterpret_cast<const volatile int64_t*>(from.meta + kMetaNumValid);
+    // A corrupt count must not index past the slot.
+    return static_cast<int>(n < 0 ? 0 : (n > d.tokens_per_slot ? d.tokens_per_slot : n));
 }
 
 // An expert id outside [-1, num_experts) at entry `entry` (token * K + k) of src_rank's chunk: set
@@ -117,14 +129,62 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
         __syncthreads();
         if (!fresh) return;
         if (threadIdx.x == 0) {
-            const int64_t* meta = peer_ptr(d, meta_of(d, slot), src_rank);
-            // A null mapping is reported by moe_dispatch_count's status bit; use the protocol's own base here.
+            int64_t* meta_local = meta_of(d, slot);
+            const int64_t* meta = peer_ptr(d, meta_local, src_rank);
+            // rdma source: a get of the word (after the acquire above, as the load).
             token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
-                                                   : chunk_token_base(chunk_idx, d.tokens_per_slot);
+                                                   : nvshmem_int64_g(meta_local + kMetaTokenBase, src_rank);
         }
     }
     // acquire: pairs with the layout publication of moe_produce_layout_* on src_rank.
     if (parts & kWaitLayout) wait_published(d, chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout);
+}
+
+// The rdma transport's pull (symmring/transport.py): get the chunk's `parts` (kWaitRoute: the meta row,
+// topk_idx and topk_weights of the valid tokens; kWaitLayout: their x rows and x_sf scales) of source rank
+// blockIdx.y's slot into slot blockIdx.y of this PE's staging ring `stage_ptr` (symmetric memory, so a valid
+// local buffer of a get on every NVSHMEM transport); moe_dispatch_count / _pull / _pull_fp8 / _fused_fp8
+// then read those sources there (source_slot). Grid (blocks per source, num_ranks): the blocks of a source
+// share its bytes; blocks of p2p sources and of this PE return at once. Readiness: acquired by
+// moe_dispatch_wait earlier on the stream (wait = 0), or (wait != 0: the small-batch schedule, whose fused
+// dispatch has no wait kernel before it) polled here first by thread 0 of every block (poll_ready: both
+// parts, bounded, acquire). Every get is blocking (nvshmemx_getmem_block returns with the bytes in the
+// staging slot), so the end of this kernel orders them before the next kernel on the stream.
+extern "C" __global__ void moe_dispatch_stage(const RingDescriptor* desc_ptr, const RingDescriptor* stage_ptr,
+                                              int chunk_idx, int parts, int wait) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    const int src_rank = blockIdx.y;
+    if (!is_rdma_peer(d, src_rank)) return;
+    const RingDescriptor& st = *stage_ptr;
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    int64_t* meta_local = meta_of(d, slot);
+    __shared__ int ok;
+    __shared__ int num_valid;
+    if (threadIdx.x == 0) {
+        // acquire (wait != 0): pairs with the release of the source's publications (grid_publish).
+        ok = !wait || poll_ready(d, chunk_idx, src_rank, expected_generation(d, chunk_idx));
+        if (ok) {
+            const int64_t n = nvshmem_int64_g(meta_local + kMetaNumValid, src_rank);
+            num_valid = static_cast<int>(n < 0 ? 0 : (n > d.tokens_per_slot ? d.tokens_per_slot : n));
+        }
+    }
+    __syncthreads();  // the other threads get the payload only after thread 0's acquire
+    if (!ok) return;
+    const uint64_t block = blockIdx.x, num_blocks = gridDim.x, n = static_cast<uint64_t>(num_valid);
+    if (parts & kWaitRoute) {
+        if (block == 0) nvshmemx_getmem_block(meta_of(st, src_rank), meta_local, kMetaColumns * sizeof(int64_t), src_rank);
+        const uint64_t topk_bytes = n * d.num_topk * sizeof(int32_t);
+        get_share_block(topk_idx_of(st, src_rank), topk_idx_of(d, slot), src_rank, topk_bytes, block, num_blocks);
+        get_share_block(topk_weights_of(st, src_rank), topk_weights_of(d, slot), src_rank, topk_bytes, block,
+                        num_blocks);
+    }
+    if (parts & kWaitLayout) {
+        get_share_block(x_of(st, src_rank), x_of(d, slot), src_rank, n * x_row_bytes(d), block, num_blocks);
+        if (d.num_sf > 0)
+            get_share_block(x_sf_of(st, src_rank), x_sf_of(d, slot), src_rank, n * d.num_sf * sizeof(float), block,
+                            num_blocks);
+    }
 }
 
 // counts[e] += number of (token, k) entries of every source rank routed to local expert e. Grid:
@@ -133,7 +193,8 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
 // rank, logical token, k); the entry is then skipped like a masked one, so nothing else breaks, and
 // check_errors() names it (no host sync in the layer).
 extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                              int expert_begin, int num_local_experts, int* status, int* bad_id) {
+                                              int expert_begin, int num_local_experts, int* status, int* bad_id,
+                                              const RingDescriptor* stage) {
     extern __shared__ int block_counts[];
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
@@ -141,9 +202,10 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
     const int slot = slot_of(chunk_idx, d.num_slots);
     for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) block_counts[e] = 0;
     __syncthreads();
-    if (slot_reachable(d, slot, src_rank, status)) {
-        const int num_valid = num_valid_of(d, slot, src_rank);
-        const int32_t* idx = peer_ptr(d, topk_idx_of(d, slot), src_rank);
+    const SourceSlot from = source_slot(d, stage, slot, src_rank);
+    if (slot_reachable(from, status)) {
+        const int num_valid = num_valid_of(d, from);
+        const int32_t* idx = from.idx;
         const int64_t num_entries = int64_t(num_valid) * d.num_topk;
         for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
              i += int64_t(gridDim.x) * blockDim.x) {
@@ -249,17 +311,17 @@ __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_
 extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
                                              __nv_bfloat16* pool_x, int4* row_src,
                                              float* row_weight, int expert_begin, int num_local_experts,
-                                             int* status) {
+                                             int* status, const RingDescriptor* stage) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
     const int slot = slot_of(chunk_idx, d.num_slots);
-    if (!slot_reachable(d, slot, src_rank, status)) return;
-    const int num_valid = num_valid_of(d, slot, src_rank);
+    const SourceSlot from = source_slot(d, stage, slot, src_rank);
+    if (!slot_reachable(from, status)) return;
+    const int num_valid = num_valid_of(d, from);
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int hidden = d.hidden;
-    const SourceSlot from = source_slot(d, slot, src_rank);
     const bool fp8 = d.x_format == kXFormatFp8E4M3;
 
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
@@ -332,17 +394,17 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
                                                  uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
                                                  long long sf_col_stride, int* m_indices, int4* row_src,
                                                  float* row_weight, int expert_begin, int num_local_experts,
-                                                 int* status) {
+                                                 int* status, const RingDescriptor* stage) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
     const int slot = slot_of(chunk_idx, d.num_slots);
-    if (!slot_reachable(d, slot, src_rank, status)) return;
-    const int num_valid = num_valid_of(d, slot, src_rank);
+    const SourceSlot from = source_slot(d, stage, slot, src_rank);
+    if (!slot_reachable(from, status)) return;
+    const int num_valid = num_valid_of(d, from);
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int hidden = d.hidden;
-    const SourceSlot from = source_slot(d, slot, src_rank);
 
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
@@ -373,7 +435,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                                                   long long sf_row_stride, long long sf_col_stride, int* m_indices,
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
-                                                  int ack_now, unsigned int* counter) {
+                                                  int ack_now, unsigned int* counter, const RingDescriptor* stage) {
     extern __shared__ int shared[];
     int* counts = shared;                          // [num_local_experts]
     int* cursor = shared + num_local_experts;      // [num_local_experts]: entries before this block, then rows
@@ -395,12 +457,13 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         int valid = 0;
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
         // hold this call's chunk (a stale payload is a typed error, not silent data).
-        if (!slot_reachable(d, slot, src, status) || !poll_ready(d, chunk_idx, src, gen) ||
+        const SourceSlot from = source_slot(d, stage, slot, src);
+        if (!slot_reachable(from, status) || !poll_ready(d, chunk_idx, src, gen) ||
             !check_payload(d, chunk_idx, src, gen)) {
             failed = 1;
         } else {
-            valid = num_valid_of(d, slot, src);
-            if (blockIdx.x == 0) token_base[src] = peer_ptr(d, meta_of(d, slot), src)[kMetaTokenBase];
+            valid = num_valid_of(d, from);
+            if (blockIdx.x == 0) token_base[src] = from.meta[kMetaTokenBase];
         }
         first_token[src + 1] = valid;
     }
@@ -428,7 +491,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         const int src = source_of(pos);
         if (src != idx_src) {
             idx_src = src;
-            src_idx = peer_ptr(d, topk_idx_of(d, slot), src);
+            src_idx = source_slot(d, stage, slot, src).idx;
         }
         const int64_t entry = int64_t(pos - first_token[src]) * K + i % K;
         const int expert = src_idx[entry];
@@ -477,7 +540,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     if (pos < num_tokens) {
         const int src = source_of(pos);
         const int token = pos - first_token[src];
-        const SourceSlot from = source_slot(d, slot, src);
+        const SourceSlot from = source_slot(d, stage, slot, src);
         const int row = reserve_row(d, from.idx, from.weights, token, lane, src, chunk_idx, cursor, row_src,
                                     row_weight, m_indices, expert_begin, num_local_experts);
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);

@@ -44,6 +44,9 @@ struct RingDescriptor {
     uint64_t gen_base_ptr;      // [1] uint64: expected generation of chunk c is *gen_base_ptr + c + 1
     uint64_t error_ptr;         // [kErrorWords] int64 error record
     uint64_t abort_ptr;         // [1] uint64 abort word (AbortWord), written by other PEs
+    uint64_t rdma_mask_ptr;     // [mask_words] uint64, local memory (not symmetric): bit q % 64 of word
+                                // q / 64 set when peer q is reached by NVSHMEM one-sided operations
+                                // (transport rdma) instead of nvshmem_ptr loads/stores; 0: no rdma peer
     uint64_t x_slot_stride;     // bytes
     uint64_t x_sf_slot_stride;  // bytes
     uint64_t topk_slot_stride;  // bytes (topk_idx and topk_weights)

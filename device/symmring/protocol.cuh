@@ -101,12 +101,36 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
-// Address of `pe`'s copy of a symmetric location, or nullptr when it is not load/store reachable (then
-// the NVSHMEM RMA/AMO fallbacks are used). Own PE: the local address.
+// Whether this PE reaches `pe` with NVSHMEM one-sided operations (transport rdma: the peer's bit in the
+// descriptor's rdma_mask; symmring/transport.py). Never for this PE itself.
+__device__ __forceinline__ bool is_rdma_peer(const RingDescriptor& desc, int pe) {
+    if (desc.rdma_mask_ptr == 0 || pe == desc.rank) return false;
+    const uint64_t word = reinterpret_cast<const uint64_t*>(desc.rdma_mask_ptr)[pe / kRanksPerMaskWord];
+    return (word >> (pe % kRanksPerMaskWord)) & 1ull;
+}
+
+// Address of `pe`'s copy of a symmetric location, or nullptr when it is not load/store reachable or the
+// peer is an rdma peer (then the NVSHMEM RMA/AMO paths are used). Own PE: the local address. Callers
+// decide once per peer (per block or warp), never per element.
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(const RingDescriptor& desc, T* local, int pe) {
     if (pe == desc.rank) return local;
+    if (is_rdma_peer(desc, pe)) return nullptr;
     return static_cast<T*>(nvshmem_ptr(const_cast<void*>(static_cast<const void*>(local)), pe));
+}
+
+// Block-level, in every block `block` of `num_blocks` that share one copy: get block `block`'s share of
+// `num_bytes` bytes of `pe`'s copy of the symmetric location `src_local` into local `dst` (blocking
+// nvshmemx_getmem_block: the bytes are in `dst` when it returns). The rdma path's pull.
+__device__ inline void get_share_block(void* dst, const void* src_local, int pe, uint64_t num_bytes, uint64_t block,
+                                       uint64_t num_blocks) {
+    if (num_bytes == 0) return;
+    const uint64_t share = (num_bytes + num_blocks - 1) / num_blocks;
+    const uint64_t begin = share * block;
+    if (begin >= num_bytes) return;
+    const uint64_t len = begin + share > num_bytes ? num_bytes - begin : share;
+    nvshmemx_getmem_block(static_cast<uint8_t*>(dst) + begin, static_cast<const uint8_t*>(src_local) + begin, len,
+                          pe);
 }
 
 // Acquire-load of `pe`'s copy of the word at `local` (peer = the pointer from peer_ptr, may be null).

@@ -354,6 +354,12 @@ class NvshmemBackend(DeviceBackend):
                                f"{self.rank} (no NVLink/P2P mapping)")
         return peer + offset
 
+    def peer_mapped(self, alloc: NvshmemAllocation, rank: int) -> bool:
+        """Whether ``rank``'s copy of ``alloc`` is load/store reachable from here (nvshmem_ptr is not null;
+        always true for this PE). `symmring.transport` picks p2p or rdma per peer from it."""
+        self._check_alloc(alloc, rank, 0, 0)
+        return rank == self.rank or int(self._nvshmem.ptr(alloc.ptr, rank)) != 0
+
     def _check_alloc(self, alloc, rank: int, offset: int, nbytes: int) -> None:
         self._check_open()
         if not isinstance(alloc, NvshmemAllocation) or alloc.freed:

@@ -22,6 +22,12 @@ sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``built
   schedule on the same inputs too (``general_ms``, ``general_graph_ms``), so the fused kernels' gain is
   measured side by side.
 
+``--transport p2p,rdma`` runs every measurement with each transport (`symmring.transport`; p2p is the
+default) and prints the rdma rows beside p2p with their ratio, labelled "rdma forced on one node: a lower
+bound of its overhead": on one node NVSHMEM carries the rdma path's gets, puts and atomics over the same
+P2P mapping, so the ratio is what the remote path costs in staging copies and protocol, not over a
+network (two nodes were not run). With one rank no peer exists, so rdma changes nothing there.
+
 ``--decode`` is the decode sweep: 1, 2, 4, ..., 128 tokens per rank, the fp8 engines, and per row the target
 of the decode issue, ``1.3 x the fp8 weight-read limit + 25 us`` (``target_ms``; at these sizes the roofline
 is the weight read), graph latency over the limit and eager over graph.
@@ -190,7 +196,7 @@ def _mark_rows(state, mark: bool) -> None:
 
 def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[str, float], engines: List[str],
                 graphs: bool = True, seed: int = 0, done: Optional[List[int]] = None, total: Optional[int] = None,
-                started: Optional[float] = None, kernels: bool = False) -> List[Dict]:
+                started: Optional[float] = None, kernels: bool = False, transport: str = "p2p") -> List[Dict]:
     import torch
     from ..moe.experts import Fp8Experts
     from ..moe.gpu import MoE, STAGES
@@ -200,7 +206,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
     layers = {}
     for engine in engines:
         layers[engine] = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(tokens),
-                             engine=engine, expert_dtype="bf16" if engine == "torch" else "fp8")
+                             engine=engine, expert_dtype="bf16" if engine == "torch" else "fp8", transport=transport)
     # The other fp8 engine on the same weights: each fp8 layer's pool is timed under both engines.
     twins = {}
     if "builtin" in layers and "deepgemm" in layers:
@@ -233,7 +239,8 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 touched = int((counts > 0).sum().item())
                 gemm_flops = 2.0 * num_rows * 3 * hidden * inter
                 mem = moe.memory()
-                row = {"shape": name, "engine": engine, "expert_dtype": moe.expert_dtype, "hidden": hidden,
+                row = {"shape": name, "engine": engine, "transport": transport, "expert_dtype": moe.expert_dtype,
+                       "hidden": hidden,
                        "inter": inter, "num_experts": num_experts, "topk": topk, "world_size": ctx.world_size,
                        "tokens_per_rank": n, "routed_rows": num_rows, "touched_experts": touched,
                        "layer_ms": layer_ms, "stages_ms": stages, "pool_bytes": mem["pool_bytes"],
@@ -290,7 +297,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 if done is not None:
                     done[0] += 1
                 progress("bench moe", done[0] if done else len(rows), total,
-                         f"{name} {engine} n={n}: {layer_ms:.3f} ms eager, "
+                         f"{name} {engine} {transport} n={n}: {layer_ms:.3f} ms eager, "
                          f"{row.get('layer_graph_ms', float('nan')):.3f} ms graph, {row['vs_fp8_roofline']:.2f}x the "
                          "fp8 roofline", rank=ctx.rank, started_s=started)
             del x
@@ -304,9 +311,9 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
 
 def add_ratios(rows: List[Dict]) -> None:
     """``fp8_vs_bf16``: each fp8 row's graph (else eager) latency over the bf16 row's at the same size."""
-    base = {(r["shape"], r["tokens_per_rank"]): r for r in rows if r["engine"] == "torch"}
+    base = {(r["shape"], r["tokens_per_rank"], r.get("transport")): r for r in rows if r["engine"] == "torch"}
     for r in rows:
-        b = base.get((r["shape"], r["tokens_per_rank"]))
+        b = base.get((r["shape"], r["tokens_per_rank"], r.get("transport")))
         if b is not None and r["engine"] != "torch":
             r["fp8_vs_bf16"] = r.get("layer_graph_ms", r["layer_ms"]) / b.get("layer_graph_ms", b["layer_ms"])
 
@@ -326,6 +333,45 @@ def format_decode_table(rows: List[Dict]) -> str:
                      f"{graph:>9.3f} {r['layer_ms']:>9.3f} {r.get('general_graph_ms', nan):>9.3f} "
                      f"{r.get('general_ms', nan):>9.3f} {r['fp8_roofline_ms']:>8.3f} {r['target_ms']:>7.3f} "
                      f"{graph / limit:>6.2f} {r['eager_vs_graph']:>6.2f} {'yes' if ok else 'NO':>3}")
+    return "\n".join(lines)
+
+
+def add_transport_ratios(rows: List[Dict]) -> None:
+    """``rdma_vs_p2p``: each rdma row's eager (and ``rdma_vs_p2p_graph``: graph) latency over the p2p row of
+    the same shape, engine and size."""
+    base = {(r["shape"], r["engine"], r["tokens_per_rank"]): r for r in rows if r.get("transport") == "p2p"}
+    for r in rows:
+        b = base.get((r["shape"], r["engine"], r["tokens_per_rank"]))
+        if r.get("transport") != "rdma" or b is None:
+            continue
+        r["rdma_vs_p2p"] = r["layer_ms"] / b["layer_ms"]
+        if "layer_graph_ms" in r and "layer_graph_ms" in b:
+            r["rdma_vs_p2p_graph"] = r["layer_graph_ms"] / b["layer_graph_ms"]
+
+
+def format_transport_table(rows: List[Dict]) -> str:
+    """rdma beside p2p (rows of `add_transport_ratios`), under the one-node label; empty without rdma rows.
+
+    Example:
+        >>> rows = [dict(shape="mixtral", engine="builtin", tokens_per_rank=8, transport=t, layer_ms=ms)
+        ...         for t, ms in (("p2p", 0.2), ("rdma", 0.3))]
+        >>> add_transport_ratios(rows)
+        >>> print(format_transport_table(rows).splitlines()[0])
+        rdma forced on one node: a lower bound of its overhead
+    """
+    from .protocol import RDMA_LABEL
+    nan = float("nan")
+    pairs = [r for r in rows if "rdma_vs_p2p" in r]
+    if not pairs:
+        return ""
+    base = {(r["shape"], r["engine"], r["tokens_per_rank"]): r for r in rows if r.get("transport") == "p2p"}
+    lines = [RDMA_LABEL, f"{'shape':<14} {'tokens':>6} {'engine':<8} {'p2p ms':>9} {'rdma ms':>9} {'ratio':>6} "
+             f"{'p2p graph':>9} {'rdma graph':>10} {'ratio':>6}"]
+    for r in pairs:
+        b = base[(r["shape"], r["engine"], r["tokens_per_rank"])]
+        lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['engine']:<8} {b['layer_ms']:>9.3f} "
+                     f"{r['layer_ms']:>9.3f} {r['rdma_vs_p2p']:>6.2f} {b.get('layer_graph_ms', nan):>9.3f} "
+                     f"{r.get('layer_graph_ms', nan):>10.3f} {r.get('rdma_vs_p2p_graph', nan):>6.2f}")
     return "\n".join(lines)
 
 
@@ -390,7 +436,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--decode", action="store_true",
                         help=f"the decode sweep: tokens {','.join(map(str, DECODE_TOKENS))}, fp8 engines, the "
                              "decode table (unless --tokens/--engines are given)")
+    parser.add_argument("--transport", default="p2p",
+                        help="p2p, rdma or p2p,rdma (symmring.transport): every measurement with each; rdma is "
+                             "printed beside p2p with its ratio (rdma forced on one node: a lower bound of its "
+                             "overhead)")
     args = parser.parse_args(argv)
+    from .protocol import parse_transports
+    try:
+        transports = parse_transports(args.transport)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.decode:
         if args.tokens == ",".join(map(str, DEFAULT_TOKENS)):
             args.tokens = ",".join(map(str, DECODE_TOKENS))
@@ -427,11 +482,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         engines = available_engines(engines)
         ceilings = measure_ceilings(device)
         rows: List[Dict] = []
-        done, total = [0], len(shapes) * len(tokens) * len(engines)
+        done, total = [0], len(shapes) * len(tokens) * len(engines) * len(transports)
         for shape in shapes:
-            rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph,
-                                done=done, total=total, started=started, kernels=args.kernels)
+            for transport in transports:
+                rows += bench_shape(ctx, shape, tokens, args.repeats, ceilings, engines, graphs=not args.no_graph,
+                                    done=done, total=total, started=started, kernels=args.kernels,
+                                    transport=transport)
             add_ratios(rows)
+            add_transport_ratios(rows)
             if args.json and ctx.rank == 0:  # after every shape: a run cut short keeps what it measured
                 with open(args.json, "w") as fh:
                     json.dump({"ceilings": ceilings, "rows": rows, "device": ctx.device,
@@ -442,6 +500,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_table(rows, ceilings))
         if args.decode:
             print(format_decode_table(rows))
+        if len(transports) > 1:
+            print(format_transport_table(rows))
         for r in rows:
             if r.get("graph_kernels_us"):
                 top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["graph_kernels_us"].items())[:8])

@@ -16,7 +16,15 @@ Two figures, both measured in the same run:
   blocks) and with one block per SM. Goal: pull >= 0.8 of copy. (The peer-copy reference was added
   after the last GPU session and has not run on a GPU yet.)
 
-Prints a table on rank 0 and writes the figures as JSON (``--json``). Returns the exit status.
+``--transport p2p,rdma`` measures both figures again with the rdma transport (`symmring.transport`: the
+ping-pong polls the other side's word with NVSHMEM's remote atomic fetch, the consumer pulls the slot with
+``nvshmemx_getmem_block``) and prints them beside p2p with their ratio. On one node NVSHMEM carries those
+calls over the same P2P mapping, so the rdma rows are labelled "rdma forced on one node: a lower bound of its
+overhead" (what the remote path costs in instructions and protocol, not over a network; two nodes were not
+run). With one PE the pull reads this PE's own slot, which is never rdma, so only the latency row moves.
+
+Prints a table on rank 0 and writes the figures as JSON (``--json``; the rdma figures under
+``transports``). Returns the exit status.
 """
 
 from __future__ import annotations
@@ -33,10 +41,14 @@ import numpy as np
 
 GOAL_LATENCY_US = 2.0
 GOAL_PULL_RATIO = 0.8
+#: The label of every rdma figure measured on one node.
+RDMA_LABEL = "rdma forced on one node: a lower bound of its overhead"
+_PULL_LABELS = ("spin_budget", "all_sms", "two_per_sm")
 
 
-def _pingpong(backend, num_rounds: int, first_value: int, timeout_s: float) -> Optional[float]:
-    """One-way latency in us between ranks 0 and 1 (two streams of rank 0 with one PE); None elsewhere."""
+def _pingpong(backend, num_rounds: int, first_value: int, timeout_s: float, rdma: bool = False) -> Optional[float]:
+    """One-way latency in us between ranks 0 and 1 (two streams of rank 0 with one PE); None elsewhere.
+    ``rdma``: the observing side polls with NVSHMEM's remote atomic fetch instead of its mapping."""
     import cupy
     module = backend.library_module("ring")
     fn = module.function("symmring_bench_pingpong")
@@ -51,15 +63,15 @@ def _pingpong(backend, num_rounds: int, first_value: int, timeout_s: float) -> O
         backend.barrier()
         if backend.world_size == 1:
             responder, initiator = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-            fn((1,), (32,), (word1, word0, np.int32(0), rounds, np.int32(0), first, timeout_ns, out_resp),
-               stream=responder)
-            fn((1,), (32,), (word0, word1, np.int32(0), rounds, np.int32(1), first, timeout_ns, out_init),
-               stream=initiator)
+            fn((1,), (32,), (word1, word0, np.int32(0), rounds, np.int32(0), first, timeout_ns, out_resp,
+                             np.int32(rdma)), stream=responder)
+            fn((1,), (32,), (word0, word1, np.int32(0), rounds, np.int32(1), first, timeout_ns, out_init,
+                             np.int32(rdma)), stream=initiator)
             cupy.cuda.runtime.deviceSynchronize()
         elif backend.rank in (0, 1):
             other = 1 - backend.rank
             fn((1,), (32,), (word0, word0, np.int32(other), rounds, np.int32(1 if backend.rank == 0 else 0), first,
-                             timeout_ns, out_init), stream=cupy.cuda.Stream(non_blocking=True))
+                             timeout_ns, out_init, np.int32(rdma)), stream=cupy.cuda.Stream(non_blocking=True))
             cupy.cuda.runtime.deviceSynchronize()
         if backend.rank == 0:
             elapsed_ns, done = (int(v) for v in out_init.get())
@@ -91,8 +103,9 @@ def _median_ms(launch, repeats: int, hold, inner: int = 5) -> float:
 _NUM_ITEMS = 5
 
 
-def _pull(backend, tokens: int, hidden: int, repeats: int, started_s: float) -> Optional[Dict[str, float]]:
-    """Pull-vs-copy figures on rank 0 (pulling from rank 1, or from itself with one PE)."""
+def _pull(backend, tokens: int, hidden: int, repeats: int, started_s: float,
+          transport: str = "p2p") -> Optional[Dict[str, float]]:
+    """Pull-vs-copy figures on rank 0 (pulling from rank 1, or from itself with one PE) with ``transport``."""
     import cupy
 
     from . import progress
@@ -100,7 +113,7 @@ def _pull(backend, tokens: int, hidden: int, repeats: int, started_s: float) -> 
     from ..layout import RingSpec
     spec = RingSpec(num_slots=1, tokens_per_slot=tokens, hidden=hidden, num_topk=8, num_experts=256,
                     x_format="bf16")
-    ring = DeviceRing(backend, spec, timeout_s=30.0)
+    ring = DeviceRing(backend, spec, timeout_s=30.0, transport=transport)
     hold_word = backend.alloc(64)  # a word nobody sets: a bounded wait on it holds the stream ~2 ms
 
     def hold():
@@ -158,22 +171,44 @@ def _pull(backend, tokens: int, hidden: int, repeats: int, started_s: float) -> 
     return result
 
 
-def run(*, rounds: int = 10000, tokens: int = 8192, hidden: int = 7168, repeats: int = 20) -> Dict[str, object]:
-    """Run the benchmark on this process's PE (collective); returns the figures (complete on rank 0)."""
+def parse_transports(text: str) -> List[str]:
+    """``--transport``'s comma-separated list: ``p2p`` and/or ``rdma``, p2p first (the reference).
+
+    Example:
+        >>> parse_transports("rdma,p2p")
+        ['p2p', 'rdma']
+    """
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in ("p2p", "rdma")]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"--transport={text!r}: expected p2p, rdma or p2p,rdma")
+    return sorted(names, key=("p2p", "rdma").index)
+
+
+def run(*, rounds: int = 10000, tokens: int = 8192, hidden: int = 7168, repeats: int = 20,
+        transports: Sequence[str] = ("p2p",)) -> Dict[str, object]:
+    """Run the benchmark on this process's PE (collective); returns the figures (complete on rank 0): the
+    first transport's at the top level, every transport's under ``transports``."""
     from ..backends.nvshmem import NvshmemBackend
     from . import progress
     started_s = time.perf_counter()
     backend = NvshmemBackend()
+    per_transport: Dict[str, Dict[str, object]] = {}
     try:
-        _pingpong(backend, 200, 1, 10.0)  # warm-up: module load, first launches
-        latency_us = _pingpong(backend, rounds, 1_000_000, 30.0)
-        progress("bench protocol", 1, _NUM_ITEMS, f"publish->observe {latency_us or float('nan'):.2f} us one way",
-                 rank=backend.rank, started_s=started_s)
-        pull = _pull(backend, tokens, hidden, repeats, started_s)
+        for t in transports:
+            rdma = t == "rdma"
+            _pingpong(backend, 200, 1, 10.0, rdma)  # warm-up: module load, first launches
+            latency_us = _pingpong(backend, rounds, 1_000_000, 30.0, rdma)
+            progress("bench protocol", 1, _NUM_ITEMS, f"{t}: publish->observe {latency_us or float('nan'):.2f} us "
+                     "one way", rank=backend.rank, started_s=started_s)
+            pull = _pull(backend, tokens, hidden, repeats, started_s, transport=t)
+            per_transport[t] = {"publish_observe_one_way_us": latency_us, "pull": pull}
+        first = per_transport[transports[0]]
         return {"benchmark": "protocol", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "device": backend.device, "world_size": backend.world_size, "pes_per_gpu": backend.pes_per_gpu,
-                "rounds": rounds, "publish_observe_one_way_us": latency_us, "goal_latency_us": GOAL_LATENCY_US,
-                "pull": pull, "goal_pull_ratio": GOAL_PULL_RATIO, "rank": backend.rank}
+                "rounds": rounds, "publish_observe_one_way_us": first["publish_observe_one_way_us"],
+                "goal_latency_us": GOAL_LATENCY_US, "pull": first["pull"], "goal_pull_ratio": GOAL_PULL_RATIO,
+                "transports": per_transport, "rank": backend.rank}
     finally:
         backend.finalize()
 
@@ -192,8 +227,29 @@ def format_table(figures: Dict[str, object]) -> str:
                          f"{pull[f'pull_{label}_GBps']:.0f} GB/s = {pull[f'pull_{label}_ratio']:.2f} of copy "
                          f"(goal >= {GOAL_PULL_RATIO}); {pull[f'pull_{label}_GBps'] / 2:.0f} GB/s per direction = "
                          f"{pull[f'pull_{label}_vs_peer_copy']:.2f} of the peer copy"))
+    rows += _rdma_rows(figures)
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _rdma_rows(figures: Dict[str, object]) -> List[tuple]:
+    """The rdma transport's rows beside p2p (when both ran), each with its ratio to p2p."""
+    per = figures.get("transports") or {}
+    p2p, rdma = per.get("p2p"), per.get("rdma")
+    if not p2p or not rdma:
+        return []
+    rows = [(RDMA_LABEL, "")]
+    lat, ref = rdma["publish_observe_one_way_us"], p2p["publish_observe_one_way_us"]
+    rows.append(("rdma publish->observe, one way",
+                 f"{lat:.2f} us = {lat / ref:.2f}x p2p" if lat and ref else "failed"))
+    pull, ref_pull = rdma.get("pull") or {}, p2p.get("pull") or {}
+    if pull and ref_pull:
+        note = " (1 PE: its own slot, not rdma)" if figures["world_size"] == 1 else ""
+        for label in _PULL_LABELS:
+            gbps, ref_gbps = pull[f"pull_{label}_GBps"], ref_pull[f"pull_{label}_GBps"]
+            rows.append((f"rdma pull, {pull[f'pull_{label}_blocks']} blocks",
+                         f"{gbps:.0f} GB/s = {gbps / ref_gbps:.2f} of p2p pull{note}"))
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -208,19 +264,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of the pulled slot")
     parser.add_argument("--hidden", type=int, default=7168, help="bf16 channels per token")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
+    parser.add_argument("--transport", default="p2p",
+                        help="p2p, rdma or p2p,rdma: measure with each (symmring.transport); rdma is printed beside "
+                             "p2p with its ratio (" + RDMA_LABEL + ")")
     args = parser.parse_args(argv)
+    try:
+        transports = parse_transports(args.transport)
+    except ValueError as exc:
+        parser.error(str(exc))
     from ..backends.nvshmem import gpu_available
     if not gpu_available():
         print("symmring bench protocol: needs a CUDA GPU, CuPy, nvshmem4py and nvidia-nvshmem", file=sys.stderr)
         return 2
-    figures = run(rounds=args.rounds, tokens=args.tokens, hidden=args.hidden, repeats=args.repeats)
+    figures = run(rounds=args.rounds, tokens=args.tokens, hidden=args.hidden, repeats=args.repeats,
+                  transports=transports)
     if figures["rank"] != 0:
         return 0
     print(format_table(figures))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(figures, fh, indent=2)
-    ok = figures["publish_observe_one_way_us"] is not None and figures["pull"] is not None
+    ok = all(f["publish_observe_one_way_us"] is not None and f["pull"] is not None
+             for f in figures["transports"].values())
     return 0 if ok else 1
 
 

@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections import OrderedDict
@@ -62,7 +63,8 @@ import numpy as np
 from .. import env, protocol
 from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, RingClosedError
-from ..layout import ALIGN, RingSpec, align_up
+from ..layout import ALIGN, RingLayout, RingSpec, align_up
+from .. import transport as transport_mod
 from . import plan as plans
 from . import routing as routing_mod
 from . import stages, timeline
@@ -147,10 +149,15 @@ class MoE:
             128)]``: the dequantisation multipliers, ``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8).
         small_batch_tokens: batch calls of one chunk with at most this many tokens on every rank run the
             small-batch schedule (fp8 dispatch and experts only; 0: never unless forced).
+        transport: how this PE reaches each peer (`symmring.transport`): ``"auto"`` (p2p where
+            ``nvshmem_ptr`` maps, rdma otherwise), ``"p2p"``, ``"rdma"`` (every peer: NVSHMEM gets into a
+            staging ring, puts of combine rows, remote atomics), ``"rdma:1,3"`` (those peers); None:
+            ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
-        BackendError: the context is not on a device backend, or torch is missing.
+        BackendError: the context is not on a device backend, or torch is missing, or
+            ``transport="p2p"`` with a peer that has no P2P mapping (named).
 
     Example:
         >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,  # doctest: +SKIP
@@ -165,7 +172,7 @@ class MoE:
                  timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
                  engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 small_batch_tokens: int = SMALL_BATCH_TOKENS):
+                 small_batch_tokens: int = SMALL_BATCH_TOKENS, transport=None):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -211,6 +218,7 @@ class MoE:
                                       or not timeout_s > 0):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
+        transport_mod.request(transport, self.world_size)  # a ConfigError before any collective work
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
@@ -249,7 +257,21 @@ class MoE:
         self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot, hidden=H,
                              num_topk=K, num_experts=self.num_experts, x_format=x_format,
                              sf_group_size=FP8_GROUP_SIZE)
-        self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s)
+        self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s, transport=transport)
+        #: How this PE reaches each rank ("self", "p2p", "rdma"; `symmring.transport`).
+        self.transports = self.ring.transports
+        # rdma sources are read from a staging ring of one slot per source rank (moe_dispatch_stage gets
+        # their slots into it): symmetric memory (a get's local buffer must be on every NVSHMEM transport),
+        # so every PE allocates it when any PE has an rdma peer (the allocation is collective).
+        any_rdma = transport_mod.RDMA in self.transports
+        wanted = ctx.collectives.allgather(any_rdma, what="MoE: transports", timeout_s=self.timeout_s)
+        self.stage_alloc, stage_desc = None, None
+        if any(wanted):
+            stage_layout = RingLayout(dataclasses.replace(self.spec, num_slots=self.world_size), self.world_size)
+            self.stage_alloc = backend.alloc(stage_layout.nbytes)
+            # Only the payload regions are used: slot r holds source rank r's staged chunk.
+            stage_desc = _cupy().asarray(np.frombuffer(
+                stage_layout.descriptor(self.stage_alloc.ptr, rank=self.rank).tobytes(), dtype=np.uint8))
         # Combine buffer: combine_ready[world_size] uint64, then rows [max_tokens][K][H] bf16 by logical token.
         rows_offset = align_up(self.world_size * 8, ALIGN)
         self.combine_alloc = backend.alloc(rows_offset + self.max_tokens * K * H * 2)
@@ -282,6 +304,7 @@ class MoE:
             row_weight=torch.zeros(self.capacity, dtype=torch.float32, device=self.device),
             # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
             token_base=torch.zeros((max(self.num_slots, 1), self.world_size), dtype=torch.int64, device=self.device),
+            stage=stage_desc if any_rdma else None,
             combine_ready=np.uint64(backend.address(self.combine_alloc, self.rank, 0)),
             combine_rows=np.uint64(backend.address(self.combine_alloc, self.rank, rows_offset)),
             stamps=torch.zeros(timeline.num_stamps(self.max_chunks), dtype=torch.int64, device=self.device))
@@ -311,7 +334,8 @@ class MoE:
         s = self._state
         pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
                    if t is not None)
-        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes,
+        stage = self.stage_alloc.nbytes if self.stage_alloc is not None else 0
+        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes + stage,
                 "weight_bytes": self.engine.weights.nbytes}
 
     # --- validation -----------------------------------------------------------------------------------
@@ -698,7 +722,8 @@ class MoE:
     def check_errors(self) -> None:
         """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `ConfigError`
         if a routed expert id was outside ``[-1, num_experts)`` (the entry was skipped; the record is cleared,
-        so the next valid call works), or `BackendError` if a peer's memory was not load/store reachable."""
+        so the next valid call works), or `BackendError` if a peer's slot could not be read (no mapping and no
+        staging ring: an internal inconsistency of the transports)."""
         self._check_open()
         self.ring.kernels.check_errors(synchronize=True)
         status = int(self._state.status.item())
@@ -711,8 +736,9 @@ class MoE:
             raise ConfigError(f"topk_idx: expert id {value} of token {token} (k={k}) on rank {src} is outside "
                               f"[-1, num_experts={self.num_experts}); that entry contributed nothing")
         if status & stages.STATUS_NO_PEER_MAPPING:
-            raise BackendError(f"rank {self.rank}: a peer's ring is not load/store reachable (nvshmem_ptr "
-                               "returned null); the MoE layer needs all PEs on one node with P2P/NVLink")
+            raise BackendError(f"rank {self.rank}: a peer's ring slot was readable neither through a P2P mapping "
+                               f"nor from the staging ring (transports {self.transports}): an rdma peer without "
+                               "a staging ring")
 
     def reset(self) -> None:
         """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout)."""
@@ -732,6 +758,8 @@ class MoE:
             return
         self.closed = True
         self.backend.free(self.combine_alloc)
+        if self.stage_alloc is not None:
+            self.backend.free(self.stage_alloc)
         self.ring.close()
 
     def __enter__(self) -> "MoE":

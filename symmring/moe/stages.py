@@ -3,7 +3,7 @@
 Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every argument named):
 
 * producer (``producer.cu``): `wait_slot`, `produce_route`, `produce_layout`;
-* dispatch (``dispatch.cu``): `wait`, `count`, `scan`, `pull`, `ack`;
+* dispatch (``dispatch.cu``): `wait`, `stage` (rdma sources only), `count`, `scan`, `pull`, `ack`;
 * combine (``combine.cu``): `combine_scatter`, `combine_signal`, `combine_wait`, `combine_reduce`;
 * schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`;
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
@@ -80,6 +80,11 @@ def _p(tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr())
 
 
+def _stage(s: "State"):
+    """The staging ring's descriptor as a kernel argument (null without rdma peers)."""
+    return np.uint64(0) if s.stage is None else s.stage
+
+
 def _counter(s: "State", word: int) -> np.uint64:
     """The address of grid-handshake word ``word`` (`COUNTER_ROUTE`, ...) of `State.counters`."""
     return np.uint64(s.counters.data_ptr() + 4 * word)
@@ -97,6 +102,7 @@ class Kernels:
         self.produce_layout_bf16 = producer.function("moe_produce_layout_bf16")
         self.wait = dispatch.function("moe_dispatch_wait")
         self.count = dispatch.function("moe_dispatch_count")
+        self.stage = dispatch.function("moe_dispatch_stage")
         self.scan = dispatch.function("moe_dispatch_scan")
         self.pull = dispatch.function("moe_dispatch_pull")
         self.pull_fp8 = dispatch.function("moe_dispatch_pull_fp8")
@@ -124,7 +130,8 @@ class State:
     [capacity * hidden / 128] (fp8 pools, laid out per window: `pool_scales`) or None; m_indices int32
     [capacity] (aligned pools: -1 except while a window's rows are in the pool) or None; row_src int32
     [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R]. align: the row alignment of every
-    expert group (the engine's).
+    expert group (the engine's). stage: the device descriptor of the staging ring (one slot per source rank)
+    the rdma sources' slots are got into, or None when this PE has no rdma peer (`symmring.transport`).
     """
 
     desc: object
@@ -151,6 +158,7 @@ class State:
     row_src: object
     row_weight: object
     token_base: object
+    stage: object
     combine_ready: np.uint64
     combine_rows: np.uint64
     stamps: object
@@ -210,12 +218,23 @@ def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: in
            stream=stream)
 
 
+def stage(k: Kernels, s: State, stream, *, chunk: int, parts: int, wait: bool = False) -> None:
+    """rdma sources only (nothing is enqueued without them): get ``parts`` of every rdma source's slot of
+    ``chunk`` into the staging ring, where `count`, `pull` and `dispatch_fused` read them. ``wait``: poll
+    both readiness words first (the small-batch schedule, which has no `wait` kernel)."""
+    if s.stage is None or not parts:
+        return
+    grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
+    k.stage(grid, (THREADS_PER_BLOCK,), (s.desc, s.stage, np.int32(chunk), np.int32(parts), np.int32(wait)),
+            stream=stream)
+
+
 def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
     """Add the chunk's (token, k) entries of every source routed to each local expert to ``counts``; an
     expert id outside ``[-1, num_experts)`` sets `STATUS_BAD_EXPERT_ID` and the bad-id record."""
     grid = (blocks(s.tokens_per_slot * s.topk, THREADS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
     k.count(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.counts), np.int32(s.expert_begin),
-                                         np.int32(s.num_local_experts), _p(s.status), _p(s.bad_id)),
+                                         np.int32(s.num_local_experts), _p(s.status), _p(s.bad_id), _stage(s)),
             stream=stream, shared_mem=4 * s.num_local_experts)
 
 
@@ -233,13 +252,13 @@ def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep) -> Non
     if s.pool_sf is None:
         k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status)), stream=stream)
+                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)), stream=stream)
         return
     sf = s.pool_scales(window.rows_bound)
     k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
                                             _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status)), stream=stream)
+                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)), stream=stream)
 
 
 def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
@@ -316,7 +335,8 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
                           _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
                           _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
                           np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
-                          np.int32(ack_now), _counter(s, COUNTER_DISPATCH)), stream=stream, shared_mem=shared)
+                          np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s)), stream=stream,
+                         shared_mem=shared)
 
 
 def combine_send(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool) -> None:
@@ -392,14 +412,19 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         # Route readiness alone lets the consumer count (and reserve pool rows across the window's chunks)
         # while the producer still writes the layout.
         wait(k, s, stream, chunk=c, parts=first_parts, window_row=c - window.first, clear_counts=c == window.first)
+        stage(k, s, stream, chunk=c, parts=first_parts)  # rdma sources: count reads the staged routing
         if stamps and c == window.first:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "wait"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=False)
         count(k, s, stream, chunk=c)
     scan(k, s, stream)
+    # rdma sources: the pull reads the staged layout (not staged yet with split waits) and routing (the
+    # staging ring holds one chunk per source: a window of several chunks staged over it while counting).
+    restage = (WAIT_LAYOUT if split_waits else 0) | (WAIT_ROUTE | WAIT_LAYOUT if len(window.chunks) > 1 else 0)
     for c in window.chunks:
         if split_waits:
             wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
+        stage(k, s, stream, chunk=c, parts=restage)
         pull(k, s, stream, chunk=c, window=window)
         if early:  # the pull was this PE's last read of every source's slot (meta was snapshotted)
             ack(k, s, stream, chunk=c)
@@ -437,6 +462,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x)
     if mark is not None:
         mark("layout")
+    # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).
+    stage(k, s, stream, chunk=window.first, parts=WAIT_ROUTE | WAIT_LAYOUT, wait=True)
     dispatch_fused(k, s, stream, window=window, ack_now=early)
     if mark is not None:
         mark("dispatch")

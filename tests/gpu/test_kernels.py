@@ -33,10 +33,10 @@ def _to_torch(array):
     return torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array).cuda()
 
 
-def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
+def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative, transport=None):
     torch = pytest.importorskip("torch")
     R, me = backend.world_size, backend.rank
-    ring = DeviceRing(backend, spec, timeout_s=20.0)
+    ring = DeviceRing(backend, spec, timeout_s=20.0, transport=transport)
     try:
         k = ring.kernels
         base = k.gen_base()
@@ -93,6 +93,33 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative):
 @collective
 def test_producer_and_consumer_on_two_streams_bitwise(backend, seed, x_format):
     _run_two_streams(backend, small_spec(x_format), seed, num_chunks=7, delays=False, conservative=False)
+
+
+def _mixed(world_size: int) -> str:
+    """The mixed transport of the tests: rdma to the odd ranks, p2p to the others."""
+    return "rdma:" + ",".join(str(q) for q in range(1, world_size, 2))
+
+
+@pytest.mark.parametrize("x_format, delays", [("bf16", False), ("fp8_e4m3", False), ("fp8_e4m3", True)])
+@pytest.mark.parametrize("kind", ["rdma", "mixed"])
+@collective
+def test_two_streams_over_the_rdma_transport_bitwise(backend, seed, x_format, delays, kind):
+    # The same movement with NVSHMEM gets / remote atomics instead of loads through the mapping (forced on
+    # one node), for every peer or the odd ones; random delays and the separate ack too.
+    if backend.world_size == 1:
+        pytest.skip("one PE: no peer to reach over rdma")
+    transport = "rdma" if kind == "rdma" else _mixed(backend.world_size)
+    probe = DeviceRing(backend, small_spec(x_format), timeout_s=20.0, transport=transport)
+    try:
+        want = ["self" if q == backend.rank else
+                "rdma" if kind == "rdma" or q % 2 == 1 else "p2p" for q in range(backend.world_size)]
+        got = probe.transports
+    finally:
+        probe.close()
+    # delays: random sleeps on both streams and the separate (CONSERVATIVE) acknowledgement.
+    _run_two_streams(backend, small_spec(x_format), seed, num_chunks=7, delays=delays, conservative=delays,
+                     transport=transport)
+    assert got == want, f"transports {got}, expected {want}"  # after the collective runs: every rank ran them
 
 
 @pytest.mark.parametrize("delay_seed", [1, 2, 3, 4])
