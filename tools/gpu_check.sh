@@ -16,6 +16,8 @@
 #   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager)
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
 #   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs: the two-stream ring kernels
+#   faults    tests/gpu/test_layer_faults.py: late/exiting/stalled PE jobs of 2 and 4 PEs (MPS), one process
+#             (it starts the jobs); one json per case in $OUT/faults
 #   protocol  python -m symmring bench protocol on 1 and 2 PEs (bench_protocol_*pe.json)
 #   gemm      python -m symmring bench gemm (bench_gemm.json)
 #   moe       python -m symmring bench moe, bf16 and fp8 engines (bench_moe.json, bench_moe.png)
@@ -99,6 +101,8 @@ for s in "${steps[@]}"; do
                 tests/gpu/test_moe_streamed.py tests/gpu/test_moe_fp8.py \
                 -k "two_streams or random_delays or schedules or token_counts or whole_window or graph_replay_matches" ;;
     blocking2) CUDA_LAUNCH_BLOCKING=1 stage blocking2 90 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu/test_kernels.py -k "two_streams" ;;
+    faults) SYMMRING_FAULT_REPORT="$OUT/faults" stage faults 330 "${PYTEST[@]}" --timeout 300 \
+              tests/gpu/test_layer_faults.py ;;
     protocol)
       stage protocol1 60 "$PY" -m symmring bench protocol --json "$OUT/bench_protocol_1pe.json"
       stage protocol2 60 "${LAUNCH[@]}" -n 2 -- "$PY" -m symmring bench protocol --json "$OUT/bench_protocol_2pe.json" ;;

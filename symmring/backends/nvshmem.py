@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import deps, env
 from ..collective import Collectives
-from ..errors import BackendError, ConfigError, RingClosedError
+from ..errors import BackendError, BrokenStateError, ConfigError, PeerTimeout, RingClosedError
 from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class NvshmemBackend(DeviceBackend):
         from .. import jit
         os.environ.setdefault("CUPY_CACHE_DIR", str(env.cache_dir() / "cupy"))
         path = jit.compile_on_node(source, name=name, cc=self.compute_capability, local_comm=self._local_comm,
-                                   extra_options=extra_options)
+                                   extra_options=extra_options, collectives=self.collectives)
         # cupy.cuda.function.Module: the CUmodule itself (ptr), loaded eagerly, so cumodule_init can see it.
         module = self._cupy.cuda.function.Module()
         module.load_file(str(path))
@@ -334,6 +334,8 @@ class NvshmemBackend(DeviceBackend):
         if self.collectives.broken:  # nvshmem_free is collective: drop it (the heap goes with the process)
             alloc.freed = True
             self._allocs.pop(alloc.ptr, None)
+            logger.warning("rank %d: %d bytes of symmetric memory dropped without nvshmem_free (collective) after "
+                           "broken collectives: %s", self.rank, alloc.nbytes, self.collectives.failure)
             return
         self.barrier(what=f"nvshmem backend: free of {alloc.nbytes} bytes")  # no PE still uses any copy
         self._nvshmem.free(alloc.ptr)
@@ -456,21 +458,22 @@ class NvshmemBackend(DeviceBackend):
     def finalize(self) -> None:
         """Collective, idempotent: free what is left, unregister modules, finalize NVSHMEM. With broken
         collectives nothing collective runs (``nvshmem_free`` and ``nvshmem_finalize`` are collective):
-        the allocations are dropped and NVSHMEM is left to the process exit."""
+        the allocations are dropped and NVSHMEM is left to the process exit (a warning says so). A PE that
+        does not reach one of the bounded barriers before them breaks the collectives the same way: the
+        rest is dropped and the `PeerTimeout` raised."""
         if self._finalized:
             return
         if self.collectives.broken:
-            self._finalized = True
-            for alloc in self._allocs.values():
-                alloc.freed = True
-            self._allocs.clear()
-            logger.warning("rank %d: nvshmem backend dropped without the collective teardown (broken "
-                           "collectives: %s)", self.rank, self.collectives.failure)
+            self._drop()
             return
         self._cupy.cuda.runtime.deviceSynchronize()
-        for alloc in list(self._allocs.values()):
-            self.free(alloc)
-        self.collectives.barrier(what="nvshmem backend: finalize")
+        try:
+            for alloc in list(self._allocs.values()):
+                self.free(alloc)  # each after a bounded barrier
+            self.collectives.barrier(what="nvshmem backend: finalize")
+        except (PeerTimeout, BrokenStateError):  # a PE did not come: the collectives are broken now
+            self._drop()
+            raise
         with quiet_nvshmem():
             for module in self._modules:
                 # bindings.cumodule_finalize: core.module_finalize is broken in nvshmem4py 0.4.1.
@@ -483,6 +486,17 @@ class NvshmemBackend(DeviceBackend):
             self._local_comm = None
         if self._owns_collectives:
             self.collectives.close()
+
+    def _drop(self) -> None:
+        """Finalize without any collective call (after broken collectives): the allocations are dropped,
+        nvshmem_free and nvshmem_finalize never run (each waits for every PE), NVSHMEM goes with the process
+        (which aborts the MPI job at exit: `symmring.collective`)."""
+        self._finalized = True
+        for alloc in self._allocs.values():
+            alloc.freed = True
+        self._allocs.clear()
+        logger.warning("rank %d: nvshmem backend dropped without the collective teardown (nvshmem_free, "
+                       "nvshmem_finalize) after broken collectives: %s", self.rank, self.collectives.failure)
 
     @property
     def finalized(self) -> bool:

@@ -1,20 +1,38 @@
-"""One host-side fault in an MPI job, on the CPU layer or the Ring (tests/test_faults.py runs it).
+"""One host-side fault in an MPI job, on the CPU layer, the Ring, the GPU layer or the device ring.
 
 Run on every rank: ``mpiexec -n 3 python tests/faults/driver.py SUBJECT FAULT OUTDIR`` with
-``SYMMRING_TIMEOUT_S`` set (the bound). The faulty rank is the last one; after a clean warm-up call and a
-barrier, every rank starts one more call, and the faulty rank instead
+``SYMMRING_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m symmring.launch -n N --mps --``
+(tests/test_faults.py and tests/gpu/test_layer_faults.py run it). The faulty rank is the last one; after a
+clean warm-up call and a barrier, every rank starts one more call, and the faulty rank instead
 
 * ``late``: starts it ``LATE_S`` (20) seconds late;
 * ``exit``: calls ``sys.exit(0)`` instead (Python's exit runs, so MPI is finalized on that rank);
 * ``hard-exit``: calls ``os._exit(0)`` instead (the process vanishes without finalizing MPI);
-* ``stall``: stops publishing part-way through the call (its producer sleeps ``LATE_S`` at chunk 2).
+* ``stall``: stops publishing part-way through the call, at chunk ``STALL_CHUNK`` (2): its producer sleeps
+  ``LATE_S`` there (on the host for ``layer``, ``ring`` and ``ring-gpu``; on the device for ``gpu-layer``,
+  through ``forward(producer_delay_ns=...)``: the host has enqueued the whole call).
 
-SUBJECT is ``layer`` (`symmring.ExpertParallelMoE`, a streamed forward of 8 chunks through 2 slots) or
-``ring`` (`symmring.Ring` driven in `protocol.enqueue_order`, 8 chunks through 2 slots). Every rank that
-gets an error writes ``OUTDIR/rank<r>.json`` (error type, text, the peer and missing ranks it names,
-seconds from the start of the call), waits ``GRACE_S`` so that every other survivor reaches its own
-deadline before the first abort ends the job, then exits with status 3 -- which goes through symmring's
-abort at exit (the ranks are out of step), not through ``MPI_Finalize``.
+SUBJECT is
+
+* ``layer``: `symmring.ExpertParallelMoE` (CPU), a streamed forward of 8 chunks through 2 slots;
+* ``ring``: `symmring.Ring` driven in `protocol.enqueue_order`, 8 chunks through 2 slots;
+* ``gpu-layer``: `symmring.moe.gpu.MoE` on the nvshmem backend, a streamed forward of 4 chunks through 2
+  slots (bf16 dispatch, torch experts);
+* ``ring-gpu``: `symmring.kernels.DeviceRing` on the nvshmem backend, 3 chunks through 2 slots in
+  `protocol.enqueue_order` on one stream.
+
+The GPU calls are asynchronous: a rank observes a device wait that hit its bound (the wait records the error,
+raises every other PE's abort word, and the kernels return) at ``torch.cuda.synchronize()`` /
+``check_errors()`` right after the call, which is part of the timed call. The GPU calls are sized so that
+every device wait a survivor can run into is a wait for the faulty rank's publication (no slot is reused
+after the stalled chunk): a timed-out wait for acknowledgements (``reuse``) would abort the other PEs with a
+word that names the waiting PE, not the one it waited for.
+
+Every rank that gets an error writes ``OUTDIR/rank<r>.json`` (error type, text, the peer, origin and
+missing ranks it names, seconds from the start of the call), waits ``GRACE_S`` so that every other survivor
+reaches its own deadline before the first abort ends the job, then exits with status 3 -- which goes
+through symmring's abort at exit (the ranks are out of step), not through ``MPI_Finalize``, and runs no
+collective teardown (no ``nvshmem_free``/``nvshmem_finalize``, which would wait for the faulty rank).
 """
 
 from __future__ import annotations
@@ -37,6 +55,12 @@ LATE_S = 20.0
 NUM_CHUNKS, TOKENS_PER_SLOT, NUM_SLOTS = 8, 4, 2
 HIDDEN, INTER, NUM_EXPERTS, TOPK = 64, 16, 6, 2
 STALL_CHUNK = 2
+#: The GPU subjects: a layer and ring that every world of 1, 2, 4 or 8 PEs splits evenly (bf16 rows of 16-byte
+#: multiples); chunks per call such that no slot is reused after the stalled chunk (see the docstring).
+GPU_HIDDEN, GPU_INTER, GPU_NUM_EXPERTS = 256, 128, 8
+GPU_LAYER_CHUNKS, RING_GPU_CHUNKS = 4, 3
+SUBJECTS = ("layer", "ring", "gpu-layer", "ring-gpu")
+FAULTS = ("late", "exit", "hard-exit", "stall")
 
 
 def layer_subject(ctx):
@@ -92,11 +116,81 @@ def ring_subject(ctx):
     return call
 
 
+def gpu_layer_subject(ctx):
+    """A small streamed GPU MoE layer (`symmring.moe.gpu.MoE`); ``call(stall)`` runs one forward and
+    synchronises, so a device wait that hit its bound is raised here (`MoE.check_errors`)."""
+    import torch
+    from symmring.moe.gpu import MoE
+    device = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(7)
+    E, R = GPU_NUM_EXPERTS, ctx.world_size
+    lo, hi = ctx.rank * E // R, (ctx.rank + 1) * E // R
+
+    def bf16(a):
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(device=device, dtype=torch.bfloat16)
+
+    w_gate = rng.standard_normal((E, GPU_INTER, GPU_HIDDEN)) / 16
+    w_up = rng.standard_normal((E, GPU_INTER, GPU_HIDDEN)) / 16
+    w_down = rng.standard_normal((E, GPU_HIDDEN, GPU_INTER)) / 12
+    router = bf16(rng.standard_normal((E, GPU_HIDDEN)) / 16)
+    n = GPU_LAYER_CHUNKS * TOKENS_PER_SLOT
+    layer = MoE(ctx, E, GPU_HIDDEN, GPU_INTER, TOPK, bf16(w_gate[lo:hi]), bf16(w_up[lo:hi]), bf16(w_down[lo:hi]),
+                max_tokens=n, num_slots=NUM_SLOTS, tokens_per_slot=TOKENS_PER_SLOT, x_format="bf16", engine="torch")
+    x = bf16(np.random.default_rng(11 + ctx.rank).standard_normal((n, GPU_HIDDEN)))
+
+    def call(stall: bool):
+        # stall: the producer spins LATE_S on the device before chunk STALL_CHUNK (the host enqueued it all).
+        delays = {STALL_CHUNK: int(LATE_S * 1e9)} if stall else None
+        layer.forward(x, router_weight=router, streaming=True, producer_delay_ns=delays)
+        torch.cuda.synchronize()  # bounded: every device wait ends within the bound (or at an abort)
+        layer.check_errors()
+    return call
+
+
+def ring_gpu_subject(ctx):
+    """A small `symmring.kernels.DeviceRing`; ``call(stall)`` enqueues one call in the enqueue order on one
+    stream (the stalled rank sleeps on the host before producing chunk STALL_CHUNK), synchronises and
+    raises the device error (`RingKernels.check_errors`)."""
+    import cupy
+    from symmring.kernels import DeviceRing
+    spec = symmring.RingSpec(num_slots=NUM_SLOTS, tokens_per_slot=TOKENS_PER_SLOT, hidden=GPU_HIDDEN,
+                             num_topk=TOPK, num_experts=GPU_NUM_EXPERTS, x_format="bf16")
+    ring = DeviceRing(ctx.backend, spec, timeout_s=ctx.timeout_s)
+    k, T = ring.kernels, TOKENS_PER_SLOT
+    x = cupy.zeros((T, GPU_HIDDEN), cupy.uint16)
+    idx = cupy.zeros((T, TOPK), cupy.int32)
+    weights = cupy.ones((T, TOPK), cupy.float32)
+    outputs = {src: k.new_outputs() for src in range(ctx.world_size)}  # synchronises: the inputs are ready
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def call(stall: bool):
+        for op, chunk in protocol.enqueue_order(RING_GPU_CHUNKS, NUM_SLOTS):
+            if op == "produce":
+                if stall and chunk == STALL_CHUNK:
+                    time.sleep(LATE_S)
+                k.produce(chunk, x=x, topk_idx=idx, topk_weights=weights, token_base=chunk * T, num_valid=T,
+                          stream=stream)
+            else:
+                for src in range(ctx.world_size):
+                    k.consume(chunk, src, outputs[src], stream=stream)
+        k.end_call(RING_GPU_CHUNKS, stream=stream)
+        k.check_errors(synchronize=True)  # bounded: every device wait ends within the bound (or at an abort)
+    return call
+
+
 def main(subject: str, fault: str, outdir: str) -> int:
-    ctx = symmring.init("host")
+    if subject not in SUBJECTS or fault not in FAULTS:
+        print(f"usage: driver.py {{{','.join(SUBJECTS)}}} {{{','.join(FAULTS)}}} OUTDIR", file=sys.stderr)
+        return 2
+    gpu = subject in ("gpu-layer", "ring-gpu")
+    if subject == "gpu-layer":
+        import torch  # noqa: F401 - imported first, so the nvshmem backend puts torch on the PE's device
+    ctx = symmring.init("nvshmem" if gpu else "host")
     rank, faulty = ctx.rank, ctx.world_size - 1
-    call = (layer_subject if subject == "layer" else ring_subject)(ctx)
-    call(False)  # warm-up: everything allocated, one clean call on every rank
+    make = {"layer": layer_subject, "ring": ring_subject, "gpu-layer": gpu_layer_subject,
+            "ring-gpu": ring_gpu_subject}[subject]
+    call = make(ctx)
+    call(False)  # warm-up: everything allocated (and compiled), one clean call on every rank
     ctx.collectives.barrier(what="driver: start")
     if rank == faulty:
         if fault == "exit":
@@ -111,8 +205,10 @@ def main(subject: str, fault: str, outdir: str) -> int:
         call(rank == faulty and fault == "stall")
         record.update(error=None)
     except Exception as exc:  # noqa: BLE001 - every error is the figure
-        record.update(error=type(exc).__name__, text=str(exc), peer=getattr(exc, "peer", None),
-                      missing_ranks=list(getattr(exc, "missing_ranks", ()) or ()),
+        record.update(error=type(exc).__name__, text=str(exc), kind=getattr(exc, "kind", None),
+                      peer=getattr(exc, "peer", None), origin=getattr(exc, "origin", None),
+                      origin_peer=getattr(exc, "origin_peer", None),
+                      missing_ranks=[int(r) for r in getattr(exc, "missing_ranks", ()) or ()],
                       typed=isinstance(exc, symmring.ProtocolTimeout))
     record["elapsed_s"] = round(time.monotonic() - start_s, 3)
     path = Path(outdir) / f"rank{rank}.json"

@@ -176,13 +176,18 @@ def test_double_ack_is_named_and_ring_recovers(backend, seed):
 # --- abort ----------------------------------------------------------------------------------------------
 
 @collective
-@pytest.mark.xfail(reason="on the H200 (2026-12-01, 1 PE) the wait did not see the host-written abort word and "
-                          "ran to its bound: the host write path of this test is unexplained; the device-raised "
-                          "abort is checked by test_one_pe_error_aborts_every_other_pe_at_once", strict=False)
 def test_abort_word_ends_a_running_wait_at_once(backend, seed):
     # Every PE waits for its own chunk 0, which it never produces (8 s bound), then raises its own abort
     # word from the host while the wait spins, as another PE's record_error would: the wait ends at its next
     # check and records kErrorAborted naming the (pretended) origin and its error.
+    #
+    # The host write is the backend's signal_set: a one-thread kernel of the ring module (loaded with the
+    # ring) taking the word as an argument, on a second non-blocking stream. An earlier version stored it
+    # through CuPy (`region("abort")[...] = word`): CuPy's first fill kernel of that dtype is compiled and
+    # its module loaded at that moment, and loading a module may wait for the device's running kernels
+    # (CUDA's programming guide, lazy loading: "loading kernels might require context synchronization"), so
+    # on the H200 the write ran only after the wait hit its bound. `write_s` (the host time of the launch)
+    # tells that case apart if it ever comes back.
     R, me = backend.world_size, backend.rank
     spec = small_spec("bf16", tokens_per_slot=8)
     timeout_s = 8.0
@@ -192,12 +197,14 @@ def test_abort_word_ends_a_running_wait_at_once(backend, seed):
         k = ring.kernels
         gen = protocol.generation(k.gen_base(), 0)
         out = k.new_outputs()
+        word = layout.pack_abort(origin, layout.ERROR_KIND_COMBINE, me, 5)
         waiter, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
         start = time.monotonic()
         k.consume(0, me, out, stream=waiter)
         time.sleep(0.2)
         with writer:
-            ring.region("abort")[...] = np.uint64(layout.pack_abort(origin, layout.ERROR_KIND_COMBINE, me, 5))
+            backend.signal_set(ring.alloc, ring.layout["abort"].offset, word, me)
+        write_s = time.monotonic() - start - 0.2
         cupy.cuda.runtime.deviceSynchronize()
         elapsed = time.monotonic() - start
         error = device_error(k)
@@ -212,7 +219,8 @@ def test_abort_word_ends_a_running_wait_at_once(backend, seed):
     if error.waited is not None:  # the wait itself gave up (not a kernel returning at entry)
         assert (error.slot, error.chunk, error.expected) == (0, 0, gen), str(error)
     assert f"rank {origin}" in str(error) and "call reset()" in str(error), str(error)
-    assert elapsed < 4.0, f"the wait took {elapsed:.1f} s after the abort (bound {timeout_s} s)"
+    assert elapsed < 4.0, (f"the wait took {elapsed:.1f} s after the abort (bound {timeout_s} s; the host write's "
+                           f"launch took {write_s:.2f} s)")
     assert ok, detail
 
 
