@@ -111,6 +111,14 @@ def inputs(ctx, kind, step, n, router):
     return x, routing_of(kind, seed + 7, n, router)
 
 
+def counters(moe, captures: int, hits: int) -> list:
+    """A problem (or none) if the layer's cache did not capture and replay as often as expected."""
+    info = moe.graph_cache_info()
+    if (info["captures"], info["hits"]) == (captures, hits):
+        return []
+    return [f"captures {info['captures']}, hits {info['hits']}: expected {captures} and {hits}"]
+
+
 def differs(y, ref) -> str:
     if y.shape != ref.shape:
         return f"shape {tuple(y.shape)} != {tuple(ref.shape)}"
@@ -129,6 +137,7 @@ def test_cached_calls_bitwise_equal_uncached(ctx, case, kind):
     try:
         calls = [inputs(ctx, kind, step, tokens_of(ctx, SHAPES[s]), router) for step, s in enumerate(ORDER)]
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        torch.cuda.synchronize()  # the inputs (made on the default stream) are read on the two streams
         # Cache on: back-to-back calls, alternating streams, every output kept.
         kept = []
         for step, (x, routing) in enumerate(calls):
@@ -173,9 +182,7 @@ def test_router_weight_is_read_in_place_and_a_new_tensor_is_a_new_key(ctx):
             if what:
                 problems.append(f"step {step} (router {name}): {what}")
         moe.check_errors()
-        info = moe.graph_cache_info()
-        if (info["captures"], info["hits"]) != (2, 4):
-            problems.append(f"captures {info['captures']}, hits {info['hits']}: expected 2 (a, b) and 4")
+        problems += counters(moe, 2, 4)  # a and b captured
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
@@ -232,9 +239,7 @@ def test_reset_drops_the_cache_and_calls_still_work(ctx):
         for i in range(3, 6):  # eager, captured again, replayed
             step(i)
         moe.check_errors()
-        info = moe.graph_cache_info()
-        if (info["captures"], info["hits"]) != (2, 2):
-            problems.append(f"captures {info['captures']}, hits {info['hits']}: expected 2 and 2")
+        problems += counters(moe, 2, 2)
     finally:
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
@@ -323,8 +328,9 @@ def test_module_op_path_replays_and_matches(ctx):
         with torch.inference_mode():
             kept = []
             for step, shape in enumerate((1, 8, 1, 8, 1, 8)):
-                h = to_torch(make_tokens(SEED + 90 + step + 7 * ctx.rank, tokens_of(ctx, shape), HIDDEN),
-                             torch.bfloat16, dev()).view(1, -1, HIDDEN)
+                n = tokens_of(ctx, shape)
+                h = to_torch(make_tokens(SEED + 90 + step + 7 * ctx.rank, n, HIDDEN), torch.bfloat16,
+                             dev()).view(1, n, HIDDEN)
                 kept.append((h, module(h)))
             for step, (h, y) in enumerate(kept):
                 x = h.reshape(-1, HIDDEN)
@@ -333,9 +339,7 @@ def test_module_op_path_replays_and_matches(ctx):
                 if what:
                     problems.append(f"step {step}: {what}")
         module.layer.check_errors()
-        info = module.layer.graph_cache_info()
-        if (info["captures"], info["hits"]) != (2, 2):
-            problems.append(f"captures {info['captures']}, hits {info['hits']}: expected 2 and 2")
+        problems += counters(module.layer, 2, 2)
     finally:
         module.close()
     verdict(ctx, not problems, "; ".join(problems))
