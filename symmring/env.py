@@ -6,6 +6,7 @@
 | ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait, in seconds | ``60`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.expert_parallel`) | ``0`` |
+| ``SYMMRING_GRAPH_CACHE`` | entries of the GPU layer's cache of captured calls (`symmring.moe.graph_cache`): an int >= 0 that overrides every layer's ``graph_cache`` argument; ``0`` switches eager calls' graph replays off | unset (the argument: ``8``) |
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 | ``SYMMRING_TRANSPORT`` | how GPU rings and MoE layers reach each peer without ``transport=``: ``auto``, ``p2p``, ``rdma``, ``rdma:<ranks>`` (`symmring.transport`, which reads it) | ``auto`` |
 
@@ -69,6 +70,21 @@ def cache_dir() -> Path:
 def debug() -> bool:
     """Whether ``SYMMRING_DEBUG`` asks for debug logging and extra checks."""
     return os.environ.get("SYMMRING_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def graph_cache() -> Optional[int]:
+    """``SYMMRING_GRAPH_CACHE`` as an int >= 0, or None when unset (empty).
+
+    Raises:
+        ConfigError: a value that is not a non-negative integer.
+    """
+    raw = os.environ.get("SYMMRING_GRAPH_CACHE", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"SYMMRING_GRAPH_CACHE={raw!r}: expected an integer >= 0 (cached graphs per layer; "
+                          "0 switches the cache off)")
+    return int(raw)
 
 
 #: Names ``SYMMRING_LOG_LEVEL`` accepts (a number works too).

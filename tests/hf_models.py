@@ -98,6 +98,7 @@ class StandInLayer:
         weights = expert_weights(w_gate, w_up, w_down, num_local_experts=self.num_local_experts, hidden=hidden,
                                  inter=inter, device=self.device, expert_dtype="bf16")
         self.refreshed = 0
+        self.graphs_cleared = 0
         self.engine = SimpleNamespace(name="stand-in", weights=weights, refresh_weights=self._refresh)
         self.scoring, self.routed_scaling_factor = scoring, float(routed_scaling_factor)
         self.bias = None if bias is None else bias.float()
@@ -108,6 +109,9 @@ class StandInLayer:
 
     def _refresh(self):
         self.refreshed += 1
+
+    def clear_graph_cache(self):
+        self.graphs_cleared += 1
 
     def forward(self, x, logits=None, *, streaming=False):
         from symmring.moe import routing, torch_ref

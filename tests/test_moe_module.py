@@ -135,6 +135,7 @@ def test_buffers_are_the_layers_tensors_and_state_dict_round_trips():
     ptr = w.w13.data_ptr()
     b.load_state_dict(a.state_dict())
     assert b.layer.engine.weights.w13.data_ptr() == ptr and b.layer.refreshed == 1  # in place, then re-derived
+    assert b.layer.graphs_cleared == 1  # graphs of the old weights' derived tensors dropped
     with torch.no_grad():
         assert torch.equal(b(x), y_a)
     # The layer's tensors stay where and what they are under .to(); the router follows.

@@ -8,7 +8,9 @@ sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``built
 
 * the layer's latency (`symmring.moe.gpu.MoE.forward`, batch-ready path, fp8 dispatch, router GEMM and TopK
   included), eagerly and replayed from a CUDA graph, and its stages (route, layout, dispatch, experts,
-  combine);
+  combine); an eager call of at most 256 tokens per rank replays the layer's own cached graph of its shape
+  once warm (`symmring.moe.graph_cache`), so such rows also give the eager latency with the cache off
+  (``eager_nocache_ms``, ``forward(graph_cache=False)``) beside it;
 * the expert stage's rate (TFLOP/s over the rows actually routed), and, for the fp8 engines, each fp8
   engine's expert step timed alone on the SAME pool (the same grouped problem), so ``vs DG`` is the
   built-in engine's rate over DeepGEMM's on identical data; against the dense fp8 GEMM rate
@@ -223,8 +225,17 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 torch_ms = statistics.median(_timed(lambda: plain.forward(x, router_weight=router), reps))
             for engine, moe in layers.items():
                 ctx.comm.Barrier()
+                hits = moe.graph_cache_info()["hits"]
                 layer_ms = statistics.median(_timed(lambda: moe.forward(x, router_weight=router), reps))
                 moe.check_errors()
+                # Whether the timed eager calls replayed the layer's cached graph (warm: the warm-up captured it).
+                eager_cached = moe.graph_cache_info()["hits"] - hits >= reps
+                eager_nocache_ms = None
+                if eager_cached:  # the same calls launched kernel by kernel, side by side
+                    ctx.comm.Barrier()
+                    eager_nocache_ms = statistics.median(
+                        _timed(lambda: moe.forward(x, router_weight=router, graph_cache=False), reps))
+                    moe.check_errors()
                 # Per-stage split (a separate pass, so the events do not perturb the latency above).
                 stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
                 for _ in range(reps):
@@ -243,7 +254,8 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                        "hidden": hidden,
                        "inter": inter, "num_experts": num_experts, "topk": topk, "world_size": ctx.world_size,
                        "tokens_per_rank": n, "routed_rows": num_rows, "touched_experts": touched,
-                       "layer_ms": layer_ms, "stages_ms": stages, "pool_bytes": mem["pool_bytes"],
+                       "layer_ms": layer_ms, "eager_cached": eager_cached, "stages_ms": stages,
+                       "pool_bytes": mem["pool_bytes"],
                        "heap_bytes": mem["heap_bytes"], "weight_bytes": mem["weight_bytes"],
                        "expert_tflops": gemm_flops / (stages["experts"] * 1e-3) / 1e12 if stages["experts"] else 0.0}
                 row["expert_fraction_of_fp8_dense"] = row["expert_tflops"] / ceilings["fp8_matmul_tflops"]
@@ -293,6 +305,10 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     row["ratio_vs_torch"] = layer_ms / torch_ms
                 row["target_ms"] = DECODE_SLOPE * row["fp8_roofline_ms"] + DECODE_OFFSET_MS
                 row["eager_vs_graph"] = layer_ms / row["layer_graph_ms"] if "layer_graph_ms" in row else float("nan")
+                if eager_nocache_ms is not None:
+                    row["eager_nocache_ms"] = eager_nocache_ms
+                    row["nocache_vs_graph"] = (eager_nocache_ms / row["layer_graph_ms"] if "layer_graph_ms" in row
+                                               else float("nan"))
                 rows.append(row)
                 if done is not None:
                     done[0] += 1
@@ -319,18 +335,20 @@ def add_ratios(rows: List[Dict]) -> None:
 
 
 def format_decode_table(rows: List[Dict]) -> str:
-    """The decode view: per row the small-batch and general schedules (graph, eager), the weight-read
-    limit, the target and the ratios the decode issue asks for."""
+    """The decode view: per row the small-batch and general schedules (graph, eager), the eager latency with
+    the layer's graph cache off (``nocache``), the weight-read limit, the target and the ratios the decode
+    issue asks for."""
     nan = float("nan")
     lines = [f"{'shape':<14} {'tokens':>6} {'engine':<8} {'small':>5} {'graph ms':>9} {'eager ms':>9} "
-             f"{'gen graph':>9} {'gen eager':>9} {'limit ms':>8} {'target':>7} {'/limit':>6} {'eag/gr':>6} "
-             f"{'ok':>3}"]
+             f"{'nocache':>9} {'gen graph':>9} {'gen eager':>9} {'limit ms':>8} {'target':>7} {'/limit':>6} "
+             f"{'eag/gr':>6} {'ok':>3}"]
     for r in rows:
         graph = r.get("layer_graph_ms", nan)
         ok = graph <= r["target_ms"] and r["eager_vs_graph"] <= 2.0
         limit = r["fp8_roofline_ms"] or nan
         lines.append(f"{r['shape']:<14} {r['tokens_per_rank']:>6} {r['engine']:<8} {str(r['small_batch'])[0]:>5} "
-                     f"{graph:>9.3f} {r['layer_ms']:>9.3f} {r.get('general_graph_ms', nan):>9.3f} "
+                     f"{graph:>9.3f} {r['layer_ms']:>9.3f} {r.get('eager_nocache_ms', nan):>9.3f} "
+                     f"{r.get('general_graph_ms', nan):>9.3f} "
                      f"{r.get('general_ms', nan):>9.3f} {r['fp8_roofline_ms']:>8.3f} {r['target_ms']:>7.3f} "
                      f"{graph / limit:>6.2f} {r['eager_vs_graph']:>6.2f} {'yes' if ok else 'NO':>3}")
     return "\n".join(lines)

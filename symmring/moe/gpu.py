@@ -16,6 +16,9 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in four fused
   kernels around the experts (`symmring.moe.stages.small_batch_call`), bitwise the same output;
   ``forward(small_batch=True/False)`` forces either.
+* eager calls of a shape seen before replay a CUDA graph of that call (`symmring.moe.graph_cache`: at
+  most ``graph_cache`` graphs per layer, calls of at most 256 tokens per rank), so an eager decode call
+  costs about what a replay costs; bitwise the same output.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
   layer's shape, ring and token count; batch where it has no measurement that beat batch.
 
@@ -67,6 +70,7 @@ from ..layout import ALIGN, RingLayout, RingSpec, align_up
 from .. import transport as transport_mod
 from . import plan as plans
 from . import routing as routing_mod
+from . import graph_cache as graph_cache_mod
 from . import stages, timeline
 
 logger = logging.getLogger(__name__)
@@ -153,6 +157,8 @@ class MoE:
             ``nvshmem_ptr`` maps, rdma otherwise), ``"p2p"``, ``"rdma"`` (every peer: NVSHMEM gets into a
             staging ring, puts of combine rows, remote atomics), ``"rdma:1,3"`` (those peers); None:
             ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
+        graph_cache: CUDA graphs of calls kept for eager calls to replay (`symmring.moe.graph_cache`;
+            default 8, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -172,7 +178,8 @@ class MoE:
                  timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
                  engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 small_batch_tokens: int = SMALL_BATCH_TOKENS, transport=None):
+                 small_batch_tokens: int = SMALL_BATCH_TOKENS, transport=None,
+                 graph_cache: int = graph_cache_mod.DEFAULT_ENTRIES):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -219,6 +226,8 @@ class MoE:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
         transport_mod.request(transport, self.world_size)  # a ConfigError before any collective work
+        self._graphs = graph_cache_mod.GraphCache(graph_cache_mod.capacity(graph_cache))
+        self._graph_pool = None  # the torch graph memory pool every cached graph shares (made on first capture)
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
@@ -418,7 +427,7 @@ class MoE:
 
     def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
                 small_batch: Optional[bool] = None, stage_events: Optional[List] = None, timeline: bool = False,
-                producer_delay_ns=None, consumer_delay_ns=None):
+                producer_delay_ns=None, consumer_delay_ns=None, graph_cache: bool = True):
         """Run the layer on this rank's tokens (collective: every rank calls forward once per call, with
         the same ``streaming``).
 
@@ -437,9 +446,12 @@ class MoE:
             producer_delay_ns / consumer_delay_ns: streamed only, ``{chunk_idx: ns}``: spin the producer
                 before producing the chunk, or the consumer before consuming the window that starts at it
                 (tests: a deliberately slow producer or consumer).
+            graph_cache: False: this call neither replays nor captures a cached graph (launches its kernels;
+                `symmring.moe.graph_cache` says when True replays).
 
         Returns:
-            bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync).
+            bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync), a new
+            tensor on every call (a replayed call returns a clone of its graph's output).
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
@@ -465,6 +477,8 @@ class MoE:
                               "records a timeline (timeline=True)")
         if small_batch not in (None, True, False):
             raise ConfigError(f"small_batch={small_batch!r}: expected None, True or False")
+        if not isinstance(graph_cache, bool):
+            raise ConfigError(f"graph_cache={graph_cache!r}: expected a bool")
         if small_batch and not self._small_batch_capable():
             raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts and at "
                               f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
@@ -475,23 +489,111 @@ class MoE:
         small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
         plan = self._plan(counts, stream_it, small, distinct)
         self.last_plan = plan
-        y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
-            return y
+            return torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
         capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._after_previous_call()
-        if plan.streaming:
-            self._run_streamed(plan, x, kind, source, y, timeline, delays, consumer_delays)
-        else:
-            self._run_batch(plan, x, kind, source, y, stage_events)
-        if not capturing:
-            self._end_of_call()
+        y = None
+        if graph_cache and not capturing and stage_events is None and not timeline and not delays \
+                and not consumer_delays:
+            y = self._cached_call(plan, distinct, x, kind, source)
+        if y is None:
+            y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
+            if not capturing:
+                self._after_previous_call()
+            self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
+            if not capturing:
+                self._end_of_call()
         if env.debug():
             self.check_errors()
         return y
 
     __call__ = forward
+
+    def _enqueue(self, plan: plans.Plan, x, kind: str, source, y, stage_events: Optional[List] = None,
+                 stamps: bool = False, delays: Optional[Dict[int, int]] = None,
+                 consumer_delays: Optional[Dict[int, int]] = None) -> None:
+        """The call's kernels on the current stream (eagerly, or into the graph being captured)."""
+        if plan.streaming:
+            self._run_streamed(plan, x, kind, source, y, stamps, delays or {}, consumer_delays or {})
+        else:
+            self._run_batch(plan, x, kind, source, y, stage_events)
+
+    # --- the cache of captured calls (symmring.moe.graph_cache) ---------------------------------------
+
+    def _graph_key(self, plan: plans.Plan, distinct: bool, x, kind: str, source) -> Optional[Tuple]:
+        """``(key, the call's tensors for the graph's static inputs)`` of a call the cache may serve, or None."""
+        if max(plan.counts) > graph_cache_mod.MAX_TOKENS or not x.is_contiguous():
+            return None
+        base = (plan.counts, plan.streaming, plan.small_batch, distinct, kind)
+        if kind == "given":
+            return base, (x,) + tuple(source)  # made contiguous by _routing_source
+        if kind == "logits":
+            if not source.is_contiguous():
+                return None
+            return base + (source.dtype,), (x, source)
+        # The router weight is read in place: its address and strides are part of what the graph captured.
+        return base + (source.data_ptr(), tuple(source.stride())), (x,)
+
+    def _cached_call(self, plan: plans.Plan, distinct: bool, x, kind: str, source):
+        """``y`` of this call from its cached graph (captured first if this is the key's second call), or None
+        when the call runs eagerly (nothing enqueued then)."""
+        found = self._graph_key(plan, distinct, x, kind, source)
+        if found is None:
+            return None
+        key, values = found
+        action, entry = self._graphs.decide(key)
+        if action == "eager":
+            return None
+        if action == "capture":
+            torch = _torch()
+            torch.cuda.synchronize()  # the graphs evicted below have no replay in flight
+            self._graphs.make_room()
+            try:
+                entry = self._capture_call(plan, x, kind, source)
+            except Exception as exc:  # the call runs eagerly; its key stays eager
+                self._graphs.fail(key)
+                logger.warning("MoE rank %d: capturing a call of counts %s for the graph cache failed (%s: %s); "
+                               "calls of this shape run eagerly", self.rank, plan.counts, type(exc).__name__, exc)
+                return None
+            self._graphs.insert(key, entry)
+        self._after_previous_call()  # before the copies: the previous replay may still read the static inputs
+        y = entry.replay(values)
+        self._end_of_call()  # after the clone: the next call (any graph of the shared pool) comes after it
+        return y
+
+    def _capture_call(self, plan: plans.Plan, x, kind: str, source) -> graph_cache_mod.CachedGraph:
+        """Capture this call's kernels on static inputs (a side stream, the cache's memory pool; nothing runs)."""
+        torch = _torch()
+        with torch.inference_mode(False):  # normal tensors: later calls may copy into them outside inference mode
+            inputs = [torch.empty_like(x)]
+            if kind == "given":
+                inputs += [torch.empty_like(t) for t in source]
+            elif kind == "logits":
+                inputs.append(torch.empty_like(source))
+        static_source = {"given": tuple(inputs[1:]), "logits": inputs[-1]}.get(kind, source)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                y = torch.empty((x.shape[0], self.hidden), dtype=torch.bfloat16, device=self.device)
+                self._enqueue(plan, inputs[0], kind, static_source, y)
+        finally:
+            torch.cuda.set_stream(caller)  # a failed capture_end would leave the capture stream current
+        return graph_cache_mod.CachedGraph(graph, inputs, y)
+
+    def graph_cache_info(self) -> Dict[str, int]:
+        """The cache of captured calls: ``entries``, ``capacity``, ``hits`` (eager calls that replayed),
+        ``captures``, ``evictions``, ``failures`` (`symmring.moe.graph_cache.GraphCache.info`)."""
+        return self._graphs.info()
+
+    def clear_graph_cache(self) -> None:
+        """Drop every cached graph (synchronises first, so no replay of theirs is in flight); later calls
+        capture again. Needed after the engine's weight tensors are replaced (`ExpertEngine.refresh_weights`)."""
+        if len(self._graphs):
+            _torch().cuda.synchronize()
+        self._graphs.clear()
 
     def _after_previous_call(self) -> None:
         """Order this call after the previous one's end (its generation base advance), whatever stream either
@@ -500,9 +602,10 @@ class MoE:
             _torch().cuda.current_stream().wait_event(self._call_done)
 
     def _end_of_call(self) -> None:
-        event = _torch().cuda.Event()
-        event.record()
-        self._call_done = event
+        # One event, re-recorded: a wait already enqueued keeps the record it saw (cudaStreamWaitEvent).
+        if self._call_done is None:
+            self._call_done = _torch().cuda.Event()
+        self._call_done.record()
 
     def _small_batch_capable(self) -> bool:
         # The fused dispatch waits for source r on thread r of every block.
@@ -741,8 +844,10 @@ class MoE:
                                "a staging ring")
 
     def reset(self) -> None:
-        """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout)."""
+        """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout), and
+        drop the cached graphs."""
         self._check_open()
+        self.clear_graph_cache()
         self.ring.reset()
         self._state.counters.zero_()
         self._state.status.zero_()
@@ -757,6 +862,7 @@ class MoE:
         if self.closed:
             return
         self.closed = True
+        self.clear_graph_cache()  # before the memory their kernels address is freed
         self.backend.free(self.combine_alloc)
         if self.stage_alloc is not None:
             self.backend.free(self.stage_alloc)

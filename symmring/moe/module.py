@@ -14,7 +14,7 @@ hidden states). ``forward(hidden_states)`` takes bf16 ``[..., hidden]`` of any l
   ``state_dict()`` is this rank's experts in the engine's layout; ``load_state_dict`` copies into the
   layer's tensors in place (dtype and shape must match: a `ConfigError` otherwise; ``assign=True`` is
   refused) and then lets the engine re-derive what it keeps beside them
-  (`symmring.moe.experts.ExpertEngine.refresh_weights`). ``.to()``/``.half()``/``.cuda()`` leave the
+  (`symmring.moe.experts.ExpertEngine.refresh_weights`) and drops the layer's cached graphs. ``.to()``/``.half()``/``.cuda()`` leave the
   layer's tensors as they are (they live in the layer's fixed layout on its GPU); the router weight and
   the shared experts follow.
 * **Inference only.** The layer has no backward: a call with an input that requires grad while grad is
@@ -29,7 +29,9 @@ hidden states). ``forward(hidden_states)`` takes bf16 ``[..., hidden]`` of any l
   fullgraph=True)`` traces through it, and the compiled code runs the same kernels as eager. A CUDA graph
   captures it like the layer's own `symmring.moe.gpu.MoE.capture` (each replay is a new call; the token
   counts are fixed by the capture). The op is declared pure (``mutates_args=()``): it must not be called
-  twice with the same arguments in one graph, nor its result left unused (it is a collective).
+  twice with the same arguments in one graph, nor its result left unused (it is a collective). Called
+  eagerly (eager module, or compiled code outside a CUDA graph), the layer replays its own cached graph
+  of the call's shape (`symmring.moe.graph_cache`); inside the caller's capture it launches plainly.
 
 Example:
     >>> module = MoEModule(ctx, 16, 256, 256, 2, w_gate, w_up, w_down, router_weight=router,  # doctest: +SKIP
@@ -267,6 +269,7 @@ class MoEModule(_Base):
     @staticmethod
     def _after_load(module, incompatible_keys) -> None:
         module.layer.engine.refresh_weights()
+        module.layer.clear_graph_cache()  # graphs the layer cached may address the engine's former tensors
 
     def _apply(self, fn, recurse=True):
         # The layer's tensors stay as they are (its fixed layout, on its GPU); the rest follows .to() etc.

@@ -1,0 +1,180 @@
+"""The GPU layer's cache of captured calls: an eager `symmring.moe.gpu.MoE.forward` replays a CUDA graph.
+
+An eager call pays the host launch cost of every kernel and torch op it runs (about 1.2-1.5 ms for a
+decode call of the small-batch schedule on an H200, against 0.12-0.8 ms for a replay of the same call).
+So the layer keeps, per distinct call, a CUDA graph of it (`symmring.moe.gpu.MoE.capture`'s capture, on
+a side stream) and an eager call that finds its graph only copies its inputs into the graph's static
+inputs, replays it and clones the static output (all on the current stream, no host synchronisation):
+
+* **Key**: everything that fixes the captured work: the plan's key (every rank's token count, the
+  schedule, small-batch, distinct experts), the routing kind, and for ``router_weight`` its data pointer
+  and strides (the graph reads the router weight in place: another tensor is another key, one updated in
+  place is read as it is at replay), for ``logits`` their dtype. ``x``, the logits and given
+  ``topk_idx``/``topk_weights`` are copied into the graph's own static tensors.
+* **When**: a key's first call runs eagerly (Triton/DeepGEMM compile, cuBLAS warms up), its second call
+  captures (after a device synchronisation) and replays, later calls replay. Only calls of at most
+  `MAX_TOKENS` tokens on every rank, with contiguous ``x`` (and logits), and never while the caller's
+  stream is capturing (a graph the caller captures around the layer then holds the plain kernels), nor
+  with ``stage_events``, ``timeline`` or delays. The host exchange of the token counts still runs on every
+  call; it is what makes the ranks' keys agree on the counts.
+* **Ranks need not agree** on replaying: a replay runs exactly the kernels an eager call launches (the
+  generations come from the device-resident generation base), and capturing is no collective, so one
+  rank replaying while another launches (a router weight that moved on one rank only) is still one call.
+* **Output**: a clone of the static output (a kept ``y`` is never overwritten by a later call).
+* **Memory**: at most ``capacity`` graphs (least recently used evicted, after a synchronisation, so no
+  replay in flight loses its memory), all in one torch graph memory pool: a graph's intermediates may
+  share memory with another graph's, which is safe because calls never overlap (each call waits for the
+  previous one's end) and the static output is cloned before the call ends.
+
+The capacity is the layer's ``graph_cache`` argument (default `DEFAULT_ENTRIES`; 0 disables), overridden
+by ``SYMMRING_GRAPH_CACHE``; ``forward(graph_cache=False)`` skips the cache for one call. `MoE.reset`,
+`MoE.close` and `MoE.clear_graph_cache` drop every graph.
+
+Example:
+    >>> cache = GraphCache(2)
+    >>> [cache.decide("a")[0], cache.decide("a")[0]]      # first call eager, the second captures
+    ['eager', 'capture']
+    >>> cache.insert("a", "graph of a"); cache.decide("a")
+    ('replay', 'graph of a')
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import env
+from ..errors import ConfigError
+
+#: Default ``graph_cache``: graphs kept per layer.
+DEFAULT_ENTRIES = 8
+#: The most tokens per rank of a call the cache serves (a graph's static output is ``[n, hidden]``).
+MAX_TOKENS = 256
+#: Keys remembered as seen once (so a key's second call captures), least recently seen dropped first.
+SEEN_KEYS = 64
+#: What `GraphCache.decide` answers.
+ACTIONS = ("eager", "capture", "replay")
+
+
+def check_entries(value) -> int:
+    """``graph_cache`` validated: an int >= 0.
+
+    Example:
+        >>> check_entries(8)
+        8
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"graph_cache={value!r}: expected an int >= 0 (graphs kept; 0 switches the cache off)")
+    return int(value)
+
+
+def capacity(value) -> int:
+    """The cache's capacity of a layer built with ``graph_cache=value``: ``SYMMRING_GRAPH_CACHE`` where it is
+    set, else ``value`` (validated either way).
+
+    Raises:
+        ConfigError: ``value`` or the variable is not an int >= 0.
+    """
+    value = check_entries(value)
+    override = env.graph_cache()
+    return value if override is None else override
+
+
+class GraphCache:
+    """The bookkeeping of the cache (what is kept, when to capture, what to evict); the graphs themselves
+    are opaque entries (`CachedGraph` on the GPU).
+
+    Args:
+        capacity: entries kept (0: `decide` always answers ``"eager"``).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = check_entries(capacity)
+        self._entries: "OrderedDict[Hashable, object]" = OrderedDict()
+        self._seen: "OrderedDict[Hashable, None]" = OrderedDict()
+        self._failed: "OrderedDict[Hashable, None]" = OrderedDict()
+        self.hits = self.captures = self.evictions = self.failures = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def decide(self, key: Hashable) -> Tuple[str, Optional[object]]:
+        """``("replay", entry)`` for a kept key (now the most recently used), ``("capture", None)`` for a key
+        seen once before (the caller captures and `insert`s), ``("eager", None)`` otherwise (a key seen for
+        the first time is remembered; one whose capture failed stays eager)."""
+        if not self.capacity:
+            return "eager", None
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return "replay", entry
+        if key in self._failed:
+            return "eager", None
+        if key in self._seen:
+            del self._seen[key]
+            return "capture", None
+        self._seen[key] = None
+        if len(self._seen) > SEEN_KEYS:
+            self._seen.popitem(last=False)
+        return "eager", None
+
+    def make_room(self) -> List[object]:
+        """Evict least recently used entries until one more fits; returns them (the caller synchronised, so
+        no replay of theirs is in flight)."""
+        evicted = []
+        while self._entries and len(self._entries) >= self.capacity:
+            evicted.append(self._entries.popitem(last=False)[1])
+            self.evictions += 1
+        return evicted
+
+    def insert(self, key: Hashable, entry: object) -> None:
+        """Keep ``entry`` (a fresh capture) as the most recently used; evicts to stay within capacity."""
+        if entry is None:
+            raise ValueError("GraphCache.insert: entry is None")
+        self.make_room()
+        self._entries[key] = entry
+        self.captures += 1
+
+    def fail(self, key: Hashable) -> None:
+        """Remember that ``key``'s capture failed: its calls stay eager."""
+        self.failures += 1
+        self._failed[key] = None
+        if len(self._failed) > SEEN_KEYS:
+            self._failed.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every entry and what was seen (the counters stay)."""
+        self._entries.clear()
+        self._seen.clear()
+        self._failed.clear()
+
+    def info(self) -> Dict[str, int]:
+        """``entries``, ``capacity``, ``hits`` (replays), ``captures``, ``evictions``, ``failures``."""
+        return {"entries": len(self._entries), "capacity": self.capacity, "hits": self.hits,
+                "captures": self.captures, "evictions": self.evictions, "failures": self.failures}
+
+
+class CachedGraph:
+    """One captured call: the graph, its static inputs (in the order `replay` takes the new values) and its
+    static output."""
+
+    __slots__ = ("graph", "inputs", "output")
+
+    def __init__(self, graph, inputs: Sequence, output):
+        self.graph, self.inputs, self.output = graph, tuple(inputs), output
+
+    def replay(self, values: Sequence):
+        """Copy ``values`` into the static inputs, replay, and return a clone of the output (all enqueued on
+        the current stream)."""
+        import torch
+        with torch.no_grad():  # an input that requires grad must not give the static inputs a history
+            for static, value in zip(self.inputs, values):
+                static.copy_(value)
+        self.graph.replay()
+        return self.output.clone()
