@@ -38,9 +38,11 @@
 
 #include <cuda_bf16.h>
 
+#include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::warp_inclusive_sum;
 
 namespace {
 
@@ -272,12 +274,7 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
         const int last = min(first + per_lane, E);
         int sum = 0;
         for (int e = first; e < last; ++e) sum += expert_counts[e];
-        int inclusive = sum;
-#pragma unroll
-        for (int offset = 1; offset < 32; offset *= 2) {
-            const int add = __shfl_up_sync(0xffffffffu, inclusive, offset);
-            if (lane >= offset) inclusive += add;
-        }
+        const int inclusive = warp_inclusive_sum(sum, lane);
         int running = inclusive - sum;
         for (int e = first; e < last; ++e) {
             live_before[e] = running;

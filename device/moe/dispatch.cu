@@ -42,9 +42,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::lanes_below;
+using symmring_moe::warp_inclusive_sum;
 
 namespace {
 
@@ -380,13 +383,6 @@ constexpr int kPassEntries = 1024;
 // 16-byte loads each thread of the fused dispatch issues before their stores.
 constexpr int kLoadsInFlight = 8;
 
-// Lanes of the warp below the calling lane.
-__device__ __forceinline__ unsigned lanes_below() {
-    unsigned mask;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-    return mask;
-}
-
 }  // namespace
 
 extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr, int chunk_idx, long long* token_base,
@@ -491,12 +487,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
             auto span = [align](int count) { return (count + align - 1) / align * align; };
             int sum = 0;
             for (int e = first; e < last; ++e) sum += span(counts[e]);
-            int inclusive = sum;
-#pragma unroll
-            for (int offset = 1; offset < 32; offset *= 2) {
-                const int add = __shfl_up_sync(0xffffffffu, inclusive, offset);
-                if (lane >= offset) inclusive += add;
-            }
+            const int inclusive = warp_inclusive_sum(sum, lane);
             int running = inclusive - sum;
             for (int e = first; e < last; ++e) {
                 if (blockIdx.x == 0) {
