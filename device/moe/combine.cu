@@ -17,19 +17,20 @@
 //                        that generation (acquire; PROTOCOL.md 7.1: a consumer may signal chunk c + 1
 //                        before the owner saw chunk c, and generations only grow, so >= admits no stale
 //                        value).
-//   moe_combine_reduce   one warp per token of the window: y[t] = sum over k = 0..K-1 (in that order) of
+//   moe_combine_reduce   one warp per (token of the window, 256 channels): y[t] = sum over k = 0..K-1 (in that order) of
 //                        topk_weights[t][k] * row(t, k), float32 accumulation, bf16 result, the routing
 //                        read from the owner's LOCAL buffers (never the slot, which EARLY may already have
 //                        handed back); entries whose expert is outside [0, num_experts) (the mask -1)
 //                        contribute nothing. With end_call_chunks > 0 (a single-stream schedule whose last
 //                        kernel this is) block 0 then ends the call.
 //
-// The small-batch schedule fuses each pair into one grid:
-//   moe_combine_send     moe_combine_scatter, then the last block to arrive signals (and with ack_now
-//                        acknowledges) as moe_combine_signal.
-//   moe_combine_finish   every block waits (as moe_combine_wait) before its share of moe_combine_reduce;
-//                        with end_call_chunks > 0 the last block to arrive ends the call (after every block
-//                        read the generation base).
+// The small-batch schedule runs all four in ONE grid after the experts:
+//   moe_combine_fused    scatter of the live rows (from the group counts: no padding row is visited), the
+//                        last block to arrive signals (and with ack_now acknowledges) as moe_combine_signal,
+//                        then every block waits as moe_combine_wait and reduces its share of the tokens as
+//                        moe_combine_reduce (the same reduce_tokens, so the same bits); with end_call_chunks >
+//                        0 the last block to arrive ends the call. Its blocks wait for each other (the own
+//                        signal), so the grid is small enough to be resident at once (see the kernel).
 //
 // Reuse of the combine buffer: a rank writes into an owner's buffer for call n+1 only after it saw the
 // owner's call-n+1 publication, which the owner enqueues after its call-n reduce (stream order).
@@ -37,14 +38,20 @@
 
 #include <cuda_bf16.h>
 
+#include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::warp_inclusive_sum;
 
 namespace {
 
 // 16-byte vectors (8 channels) of a token's row one warp of the reduce handles: one per lane.
 constexpr int kReduceSliceVecs = 32;
+// Rows of a token the reduce loads before their fmas.
+constexpr int kReduceRowsInFlight = 8;
+// 16-byte vectors each thread of the small-batch scatter loads before their stores.
+constexpr int kScatterLoadsInFlight = 4;
 
 // Grid-stride, one warp per pool row of [0, num_rows): the body of moe_combine_scatter. A p2p owner gets
 // the row by 16-byte stores through its mapping; an rdma owner (is_rdma_peer: peer_ptr is null) by one
@@ -113,10 +120,54 @@ __device__ inline bool wait_sources(const RingDescriptor& d, int chunk_idx, cons
     return true;
 }
 
+// One warp: the 16-byte vector v (8 channels, one per lane; `active` false past the row: those lanes only
+// join the shuffles) of the reduced row of one token, y_row[v] = bf16(sum over k = 0..K-1, in that order, of
+// w[k] * rows[k][v]) in float32, masked entries (expert outside [0, num_experts)) skipped. Lane k holds entry
+// k's expert and weight (K <= 32) and the rows are loaded kReduceRowsInFlight at a time before their fmas,
+// so a token costs a few memory latencies instead of K; the sum's order is the same whatever the batching.
+__device__ __forceinline__ void reduce_vector(const RingDescriptor& d, const __nv_bfloat16* rows,
+                                              const int32_t* token_idx, const float* token_weights, int v,
+                                              bool active, __nv_bfloat16* y_row, int lane) {
+    const int K = d.num_topk;
+    const int lane_expert = lane < K ? token_idx[lane] : -1;
+    const float lane_weight = lane < K ? token_weights[lane] : 0.0f;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < K; k0 += kReduceRowsInFlight) {
+        int4 raw[kReduceRowsInFlight];
+        float w[kReduceRowsInFlight];
+        bool use[kReduceRowsInFlight];
+#pragma unroll
+        for (int u = 0; u < kReduceRowsInFlight; ++u) {
+            const int k = k0 + u;
+            const int expert = __shfl_sync(0xffffffffu, lane_expert, k % 32);
+            w[u] = __shfl_sync(0xffffffffu, lane_weight, k % 32);
+            use[u] = active && k < K && expert >= 0 && expert < d.num_experts;  // masked: contributes nothing
+            raw[u] = use[u] ? reinterpret_cast<const int4*>(rows + int64_t(k) * d.hidden)[v] : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kReduceRowsInFlight; ++u) {
+            if (!use[u]) continue;
+            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(pairs[j]);
+                acc[2 * j] = fmaf(w[u], f.x, acc[2 * j]);
+                acc[2 * j + 1] = fmaf(w[u], f.y, acc[2 * j + 1]);
+            }
+        }
+    }
+    if (!active) return;
+    int4 out;
+    __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out_pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    reinterpret_cast<int4*>(y_row)[v] = out;
+}
+
 // Grid-stride, one warp per (token t of [token_begin, token_begin + num_valid), slice of 256 channels): the
-// body of moe_combine_reduce. A token's row is cut into slices so a small batch still spreads over the GPU
-// (one warp streaming K rows of 7168 channels alone takes tens of microseconds); every element is the same
-// k-ordered float32 sum whichever warp computes it.
+// body of moe_combine_reduce and of moe_combine_fused's reduce. A token's row is cut into slices so a small
+// batch still spreads over the GPU (one warp streaming K rows of 7168 channels alone takes tens of
+// microseconds); every element is the same k-ordered float32 sum whichever warp computes it.
 __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __nv_bfloat16* combine_rows,
                                               const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
                                               long long y_row_stride, int token_begin, int num_valid) {
@@ -126,35 +177,13 @@ __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __n
     const int slices = (vecs_per_row + kReduceSliceVecs - 1) / kReduceSliceVecs;
     const int K = d.num_topk;
     const int64_t items = int64_t(num_valid) * slices;
+    // Warp-uniform bounds (reduce_vector shuffles).
     for (int64_t item = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; item < items;
          item += int64_t(gridDim.x) * warps_per_block) {
         const int64_t token = int64_t(token_begin) + item / slices;
-        const int32_t* token_idx = topk_idx + token * K;
-        const float* token_weights = topk_weights + token * K;
-        const __nv_bfloat16* rows = combine_rows + token * K * d.hidden;
-        {
-            const int v = static_cast<int>(item % slices) * kReduceSliceVecs + lane;
-            if (v >= vecs_per_row) continue;
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k = 0; k < K; ++k) {
-                const int expert = token_idx[k];
-                if (expert < 0 || expert >= d.num_experts) continue;  // masked: contributes nothing
-                const float w = token_weights[k];
-                const int4 raw = reinterpret_cast<const int4*>(rows + int64_t(k) * d.hidden)[v];
-                const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(pairs[j]);
-                    acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
-                    acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
-                }
-            }
-            int4 out;
-            __nv_bfloat162* out_pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) out_pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-            *reinterpret_cast<int4*>(y + token * y_row_stride + v * 8) = out;
-        }
+        const int v = static_cast<int>(item % slices) * kReduceSliceVecs + lane;
+        reduce_vector(d, combine_rows + token * K * d.hidden, topk_idx + token * K, topk_weights + token * K, v,
+                      v < vecs_per_row, y + token * y_row_stride, lane);
     }
 }
 
@@ -212,43 +241,141 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, co
     reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
 }
 
-// The small-batch schedule, after the experts: moe_combine_scatter + moe_combine_signal of the window
-// [chunk_begin, chunk_end] in one grid. Each block stores its rows, then releases them at system scope
-// before its arrival (the owners are other GPUs); the last block to arrive signals every owner and, with
-// ack_now (CONSERVATIVE), acknowledges the window's chunks. counter: a zeroed device word (reset by the
-// last block).
-extern "C" __global__ void moe_combine_send(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
-                                            const int4* row_src, const int* total, const long long* token_base,
-                                            int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
-                                            int chunk_begin, int chunk_end, uint64_t* combine_ready, int ack_now,
-                                            unsigned int* counter) {
+// The small-batch schedule after the experts, in ONE grid: moe_combine_scatter + moe_combine_signal +
+// moe_combine_wait + moe_combine_reduce of the one-chunk window `chunk_idx`.
+//   1. Scatter: this PE's live pool rows (expert e's rows [begin[e], begin[e] + counts[e]), from the fused
+//      dispatch; padding rows are never touched) to their owners' combine rows, grid-stride over 16-byte
+//      vectors with kScatterLoadsInFlight loads per thread before their stores; m_indices of each row set back
+//      to -1. Each block then releases its peer stores at system scope before its arrival.
+//   2. The last block to arrive (counters[0]) signals every owner (as moe_combine_signal) and, with ack_now
+//      (CONSERVATIVE), acknowledges the chunk.
+//   3. Thread 0 of every block waits for every source's signal (as moe_combine_wait: bounded, acquire), then
+//      the block reduces its share of this PE's tokens (reduce_tokens, as moe_combine_reduce).
+//   4. With end_call_chunks > 0 the last block to arrive (counters[1]) ends the call: every block has read the
+//      generation base by then.
+// Step 3 waits for step 2 of this grid (this PE's own signal), so every block must be resident at once: the
+// grid is at most stages.Kernels.spin_blocks, which also keeps the grids of all PEs sharing the GPU under
+// MPS resident together with the kernels they wait for (docs/PROTOCOL.md 9.2). A late peer only delays step 3
+// (bounded by the ring's timeout).
+// token_base: the chunk's row of the dispatch's [window][num_ranks] snapshot. Dynamic shared memory:
+// num_ranks pointers and int64 bases, then (2 * num_local_experts + 1) ints. counters: two zeroed device words
+// (each reset by its last block).
+extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
+                                             const int4* row_src, const int* expert_counts, const int* begin,
+                                             int num_local_experts, const long long* token_base, int* m_indices,
+                                             __nv_bfloat16* combine_rows, int chunk_idx, uint64_t* combine_ready,
+                                             int ack_now, const int32_t* topk_idx, const float* topk_weights,
+                                             __nv_bfloat16* y, long long y_row_stride, int token_begin,
+                                             int num_valid, int end_call_chunks, unsigned int* counters) {
     const RingDescriptor& d = *desc_ptr;
+    const int R = d.num_ranks;
+    const int E = num_local_experts;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    __nv_bfloat16** owner_rows = reinterpret_cast<__nv_bfloat16**>(shared_bytes);  // [num_ranks] peer pointers
+    long long* owner_base = reinterpret_cast<long long*>(owner_rows + R);         // [num_ranks] token bases
+    int* live_before = reinterpret_cast<int*>(owner_base + R);  // [E + 1]: live rows of the experts before e
+    int* group_begin = live_before + E + 1;                      // [E]
+    __shared__ int ok;
+    __shared__ int any_rdma;  // some owner is an rdma peer (peer_ptr null): its rows go by puts (step 1b)
     if (error_pending(d)) return;
-    scatter_rows(d, pool_out, row_src, total[0], token_base, window_begin, m_indices, combine_rows);
+    if (threadIdx.x == 0) any_rdma = 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        owner_rows[r] = peer_ptr(d, combine_rows, r);
+        owner_base[r] = token_base[r];
+        if (owner_rows[r] == nullptr) any_rdma = 1;
+    }
+    // Warp 0: exclusive scan of the live rows per expert (each lane a contiguous run of experts).
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per_lane = (E + 31) / 32;
+        const int first = lane * per_lane;
+        const int last = min(first + per_lane, E);
+        int sum = 0;
+        for (int e = first; e < last; ++e) sum += expert_counts[e];
+        const int inclusive = warp_inclusive_sum(sum, lane);
+        int running = inclusive - sum;
+        for (int e = first; e < last; ++e) {
+            live_before[e] = running;
+            group_begin[e] = begin[e];
+            running += expert_counts[e];
+        }
+        if (lane == 31) live_before[E] = inclusive;
+    }
+    __syncthreads();
+
+    // 1. Scatter. Live row i is row begin[e] + i - live_before[e] of the expert e with live_before[e] <= i <
+    //    live_before[e + 1] (a binary search; empty experts have equal bounds and are never found).
+    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
+    const int64_t num_vecs = int64_t(live_before[E]) * vecs_per_row;
+    const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
+    auto row_of_live = [&](int i) {
+        int lo = 0, hi = E - 1;  // the last e with live_before[e] <= i
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (live_before[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        return group_begin[lo] + i - live_before[lo];
+    };
+    for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i0 < num_vecs;
+         i0 += kScatterLoadsInFlight * num_threads) {
+        int4 raw[kScatterLoadsInFlight];
+        int4 src[kScatterLoadsInFlight];
+        int row[kScatterLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kScatterLoadsInFlight; ++u) {
+            const int64_t i = i0 + u * num_threads;
+            row[u] = i < num_vecs ? row_of_live(static_cast<int>(i / vecs_per_row)) : -1;
+            if (row[u] < 0) continue;
+            raw[u] = reinterpret_cast<const int4*>(pool_out + int64_t(row[u]) * d.hidden)[i % vecs_per_row];
+            src[u] = row_src[row[u]];  // {owner, chunk-local token, k, chunk}
+        }
+#pragma unroll
+        for (int u = 0; u < kScatterLoadsInFlight; ++u) {
+            if (row[u] < 0) continue;
+            const int64_t v = (i0 + u * num_threads) % vecs_per_row;
+            const int64_t token = owner_base[src[u].x] + src[u].y;
+            __nv_bfloat16* owner = owner_rows[src[u].x];
+            if (owner != nullptr) reinterpret_cast<int4*>(owner + (token * d.num_topk + src[u].z) * d.hidden)[v] = raw[u];
+            if (v == 0) m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
+        }
+    }
+    // 1b. Rows of rdma owners: one warp-wide non-blocking put per row, and nvshmem_quiet by every thread that
+    //     put before the block's arrival (as scatter_rows: the puts are delivered before the signal).
+    if (any_rdma) {
+        const int lane_warp = threadIdx.x / 32;
+        const int warps_per_block = blockDim.x / 32;
+        bool put_any = false;
+        for (int i = blockIdx.x * warps_per_block + lane_warp; i < live_before[E]; i += gridDim.x * warps_per_block) {
+            const int row = row_of_live(i);  // warp-uniform
+            const int4 src = row_src[row];
+            if (owner_rows[src.x] != nullptr) continue;
+            const int64_t token = owner_base[src.x] + src.y;
+            nvshmemx_putmem_nbi_warp(combine_rows + (token * d.num_topk + src.z) * d.hidden,
+                                     pool_out + int64_t(row) * d.hidden, size_t(d.hidden) * sizeof(__nv_bfloat16),
+                                     src.x);
+            put_any = true;
+        }
+        if (put_any) nvshmem_quiet();
+    }
     __syncthreads();
     if (threadIdx.x == 0) __threadfence_system();  // this block's peer stores before its arrival
-    if (!grid_last_block(counter)) return;
-    signal_owners(d, combine_ready, expected_generation(d, chunk_end));
-    if (!ack_now) return;
-    for (int chunk = chunk_begin; chunk <= chunk_end; ++chunk)
-        for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk, owner);
-}
 
-// The small-batch schedule's last kernel: moe_combine_wait + moe_combine_reduce of the window ending at
-// chunk_idx. Thread 0 of every block waits for every source (acquire), then the block reduces its tokens.
-// With end_call_chunks > 0 the last block to arrive ends the call: every block has read the generation base
-// by then. counter: a zeroed device word (used only with end_call_chunks > 0).
-extern "C" __global__ void moe_combine_finish(const RingDescriptor* desc_ptr, int chunk_idx,
-                                              const uint64_t* combine_ready, const __nv_bfloat16* combine_rows,
-                                              const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
-                                              long long y_row_stride, int token_begin, int num_valid,
-                                              int end_call_chunks, unsigned int* counter) {
-    __shared__ int ok;
-    const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    if (threadIdx.x == 0) ok = wait_sources(d, chunk_idx, combine_ready, expected_generation(d, chunk_idx));
+    // 2. The last block signals (release in signal_owners, after the handshake ordered every block's stores).
+    const uint64_t gen = expected_generation(d, chunk_idx);
+    if (grid_last_block(counters)) {
+        signal_owners(d, combine_ready, gen);
+        // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
+        if (ack_now)
+            for (int owner = 0; owner < R; ++owner) ack(d, chunk_idx, owner);
+    }
+
+    // 3. Every source's rows, then this block's share of the reduce.
+    if (threadIdx.x == 0) ok = wait_sources(d, chunk_idx, combine_ready, gen);
     __syncthreads();  // the other threads read the rows only after thread 0's acquire
     if (!ok) return;
     reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
-    if (end_call_chunks > 0 && grid_last_block(counter) && threadIdx.x == 0) end_call(d, end_call_chunks);
+
+    // 4. The end of the call, once every block read the generation base.
+    if (end_call_chunks > 0 && grid_last_block(counters + 1) && threadIdx.x == 0) end_call(d, end_call_chunks);
 }

@@ -32,8 +32,9 @@
 //   moe_dispatch_fused_fp8  the small-batch schedule: wait + count + scan + pull_fp8 (+ the EARLY ack) of one
 //                       chunk in ONE kernel. Every block waits for every source and counts every entry itself
 //                       (a few thousand at decode sizes), so it derives the same group offsets as every other
-//                       block and, from the entries before its own tokens, where its rows start in each group:
-//                       no grid-wide handshake, and rows land in a fixed order.
+//                       block and, from the entries before its own range of tokens, where its rows start in
+//                       each group: no grid-wide handshake, and rows land in a fixed (flat entry) order. All
+//                       threads of a block copy its tokens' rows (16-byte vectors, several loads in flight).
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
 // Capacity: the pool has num_ranks * window tokens * num_topk rows, one per (source rank, token, k), plus
@@ -44,9 +45,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::lanes_below;
+using symmring_moe::warp_inclusive_sum;
 
 namespace {
 
@@ -418,17 +422,31 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
 }
 
 // The small-batch schedule's dispatch of one chunk into an fp8 pool (see the header): wait, count, scan, pull
-// and (ack_now: EARLY) acknowledge, in one grid of `warps per block`-token blocks over the chunk's tokens of
-// all sources in source order. Dynamic shared memory: (2 * num_local_experts + num_ranks + 1) ints.
-//   1. Thread r < num_ranks waits for both of source r's generations (one deadline, acquire) and reads its
-//      valid count and token base (block 0 stores the base into token_base[r] for the combine).
-//   2. Every block counts every entry per local expert, and separately the entries of tokens before its own.
+// and (ack_now: EARLY) acknowledge, in one grid. The chunk's tokens of all sources, in source order, are cut
+// into gridDim.x contiguous ranges, one per block (block b: positions [b * n / G, (b + 1) * n / G)).
+// Dynamic shared memory: 4 * num_ranks pointers, then (2 * num_local_experts + num_ranks + 1) ints.
+//   1. Thread r < num_ranks waits for both of source r's generations (one deadline, acquire), reads its valid
+//      count and token base (block 0 stores the base into token_base[r] for the combine) and its payload
+//      pointers.
+//   2. Every block counts every entry per local expert, and separately the entries of tokens before its range.
 //   3. Warp 0 scans the counts (groups aligned to `align` rows): block 0 writes counts, begin, group_end and
 //      total (as moe_dispatch_count and _scan would); every block starts its cursor of expert e at begin[e] +
-//      (entries of e before its tokens).
-//   4. One warp per token of the block: reserve rows (shared cursors), copy fp8 rows and scales, record
-//      row_src / row_weight / m_indices, as moe_dispatch_pull_fp8.
+//      (entries of e before its range).
+//   4. Per pass of up to kPassEntries entries of its range: warp 0 gives each local entry its row in flat
+//      order (__match_any_sync ranks the entries of one expert within 32 entries), so rows land in a fixed
+//      order; all threads record row_src / row_weight / m_indices and copy the fp8 rows (16-byte vectors,
+//      kLoadsInFlight loads per thread before the stores) and scales into every row, as moe_dispatch_pull_fp8.
+// Every block waits on peers' producers, so the grid is at most stages.Kernels.spin_blocks (PROTOCOL.md 9.2).
 // counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise).
+namespace {
+
+// Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
+constexpr int kPassEntries = 1024;
+// 16-byte loads each thread of the fused dispatch issues before their stores.
+constexpr int kLoadsInFlight = 8;
+
+}  // namespace
+
 extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr, int chunk_idx, long long* token_base,
                                                   int* expert_counts, int* begin, int* group_end, int* total,
                                                   uint8_t* pool_x, float* pool_sf,
@@ -436,16 +454,22 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
                                                   int ack_now, unsigned int* counter, const RingDescriptor* stage) {
-    extern __shared__ int shared[];
-    int* counts = shared;                          // [num_local_experts]
-    int* cursor = shared + num_local_experts;      // [num_local_experts]: entries before this block, then rows
-    int* first_token = cursor + num_local_experts;  // [num_ranks + 1]: flat position of each source's first token
-    __shared__ int failed;
     const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    const int slot = slot_of(chunk_idx, d.num_slots);
     const int K = d.num_topk;
     const int R = d.num_ranks;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    const int32_t** src_idx = reinterpret_cast<const int32_t**>(shared_bytes);  // [num_ranks] per source:
+    const float** src_weights = reinterpret_cast<const float**>(src_idx + R);    // the slot's payload,
+    const uint8_t** src_x = reinterpret_cast<const uint8_t**>(src_weights + R);  // peer pointers
+    const float** src_sf = reinterpret_cast<const float**>(src_x + R);
+    int* counts = reinterpret_cast<int*>(src_sf + R);  // [num_local_experts]
+    int* cursor = counts + num_local_experts;          // [num_local_experts]: entries before the range, then rows
+    int* first_token = cursor + num_local_experts;     // [num_ranks + 1]: flat position of each source's first token
+    __shared__ int entry_local[kPassEntries];          // the pass's entries: local expert or -1
+    __shared__ int entry_row[kPassEntries];            // ... and their pool rows (-1: not local)
+    __shared__ int failed;
+    if (error_pending(d)) return;
+    const int slot = slot_of(chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, chunk_idx);
     if (threadIdx.x == 0) failed = 0;
     for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
@@ -464,6 +488,10 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         } else {
             valid = num_valid_of(d, from);
             if (blockIdx.x == 0) token_base[src] = from.meta[kMetaTokenBase];
+            src_idx[src] = from.idx;
+            src_weights[src] = from.weights;
+            src_x[src] = from.x;
+            src_sf[src] = from.x_sf;
         }
         first_token[src + 1] = valid;
     }
@@ -475,78 +503,149 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     }
     __syncthreads();
     const int num_tokens = first_token[R];
-    const int warps_per_block = blockDim.x / 32;
-    const int my_first = blockIdx.x * warps_per_block;
+    const int range_begin = static_cast<int>(int64_t(blockIdx.x) * num_tokens / gridDim.x);
+    const int range_end = static_cast<int>(int64_t(blockIdx.x + 1) * num_tokens / gridDim.x);
     auto source_of = [&](int pos) {
         int src = 0;
         while (pos >= first_token[src + 1]) ++src;
         return src;
     };
 
-    // 2. Count every entry; those of tokens before this block's also into cursor.
-    int idx_src = -1;  // the source whose topk_idx mapping is cached (a thread's entries change source rarely)
-    const int32_t* src_idx = nullptr;
-    for (int64_t i = threadIdx.x; i < int64_t(num_tokens) * K; i += blockDim.x) {
-        const int pos = static_cast<int>(i / K);
-        const int src = source_of(pos);
-        if (src != idx_src) {
-            idx_src = src;
-            src_idx = source_slot(d, stage, slot, src).idx;
-        }
-        const int64_t entry = int64_t(pos - first_token[src]) * K + i % K;
-        const int expert = src_idx[entry];
-        const int local = expert - expert_begin;
-        if (local >= 0 && local < num_local_experts) {
-            atomicAdd(&counts[local], 1);
-            if (pos < my_first) atomicAdd(&cursor[local], 1);
-        } else if ((expert < -1 || expert >= d.num_experts) && blockIdx.x == 0) {
-            flag_bad_id(d, chunk_idx, expert, src, entry, status, bad_id);
-        }
-    }
-    __syncthreads();
-
-    // 3. Warp 0: exclusive scan of the aligned group spans (each lane a contiguous run of experts).
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const int per_lane = (num_local_experts + 31) / 32;
-        const int first = lane * per_lane;
-        const int last = min(first + per_lane, num_local_experts);
-        auto span = [align](int count) { return (count + align - 1) / align * align; };
-        int sum = 0;
-        for (int e = first; e < last; ++e) sum += span(counts[e]);
-        int inclusive = sum;
+    // Block 0 always counts (it writes the group layout); a block with an empty range has no rows to place.
+    if (range_begin < range_end || blockIdx.x == 0) {
+        // 2. Count every entry, source by source, kLoadsInFlight loads per thread before their atomics; those
+        //    of tokens before this block's range also into cursor.
+        for (int src = 0; src < R; ++src) {
+            const int32_t* idx = src_idx[src];
+            const int64_t num_entries = int64_t(first_token[src + 1] - first_token[src]) * K;
+            for (int64_t i0 = threadIdx.x; i0 < num_entries; i0 += kLoadsInFlight * blockDim.x) {
+                int expert[kLoadsInFlight];
 #pragma unroll
-        for (int offset = 1; offset < 32; offset *= 2) {
-            const int add = __shfl_up_sync(0xffffffffu, inclusive, offset);
-            if (lane >= offset) inclusive += add;
-        }
-        int running = inclusive - sum;
-        for (int e = first; e < last; ++e) {
-            if (blockIdx.x == 0) {
-                expert_counts[e] = counts[e];
-                begin[e] = running;
-                group_end[e] = running + counts[e];
+                for (int u = 0; u < kLoadsInFlight; ++u) {
+                    const int64_t i = i0 + int64_t(u) * blockDim.x;
+                    expert[u] = i < num_entries ? idx[i] : -1;  // -1: masked, skipped
+                }
+#pragma unroll
+                for (int u = 0; u < kLoadsInFlight; ++u) {
+                    const int64_t i = i0 + int64_t(u) * blockDim.x;
+                    const int local = expert[u] - expert_begin;
+                    if (local >= 0 && local < num_local_experts) {
+                        atomicAdd(&counts[local], 1);
+                        if (first_token[src] + i / K < range_begin) atomicAdd(&cursor[local], 1);
+                    } else if ((expert[u] < -1 || expert[u] >= d.num_experts) && blockIdx.x == 0) {
+                        flag_bad_id(d, chunk_idx, expert[u], src, i, status, bad_id);
+                    }
+                }
             }
-            cursor[e] += running;
-            running += span(counts[e]);
         }
-        if (blockIdx.x == 0 && lane == 31) total[0] = inclusive;
-    }
-    __syncthreads();
+        __syncthreads();
 
-    // 4. One warp per token of this block.
-    const int lane = threadIdx.x % 32;
-    const int pos = my_first + threadIdx.x / 32;
-    if (pos < num_tokens) {
-        const int src = source_of(pos);
-        const int token = pos - first_token[src];
-        const SourceSlot from = source_slot(d, stage, slot, src);
-        const int row = reserve_row(d, from.idx, from.weights, token, lane, src, chunk_idx, cursor, row_src,
-                                    row_weight, m_indices, expert_begin, num_local_experts);
-        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (rows_mask != 0)
-            copy_token_fp8(from.x + int64_t(token) * d.hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask,
-                           pool_x, pool_sf, sf_row_stride, sf_col_stride, d.hidden, d.num_sf, lane);
+        // 3. Warp 0: exclusive scan of the aligned group spans (each lane a contiguous run of experts).
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            const int per_lane = (num_local_experts + 31) / 32;
+            const int first = lane * per_lane;
+            const int last = min(first + per_lane, num_local_experts);
+            auto span = [align](int count) { return (count + align - 1) / align * align; };
+            int sum = 0;
+            for (int e = first; e < last; ++e) sum += span(counts[e]);
+            const int inclusive = warp_inclusive_sum(sum, lane);
+            int running = inclusive - sum;
+            for (int e = first; e < last; ++e) {
+                if (blockIdx.x == 0) {
+                    expert_counts[e] = counts[e];
+                    begin[e] = running;
+                    group_end[e] = running + counts[e];
+                }
+                cursor[e] += running;
+                running += span(counts[e]);
+            }
+            if (blockIdx.x == 0 && lane == 31) total[0] = inclusive;
+        }
+        __syncthreads();
+    }
+
+    // 4. This block's range, kPassEntries entries (whole tokens) per pass.
+    const int tokens_per_pass = kPassEntries / K;  // K <= 32 (stages.MAX_TOPK)
+    const int vecs_per_row = d.hidden / 16;         // 16 fp8 bytes per vector (hidden % 128 == 0: layer-checked)
+    const int num_sf = d.num_sf;
+    for (int pass_begin = range_begin; pass_begin < range_end; pass_begin += tokens_per_pass) {
+        const int pass_tokens = min(tokens_per_pass, range_end - pass_begin);
+        const int pass_entries = pass_tokens * K;
+        // 4a. Every entry's local expert (-1: not local).
+        for (int j = threadIdx.x; j < pass_entries; j += blockDim.x) {
+            const int pos = pass_begin + j / K;
+            const int src = source_of(pos);
+            const int local = src_idx[src][int64_t(pos - first_token[src]) * K + j % K] - expert_begin;
+            entry_local[j] = local >= 0 && local < num_local_experts ? local : -1;
+        }
+        __syncthreads();
+        // 4b. Warp 0: rows in flat entry order. Lanes holding the same expert take consecutive rows in lane
+        //     order; the highest of them moves the expert's cursor past them.
+        if (threadIdx.x < 32) {
+            for (int j0 = 0; j0 < pass_entries; j0 += 32) {
+                const int j = j0 + static_cast<int>(threadIdx.x);
+                const int local = j < pass_entries ? entry_local[j] : -1;
+                const unsigned same = __match_any_sync(0xffffffffu, local);
+                int row = -1;
+                if (local >= 0) row = cursor[local] + __popc(same & lanes_below());
+                __syncwarp();  // every lane read its expert's cursor before the highest lane moves it
+                if (local >= 0 && (same >> threadIdx.x) == 1u) cursor[local] += __popc(same);
+                if (j < pass_entries) entry_row[j] = row;
+                __syncwarp();
+            }
+        }
+        __syncthreads();
+        // 4c. Bookkeeping of every placed entry, as reserve_row.
+        for (int j = threadIdx.x; j < pass_entries; j += blockDim.x) {
+            const int row = entry_row[j];
+            if (row < 0) continue;
+            const int pos = pass_begin + j / K;
+            const int src = source_of(pos);
+            const int token = pos - first_token[src];
+            row_src[row] = make_int4(src, token, j % K, chunk_idx);
+            row_weight[row] = src_weights[src][int64_t(token) * K + j % K];
+            m_indices[row] = entry_local[j];
+        }
+        // 4d. The rows: every 16-byte vector of a pass token into each of its rows, loads first.
+        const int num_vecs = pass_tokens * vecs_per_row;
+        for (int i0 = threadIdx.x; i0 < num_vecs; i0 += kLoadsInFlight * blockDim.x) {
+            int4 raw[kLoadsInFlight];
+#pragma unroll
+            for (int u = 0; u < kLoadsInFlight; ++u) {
+                const int i = i0 + u * blockDim.x;
+                raw[u] = make_int4(0, 0, 0, 0);
+                if (i < num_vecs) {
+                    const int pos = pass_begin + i / vecs_per_row;
+                    const int src = source_of(pos);
+                    raw[u] = reinterpret_cast<const int4*>(src_x[src] + int64_t(pos - first_token[src]) * d.hidden)
+                        [i % vecs_per_row];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kLoadsInFlight; ++u) {
+                const int i = i0 + u * blockDim.x;
+                if (i >= num_vecs) break;
+                const int t = i / vecs_per_row;
+                for (int k = 0; k < K; ++k) {
+                    const int row = entry_row[t * K + k];
+                    if (row >= 0) reinterpret_cast<int4*>(pool_x + int64_t(row) * d.hidden)[i % vecs_per_row] = raw[u];
+                }
+            }
+        }
+        // ... and every scale.
+        for (int i = threadIdx.x; i < pass_tokens * num_sf; i += blockDim.x) {
+            const int t = i / num_sf;
+            const int j = i % num_sf;
+            const int pos = pass_begin + t;
+            const int src = source_of(pos);
+            const float scale = src_sf[src][int64_t(pos - first_token[src]) * num_sf + j];
+            for (int k = 0; k < K; ++k) {
+                const int row = entry_row[t * K + k];
+                if (row >= 0) pool_sf[int64_t(row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
+            }
+        }
+        __syncthreads();  // the next pass reuses entry_local / entry_row
     }
     // EARLY: the pulls were this PE's last reads of every source's slot (the meta was read in step 1).
     if (ack_now && grid_last_block(counter))

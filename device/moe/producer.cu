@@ -10,8 +10,9 @@
 //                          copy topk + meta; the last block resets the mask and publishes route readiness.
 //   moe_produce_layout_*   quantise (fp8) or copy (bf16) x into the slot; the last block publishes layout.
 //   moe_produce_chunk_fp8  the small-batch schedule's producer: route and fp8 layout in one grid (acquire,
-//                          copy topk + meta, quantise x), the last block resets the mask and publishes both
-//                          (route first), so a decode call pays one launch instead of two.
+//                          copy topk + meta, quantise x with one warp per 256 channels of a token, several
+//                          loads in flight), the last block resets the mask and publishes both (route
+//                          first), so a decode call pays one launch instead of two.
 //
 // Every kernel here is one grid; its last block to arrive publishes (grid_publish), after every block's
 // stores. The layer enqueues the route kernel first (it acquires the slot), the layout kernel after it.
@@ -36,6 +37,11 @@ constexpr int kGroupSize = 128;
 constexpr int kChannelsPerLane = 8;
 // Lanes that share one group: 128 / 8 = 16, so a warp converts two groups per step.
 constexpr int kLanesPerGroup = kGroupSize / kChannelsPerLane;
+// Channels of one warp step: 32 lanes x 8 = two groups.
+constexpr int kSliceChannels = 32 * kChannelsPerLane;
+// Warp steps the small-batch producer loads before it converts them (memory latency, not bandwidth,
+// bounds a decode-sized layout: one warp walking a 7168-channel token step by step took ~20 us).
+constexpr int kStepsInFlight = 4;
 
 __device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float d) {
     const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -60,44 +66,60 @@ __device__ __forceinline__ void write_route(const RingDescriptor& d, int chunk_i
         write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
 }
 
+// One warp step of the fp8 quantisation (all 32 lanes call it, the shuffles need them): the channels
+// [col0, col0 + 256) of a token, two groups of 128, lanes 0-15 the first and 16-31 the second, 8 channels
+// per lane. `raw`: the lane's 16-byte load of bf16 channels col0 + lane * 8 (load_step_fp8; ignored where
+// that column is past the row, `active` false). Writes the lane's 8 fp8 bytes into dst + col and, from the
+// first lane of each group, the group's float32 scale into dst_sf[col / 128]. The one implementation of the
+// quantisation: the warp-per-token layout and the small-batch producer's warp-per-slice layout both call it,
+// so they write the same bits.
+__device__ __forceinline__ void quantize_step_fp8(int4 raw, bool active, int col, uint8_t* dst, float* dst_sf,
+                                                  int lane) {
+    float v[kChannelsPerLane];
+    float amax = 0.0f;
+    if (active) {
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kChannelsPerLane / 2; ++i) {
+            const float2 f = __bfloat1622float2(pairs[i]);
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+    }
+    // amax over the 16 lanes of this group (xor offsets stay inside a half-warp).
+#pragma unroll
+    for (int offset = kLanesPerGroup / 2; offset > 0; offset /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (!active) return;
+    float scale = amax / kFp8E4M3Max;  // IEEE division, as NumPy's float32 amax / 448
+    if (scale == 0.0f) scale = 1.0f;   // zero group: quantise to zeros, no division by zero
+    float q[kChannelsPerLane];
+#pragma unroll
+    for (int i = 0; i < kChannelsPerLane; ++i) q[i] = fminf(fmaxf(v[i] / scale, -kFp8E4M3Max), kFp8E4M3Max);
+    uint2 packed;
+    packed.x = pack_fp8x4(q[0], q[1], q[2], q[3]);
+    packed.y = pack_fp8x4(q[4], q[5], q[6], q[7]);
+    *reinterpret_cast<uint2*>(dst + col) = packed;
+    if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
+}
+
+// The lane's 16-byte load for quantize_step_fp8 (zeros past the row).
+__device__ __forceinline__ int4 load_step_fp8(const __nv_bfloat16* src, bool active, int col) {
+    return active ? *reinterpret_cast<const int4*>(src + col) : make_int4(0, 0, 0, 0);
+}
+
 // One warp (all 32 lanes): quantise one token's bf16 row `src` [hidden] into fp8 e4m3 `dst` and its float32
-// scales `dst_sf` [hidden / 128]. Each lane converts 8 channels per step with one 16-byte load, 16 lanes
-// share a group's amax. Needs hidden % 128 == 0 (checked by the layer).
+// scales `dst_sf` [hidden / 128], one quantize_step_fp8 per 256 channels. Needs hidden % 128 == 0 (checked
+// by the layer).
 __device__ __forceinline__ void quantize_token_fp8(const __nv_bfloat16* src, uint8_t* dst, float* dst_sf, int hidden,
                                                    int lane) {
     // Every lane runs the same number of steps (hidden is a multiple of 2 groups or the second
-    // half-warp idles), so the shuffles below always have all 32 lanes.
-    for (int col0 = 0; col0 < hidden; col0 += 2 * kGroupSize) {
+    // half-warp idles), so the shuffles always have all 32 lanes.
+    for (int col0 = 0; col0 < hidden; col0 += kSliceChannels) {
         const int col = col0 + lane * kChannelsPerLane;
         const bool active = col < hidden;
-        float v[kChannelsPerLane];
-        float amax = 0.0f;
-        if (active) {
-            const int4 raw = *reinterpret_cast<const int4*>(src + col);
-            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-            for (int i = 0; i < kChannelsPerLane / 2; ++i) {
-                const float2 f = __bfloat1622float2(pairs[i]);
-                v[2 * i] = f.x;
-                v[2 * i + 1] = f.y;
-                amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-            }
-        }
-        // amax over the 16 lanes of this group (xor offsets stay inside a half-warp).
-#pragma unroll
-        for (int offset = kLanesPerGroup / 2; offset > 0; offset /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        if (!active) continue;
-        float scale = amax / kFp8E4M3Max;  // IEEE division, as NumPy's float32 amax / 448
-        if (scale == 0.0f) scale = 1.0f;   // zero group: quantise to zeros, no division by zero
-        float q[kChannelsPerLane];
-#pragma unroll
-        for (int i = 0; i < kChannelsPerLane; ++i) q[i] = fminf(fmaxf(v[i] / scale, -kFp8E4M3Max), kFp8E4M3Max);
-        uint2 packed;
-        packed.x = pack_fp8x4(q[0], q[1], q[2], q[3]);
-        packed.y = pack_fp8x4(q[4], q[5], q[6], q[7]);
-        *reinterpret_cast<uint2*>(dst + col) = packed;
-        if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
+        quantize_step_fp8(load_step_fp8(src, active, col), active, col, dst, dst_sf, lane);
     }
 }
 
@@ -112,6 +134,42 @@ __device__ __forceinline__ void write_layout_fp8(const RingDescriptor& d, int ch
          token += int64_t(gridDim.x) * warps_per_block)
         quantize_token_fp8(x + token * x_row_stride, slot_x + token * d.hidden, slot_sf + token * d.num_sf, d.hidden,
                            threadIdx.x % 32);
+}
+
+// The small-batch producer's layout: grid-stride over warp steps (token, 256-channel slice), so even one
+// token spreads over hidden / 256 warps; each warp loads kStepsInFlight steps before it converts them.
+// The same quantize_step_fp8 as the warp-per-token layout, so the same bits.
+__device__ __forceinline__ void write_layout_fp8_sliced(const RingDescriptor& d, int chunk_idx,
+                                                        const __nv_bfloat16* x, long long x_row_stride,
+                                                        int num_valid) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int lane = threadIdx.x % 32;
+    const int64_t num_warps = int64_t(gridDim.x) * (blockDim.x / 32);
+    const int slices = (d.hidden + kSliceChannels - 1) / kSliceChannels;
+    const int64_t num_steps = int64_t(num_valid) * slices;
+    uint8_t* slot_x = x_of(d, slot);
+    float* slot_sf = x_sf_of(d, slot);
+    // Warp-uniform bounds: every lane of a warp takes the same steps (quantize_step_fp8 shuffles).
+    for (int64_t first = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; first < num_steps;
+         first += kStepsInFlight * num_warps) {
+        int4 raw[kStepsInFlight];
+#pragma unroll
+        for (int u = 0; u < kStepsInFlight; ++u) {
+            const int64_t step = first + u * num_warps;
+            const int64_t token = step / slices;
+            const int col = static_cast<int>(step % slices) * kSliceChannels + lane * kChannelsPerLane;
+            raw[u] = load_step_fp8(x + token * x_row_stride, step < num_steps && col < d.hidden, col);
+        }
+#pragma unroll
+        for (int u = 0; u < kStepsInFlight; ++u) {
+            const int64_t step = first + u * num_warps;
+            if (step >= num_steps) break;  // warp-uniform
+            const int64_t token = step / slices;
+            const int col = static_cast<int>(step % slices) * kSliceChannels + lane * kChannelsPerLane;
+            quantize_step_fp8(raw[u], col < d.hidden, col, slot_x + token * d.hidden, slot_sf + token * d.num_sf,
+                              lane);
+        }
+    }
 }
 
 }  // namespace
@@ -178,8 +236,10 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
 
 // The small-batch schedule's producer, fp8 layout: moe_produce_route and moe_produce_layout_fp8 in one grid.
 // Every block waits for the slot's previous acknowledgements, then writes its share of topk, meta and the
-// quantised rows; the last block to arrive resets the mask and publishes route readiness, then layout
-// readiness (the consumer sees both parts, in the protocol's order). counter: as for moe_produce_route.
+// quantised rows (one warp per 256-channel slice of a token, write_layout_fp8_sliced); the last block to
+// arrive resets the mask and publishes route readiness, then layout readiness (the consumer sees both parts,
+// in the protocol's order). counter: as for moe_produce_route. Every block spins in wait_reusable, so the
+// grid is at most stages.Kernels.spin_blocks (docs/PROTOCOL.md 9.2).
 extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
                                                  const int32_t* topk_idx, const float* topk_weights,
                                                  const __nv_bfloat16* x, long long x_row_stride, int num_valid,
@@ -189,6 +249,6 @@ extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr,
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
     write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
-    write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
+    write_layout_fp8_sliced(d, chunk_idx, x, x_row_stride, num_valid);
     grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
 }

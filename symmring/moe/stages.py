@@ -7,17 +7,17 @@ Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every a
 * combine (``combine.cu``): `combine_scatter`, `combine_signal`, `combine_wait`, `combine_reduce`;
 * schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`;
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
-  (``dispatch.cu``), `combine_send` and `combine_finish` (``combine.cu``).
+  (``dispatch.cu``) and `combine_fused` (``combine.cu``).
 
 Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.plan.Plan`):
 
 * `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
   (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce;
-* `small_batch_call`: a whole one-chunk batch call (fp8 pools) in four fused kernels around the experts:
-  produce (route + layout), dispatch (wait + count + scan + pull), combine send (scatter + signal) and
-  finish (wait + reduce + end of call). The same protocol, generations and acknowledgements; the pool rows
-  and the expert engine are the general schedule's, so the output is bitwise the same.
+* `small_batch_call`: a whole one-chunk batch call (fp8 pools) in three fused kernels around the experts:
+  produce (route + layout), dispatch (wait + count + scan + pull) and combine (scatter + signal + wait +
+  reduce + end of call). The same protocol, generations and acknowledgements; the pool rows and the expert
+  engine are the general schedule's, so the output is bitwise the same.
 
 The acknowledgement policy is applied in these sequences and nowhere else: EARLY acknowledges each chunk
 right after its pull (its last read of slot memory), CONSERVATIVE with the window's combine signal.
@@ -45,6 +45,8 @@ WARPS_PER_BLOCK = THREADS_PER_BLOCK // 32
 MAX_BLOCKS = 1056
 #: Blocks of the route kernel, whose blocks all poll the acknowledgement mask while they wait.
 MAX_ROUTE_BLOCKS = 16
+#: Most PEs that share one GPU (under CUDA MPS) `spin_blocks` assumes when the backend does not say.
+MAX_PES_PER_GPU = 4
 #: Blocks of the count kernel per source rank.
 MAX_COUNT_BLOCKS = 64
 #: Largest top-k the dispatch kernel handles (one lane per k).
@@ -55,7 +57,8 @@ WAIT_ROUTE, WAIT_LAYOUT = 1, 2
 STATUS_NO_PEER_MAPPING, STATUS_BAD_EXPERT_ID = 1, 2
 #: Words of the bad-expert-id record (device/moe/dispatch.cu BadIdWord): value, source rank, token, k.
 BAD_ID_WORDS = 4
-#: Words of `State.counters`, one zeroed grid-handshake word per kernel that ends in a last-block step.
+#: Words of `State.counters`, one zeroed grid-handshake word per last-block step of a kernel (the fused
+#: combine uses COUNTER_SEND and the word after it, COUNTER_FINISH).
 COUNTER_ROUTE, COUNTER_LAYOUT, COUNTER_DISPATCH, COUNTER_SEND, COUNTER_FINISH = range(5)
 NUM_COUNTERS = 5
 
@@ -63,6 +66,19 @@ NUM_COUNTERS = 5
 def blocks(num_items: int, per_block: int, cap: int = MAX_BLOCKS) -> int:
     """Blocks for ``num_items`` items at ``per_block`` per block, between 1 and ``cap``."""
     return max(1, min(cap, -(-num_items // per_block)))
+
+
+def spin_blocks(num_sms: int, pes_per_gpu: int) -> int:
+    """Most blocks of a small-batch kernel whose blocks spin (the fused producer, dispatch and combine).
+
+    The rule: the PEs sharing one GPU run one such kernel each at a time (one stream), and together they
+    hold at most HALF its SMs (one 256-thread block per SM at most, where the hardware spreads them), so
+    the kernels they wait for (the other PEs' producers and combine, the expert GEMMs) always find whole
+    SMs free, and every block of each grid is resident at once (the fused combine's blocks wait for its
+    own last block's signal). ``num_sms // (2 * pes_per_gpu)``, at least 1: 66 blocks on an H200 (132 SMs)
+    for one PE, 16 for four under MPS.
+    """
+    return max(1, num_sms // (2 * max(1, pes_per_gpu)))
 
 
 def reduce_slices(hidden: int) -> int:
@@ -116,8 +132,9 @@ class Kernels:
         self.sleep = schedule.function("moe_sleep")
         self.produce_chunk_fp8 = producer.function("moe_produce_chunk_fp8")
         self.dispatch_fused_fp8 = dispatch.function("moe_dispatch_fused_fp8")
-        self.combine_send = combine.function("moe_combine_send")
-        self.combine_finish = combine.function("moe_combine_finish")
+        self.combine_fused = combine.function("moe_combine_fused")
+        #: Grid cap of the small-batch kernels (`spin_blocks`) on this PE's GPU.
+        self.spin_blocks = spin_blocks(backend.num_sms, getattr(backend, "pes_per_gpu", MAX_PES_PER_GPU))
 
 
 @dataclass
@@ -314,9 +331,11 @@ def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
 
 def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x) -> None:
     """The small-batch producer (fp8 rings): acquire the slot, write route (``topk_idx``/``topk_weights``, the
-    call's contiguous ``[n, K]``) and the fp8 layout of ``x``, publish both, in one grid (a warp per token)."""
+    call's contiguous ``[n, K]``) and the fp8 layout of ``x``, publish both, in one grid (a warp per 256
+    channels of a token; at most `Kernels.spin_blocks` blocks, which all wait for the slot)."""
     row_bytes, stride = s.topk * 4, x.stride(0)
-    k.produce_chunk_fp8((blocks(chunk.num_valid, WARPS_PER_BLOCK, MAX_ROUTE_BLOCKS),), (THREADS_PER_BLOCK,),
+    steps = chunk.num_valid * -(-s.hidden // 256)
+    k.produce_chunk_fp8((blocks(steps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,),
                         (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
                          np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
                          np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
@@ -325,11 +344,11 @@ def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, t
 
 def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool) -> None:
     """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, count, scan and pull in one
-    grid of one warp per token of all sources (every block counts every entry); ``ack_now``: EARLY."""
+    grid of a block per token of all sources, at most `Kernels.spin_blocks` (each block a contiguous range of
+    tokens; every block counts every entry); ``ack_now``: EARLY."""
     sf = s.pool_scales(window.rows_bound)
-    grid = blocks(window.source_tokens, WARPS_PER_BLOCK, cap=1 << 30)  # exactly one warp per token: no cap
-    shared = 4 * (2 * s.num_local_experts + s.num_ranks + 1)
-    k.dispatch_fused_fp8((grid,), (THREADS_PER_BLOCK,),
+    shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
+    k.dispatch_fused_fp8((blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
                          (s.desc, np.int32(window.first), _p(s.token_base), _p(s.counts), _p(s.begin),
                           _p(s.group_end), _p(s.total),
                           _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
@@ -339,21 +358,21 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
                          shared_mem=shared)
 
 
-def combine_send(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool) -> None:
-    """`combine_scatter` + `combine_signal` of ``window`` in one grid (the last block signals)."""
-    k.combine_send((blocks(window.rows_bound, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                   (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window.first),
-                    _p(s.m_indices), s.combine_rows, np.int32(window.first), np.int32(window.last), s.combine_ready,
-                    np.int32(ack_now), _counter(s, COUNTER_SEND)), stream=stream)
-
-
-def combine_finish(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx, topk_weights, y,
-                   end_call_chunks: int) -> None:
-    """`combine_wait` + `combine_reduce` of ``window`` in one grid; ``end_call_chunks`` > 0 ends the call."""
-    k.combine_finish((blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                     (s.desc, np.int32(window.last), s.combine_ready, s.combine_rows, _p(topk_idx), _p(topk_weights),
-                      _p(y), np.int64(y.stride(0)), np.int32(window.token_begin), np.int32(window.num_valid),
-                      np.int32(end_call_chunks), _counter(s, COUNTER_FINISH)), stream=stream)
+def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool, topk_idx, topk_weights,
+                  y, end_call_chunks: int) -> None:
+    """The small-batch combine of the one-chunk ``window`` in one grid: `combine_scatter` of the live rows,
+    `combine_signal` (``ack_now``: CONSERVATIVE), `combine_wait` and `combine_reduce`; ``end_call_chunks`` > 0
+    ends the call. At most `Kernels.spin_blocks` blocks (they wait for the grid's own signal)."""
+    scatter_vecs = s.topk * window.source_tokens * (s.hidden // 8)  # a bound of this PE's live rows' vectors
+    grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
+               blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
+    shared = 16 * s.num_ranks + 4 * (2 * s.num_local_experts + 1)
+    k.combine_fused((grid,), (THREADS_PER_BLOCK,),
+                    (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
+                     _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
+                     np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
+                     np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
+                     _counter(s, COUNTER_SEND)), stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------
@@ -456,8 +475,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
                      mark: Optional[Callable[[str], None]] = None) -> None:
     """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too), after
-    the router filled ``topk_idx``/``topk_weights``: produce, dispatch, experts, combine send, finish (which
-    ends the call). ``mark``: as for `consume_window`, with "layout" after the producer."""
+    the router filled ``topk_idx``/``topk_weights``: produce, dispatch, experts, combine (which ends the
+    call). ``mark``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x)
     if mark is not None:
@@ -470,8 +489,7 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_per_expert)
     if mark is not None:
         mark("experts")
-    combine_send(k, s, stream, out=out, window=window, ack_now=not early)
-    combine_finish(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
-                   end_call_chunks=num_chunks)
+    combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
+                  topk_weights=topk_weights, y=y, end_call_chunks=num_chunks)
     if mark is not None:
         mark("combine")

@@ -1,8 +1,8 @@
-"""The small-batch schedule of the GPU MoE layer (decode): four fused kernels around the experts.
+"""The small-batch schedule of the GPU MoE layer (decode): three fused kernels around the experts.
 
 A one-chunk batch call with fp8 dispatch and fp8 experts runs produce (route + layout), dispatch (wait +
-count + scan + pull), combine send (scatter + signal) and finish (wait + reduce + end of call) as one
-kernel each (`symmring.moe.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
+count + scan + pull) and combine (scatter + signal + wait + reduce + end of call) as one kernel each
+(`symmring.moe.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
 so its output must be BITWISE the general schedule's, for every ack policy, any mix of token counts per rank
 (zero-token ranks included), masked entries, and graph replays. Auto selection follows
 ``small_batch_tokens``; what it cannot run is a ConfigError before anything is enqueued.
@@ -40,12 +40,12 @@ ENGINES = fp8_engines()
 
 
 
-def layer(ctx, engine, max_tokens, topk, **kwargs):
+def layer(ctx, engine, max_tokens, topk, hidden=HIDDEN, **kwargs):
     """An fp8 layer with this rank's slice of seeded weights (quantised by the layer)."""
-    w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
+    w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, hidden, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *(to_torch(w[mine], torch.bfloat16, dev())
+    return MoE(ctx, NUM_EXPERTS, hidden, INTER, topk, *(to_torch(w[mine], torch.bfloat16, dev())
                                                        for w in (w_gate, w_up, w_down)),
                max_tokens=max_tokens, engine=engine, expert_dtype="fp8", **kwargs)
 
@@ -98,6 +98,32 @@ def test_small_batch_bitwise_equals_general(ctx, engine, ack_policy, topk):
     finally:
         moe.close()
     verdict(ctx, not problems, f"{engine}/{ack_policy}/top-{topk}: " + "; ".join(problems))
+
+
+@pytest.mark.parametrize("ack_policy", ["conservative", "early"])
+@pytest.mark.parametrize("hidden", [1152, 3072])
+def test_small_batch_bitwise_at_wider_rows(ctx, ack_policy, hidden):
+    """Rows of several 256-channel warp steps (1152: nine 128-channel groups, so the last step's second
+    half-warp idles) take the fused kernels' multi-warp layout, row copies and reduce slices; still
+    bitwise the general schedule."""
+    moe = layer(ctx, "builtin", 128, 8, hidden=hidden, ack_policy=ack_policy)
+    problems = []
+    try:
+        for case, counts in enumerate(COUNTS[:2] + COUNTS[4:]):
+            counts = counts[:ctx.world_size]
+            n = counts[ctx.rank]
+            x = to_torch(make_tokens(SEED + 20 * case + ctx.rank, n, hidden), torch.bfloat16, dev())
+            idx, w = routing(SEED + 200 * case + ctx.rank, n, 8, masked=case == 1)
+            y_small, small = call(moe, x, idx, w, small_batch=True)
+            y_general, _ = call(moe, x, idx, w, small_batch=False)
+            if not small:
+                problems.append(f"counts {counts}: not the small-batch schedule")
+            if not np.array_equal(y_small, y_general):
+                rows = int(np.sum(np.any(y_small != y_general, axis=1)))
+                problems.append(f"counts {counts}: small != general ({rows} of {n} rows differ)")
+    finally:
+        moe.close()
+    verdict(ctx, not problems, f"hidden {hidden}/{ack_policy}: " + "; ".join(problems))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
