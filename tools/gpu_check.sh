@@ -3,8 +3,10 @@
 #
 #   tools/gpu_check.sh [stage|preset ...]     (default: the preset "tests")
 #
-# presets (each sized for one device call of at most 10 minutes; every call starts a bare machine):
-#   tests     env compile pe1 pe2 pe4                 every GPU test on 1, 2 and 4 PEs (MPS)
+# presets (each sized for one device call of at most 10 minutes, with a warm kernel cache; every call starts a
+# bare machine):
+#   tests     env compile pe1 pe2 pe4                 every GPU test on 1, 2 and 4 PEs (MPS): three calls' worth,
+#   tests1, tests2, tests4                            so also one preset per PE count (env compile peN)
 #   extra     env compile slow blocking blocking2     1000 graph replays; serialized kernels
 #   bench     env compile gemm moe                    the fp8 GEMM sweep and the layer benchmark
 #   stream    env compile stream stream_graph         streamed vs batch (eager, CUDA graphs)
@@ -82,20 +84,23 @@ steps=()
 for a in "${@:-tests}"; do
   case $a in
     tests) steps+=(env compile pe1 pe2 pe4) ;;
+    tests1|tests2|tests4) steps+=(env compile "pe${a#tests}") ;;
     extra) steps+=(env compile slow blocking blocking2) ;;
     bench) steps+=(env compile gemm moe) ;;
     stream) steps+=(env compile stream stream_graph) ;;
     *) steps+=("$a") ;;
   esac
 done
+KERNEL_ONLY=(--ignore tests/gpu/test_fp8_kernels.py --ignore tests/gpu/test_fp8_small.py)
 STREAM=(--tokens 1024,4096,16384 --tokens-per-slot 1024,2048,4096 --num-slots 2,call --windows 1,all --repeats 10)
 for s in "${steps[@]}"; do
   case "$s" in
     env) stage env 60 run_env ;;
     compile) stage compile 200 run_compile ;;
-    pe1) stage pe1 240 "${PYTEST[@]}" tests/gpu -m "not slow" ;;
-    pe2) stage pe2 200 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" --deselect tests/gpu/test_fp8_kernels.py ;;
-    pe4) stage pe4 240 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" --deselect tests/gpu/test_fp8_kernels.py ;;
+    # The pure-kernel files (no peer) run on one PE only.
+    pe1) stage pe1 480 "${PYTEST[@]}" tests/gpu -m "not slow" ;;
+    pe2) stage pe2 480 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
+    pe4) stage pe4 480 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow ;;
     blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 120 "${PYTEST[@]}" -m "not slow" tests/gpu/test_kernels.py \
                 tests/gpu/test_moe_streamed.py tests/gpu/test_moe_fp8.py \
