@@ -11,6 +11,20 @@ import math
 from typing import Optional, Tuple
 
 import numpy as np
+import pytest
+
+
+def gpu_layer_torch():
+    """torch, where the GPU MoE layer can run (a CUDA GPU, CuPy, nvshmem4py, nvidia-nvshmem); otherwise a
+    module-level skip saying what is missing. Call it at the top of a GPU layer test module."""
+    torch = pytest.importorskip("torch", reason="the GPU MoE layer needs torch (not installed here)")
+    if not torch.cuda.is_available():
+        pytest.skip("the GPU MoE layer needs a CUDA GPU (torch sees none)", allow_module_level=True)
+    from symmring.backends.nvshmem import gpu_available
+
+    if not gpu_available():
+        pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
+    return torch
 
 
 def make_weights(seed: int, num_experts: int, hidden: int, inter: int):

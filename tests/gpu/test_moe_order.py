@@ -16,13 +16,9 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the GPU MoE layer needs torch (not installed here)")
-if not torch.cuda.is_available():
-    pytest.skip("the GPU MoE layer needs a CUDA GPU (torch sees none)", allow_module_level=True)
-from symmring.backends.nvshmem import gpu_available  # noqa: E402
+from moe_helpers import gpu_layer_torch  # noqa: E402
 
-if not gpu_available():
-    pytest.skip("the GPU MoE layer needs CuPy, nvshmem4py and nvidia-nvshmem", allow_module_level=True)
+torch = gpu_layer_torch()  # or the whole module skips, with the reason
 
 from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 

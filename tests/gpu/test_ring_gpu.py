@@ -4,7 +4,6 @@ device primitives, bitwise round trips through a 2-slot ring over two calls (rin
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy", reason="GPU tests need CuPy (and a GPU, nvshmem4py); skipped here")
