@@ -39,7 +39,7 @@ BENCHMARK_HELP = {
 }
 #: Entry points that are modules of their own.
 OTHER_ENTRY_POINTS = (
-    ("python -m symmring.launch", "start a job on one node: ranks pinned to GPUs, CUDA MPS, the GPU environment"),
+    ("python -m symmring.launch", "start a job: ranks pinned to their node's GPUs, CUDA MPS, the GPU environment"),
     ("python -m symmring.modelcheck", "the protocol model checker (--quick: the CI size)"),
     ("python -m symmring.jit", "compile every device module into the cache"),
 )
