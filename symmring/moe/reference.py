@@ -212,7 +212,8 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         ties to the lower expert id.
 
     Raises:
-        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``.
+        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``, or
+            group and normalisation options that `routing.check_options` rejects.
 
     Example:
         >>> idx, w = select_topk(np.array([[0.0, 2.0, 2.0, 1.0]], np.float32), 2)
