@@ -23,14 +23,21 @@ def ctx():
     context.close()
 
 
+def make_problem(seed, num_experts, num_tokens, router_div=1):
+    """Seeded experts (inter 32, hidden 128), ``x`` and a router weight; ``rng`` for more draws."""
+    rng = np.random.default_rng(seed)
+    wg, wu = (rng.standard_normal((num_experts, 32, 128), dtype=np.float32) / 11 for _ in range(2))
+    wd = rng.standard_normal((num_experts, 128, 32), dtype=np.float32) / 6
+    x = rng.standard_normal((num_tokens, 128), dtype=np.float32)
+    router = rng.standard_normal((num_experts, 128), dtype=np.float32) / router_div
+    return dict(wg=wg, wu=wu, wd=wd, x=x, router=router, rng=rng)
+
+
 @pytest.fixture(scope="module")
 def problem():
-    rng = np.random.default_rng(20261201)
-    wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
-    wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
-    x = rng.standard_normal((10, 128), dtype=np.float32)
-    router = rng.standard_normal((4, 128), dtype=np.float32)
-    return dict(wg=wg, wu=wu, wd=wd, x=x, router=router)
+    p = make_problem(20261201, 4, 10)
+    del p["rng"]
+    return p
 
 
 @pytest.fixture
@@ -183,13 +190,9 @@ def test_bad_routing_options_rejected_before_any_collective(ctx, problem, monkey
 @pytest.fixture(scope="module")
 def grouped_problem():
     """16 experts in 4 groups of 4, top-4 from the 2 best groups (DeepSeek-V3's routing, scaled down)."""
-    rng = np.random.default_rng(20261215)
-    wg, wu = (rng.standard_normal((16, 32, 128), dtype=np.float32) / 11 for _ in range(2))
-    wd = rng.standard_normal((16, 128, 32), dtype=np.float32) / 6
-    x = rng.standard_normal((24, 128), dtype=np.float32)
-    router = rng.standard_normal((16, 128), dtype=np.float32) / 11
-    bias = (rng.standard_normal(16) * 0.1).astype(np.float32)
-    return dict(wg=wg, wu=wu, wd=wd, x=x, router=router, bias=bias)
+    p = make_problem(20261215, 16, 24, router_div=11)  # logits of order 1: sigmoid does not saturate
+    p["bias"] = (p.pop("rng").standard_normal(16) * 0.1).astype(np.float32)
+    return p
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
