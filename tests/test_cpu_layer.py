@@ -1,6 +1,8 @@
 """The CPU layer (ExpertParallelMoE) in one process: messages name the caller's shapes, torch CPU tensors in
-and out, and the SYMMRING_DEBUG checks after each call (they pass on a correct call and catch a lost
-acknowledgement or a non-finite output that a plain call lets through)."""
+and out, the SYMMRING_DEBUG checks after each call (they pass on a correct call and catch a lost
+acknowledgement or a non-finite output that a plain call lets through), and the GPU layer's routing options
+(``scoring``, ``n_group``/``topk_group``, ``norm_topk_prob``): rejected before any collective when bad, and
+a group-limited forward equal to the reference."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from symmring import ConfigError, ExpertParallelMoE, MoEShapes, ProtocolTimeout, SymmringError, init
+from symmring.moe.reference import reference_moe
 from symmring.ring import Ring
 
 SHAPES = MoEShapes(hidden=128, num_experts=4, num_topk=2)
@@ -20,14 +23,21 @@ def ctx():
     context.close()
 
 
+def make_problem(seed, num_experts, num_tokens, router_div=1):
+    """Seeded experts (inter 32, hidden 128), ``x`` and a router weight; ``rng`` for more draws."""
+    rng = np.random.default_rng(seed)
+    wg, wu = (rng.standard_normal((num_experts, 32, 128), dtype=np.float32) / 11 for _ in range(2))
+    wd = rng.standard_normal((num_experts, 128, 32), dtype=np.float32) / 6
+    x = rng.standard_normal((num_tokens, 128), dtype=np.float32)
+    router = rng.standard_normal((num_experts, 128), dtype=np.float32) / router_div
+    return dict(wg=wg, wu=wu, wd=wd, x=x, router=router, rng=rng)
+
+
 @pytest.fixture(scope="module")
 def problem():
-    rng = np.random.default_rng(20261201)
-    wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
-    wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
-    x = rng.standard_normal((10, 128), dtype=np.float32)
-    router = rng.standard_normal((4, 128), dtype=np.float32)
-    return dict(wg=wg, wu=wu, wd=wd, x=x, router=router)
+    p = make_problem(20261201, 4, 10)
+    del p["rng"]
+    return p
 
 
 @pytest.fixture
@@ -143,3 +153,68 @@ def test_debug_catches_a_non_finite_output(layer, problem, monkeypatch):
     monkeypatch.setenv("SYMMRING_DEBUG", "1")
     with pytest.raises(SymmringError, match="are not finite"):
         layer.forward(problem["x"], **kwargs)
+
+
+# --- routing options (the GPU layer's: scoring, n_group, topk_group, norm_topk_prob) ------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scoring="softmax", n_group=2), "n_group=2: group-limited routing is defined for scoring='sigmoid_bias'"),
+    (dict(scoring="sigmoid_bias", n_group=3), "n_group=3: expected a positive divisor of num_experts=4"),
+    (dict(scoring="sigmoid_bias", n_group=2, topk_group=3), "topk_group=3: expected an int in [1, n_group=2]"),
+    (dict(scoring="sigmoid_bias", n_group=4, topk_group=2), "n_group=4: groups of 1 expert(s)"),
+    (dict(scoring="sigmoid_bias", n_group=2, num_topk=3), "topk=3: expected at most topk_group * num_experts"),
+    (dict(norm_topk_prob=0), "norm_topk_prob=0: expected a bool"),
+    (dict(scoring="sparsemax"), "scoring='sparsemax': expected one of"),
+    (dict(topk_method="sparsemax"), "topk_method='sparsemax': expected one of"),
+    (dict(scoring="sigmoid_bias", topk_method="softmax"), "scoring='sigmoid_bias' and topk_method='softmax'"),
+    (dict(scoring="sigmoid_bias", routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
+])
+def test_bad_routing_options_rejected_before_any_collective(ctx, problem, monkeypatch, kwargs, message):
+    kwargs = dict(kwargs)
+    shapes = MoEShapes(hidden=128, num_experts=4, num_topk=kwargs.pop("num_topk", 2))
+    exchanged = []
+    real_allgather = ctx.collectives.allgather
+
+    def recording_allgather(value, **kw):
+        exchanged.append((kw["what"], value))
+        return real_allgather(value, **kw)
+
+    monkeypatch.setattr(ctx.collectives, "allgather", recording_allgather)
+    with pytest.raises(ConfigError) as info:
+        ExpertParallelMoE(ctx, shapes, problem["wg"], problem["wu"], problem["wd"], **kwargs)
+    assert message in str(info.value)
+    # The check ran before the first collective: the verdict exchange carried it, and nothing else ran.
+    assert exchanged == [("ExpertParallelMoE: argument check", str(info.value))]
+
+
+@pytest.fixture(scope="module")
+def grouped_problem():
+    """16 experts in 4 groups of 4, top-4 from the 2 best groups (DeepSeek-V3's routing, scaled down)."""
+    p = make_problem(20261215, 16, 24, router_div=11)  # logits of order 1: sigmoid does not saturate
+    p["bias"] = (p.pop("rng").standard_normal(16) * 0.1).astype(np.float32)
+    return p
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_group_limited_forward_matches_reference(ctx, grouped_problem, norm_topk_prob):
+    p = grouped_problem
+    shapes = MoEShapes(hidden=128, num_experts=16, num_topk=4)
+    routing = dict(bias=p["bias"], routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=norm_topk_prob)
+    weights = dict(w_gate=p["wg"], w_up=p["wu"], w_down=p["wd"])
+    ref = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
+                        **routing)
+    plain = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
+                          **dict(routing, n_group=1, topk_group=1))
+    # The group limit decides here: most tokens get other experts than the plain top-4, from <= 2 groups.
+    assert (np.sort(ref.topk_idx, 1) != np.sort(plain.topk_idx, 1)).any(1).mean() > 0.3
+    assert max(len(set((row // 4).tolist())) for row in ref.topk_idx) <= 2
+    with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], scoring="sigmoid_bias", **routing) as layer:
+        assert (layer.scoring, layer.topk_method, layer.n_group, layer.topk_group, layer.norm_topk_prob) == \
+            ("sigmoid_bias", "sigmoid_bias", 4, 2, norm_topk_prob)
+        y = layer.forward(p["x"], router_weight=p["router"])
+        np.testing.assert_allclose(y, ref.y, rtol=1e-5, atol=1e-5 * float(np.abs(ref.y).max()))
+        assert _bitwise(layer.forward(p["x"], router_weight=p["router"], streaming=True, tokens_per_slot=5), y)
+    # topk_method is the same option under its older name (and both names with one value are accepted).
+    for names in (dict(topk_method="sigmoid_bias"), dict(scoring="sigmoid_bias", topk_method="sigmoid_bias")):
+        with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], **names, **routing) as layer:
+            assert _bitwise(layer.forward(p["x"], router_weight=p["router"]), y)

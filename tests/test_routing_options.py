@@ -222,3 +222,58 @@ def test_deepseek_router_matches_transformers(n_group, topk_group, norm):
     ref_ids, _ = reference.select_topk(logits.numpy(), 6, "sigmoid_bias", bias=ref_bias, n_group=n_group,
                                        topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5)
     np.testing.assert_array_equal(np.sort(ref_ids, 1), np.sort(hf_idx.numpy(), 1))
+
+
+# --- the NumPy routing (the CPU layer's) against the torch routing (the GPU layer's) ------------------------
+
+def spread_case(num_tokens, num_experts, seed):
+    """Logits whose values in each row are a permutation of an evenly spaced grid (no two closer than
+    6 / (num_experts - 1)), and a small random bias."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(-3.0, 3.0, num_experts)
+    logits = np.stack([rng.permutation(grid) for _ in range(num_tokens)]).astype(np.float32)
+    bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32)
+    return logits, bias
+
+
+def boundary_gap(values, k):
+    """The smallest gap over the rows between the k-th and the (k+1)-th largest of ``values`` (float64)."""
+    if k >= values.shape[1]:
+        return np.inf
+    ordered = -np.sort(-values, axis=1)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a row has fewer than k + 1 finite values
+        return float(np.nan_to_num(ordered[:, k - 1] - ordered[:, k], nan=np.inf, posinf=np.inf).min())
+
+
+def selection_gaps(logits, bias, scoring, topk, n_group, topk_group):
+    """How far each selection of the routing is from a tie, in float64: the top-k keys and, with groups,
+    the group scores at the topk_group boundary. float32 rounding moves a key by about 1e-7."""
+    logits64 = logits.astype(np.float64)
+    if scoring == "softmax":
+        return [boundary_gap(logits64, topk)]
+    key = 1.0 / (1.0 + np.exp(-logits64)) + bias.astype(np.float64)
+    gaps = []
+    if n_group > 1:
+        grouped = -np.sort(-key.reshape(len(key), n_group, -1), axis=2)
+        gaps.append(boundary_gap(grouped[:, :, 0] + grouped[:, :, 1], topk_group))
+        key = reference._limit_to_groups(key, n_group, topk_group)
+    gaps.append(boundary_gap(key, topk))
+    return gaps
+
+
+@pytest.mark.parametrize("scoring,n_group,topk_group,norm,rsf,num_experts,topk", CASES)
+def test_numpy_routing_equals_torch_routing(scoring, n_group, topk_group, norm, rsf, num_experts, topk):
+    """`reference.select_topk` (NumPy, float64) and `routing.route` (torch, float32) choose the same experts
+    for every token and give the same weights to float32 rounding, for every option combination."""
+    logits, bias = spread_case(64, num_experts, SEED + 7 * num_experts + topk)
+    assert min(selection_gaps(logits, bias, scoring, topk, n_group, topk_group)) > 1e-5, \
+        "the data has a near-tie: the two routings could then differ by rounding alone"
+    options = dict(routed_scaling_factor=rsf, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm)
+    sig = scoring == "sigmoid_bias"
+    ids, w = routing.route(torch.from_numpy(logits), topk, scoring, bias=torch.from_numpy(bias) if sig else None,
+                           **options)
+    ref_ids, ref_w = reference.select_topk(logits, topk, scoring, bias=bias if sig else None, **options)
+    got_ids, got_w = sorted_rows(ids.numpy().astype(np.int64), w.numpy())
+    want_ids, want_w = sorted_rows(ref_ids.astype(np.int64), ref_w)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-6, atol=0)

@@ -70,8 +70,8 @@ from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, ME
 from ..protocol import AckPolicy
 from ..ring import Call, Ring
 from . import quant
-from .reference import (TOPK_METHODS, check_expert_weights, check_routing, combine_rows, route, row_matmul,
-                        swiglu, transposed_f64)
+from .reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
+from .routing import SCORINGS, check_options
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,28 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
+def _resolve_scoring(scoring: Optional[str], topk_method: Optional[str]) -> str:
+    """The layer's routing function from ``scoring`` (the GPU layer's name) or ``topk_method`` (its older
+    alias on this layer); ``"softmax"`` when neither is given. Only the name is checked here; the scoring
+    itself is checked by `routing.check_options` with the other routing options.
+
+    Raises:
+        ConfigError: both given with different values (naming both), or an unknown ``topk_method``.
+
+    Example:
+        >>> _resolve_scoring(None, "sigmoid_bias"), _resolve_scoring("sigmoid_bias", "sigmoid_bias")
+        ('sigmoid_bias', 'sigmoid_bias')
+    """
+    if scoring is not None and topk_method is not None and scoring != topk_method:
+        raise ConfigError(f"scoring={scoring!r} and topk_method={topk_method!r}: topk_method is an alias of "
+                          "scoring; pass one of them (or the same value)")
+    if scoring is None and topk_method is not None:
+        if topk_method not in SCORINGS:
+            raise ConfigError(f"topk_method={topk_method!r}: expected one of {list(SCORINGS)}")
+        return topk_method
+    return "softmax" if scoring is None else scoring
+
+
 def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
     """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
     any rank failed."""
@@ -211,9 +233,20 @@ class ExpertParallelMoE:
             num_experts, num_topk, x_format, sf_group_size.
         w_gate, w_up: float32 ``[E/R, inter, hidden]``: this rank's experts (`local_experts`).
         w_down: float32 ``[E/R, hidden, inter]``.
-        topk_method: ``"softmax"`` or ``"sigmoid_bias"`` (see `reference.select_topk`).
+        scoring: ``"softmax"`` (Mixtral, Qwen-MoE) or ``"sigmoid_bias"`` (DeepSeek-V3), the GPU layer's
+            option of that name (see `reference.select_topk`, `symmring.moe.routing`); default softmax.
+        topk_method: the older name of ``scoring``, still accepted (giving both with different values is a
+            `ConfigError`).
         bias: float32 ``[num_experts]`` selection bias of ``sigmoid_bias``.
         routed_scaling_factor: factor on ``sigmoid_bias`` weights.
+        n_group, topk_group: DeepSeek-V3's group-limited top-k (``sigmoid_bias`` only): experts form
+            ``n_group`` groups of consecutive ids, a group scores the sum of its two largest
+            ``sigmoid(logit) + bias``, and only the ``topk_group`` best groups take part; ``n_group=1``
+            (the default): no groups.
+        norm_topk_prob: False: the chosen weights are not renormalised (Qwen3-MoE's variant: softmax
+            probabilities over all experts; ``sigmoid_bias``: the chosen scores times
+            ``routed_scaling_factor``). The routing options are checked by `routing.check_options`, the
+            GPU layer's rule, before any collective work.
         max_tokens_per_rank: capacity; a call with more tokens on any rank is a `ConfigError`. None
             grows the combine buffer on demand.
         timeout_s: bound of every wait; ``ctx.timeout_s`` when None.
@@ -239,8 +272,9 @@ class ExpertParallelMoE:
     """
 
     def __init__(self, ctx: Context, spec_or_shapes, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                 *, topk_method: str = "softmax", bias: Optional[np.ndarray] = None,
-                 routed_scaling_factor: float = 1.0, max_tokens_per_rank: Optional[int] = None,
+                 *, scoring: Optional[str] = None, topk_method: Optional[str] = None,
+                 bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1, norm_topk_prob: bool = True, max_tokens_per_rank: Optional[int] = None,
                  timeout_s: Optional[float] = None):
         if not isinstance(ctx, Context):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
@@ -250,22 +284,23 @@ class ExpertParallelMoE:
         self.world_size = ctx.world_size
         (w_gate, _), (w_up, _), (w_down, _), (bias, _) = (as_numpy(n, v) for n, v in (
             ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("bias", bias)))
+        routing = dict(bias=bias, routed_scaling_factor=routed_scaling_factor, n_group=n_group,
+                       topk_group=topk_group, norm_topk_prob=norm_topk_prob)
         setup, error = _config_error(lambda: self._validate_setup(
-            spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
-            max_tokens_per_rank, timeout_s))
+            spec_or_shapes, w_gate, w_up, w_down, scoring, topk_method, routing, max_tokens_per_rank, timeout_s))
         _agree(ctx, error, "ExpertParallelMoE")
-        self.shapes, self.experts, self.inter, self.timeout_s = setup
+        self.shapes, self.experts, self.inter, self.timeout_s, self.scoring = setup
         # Every rank must agree on the shapes and the routing parameters, or the rings would differ.
-        params = (self.shapes, topk_method, None if bias is None else bias.tobytes(), routed_scaling_factor,
-                  max_tokens_per_rank, self.inter)
+        params = (self.shapes, self.scoring, None if bias is None else bias.tobytes(), routed_scaling_factor,
+                  int(n_group), int(topk_group), norm_topk_prob, max_tokens_per_rank, self.inter)
         others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange",
                                            timeout_s=self.timeout_s)
         mismatch = [r for r, p in enumerate(others) if p != params]
         _agree(ctx, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
                if mismatch else None, "ExpertParallelMoE", self.timeout_s)
-        self.topk_method = topk_method
         self.bias = bias
         self.routed_scaling_factor = routed_scaling_factor
+        self.n_group, self.topk_group, self.norm_topk_prob = int(n_group), int(topk_group), norm_topk_prob
         self.max_tokens_per_rank = max_tokens_per_rank
         # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
         self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
@@ -278,12 +313,24 @@ class ExpertParallelMoE:
         self.closed = False
         self._failure: Optional[BaseException] = None  # a wait that expired inside a call (state unknown)
         self.last_stats = ForwardStats()
-        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, "
-                 "timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
-                 self.shapes.num_experts, self.shapes.hidden, self.inter, self.shapes.num_topk, topk_method,
-                 self.shapes.x_format, self.timeout_s, "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
+        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s%s%s, "
+                 "x as %s, timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
+                 self.shapes.num_experts, self.shapes.hidden, self.inter, self.shapes.num_topk, self.scoring,
+                 f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "",
+                 "" if norm_topk_prob else ", norm_topk_prob=False", self.shapes.x_format, self.timeout_s,
+                 "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
 
-    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, topk_method, bias, routed_scaling_factor,
+    @property
+    def topk_method(self) -> str:
+        """The older name of `scoring` (what the constructor's ``topk_method`` alias set)."""
+        return self.scoring
+
+    def _routing_options(self) -> dict:
+        """The routing options `reference.route` takes, as this layer was built with them."""
+        return dict(topk_method=self.scoring, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor,
+                    n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
+
+    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, scoring, topk_method, routing,
                         max_tokens_per_rank, timeout_s):
         shapes = MoEShapes.of(spec_or_shapes)
         experts = local_experts(self.rank, self.world_size, shapes.num_experts)
@@ -291,12 +338,12 @@ class ExpertParallelMoE:
         if num_local != len(experts):
             raise ConfigError(f"w_gate.shape={w_gate.shape}: expected {len(experts)} local experts "
                               f"(num_experts={shapes.num_experts} over {self.world_size} ranks) in dimension 0")
-        if topk_method not in TOPK_METHODS:
-            raise ConfigError(f"topk_method={topk_method!r}: expected one of {TOPK_METHODS}")
+        scoring = _resolve_scoring(scoring, topk_method)
+        check_options(shapes.num_experts, shapes.num_topk, scoring, n_group=routing["n_group"],
+                      topk_group=routing["topk_group"], norm_topk_prob=routing["norm_topk_prob"])
         # Route zero tokens once: checks bias and routed_scaling_factor with select_topk's own rules.
         route(np.zeros((0, shapes.hidden), np.float32), shapes.num_topk, shapes.num_experts,
-              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=topk_method, bias=bias,
-              routed_scaling_factor=routed_scaling_factor)
+              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=scoring, **routing)
         if max_tokens_per_rank is not None and (isinstance(max_tokens_per_rank, bool) or not isinstance(
                 max_tokens_per_rank, (int, np.integer)) or max_tokens_per_rank <= 0):
             raise ConfigError(f"max_tokens_per_rank={max_tokens_per_rank!r}: expected a positive int or None")
@@ -304,7 +351,7 @@ class ExpertParallelMoE:
             timeout_s = self.ctx.timeout_s
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        return shapes, experts, inter, float(timeout_s)
+        return shapes, experts, inter, float(timeout_s), scoring
 
     # --- public -------------------------------------------------------------------------------------
 
@@ -430,12 +477,10 @@ class ExpertParallelMoE:
         def route_rows(rows: slice):
             # Per-token sources are cut to ``rows`` (checked whole below: chunks route their own rows).
             cut = {k: (v[rows] if k in per_token and v is not None else v) for k, v in sources.items()}
-            return route(x[rows], shapes.num_topk, shapes.num_experts, topk_method=self.topk_method,
-                         bias=self.bias, routed_scaling_factor=self.routed_scaling_factor, **cut)[:2]
+            return route(x[rows], shapes.num_topk, shapes.num_experts, **self._routing_options(), **cut)[:2]
 
         # The whole source as the caller passed it (messages name its shape), before any shared-memory
-        # work: types, shapes, expert ids, finite values. bias and routed_scaling_factor were checked at
-        # construction.
+        # work: types, shapes, expert ids, finite values. The routing options were checked at construction.
         check_routing(x.shape[0], shapes.hidden, shapes.num_topk, shapes.num_experts, **sources)
         if not isinstance(streaming, (bool, np.bool_)):
             raise ConfigError(f"streaming={streaming!r}: expected True or False")

@@ -54,9 +54,10 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import quant
+from .routing import SCORINGS, check_options  # pure Python: routing imports torch only inside `route`
 
-#: TopK variants accepted by `select_topk`.
-TOPK_METHODS = ("softmax", "sigmoid_bias")
+#: TopK variants accepted by `select_topk`: the torch routing's `routing.SCORINGS`, one list for both.
+TOPK_METHODS = SCORINGS
 #: Expert id of a masked (token, k) entry: it contributes nothing.
 MASKED_EXPERT = -1
 #: What the experts' intermediates are: ``"f32"`` (the contract above) or ``"fp8"`` (the GPU layer's fp8
@@ -211,7 +212,8 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         ties to the lower expert id.
 
     Raises:
-        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``.
+        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``, or
+            group and normalisation options that `routing.check_options` rejects.
 
     Example:
         >>> idx, w = select_topk(np.array([[0.0, 2.0, 2.0, 1.0]], np.float32), 2)
@@ -226,7 +228,6 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         raise ConfigError(f"num_topk={num_topk!r}: expected an int in [1, num_experts={num_experts}]")
     if method not in TOPK_METHODS:
         raise ConfigError(f"method={method!r}: expected one of {TOPK_METHODS}")
-    from .routing import check_options
     check_options(num_experts, int(num_topk), method, n_group=n_group, topk_group=topk_group,
                   norm_topk_prob=norm_topk_prob)
     logits64 = logits.astype(np.float64)
