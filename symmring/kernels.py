@@ -33,8 +33,8 @@ import numpy as np
 from . import env, protocol
 from . import transport as transport_mod
 from .backends.base import DeviceBackend
-from .errors import (ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError, StalePayload,
-                     SymmringError)
+from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError,
+                     StalePayload, SymmringError)
 from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_DOUBLE_ACK, ERROR_KIND_NAMES, ERROR_KIND_NONE,
                      ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS, RingLayout, RingSpec,
                      unpack_abort)
@@ -172,7 +172,11 @@ class DeviceRing:
         self.alloc = backend.alloc(self.layout.nbytes)
         self.closed = False
         self._init_words()
-        self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s, transport=transport)
+        try:
+            self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s, transport=transport)
+        except BackendError:  # every rank (the transport is agreed collectively): give the heap back together
+            backend.free(self.alloc)
+            raise
 
     @property
     def transports(self):

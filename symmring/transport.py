@@ -144,13 +144,26 @@ def for_backend(backend, alloc, transport=None, *, what: str) -> List[str]:
     """Resolve ``transport`` (or ``SYMMRING_TRANSPORT``) for this PE of ``backend`` and log the choice at
     INFO. Whether each peer is mapped comes from ``backend.peer_mapped(alloc, q)`` (nvshmem_ptr of the
     symmetric allocation ``alloc``); backends without that method map every peer (the host backend's
-    shared window)."""
+    shared window). Collective (bounded): when one rank cannot have what was asked (``"p2p"`` with an
+    unmapped peer), every rank raises the `BackendError` naming it, so none goes on to a collective the
+    others never reach."""
     value, source = request(transport)
     rank, world = backend.rank, backend.world_size
     probe = getattr(backend, "peer_mapped", None)
     mapped = [True if probe is None or q == rank else bool(probe(alloc, q)) for q in range(world)]
     name = "transport" if source == "transport=" else ENV_VAR
-    out = resolve(value, rank=rank, world_size=world, mapped=mapped, name=name)
+    try:
+        out, failure = resolve(value, rank=rank, world_size=world, mapped=mapped, name=name), None
+    except BackendError as exc:  # e.g. "p2p" with an unmapped peer: every rank must raise, not this one alone
+        out, failure = None, exc
+    collectives = getattr(backend, "collectives", None)
+    if collectives is not None and world > 1:
+        notes = collectives.allgather(None if failure is None else str(failure), what=f"{what}: transports")
+        if failure is None and any(notes):
+            origin = next(r for r, n in enumerate(notes) if n)
+            failure = BackendError(f"rank {origin}: {notes[origin]}")
+    if failure is not None:
+        raise failure
     logger.info("%s on rank %d: transport %r (%s): %s", what, rank, value, source,
                 ", ".join(f"{q}:{t}" for q, t in enumerate(out)))
     return out

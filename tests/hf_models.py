@@ -113,6 +113,10 @@ class StandInLayer:
     def clear_graph_cache(self):
         self.graphs_cleared += 1
 
+    def refresh_weights(self):  # MoE.refresh_weights' contract: the engine's derived tensors, then the graphs
+        self.engine.refresh_weights()
+        self.clear_graph_cache()
+
     def forward(self, x, logits=None, *, streaming=False):
         from symmring.moe import routing, torch_ref
         self.calls.append((int(x.shape[0]), streaming))

@@ -104,6 +104,38 @@ def test_for_backend_probes_every_peer_and_logs_the_choice(monkeypatch, caplog):
     assert "ring on rank 1: transport 'auto' (default): 0:p2p, 1:self, 2:rdma" in caplog.text
 
 
+class _Collectives:
+    """Stand-in for the backend's bounded collectives: allgather returns what the other ranks 'sent'."""
+
+    def __init__(self, others):
+        self.others, self.sent = others, []
+
+    def allgather(self, value, *, what):
+        self.sent.append((value, what))
+        return [value if r is None else r for r in self.others]
+
+
+def test_for_backend_fails_on_every_rank_when_one_rank_cannot_have_p2p(monkeypatch):
+    # Rank 0 maps its peer; rank 1 (simulated) does not and raised: rank 0 must raise too, naming rank 1,
+    # instead of going on to the next collective alone.
+    monkeypatch.delenv(transport.ENV_VAR, raising=False)
+    backend = _Backend(0, [True, True])
+    backend.collectives = _Collectives([None, "transport='p2p': rank 0 is not reachable"])
+    with pytest.raises(BackendError, match=r"^rank 1: transport='p2p': rank 0 is not reachable"):
+        transport.for_backend(backend, "ALLOC", "p2p", what="ring")
+    assert backend.collectives.sent == [(None, "ring: transports")]
+    # The rank that failed itself raises its own error after telling the others.
+    failing = _Backend(1, [False, True])
+    failing.collectives = _Collectives([None, None])
+    with pytest.raises(BackendError, match="rank 0's symmetric memory is not load/store reachable"):
+        transport.for_backend(failing, "ALLOC", "p2p", what="ring")
+    assert "not load/store reachable" in failing.collectives.sent[0][0]
+    # Everyone fine: the same resolution as without collectives.
+    fine = _Backend(0, [True, True])
+    fine.collectives = _Collectives([None, None])
+    assert transport.for_backend(fine, "ALLOC", "p2p", what="ring") == ["self", "p2p"]
+
+
 def test_descriptor_carries_the_rdma_mask_address():
     layout = RingLayout(RingSpec(num_slots=2, tokens_per_slot=4, hidden=128, num_topk=2, num_experts=8), 4)
     assert int(layout.descriptor(0x1000, rank=1)["rdma_mask_ptr"]) == 0  # no rdma peer: every peer p2p

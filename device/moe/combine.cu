@@ -373,6 +373,8 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     // 3. Every source's rows, then this block's share of the reduce.
     if (threadIdx.x == 0) ok = wait_sources(d, chunk_idx, combine_ready, gen);
     __syncthreads();  // the other threads read the rows only after thread 0's acquire
+    // A block that gives up here never reaches counters[1], which stays non-zero: the error stops the ring
+    // until MoE.reset(), which zeroes every counter (the one recovery path).
     if (!ok) return;
     reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
 

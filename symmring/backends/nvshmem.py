@@ -82,6 +82,26 @@ def count_nodes(local_rank: int, collectives: Collectives) -> int:
                if leader)
 
 
+def count_pes_per_gpu(device_id: int, collectives: Collectives, runtime) -> int:
+    """The job's PEs on this PE's physical GPU (same host and PCI address): what the small-batch kernels'
+    grid cap divides by. Ranks given one GPU each through CUDA_VISIBLE_DEVICES see one device apiece, so
+    the node's rank and device counts cannot tell. Collective over ``collectives`` (bounded).
+
+    Example (one rank, a stand-in runtime):
+        >>> class Runtime:
+        ...     def getDeviceProperties(self, device):
+        ...         return {"pciDomainID": 0, "pciBusID": 0x1B, "pciDeviceID": 0}
+        >>> from symmring.collective import Collectives
+        >>> count_pes_per_gpu(0, Collectives(None, 5.0), Runtime())
+        1
+    """
+    import socket
+
+    props = runtime.getDeviceProperties(device_id)  # cupy.cuda.runtime
+    mine = (socket.gethostname(), int(props["pciDomainID"]), int(props["pciBusID"]), int(props["pciDeviceID"]))
+    return sum(1 for gpu in collectives.allgather(mine, what="nvshmem backend: PEs per GPU") if tuple(gpu) == mine)
+
+
 def node_env(num_nodes: int, environ=None, *, rank: int = 0) -> Dict[str, str]:
     """Apply the GPU environment policy for a job on ``num_nodes`` nodes (`symmring.env.apply_gpu_env`):
     ``NVSHMEM_REMOTE_TRANSPORT=none`` on one node, left to NVSHMEM across nodes (``ibrc`` unless built for
@@ -211,11 +231,12 @@ class NvshmemBackend(DeviceBackend):
         if not isinstance(device_id, int) or not 0 <= device_id < num_gpus:
             raise ConfigError(f"device_id={device_id!r}: expected an int in [0, {num_gpus}) (visible GPUs)")
         self.device_id = device_id
-        self.pes_per_gpu = -(-local_size // num_gpus)
-        if local_size > num_gpus:
-            logger.warning("%d ranks on this node share %d GPU(s): %d PEs per GPU. Their kernels run "
-                           "concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the job with "
-                           "`python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
+        self.pes_per_gpu = (count_pes_per_gpu(device_id, self.collectives, cupy.cuda.runtime)
+                            if self.world_size > 1 else 1)
+        if self.pes_per_gpu > 1:
+            logger.warning("%d ranks on this node (%d visible GPU(s) each): %d PEs share this PE's GPU. Their "
+                           "kernels run concurrently only under CUDA MPS (CUDA_MPS_PIPE_DIRECTORY=%s); start the "
+                           "job with `python -m symmring.launch --mps` or `symmring-mpirun --mps`.", local_size,
                            num_gpus, self.pes_per_gpu, os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>"))
         node_env(self.num_nodes, rank=self.rank)  # before NVSHMEM init, which reads the transport variables
 

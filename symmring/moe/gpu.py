@@ -13,7 +13,7 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   chunks (1 = chunk-local pools; W > 1 reserves pool rows across the window's chunks, counted from route
   readiness alone, and runs one grouped GEMM per window).
 * small batches (decode): a batch call of one chunk with at most ``small_batch_tokens`` tokens on every
-  rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in four fused
+  rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in three fused
   kernels around the experts (`symmring.moe.stages.small_batch_call`), bitwise the same output;
   ``forward(small_batch=True/False)`` forces either.
 * eager calls of a shape seen before replay a CUDA graph of that call (`symmring.moe.graph_cache`: at
@@ -294,6 +294,15 @@ class MoE:
         self.capacity = entries + min(E, entries) * (align - 1)
         fp8_pool = self.engine.pool_format == "fp8"
         i32 = dict(dtype=torch.int32, device=self.device)
+        # rdma owners get their combine rows by puts, whose local buffer must be symmetric (or registered)
+        # on a network transport; the engine's output is an ordinary allocation, so a PE with rdma peers
+        # copies it into these symmetric rows first (stages.outbound). Collective, as the staging ring.
+        self.outbound_alloc, outbound = None, None
+        if any(wanted):
+            self.outbound_alloc = backend.alloc(self.capacity * H * 2)
+            if any_rdma:
+                outbound = backend.torch_view(self.outbound_alloc, self.rank, 0, np.uint16,
+                                              (self.capacity, H)).view(torch.bfloat16)
         self.max_chunks = protocol.num_chunks_for(self.max_tokens, self.tokens_per_slot)
         self._state = stages.State(
             desc=self.ring.kernels.desc, num_ranks=self.world_size, expert_begin=self.expert_begin,
@@ -313,7 +322,7 @@ class MoE:
             row_weight=torch.zeros(self.capacity, dtype=torch.float32, device=self.device),
             # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
             token_base=torch.zeros((max(self.num_slots, 1), self.world_size), dtype=torch.int64, device=self.device),
-            stage=stage_desc if any_rdma else None,
+            stage=stage_desc if any_rdma else None, outbound=outbound,
             combine_ready=np.uint64(backend.address(self.combine_alloc, self.rank, 0)),
             combine_rows=np.uint64(backend.address(self.combine_alloc, self.rank, rows_offset)),
             stamps=torch.zeros(timeline.num_stamps(self.max_chunks), dtype=torch.int64, device=self.device))
@@ -343,8 +352,8 @@ class MoE:
         s = self._state
         pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
                    if t is not None)
-        stage = self.stage_alloc.nbytes if self.stage_alloc is not None else 0
-        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes + stage,
+        rdma = sum(a.nbytes for a in (self.stage_alloc, self.outbound_alloc) if a is not None)
+        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes + rdma,
                 "weight_bytes": self.engine.weights.nbytes}
 
     # --- validation -----------------------------------------------------------------------------------
@@ -588,9 +597,17 @@ class MoE:
         ``captures``, ``evictions``, ``failures`` (`symmring.moe.graph_cache.GraphCache.info`)."""
         return self._graphs.info()
 
+    def refresh_weights(self) -> None:
+        """After overwriting the expert weights in place (the tensors of ``layer.engine.weights``): let the
+        engine re-derive what it keeps beside them (`ExpertEngine.refresh_weights`: views, DeepGEMM's
+        prepared layouts, which may be new tensors) and drop the cached graphs, which address the former
+        ones. `symmring.moe.module.MoEModule.load_state_dict` calls it."""
+        self.engine.refresh_weights()
+        self.clear_graph_cache()
+
     def clear_graph_cache(self) -> None:
         """Drop every cached graph (synchronises first, so no replay of theirs is in flight); later calls
-        capture again. Needed after the engine's weight tensors are replaced (`ExpertEngine.refresh_weights`)."""
+        capture again. `refresh_weights` calls it after the engine's weight tensors are replaced."""
         if len(self._graphs):
             _torch().cuda.synchronize()
         self._graphs.clear()

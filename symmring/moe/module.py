@@ -268,8 +268,7 @@ class MoEModule(_Base):
 
     @staticmethod
     def _after_load(module, incompatible_keys) -> None:
-        module.layer.engine.refresh_weights()
-        module.layer.clear_graph_cache()  # graphs the layer cached may address the engine's former tensors
+        module.layer.refresh_weights()  # the engine's derived tensors, and no graph of the former ones
 
     def _apply(self, fn, recurse=True):
         # The layer's tensors stay as they are (its fixed layout, on its GPU); the rest follows .to() etc.

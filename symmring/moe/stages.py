@@ -149,6 +149,8 @@ class State:
     [capacity, 4]; row_weight float32 [capacity]; token_base int64 [W, R]. align: the row alignment of every
     expert group (the engine's). stage: the device descriptor of the staging ring (one slot per source rank)
     the rdma sources' slots are got into, or None when this PE has no rdma peer (`symmring.transport`).
+    outbound: bf16 [capacity, hidden] in symmetric memory, the local buffer of the combine's puts to rdma
+    owners (`outbound`), or None when this PE has no rdma peer.
     """
 
     desc: object
@@ -176,6 +178,7 @@ class State:
     row_weight: object
     token_base: object
     stage: object
+    outbound: object
     combine_ready: np.uint64
     combine_rows: np.uint64
     stamps: object
@@ -235,13 +238,27 @@ def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: in
            stream=stream)
 
 
+def outbound(s: State, out):
+    """The rows the combine sends: the engine's output ``out`` itself, or (this PE has rdma peers) a copy
+    in the symmetric outbound rows, since a put's local buffer must be symmetric or registered on a network
+    transport (the engine's output is neither). Enqueued on the current torch stream, as the engine."""
+    if s.outbound is None:
+        return out
+    rows = s.outbound[: out.shape[0]]
+    rows.copy_(out)
+    return rows
+
+
 def stage(k: Kernels, s: State, stream, *, chunk: int, parts: int, wait: bool = False) -> None:
     """rdma sources only (nothing is enqueued without them): get ``parts`` of every rdma source's slot of
     ``chunk`` into the staging ring, where `count`, `pull` and `dispatch_fused` read them. ``wait``: poll
     both readiness words first (the small-batch schedule, which has no `wait` kernel)."""
     if s.stage is None or not parts:
         return
-    grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
+    # With wait (the small-batch schedule) every block polls: at most spin_blocks of them in all
+    # (docs/PROTOCOL.md 9.2), so the fused combine's blocks and the peers' kernels stay resident.
+    most = max(1, k.spin_blocks // s.num_ranks) if wait else MAX_COUNT_BLOCKS
+    grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, most), s.num_ranks)
     k.stage(grid, (THREADS_PER_BLOCK,), (s.desc, s.stage, np.int32(chunk), np.int32(parts), np.int32(wait)),
             stream=stream)
 
@@ -454,7 +471,8 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
-    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_per_expert)
+    out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
+                                     rows_per_expert=window.rows_per_expert))
     if mark is not None:
         mark("experts")
     if stamps:
@@ -486,7 +504,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     dispatch_fused(k, s, stream, window=window, ack_now=early)
     if mark is not None:
         mark("dispatch")
-    out = engine.forward(s.pool(window.rows_bound), window.rows_bound, rows_per_expert=window.rows_per_expert)
+    out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
+                                     rows_per_expert=window.rows_per_expert))
     if mark is not None:
         mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
