@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from test_under_mpi import find_mpiexec
+from test_under_mpi import find_mpiexec, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "faults" / "driver.py"
@@ -56,17 +54,10 @@ def _run(subject: str, fault: str, extra=()):
     env = dict(os.environ, SYMMRING_TIMEOUT_S=str(BOUND_S), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     start_s = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=OUTER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"HUNG: {' '.join(cmd)} ran past {OUTER_TIMEOUT_S} s; output:\n{output[-8000:]}", pytrace=False)
+    returncode, output = run_bounded(cmd, env=env, timeout_s=OUTER_TIMEOUT_S, tail=8000)
     wall_s = time.monotonic() - start_s
     records = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(outdir).glob("rank*.json")}
-    return proc.returncode, wall_s, records, output
+    return returncode, wall_s, records, output
 
 
 def _figures(capsys, subject, fault, extra, rc, wall_s, records):

@@ -35,6 +35,22 @@ def find_mpiexec():
     return shutil.which("mpiexec")
 
 
+def run_bounded(cmd, *, env, timeout_s: float, tail: int = 20000):
+    """Run ``cmd`` from the repository root in a session of its own, so that past ``timeout_s`` the whole
+    process group (mpiexec and every rank it started) is killed and the test fails with the output so far,
+    instead of hanging or leaving orphans. Returns ``(exit status, stdout and stderr together)``."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"HUNG: {' '.join(cmd)} did not finish within {timeout_s} s; output so far:\n{output[-tail:]}",
+                    pytrace=False)
+    return proc.returncode, output
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
 def test_mpi_suite(num_ranks):
@@ -45,18 +61,9 @@ def test_mpi_suite(num_ranks):
            "-p", "no:cacheprovider", "-m", "not slow"]
     env = dict(os.environ, SYMMRING_TIMEOUT_S=PROTOCOL_TIMEOUT_S, PYTHONUNBUFFERED="1")
     env.pop("PYTEST_ADDOPTS", None)
-    # A session of its own, so a timeout kills mpiexec and every rank it started (no orphans).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {RUN_TIMEOUT_S} s; output so far:\n{output[-20000:]}",
-                    pytrace=False)
+    returncode, output = run_bounded(cmd, env=env, timeout_s=RUN_TIMEOUT_S)
     figures = [line for line in output.splitlines() if "[figure]" in line]
-    if proc.returncode != 0:
-        what = "collected no tests" if proc.returncode == 5 else f"exited with {proc.returncode}"
+    if returncode != 0:
+        what = "collected no tests" if returncode == 5 else f"exited with {returncode}"
         pytest.fail(f"{' '.join(cmd)} {what}; output:\n{output[-20000:]}", pytrace=False)
     print("\n".join(figures))
