@@ -71,6 +71,12 @@ def parse(value, *, name: str = "transport") -> Tuple[str, Optional[Tuple[int, .
     return "rdma", tuple(sorted(ranks))
 
 
+def _check_ranks(name: str, value, ranks: Optional[Tuple[int, ...]], world_size: int) -> None:
+    outside = [q for q in ranks or () if q >= world_size]
+    if outside:
+        raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
+
+
 def request(transport=None, world_size: Optional[int] = None) -> Tuple[str, str]:
     """``(request, where it came from)``: ``transport`` when given, else ``SYMMRING_TRANSPORT``, else
     ``"auto"``; validated (`parse`; with ``world_size``, listed ranks outside ``[0, world_size)`` too), so
@@ -87,10 +93,8 @@ def request(transport=None, world_size: Optional[int] = None) -> Tuple[str, str]
             return "auto", "default"
         value, source, name = raw, ENV_VAR, ENV_VAR
     _, ranks = parse(value, name=name)
-    if ranks is not None and world_size is not None:
-        outside = [q for q in ranks if q >= world_size]
-        if outside:
-            raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
+    if world_size is not None:
+        _check_ranks(name, value, ranks, world_size)
     return value, source
 
 
@@ -105,9 +109,7 @@ def resolve(value, *, rank: int, world_size: int, mapped: Sequence[bool], name: 
     mode, ranks = parse(value, name=name)
     if len(mapped) != world_size:
         raise ConfigError(f"mapped={list(mapped)!r}: expected {world_size} entries, one per rank")
-    outside = [q for q in ranks or () if q >= world_size]
-    if outside:
-        raise ConfigError(f"{name}={value!r}: peer ranks {outside} outside [0, world_size={world_size})")
+    _check_ranks(name, value, ranks, world_size)
     out = []
     for q in range(world_size):
         if q == rank:
