@@ -267,6 +267,8 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                                              int ack_now, const int32_t* topk_idx, const float* topk_weights,
                                              __nv_bfloat16* y, long long y_row_stride, int token_begin,
                                              int num_valid, int end_call_chunks, unsigned int* counters) {
+    grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
     const int R = d.num_ranks;
     const int E = num_local_experts;

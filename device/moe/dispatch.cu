@@ -454,6 +454,8 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
                                                   int ack_now, unsigned int* counter, const RingDescriptor* stage) {
+    grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
     const int K = d.num_topk;
     const int R = d.num_ranks;

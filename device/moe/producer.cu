@@ -12,7 +12,11 @@
 //   moe_produce_chunk_fp8  the small-batch schedule's producer: route and fp8 layout in one grid (acquire,
 //                          copy topk + meta, quantise x with one warp per 256 channels of a token, several
 //                          loads in flight), the last block resets the mask and publishes both (route
-//                          first), so a decode call pays one launch instead of two.
+//                          first), so a decode call pays one launch instead of two. Given the router's
+//                          logits instead of topk it routes the chunk itself (moe/router.cuh, one warp per
+//                          token), into the slot and the caller's topk buffers: no routing kernels before it.
+//   moe_route_topk         the layer's routing of any number of tokens (one warp each, moe/router.cuh) for the
+//                          schedules whose producer takes topk: the same bits as the producer's own routing.
 //
 // Every kernel here is one grid; its last block to arrive publishes (grid_publish), after every block's
 // stores. The layer enqueues the route kernel first (it acquires the slot), the layout kernel after it.
@@ -24,9 +28,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/router.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::RouterOptions;
+using symmring_moe::RouteEntry;
+using symmring_moe::route_token;
+using symmring_moe::store_route;
 
 namespace {
 
@@ -104,6 +113,62 @@ __device__ __forceinline__ void quantize_step_fp8(int4 raw, bool active, int col
     if (lane % kLanesPerGroup == 0) dst_sf[col / kGroupSize] = scale;
 }
 
+// The small-batch producer's routing from the logits rows of the chunk (row stride logits_stride elements of
+// logits_dtype): one warp per token counted from the grid's LAST warp (the sliced layout starts at the first,
+// so a decode chunk routes and quantises on different warps). A warp's first token is routed BEFORE the slot
+// wait (route_first: only the caller's topk buffers are written, which no earlier kernel on the stream still
+// reads); the slot is written after it (route_rest: that token's entries, then every later token of the warp
+// routed into both). Block 0 writes the metadata row. Part of the route payload, as write_route.
+struct ProducerRoute {
+    RouterOptions options;
+    const char* logits;
+    int dtype;
+    long long row_bytes;
+    int32_t* topk_idx;  // the caller's [num_valid, K]
+    float* topk_weights;
+    int num_valid;
+    int64_t first_token;  // this warp's first token
+    int64_t token_step;   // warps of the grid
+};
+
+__device__ __forceinline__ ProducerRoute producer_route(const RouterOptions& o, const void* logits, int dtype,
+                                                        long long logits_stride, int32_t* topk_idx,
+                                                        float* topk_weights, int num_valid) {
+    const int warps_per_block = blockDim.x / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * warps_per_block;
+    const int elem_bytes = dtype == symmring_moe::kLogitsFloat32 ? 4 : 2;
+    return {o, static_cast<const char*>(logits), dtype, logits_stride * elem_bytes, topk_idx, topk_weights,
+            num_valid, num_warps - 1 - (int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32), num_warps};
+}
+
+__device__ __forceinline__ RouteEntry route_first(const ProducerRoute& r) {
+    if (r.first_token >= r.num_valid) return {-1, 0.0f};
+    const int lane = threadIdx.x % 32;
+    const RouteEntry entry = route_token(r.options, r.logits + r.first_token * r.row_bytes, r.dtype, lane);
+    const int64_t at = r.first_token * r.options.topk;
+    store_route(r.options, entry, r.topk_idx + at, r.topk_weights + at, lane);
+    return entry;
+}
+
+__device__ __forceinline__ void route_rest(const RingDescriptor& d, int chunk_idx, const ProducerRoute& r,
+                                           RouteEntry first, uint64_t gen) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int lane = threadIdx.x % 32;
+    int32_t* slot_idx = topk_idx_of(d, slot);
+    float* slot_weights = topk_weights_of(d, slot);
+    for (int64_t token = r.first_token; token < r.num_valid; token += r.token_step) {
+        const int64_t at = token * d.num_topk;
+        RouteEntry entry = first;
+        if (token != r.first_token) {
+            entry = route_token(r.options, r.logits + token * r.row_bytes, r.dtype, lane);
+            store_route(r.options, entry, r.topk_idx + at, r.topk_weights + at, lane);
+        }
+        store_route(r.options, entry, slot_idx + at, slot_weights + at, lane);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), r.num_valid, gen);
+}
+
 // The lane's 16-byte load for quantize_step_fp8 (zeros past the row).
 __device__ __forceinline__ int4 load_step_fp8(const __nv_bfloat16* src, bool active, int col) {
     return active ? *reinterpret_cast<const int4*>(src + col) : make_int4(0, 0, 0, 0);
@@ -138,10 +203,32 @@ __device__ __forceinline__ void write_layout_fp8(const RingDescriptor& d, int ch
 
 // The small-batch producer's layout: grid-stride over warp steps (token, 256-channel slice), so even one
 // token spreads over hidden / 256 warps; each warp loads kStepsInFlight steps before it converts them.
-// The same quantize_step_fp8 as the warp-per-token layout, so the same bits.
+// The same quantize_step_fp8 as the warp-per-token layout, so the same bits. x is the caller's input (no
+// slot memory): the producer issues a warp's first loads (load_steps_fp8 at the warp's first step) before
+// its slot wait and passes them in as `first_raw`.
+__device__ __forceinline__ int64_t first_layout_step() {
+    return int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+}
+
+__device__ __forceinline__ void load_steps_fp8(const RingDescriptor& d, const __nv_bfloat16* x,
+                                               long long x_row_stride, int num_valid, int64_t first,
+                                               int4 (&raw)[kStepsInFlight]) {
+    const int lane = threadIdx.x % 32;
+    const int64_t num_warps = int64_t(gridDim.x) * (blockDim.x / 32);
+    const int slices = (d.hidden + kSliceChannels - 1) / kSliceChannels;
+    const int64_t num_steps = int64_t(num_valid) * slices;
+#pragma unroll
+    for (int u = 0; u < kStepsInFlight; ++u) {
+        const int64_t step = first + u * num_warps;
+        const int64_t token = step / slices;
+        const int col = static_cast<int>(step % slices) * kSliceChannels + lane * kChannelsPerLane;
+        raw[u] = load_step_fp8(x + token * x_row_stride, step < num_steps && col < d.hidden, col);
+    }
+}
+
 __device__ __forceinline__ void write_layout_fp8_sliced(const RingDescriptor& d, int chunk_idx,
                                                         const __nv_bfloat16* x, long long x_row_stride,
-                                                        int num_valid) {
+                                                        int num_valid, const int4 (&first_raw)[kStepsInFlight]) {
     const int slot = slot_of(chunk_idx, d.num_slots);
     const int lane = threadIdx.x % 32;
     const int64_t num_warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -150,15 +237,13 @@ __device__ __forceinline__ void write_layout_fp8_sliced(const RingDescriptor& d,
     uint8_t* slot_x = x_of(d, slot);
     float* slot_sf = x_sf_of(d, slot);
     // Warp-uniform bounds: every lane of a warp takes the same steps (quantize_step_fp8 shuffles).
-    for (int64_t first = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; first < num_steps;
-         first += kStepsInFlight * num_warps) {
+    for (int64_t first = first_layout_step(); first < num_steps; first += kStepsInFlight * num_warps) {
         int4 raw[kStepsInFlight];
+        if (first == first_layout_step()) {
 #pragma unroll
-        for (int u = 0; u < kStepsInFlight; ++u) {
-            const int64_t step = first + u * num_warps;
-            const int64_t token = step / slices;
-            const int col = static_cast<int>(step % slices) * kSliceChannels + lane * kChannelsPerLane;
-            raw[u] = load_step_fp8(x + token * x_row_stride, step < num_steps && col < d.hidden, col);
+            for (int u = 0; u < kStepsInFlight; ++u) raw[u] = first_raw[u];
+        } else {
+            load_steps_fp8(d, x, x_row_stride, num_valid, first, raw);
         }
 #pragma unroll
         for (int u = 0; u < kStepsInFlight; ++u) {
@@ -240,15 +325,53 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
 // arrive resets the mask and publishes route readiness, then layout readiness (the consumer sees both parts,
 // in the protocol's order). counter: as for moe_produce_route. Every block spins in wait_reusable, so the
 // grid is at most stages.Kernels.spin_blocks (docs/PROTOCOL.md 9.2).
+// logits null: topk_idx / topk_weights hold the chunk's routing, copied. logits not null: the router's
+// logits of the chunk's tokens (logits_dtype: moe/router.cuh LogitsDtype), routed here with the options that
+// follow (RouterOptions, in order) into the slot AND into topk_idx / topk_weights, which the combine reads.
 extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
-                                                 const int32_t* topk_idx, const float* topk_weights,
+                                                 int32_t* topk_idx, float* topk_weights,
                                                  const __nv_bfloat16* x, long long x_row_stride, int num_valid,
-                                                 unsigned int* counter) {
+                                                 unsigned int* counter, const void* logits, int logits_dtype,
+                                                 long long logits_stride, const float* bias,
+                                                 float routed_scaling_factor, int scoring, int num_experts,
+                                                 int n_group, int topk_group, int norm_topk_prob) {
+    grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    const RouterOptions o{bias, routed_scaling_factor, scoring, num_experts, d.num_topk, n_group, topk_group,
+                          norm_topk_prob};
+    const ProducerRoute route = producer_route(o, logits, logits_dtype, logits_stride, topk_idx, topk_weights,
+                                               num_valid);
+    // Neither x nor the logits are slot memory: a warp's first loads and its first route overlap the wait.
+    int4 first_raw[kStepsInFlight];
+    load_steps_fp8(d, x, x_row_stride, num_valid, first_layout_step(), first_raw);
+    const RouteEntry first = logits != nullptr ? route_first(route) : RouteEntry{-1, 0.0f};
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
-    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
-    write_layout_fp8_sliced(d, chunk_idx, x, x_row_stride, num_valid);
+    if (logits != nullptr)
+        route_rest(d, chunk_idx, route, first, gen);
+    else
+        write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
+    write_layout_fp8_sliced(d, chunk_idx, x, x_row_stride, num_valid, first_raw);
     grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
+}
+
+// The layer's routing of num_tokens tokens (grid-stride, one warp each): logits rows (row stride
+// logits_stride elements of logits_dtype) to topk_idx int32 / topk_weights float32 [num_tokens, topk]. No
+// ring state: the schedules whose producers copy topk run it where the torch router ran.
+extern "C" __global__ void moe_route_topk(const void* logits, int logits_dtype, long long logits_stride,
+                                          int num_tokens, int32_t* topk_idx, float* topk_weights, const float* bias,
+                                          float routed_scaling_factor, int scoring, int num_experts, int topk,
+                                          int n_group, int topk_group, int norm_topk_prob) {
+    const RouterOptions o{bias, routed_scaling_factor, scoring, num_experts, topk, n_group, topk_group,
+                          norm_topk_prob};
+    const int warps_per_block = blockDim.x / 32;
+    const int64_t num_warps = int64_t(gridDim.x) * warps_per_block;
+    const char* rows = static_cast<const char*>(logits);
+    const int elem_bytes = logits_dtype == symmring_moe::kLogitsFloat32 ? 4 : 2;
+    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < num_tokens;
+         token += num_warps)
+        store_route(o, route_token(o, rows + token * logits_stride * elem_bytes, logits_dtype, threadIdx.x % 32),
+                    topk_idx + token * topk, topk_weights + token * topk, threadIdx.x % 32);
 }

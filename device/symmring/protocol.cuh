@@ -400,6 +400,22 @@ __device__ inline void ack(const RingDescriptor& d, int chunk_idx, int src_rank)
 
 // --- grid helpers -------------------------------------------------------------------------------------
 
+// Programmatic dependent launch (symmring/pdl.py): a kernel the host may launch while the previous kernel
+// on its stream still runs calls grid_dependency_wait before it touches memory (it returns once that kernel
+// completed and its writes are visible: stream order), then grid_dependents_launch to let the next one
+// start the same way. Both are no-ops for a plain launch.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Block-level: true in exactly one block, the last of the grid to arrive; every block's earlier memory
 // operations are ordered before whatever that block does next. `counter` (device memory, zero before the
 // launch) is reset to zero by the last block so the next launch or graph replay finds it clean.

@@ -253,7 +253,13 @@ class MoE:
         self.bias = None
         if bias is not None:
             self._check_tensor("bias", bias, None, (self.num_experts,))
-            self.bias = bias.float()
+            self.bias = bias.float().contiguous()
+        # The routing runs on the device (routing.device_router) within its limits, in every schedule, so
+        # they all route alike; torch's `routing.route` past them.
+        self._device_routing = routing_mod.device_routing_applies(self.num_experts, self.topk, self.n_group)
+        self._router_args = routing_mod.device_router(
+            self.num_experts, self.scoring, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor,
+            n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
         from .policy import StreamPolicy
         if policy is not None and not isinstance(policy, StreamPolicy):
             raise ConfigError(f"policy={policy!r}: expected a StreamPolicy or None")
@@ -407,16 +413,55 @@ class MoE:
         if router_weight is not None:
             self._check_tensor("router_weight", router_weight, torch.bfloat16, (self.num_experts, self.hidden))
             return "router", router_weight
-        self._check_tensor("logits", logits, None, (n, self.num_experts))
+        self._check_logits(logits, n)
         return "logits", logits
 
-    def _route(self, x, kind: str, source, rows: slice = slice(None)) -> Tuple:
-        """``(topk_idx, topk_weights)`` of ``x[rows]`` from a validated router or logits source (enqueued)."""
-        logits = x[rows] @ source.t() if kind == "router" else source[rows]
+    def _check_logits(self, logits, n: int) -> None:
+        self._check_tensor("logits", logits, None, (n, self.num_experts) if n >= 0 else ("n", self.num_experts))
+        if not logits.is_floating_point():
+            raise ConfigError(f"logits.dtype={logits.dtype}: expected a floating-point dtype")
+
+    def _logits(self, x, kind: str, source, rows: slice = slice(None)):
+        """The router logits of ``x[rows]`` from a validated router or logits source (enqueued)."""
+        return x[rows] @ source.t() if kind == "router" else source[rows]
+
+    def _route(self, x, kind: str, source, rows: slice = slice(None), out: Optional[Tuple] = None) -> Tuple:
+        """``(topk_idx, topk_weights)`` of ``x[rows]`` from a validated router or logits source (enqueued), into
+        ``out`` (contiguous int32 / float32 ``[rows, topk]``) when given."""
+        torch = _torch()
+        logits = self._logits(x, kind, source, rows)
+        if self._device_routing:
+            n = int(logits.shape[0])
+            idx, weights = out if out is not None else (
+                torch.empty((n, self.topk), dtype=torch.int32, device=self.device),
+                torch.empty((n, self.topk), dtype=torch.float32, device=self.device))
+            stages.route_topk(self._kernels, self._stream(torch.cuda.current_stream().cuda_stream),
+                              logits=routing_mod.logits_operand(logits), router=self._router_args, topk=self.topk,
+                              topk_idx=idx, topk_weights=weights)
+            return idx, weights
         idx, weights = routing_mod.route(logits, self.topk, self.scoring, bias=self.bias,
                                          routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
                                          topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
+        if out is not None:
+            out[0].copy_(idx)
+            out[1].copy_(weights)
+            return out
         return idx.contiguous(), weights.contiguous()
+
+    def route(self, logits) -> Tuple:
+        """The layer's routing of router ``logits`` ``[n, num_experts]`` (any float dtype, on the layer's device):
+        ``(topk_idx int32, topk_weights float32)`` ``[n, topk]``, enqueued on the current stream, as every
+        `forward` given ``logits`` or ``router_weight`` routes (the small-batch producer, the other schedules'
+        routing kernel: the same device routing, `symmring.moe.routing` module notes; torch's
+        `routing.route` past its limits). Not collective; touches no ring state.
+
+        Raises:
+            ConfigError: ``logits`` not a 2-D ``[n, num_experts]`` tensor on the layer's device.
+        """
+        self._check_open()
+        n = logits.shape[0] if getattr(logits, "dim", lambda: 0)() == 2 else -1
+        self._check_logits(logits, n)
+        return self._route(None, "logits", logits)
 
     def streams(self, streaming, num_tokens: int) -> bool:
         """Whether a call of ``num_tokens`` tokens per rank with this ``streaming`` argument runs the streamed
@@ -666,13 +711,23 @@ class MoE:
                 events.append((name, ev))
 
         mark("start")
-        idx, weights = source if kind == "given" else self._route(x, kind, source)
         if plan.small_batch:
+            # The producer routes the logits itself (the same device routing as _route).
+            logits = None
+            if kind == "given":
+                idx, weights = source
+            elif self._device_routing:
+                logits = routing_mod.logits_operand(self._logits(x, kind, source))
+                idx, weights = self._topk_idx[:x.shape[0]], self._topk_weights[:x.shape[0]]
+            else:
+                idx, weights = self._route(x, kind, source)
             mark("route")
             stages.small_batch_call(k, s, stream, chunk=plan.chunks[0], window=plan.windows[0], engine=self.engine,
                                     ack_policy=self.ack_policy, x=x, topk_idx=idx, topk_weights=weights, y=y,
-                                    num_chunks=plan.num_chunks, mark=mark if events is not None else None)
+                                    num_chunks=plan.num_chunks, mark=mark if events is not None else None,
+                                    logits=logits, router=self._router_args)
             return
+        idx, weights = source if kind == "given" else self._route(x, kind, source)
         row_bytes = self.topk * 4
         for chunk in plan.chunks:
             stages.produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=idx.data_ptr() + chunk.token_base * row_bytes,
@@ -707,9 +762,7 @@ class MoE:
             idx, weights = self._topk_idx, self._topk_weights
 
             def route(rows: slice) -> None:
-                chunk_idx, chunk_weights = self._route(x, kind, source, rows)
-                idx[rows].copy_(chunk_idx)
-                weights[rows].copy_(chunk_weights)
+                self._route(x, kind, source, rows, out=(idx[rows], weights[rows]))
         self._timeline = (plan.num_chunks, {w.first: w.last for w in plan.windows.values()}) if stamps else (0, {})
         last_window = plan.last_window
         p_stream, c_stream = self._stream(producer.cuda_stream), self._stream(consumer.cuda_stream)

@@ -210,8 +210,9 @@ class MoEModule(_Base):
         return torch.nn.functional.linear(x.to(dtype), self.router_weight.to(dtype))
 
     def route(self, hidden_states) -> Tuple:
-        """``(logits, topk_idx, topk_weights)`` of ``hidden_states`` as `forward` routes them (the layer's
-        `symmring.moe.routing.route` on `router_logits`); for inspection and tests, no layer call."""
+        """``(logits, topk_idx, topk_weights)`` of ``hidden_states``: torch's `symmring.moe.routing.route` on
+        `router_logits`, the definition the layer's device routing of the same logits follows (the experts
+        agree, ties to the lower id; weights to float32 rounding); for inspection and tests, no layer call."""
         from . import routing
         x = self._tokens(hidden_states)
         logits = self.router_logits(x)

@@ -18,6 +18,11 @@ Options (`check_options`; the names of the transformers configs):
   experts form ``n_group`` groups of ``num_experts / n_group`` consecutive ids; a group's score is the sum
   of its two largest ``s + bias``; only the ``topk_group`` best groups take part in the top-k.
 
+The layer routes on the device (`device_router`, device/moe/router.cuh: one warp per token, inside the
+small-batch producer or as one kernel) with the same definitions, ties to the lower expert id as the NumPy
+reference; `route` (torch) stays the reference the tests hold it to, and the fallback past the kernel's
+limits (`device_routing_applies`).
+
 torch is imported on the first call, not at module import.
 """
 
@@ -35,6 +40,11 @@ def _torch():
 SCORINGS = ("softmax", "sigmoid_bias")
 #: Experts of a group whose scores make the group's score (DeepSeek-V3: the two largest).
 GROUP_SCORE_TOPK = 2
+#: Limits of the device routing (device/moe/router.cuh): experts (16 per lane of a warp), groups (a lane
+#: each) and top-k (a lane per entry).
+DEVICE_MAX_EXPERTS, DEVICE_MAX_GROUPS, DEVICE_MAX_TOPK = 512, 32, 32
+#: Logits element types the device routing reads (router.cuh LogitsDtype); others are read as float32.
+LOGITS_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
 def _is_int(value) -> bool:
@@ -138,3 +148,41 @@ def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scal
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights * float(routed_scaling_factor)
     return idx.to(torch.int32), weights.float()
+
+
+def device_routing_applies(num_experts: int, topk: int, n_group: int = 1) -> bool:
+    """Whether the device routing handles these options (else the layer routes with `route`).
+
+    Example:
+        >>> device_routing_applies(256, 8, 8), device_routing_applies(1024, 8)
+        (True, False)
+    """
+    return num_experts <= DEVICE_MAX_EXPERTS and topk <= DEVICE_MAX_TOPK and n_group <= DEVICE_MAX_GROUPS
+
+
+def device_router(num_experts: int, scoring: str = "softmax", *, bias=None, routed_scaling_factor: float = 1.0,
+                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True) -> tuple:
+    """The routing options as the device kernels' trailing arguments (router.cuh RouterOptions, without
+    topk, which the kernels take from the ring or as their own argument): ``(bias pointer, factor, scoring
+    code, num_experts, n_group, topk_group, norm_topk_prob)``. ``bias``: a contiguous float32 device tensor
+    (the caller keeps it alive) or None. Options are `check_options`'s (checked by the caller).
+
+    Example:
+        >>> [int(v) for v in device_router(128, "softmax")[2:]]
+        [0, 128, 1, 1, 1]
+    """
+    import numpy as np
+    return (np.uint64(0 if bias is None else bias.data_ptr()), np.float32(routed_scaling_factor),
+            np.int32(SCORINGS.index(scoring)), np.int32(num_experts), np.int32(n_group), np.int32(topk_group),
+            np.int32(bool(norm_topk_prob)))
+
+
+def logits_operand(logits):
+    """``(tensor, dtype code)`` the device routing reads: ``logits`` itself when its dtype is one of
+    `LOGITS_DTYPE_CODES` and its rows are contiguous (any row stride), else a contiguous float32 copy."""
+    name = str(logits.dtype).replace("torch.", "")
+    if name not in LOGITS_DTYPE_CODES:
+        logits, name = logits.float(), "float32"
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return logits, LOGITS_DTYPE_CODES[name]

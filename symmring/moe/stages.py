@@ -15,7 +15,8 @@ Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `sy
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
   (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce;
 * `small_batch_call`: a whole one-chunk batch call (fp8 pools) in three fused kernels around the experts:
-  produce (route + layout), dispatch (wait + count + scan + pull) and combine (scatter + signal + wait +
+  produce (route, from the router's logits too, + layout), dispatch (wait + count + scan + pull) and combine
+  (scatter + signal + wait +
   reduce + end of call). The same protocol, generations and acknowledgements; the pool rows and the expert
   engine are the general schedule's, so the output is bitwise the same.
 
@@ -34,6 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import protocol
+from ..pdl import PdlLauncher
 from . import timeline
 from .experts import ExpertEngine, Pool
 from .plan import ChunkStep, WindowStep
@@ -133,8 +135,12 @@ class Kernels:
         self.produce_chunk_fp8 = producer.function("moe_produce_chunk_fp8")
         self.dispatch_fused_fp8 = dispatch.function("moe_dispatch_fused_fp8")
         self.combine_fused = combine.function("moe_combine_fused")
+        self.route_topk = producer.function("moe_route_topk")
+        pes_per_gpu = getattr(backend, "pes_per_gpu", MAX_PES_PER_GPU)
         #: Grid cap of the small-batch kernels (`spin_blocks`) on this PE's GPU.
-        self.spin_blocks = spin_blocks(backend.num_sms, getattr(backend, "pes_per_gpu", MAX_PES_PER_GPU))
+        self.spin_blocks = spin_blocks(backend.num_sms, pes_per_gpu)
+        #: Launcher of the small-batch kernels: programmatic dependent launch where `symmring.pdl` allows it.
+        self.launch = PdlLauncher(getattr(backend, "compute_capability", 0) // 10, pes_per_gpu)
 
 
 @dataclass
@@ -346,17 +352,42 @@ def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
     k.sleep((1,), (32,), (np.uint64(ns),), stream=stream)
 
 
-def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x) -> None:
-    """The small-batch producer (fp8 rings): acquire the slot, write route (``topk_idx``/``topk_weights``, the
-    call's contiguous ``[n, K]``) and the fp8 layout of ``x``, publish both, in one grid (a warp per 256
-    channels of a token; at most `Kernels.spin_blocks` blocks, which all wait for the slot)."""
+def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, logits=None,
+                  router: tuple = ()) -> None:
+    """The small-batch producer (fp8 rings): acquire the slot, write route and the fp8 layout of ``x``, publish
+    both, in one grid (a warp per 256 channels of a token, a warp per token's route; at most
+    `Kernels.spin_blocks` blocks, which all wait for the slot). ``logits`` None: the route is
+    ``topk_idx``/``topk_weights`` (the call's contiguous ``[n, K]``), copied. Else the call's router logits
+    (`routing.logits_operand`'s tensor and code), routed in the kernel with ``router``
+    (`routing.device_router`) into the slot and into ``topk_idx``/``topk_weights``."""
     row_bytes, stride = s.topk * 4, x.stride(0)
-    steps = chunk.num_valid * -(-s.hidden // 256)
-    k.produce_chunk_fp8((blocks(steps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,),
-                        (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
-                         np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
-                         np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-                         np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)), stream=stream)
+    warps = chunk.num_valid * -(-s.hidden // 256) + (chunk.num_valid if logits is not None else 0)
+    if logits is None:
+        routed = (np.uint64(0), np.int32(0), np.int64(0), np.uint64(0), np.float32(1), np.int32(0), np.int32(0),
+                  np.int32(1), np.int32(1), np.int32(1))
+    else:
+        tensor, code = logits
+        routed = (np.uint64(tensor.data_ptr() + chunk.token_base * tensor.stride(0) * tensor.element_size()),
+                  np.int32(code), np.int64(tensor.stride(0))) + tuple(router)
+    k.launch(k.produce_chunk_fp8, (blocks(warps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,),
+             (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
+              np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
+              np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
+              np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)) + routed, stream=stream)
+
+
+def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx, topk_weights) -> None:
+    """The layer's routing of ``logits`` (`routing.logits_operand`'s tensor and code, ``[n, E]``) into
+    ``topk_idx`` int32 / ``topk_weights`` float32 (contiguous ``[n, topk]``) on ``stream``: one warp per token
+    (`routing.device_router` options)."""
+    tensor, code = logits
+    n = int(tensor.shape[0])
+    if n == 0:
+        return
+    scalars = tuple(router)
+    k.route_topk((blocks(n, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                 (_p(tensor), np.int32(code), np.int64(tensor.stride(0)), np.int32(n), _p(topk_idx),
+                  _p(topk_weights)) + scalars[:4] + (np.int32(topk),) + scalars[4:], stream=stream)
 
 
 def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool) -> None:
@@ -365,14 +396,14 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
     tokens; every block counts every entry); ``ack_now``: EARLY."""
     sf = s.pool_scales(window.rows_bound)
     shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
-    k.dispatch_fused_fp8((blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
-                         (s.desc, np.int32(window.first), _p(s.token_base), _p(s.counts), _p(s.begin),
-                          _p(s.group_end), _p(s.total),
-                          _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
-                          _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                          np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
-                          np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s)), stream=stream,
-                         shared_mem=shared)
+    k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
+             (s.desc, np.int32(window.first), _p(s.token_base), _p(s.counts), _p(s.begin),
+              _p(s.group_end), _p(s.total),
+              _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
+              _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
+              np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
+              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s)), stream=stream,
+             shared_mem=shared)
 
 
 def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool, topk_idx, topk_weights,
@@ -384,12 +415,12 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
     grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
                blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
     shared = 16 * s.num_ranks + 4 * (2 * s.num_local_experts + 1)
-    k.combine_fused((grid,), (THREADS_PER_BLOCK,),
-                    (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
-                     _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
-                     np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-                     np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
-                     _counter(s, COUNTER_SEND)), stream=stream, shared_mem=shared)
+    k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,),
+             (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
+              _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
+              np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
+              np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
+              _counter(s, COUNTER_SEND)), stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------
@@ -491,12 +522,14 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
 
 def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
-                     mark: Optional[Callable[[str], None]] = None) -> None:
-    """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too), after
-    the router filled ``topk_idx``/``topk_weights``: produce, dispatch, experts, combine (which ends the
-    call). ``mark``: as for `consume_window`, with "layout" after the producer."""
+                     mark: Optional[Callable[[str], None]] = None, logits=None, router: tuple = ()) -> None:
+    """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too):
+    produce (routing ``logits`` into ``topk_idx``/``topk_weights`` when given, as `produce_fused`; else after
+    the router filled them), dispatch, experts, combine (which ends the call). ``mark``: as for
+    `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
-    produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x)
+    produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
+                  router=router)
     if mark is not None:
         mark("layout")
     # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).

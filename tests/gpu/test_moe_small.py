@@ -228,3 +228,35 @@ def test_small_batch_rejections(ctx):
     finally:
         bf16.close()
     verdict(ctx, not problems, "; ".join(problems))
+
+
+def test_programmatic_dependent_launch_is_bitwise_plain(ctx):
+    """One PE per GPU on Hopper launches the fused kernels with PDL (`symmring.pdl`); the same calls with plain
+    launches give bitwise the same output, eagerly and from a captured graph."""
+    moe = layer(ctx, "builtin", 32, 8)
+    problems = []
+    launcher = moe._kernels.launch
+    want_pdl = ctx.backend.pes_per_gpu == 1 and torch.cuda.get_device_capability()[0] >= 9 \
+        and os.environ.get("SYMMRING_PDL", "1") != "0"
+    try:
+        if launcher.enabled != want_pdl:
+            problems.append(f"PDL enabled={launcher.enabled}, expected {want_pdl} "
+                            f"({ctx.backend.pes_per_gpu} PEs on this GPU)")
+        x = to_torch(make_tokens(SEED + 71 + ctx.rank, 3, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED + 72 + ctx.rank, 3, 8, masked=False)
+        outputs = {}
+        for enabled in (want_pdl, False):
+            launcher.enabled = enabled
+            eager, small = call(moe, x, idx, w, small_batch=True, graph_cache=False)
+            graph, y_static = moe.capture(x, topk_idx=idx, topk_weights=w, small_batch=True)
+            graph.replay()
+            moe.check_errors()
+            outputs[enabled] = (eager, y_static.float().cpu().numpy())
+            del graph
+        for name, a, b in zip(("eager", "graph"), outputs[want_pdl], outputs[False]):
+            if not np.array_equal(a, b):
+                problems.append(f"{name}: PDL launches differ from plain ones")
+    finally:
+        launcher.enabled = want_pdl
+        moe.close()
+    verdict(ctx, not problems, "; ".join(problems))

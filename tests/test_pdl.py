@@ -1,0 +1,64 @@
+"""`symmring.pdl` on the CPU: when programmatic dependent launch is used, and what a launch passes on.
+
+The launch itself (cuLaunchKernelEx) needs a GPU: tests/gpu runs every small-batch call through it on one PE.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from symmring import pdl
+from symmring.errors import BackendError
+
+
+class _Data:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _DeviceArray:  # what the launcher reads of a CuPy array
+    def __init__(self, ptr):
+        self.data = _Data(ptr)
+
+
+def test_arguments_are_their_bytes():
+    assert pdl._arg_bytes(np.int32(-2)) == np.int32(-2).tobytes()
+    assert pdl._arg_bytes(np.float32(2.5)) == np.float32(2.5).tobytes()
+    assert pdl._arg_bytes(np.uint64(2**40 + 3)) == (2**40 + 3).to_bytes(8, "little")
+    assert pdl._arg_bytes(_DeviceArray(0x7F0000001000)) == (0x7F0000001000).to_bytes(8, "little")
+    with pytest.raises(BackendError, match="unsupported kernel argument int"):
+        pdl._arg_bytes(3)
+
+
+@pytest.mark.parametrize("cc, pes, env, want", [(9, 1, None, True), (9, 2, None, False), (8, 1, None, False),
+                                                 (9, 1, "0", False), (10, 1, "1", True)])
+def test_enabled_only_for_one_pe_per_hopper_gpu(monkeypatch, cc, pes, env, want):
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: object())  # a driver that has cuLaunchKernelEx
+    if env is None:
+        monkeypatch.delenv("SYMMRING_PDL", raising=False)
+    else:
+        monkeypatch.setenv("SYMMRING_PDL", env)
+    assert pdl.PdlLauncher(cc, pes).enabled is want
+
+
+def test_without_pdl_the_kernel_is_called_as_cupy_does(monkeypatch):
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: None)  # a driver without it
+    calls = []
+
+    def fn(grid, block, args, stream=None, shared_mem=0):
+        calls.append((grid, block, args, stream, shared_mem))
+
+    launcher = pdl.PdlLauncher(9, 1)
+    assert not launcher.enabled
+    launcher(fn, (3,), (256,), (np.int32(1),), stream="s", shared_mem=64)
+    assert calls == [((3,), (256,), (np.int32(1),), "s", 64)]
+
+
+def test_the_launch_attribute_is_programmatic_stream_serialization():
+    """CUlaunchAttribute: id 6 (PROGRAMMATIC_STREAM_SERIALIZATION), 4 bytes of padding, the flag 1, 72 bytes."""
+    import ctypes
+    attr = pdl.PdlLauncher(9, 1)._attr
+    assert ctypes.sizeof(attr) == 72 and ctypes.sizeof(pdl._LaunchConfig) == 56
+    assert bytes(attr)[:12] == (6).to_bytes(4, "little") + bytes(4) + (1).to_bytes(4, "little")
+    assert bytes(attr)[12:] == bytes(60) and b"" == bytes(0)
