@@ -44,6 +44,7 @@ rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -297,6 +298,11 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                         graph, _ = moe.capture(x, router_weight=router, small_batch=False)
                         row["general_graph_ms"] = statistics.median(_timed(graph.replay, reps))
                         del graph
+                        # What PDL gives: the same graph with plain launches.
+                        with _plain_launches(moe):
+                            graph, _ = moe.capture(x, router_weight=router)
+                            row["no_pdl_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                            del graph
                     moe.check_errors()
                 best = row.get("layer_graph_ms", layer_ms)
                 row["vs_fp8_roofline"] = best / row["fp8_roofline_ms"] if row["fp8_roofline_ms"] else float("nan")
@@ -325,6 +331,18 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
     return rows
 
 
+@contextlib.contextmanager
+def _plain_launches(moe):
+    """``moe`` with its programmatic dependent launches off (`symmring.pdl`), restored after."""
+    launcher = moe._kernels.launch
+    was = launcher.enabled
+    launcher.enabled = False
+    try:
+        yield
+    finally:
+        launcher.enabled = was
+
+
 def add_ratios(rows: List[Dict]) -> None:
     """``fp8_vs_bf16``: each fp8 row's graph (else eager) latency over the bf16 row's at the same size."""
     base = {(r["shape"], r["tokens_per_rank"], r.get("transport")): r for r in rows if r["engine"] == "torch"}
@@ -341,7 +359,7 @@ def format_decode_table(rows: List[Dict]) -> str:
     nan = float("nan")
     lines = [f"{'shape':<14} {'tokens':>6} {'engine':<8} {'small':>5} {'graph ms':>9} {'eager ms':>9} "
              f"{'nocache':>9} {'gen graph':>9} {'gen eager':>9} {'limit ms':>8} {'target':>7} {'/limit':>6} "
-             f"{'eag/gr':>6} {'ok':>3}"]
+             f"{'eag/gr':>6} {'ok':>3} {'no pdl':>7}"]
     for r in rows:
         graph = r.get("layer_graph_ms", nan)
         ok = graph <= r["target_ms"] and r["eager_vs_graph"] <= 2.0
@@ -350,7 +368,8 @@ def format_decode_table(rows: List[Dict]) -> str:
                      f"{graph:>9.3f} {r['layer_ms']:>9.3f} {r.get('eager_nocache_ms', nan):>9.3f} "
                      f"{r.get('general_graph_ms', nan):>9.3f} "
                      f"{r.get('general_ms', nan):>9.3f} {r['fp8_roofline_ms']:>8.3f} {r['target_ms']:>7.3f} "
-                     f"{graph / limit:>6.2f} {r['eager_vs_graph']:>6.2f} {'yes' if ok else 'NO':>3}")
+                     f"{graph / limit:>6.2f} {r['eager_vs_graph']:>6.2f} {'yes' if ok else 'NO':>3} "
+                     f"{r.get('no_pdl_graph_ms', nan):>7.3f}")
     return "\n".join(lines)
 
 

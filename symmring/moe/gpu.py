@@ -656,6 +656,9 @@ class MoE:
         if len(self._graphs):
             _torch().cuda.synchronize()
         self._graphs.clear()
+        # torch releases a graph memory pool with its last graph; a capture into the released handle fails
+        # (CUDACachingAllocator's use_count assertion), so the next capture makes a new pool.
+        self._graph_pool = None
 
     def _after_previous_call(self) -> None:
         """Order this call after the previous one's end (its generation base advance), whatever stream either

@@ -247,7 +247,7 @@ def test_programmatic_dependent_launch_is_bitwise_plain(ctx):
         outputs = {}
         for enabled in (want_pdl, False):
             launcher.enabled = enabled
-            eager, small = call(moe, x, idx, w, small_batch=True, graph_cache=False)
+            eager, _ = call(moe, x, idx, w, small_batch=True, graph_cache=False)
             graph, y_static = moe.capture(x, topk_idx=idx, topk_weights=w, small_batch=True)
             graph.replay()
             moe.check_errors()
