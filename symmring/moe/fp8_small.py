@@ -81,9 +81,11 @@ Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` 
     * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
       bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
       with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
-      descriptor does not fit). A split fused L1 takes 3 stages (102 KiB at ``BLOCK_T`` 16) so that two of
-      its programs fit one SM's 228 KiB and its < 2 x num_sms programs are resident at once; at 4 stages
-      (136 KiB) only one fits and the programs past the SM count would run as a second wave.
+      descriptor does not fit). A split fused L1 takes 3 stages (102 KiB of tiles at ``BLOCK_T`` 16, 108 at
+      32; the sm_90 compile adds a few hundred bytes) so that two of its programs fit one SM's 228 KiB and
+      its < 2 x num_sms programs are resident at once; at 4 stages (136 KiB) only one fits and the programs
+      past the SM count would run as a second wave. (At ``BLOCK_T`` 64 one fits either way; the rule
+      splits only small grids, whose groups hold few rows.)
 
 Split-K (``split_k > 1``)
     Deterministic, in one launch, with a last-arrival reduction: each of a tile's S programs stores its
@@ -97,7 +99,9 @@ Split-K (``split_k > 1``)
     (the grid's split index is rotated by the tile, so under the interpreter's in-order programs too the
     last arrival is a different split on different tiles). Tiles of padding (-1) exit before any of it.
 
-    The workspace (``programs x S x [1 or 2] x BLOCK_N x BLOCK_T`` float32, 8-16 KiB per program) comes from
+    The workspace (``programs x S x [1 or 2] x BLOCK_N x BLOCK_T`` float32: 8 KiB per accumulator at 128 x 16,
+    read back once from L2, against the 170-920 KiB of weights each split streams in the default rule's split
+    grids above) comes from
     ``torch.empty`` per call: the caching allocator's stream-ordered block (a capture's private pool in a
     CUDA graph). The counters (int32, one per tile of the grid) must be zero before a launch, so they are
     made zero once (``torch.zeros``) and cached (`split_counter_buffers` lists them):
@@ -106,8 +110,9 @@ Split-K (``split_k > 1``)
       needed): launches on one stream run one after the other, each finds the counters as the previous
       left them, zero; launches on different streams, which may overlap, never share a buffer;
     * a launch being captured into a CUDA graph gets counters no other launch ever gets: a slice of the
-      device's capture arena (``2**16`` counters made zero by an earlier eager launch, outside any capture,
-      and kept for the process, since graphs address them; a fresh arena once half of one is handed out).
+      device's capture arena (``2**16`` counters made zero by an earlier eager launch, outside any capture
+      (``torch.cuda.graph`` synchronises before it captures), and kept for the process, since graphs
+      address them; an eager launch makes a fresh arena once half of one is handed out).
       A graph's replays on any stream thus share counters with nothing but themselves (replaying one graph
       concurrently with itself is unsupported anyway: its intermediates are shared too). Where no arena
       has room (a capture before any eager split launch on the device, or > 32 Ki counters captured since
