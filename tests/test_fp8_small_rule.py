@@ -96,3 +96,32 @@ def test_decode_tables_show_the_split():
              "default_us": 30.0, "best_vs_read": 30 / 28}
     header, line = gemm_decode.format_sweep([sweep]).splitlines()[:2]
     assert line.split()[4] == "n64t16w4s4k2" and header.index("dflt us") > line.index("n64t16w4s4k2")
+
+
+def test_split_counters_cache():
+    """The counter cache's bookkeeping (CPU tensors): eager launches get their stream's buffer, grown as
+    needed and zero at creation; captured launches get disjoint, 128-byte aligned slices of the arena an
+    eager launch stocked, never handed out twice; with no room, a fresh zeroed buffer; the next eager launch
+    restocks. (The kernel keeping them zero: tests/gpu/test_fp8_small.py.)"""
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    cache = fp8_small._SplitCounters()
+    assert cache._for_capture(torch, cpu, 8).numel() == 8  # no arena yet: its own zeros
+    first = cache.get(torch, cpu, 100)
+    assert first.numel() >= 100 and not first.any() and cache.get(torch, cpu, 50) is first
+    grown = cache.get(torch, cpu, 5000)
+    assert grown.numel() >= 5000 and grown is not first and not grown.any()
+    arena = cache._arenas["cpu"][0]
+    slices = [cache._for_capture(torch, cpu, n) for n in (1, 33, 100, 7)]
+    starts = [(s.data_ptr() - arena.data_ptr()) // 4 for s in slices]
+    assert starts == [0, 32, 96, 224] and [s.numel() for s in slices] == [1, 33, 100, 7]
+    assert all(s.data_ptr() % 16 == 0 and not s.any() for s in slices)
+    while cache._arenas["cpu"][1] + 1000 <= arena.numel():
+        cache._for_capture(torch, cpu, 1000)
+    spare = cache._for_capture(torch, cpu, 1000)  # the arena is out of room: a buffer of its own
+    assert spare.numel() == 1000 and not spare.any()
+    assert not (arena.data_ptr() <= spare.data_ptr() < arena.data_ptr() + 4 * arena.numel())
+    cache.get(torch, cpu, 10)  # an eager launch restocks; the old arena is kept (graphs address it)
+    assert cache._arenas["cpu"][0] is not arena and cache._arenas["cpu"][1] == 0
+    kept = {b.data_ptr() for b in cache.buffers()}
+    assert arena.data_ptr() in kept and grown.data_ptr() in kept and first.data_ptr() not in kept

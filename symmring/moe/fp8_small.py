@@ -44,13 +44,13 @@ Numerics (bitwise contracts)
     (and, split, the same reduction) for gate and up, rounds both to bf16 (the rounding the unfused path's
     ``h`` goes through), then evaluates SwiGLU and the quantisation exactly as `fp8_kernels.swiglu_quant_fp8`
     does (CUDA's accurate ``expf``, IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3
-    nearest even). Hence, for the
-    same configuration (``split_k`` included), ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise
-    ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, ...), m_indices)`` on every real row. Different ``split_k``
-    sum in a different order: close, not bitwise (each within the tolerance below). Against the
-    float64 definition the GEMM is within the bf16 rounding (as `fp8_kernels`); the swap changes which
-    operand is A, not the arithmetic per output element, so results are close to but not bitwise those of
-    `fp8_kernels.grouped_gemm_fp8` (its promotion may contract differently).
+    nearest even). Hence, for the same configuration (``split_k`` included),
+    ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a,
+    ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not bitwise
+    (each within the tolerance below). Against the float64 definition the GEMM is within the bf16 rounding
+    (as `fp8_kernels`); the swap changes which operand is A, not the arithmetic per output element, so
+    results are close to but not bitwise those of `fp8_kernels.grouped_gemm_fp8` (its promotion may contract
+    differently).
 
     Padding rows inside a real tile are computed from whatever the pool holds (garbage or NaN spoils only
     their own columns) and never stored: every output row whose ``m_indices`` is -1 is left as it was, in
@@ -100,11 +100,11 @@ Split-K (``split_k > 1``)
     last arrival is a different split on different tiles). Tiles of padding (-1) exit before any of it.
 
     The workspace (``programs x S x [1 or 2] x BLOCK_N x BLOCK_T`` float32: 8 KiB per accumulator at 128 x 16,
-    read back once from L2, against the 170-920 KiB of weights each split streams in the default rule's split
-    grids above) comes from
-    ``torch.empty`` per call: the caching allocator's stream-ordered block (a capture's private pool in a
-    CUDA graph). The counters (int32, one per tile of the grid) must be zero before a launch, so they are
-    made zero once (``torch.zeros``) and cached (`split_counter_buffers` lists them):
+    read back once from L2, against the 170-920 KiB of weights each split streams in the default rule's
+    split grids above) comes from ``torch.empty`` per call: the caching allocator's stream-ordered block (a
+    capture's private pool in a CUDA graph). The counters (int32, one per tile of the grid) must be zero
+    before a launch, so they are made zero once (``torch.zeros``) and cached (`split_counter_buffers` lists
+    them):
 
     * an eager launch uses the buffer of the stream it is enqueued on (per device and stream, grown as
       needed): launches on one stream run one after the other, each finds the counters as the previous
@@ -112,9 +112,9 @@ Split-K (``split_k > 1``)
     * a launch being captured into a CUDA graph gets counters no other launch ever gets: a slice of the
       device's capture arena (``2**16`` counters made zero by an earlier eager launch, outside any capture
       (``torch.cuda.graph`` synchronises before it captures), and kept for the process, since graphs
-      address them; an eager launch makes a fresh arena once half of one is handed out).
-      A graph's replays on any stream thus share counters with nothing but themselves (replaying one graph
-      concurrently with itself is unsupported anyway: its intermediates are shared too). Where no arena
+      address them; an eager launch makes a fresh arena once half of one is handed out). A graph's replays
+      on any stream thus share counters with nothing but themselves (replaying one graph concurrently with
+      itself is unsupported anyway: its intermediates are shared too). Where no arena
       has room (a capture before any eager split launch on the device, or > 32 Ki counters captured since
       the last eager one) the launch takes its own ``torch.zeros`` buffer inside the capture: correct, at
       the cost of one memset node in that graph (logged once).
@@ -463,6 +463,9 @@ class _SplitCounters:
 
     #: Counters of one capture arena; a fresh arena is made when less than half of one is left.
     ARENA = 1 << 16
+    #: Slices start at multiples of 32 counters (128 bytes): the pointer keeps the 16-byte alignment the
+    #: kernel was specialised on (no new compile inside a capture), and launches do not share a line.
+    SLICE_ALIGN = 32
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -487,7 +490,8 @@ class _SplitCounters:
                 buf = self._streams[key] = torch.zeros(size, dtype=torch.int32, device=device)
             arena = self._arenas.get(str(device))
             if arena is None or arena[0].numel() - arena[1] < max(self.ARENA // 2, num):
-                made = torch.zeros(max(self.ARENA, num), dtype=torch.int32, device=device)
+                # Room for this launch's captures to come (twice it: the next eager launch keeps this one).
+                made = torch.zeros(max(self.ARENA, 2 * num), dtype=torch.int32, device=device)
                 self._kept.append(made)
                 self._arenas[str(device)] = [made, 0]
             return buf
@@ -496,7 +500,7 @@ class _SplitCounters:
         arena = self._arenas.get(str(device))
         if arena is not None and arena[0].numel() - arena[1] >= num:
             first = arena[1]
-            arena[1] += num
+            arena[1] = min(arena[0].numel(), first + _ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN)
             return arena[0][first:first + num]
         if not self._warned:
             self._warned = True
