@@ -22,6 +22,9 @@ the small and builtin outputs over real rows (the same quantised inputs; differe
 ``--decode-sweep`` times each small kernel alone for every configuration of `fp8_small.configs` (fused L1
 and L2 separately, at 1, 8, 32 and 64 tokens unless ``--tokens`` says otherwise) against its own weight-read
 time, and prints the best configuration next to `small_config`'s choice, to retune the rule from one run.
+Split-K configurations (names ending ``k2``, ``k4``; `small_config` may choose others, e.g. ``k3``) are timed
+only where they can help: the unsplit grid below the device's SM count and at least one K block per split
+(elsewhere they would only add the reduction, and their workspace grows with the grid).
 """
 
 from __future__ import annotations
@@ -175,12 +178,14 @@ def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repea
             p0 = pools[0]
             touched = statistics.mean(p.touched for p in pools)
             read_ms = (shape.l1_bytes(touched) + shape.l2_bytes(touched)) / (state["copy_gbps"] * 1e9) * 1e3
+            l1_cfg = fp8_small.small_config(p0.num_rows, 2 * shape.inter, shape.hidden, shape.num_experts,
+                                            p0.rows_per_expert, fused=True)
+            l2_cfg = fp8_small.small_config(p0.num_rows, shape.hidden, shape.inter, shape.num_experts,
+                                            p0.rows_per_expert)
             row = {"shape": name, "tokens": n, "num_rows": p0.num_rows, "touched_experts": touched,
                    "sets": len(pools), "read_us": read_ms * 1e3,
-                   "small_l1_config": fp8_small.small_config(p0.num_rows, 2 * shape.inter, shape.hidden,
-                                                             shape.num_experts, p0.rows_per_expert, fused=True).name,
-                   "small_l2_config": fp8_small.small_config(p0.num_rows, shape.hidden, shape.inter,
-                                                             shape.num_experts, p0.rows_per_expert).name}
+                   "small_l1_config": l1_cfg.name, "small_l1_split_k": l1_cfg.split_k,
+                   "small_l2_config": l2_cfg.name, "small_l2_split_k": l2_cfg.split_k}
             outs = {}
             for step, fn in steps.items():
                 try:
@@ -209,12 +214,12 @@ def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repea
 def format_decode(rows: List[Dict], state: Dict) -> str:
     nan = float("nan")
     lines = [f"decode: device copy {state['copy_gbps']:.0f} GB/s (this run); DeepGEMM: {state['deepgemm_reason']}",
-             f"{'shape':<14} {'tok':>4} {'rows':>6} {'exp':>6} {'L1 cfg':<11} {'L2 cfg':<11} {'read us':>8} "
+             f"{'shape':<14} {'tok':>4} {'rows':>6} {'exp':>6} {'L1 cfg':<14} {'L2 cfg':<14} {'read us':>8} "
              f"{'small':>7} {'builtin':>7} {'DG':>7} {'sm/read':>7} {'bi/sm':>6} {'DG/sm':>6} {'diff':>7}"]
     for r in rows:
         lines.append(
             f"{r['shape']:<14} {r['tokens']:>4} {r['num_rows']:>6} {r['touched_experts']:>6.1f} "
-            f"{r['small_l1_config']:<11} {r['small_l2_config']:<11} {r['read_us']:>8.1f} "
+            f"{r['small_l1_config']:<14} {r['small_l2_config']:<14} {r['read_us']:>8.1f} "
             f"{r.get('small_us', nan):>7.1f} {r.get('builtin_us', nan):>7.1f} {r.get('deepgemm_us', nan):>7.1f} "
             f"{r.get('small_vs_read', nan):>7.2f} {r.get('builtin_vs_small', nan):>6.2f} "
             f"{r.get('deepgemm_vs_small', nan):>6.2f} {r.get('small_vs_builtin_rel', nan):>7.1e}")
@@ -223,7 +228,8 @@ def format_decode(rows: List[Dict], state: Dict) -> str:
     lines.append("us per step (L1 + SwiGLU/quantise + L2; CUDA graph, median); read: fp8 weights of the touched "
                  "experts (mean over the sets) / copy rate; small = fp8_small (fused L1, L2), builtin = "
                  "grouped_gemm_fp8 + swiglu_quant_fp8 + grouped_gemm_fp8, DG = DeepGEMM + swiglu_quant_fp8; "
-                 "diff: ||small - builtin|| / ||builtin|| over real rows")
+                 "diff: ||small - builtin|| / ||builtin|| over real rows; cfg names: n<weight rows>t<row tile>"
+                 "w<warps>s<stages>[k<K splits>]")
     return "\n".join(lines)
 
 
@@ -231,6 +237,7 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
                budget_s: float) -> List[Dict]:
     import torch
     from ..moe import fp8_kernels, fp8_small
+    num_sms = torch.cuda.get_device_properties(state["device"]).multi_processor_count
     rows = []
     for name in shapes:
         shape = DecodeShape(name, state["device"])
@@ -255,7 +262,13 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
                                                  fused=fused)
                 row = {"shape": name, "tokens": n, "gemm": gemm, "read_us": read_us, "default": default.name,
                        "configs": {}}
-                for cfg in [default] + [c for c in fp8_small.configs(fused) if c != default]:
+
+                def useful(c, N=N, K=K, fused=fused):  # split only below the SM count, >= 1 K block per split
+                    return c.split_k == 1 or (c.split_k <= K // 128 and fp8_small.tile_programs(
+                        p0.num_rows, N, shape.num_experts, p0.rows_per_expert, c.block_n, c.block_t,
+                        fused=fused) < num_sms)
+
+                for cfg in [default] + [c for c in fp8_small.configs(fused) if c != default and useful(c)]:
                     if cfg != default and time.perf_counter() - state["started"] > budget_s:
                         row["sweep_truncated"] = True
                         break
@@ -274,24 +287,25 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
                 _progress(f"sweep {name} {n} tokens {gemm}: best {row.get('best')} {row.get('best_us', 0):.1f} us, "
                           f"default {default.name} {row.get('default_us') or float('nan'):.1f} us, read {read_us:.1f} us")
             del pools, acts
-        del shape
+        shape = None  # its weights freed before empty_cache (not del: the kernels' lambdas close over it)
         torch.cuda.empty_cache()
     return rows
 
 
 def format_sweep(rows: List[Dict]) -> str:
     nan = float("nan")
-    lines = [f"{'shape':<14} {'tok':>4} {'gemm':<4} {'read us':>8} {'default':<12} {'dflt us':>8} {'best':<12} "
+    lines = [f"{'shape':<14} {'tok':>4} {'gemm':<4} {'read us':>8} {'default':<17} {'dflt us':>8} {'best':<17} "
              f"{'best us':>8} {'best/read':>9} {'dflt/best':>9}  runner-up configs"]
     for r in rows:
         timed = sorted((v, k) for k, v in r["configs"].items() if isinstance(v, float))
         runners = ", ".join(f"{k} {v:.1f}" for v, k in timed[1:4])
         dflt = r.get("default_us") or nan
-        lines.append(f"{r['shape']:<14} {r['tokens']:>4} {r['gemm']:<4} {r['read_us']:>8.1f} {r['default']:<12} "
-                     f"{dflt:>8.1f} {r.get('best', '-'):<12} {r.get('best_us', nan):>8.1f} "
+        lines.append(f"{r['shape']:<14} {r['tokens']:>4} {r['gemm']:<4} {r['read_us']:>8.1f} {r['default']:<17} "
+                     f"{dflt:>8.1f} {r.get('best', '-'):<17} {r.get('best_us', nan):>8.1f} "
                      f"{r.get('best_vs_read', nan):>9.2f} {dflt / r.get('best_us', nan):>9.2f}  {runners}")
     lines.append("us per kernel (CUDA graph, median); read: that GEMM's fp8 weights of the touched experts / copy rate; "
-                 "L1 = fused L1 + SwiGLU + quantise, L2 = the small GEMM")
+                 "L1 = fused L1 + SwiGLU + quantise, L2 = the small GEMM; k<S>: split-K in S (only where the unsplit "
+                 "grid is below the SM count)")
     return "\n".join(lines)
 
 

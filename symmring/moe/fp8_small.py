@@ -25,7 +25,8 @@ Which tiles run
     can hold rows: the grid covers those alone (``cdiv(M, 128)`` blocks of them). A tile reads the group of
     its first row and exits at once when it is padding (-1): the empty blocks at the end of a window's pool
     cost one 4-byte load per program. ``BLOCK_T`` divides 128, so a tile never spans two groups.
-    ``rows_per_group=None`` visits every tile (any contiguous layout).
+    ``rows_per_group=None`` visits every tile (any contiguous layout). With ``split_k = S > 1`` the grid has a
+    second dimension of S programs per output tile, each over its own range of K blocks (below).
 
 Numerics (bitwise contracts)
     Per K block of 128 the MMA forms the 128 fp8 products' sum (Hopper's reduced-precision fp8
@@ -34,15 +35,22 @@ Numerics (bitwise contracts)
     rounded to float32 first), K blocks in increasing order, and FMA contraction is otherwise off (every
     other float32 step is its own rounding). So a row's result depends only on its own activations, its
     group's weights and the configuration: never on where the row sits in the pool nor on the other rows
-    (each output column of the swapped MMA is one row's dot products). The fused kernel runs the same K loop
-    for gate and up, rounds both to bf16 (the rounding the unfused path's ``h`` goes through), then evaluates
-    SwiGLU and the quantisation exactly as `fp8_kernels.swiglu_quant_fp8` does (CUDA's accurate ``expf``,
-    IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3 nearest even). Hence, for the
-    same configuration, ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise
-    ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, ...), m_indices)`` on every real row. Against the
-    float64 definition the GEMM is within the bf16 rounding (as `fp8_kernels`); the swap changes which
-    operand is A, not the arithmetic per output element, so results are close to but not bitwise those of
-    `fp8_kernels.grouped_gemm_fp8` (its promotion may contract differently).
+    (each output column of the swapped MMA is one row's dot products). With ``split_k = S > 1`` the K blocks
+    ``0 .. K / 128 - 1`` are cut into S contiguous ranges fixed by ``(K, S)`` alone (split ``s`` takes
+    ``q + (s < r)`` blocks from ``s * q + min(s, r)``, with ``q, r = divmod(K / 128, S)``); each split's
+    accumulator starts at 0 and runs the same promotion over its own blocks in increasing order, giving the
+    float32 partial ``p_s``; the result is ``((p_0 + p_1) + p_2) + ... + p_{S-1}``, float32 additions in split
+    order (see "Split-K" for how). S = 1 is the plain loop above. The fused kernel runs the same K loop
+    (and, split, the same reduction) for gate and up, rounds both to bf16 (the rounding the unfused path's
+    ``h`` goes through), then evaluates SwiGLU and the quantisation exactly as `fp8_kernels.swiglu_quant_fp8`
+    does (CUDA's accurate ``expf``, IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3
+    nearest even). Hence, for the same configuration (``split_k`` included),
+    ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a,
+    ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not bitwise
+    (each within the tolerance below). Against the float64 definition the GEMM is within the bf16 rounding
+    (as `fp8_kernels`); the swap changes which operand is A, not the arithmetic per output element, so
+    results are close to but not bitwise those of `fp8_kernels.grouped_gemm_fp8` (its promotion may contract
+    differently).
 
     Padding rows inside a real tile are computed from whatever the pool holds (garbage or NaN spoils only
     their own columns) and never stored: every output row whose ``m_indices`` is -1 is left as it was, in
@@ -52,22 +60,68 @@ Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` 
     * ``BLOCK_T``: the smallest of 16, 32, 64 that holds ``rows_per_group`` (one row tile per group; the
       MMA's N side costs nothing in a weight-bound GEMM, a second row tile would read the weights again).
     * ``BLOCK_N``: 128, unless the 128-wide grid has fewer programs than SMs; then 64 (twice the programs,
-      each half the weight rows). The programs that can work are ``min(G, cdiv(M, 128))`` groups times the
-      row tiles per block times the N tiles: Mixtral-like L2 at 1 token is 2 groups x 32 tiles of 128 = 64
-      programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one 128-row scale block has
-      one weight scale per K block (a scalar per program). The fused L1 keeps 128 (one scale group per
-      program): its grids are 2 x 112 (Mixtral-like, 1 token), 8 x 16 (DeepSeek-V3-like) and 8 x 6 = 48
-      (Qwen3-like, whose 512 KiB of weights per program are small anyway).
+      each half the weight rows). The programs that can work (`tile_programs`) are ``min(G, cdiv(M, 128))``
+      groups times the row tiles per block times the N tiles: Mixtral-like L2 at 1 token is 2 groups x 32
+      tiles of 128 = 64 programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one
+      128-row scale block has one weight scale per K block (a scalar per program). The fused L1 keeps 128
+      (one scale group per program).
+    * ``split_k``: 1 when those programs reach the SM count; else the fewest splits that give every SM a
+      program, ``ceil(num_sms / programs)``, but at most ``(K / 128) // 4``: every split keeps at least
+      `MIN_SPLIT_K_BLOCKS` = 4 K blocks, one fill of the 4-stage pipeline, so that a split still streams
+      rather than paying its pipeline's fill, the partial's store and the reduction for a few blocks. Why:
+      at decode a program's weight stream is bound by the bytes it keeps in flight, not by HBM, and a grid
+      below the SM count leaves SMs idle and every busy SM with a single stream (the H200's measurements:
+      the fused L1 of 48 or 128 programs and the L2 of 128 took well above their weight-read time). Split,
+      the grid has ``programs * S < programs + num_sms <= 2 * num_sms`` programs: every SM gets one or two.
+      Resulting grids (132 SMs): Qwen3-like fused L1 (K 2048, I 768) at 1 token 8 groups x 6 tiles x 3
+      splits = 144 programs, at 2 tokens 16 x 6 x 2 = 192; DeepSeek-V3-like fused L1 (K 7168, I 2048) at 1
+      token 8 x 16 x 2 = 256; Mixtral-like L2 (K 14336) at 1 token 2 x 64 (64 wide) x 2 = 256; every other
+      shape of the three at 1-64 tokens has >= 132 programs unsplit (Qwen3-like L2's K 768 would allow no
+      split anyway).
     * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
       bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
       with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
-      descriptor does not fit).
+      descriptor does not fit). A split fused L1 takes 3 stages (102 KiB of tiles at ``BLOCK_T`` 16, 108 at
+      32; the sm_90 compile adds a few hundred bytes) so that two of its programs fit one SM's 228 KiB and
+      its < 2 x num_sms programs are resident at once; at 4 stages (136 KiB) only one fits and the programs
+      past the SM count would run as a second wave. (At ``BLOCK_T`` 64 one fits either way; the rule
+      splits only small grids, whose groups hold few rows.)
 
-    Split-K was considered for the grids that stay below the SM count (Mixtral-like L2 at 64 wide still
-    leaves 4 SMs idle; Qwen3-like L1 runs 48 programs): it is not done. A deterministic split needs an
-    fp32 workspace and a fixed-order reduction (a second launch, or a last-arrival counter), and it would
-    change the fused kernel's SwiGLU input, which then must follow the reduction; the sweep's figures
-    decide whether it is worth that.
+Split-K (``split_k > 1``)
+    Deterministic, in one launch, with a last-arrival reduction: each of a tile's S programs stores its
+    float32 partial accumulator(s) (gate and up for the fused L1) to a workspace, ``[tile][split][gate, up]
+    [BLOCK_N][BLOCK_T]``, then (after a CTA barrier, so every thread's stores come before the release) adds 1
+    to the tile's counter (``atomic_add``, acq_rel, gpu scope). The program that reads ``S - 1`` is the last:
+    it sets the counter back to 0 (zero again for the next launch and every graph replay, so no memset per
+    call), reads the S partials in split order with L2 loads (``.cg``: never a stale L1 line) and adds them
+    as above, then runs the epilogue (bf16 store, or SwiGLU + quantisation). Data moves by plain stores and
+    loads only; the one atomic is the counter, so the result does not depend on which split arrives last
+    (the grid's split index is rotated by the tile, so under the interpreter's in-order programs too the
+    last arrival is a different split on different tiles). Tiles of padding (-1) exit before any of it.
+
+    The workspace (``programs x S x [1 or 2] x BLOCK_N x BLOCK_T`` float32: 8 KiB per accumulator at 128 x 16,
+    read back once from L2, against the 170-920 KiB of weights each split streams in the default rule's
+    split grids above) comes from ``torch.empty`` per call: the caching allocator's stream-ordered block (a
+    capture's private pool in a CUDA graph). The counters (int32, one per tile of the grid) must be zero
+    before a launch, so they are made zero once (``torch.zeros``) and cached (`split_counter_buffers` lists
+    them):
+
+    * an eager launch uses the buffer of the stream it is enqueued on (per device and stream, grown as
+      needed): launches on one stream run one after the other, each finds the counters as the previous
+      left them, zero; launches on different streams, which may overlap, never share a buffer;
+    * a launch being captured into a CUDA graph gets counters no other launch ever gets: a slice of the
+      device's capture arena (``2**16`` counters made zero by an earlier eager launch, outside any capture
+      (``torch.cuda.graph`` synchronises before it captures), and kept for the process, since graphs
+      address them; an eager launch makes a fresh arena once half of one is handed out). A graph's replays
+      on any stream thus share counters with nothing but themselves (replaying one graph concurrently with
+      itself is unsupported anyway: its intermediates are shared too). Where no arena
+      has room (a capture before any eager split launch on the device, or > 32 Ki counters captured since
+      the last eager one) the launch takes its own ``torch.zeros`` buffer inside the capture: correct, at
+      the cost of one memset node in that graph (logged once).
+
+    ``split_k`` larger than the K blocks is a `ConfigError` (a split of no blocks would only add zeros);
+    the default rule never asks for it. ``split_k = 1`` launches the kernel exactly as before split-K
+    existed: no workspace, no counters, a one-dimensional grid, the same bits.
 
 DeepGEMM's small-batch kernel wants the masked layout (``[G, max_rows, K]`` per expert), not the contiguous
 pool the layer's dispatch writes, so the layer's fp8 engines use these kernels for tiny groups whatever
@@ -78,17 +132,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, List, Optional
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from . import fp8_kernels
 from .fp8_kernels import ALIGN_M, BLOCK_K, _ceil_div, _tma_ok, check_gemm_args, interpreting
+
+logger = logging.getLogger(__name__)
 
 #: Row tiles (the MMA's N side) and weight tiles (its M side) the kernels take.
 BLOCK_T_CHOICES = (16, 32, 64)
 BLOCK_N_CHOICES = (64, 128)
 #: SMs of an H200/H100 SXM: the default rule's "does the grid fill the machine" test.
 _NUM_SMS_HOPPER = 132
+#: The fewest K blocks per split the default rule leaves (one fill of its 4-stage pipeline).
+MIN_SPLIT_K_BLOCKS = 4
+#: Split counts ``bench gemm --decode-sweep`` times besides 1 (`configs`).
+SWEEP_SPLIT_K = (2, 4)
 
 # Set by _jit() on first use (the kernel resolves ``tl`` and fp8_kernels' jitted ``swiglu_quant_rows``
 # from this module's globals).
@@ -106,12 +168,20 @@ class SmallConfig:
         num_warps: 4 (one warpgroup) or 8.
         num_stages: K blocks in flight.
         tma: TMA loads of weights and activations; False: pointer loads (cp.async).
+        split_k: programs per output tile, each over a contiguous range of the K blocks, reduced in split
+            order by the last to finish (module notes, "Split-K"); 1: no split. At most the K blocks of the
+            call (`ConfigError` there otherwise).
+
+    Example:
+        >>> SmallConfig(128, 16).name, SmallConfig(64, 16, split_k=2).name, SmallConfig(64, 32, tma=False).name
+        ('n128t16w4s4', 'n64t16w4s4k2', 'n64t32w4s4-ptr')
     """
     block_n: int = 128
     block_t: int = 16
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = True
+    split_k: int = 1
 
     def __post_init__(self):
         if self.block_n not in BLOCK_N_CHOICES:
@@ -122,10 +192,13 @@ class SmallConfig:
             raise ConfigError(f"num_warps={self.num_warps}: expected 4 or 8")
         if not 1 <= self.num_stages <= 8:
             raise ConfigError(f"num_stages={self.num_stages}: expected 1..8")
+        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ConfigError(f"split_k={self.split_k!r}: expected a positive int (1: no split)")
 
     @property
     def name(self) -> str:
-        return f"n{self.block_n}t{self.block_t}w{self.num_warps}s{self.num_stages}{'' if self.tma else '-ptr'}"
+        split = f"k{self.split_k}" if self.split_k > 1 else ""
+        return f"n{self.block_n}t{self.block_t}w{self.num_warps}s{self.num_stages}{split}{'' if self.tma else '-ptr'}"
 
     def smem_bytes(self, fused: bool = False) -> int:
         """Shared memory of the operand pipeline (fp8 tiles)."""
@@ -144,6 +217,24 @@ def block_t_for(rows_per_group: Optional[int]) -> int:
     return next((t for t in BLOCK_T_CHOICES if t >= rows_per_group), BLOCK_T_CHOICES[-1])
 
 
+def tile_programs(M: int, N: int, G: int, rows_per_group: Optional[int], block_n: int, block_t: int, *,
+                  fused: bool = False) -> int:
+    """Output tiles that can hold rows: ``min(G, cdiv(M, 128))`` groups x row tiles per 128-row block x N
+    tiles (the programs of one K split; `small_config`'s measure of whether the grid fills the machine).
+
+    Args:
+        M, N, G, rows_per_group, fused: as `small_config` (N is ``2 * I`` for the fused L1).
+        block_n, block_t: the tile.
+
+    Example:
+        >>> tile_programs(256, 4096, 8, 1, 128, 16), tile_programs(1024, 1536, 128, 1, 128, 16, fused=True)
+        (64, 48)
+    """
+    groups = min(G, _ceil_div(M, ALIGN_M))
+    tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
+    return groups * tiles_per_block * _ceil_div(N // 2 if fused else N, block_n)
+
+
 def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], *, fused: bool = False,
                  num_sms: int = _NUM_SMS_HOPPER) -> SmallConfig:
     """The configuration the small kernels use when none is given (the rule of the module notes).
@@ -155,27 +246,45 @@ def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], 
         num_sms: SMs of the device.
 
     Example:
-        >>> small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 7168, 2048, 256, 1).name
-        ('n64t16w4s4', 'n128t16w4s4')
-        >>> small_config(256, 28672, 4096, 8, 1, fused=True).name
-        'n128t16w4s4'
+        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs, split in 2) and at 4 tokens; DeepSeek-V3-like
+        L2 at 1 token (448 programs):
+
+        >>> [small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 4096, 14336, 8, 4).name,
+        ...  small_config(1024, 7168, 2048, 256, 1).name]
+        ['n64t16w4s4k2', 'n128t16w4s4', 'n128t16w4s4']
+
+        The fused L1: Qwen3-like at 1 and 2 tokens (48 and 96 programs), DeepSeek-V3-like at 1 token (128),
+        Mixtral-like at 1 token (224: no split):
+
+        >>> [small_config(m, 1536, 2048, 128, t, fused=True).name for m, t in ((1024, 1), (2048, 2))]
+        ['n128t16w4s3k3', 'n128t16w4s3k2']
+        >>> [small_config(m, n, k, g, 1, fused=True).name for m, n, k, g in ((1024, 4096, 7168, 256),
+        ...                                                                 (256, 28672, 4096, 8))]
+        ['n128t16w4s3k2', 'n128t16w4s4']
     """
     block_t = block_t_for(rows_per_group)
     block_n = 128
-    if not fused:
-        groups = min(G, _ceil_div(M, ALIGN_M))
-        tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
-        if groups * tiles_per_block * _ceil_div(N, 128) < num_sms:
-            block_n = 64
-    return SmallConfig(block_n=block_n, block_t=block_t)
+    if not fused and tile_programs(M, N, G, rows_per_group, 128, block_t) < num_sms:
+        block_n = 64
+    programs = tile_programs(M, N, G, rows_per_group, block_n, block_t, fused=fused)
+    split_k = 1
+    if 0 < programs < num_sms:
+        split_k = max(1, min(_ceil_div(num_sms, programs), (K // BLOCK_K) // MIN_SPLIT_K_BLOCKS))
+    # Split, the fused L1 stages 3 K blocks: two of its programs per SM (module notes).
+    num_stages = 3 if fused and split_k > 1 else 4
+    return SmallConfig(block_n=block_n, block_t=block_t, num_stages=num_stages, split_k=split_k)
 
 
 def configs(fused: bool = False) -> List[SmallConfig]:
-    """The configurations ``bench gemm --decode-sweep`` times (every row tile, 4 or 8 warps, 3-6 stages).
+    """The configurations ``bench gemm --decode-sweep`` times: every row tile, 4 or 8 warps, 3-6 stages, and
+    with 4 warps and 3 or 4 stages also split in `SWEEP_SPLIT_K` (the sweep times a split one only where the
+    unsplit grid is below the SM count and the K blocks allow it).
 
     Example:
         >>> all(c.smem_bytes(True) <= 227 * 1024 for c in configs(fused=True))
         True
+        >>> len(configs()), len(configs(fused=True)), sorted({c.split_k for c in configs()})
+        (60, 24, [1, 2, 4])
     """
     out = []
     for block_n in ((128,) if fused else BLOCK_N_CHOICES):
@@ -185,22 +294,30 @@ def configs(fused: bool = False) -> List[SmallConfig]:
                     cfg = SmallConfig(block_n, block_t, num_warps, num_stages)
                     if cfg.smem_bytes(fused) <= 200 * 1024:
                         out.append(cfg)
+            for split_k in SWEEP_SPLIT_K:
+                for num_stages in (3, 4):
+                    cfg = SmallConfig(block_n, block_t, 4, num_stages, split_k=split_k)
+                    if cfg.smem_bytes(fused) <= 200 * 1024:
+                        out.append(cfg)
     return out
 
 
 # --- the kernel (a plain function; _jit() wraps it in triton.jit on first use) ----------------------------
 
 def _small_gemm_fp8_kernel(
-        a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, m_indices_ptr, out_ptr, q_sf_ptr,
+        a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, m_indices_ptr, out_ptr, q_sf_ptr, partial_ptr, counter_ptr,
         M, N_OUT, NB, K, tiles_per_block,
         stride_am, stride_asm, stride_ask,
         stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
         stride_om, stride_sfm, stride_sfk,
         BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOAD: tl.constexpr,
-        SWIGLU: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+        SWIGLU: tl.constexpr, ACCURATE_EXP: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # SWIGLU: b is w13 [G, NB = 2 * N_OUT, K]; out is q (fp8 [M, N_OUT]) and q_sf its scales.
     # Else: b is [G, NB = N_OUT, K] and out bf16 [M, N_OUT].
+    # SPLIT_K > 1: the grid's second axis holds the tile's splits; partial_ptr is the float32 workspace
+    # [tiles][SPLIT_K][1 + SWIGLU][BLOCK_N][BLOCK_T], counter_ptr int32 [tiles], zero at launch and left zero.
+    # SPLIT_K == 1: neither is touched.
     BLOCK_KK: tl.constexpr = 128
     tl.assume(M > 0)
     tl.assume(N_OUT > 0)
@@ -252,7 +369,19 @@ def _small_gemm_fp8_kernel(
     if SWIGLU:
         acc_u = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     k_tiles = K // BLOCK_KK
-    for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+    if SPLIT_K == 1:
+        kt_begin = 0
+        kt_end = k_tiles
+    else:
+        # Split s: q + (s < r) blocks from s * q + min(s, r), q, r = divmod(k_tiles, SPLIT_K): fixed by (K, S).
+        # The grid index is rotated by the tile, so that even the interpreter's in-order programs have a
+        # different split arrive last on different tiles (the reduction must not depend on which).
+        split = (tl.program_id(1) + pid) % SPLIT_K
+        per_split = k_tiles // SPLIT_K
+        extra = k_tiles % SPLIT_K
+        kt_begin = split * per_split + tl.minimum(split, extra)
+        kt_end = kt_begin + per_split + (split < extra).to(tl.int32)
+    for kt in tl.range(kt_begin, kt_end, num_stages=NUM_STAGES):
         off_k = kt * BLOCK_KK
         if TMA_LOAD:
             a = a_desc.load([off_t, off_k])
@@ -271,6 +400,31 @@ def _small_gemm_fp8_kernel(
                 w_u = tl.load(b_ptrs + N_OUT * stride_bn + off_k, mask=n_ok[:, None], other=0.0)
             s_u = tl.broadcast_to((a_s * tl.load(b_sf_u + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
             acc_u = tl.fma(tl.dot(w_u, a.T), s_u, acc_u)
+
+    if SPLIT_K > 1:
+        # Last arrival: store this split's partial(s); the tile's last program to count in reduces them all.
+        TILE: tl.constexpr = BLOCK_N * BLOCK_T
+        SPLIT_STRIDE: tl.constexpr = (1 + SWIGLU) * TILE  # [gate, up] per split when fused
+        offs_p = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        tile_p = partial_ptr + pid.to(tl.int64) * (SPLIT_K * SPLIT_STRIDE) + offs_p
+        tl.store(tile_p + split * SPLIT_STRIDE, acc)
+        if SWIGLU:
+            tl.store(tile_p + split * SPLIT_STRIDE + TILE, acc_u)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        # release: pairs with the acquire of the last arrival; acquire: pairs with every other split's release
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived != SPLIT_K - 1:
+            return
+        tl.store(counter_ptr + pid, 0)  # zero again for the next launch (kernel order) or graph replay
+        tl.debug_barrier()  # the acquire (one thread's) before any thread's loads
+        # Fixed order ((p0 + p1) + p2) + ...; .cg: from L2, never a stale L1 line.
+        acc = tl.load(tile_p, cache_modifier=".cg")
+        for s_idx in tl.static_range(1, SPLIT_K):
+            acc = acc + tl.load(tile_p + s_idx * SPLIT_STRIDE, cache_modifier=".cg")
+        if SWIGLU:
+            acc_u = tl.load(tile_p + TILE, cache_modifier=".cg")
+            for s_idx in tl.static_range(1, SPLIT_K):
+                acc_u = acc_u + tl.load(tile_p + s_idx * SPLIT_STRIDE + TILE, cache_modifier=".cg")
 
     # Only real rows are stored (padding rows of the tile are computed but never written).
     row_ok = t_ok & (tl.load(m_indices_ptr + offs_t, mask=t_ok, other=-1) >= 0)
@@ -302,6 +456,79 @@ def _jit():
     return torch, kernel, tensor_descriptor
 
 
+class _SplitCounters:
+    """The split-K launches' arrival counters (int32, one per output tile; zero between launches): per device
+    and stream for eager launches, slices of a capture arena handed out once for captured ones (module
+    notes, "Split-K")."""
+
+    #: Counters of one capture arena; a fresh arena is made when less than half of one is left.
+    ARENA = 1 << 16
+    #: Slices start at multiples of 32 counters (128 bytes): the pointer keeps the 16-byte alignment the
+    #: kernel was specialised on (no new compile inside a capture), and launches do not share a line.
+    SLICE_ALIGN = 32
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._streams: Dict[Tuple[str, int], Any] = {}  # (device, stream handle) -> int32 zeros
+        self._arenas: Dict[str, List] = {}  # device -> [int32 zeros, first counter not handed out]
+        self._kept: List[Any] = []  # every arena made: graphs captured with its slices address them
+        self._warned = False
+
+    def get(self, torch, device, num: int):
+        """``num`` zero counters for a launch on ``device``'s current stream (or into its capture)."""
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        with self._lock:
+            if capturing:
+                return self._for_capture(torch, device, num)
+            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+            key = (str(device), stream)
+            buf = self._streams.get(key)
+            if buf is None or buf.numel() < num:
+                # The one before (if any) is freed to the allocator: only this stream's launches used it and
+                # they are ordered before any later use of its memory on this stream.
+                size = max(num, 2 * buf.numel() if buf is not None else 0, 1024)
+                buf = self._streams[key] = torch.zeros(size, dtype=torch.int32, device=device)
+            arena = self._arenas.get(str(device))
+            if arena is None or arena[0].numel() - arena[1] < max(self.ARENA // 2, num):
+                # Room for this launch's captures to come (twice it: the next eager launch keeps this one).
+                made = torch.zeros(max(self.ARENA, 2 * num), dtype=torch.int32, device=device)
+                self._kept.append(made)
+                self._arenas[str(device)] = [made, 0]
+            return buf
+
+    def _for_capture(self, torch, device, num: int):
+        arena = self._arenas.get(str(device))
+        if arena is not None and arena[0].numel() - arena[1] >= num:
+            first = arena[1]
+            arena[1] = min(arena[0].numel(), first + _ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN)
+            return arena[0][first:first + num]
+        if not self._warned:
+            self._warned = True
+            logger.info("fp8_small: a split-K launch captured with no zeroed counters left (no eager split "
+                        "launch on %s since the arena filled): its graph zeroes its own (one memset per replay)",
+                        device)
+        return torch.zeros(num, dtype=torch.int32, device=device)
+
+    def buffers(self) -> List[Any]:
+        with self._lock:
+            return list(self._streams.values()) + list(self._kept)
+
+
+_split_counters = _SplitCounters()
+
+
+def split_counter_buffers() -> List[Any]:
+    """Every counter tensor the split-K launches use (eager launches' per-stream buffers and the capture
+    arenas): all zero whenever no split launch is running (tests check it).
+
+    Example:
+        >>> buffers = split_counter_buffers()  # doctest: +SKIP
+        >>> all(not bool(b.any()) for b in buffers)  # doctest: +SKIP
+        True
+    """
+    return _split_counters.buffers()
+
+
 def _check_rows_per_group(rows_per_group) -> Optional[int]:
     if rows_per_group is None:
         return None
@@ -322,15 +549,24 @@ def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_
     if tma_load:
         a_desc = tensor_descriptor(a, [M, K], [a.stride(0), 1], [config.block_t, BLOCK_K])
         b_desc = tensor_descriptor(b, [G * NB, K], [b.stride(1), 1], [config.block_n, BLOCK_K])
-    grid = (_ceil_div(M, ALIGN_M) * tiles_per_block * _ceil_div(n_out, config.block_n),)
+    tiles = _ceil_div(M, ALIGN_M) * tiles_per_block * _ceil_div(n_out, config.block_n)
+    if config.split_k == 1:
+        grid, partial, counters = (tiles,), a_sf, m_indices  # the kernel touches neither (SPLIT_K=1)
+    else:
+        grid = (tiles, config.split_k)
+        # Stream-ordered (the current stream's, or the capture's pool): freed when this returns, reused
+        # only by later work of the same stream.
+        partial = torch.empty(tiles * config.split_k * (2 if swiglu else 1) * config.block_n * config.block_t,
+                              dtype=torch.float32, device=a.device)
+        counters = _split_counters.get(torch, a.device, tiles)
     kernel[grid](
-        a, a_desc, a_sf, b, b_desc, b_sf, m_indices, out, q_sf if q_sf is not None else a_sf,
+        a, a_desc, a_sf, b, b_desc, b_sf, m_indices, out, q_sf if q_sf is not None else a_sf, partial, counters,
         M, n_out, NB, K, tiles_per_block,
         a.stride(0), a_sf.stride(0), a_sf.stride(1),
         b.stride(0), b.stride(1), b_sf.stride(0), b_sf.stride(1), b_sf.stride(2),
         out.stride(0), q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         BLOCK_N=config.block_n, BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, TMA_LOAD=tma_load,
-        SWIGLU=swiglu, ACCURATE_EXP=not interpreting(),
+        SWIGLU=swiglu, ACCURATE_EXP=not interpreting(), SPLIT_K=config.split_k,
         # No FMA contraction: the promotion's fma is explicit, every other step its own rounding, so the
         # fused and the unfused kernels do the same arithmetic (and swiglu_quant_fp8's).
         enable_fp_fusion=False, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -344,6 +580,9 @@ def _resolve_config(config, M, N, K, G, rows_per_group, fused) -> SmallConfig:
     if fused and config.block_n != 128:
         raise ConfigError(f"config.block_n={config.block_n}: the fused L1 needs 128 (one program per "
                           f"128-channel scale group)")
+    if config.split_k > K // BLOCK_K:
+        raise ConfigError(f"config.split_k={config.split_k}: more splits than K blocks (K={K}: {K // BLOCK_K} "
+                          f"blocks of {BLOCK_K}); every split needs at least one")
     return config
 
 
@@ -360,7 +599,8 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
         out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
         rows_per_group: a bound on any group's rows (None: every row tile is visited). A group with more
             rows than the bound has rows past it left unwritten: the bound must hold.
-        config: a `SmallConfig`; `small_config` when None.
+        config: a `SmallConfig`; `small_config` when None. Its ``split_k`` (at most ``K / 128``) splits K
+            over that many programs per tile, reduced in a fixed order (module notes).
 
     Returns:
         ``out`` (rows with ``m_indices == -1`` as they were).

@@ -1,0 +1,127 @@
+"""`symmring.moe.fp8_small`'s default configuration rule on the CPU (no torch, no triton): where it splits K
+and where it does not, for the decode shapes of `symmring.bench.moe.SHAPES` at 1-64 tokens, with the pool
+bound the layer's plan gives (``entries + min(E, entries) * 127`` rows); the sweep's configurations; the
+split in the names the decode benchmark prints. The kernels themselves: tests/gpu/test_fp8_small.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from symmring.bench import gemm_decode
+from symmring.bench.moe import SHAPES
+from symmring.moe import fp8_small
+from symmring.moe.fp8_small import MIN_SPLIT_K_BLOCKS, SmallConfig, small_config, tile_programs
+
+NUM_SMS = 132
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _decode_gemms(name, tokens):
+    """(what, M, N, K, G, rows_per_group, fused) of the fused L1 and the L2 at ``tokens`` tokens."""
+    hidden, inter, experts, topk = SHAPES[name]
+    entries = tokens * topk
+    M = entries + min(experts, entries) * 127
+    return [("L1", M, 2 * inter, hidden, experts, tokens, True), ("L2", M, hidden, inter, experts, tokens, False)]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_split_rule_fills_the_machine(name, tokens):
+    for what, M, N, K, G, rows, fused in _decode_gemms(name, tokens):
+        cfg = small_config(M, N, K, G, rows, fused=fused, num_sms=NUM_SMS)
+        programs = tile_programs(M, N, G, rows, cfg.block_n, cfg.block_t, fused=fused)
+        label = f"{name} {tokens} tokens {what}: {cfg.name}, {programs} programs unsplit"
+        k_blocks = K // 128
+        if programs >= NUM_SMS or k_blocks < 2 * MIN_SPLIT_K_BLOCKS:
+            assert cfg.split_k == 1, label
+        else:
+            assert cfg.split_k > 1, label
+            assert k_blocks // cfg.split_k >= MIN_SPLIT_K_BLOCKS, f"{label}: a split under {MIN_SPLIT_K_BLOCKS} blocks"
+            total = programs * cfg.split_k
+            capped = cfg.split_k == k_blocks // MIN_SPLIT_K_BLOCKS
+            assert total >= NUM_SMS or capped, f"{label}: {total} programs, below the SM count"
+            assert total < programs + NUM_SMS, f"{label}: more splits than needed to reach the SM count"
+        if fused:
+            assert cfg.block_n == 128 and cfg.num_stages == (3 if cfg.split_k > 1 else 4), label
+            assert 2 * (cfg.smem_bytes(True) + 1024) <= 228 * 1024 or cfg.split_k == 1, f"{label}: two per SM"
+
+
+def test_split_rule_on_the_measured_shapes():
+    """The three grids the H200 found below the SM count, and what the rule makes of them (module notes)."""
+    got = {}
+    for name, gemm in (("qwen3-30b-a3b", "L1"), ("deepseek-v3", "L1"), ("mixtral", "L2")):
+        for tokens in (1, 2, 4):
+            what, M, N, K, G, rows, fused = next(g for g in _decode_gemms(name, tokens) if g[0] == gemm)
+            cfg = small_config(M, N, K, G, rows, fused=fused)
+            got[name, tokens] = (cfg.name, tile_programs(M, N, G, rows, cfg.block_n, cfg.block_t, fused=fused)
+                                 * cfg.split_k)
+    assert got == {
+        ("qwen3-30b-a3b", 1): ("n128t16w4s3k3", 144), ("qwen3-30b-a3b", 2): ("n128t16w4s3k2", 192),
+        ("qwen3-30b-a3b", 4): ("n128t16w4s4", 192),
+        ("deepseek-v3", 1): ("n128t16w4s3k2", 256), ("deepseek-v3", 2): ("n128t16w4s4", 256),
+        ("deepseek-v3", 4): ("n128t16w4s4", 512),
+        ("mixtral", 1): ("n64t16w4s4k2", 256), ("mixtral", 2): ("n64t16w4s4", 256),
+        ("mixtral", 4): ("n128t16w4s4", 256),
+    }
+
+
+def test_split_rule_edges():
+    # No rows: no programs, no split; few K blocks: no split however small the grid.
+    assert small_config(0, 4096, 14336, 8, 1).split_k == 1
+    assert small_config(128, 256, 7 * 128, 1, 1).split_k == 1  # 7 blocks: a split would leave 3
+    assert small_config(128, 256, 8 * 128, 1, 1).name == "n64t16w4s4k2"  # 4 programs, 8 blocks: capped at 2
+    assert small_config(128, 256, 1024 * 128, 1, 1, num_sms=132).split_k == 33  # 4 programs: ceil(132 / 4)
+    assert small_config(128, 256, 1024 * 128, 1, 1, num_sms=4).split_k == 1
+
+
+def test_sweep_configs_and_names():
+    for fused in (False, True):
+        names = [c.name for c in fp8_small.configs(fused)]
+        assert len(names) == len(set(names)), f"fused={fused}: two sweep configurations share a name"
+    splits = [c for c in fp8_small.configs() if c.split_k > 1]
+    assert {(c.num_warps, c.num_stages, c.split_k) for c in splits} == {(4, s, k) for s in (3, 4) for k in (2, 4)}
+    assert all(c.name.endswith(f"k{c.split_k}") for c in splits)
+    assert all(c.smem_bytes(True) <= 200 * 1024 for c in fp8_small.configs(fused=True))
+    assert SmallConfig(128, 64, 8, 6, tma=False, split_k=4).name == "n128t64w8s6k4-ptr"
+
+
+def test_decode_tables_show_the_split():
+    row = {"shape": "qwen3-30b-a3b", "tokens": 1, "num_rows": 1024, "touched_experts": 8.0, "sets": 2,
+           "read_us": 8.9, "small_l1_config": "n128t16w4s3k3", "small_l2_config": "n64t16w4s4", "small_us": 10.0}
+    header, line = gemm_decode.format_decode([row], {"copy_gbps": 4200.0, "deepgemm_reason": "-"}).splitlines()[1:3]
+    assert line.split()[4:6] == ["n128t16w4s3k3", "n64t16w4s4"]
+    assert header.index("L2 cfg") == line.index("n64t16w4s4")  # the column holds the longer names
+    sweep = {"shape": "mixtral", "tokens": 1, "gemm": "L2", "read_us": 28.0, "default": "n64t16w4s4k2",
+             "configs": {"n64t16w4s4k2": 30.0, "n128t64w8s6k4-ptr": 40.0}, "best": "n64t16w4s4k2", "best_us": 30.0,
+             "default_us": 30.0, "best_vs_read": 30 / 28}
+    header, line = gemm_decode.format_sweep([sweep]).splitlines()[:2]
+    assert line.split()[4] == "n64t16w4s4k2" and header.index("dflt us") > line.index("n64t16w4s4k2")
+
+
+def test_split_counters_cache():
+    """The counter cache's bookkeeping (CPU tensors): eager launches get their stream's buffer, grown as
+    needed and zero at creation; captured launches get disjoint, 128-byte aligned slices of the arena an
+    eager launch stocked, never handed out twice; with no room, a fresh zeroed buffer; the next eager launch
+    restocks. (The kernel keeping them zero: tests/gpu/test_fp8_small.py.)"""
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    cache = fp8_small._SplitCounters()
+    assert cache._for_capture(torch, cpu, 8).numel() == 8  # no arena yet: its own zeros
+    first = cache.get(torch, cpu, 100)
+    assert first.numel() >= 100 and not first.any() and cache.get(torch, cpu, 50) is first
+    grown = cache.get(torch, cpu, 5000)
+    assert grown.numel() >= 5000 and grown is not first and not grown.any()
+    arena = cache._arenas["cpu"][0]
+    slices = [cache._for_capture(torch, cpu, n) for n in (1, 33, 100, 7)]
+    starts = [(s.data_ptr() - arena.data_ptr()) // 4 for s in slices]
+    assert starts == [0, 32, 96, 224] and [s.numel() for s in slices] == [1, 33, 100, 7]
+    assert all(s.data_ptr() % 16 == 0 and not s.any() for s in slices)
+    while cache._arenas["cpu"][1] + 1000 <= arena.numel():
+        cache._for_capture(torch, cpu, 1000)
+    spare = cache._for_capture(torch, cpu, 1000)  # the arena is out of room: a buffer of its own
+    assert spare.numel() == 1000 and not spare.any()
+    assert not (arena.data_ptr() <= spare.data_ptr() < arena.data_ptr() + 4 * arena.numel())
+    cache.get(torch, cpu, 10)  # an eager launch restocks; the old arena is kept (graphs address it)
+    assert cache._arenas["cpu"][0] is not arena and cache._arenas["cpu"][1] == 0
+    kept = {b.data_ptr() for b in cache.buffers()}
+    assert arena.data_ptr() in kept and grown.data_ptr() in kept and first.data_ptr() not in kept
