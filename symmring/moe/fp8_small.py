@@ -65,27 +65,22 @@ Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` 
       tiles of 128 = 64 programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one
       128-row scale block has one weight scale per K block (a scalar per program). The fused L1 keeps 128
       (one scale group per program).
-    * ``split_k``: 1 when those programs reach the SM count; else the fewest splits that give every SM a
-      program, ``ceil(num_sms / programs)``, but at most ``(K / 128) // 4``: every split keeps at least
-      `MIN_SPLIT_K_BLOCKS` = 4 K blocks, one fill of the 4-stage pipeline, so that a split still streams
-      rather than paying its pipeline's fill, the partial's store and the reduction for a few blocks. Why:
-      at decode a program's weight stream is bound by the bytes it keeps in flight, not by HBM, and a grid
-      below the SM count leaves SMs idle and every busy SM with a single stream (the H200's measurements:
-      the fused L1 of 48 or 128 programs and the L2 of 128 took well above their weight-read time). Split,
-      the grid has ``programs * S < programs + num_sms <= 2 * num_sms`` programs: every SM gets one or two.
-      Resulting grids (132 SMs): Qwen3-like fused L1 (K 2048, I 768) at 1 token 8 groups x 6 tiles x 3
-      splits = 144 programs, at 2 tokens 16 x 6 x 2 = 192; DeepSeek-V3-like fused L1 (K 7168, I 2048) at 1
-      token 8 x 16 x 2 = 256; Mixtral-like L2 (K 14336) at 1 token 2 x 64 (64 wide) x 2 = 256; every other
-      shape of the three at 1-64 tokens has >= 132 programs unsplit (Qwen3-like L2's K 768 would allow no
-      split anyway).
+    * ``split_k``: 2 when those programs leave at least half the SMs idle (``2 * programs <= num_sms``) and
+      each half keeps at least `MIN_SPLIT_K_BLOCKS` = 4 K blocks (one fill of the 4-stage pipeline); else 1.
+      Why: at decode a program's weight stream is bound by the bytes it keeps in flight, not by HBM, so a
+      grid far below the SM count leaves bandwidth unused. The H200 sweep (``bench gemm --decode-sweep``,
+      docs/PERFORMANCE.md) measured where it pays: Qwen3-like fused L1 at 1 token (48 programs) 14.2 us
+      unsplit, 13.4 split in 2 (3 and 4 splits: 13.9, 14.2); DeepSeek-V3-like fused L1 (128 programs, just
+      below 132 SMs) 62.5 us unsplit but 66.3 split in 2, and Qwen3-like L1 at 2 tokens (96) 19.0 unsplit
+      against 21.3: a grid near the SM count loses more to the partials' round trip than it gains. Resulting
+      grids (132 SMs): Qwen3-like fused L1 at 1 token 8 groups x 6 tiles x 2 splits = 96 programs; every
+      other shape of the three at 1-64 tokens runs unsplit (Mixtral-like L2 at 1 token takes 64-wide tiles,
+      128 programs, first).
     * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
       bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
       with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
-      descriptor does not fit). A split fused L1 takes 3 stages (102 KiB of tiles at ``BLOCK_T`` 16, 108 at
-      32; the sm_90 compile adds a few hundred bytes) so that two of its programs fit one SM's 228 KiB and
-      its < 2 x num_sms programs are resident at once; at 4 stages (136 KiB) only one fits and the programs
-      past the SM count would run as a second wave. (At ``BLOCK_T`` 64 one fits either way; the rule
-      splits only small grids, whose groups hold few rows.)
+      descriptor does not fit). A split fused L1 keeps 4 stages (136 KiB of tiles at ``BLOCK_T`` 16: one
+      program per SM, and a split grid has at most ``num_sms`` programs).
 
 Split-K (``split_k > 1``)
     Deterministic, in one launch, with a last-arrival reduction: each of a tile's S programs stores its
@@ -147,6 +142,8 @@ BLOCK_T_CHOICES = (16, 32, 64)
 BLOCK_N_CHOICES = (64, 128)
 #: SMs of an H200/H100 SXM: the default rule's "does the grid fill the machine" test.
 _NUM_SMS_HOPPER = 132
+#: The splits the default rule takes where it splits (module notes: the H200 sweep).
+DEFAULT_SPLIT_K = 2
 #: The fewest K blocks per split the default rule leaves (one fill of its 4-stage pipeline).
 MIN_SPLIT_K_BLOCKS = 4
 #: Split counts ``bench gemm --decode-sweep`` times besides 1 (`configs`).
@@ -246,21 +243,21 @@ def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], 
         num_sms: SMs of the device.
 
     Example:
-        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs, split in 2) and at 4 tokens; DeepSeek-V3-like
+        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs: no split) and at 4 tokens; DeepSeek-V3-like
         L2 at 1 token (448 programs):
 
         >>> [small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 4096, 14336, 8, 4).name,
         ...  small_config(1024, 7168, 2048, 256, 1).name]
-        ['n64t16w4s4k2', 'n128t16w4s4', 'n128t16w4s4']
+        ['n64t16w4s4', 'n128t16w4s4', 'n128t16w4s4']
 
         The fused L1: Qwen3-like at 1 and 2 tokens (48 and 96 programs), DeepSeek-V3-like at 1 token (128),
-        Mixtral-like at 1 token (224: no split):
+        Mixtral-like at 1 token (224): only the first leaves half the SMs idle:
 
         >>> [small_config(m, 1536, 2048, 128, t, fused=True).name for m, t in ((1024, 1), (2048, 2))]
-        ['n128t16w4s3k3', 'n128t16w4s3k2']
+        ['n128t16w4s4k2', 'n128t16w4s4']
         >>> [small_config(m, n, k, g, 1, fused=True).name for m, n, k, g in ((1024, 4096, 7168, 256),
         ...                                                                 (256, 28672, 4096, 8))]
-        ['n128t16w4s3k2', 'n128t16w4s4']
+        ['n128t16w4s4', 'n128t16w4s4']
     """
     block_t = block_t_for(rows_per_group)
     block_n = 128
@@ -268,11 +265,9 @@ def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], 
         block_n = 64
     programs = tile_programs(M, N, G, rows_per_group, block_n, block_t, fused=fused)
     split_k = 1
-    if 0 < programs < num_sms:
-        split_k = max(1, min(_ceil_div(num_sms, programs), (K // BLOCK_K) // MIN_SPLIT_K_BLOCKS))
-    # Split, the fused L1 stages 3 K blocks: two of its programs per SM (module notes).
-    num_stages = 3 if fused and split_k > 1 else 4
-    return SmallConfig(block_n=block_n, block_t=block_t, num_stages=num_stages, split_k=split_k)
+    if 0 < 2 * programs <= num_sms and (K // BLOCK_K) >= DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS:
+        split_k = DEFAULT_SPLIT_K
+    return SmallConfig(block_n=block_n, block_t=block_t, split_k=split_k)
 
 
 def configs(fused: bool = False) -> List[SmallConfig]:
