@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -46,12 +46,19 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+#: The oldest driver whose stream capture records programmatic edges (CUDA 12.3).
+MIN_DRIVER_VERSION = 12030
+
+
 @functools.lru_cache(maxsize=None)
 def _launch_kernel_ex():
-    """libcuda's cuLaunchKernelEx, or None where the driver lacks it."""
+    """libcuda's cuLaunchKernelEx, or None where the driver lacks it or predates `MIN_DRIVER_VERSION`."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         fn = lib.cuLaunchKernelEx
+        version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < MIN_DRIVER_VERSION:
+            return None
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_int
@@ -86,19 +93,24 @@ class PdlLauncher:
     Args:
         compute_capability: the major compute capability of this PE's GPU.
         pes_per_gpu: PEs that share this PE's GPU.
+
+    Attributes:
+        enabled: whether launches use PDL (settable, e.g. to compare against plain launches).
+        launches: PDL launches made so far (tests check that the path ran).
     """
 
     def __init__(self, compute_capability: int, pes_per_gpu: int):
         self.enabled = (compute_capability >= 9 and pes_per_gpu == 1 and requested()
                         and _launch_kernel_ex() is not None)
+        self.launches = 0
         self._attr = _LaunchAttribute()
         self._attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
         self._attr.value = 1
 
-    def __call__(self, fn, grid, block, args, *, stream, shared_mem: int = 0,
-                 dependent: Optional[bool] = None) -> None:
-        """Launch ``fn`` on ``stream`` (a CuPy stream); ``dependent=False`` forces a plain launch."""
-        if not self.enabled or dependent is False:
+    def __call__(self, fn, grid, block, args, *, stream, shared_mem: int = 0) -> None:
+        """Launch ``fn`` (a CuPy ``Function``) on ``stream`` (a CuPy stream) with ``args`` (numpy scalars and
+        CuPy arrays, as CuPy takes them)."""
+        if not self.enabled:
             fn(grid, block, args, stream=stream, shared_mem=shared_mem)
             return
         buffers = [ctypes.create_string_buffer(_arg_bytes(a)) for a in args]
@@ -111,3 +123,4 @@ class PdlLauncher:
         if status != 0:
             raise BackendError(f"cuLaunchKernelEx (PDL) of a symmring kernel failed with CUresult {status}; "
                                "SYMMRING_PDL=0 launches without it")
+        self.launches += 1

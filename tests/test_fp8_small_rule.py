@@ -26,17 +26,18 @@ def _decode_gemms(name, tokens):
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_split_rule_only_where_half_the_machine_idles(name, tokens):
+def test_split_rule_only_where_sms_idle(name, tokens):
     for what, M, N, K, G, rows, fused in _decode_gemms(name, tokens):
         cfg = small_config(M, N, K, G, rows, fused=fused, num_sms=NUM_SMS)
         programs = tile_programs(M, N, G, rows, cfg.block_n, cfg.block_t, fused=fused)
         label = f"{name} {tokens} tokens {what}: {cfg.name}, {programs} programs unsplit"
         k_blocks = K // 128
-        if 2 * programs > NUM_SMS or k_blocks < DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS:
+        idle = 2 * programs <= NUM_SMS if fused else programs < NUM_SMS  # the fused L1 splits less eagerly
+        if not idle or k_blocks < DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS:
             assert cfg.split_k == 1, label
         else:
             assert cfg.split_k == DEFAULT_SPLIT_K, label
-            assert programs * cfg.split_k <= NUM_SMS, f"{label}: a split grid past the SM count"
+            assert programs * cfg.split_k < 2 * NUM_SMS, f"{label}: a split grid of more than two waves"
         assert cfg.num_stages == 4 and (cfg.block_n == 128 or not fused), label
 
 
@@ -54,7 +55,7 @@ def test_split_rule_on_the_measured_shapes():
         ("qwen3-30b-a3b", 4): ("n128t16w4s4", 192),
         ("deepseek-v3", 1): ("n128t16w4s4", 128), ("deepseek-v3", 2): ("n128t16w4s4", 256),
         ("deepseek-v3", 4): ("n128t16w4s4", 512),
-        ("mixtral", 1): ("n64t16w4s4", 128), ("mixtral", 2): ("n64t16w4s4", 256),
+        ("mixtral", 1): ("n64t16w4s4k2", 256), ("mixtral", 2): ("n64t16w4s4", 256),
         ("mixtral", 4): ("n128t16w4s4", 256),
     }
 

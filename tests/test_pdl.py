@@ -61,4 +61,41 @@ def test_the_launch_attribute_is_programmatic_stream_serialization():
     attr = pdl.PdlLauncher(9, 1)._attr
     assert ctypes.sizeof(attr) == 72 and ctypes.sizeof(pdl._LaunchConfig) == 56
     assert bytes(attr)[:12] == (6).to_bytes(4, "little") + bytes(4) + (1).to_bytes(4, "little")
-    assert bytes(attr)[12:] == bytes(60) and b"" == bytes(0)
+    assert bytes(attr)[12:] == bytes(60)
+
+
+def test_a_pdl_launch_passes_grid_block_stream_and_every_argument(monkeypatch):
+    """What cuLaunchKernelEx receives: the config (grid, block, shared memory, stream, the one attribute), the
+    function handle and a pointer to each argument's bytes, in order."""
+    import ctypes
+    seen = {}
+
+    def fake(config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(pdl._LaunchConfig)).contents
+        seen["dims"] = (config.grid_x, config.grid_y, config.grid_z, config.block_x, config.block_y, config.block_z)
+        seen["shared"], seen["stream"], seen["num_attrs"] = config.shared_mem, config.stream, config.num_attrs
+        seen["attr"] = (config.attrs[0].id, config.attrs[0].value)
+        seen["function"] = function.value if isinstance(function, ctypes.c_void_p) else function
+        seen["args"] = [ctypes.string_at(params[i], n) for i, n in enumerate((4, 8, 8, 4))]
+        return 0
+
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: fake)
+    monkeypatch.delenv("SYMMRING_PDL", raising=False)
+
+    class Fn:
+        ptr = 0xF00
+
+    class Stream:
+        ptr = 0x5EED
+
+    launcher = pdl.PdlLauncher(9, 1)
+    launcher(Fn(), (7, 2), (256,), (np.int32(-3), np.uint64(2**40), _DeviceArray(0x1000), np.float32(1.5)),
+             stream=Stream(), shared_mem=96)
+    assert seen["dims"] == (7, 2, 1, 256, 1, 1) and seen["shared"] == 96 and seen["stream"] == 0x5EED
+    assert seen["num_attrs"] == 1 and seen["attr"] == (6, 1) and seen["function"] == 0xF00
+    assert seen["args"] == [np.int32(-3).tobytes(), np.uint64(2**40).tobytes(), np.uint64(0x1000).tobytes(),
+                            np.float32(1.5).tobytes()]
+    assert launcher.launches == 1
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: (lambda *a: 999))
+    with pytest.raises(BackendError, match="CUresult 999; SYMMRING_PDL=0"):
+        launcher(Fn(), (1,), (32,), (), stream=Stream())

@@ -65,17 +65,16 @@ Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` 
       tiles of 128 = 64 programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one
       128-row scale block has one weight scale per K block (a scalar per program). The fused L1 keeps 128
       (one scale group per program).
-    * ``split_k``: 2 when those programs leave at least half the SMs idle (``2 * programs <= num_sms``) and
-      each half keeps at least `MIN_SPLIT_K_BLOCKS` = 4 K blocks (one fill of the 4-stage pipeline); else 1.
-      Why: at decode a program's weight stream is bound by the bytes it keeps in flight, not by HBM, so a
-      grid far below the SM count leaves bandwidth unused. The H200 sweep (``bench gemm --decode-sweep``,
-      docs/PERFORMANCE.md) measured where it pays: Qwen3-like fused L1 at 1 token (48 programs) 14.2 us
-      unsplit, 13.4 split in 2 (3 and 4 splits: 13.9, 14.2); DeepSeek-V3-like fused L1 (128 programs, just
-      below 132 SMs) 62.5 us unsplit but 66.3 split in 2, and Qwen3-like L1 at 2 tokens (96) 19.0 unsplit
-      against 21.3: a grid near the SM count loses more to the partials' round trip than it gains. Resulting
-      grids (132 SMs): Qwen3-like fused L1 at 1 token 8 groups x 6 tiles x 2 splits = 96 programs; every
-      other shape of the three at 1-64 tokens runs unsplit (Mixtral-like L2 at 1 token takes 64-wide tiles,
-      128 programs, first).
+    * ``split_k``: 2 where the grid leaves SMs idle and each half keeps at least `MIN_SPLIT_K_BLOCKS` = 4 K
+      blocks (one fill of the 4-stage pipeline), else 1. "Idle" differs by kernel, as the H200 sweep
+      (``bench gemm --decode-sweep``, docs/PERFORMANCE.md) measured it: the small GEMM (L2) splits when its
+      programs are fewer than the SMs (Mixtral-like L2 at 1 token, 128 programs 64 wide: 43.8 us unsplit,
+      35.1 split in 2); the fused L1, whose split also round-trips the up accumulator and defers SwiGLU,
+      only when they are at most half the SMs (Qwen3-like at 1 token, 48 programs: 14.2 us unsplit, 13.4
+      split in 2; but DeepSeek-V3-like at 1 token, 128 programs: 62.5 unsplit, 66.3 split, and Qwen3-like
+      at 2 tokens, 96: 19.0 against 21.3). Resulting grids (132 SMs): Qwen3-like fused L1 at 1 token 8
+      groups x 6 tiles x 2 splits = 96 programs, Mixtral-like L2 at 1 token 2 x 64 x 2 = 256; every other
+      shape of the three at 1-64 tokens runs unsplit.
     * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
       bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
       with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
@@ -243,12 +242,12 @@ def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], 
         num_sms: SMs of the device.
 
     Example:
-        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs: no split) and at 4 tokens; DeepSeek-V3-like
+        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs, split in 2) and at 4 tokens; DeepSeek-V3-like
         L2 at 1 token (448 programs):
 
         >>> [small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 4096, 14336, 8, 4).name,
         ...  small_config(1024, 7168, 2048, 256, 1).name]
-        ['n64t16w4s4', 'n128t16w4s4', 'n128t16w4s4']
+        ['n64t16w4s4k2', 'n128t16w4s4', 'n128t16w4s4']
 
         The fused L1: Qwen3-like at 1 and 2 tokens (48 and 96 programs), DeepSeek-V3-like at 1 token (128),
         Mixtral-like at 1 token (224): only the first leaves half the SMs idle:
@@ -264,9 +263,8 @@ def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], 
     if not fused and tile_programs(M, N, G, rows_per_group, 128, block_t) < num_sms:
         block_n = 64
     programs = tile_programs(M, N, G, rows_per_group, block_n, block_t, fused=fused)
-    split_k = 1
-    if 0 < 2 * programs <= num_sms and (K // BLOCK_K) >= DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS:
-        split_k = DEFAULT_SPLIT_K
+    idle = 0 < (2 * programs if fused else programs) <= (num_sms if fused else num_sms - 1)
+    split_k = DEFAULT_SPLIT_K if idle and (K // BLOCK_K) >= DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS else 1
     return SmallConfig(block_n=block_n, block_t=block_t, split_k=split_k)
 
 

@@ -369,7 +369,8 @@ def test_split_k_graph_replays_and_streams(device, monkeypatch):
             assert torch.equal(out[real], want), f"fresh={fresh} replay {replay}: GEMM != eager"
             assert torch.equal(q[real].view(torch.uint8), q_want.view(torch.uint8)), f"replay {replay}: q != eager"
             assert torch.equal(sf[real], sf_want), f"fresh={fresh} replay {replay}: q_sf != eager"
-            _counters_zero(f"fresh={fresh} replay {replay}")
+            if not fresh:  # fresh: the capture's own counters, zeroed by its memset node at every replay
+                _counters_zero(f"replay {replay}")
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())

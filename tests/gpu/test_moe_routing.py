@@ -6,7 +6,7 @@ on seeded logits of several expert counts, top-k and element types:
 
 * against the NumPy reference (`reference.select_topk`, float64): the ordered expert ids BITWISE (decreasing
   key, ties to the lower id) wherever the selection key is exact in float32 (softmax: the logits themselves;
-  sigmoid without bias: monotonic in the logits), on logits rounded coarsely so that ties are frequent;
+  sigmoid without bias, renormalised or not: monotonic in the logits), on logits rounded coarsely so that ties are frequent;
   weights to float32 rounding;
 * against torch's `routing.route` (the same float32 formulas) where the keys carry a float32 bias, with and
   without DeepSeek-V3's group-limited top-k: the ordered ids bitwise on continuous logits, weights close;
@@ -36,8 +36,9 @@ from symmring.moe.reference import select_topk  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261203))
-#: (experts, top-k): Mixtral, Qwen3, DeepSeek-V3, the kernel's largest.
-SIZES = [(8, 2), (128, 8), (256, 8), (512, 16)]
+#: (experts, top-k): Mixtral, Qwen2-MoE-like 60 (not a multiple of 32), Qwen3, 160 at the largest top-k,
+#: DeepSeek-V3, the kernel's largest expert count.
+SIZES = [(8, 2), (60, 4), (128, 8), (160, 32), (256, 8), (512, 16)]
 TOKENS = 300
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-7
 
@@ -80,13 +81,13 @@ def compare(got, want, what, problems, ids_exact=True):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("case", ["softmax", "softmax-all", "sigmoid"])
+@pytest.mark.parametrize("case", ["softmax", "softmax-all", "sigmoid", "sigmoid-norm"])
 def test_exact_keys_match_the_reference_bitwise(ctx, kernels, dtype, case):
     """Keys exact in float32: the ordered ids are the reference's, ties (frequent here) to the lower id."""
     rng = np.random.default_rng([SEED, ["bfloat16", "float16", "float32"].index(dtype),
-                                 ["softmax", "softmax-all", "sigmoid"].index(case)])
-    scoring = "sigmoid_bias" if case == "sigmoid" else "softmax"
-    norm = case == "softmax"
+                                 ["softmax", "softmax-all", "sigmoid", "sigmoid-norm"].index(case)])
+    scoring = "sigmoid_bias" if case.startswith("sigmoid") else "softmax"
+    norm = case in ("softmax", "sigmoid-norm")
     problems, ties = [], 0
     for num_experts, topk in SIZES:
         logits = coarse_logits(rng, TOKENS, num_experts)
@@ -104,13 +105,13 @@ def test_exact_keys_match_the_reference_bitwise(ctx, kernels, dtype, case):
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_biased_sigmoid_matches_torch(ctx, kernels, dtype, grouped):
-    """DeepSeek-V3's routing (bias, scaling factor; 8 groups, 4 kept): the ids torch chooses, in its order,
-    weights close to torch's and to the float64 reference's."""
+    """DeepSeek-V3's routing (bias, scaling factor; 8 groups, 4 kept; and 32 groups of 2, 8 kept): the ids
+    torch chooses, in its order, weights close to torch's and to the float64 reference's."""
     rng = np.random.default_rng(SEED + 7 + grouped)
     problems = []
-    sizes = [(256, 8), (512, 16)] if grouped else SIZES
-    for num_experts, topk in sizes:
-        options = dict(routed_scaling_factor=2.5, n_group=8 if grouped else 1, topk_group=4 if grouped else 1)
+    sizes = [(256, 8, 8, 4), (512, 16, 8, 4), (64, 8, 32, 8)] if grouped else [(e, k, 1, 1) for e, k in SIZES]
+    for num_experts, topk, n_group, topk_group in sizes:
+        options = dict(routed_scaling_factor=2.5, n_group=n_group, topk_group=topk_group)
         logits = rng.standard_normal((TOKENS, num_experts)).astype(np.float32)
         bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32)
         lt = to_torch(logits, getattr(torch, dtype), dev())

@@ -231,32 +231,48 @@ def test_small_batch_rejections(ctx):
 
 
 def test_programmatic_dependent_launch_is_bitwise_plain(ctx):
-    """One PE per GPU on Hopper launches the fused kernels with PDL (`symmring.pdl`); the same calls with plain
-    launches give bitwise the same output, eagerly and from a captured graph."""
+    """One PE per GPU on Hopper launches the fused kernels with PDL (`symmring.pdl`; several PEs on one GPU
+    never do); the same calls with plain launches give bitwise the same output, eagerly and from a captured
+    graph, from given top-k and from logits (the producer then routes before its slot wait)."""
     moe = layer(ctx, "builtin", 32, 8)
-    problems = []
     launcher = moe._kernels.launch
-    want_pdl = ctx.backend.pes_per_gpu == 1 and torch.cuda.get_device_capability()[0] >= 9 \
-        and os.environ.get("SYMMRING_PDL", "1") != "0"
+    if ctx.backend.pes_per_gpu > 1:
+        problem = "PDL enabled with several PEs on one GPU" if launcher.enabled else ""
+        moe.close()
+        verdict(ctx, not problem, problem)
+        return
+    if not launcher.enabled:
+        moe.close()
+        pytest.skip("PDL is off here (compute capability < 9, a driver before CUDA 12.3, or SYMMRING_PDL=0)")
+    problems = []
     try:
-        if launcher.enabled != want_pdl:
-            problems.append(f"PDL enabled={launcher.enabled}, expected {want_pdl} "
-                            f"({ctx.backend.pes_per_gpu} PEs on this GPU)")
+        _, _, _, router = make_weights(SEED + 73, NUM_EXPERTS, HIDDEN, INTER)
+        logits = to_torch(make_tokens(SEED + 74 + ctx.rank, 3, HIDDEN), torch.bfloat16, dev()) \
+            @ to_torch(router, torch.bfloat16, dev()).t()
         x = to_torch(make_tokens(SEED + 71 + ctx.rank, 3, HIDDEN), torch.bfloat16, dev())
         idx, w = routing(SEED + 72 + ctx.rank, 3, 8, masked=False)
+        sources = {"top-k": dict(topk_idx=idx, topk_weights=w), "logits": dict(logits=logits)}
         outputs = {}
-        for enabled in (want_pdl, False):
+        for enabled in (True, False):
             launcher.enabled = enabled
-            eager, _ = call(moe, x, idx, w, small_batch=True, graph_cache=False)
-            graph, y_static = moe.capture(x, topk_idx=idx, topk_weights=w, small_batch=True)
-            graph.replay()
-            moe.check_errors()
-            outputs[enabled] = (eager, y_static.float().cpu().numpy())
-            del graph
-        for name, a, b in zip(("eager", "graph"), outputs[want_pdl], outputs[False]):
-            if not np.array_equal(a, b):
-                problems.append(f"{name}: PDL launches differ from plain ones")
+            before = launcher.launches
+            for name, source in sources.items():
+                eager = moe.forward(x, small_batch=True, graph_cache=False, **source).float().cpu().numpy()
+                graph, y_static = moe.capture(x, small_batch=True, **source)
+                graph.replay()
+                moe.check_errors()
+                outputs[enabled, name] = (eager, y_static.float().cpu().numpy())
+                del graph
+            made = launcher.launches - before
+            if enabled and made < 3 * len(sources):
+                problems.append(f"only {made} PDL launches for {len(sources)} calls of 3 fused kernels")
+            if not enabled and made:
+                problems.append(f"{made} PDL launches with PDL off")
+        for name in sources:
+            for what, a, b in zip(("eager", "graph"), outputs[True, name], outputs[False, name]):
+                if not np.array_equal(a, b):
+                    problems.append(f"{name} {what}: PDL launches differ from plain ones")
     finally:
-        launcher.enabled = want_pdl
+        launcher.enabled = True
         moe.close()
     verdict(ctx, not problems, "; ".join(problems))
