@@ -5,15 +5,17 @@
 #
 # presets (each sized for one device call of at most 10 minutes, with a warm kernel cache; every call starts a
 # bare machine):
-#   tests     env compile pe1 pe2 pe4                 every GPU test on 1, 2 and 4 PEs (MPS): three calls' worth,
-#   tests1, tests2, tests4                            so also one preset per PE count (env compile peN)
+#   tests     env compile kernels pe1 pe2 pe4         every GPU test on 1, 2 and 4 PEs (MPS): four calls' worth,
+#   kernels, tests1, tests2, tests4                   so also one preset per part (env compile kernels|peN)
 #   extra     env compile slow blocking blocking2     1000 graph replays; serialized kernels
 #   bench     env compile gemm moe                    the fp8 GEMM sweep and the layer benchmark
 #   stream    env compile stream stream_graph         streamed vs batch (eager, CUDA graphs)
 # stages:
 #   env       GPU, driver, nvcc, packages; nvshmem4py from .whl/ into /tmp/site when missing
 #   compile   python -m symmring.jit: every device/ module and tests/gpu/user_kernels.cu (sm_90)
-#   pe1       pytest tests/gpu, one PE (-m "not slow")
+#   kernels   the pure-kernel files (test_fp8_kernels.py, test_fp8_small.py: Triton compiles every
+#             configuration they cover, several minutes), one PE
+#   pe1       pytest tests/gpu but those, one PE (-m "not slow")
 #   pe2, pe4  the same under python -m symmring.launch -n 2|4 --mps (one GPU shared under CUDA MPS)
 #   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager)
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
@@ -83,8 +85,9 @@ run_compile() {  # every module, in parallel, into the cache (the tests and benc
 steps=()
 for a in "${@:-tests}"; do
   case $a in
-    tests) steps+=(env compile pe1 pe2 pe4) ;;
+    tests) steps+=(env compile kernels1 pe1 pe2 pe4) ;;
     tests1|tests2|tests4) steps+=(env compile "pe${a#tests}") ;;
+    kernels) steps+=(env compile kernels1) ;;
     extra) steps+=(env compile slow blocking blocking2) ;;
     bench) steps+=(env compile gemm moe) ;;
     stream) steps+=(env compile stream stream_graph) ;;
@@ -97,8 +100,9 @@ for s in "${steps[@]}"; do
   case "$s" in
     env) stage env 60 run_env ;;
     compile) stage compile 200 run_compile ;;
-    # The pure-kernel files (no peer) run on one PE only.
-    pe1) stage pe1 480 "${PYTEST[@]}" tests/gpu -m "not slow" ;;
+    # The pure-kernel files (no peer) run on one PE only, in a stage of their own.
+    kernels1) stage kernels 540 "${PYTEST[@]}" tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_small.py -m "not slow" ;;
+    pe1) stage pe1 480 "${PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe2) stage pe2 480 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe4) stage pe4 480 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow ;;
