@@ -417,7 +417,7 @@ class MoE:
         return "logits", logits
 
     def _check_logits(self, logits, n: int) -> None:
-        self._check_tensor("logits", logits, None, (n, self.num_experts) if n >= 0 else ("n", self.num_experts))
+        self._check_tensor("logits", logits, None, (n, self.num_experts))
         if not logits.is_floating_point():
             raise ConfigError(f"logits.dtype={logits.dtype}: expected a floating-point dtype")
 
@@ -459,8 +459,10 @@ class MoE:
             ConfigError: ``logits`` not a 2-D ``[n, num_experts]`` tensor on the layer's device.
         """
         self._check_open()
-        n = logits.shape[0] if getattr(logits, "dim", lambda: 0)() == 2 else -1
-        self._check_logits(logits, n)
+        if not isinstance(logits, _torch().Tensor) or logits.dim() != 2:
+            raise ConfigError(f"logits: expected a 2-D tensor [n, num_experts={self.num_experts}], got "
+                              f"{getattr(logits, 'shape', type(logits).__name__)}")
+        self._check_logits(logits, int(logits.shape[0]))
         return self._route(None, "logits", logits)
 
     def streams(self, streaming, num_tokens: int) -> bool:

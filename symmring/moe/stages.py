@@ -354,28 +354,28 @@ def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
     k.sleep((1,), (32,), (np.uint64(ns),), stream=stream)
 
 
-def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, logits=None,
-                  router: tuple = ()) -> None:
+def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, router: tuple,
+                  logits=None) -> None:
     """The small-batch producer (fp8 rings): acquire the slot, write route and the fp8 layout of ``x``, publish
     both, in one grid (a warp per 256 channels of a token, a warp per token's route; at most
     `Kernels.spin_blocks` blocks, which all wait for the slot). ``logits`` None: the route is
     ``topk_idx``/``topk_weights`` (the call's contiguous ``[n, K]``), copied. Else the call's router logits
     (`routing.logits_operand`'s tensor and code), routed in the kernel with ``router``
-    (`routing.device_router`) into the slot and into ``topk_idx``/``topk_weights``."""
+    (`routing.device_router`; the kernel reads it only with logits) into the slot and into
+    ``topk_idx``/``topk_weights``."""
     row_bytes, stride = s.topk * 4, x.stride(0)
     warps = chunk.num_valid * -(-s.hidden // 256) + (chunk.num_valid if logits is not None else 0)
     if logits is None:
-        routed = (np.uint64(0), np.int32(0), np.int64(0), np.uint64(0), np.float32(1), np.int32(0), np.int32(0),
-                  np.int32(1), np.int32(1), np.int32(1))
+        source = (np.uint64(0), np.int32(0), np.int64(0))
     else:
         tensor, code = logits
-        routed = (np.uint64(tensor.data_ptr() + chunk.token_base * tensor.stride(0) * tensor.element_size()),
-                  np.int32(code), np.int64(tensor.stride(0))) + tuple(router)
+        source = (np.uint64(tensor.data_ptr() + chunk.token_base * tensor.stride(0) * tensor.element_size()),
+                  np.int32(code), np.int64(tensor.stride(0)))
     k.launch(k.produce_chunk_fp8, (blocks(warps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,),
              (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-              np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)) + routed, stream=stream)
+              np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)) + source + tuple(router), stream=stream)
 
 
 def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx, topk_weights) -> None:
@@ -524,11 +524,11 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
 
 def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
-                     mark: Optional[Callable[[str], None]] = None, logits=None, router: tuple = ()) -> None:
+                     router: tuple, mark: Optional[Callable[[str], None]] = None, logits=None) -> None:
     """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too):
-    produce (routing ``logits`` into ``topk_idx``/``topk_weights`` when given, as `produce_fused`; else after
-    the router filled them), dispatch, experts, combine (which ends the call). ``mark``: as for
-    `consume_window`, with "layout" after the producer."""
+    produce (routing ``logits`` into ``topk_idx``/``topk_weights`` with ``router`` when given, as
+    `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
+    ``mark``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router)
