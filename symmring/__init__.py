@@ -19,10 +19,12 @@ from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.expert_parallel import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .protocol import AckPolicy  # noqa: E402
 from .ring import Call, ChunkView, Ring  # noqa: E402
+from .workspace import Workspace  # noqa: E402
+from .workspace_plan import LayerShape  # noqa: E402
 
 __all__ = [
     "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",
-    "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes",
+    "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes", "Workspace", "LayerShape",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
     "RingClosedError", "CompileError", "ProtocolAborted", "ProtocolViolation", "StalePayload", "DoubleAck",
 ]

@@ -52,6 +52,7 @@ class Context:
         self.local_rank = backend.local_rank
         self.device = backend.device
         self.closed = False
+        self._workspace = None  # ctx.workspace(): made on first use
 
     def check_open(self) -> None:
         """Raise `RingClosedError` if the context was closed, `BrokenStateError` if a host collective
@@ -59,6 +60,25 @@ class Context:
         if self.closed:
             raise RingClosedError(f"{self!r} was closed (finalize); call symmring.init() again")
         self.collectives.check()
+
+    def workspace(self, **kwargs):
+        """The context's own `symmring.Workspace`, which every MoE layer borrows unless given ``workspace=``.
+
+        Made on the first call (collective then: every rank makes it), with ``kwargs`` (`Workspace`'s
+        ``max_tokens``, ``budget``, ``tokens_per_slot``, ``pool_rows``); later calls return it, and giving
+        arguments again once it exists is a `ConfigError`. Closed with the context. One that a failed call
+        left in an unknown state (`Workspace.failure`) is closed and replaced here (collective, as the layer
+        constructors that call this are); the layers that borrowed it keep refusing calls."""
+        if self._workspace is not None and self._workspace.failure is not None and not self._workspace.closed:
+            self._workspace.close()  # a failed call left it in an unknown state: the next layer gets a fresh one
+        if self._workspace is None or self._workspace.closed:
+            from .workspace import Workspace
+            self._workspace = Workspace(self, **kwargs)
+        elif kwargs:
+            raise ConfigError(f"ctx.workspace({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}): this context's "
+                              "workspace exists already; pass its arguments on the first call, before any layer "
+                              "is built, or build a Workspace and pass it as workspace=")
+        return self._workspace
 
     @property
     def broken(self) -> bool:
@@ -75,6 +95,11 @@ class Context:
         global _current
         if self.closed:
             return
+        try:
+            if self._workspace is not None and not self.broken:
+                self._workspace.close()  # collective, while the context still is open
+        finally:
+            self._workspace = None
         self.closed = True
         try:
             self.backend.finalize()

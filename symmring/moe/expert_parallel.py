@@ -69,6 +69,7 @@ from ..errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedE
 from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec, align_up
 from ..protocol import AckPolicy
 from ..ring import Call, Ring
+from ..workspace_plan import LayerShape
 from . import quant
 from .reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
 from .routing import SCORINGS, check_options
@@ -76,8 +77,6 @@ from .routing import SCORINGS, check_options
 log = logging.getLogger(__name__)
 
 _WORD_BYTES = 8
-#: Rings kept per layer (each is a collective allocation; the least recently used is closed first).
-_MAX_CACHED_RINGS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +220,7 @@ class ForwardStats:
     num_tokens: int = 0
     rows_pulled: int = 0  #: token rows pulled from all ranks (x and x_sf) for local experts
     pairs_computed: int = 0  #: (token, k) pairs computed by local experts
+    passes: int = 0  #: passes through the workspace's pool (more than one per chunk when arrivals exceed it)
     elapsed_s: float = 0.0
 
 
@@ -250,6 +250,9 @@ class ExpertParallelMoE:
         max_tokens_per_rank: capacity; a call with more tokens on any rank is a `ConfigError`. None
             grows the combine buffer on demand.
         timeout_s: bound of every wait; ``ctx.timeout_s`` when None.
+        workspace: the `symmring.Workspace` whose rings, combine buffer and pool the layer borrows for each
+            call (default: the context's own, ``ctx.workspace()``, which every layer shares). Its pool
+            holds ``workspace.pool_rows(...)`` rows: a chunk whose arrivals exceed them runs in more passes.
 
     Raises:
         ConfigError: on every rank, if any rank's arguments are bad (``num_experts`` not a multiple of
@@ -275,10 +278,13 @@ class ExpertParallelMoE:
                  *, scoring: Optional[str] = None, topk_method: Optional[str] = None,
                  bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
                  topk_group: int = 1, norm_topk_prob: bool = True, max_tokens_per_rank: Optional[int] = None,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, workspace=None):
         if not isinstance(ctx, Context):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
         ctx.check_open()
+        from ..workspace import Workspace
+        if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
+            raise ConfigError(f"workspace={workspace!r}: expected a symmring.Workspace of this context")
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -306,10 +312,11 @@ class ExpertParallelMoE:
         self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
                              for i in range(len(self.experts))]
         self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
-        self._rings: Dict[Tuple[int, AckPolicy], Ring] = {}
-        self._combine = None
-        self._combine_rows = 0
-        self._combine_base = 0  # generation base of the combine signals (grows over all calls)
+        # Rings, combine buffer (and its generation base) and pool: borrowed from the workspace per call.
+        self.workspace = workspace if workspace is not None else ctx.workspace()
+        self.layer_shape = LayerShape(self.shapes.hidden, self.inter, self.shapes.num_experts, self.shapes.num_topk,
+                                      x_format=self.shapes.x_format, expert_format="bf16")
+        self.workspace.attach(self.layer_shape, max_tokens_per_rank)
         self.closed = False
         self._failure: Optional[BaseException] = None  # a wait that expired inside a call (state unknown)
         self.last_stats = ForwardStats()
@@ -422,16 +429,21 @@ class ExpertParallelMoE:
             # Batch-ready: one slot whose single chunk is the whole batch (at least one row, even when
             # every rank has zero tokens: the chunk is still published and acknowledged).
             num_slots, tokens_per_slot, num_chunks, lookahead = 1, max(1, max_tokens), 1, 0
-        ring = self._ring(num_slots, tokens_per_slot, ack_policy, exact=streaming)
-        self._ensure_combine(max_tokens)
+        ws = self.workspace
+        ws.begin_call()
+        ring = ws.host.ring(self.shapes.ring_spec(num_slots, tokens_per_slot), ack_policy, self.timeout_s,
+                            exact=streaming)
+        ws.host.ensure_combine(max(max_tokens, self.max_tokens_per_rank or 0, 1) * self.shapes.num_topk
+                               * self.shapes.hidden * 4)
         self.last_stats = ForwardStats(streaming=streaming, num_chunks=num_chunks, num_slots=num_slots,
                                        tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
         try:
             y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
         except SymmringError as exc:
             # The call stopped part-way (a wait expired): the ranks' rings and combine counters now
-            # disagree, so no later call may run on them.
+            # disagree, so no later call may run on them (nor on any layer of this workspace).
             self._failure = exc
+            ws.failure = exc
             raise
         self.last_stats.elapsed_s = time.perf_counter() - start_s
         if torch_in:
@@ -442,16 +454,8 @@ class ExpertParallelMoE:
     __call__ = forward
 
     def close(self) -> None:
-        """Collective: free the rings and the combine buffer. Idempotent."""
-        if self.closed:
-            return
+        """Idempotent: the layer refuses further calls. Its memory is the workspace's (`Workspace.close`)."""
         self.closed = True
-        for ring in self._rings.values():
-            ring.close()
-        self._rings.clear()
-        if self._combine is not None and not self.ctx.closed:
-            self.ctx.backend.free(self._combine)  # bounded: waits until no rank uses it
-        self._combine = None
 
     def __enter__(self) -> "ExpertParallelMoE":
         return self
@@ -507,40 +511,9 @@ class ExpertParallelMoE:
 
     # --- symmetric memory -----------------------------------------------------------------------------
 
-    def _ring(self, num_slots: int, tokens_per_slot: int, ack_policy: AckPolicy, exact: bool) -> Ring:
-        """A cached ring of ``num_slots`` slots; ``exact=False`` accepts any ``tokens_per_slot`` at least
-        as large (the batch ring is reused while the batch fits). Collective (same arguments everywhere)."""
-        key = (num_slots, ack_policy, tokens_per_slot if exact else None)
-        ring = self._rings.pop(key, None)
-        if ring is not None and ring.spec.tokens_per_slot < tokens_per_slot:
-            ring.close()
-            ring = None
-        if ring is None:
-            while len(self._rings) >= _MAX_CACHED_RINGS:
-                self._rings.pop(next(iter(self._rings))).close()
-            ring = Ring(self.ctx, self.shapes.ring_spec(num_slots, tokens_per_slot), ack_policy=ack_policy,
-                        timeout_s=self.timeout_s)
-        self._rings[key] = ring  # re-inserted last: most recently used
-        return ring
-
-    def _ensure_combine(self, num_rows: int) -> None:
-        """Make the combine buffer hold ``num_rows`` token rows (collective; all ranks pass the same)."""
-        if self._combine is not None and self._combine_rows >= num_rows:
-            return
-        backend = self.ctx.backend
-        if self._combine is not None:
-            backend.free(self._combine)  # bounded: nobody still reads or writes the old buffer
-            self._combine = None
-        rows = max(num_rows, self.max_tokens_per_rank or 0, 1)
-        self._out_offset = align_up(self.world_size * _WORD_BYTES, ALIGN)
-        nbytes = self._out_offset + rows * self.shapes.num_topk * self.shapes.hidden * 4
-        self._combine = backend.alloc(nbytes)
-        self._combine_rows = rows
-
     def _combine_out(self, rank: int) -> np.ndarray:
-        """Zero-copy ``[capacity, K, H]`` float32 view of ``rank``'s combine buffer."""
-        return self.ctx.backend.view(self._combine, rank, self._out_offset, np.float32,
-                                     (self._combine_rows, self.shapes.num_topk, self.shapes.hidden))
+        """Zero-copy ``[capacity, K, H]`` float32 view of ``rank``'s combine rows (the workspace's buffer)."""
+        return self.workspace.host.combine_rows(rank, self.shapes.num_topk, self.shapes.hidden)
 
     # --- the protocol ---------------------------------------------------------------------------------
 
@@ -550,7 +523,8 @@ class ExpertParallelMoE:
         y = np.zeros((x.shape[0], self.shapes.hidden), np.float32)
         own_routes: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
         call = ring.begin_call(num_chunks)
-        combine_base = self._combine_base
+        host = self.workspace.host
+        combine_base = host.combine_base
         for step, chunk in protocol.enqueue_order(num_chunks, ring.spec.num_slots, lookahead):
             combine_gen = protocol.generation(combine_base, chunk)
             if step == "produce":
@@ -559,7 +533,7 @@ class ExpertParallelMoE:
                 self._consume(ring, call, chunk, ack_policy, combine_gen)
                 self._reduce(ring, call, chunk, own_routes.pop(chunk), combine_gen, y)
         ring.end_call(call)
-        self._combine_base = protocol.next_base(combine_base, num_chunks)
+        host.combine_base = protocol.next_base(combine_base, num_chunks)
         if env.debug():
             self._debug_check(ring, call, combine_base, y)
         return y
@@ -599,7 +573,7 @@ class ExpertParallelMoE:
         if num_chunks:
             last = protocol.generation(combine_base, num_chunks - 1)
             behind = [q for q in range(self.world_size)
-                      if backend.read_word(self._combine, q * _WORD_BYTES, self.rank) < last]
+                      if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.rank) < last]
             if behind:
                 raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: combine signals of consumer(s) {behind} are "
                                     f"below the call's last generation {last}")
@@ -626,11 +600,11 @@ class ExpertParallelMoE:
         ring.publish_layout(call, chunk)
         return topk_idx, topk_weights
 
-    def _pull(self, ring: Ring, call: Call, chunk: int, src_rank: int):
-        """Pull the rows of ``src_rank``'s ``chunk`` routed to local experts (after `wait_ready`).
+    def _entries(self, ring: Ring, call: Call, chunk: int, src_rank: int):
+        """The (row, k) entries of ``src_rank``'s ``chunk`` routed to local experts (after `wait_ready`).
 
-        Returns ``(token_base, rows, ks, experts, x_deq)``: for every local (row, k) pair its row in the
-        chunk, its k, its expert, and the dequantised x of each pulled row (indexed by ``rows``' order).
+        Returns ``(token_base, rows, ks, experts)``: for every local (row, k) pair its row in the chunk, its k
+        and its expert (row-major order).
         """
         slot = call.slot(chunk)
         meta = ring.meta(slot, src_rank)
@@ -642,40 +616,70 @@ class ExpertParallelMoE:
         topk_idx = np.array(ring.topk_idx(slot, src_rank)[:num_valid])
         local = (topk_idx >= self.experts.start) & (topk_idx < self.experts.stop)
         rows, ks = np.nonzero(local)
+        return token_base, rows, ks, topk_idx[rows, ks]
+
+    def _pull(self, ring: Ring, call: Call, chunk: int, src_rank: int, rows: np.ndarray, pool: np.ndarray,
+              pool_rows: np.ndarray) -> None:
+        """Dequantise the x rows ``rows`` of ``src_rank``'s ``chunk`` into rows ``pool_rows`` of ``pool``: one read
+        of each distinct row of the slot."""
+        slot = call.slot(chunk)
         pulled_rows, inverse = np.unique(rows, return_inverse=True)
         x_bits = ring.x(slot, src_rank)[pulled_rows]  # fancy indexing: a copy of the rows only
         x_sf = ring.x_sf(slot, src_rank)[pulled_rows] if ring.spec.num_sf else None
-        x_deq = quant.decode(x_bits, x_sf, self.shapes.x_format)
+        pool[pool_rows] = quant.decode(x_bits, x_sf, self.shapes.x_format)[inverse]
         self.last_stats.rows_pulled += len(pulled_rows)
-        return token_base, rows, ks, topk_idx[rows, ks], x_deq[inverse]
 
     def _consume(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy, combine_gen: int) -> None:
-        """Dispatch, compute and combine-write ``chunk`` of every rank; signal every owner."""
-        pulls = []
+        """Dispatch, compute and combine-write ``chunk`` of every rank; signal every owner.
+
+        The chunk's arrivals go through the workspace's pool in passes of at most ``pool_rows`` (token, k)
+        entries, grouped by expert: a routing that sends more rows here than the pool holds runs more
+        passes, never truncated. Every pass reads the slots, so EARLY acknowledges after the last one."""
+        entries = []
         for src_rank in range(self.world_size):
             ring.wait_ready(call, chunk, src_rank)
-            pulls.append(self._pull(ring, call, chunk, src_rank))
-        if ack_policy == AckPolicy.EARLY:
+            entries.append(self._entries(ring, call, chunk, src_rank))
+        sources = np.concatenate([np.full(len(e[1]), r, np.int64) for r, e in enumerate(entries)])
+        rows = np.concatenate([e[1] for e in entries])
+        ks = np.concatenate([e[2] for e in entries])
+        experts = np.concatenate([e[3] for e in entries]).astype(np.int64)
+        order = np.argsort(experts, kind="stable")  # expert-contiguous, as the GPU pool
+        pool_rows = self.workspace.pool_rows(self.layer_shape)
+        acked = False
+        for begin in range(0, len(order), pool_rows):
+            part = order[begin:begin + pool_rows]
+            pool = self.workspace.host.pool_view(len(part), self.shapes.hidden)
             for src_rank in range(self.world_size):
-                ring.ack(call, chunk, src_rank)  # release: after the last read of the slot (fence inside)
-        # Chunk-local expert pools over all sources: one pass per local expert.
-        sources = np.concatenate([np.full(len(p[1]), r, np.int64) for r, p in enumerate(pulls)])
-        experts = np.concatenate([p[3] for p in pulls]).astype(np.int64)
-        h = np.concatenate([p[4] for p in pulls])
-        out = np.empty_like(h)
-        for local_idx, expert in enumerate(self.experts):
-            sel = np.nonzero(experts == expert)[0]
-            if sel.size:
-                out[sel] = self._expert(local_idx, h[sel])
-        self.last_stats.pairs_computed += len(h)
-        for src_rank, (token_base, rows, ks, _, _) in enumerate(pulls):
-            if rows.size:
-                # A remote store into the owner's combine buffer at the token's logical row.
-                self._combine_out(src_rank)[token_base + rows, ks] = out[sources == src_rank]
+                sel = np.nonzero(sources[part] == src_rank)[0]
+                if sel.size:
+                    self._pull(ring, call, chunk, src_rank, rows[part[sel]], pool, sel)
+            if begin + pool_rows >= len(order):
+                acked = self._early_ack(ring, call, chunk, ack_policy)  # the last read of every slot is done
+            out = np.empty((len(part), self.shapes.hidden), np.float32)
+            for local_idx, expert in enumerate(self.experts):
+                sel = np.nonzero(experts[part] == expert)[0]
+                if sel.size:
+                    out[sel] = self._expert(local_idx, pool[sel])
+            self.last_stats.pairs_computed += len(part)
+            self.last_stats.passes += 1
+            for src_rank in range(self.world_size):
+                sel = np.nonzero(sources[part] == src_rank)[0]
+                if sel.size:
+                    # A remote store into the owner's combine buffer at the token's logical row.
+                    token_base = entries[src_rank][0]
+                    self._combine_out(src_rank)[token_base + rows[part[sel]], ks[part[sel]]] = out[sel]
+        if not acked:  # no entry here: the slots were read for their routing only
+            self._early_ack(ring, call, chunk, ack_policy)
         self._signal_combine(combine_gen)
         if ack_policy == AckPolicy.CONSERVATIVE:
             for src_rank in range(self.world_size):
                 ring.ack(call, chunk, src_rank)  # release: after this chunk's combine was signalled
+
+    def _early_ack(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy) -> bool:
+        if ack_policy == AckPolicy.EARLY:
+            for src_rank in range(self.world_size):
+                ring.ack(call, chunk, src_rank)  # release: after the last read of the slot (fence inside)
+        return True
 
     def _signal_combine(self, combine_gen: int) -> None:
         """Tell every owner that this rank's combine stores of the current chunk are complete."""
@@ -683,7 +687,7 @@ class ExpertParallelMoE:
         # Release: the combine stores are visible before the signals; pairs with the acquire in _reduce.
         backend.fence()
         for owner in range(self.world_size):
-            backend.signal_set(self._combine, self.rank * _WORD_BYTES, combine_gen, owner)
+            backend.signal_set(self.workspace.host.combine, self.rank * _WORD_BYTES, combine_gen, owner)
 
     def _expert(self, local_idx: int, h: np.ndarray) -> np.ndarray:
         """L1 (gate | up) -> SwiGLU -> L2 for rows ``h`` of one local expert (row-independent)."""
@@ -697,11 +701,11 @@ class ExpertParallelMoE:
         deadline = time.monotonic() + self.timeout_s
         for consumer in range(self.world_size):
             # Acquire: pairs with the fence before the consumer's signal_set in _consume.
-            ok, observed = backend.wait_until(self._combine, consumer * _WORD_BYTES, self.rank, "ge", combine_gen,
+            ok, observed = backend.wait_until(self.workspace.host.combine, consumer * _WORD_BYTES, self.rank, "ge", combine_gen,
                                               max(deadline - time.monotonic(), 1e-6))
             if not ok:
                 missing = [q for q in range(self.world_size)
-                           if backend.read_word(self._combine, q * _WORD_BYTES, self.rank) < combine_gen]
+                           if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.rank) < combine_gen]
                 error = ProtocolTimeout("combine", rank=self.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
                                         expected=combine_gen, observed=observed, missing_ranks=missing,
                                         timeout_s=self.timeout_s)

@@ -1,0 +1,272 @@
+"""One workspace per process: the memory every MoE layer of a model borrows for the length of a call.
+
+A `Workspace` holds the symmetric and scratch memory of MoE calls: the rings, the combine buffer (and
+its generation base), the expert pool, the dispatch words and, on GPUs, the experts' output rows. Layers
+keep only their weights, routing options and plans; every layer of a model (``from_hf``,
+``replace_moe_blocks``) borrows the same workspace, so memory does not grow with the number of layers.
+Its size comes from a budget (`symmring.workspace_plan`): the pool holds one window of tokens under
+uniform routing, and a window whose arrivals exceed it runs as more passes over the same pool.
+
+Created once per context (``ctx.workspace()``, which every layer uses by default) or explicitly
+(``Workspace(ctx, ...)``, passed as ``workspace=``). Layers attach at construction (collective, as the
+layers' constructors are): the workspace grows to serve the largest shape and ``max_tokens`` attached.
+On GPUs it grows only until its first call (graphs address its memory); after that, a layer that does not
+fit is a `ConfigError` naming what to create the workspace with. On CPUs the rings and the combine buffer
+also grow on demand within a call (collectively), as the CPU layer's calls need them. Layers of different shapes share the pool and combine bytes; each distinct shape has
+its ring (layers of one shape share it, and its generations keep growing across their calls).
+
+Example:
+    >>> import symmring
+    >>> ctx = symmring.init("host")
+    >>> ws = ctx.workspace()
+    >>> ws is ctx.workspace()
+    True
+    >>> ctx.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .errors import BrokenStateError, ConfigError, RingClosedError
+from .layout import ALIGN, RingSpec, align_up
+from .protocol import AckPolicy
+from .workspace_plan import REGIONS, LayerShape, WorkspacePlan, plan
+
+log = logging.getLogger(__name__)
+
+#: Rings a host workspace keeps (per ring spec and acknowledgement policy; least recently used dropped).
+MAX_HOST_RINGS = 8
+_WORD_BYTES = 8
+
+
+class Workspace:
+    """The process's memory for MoE calls (see the module docstring). Collective constructor.
+
+    Args:
+        ctx: the `symmring.Context`.
+        max_tokens: most tokens per rank per call (None: the largest of the attached layers').
+        budget: bytes per PE (None: a pool for a window of the whole call under uniform routing;
+            `symmring.workspace_plan.plan`).
+        tokens_per_slot: the GPU ring's chunk (None: the plan's choice).
+        pool_rows: rows of the expert pool, overriding the budget's (tests: a tiny pool forces passes).
+
+    Raises:
+        ConfigError: a bad argument (before any collective work).
+    """
+
+    def __init__(self, ctx, *, max_tokens: Optional[int] = None, budget: Optional[int] = None,
+                 tokens_per_slot: Optional[int] = None, pool_rows: Optional[int] = None):
+        ctx.check_open()
+        for name, value in (("max_tokens", max_tokens), ("budget", budget), ("tokens_per_slot", tokens_per_slot),
+                            ("pool_rows", pool_rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < 1):
+                raise ConfigError(f"{name}={value!r}: expected an int >= 1, or None")
+        self.ctx = ctx
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
+        self.budget = None if budget is None else int(budget)
+        self.tokens_per_slot = None if tokens_per_slot is None else int(tokens_per_slot)
+        self.pool_rows_override = None if pool_rows is None else int(pool_rows)
+        self.shapes: Tuple[LayerShape, ...] = ()
+        self.plan: Optional[WorkspacePlan] = None
+        self.calls = 0  # calls made on it (growth stops at the first)
+        self.closed = False
+        self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
+        self._device = None  # symmring.moe.gpu_workspace.DeviceMemory on a device backend
+        from .backends.base import DeviceBackend
+        self._host = None if isinstance(ctx.backend, DeviceBackend) else _HostMemory(ctx)
+
+    # --- attaching layers ---------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self._host is not None else "gpu"
+
+    def attach(self, shape: LayerShape, max_tokens: Optional[int], *, rdma: bool = False) -> None:
+        """Make room for a layer of ``shape`` with calls of up to ``max_tokens`` tokens per rank (collective:
+        a layer's constructor calls it on every rank with the same arguments).
+
+        Raises:
+            ConfigError: the layer does not fit and the workspace already ran a call.
+        """
+        self.check_open()
+        shapes = tuple(dict.fromkeys(self.shapes + (shape,)))
+        bounds = [t for t in (self.max_tokens, max_tokens) if t is not None]
+        tokens = max(bounds) if bounds else None
+        if shapes == self.shapes and tokens == self.max_tokens and (self._device is None or rdma <= self._device.rdma):
+            return
+        if self.calls and self._host is None:  # CPU memory grows on demand; GPU memory is fixed once used
+            raise ConfigError(f"workspace: a layer of {shape} with max_tokens={max_tokens} does not fit this workspace "
+                              f"(shapes {list(self.shapes)}, max_tokens={self.max_tokens}), which already ran calls; "
+                              "create the workspace first with max_tokens= and build every layer before the first call")
+        self.shapes, self.max_tokens = shapes, tokens
+        if self._host is not None:
+            # Without a token bound the CPU workspace grows with the calls (one pass per chunk); with one,
+            # the pool is the plan's, allocated now.
+            self.plan = None if tokens is None else plan(
+                shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget, device="cpu",
+                tokens_per_slot=min(tokens, self.tokens_per_slot or tokens))
+            hidden = max(s.hidden for s in shapes)
+            rows = max((self.pool_rows(s) for s in shapes), default=0) if self._bounded else 0
+            self._host.pool_view(rows, hidden)
+            return
+        if tokens is None:
+            raise ConfigError(f"workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
+        rdma = rdma or (self._device is not None and self._device.rdma)
+        self.plan = plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
+                         tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
+                         device="gpu", rdma=rdma)
+        from .moe.gpu_workspace import DeviceMemory
+        if self._device is not None:
+            self._device.close()
+        self._device = DeviceMemory(self, self.plan, rdma=rdma)
+
+    @property
+    def _bounded(self) -> bool:
+        return self.pool_rows_override is not None or self.plan is not None
+
+    def pool_rows(self, shape: LayerShape) -> int:
+        """Rows of the pool for a layer of ``shape``: ``pool_rows=``, else the plan's (on CPUs without any
+        ``max_tokens``: unbounded, the pool grows to each chunk's arrivals)."""
+        if self.pool_rows_override is not None:
+            return self.pool_rows_override
+        if self.plan is None:  # CPU without a token bound: the pool grows to each chunk's arrivals
+            return sys.maxsize
+        return self.plan.pool_rows[shape]
+
+    def begin_call(self) -> None:
+        """A layer starts a call on this workspace (no growth after this)."""
+        self.check_open()
+        self.calls += 1
+
+    # --- host (CPU) memory ------------------------------------------------------------------------------
+
+    @property
+    def host(self) -> "_HostMemory":
+        return self._host
+
+    @property
+    def gpu(self):
+        """The device memory (`symmring.moe.gpu_workspace.DeviceMemory`) on a device backend."""
+        return self._device
+
+    # --- accounting, teardown -------------------------------------------------------------------------------
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes per PE this workspace holds now, by region (`symmring.workspace_plan.REGIONS`); ``total`` too.
+
+        On GPUs ``scratch`` is the engines' per-pass L1 output and activations, which come from torch's
+        allocator during a call (the plan's figure; freed between calls)."""
+        regions = dict.fromkeys(REGIONS, 0)
+        if self._host is not None:
+            regions.update(self._host.memory())
+        elif self._device is not None:
+            regions.update(self._device.memory())
+        regions["total"] = sum(regions[name] for name in REGIONS)
+        return regions
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RingClosedError("this workspace was closed")
+        if self.failure is not None:
+            raise BrokenStateError(f"rank {self.rank}: the workspace is in an unknown state after a call failed "
+                                   f"part-way ({type(self.failure).__name__}: {self.failure}); close its layers and "
+                                   "the workspace (collective) and build new ones", self.failure)
+        self.ctx.check_open()
+
+    def close(self) -> None:
+        """Collective, idempotent: free every region (the layers that borrowed it can no longer run)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._host is not None:
+            self._host.close()
+        if self._device is not None:
+            self._device.close()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Workspace({self.device}, rank {self.rank}/{self.world_size}, max_tokens={self.max_tokens}, "
+                f"budget={self.budget}, shapes={len(self.shapes)}, calls={self.calls}"
+                f"{', closed' if self.closed else ''})")
+
+
+class _HostMemory:
+    """The CPU layer's share of a workspace: rings per (spec, ack policy), one combine buffer (float32
+    ``[rows][K][H]`` per layer shape, its ready words first) with its generation base, and the pool."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.rings: Dict[Tuple, object] = {}
+        self.combine = None
+        self.combine_base = 0  # generation base of the combine signals (grows over every call of every layer)
+        self.out_offset = align_up(ctx.world_size * _WORD_BYTES, ALIGN)
+        self.pool = np.empty(0, np.float32)
+
+    def ring(self, spec: RingSpec, ack_policy: AckPolicy, timeout_s: float, exact: bool):
+        """A ring of ``spec``, shared by every layer of that shape (``exact=False``: any one of that shape with
+        at least its tokens per slot; a smaller one is replaced). Collective (every rank asks for the same)."""
+        from .ring import Ring
+        key = (dataclasses.replace(spec, tokens_per_slot=1), ack_policy, spec.tokens_per_slot if exact else None)
+        ring = self.rings.pop(key, None)
+        if ring is not None and ring.spec.tokens_per_slot < spec.tokens_per_slot:
+            ring.close()
+            ring = None
+        if ring is None:
+            while len(self.rings) >= MAX_HOST_RINGS:
+                self.rings.pop(next(iter(self.rings))).close()
+            ring = Ring(self.ctx, spec, ack_policy=ack_policy, timeout_s=timeout_s)
+        self.rings[key] = ring  # re-inserted last: most recently used
+        return ring
+
+    def ensure_combine(self, nbytes_rows: int) -> None:
+        """Make the combine buffer hold ``nbytes_rows`` bytes of rows (collective; all ranks pass the same)."""
+        if self.combine is not None and self.combine.nbytes - self.out_offset >= nbytes_rows:
+            return
+        backend = self.ctx.backend
+        if self.combine is not None:
+            backend.free(self.combine)  # bounded: nobody still reads or writes the old buffer
+            self.combine = None
+        self.combine = backend.alloc(self.out_offset + nbytes_rows)
+        # The fresh buffer's ready words are 0: generations restart, which is sound since every consumer
+        # signals a generation above 0 only after this (collective) allocation.
+        self.combine_base = 0
+
+    def combine_rows(self, rank: int, topk: int, hidden: int) -> np.ndarray:
+        """Zero-copy ``[rows, K, H]`` float32 view of ``rank``'s combine rows for a layer of that shape."""
+        rows = (self.combine.nbytes - self.out_offset) // (topk * hidden * 4)
+        return self.ctx.backend.view(self.combine, rank, self.out_offset, np.float32, (rows, topk, hidden))
+
+    def pool_view(self, rows: int, hidden: int) -> np.ndarray:
+        """The pool as ``[rows, hidden]`` float32 (grown to that many elements, never shrunk; a bounded
+        workspace allocates its whole pool when a layer attaches, so a call never grows it)."""
+        if self.pool.size < rows * hidden:
+            self.pool = np.empty(rows * hidden, np.float32)
+        return self.pool[: rows * hidden].reshape(rows, hidden)
+
+    def memory(self) -> Dict[str, int]:
+        return {"ring": sum(ring.allocation.nbytes for ring in self.rings.values()),
+                "combine": 0 if self.combine is None else self.combine.nbytes, "pool": self.pool.nbytes}
+
+    def close(self) -> None:
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
+        if self.combine is not None and not self.ctx.closed:
+            self.ctx.backend.free(self.combine)
+        self.combine = None
+
+
+__all__ = ["Workspace", "LayerShape"]

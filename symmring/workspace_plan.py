@@ -1,0 +1,301 @@
+"""How much memory a `symmring.Workspace` takes, region by region, before anything is allocated.
+
+One workspace serves every MoE layer of a process (`symmring.workspace`). Its size comes from a
+*budget*, not from the worst routing: the expert pool holds one **window** of tokens under uniform
+routing, and a window whose arrivals exceed the pool runs as more **passes** over the same pool (the
+routing decides how many, on the device; PROTOCOL.md 9.3), so no routing can overflow the pool.
+
+Regions, in bytes per PE (the GPU layer; the CPU layer keeps the ring, combine and pool regions):
+
+    ring       symmetric: one ring per distinct layer shape (`RingLayout`), every slot of every call
+    staging    symmetric, rdma peers only: one slot per source rank (`symmring.transport`)
+    combine    symmetric: one ready word per rank, then [max_tokens][topk][hidden] rows (bf16 on GPUs,
+               float32 on CPUs) at each token's logical row
+    pool       the expert pool: pool_rows rows of x (fp8 + scales, or bf16) and each row's source,
+               weight and group id
+    out        symmetric: the experts' L2 output rows, which the combine sends (and rdma puts read)
+    scratch    the engines' L1 output and fp8 activations of one pass (torch's allocator: transient)
+    dispatch   the entry -> row map of a window (passes agree on every entry's row), counters, token bases
+    routing    the owner's top-k ids and weights of a call ([max_tokens][topk])
+
+The window: ``window_tokens`` tokens per rank (a multiple of the chunk, at most ``max_tokens``). Its pool
+has rows for uniform routing (every local expert gets ``world * window_tokens * topk / num_experts``
+rows, each group padded to the engine's 128-row alignment). Without a budget the window is the whole
+call (one window, one pass under uniform routing); a budget picks the largest window that fits.
+
+Example:
+    >>> shape = LayerShape(hidden=7168, inter=2048, num_experts=256, topk=8)
+    >>> p = plan([shape], world_size=8, max_tokens=4096)
+    >>> p.window_tokens, p.pool_rows[shape]
+    (4096, 32768)
+    >>> plan([shape], world_size=8, max_tokens=4096, budget=2**30).total <= 2**30
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .errors import ConfigError
+from .layout import ALIGN, RingLayout, RingSpec, align_up
+
+#: Regions of a workspace, in the order the planner prints them.
+REGIONS = ("ring", "staging", "combine", "pool", "out", "scratch", "dispatch", "routing")
+#: Row alignment of every expert group in an fp8 pool (the contiguous layout the fp8 GEMMs read).
+FP8_ALIGN = 128
+#: fp8 scale group (channels per scale).
+SF_GROUP = 128
+#: Words of the per-expert dispatch counters (counts, begin, group_end, cursor) and the small fixed words.
+_COUNTER_ARRAYS = 4
+_FIXED_WORDS = 64
+#: Timeline stamps per chunk (symmring.moe.timeline): bounded by this many int64 per chunk.
+_STAMPS_PER_CHUNK = 16
+
+#: Model presets of ``python -m symmring plan --preset``: (hidden, inter, experts, topk, MoE layers).
+PRESETS = {
+    "deepseek-v3": dict(hidden=7168, inter=2048, num_experts=256, topk=8, layers=58),
+    "qwen3-30b-a3b": dict(hidden=2048, inter=768, num_experts=128, topk=8, layers=48),
+    "mixtral": dict(hidden=4096, inter=14336, num_experts=8, topk=2, layers=32),
+}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the workspace needs to know of one MoE layer.
+
+    Args:
+        hidden, inter, num_experts, topk: the layer's sizes.
+        x_format: the dispatch format, ``"fp8_e4m3"`` or ``"bf16"``.
+        expert_format: the pool's rows, ``"fp8"`` (fp8 engines: 128-row aligned groups) or ``"bf16"``.
+    """
+
+    hidden: int
+    inter: int
+    num_experts: int
+    topk: int
+    x_format: str = "fp8_e4m3"
+    expert_format: str = "fp8"
+
+    def __post_init__(self):
+        for name in ("hidden", "inter", "num_experts", "topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: expected an int >= 1")
+        if self.x_format not in ("fp8_e4m3", "bf16"):
+            raise ConfigError(f"x_format={self.x_format!r}: expected 'fp8_e4m3' or 'bf16'")
+        if self.expert_format not in ("fp8", "bf16"):
+            raise ConfigError(f"expert_format={self.expert_format!r}: expected 'fp8' or 'bf16'")
+
+    @property
+    def align(self) -> int:
+        """Row alignment of each expert group in the pool."""
+        return FP8_ALIGN if self.expert_format == "fp8" else 1
+
+    def ring_spec(self, num_slots: int, tokens_per_slot: int) -> RingSpec:
+        return RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=self.hidden,
+                        num_topk=self.topk, num_experts=self.num_experts, x_format=self.x_format,
+                        sf_group_size=SF_GROUP)
+
+    def pool_row_bytes(self) -> int:
+        """Bytes of one pool row: x (fp8 + its scales, or bf16), source (int32 x4), weight, group id."""
+        if self.expert_format == "fp8":
+            return self.hidden + 4 * -(-self.hidden // SF_GROUP) + 16 + 4 + 4
+        return 2 * self.hidden + 16 + 4
+
+    def scratch_row_bytes(self) -> int:
+        """Bytes per pool row of the engine's L1 output (bf16) and activations (fp8 + scales, or bf16)."""
+        act = self.inter + 4 * -(-self.inter // SF_GROUP) if self.expert_format == "fp8" else 2 * self.inter
+        return 2 * 2 * self.inter + act
+
+
+def uniform_rows(shape: LayerShape, world_size: int, window_tokens: int) -> int:
+    """Pool rows of one window under uniform routing: every expert gets ``world * window * topk /
+    num_experts`` rows (rounded up), each group padded to the engine's alignment; at least one group.
+
+    Example:
+        >>> uniform_rows(LayerShape(7168, 2048, 256, 8), 8, 4096)   # 1024 rows for each of 32 experts
+        32768
+    """
+    local = max(1, shape.num_experts // world_size)
+    per_expert = -(-world_size * window_tokens * shape.topk // shape.num_experts)
+    return max(shape.align, local * align_up(per_expert, shape.align))
+
+
+def worst_rows(shape: LayerShape, world_size: int, tokens: int) -> int:
+    """Pool rows a window of ``tokens`` tokens on every rank can need at most: every (token, k) of every
+    rank on this rank's experts, plus every group's alignment padding."""
+    local = max(1, shape.num_experts // world_size)
+    entries = world_size * tokens * shape.topk
+    return entries + min(local, entries) * (shape.align - 1)
+
+
+def num_passes(pool_rows: int, rows_bound: int) -> int:
+    """Passes a window whose pool rows are at most ``rows_bound`` needs through a pool of ``pool_rows``
+    rows (at least 1)."""
+    return max(1, -(-rows_bound // max(1, pool_rows)))
+
+
+@dataclass(frozen=True)
+class WorkspacePlan:
+    """The sizes of a workspace (`plan`).
+
+    Attributes:
+        shapes: the layer shapes it serves; world_size, max_tokens: ranks and most tokens per rank per call.
+        device: ``"gpu"`` or ``"cpu"`` (element sizes differ); rdma: a staging ring is allocated.
+        tokens_per_slot, num_slots: the ring's chunk and slots (``num_slots * tokens_per_slot >= max_tokens``).
+        window_tokens: tokens per rank of one expert window (a multiple of ``tokens_per_slot``).
+        pool_rows: rows of the pool for each shape (one window under uniform routing, all shapes in the
+            same bytes); budget: the budget asked for (None: a window of the whole call).
+        regions: bytes per region (`REGIONS`); total: their sum.
+    """
+
+    shapes: Tuple[LayerShape, ...]
+    world_size: int
+    max_tokens: int
+    device: str
+    rdma: bool
+    tokens_per_slot: int
+    num_slots: int
+    window_tokens: int
+    pool_rows: Dict[LayerShape, int]
+    budget: Optional[int]
+    regions: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.regions.values())
+
+    @property
+    def window_chunks(self) -> int:
+        return self.window_tokens // self.tokens_per_slot
+
+    def passes(self, shape: LayerShape, tokens: int) -> int:
+        """Passes a window of ``tokens`` tokens per rank may need at most (the worst routing)."""
+        return num_passes(self.pool_rows[shape], worst_rows(shape, self.world_size, tokens))
+
+    def table(self) -> List[str]:
+        """The planner's lines: one per region, then the window, then the total (last)."""
+        lines = [f"{name:<10} {self.regions[name]:>14,d} bytes  ({self.regions[name] / 2**20:9.1f} MiB)"
+                 for name in REGIONS]
+        for shape in self.shapes:
+            worst = worst_rows(shape, self.world_size, self.window_tokens)
+            lines.append(f"window     {self.window_tokens} tokens per rank ({self.window_chunks} chunk(s) of "
+                         f"{self.tokens_per_slot}); pool {self.pool_rows[shape]} rows for hidden {shape.hidden}, "
+                         f"inter {shape.inter}, {shape.num_experts} experts, top-{shape.topk} (uniform routing: 1 "
+                         f"pass; the worst routing: {num_passes(self.pool_rows[shape], worst)} passes)")
+        lines.append(f"total per PE: {self.total} bytes ({self.total / 2**20:.1f} MiB)")
+        return lines
+
+
+def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, device: str, rdma: bool,
+             tokens_per_slot: int, num_slots: int, window_tokens: int) -> Tuple[Dict[LayerShape, int], Dict[str, int]]:
+    gpu = device == "gpu"
+    pool_rows = {s: uniform_rows(s, world_size, window_tokens) for s in shapes}
+    rings = {s.ring_spec(num_slots, tokens_per_slot) for s in shapes}
+    regions = dict.fromkeys(REGIONS, 0)
+    regions["ring"] = sum(RingLayout(spec, world_size).nbytes for spec in rings)
+    if rdma:
+        regions["staging"] = max(RingLayout(dataclasses.replace(spec, num_slots=world_size), world_size).nbytes
+                                 for spec in rings)
+    row_elem = 2 if gpu else 4
+    regions["combine"] = align_up(world_size * 8) + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
+    if gpu:
+        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes)
+        regions["out"] = max(pool_rows[s] * s.hidden * 2 for s in shapes)
+        regions["scratch"] = max(pool_rows[s] * s.scratch_row_bytes() for s in shapes)
+        entry_map = max(num_slots * world_size * tokens_per_slot * s.topk * 4 for s in shapes)
+        counters = max(_COUNTER_ARRAYS * 4 * max(1, s.num_experts // world_size) for s in shapes)
+        chunks = num_slots
+        regions["dispatch"] = entry_map + counters + _FIXED_WORDS * 4 + num_slots * world_size * 8 \
+            + _STAMPS_PER_CHUNK * 8 * chunks
+        regions["routing"] = max(max_tokens * s.topk * 8 for s in shapes)
+    else:
+        # CPU: the pool is float32 rows dequantised from the dispatch format (experts in float64 per pass).
+        regions["pool"] = max(pool_rows[s] * s.hidden * 4 for s in shapes)
+    return pool_rows, regions
+
+
+def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budget: Optional[int] = None,
+         tokens_per_slot: Optional[int] = None, device: str = "gpu", rdma: bool = False) -> WorkspacePlan:
+    """The workspace for layers of ``shapes`` on ``world_size`` ranks, calls of at most ``max_tokens`` tokens
+    per rank.
+
+    Args:
+        shapes: `LayerShape` of every layer that will borrow the workspace (duplicates collapse).
+        budget: bytes per PE; None: a window of the whole call (``max_tokens``). Otherwise the largest window
+            (a multiple of the chunk) whose total fits; a budget too small for a window of one chunk is a
+            `ConfigError` naming the smallest that fits.
+        tokens_per_slot: the ring's chunk (default: ``max_tokens`` without a budget, else the largest power of
+            two up to 1024 that divides the window choices: ``min(max_tokens, 1024)``).
+        device: ``"gpu"`` or ``"cpu"``; rdma: allocate the staging ring.
+
+    Raises:
+        ConfigError: no shapes, a bad size, or a budget below the smallest workspace.
+    """
+    shapes = tuple(dict.fromkeys(shapes))
+    if not shapes or not all(isinstance(s, LayerShape) for s in shapes):
+        raise ConfigError(f"shapes={shapes!r}: expected at least one LayerShape")
+    for name, value in (("world_size", world_size), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: expected an int >= 1")
+    if device not in ("gpu", "cpu"):
+        raise ConfigError(f"device={device!r}: expected 'gpu' or 'cpu'")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"budget={budget!r}: expected a positive int of bytes, or None")
+    if tokens_per_slot is None:
+        tokens_per_slot = max_tokens if budget is None else min(max_tokens, 1024)
+    if isinstance(tokens_per_slot, bool) or not isinstance(tokens_per_slot, int) or not 1 <= tokens_per_slot <= max_tokens:
+        raise ConfigError(f"tokens_per_slot={tokens_per_slot!r}: expected an int in [1, max_tokens={max_tokens}]")
+    num_slots = -(-max_tokens // tokens_per_slot)
+
+    def make(window: int) -> WorkspacePlan:
+        rows, regions = _regions(shapes, world_size, max_tokens, device, rdma, tokens_per_slot, num_slots, window)
+        return WorkspacePlan(shapes, world_size, max_tokens, device, rdma, tokens_per_slot, num_slots, window, rows,
+                             budget, regions)
+
+    # Windows are whole chunks; the last one may be the whole call even when max_tokens is not a multiple.
+    windows = sorted({min(max_tokens, c * tokens_per_slot) for c in range(1, num_slots + 1)})
+    if budget is None:
+        return make(windows[-1])
+    best = None
+    for window in windows:  # the total grows with the window
+        candidate = make(window)
+        if candidate.total > budget:
+            break
+        best = candidate
+    if best is None:
+        smallest = make(windows[0])
+        raise ConfigError(f"budget={budget}: expected at least {smallest.total} bytes ({smallest.total / 2**20:.1f} "
+                          f"MiB: the ring and combine buffer for max_tokens={max_tokens} and a pool for a window of "
+                          f"one chunk of {tokens_per_slot} tokens)")
+    return best
+
+
+def parse_bytes(text: str) -> int:
+    """``"1GiB"``, ``"512MiB"``, ``"1e9"``, ``"1073741824"`` -> bytes.
+
+    Example:
+        >>> parse_bytes("1GiB"), parse_bytes("1.5MiB"), parse_bytes("2048")
+        (1073741824, 1572864, 2048)
+    """
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            t, mult = t[: -len(unit)], scale
+            break
+    else:
+        mult = 1
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ConfigError(f"budget={text!r}: expected bytes, e.g. 1073741824, 1GiB or 512MiB") from None
+    if value < 1:
+        raise ConfigError(f"budget={text!r}: expected a positive size")
+    return int(value)
+
+
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "uniform_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
+           "parse_bytes"]

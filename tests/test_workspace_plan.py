@@ -1,0 +1,106 @@
+"""The workspace planner (`symmring.workspace_plan`, ``python -m symmring plan``) and a live host workspace."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+
+import pytest
+
+from symmring import init
+from symmring import plan as plan_cli
+from symmring.errors import ConfigError
+from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes
+from symmring.workspace import Workspace
+from symmring.workspace_plan import PRESETS, REGIONS, LayerShape, plan, uniform_rows, worst_rows
+
+DEEPSEEK = LayerShape(**{k: v for k, v in PRESETS["deepseek-v3"].items() if k != "layers"})
+
+
+def _cli(*args: str) -> str:
+    """``python -m symmring plan ARGS`` in this process (the same ``main`` the command runs)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_cli.main(list(args)) == 0
+    return out.getvalue()
+
+
+def test_cli_total_is_the_plans_and_independent_of_layers():
+    out58 = _cli("--preset", "deepseek-v3", "--ranks", "8", "--max-tokens", "4096", "--layers", "58")
+    out2 = _cli("--preset", "deepseek-v3", "--ranks", "8", "--max-tokens", "4096", "--layers", "2")
+    expected = plan([DEEPSEEK], world_size=8, max_tokens=4096)
+    last = f"total per PE: {expected.total} bytes ({expected.total / 2**20:.1f} MiB)"
+    assert out58.splitlines()[-1] == last and out2.splitlines()[-1] == last
+    for name in REGIONS:  # one line per region, with the plan's bytes
+        assert any(line.startswith(name) and f"{expected.regions[name]:,d} bytes" in line for line in out58.splitlines())
+    # Today's per-layer worst-case sizing (one pool row per (rank, token, k) + padding, per layer) is far above.
+    assert expected.pool_rows[DEEPSEEK] * 8 <= worst_rows(DEEPSEEK, 8, 4096)
+
+
+def test_budget_picks_the_largest_window_that_fits():
+    free = plan([DEEPSEEK], world_size=8, max_tokens=4096)
+    capped = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=2**30)
+    assert free.window_tokens == 4096 and capped.total <= 2**30 < free.total
+    assert capped.window_tokens == 2048 and capped.pool_rows[DEEPSEEK] == uniform_rows(DEEPSEEK, 8, 2048)
+    bigger = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=capped.total + 1,
+                  tokens_per_slot=capped.tokens_per_slot)
+    assert bigger.window_tokens == capped.window_tokens  # the next window (3072) does not fit one byte more
+    out = _cli("--preset", "deepseek-v3", "--ranks", "8", "--max-tokens", "4096", "--budget", "1GiB")
+    assert out.splitlines()[-1] == f"total per PE: {capped.total} bytes ({capped.total / 2**20:.1f} MiB)"
+
+
+def test_uniform_and_worst_rows():
+    # DeepSeek-V3 at EP8: 1024 rows for each of 32 local experts (no padding), the worst is 8x the entries.
+    assert uniform_rows(DEEPSEEK, 8, 4096) == 32 * 1024
+    assert worst_rows(DEEPSEEK, 8, 4096) == 8 * 4096 * 8 + 32 * 127
+    assert free_passes() == 9
+
+
+def free_passes() -> int:
+    return plan([DEEPSEEK], world_size=8, max_tokens=4096).passes(DEEPSEEK, 4096)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=2**20), "budget=1048576: expected at least"),
+    (dict(max_tokens=0), "max_tokens=0: expected an int >= 1"),
+    (dict(tokens_per_slot=5000), "tokens_per_slot=5000: expected an int in \\[1, max_tokens=4096\\]"),
+    (dict(device="tpu"), "device='tpu'"),
+])
+def test_bad_plans_are_named(kwargs, message):
+    args = dict(world_size=8, max_tokens=4096)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=message):
+        plan([DEEPSEEK], **args)
+
+
+def test_cli_rejects_missing_sizes():
+    done = subprocess.run([sys.executable, "-m", "symmring", "plan", "--max-tokens", "8", "--hidden", "128"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--inter, --experts, --topk: expected (or --preset)" in done.stderr
+
+
+def test_live_host_workspace_matches_the_plan():
+    """A bounded host workspace allocates the plan's pool when a layer attaches; calls do not grow it."""
+    import numpy as np
+    ctx = init("host")
+    try:
+        ws = Workspace(ctx, max_tokens=64, budget=2 << 20)
+        rng = np.random.default_rng(7)
+        w = [(rng.standard_normal(s) / 8).astype(np.float32) for s in ((4, 32, 128), (4, 32, 128), (4, 128, 32))]
+        layer = ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=ws)
+        expected = plan([layer.layer_shape], world_size=1, max_tokens=64, budget=2 << 20, device="cpu")
+        assert ws.memory()["pool"] == expected.regions["pool"]
+        layer.forward(rng.standard_normal((64, 128), dtype=np.float32),
+                      router_weight=rng.standard_normal((4, 128), dtype=np.float32))
+        assert ws.memory()["pool"] == expected.regions["pool"]
+        assert ws.memory()["combine"] == expected.regions["combine"]
+        with pytest.raises(ConfigError, match="workspace=.*expected a symmring.Workspace of this context"):
+            ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=object())
+        with pytest.raises(ConfigError, match="this context's workspace exists already"):
+            ctx.workspace()
+            ctx.workspace(budget=1)
+        ws.close()
+    finally:
+        ctx.close()
