@@ -10,9 +10,10 @@ uniform routing, and a window whose arrivals exceed it runs as more passes over 
 Created once per context (``ctx.workspace()``, which every layer uses by default) or explicitly
 (``Workspace(ctx, ...)``, passed as ``workspace=``). Layers attach at construction (collective, as the
 layers' constructors are): the workspace grows to serve the largest shape and ``max_tokens`` attached.
-On GPUs it grows only until its first call (graphs address its memory); after that, a layer that does not
-fit is a `ConfigError` naming what to create the workspace with. On CPUs the rings and the combine buffer
-also grow on demand within a call (collectively), as the CPU layer's calls need them. Layers of different shapes share the pool and combine bytes; each distinct shape has
+On GPUs growing makes the memory anew (after a device synchronisation): the layers attached before get
+views of the new memory and drop their cached graphs and plans, and a graph captured by hand before
+(`symmring.moe.gpu.MoE.capture`) refuses to replay with a `ConfigError` (build every layer first, as a
+server does). On CPUs the rings and the combine buffer also grow on demand within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct shape has
 its ring (layers of one shape share it, and its generations keep growing across their calls).
 
 Example:
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -76,7 +78,9 @@ class Workspace:
         self.pool_rows_override = None if pool_rows is None else int(pool_rows)
         self.shapes: Tuple[LayerShape, ...] = ()
         self.plan: Optional[WorkspacePlan] = None
-        self.calls = 0  # calls made on it (growth stops at the first)
+        self.calls = 0  # calls made on it
+        self.epoch = 0  # GPU: bumped each time the memory is made anew (a graph captured before cannot replay)
+        self._layers: List["weakref.ref"] = []  # GPU layers attached (their views and graphs follow the memory)
         self.closed = False
         self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
         self._device = None  # symmring.moe.gpu_workspace.DeviceMemory on a device backend
@@ -102,44 +106,63 @@ class Workspace:
         tokens = max(bounds) if bounds else None
         if shapes == self.shapes and tokens == self.max_tokens and (self._device is None or rdma <= self._device.rdma):
             return
-        if self.calls and self._host is None:  # CPU memory grows on demand; GPU memory is fixed once used
-            raise ConfigError(f"workspace: a layer of {shape} with max_tokens={max_tokens} does not fit this workspace "
-                              f"(shapes {list(self.shapes)}, max_tokens={self.max_tokens}), which already ran calls; "
-                              "create the workspace first with max_tokens= and build every layer before the first call")
         self.shapes, self.max_tokens = shapes, tokens
         if self._host is not None:
             # Without a token bound the CPU workspace grows with the calls (one pass per chunk); with one,
             # the pool is the plan's, allocated now.
             self.plan = None if tokens is None else plan(
                 shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget, device="cpu",
-                tokens_per_slot=min(tokens, self.tokens_per_slot or tokens))
+                tokens_per_slot=min(tokens, self.tokens_per_slot or tokens), pool_rows=self.pool_rows_override)
             hidden = max(s.hidden for s in shapes)
             rows = max((self.pool_rows(s) for s in shapes), default=0) if self._bounded else 0
             self._host.pool_view(rows, hidden)
             return
         if tokens is None:
-            raise ConfigError(f"workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
+            raise ConfigError("workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
         rdma = rdma or (self._device is not None and self._device.rdma)
         self.plan = plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
                          tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
-                         device="gpu", rdma=rdma)
+                         device="gpu", rdma=rdma, pool_rows=self.pool_rows_override)
         from .moe.gpu_workspace import DeviceMemory
+        if self._device is not None and self._device.fits(self.plan):
+            self._device.plan = self.plan  # the memory holds the new plan too: nothing moves
+            return
+        requests = []
         if self._device is not None:
+            # The layers attached so far get their views of the new memory; what addressed the old memory
+            # goes: their cached graphs and plans now, graphs captured by hand at their replay (`epoch`).
+            for layer in self.layers():
+                layer.forget_workspace_memory()
+            import torch
+            torch.cuda.synchronize()  # no kernel of an earlier call still uses the memory freed below
+            requests = self._device.requests
             self._device.close()
         self._device = DeviceMemory(self, self.plan, rdma=rdma)
+        self.epoch += 1
+        self._device.rebind(requests)
 
     @property
     def _bounded(self) -> bool:
         return self.pool_rows_override is not None or self.plan is not None
 
+    def register(self, layer) -> None:
+        """Remember a GPU layer (weakly) so a later growth can drop what it keeps of the old memory."""
+        self._layers.append(weakref.ref(layer))
+
+    def layers(self) -> List:
+        """The live GPU layers attached to this workspace."""
+        alive = [ref() for ref in self._layers]
+        self._layers = [ref for ref, layer in zip(self._layers, alive) if layer is not None]
+        return [layer for layer in alive if layer is not None and not layer.closed]
+
     def pool_rows(self, shape: LayerShape) -> int:
         """Rows of the pool for a layer of ``shape``: ``pool_rows=``, else the plan's (on CPUs without any
         ``max_tokens``: unbounded, the pool grows to each chunk's arrivals)."""
+        if self.plan is not None:
+            return self.plan.pool_rows[shape]
         if self.pool_rows_override is not None:
             return self.pool_rows_override
-        if self.plan is None:  # CPU without a token bound: the pool grows to each chunk's arrivals
-            return sys.maxsize
-        return self.plan.pool_rows[shape]
+        return sys.maxsize  # CPU without a token bound: the pool grows to each chunk's arrivals
 
     def begin_call(self) -> None:
         """A layer starts a call on this workspace (no growth after this)."""

@@ -7,10 +7,11 @@ routing decides how many, on the device; PROTOCOL.md 9.3), so no routing can ove
 
 Regions, in bytes per PE (the GPU layer; the CPU layer keeps the ring, combine and pool regions):
 
-    ring       symmetric: one ring per distinct layer shape (`RingLayout`), every slot of every call
+    ring       symmetric: one ring per distinct layer shape (`RingLayout`), every slot of every call, and
+               (GPU) its combine ready words
     staging    symmetric, rdma peers only: one slot per source rank (`symmring.transport`)
-    combine    symmetric: one ready word per rank, then [max_tokens][topk][hidden] rows (bf16 on GPUs,
-               float32 on CPUs) at each token's logical row
+    combine    symmetric: [max_tokens][topk][hidden] rows (bf16 on GPUs, float32 on CPUs, its ready words
+               first) at each token's logical row, shared by every layer
     pool       the expert pool: pool_rows rows of x (fp8 + scales, or bf16) and each row's source,
                weight and group id
     out        symmetric: the experts' L2 output rows, which the combine sends (and rdma puts read)
@@ -47,11 +48,12 @@ REGIONS = ("ring", "staging", "combine", "pool", "out", "scratch", "dispatch", "
 FP8_ALIGN = 128
 #: fp8 scale group (channels per scale).
 SF_GROUP = 128
-#: Words of the per-expert dispatch counters (counts, begin, group_end, cursor) and the small fixed words.
-_COUNTER_ARRAYS = 4
-_FIXED_WORDS = 64
-#: Timeline stamps per chunk (symmring.moe.timeline): bounded by this many int64 per chunk.
-_STAMPS_PER_CHUNK = 16
+#: int32 arrays of one word per local expert a layer shape's dispatch keeps (counts, begin, group_end, cursor,
+#: the pass's group ends) and its fixed int32 words (total, status, 5 grid counters, 4 bad-id words).
+_EXPERT_ARRAYS = 5
+_FIXED_WORDS = 11
+#: int64 timeline stamps per chunk (symmring.moe.timeline.num_stamps: 2 per stage, 7 stages).
+_STAMPS_PER_CHUNK = 14
 
 #: Model presets of ``python -m symmring plan --preset``: (hidden, inter, experts, topk, MoE layers).
 PRESETS = {
@@ -189,28 +191,42 @@ class WorkspacePlan:
         return lines
 
 
+def dispatch_words_bytes(shape: LayerShape, world_size: int, num_slots: int, max_tokens: int,
+                         tokens_per_slot: int) -> int:
+    """Bytes of one layer shape's dispatch words on a GPU (symmring.moe.gpu_workspace: per-expert counters, the
+    fixed words, the window's token bases [slots][ranks] and the timeline stamps)."""
+    local = max(1, shape.num_experts // world_size)
+    max_chunks = -(-max_tokens // tokens_per_slot)
+    return 4 * (_EXPERT_ARRAYS * local + _FIXED_WORDS) + 8 * max(1, num_slots) * world_size \
+        + 8 * _STAMPS_PER_CHUNK * max_chunks
+
+
 def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, device: str, rdma: bool,
-             tokens_per_slot: int, num_slots: int, window_tokens: int) -> Tuple[Dict[LayerShape, int], Dict[str, int]]:
+             tokens_per_slot: int, num_slots: int, window_tokens: int,
+             rows: Optional[int]) -> Tuple[Dict[LayerShape, int], Dict[str, int]]:
     gpu = device == "gpu"
-    pool_rows = {s: uniform_rows(s, world_size, window_tokens) for s in shapes}
+    pool_rows = {s: uniform_rows(s, world_size, window_tokens) if rows is None else align_up(rows, s.align)
+                 for s in shapes}
     rings = {s.ring_spec(num_slots, tokens_per_slot) for s in shapes}
     regions = dict.fromkeys(REGIONS, 0)
-    regions["ring"] = sum(RingLayout(spec, world_size).nbytes for spec in rings)
+    # Each GPU ring has its combine ready words (one per rank) beside it: generations are per ring.
+    ready = align_up(world_size * 8) if gpu else 0
+    regions["ring"] = sum(RingLayout(spec, world_size).nbytes + ready for spec in rings)
     if rdma:
         regions["staging"] = max(RingLayout(dataclasses.replace(spec, num_slots=world_size), world_size).nbytes
                                  for spec in rings)
     row_elem = 2 if gpu else 4
-    regions["combine"] = align_up(world_size * 8) + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
+    words = 0 if gpu else align_up(world_size * 8)  # the CPU buffer keeps its ready words first
+    regions["combine"] = words + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
     if gpu:
-        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes)
+        # Five arrays carved from one buffer, each 128-byte aligned (gpu_workspace._Carver).
+        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes) + 5 * ALIGN
         regions["out"] = max(pool_rows[s] * s.hidden * 2 for s in shapes)
         regions["scratch"] = max(pool_rows[s] * s.scratch_row_bytes() for s in shapes)
         entry_map = max(num_slots * world_size * tokens_per_slot * s.topk * 4 for s in shapes)
-        counters = max(_COUNTER_ARRAYS * 4 * max(1, s.num_experts // world_size) for s in shapes)
-        chunks = num_slots
-        regions["dispatch"] = entry_map + counters + _FIXED_WORDS * 4 + num_slots * world_size * 8 \
-            + _STAMPS_PER_CHUNK * 8 * chunks
-        regions["routing"] = max(max_tokens * s.topk * 8 for s in shapes)
+        regions["dispatch"] = entry_map + sum(dispatch_words_bytes(s, world_size, num_slots, max_tokens,
+                                                                   tokens_per_slot) for s in shapes)
+        regions["routing"] = max(max_tokens * s.topk * 8 for s in shapes) + 2 * ALIGN
     else:
         # CPU: the pool is float32 rows dequantised from the dispatch format (experts in float64 per pass).
         regions["pool"] = max(pool_rows[s] * s.hidden * 4 for s in shapes)
@@ -218,7 +234,8 @@ def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, dev
 
 
 def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budget: Optional[int] = None,
-         tokens_per_slot: Optional[int] = None, device: str = "gpu", rdma: bool = False) -> WorkspacePlan:
+         tokens_per_slot: Optional[int] = None, device: str = "gpu", rdma: bool = False,
+         pool_rows: Optional[int] = None) -> WorkspacePlan:
     """The workspace for layers of ``shapes`` on ``world_size`` ranks, calls of at most ``max_tokens`` tokens
     per rank.
 
@@ -230,6 +247,8 @@ def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budg
         tokens_per_slot: the ring's chunk (default: ``max_tokens`` without a budget, else the largest power of
             two up to 1024 that divides the window choices: ``min(max_tokens, 1024)``).
         device: ``"gpu"`` or ``"cpu"``; rdma: allocate the staging ring.
+        pool_rows: the pool's rows for every shape instead of the window's (rounded up to the shape's
+            alignment; tests force passes with a small pool).
 
     Raises:
         ConfigError: no shapes, a bad size, or a budget below the smallest workspace.
@@ -251,7 +270,8 @@ def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budg
     num_slots = -(-max_tokens // tokens_per_slot)
 
     def make(window: int) -> WorkspacePlan:
-        rows, regions = _regions(shapes, world_size, max_tokens, device, rdma, tokens_per_slot, num_slots, window)
+        rows, regions = _regions(shapes, world_size, max_tokens, device, rdma, tokens_per_slot, num_slots, window,
+                                 pool_rows)
         return WorkspacePlan(shapes, world_size, max_tokens, device, rdma, tokens_per_slot, num_slots, window, rows,
                              budget, regions)
 
@@ -271,6 +291,13 @@ def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budg
                           f"MiB: the ring and combine buffer for max_tokens={max_tokens} and a pool for a window of "
                           f"one chunk of {tokens_per_slot} tokens)")
     return best
+
+
+def heap_bytes(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, rdma: bool = True) -> int:
+    """Bytes of NVSHMEM's symmetric heap a GPU workspace for ``shapes`` takes without a budget (ring, staging,
+    combine and output rows): what ``NVSHMEM_SYMMETRIC_SIZE`` must hold, beside any other symmetric memory."""
+    p = plan(list(shapes), world_size=world_size, max_tokens=max_tokens, rdma=rdma)
+    return sum(p.regions[name] for name in ("ring", "staging", "combine", "out"))
 
 
 def parse_bytes(text: str) -> int:
@@ -297,5 +324,5 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-__all__ = ["LayerShape", "WorkspacePlan", "plan", "uniform_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
            "parse_bytes"]

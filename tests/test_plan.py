@@ -24,8 +24,15 @@ def test_rows_bound_counts_alignment_padding_and_is_capped_by_the_pool():
     assert window.rows_per_expert == 16  # given routing may name an expert twice per token: tokens * topk
     distinct = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, distinct_experts=True, **KW)
     assert distinct.windows[0].rows_per_expert == 8  # one row per token at most
-    capped = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **{**KW, "capacity": 100})
-    assert capped.windows[0].rows_bound == 100
+    assert window.passes == ((0, 16 + 4 * 127),)  # fits the pool: one pass
+    capped = make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **{**KW, "capacity": 256})
+    # A pool below the window's bound: passes of whole pools over the bound's rows (the last one short).
+    assert capped.windows[0].rows_bound == 256 and capped.windows[0].passes == ((0, 256), (256, 256), (512, 12))
+    assert capped.windows[0].rows_per_expert == 16
+    with pytest.raises(ConfigError, match="capacity=100: expected a positive multiple of align=128"):
+        make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, **{**KW, "capacity": 100})
+    with pytest.raises(ConfigError, match="small_batch: the small-batch schedule runs one pass"):
+        make_plan((5, 3), 1, streaming=False, align=128, num_groups=4, small_batch=True, **{**KW, "capacity": 256})
 
 
 def test_small_batch_plan_is_a_one_chunk_batch_plan():

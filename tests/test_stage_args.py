@@ -16,9 +16,9 @@ from symmring.moe import routing, stages
 C_SIZES = {"int": 4, "float": 4, "long long": 8, "uint64_t": 8}
 
 
-def kernel_params(name):
-    """The parameter sizes of ``extern "C"`` kernel ``name`` in device/moe/producer.cu (pointers: 8)."""
-    source = jit.read_source("moe/producer.cu")
+def kernel_params(name, source_file="moe/producer.cu"):
+    """The parameter sizes of ``extern "C"`` kernel ``name`` in ``source_file`` (pointers: 8)."""
+    source = jit.read_source(source_file)
     params = re.search(r"__global__ void " + name + r"\(([^)]*)\)", source).group(1)
     sizes = []
     for p in (" ".join(p.split()) for p in params.split(",")):
@@ -89,3 +89,52 @@ def test_routing_kernel_arguments_match_its_kernel():
     assert sizes_of(args) == kernel_params("moe_route_topk")
     assert [int(a) for a in args[3:6]] == [3, 0x600, 0x700] and int(args[10]) == 8  # tokens, outputs, topk
     assert [int(a) for a in args[6:10]] == [int(v) for v in router[:4]]
+
+
+class FakeRows(FakeTensor):
+    """A tensor of which the launchers read addresses, a row's bytes (``t[0].nbytes``) and slices."""
+
+    def __init__(self, ptr, shape, element_size=4):
+        super().__init__(ptr, shape, element_size=element_size)
+
+    def __getitem__(self, index):
+        return SimpleNamespace(nbytes=int(np.prod(self.shape[1:])) * self._size)
+
+
+def test_pass_launchers_match_their_kernels():
+    """pull, pull_fp8 and combine_scatter carry the pass arguments (device/moe/dispatch.cu PassRows): one value
+    per kernel parameter, of its size, and the entry map of a window's later chunk at its block's offset."""
+    from symmring.moe.plan import WindowStep
+    calls = []
+
+    def recorder(name):
+        return lambda grid, block, args, stream, **kw: calls.append((name, args))
+
+    k = SimpleNamespace(pull=recorder("moe_dispatch_pull"), pull_fp8=recorder("moe_dispatch_pull_fp8"),
+                        combine_scatter=recorder("moe_combine_scatter"))
+    entry_rows = FakeRows(0x10000, (2, 3, 64, 2))  # [window chunks][ranks][tokens][k]
+    base = dict(desc=np.uint64(0xD0), num_ranks=3, tokens_per_slot=64, cursor=FakeTensor(0xA0, (4, 1)),
+                pool_x=FakeTensor(0xB0, (8, 1)), row_src=FakeTensor(0xB8, (8, 4)), row_weight=FakeTensor(0xBC, (8, 1)),
+                expert_begin=0, num_local_experts=4, status=FakeTensor(0xE0, (1, 1)), stage=None, entry_rows=entry_rows,
+                m_indices=FakeTensor(0xF0, (8, 1)), total=FakeTensor(0xF8, (1, 1)), token_base=FakeTensor(0xFC, (2, 3)),
+                combine_rows=np.uint64(0xCC), capacity=256)
+    window = WindowStep(5, 6, rows_bound=256, token_begin=0, num_valid=64, passes=((0, 256), (256, 256), (512, 12)))
+    bf16 = SimpleNamespace(pool_sf=None, **base)
+    stages.pull(k, bf16, None, chunk=6, window=window, pass_idx=2)
+    fp8 = SimpleNamespace(pool_sf=FakeTensor(0xD8, (64, 1)), **base)
+    fp8.pool_scales = lambda rows: FakeTensor(0xD8, (rows, 2), strides=(1, 4 * -(-rows // 4)))
+    stages.pull(k, fp8, None, chunk=5, window=window, pass_idx=0)
+    stages.combine_scatter(k, fp8, None, out=FakeTensor(0x500, (8, 1)), window_begin=5, pass_begin=512, pass_rows=12)
+    files = {"moe_dispatch_pull": "moe/dispatch.cu", "moe_dispatch_pull_fp8": "moe/dispatch.cu",
+             "moe_combine_scatter": "moe/combine.cu"}
+    for name, args in calls:
+        assert sizes_of(args) == kernel_params(name, files[name]), name
+    (_, pull_bf16), (_, pull_fp8), (_, scatter) = calls
+    block = 3 * 64 * 2 * 4  # one chunk's [ranks][tokens][k] int32
+    assert [int(a) for a in pull_bf16[-3:]] == [0x10000 + block, 512, 12]  # the window's 2nd chunk, the last pass
+    assert [int(a) for a in pull_fp8[-3:]] == [0x10000, 0, 256]
+    assert [int(a) for a in scatter[-2:]] == [512, 12]
+    one_pass = WindowStep(5, 5, rows_bound=100, token_begin=0, num_valid=64, passes=((0, 100),))
+    calls.clear()
+    stages.pull(k, bf16, None, chunk=5, window=one_pass)
+    assert [int(a) for a in calls[0][1][-3:]] == [0, 0, 100]  # one pass: no entry map

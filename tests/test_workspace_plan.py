@@ -104,3 +104,14 @@ def test_live_host_workspace_matches_the_plan():
         ws.close()
     finally:
         ctx.close()
+
+
+def test_dispatch_words_follow_the_layers_arrays():
+    """The planner's count of a shape's dispatch words uses the GPU layer's own constants (a drift in
+    stages/timeline fails here, not only on a GPU)."""
+    from symmring import workspace_plan
+    from symmring.moe import stages, timeline
+    assert workspace_plan._STAMPS_PER_CHUNK == timeline.num_stamps(1)
+    assert workspace_plan._FIXED_WORDS == 2 + stages.NUM_COUNTERS + stages.BAD_ID_WORDS
+    shape = LayerShape(256, 128, 16, 2)
+    assert workspace_plan.dispatch_words_bytes(shape, 2, 3, 100, 40) == 4 * (5 * 8 + 11) + 8 * 3 * 2 + 8 * 14 * 3

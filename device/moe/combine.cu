@@ -189,17 +189,21 @@ __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __n
 
 }  // namespace
 
-// Rows [total[0]] of pool_out ([rows][hidden] bf16) to the owners' combine rows at (logical token, k).
+// This pass's rows of pool_out ([rows][hidden] bf16: window rows [pass_begin, pass_begin + pass_rows), the
+// first min(total[0] - pass_begin, pass_rows) of them live) to the owners' combine rows at (logical token, k).
 // row_src[row] = {src_rank, chunk-local token, k, chunk} (moe_dispatch_pull); token_base: [window][num_ranks],
 // the snapshots of moe_dispatch_wait for the window that starts at chunk window_begin. m_indices (aligned
 // pools, else null): rows holding -1 are padding and skipped; every other row's entry is put back to -1
 // after its row is sent, so the next window's pool starts with no row marked.
 extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                                const int4* row_src, const int* total, const long long* token_base,
-                                               int window_begin, int* m_indices, __nv_bfloat16* combine_rows) {
+                                               int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
+                                               int pass_begin, int pass_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
-    scatter_rows(d, pool_out, row_src, total[0], token_base, window_begin, m_indices, combine_rows);
+    const int live = total[0] - pass_begin;
+    scatter_rows(d, pool_out, row_src, live < 0 ? 0 : (live > pass_rows ? pass_rows : live), token_base,
+                 window_begin, m_indices, combine_rows);
 }
 
 // One block, after moe_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that this

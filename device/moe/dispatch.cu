@@ -37,8 +37,11 @@
 //                       threads of a block copy its tokens' rows (16-byte vectors, several loads in flight).
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
-// Capacity: the pool has num_ranks * window tokens * num_topk rows, one per (source rank, token, k), plus
-// num_local_experts * (align - 1) rows of alignment padding, so it cannot overflow whatever the routing.
+// Capacity: the pool holds a budget's rows (symmring.workspace_plan), not the worst routing's. A window whose
+// rows (the scan's total, padding included) exceed it runs in passes (PassRows): each pass pulls only the
+// entries whose window row falls in its range, the experts compute the pass, the combine scatters it, so no
+// routing overflows the pool or is truncated. The host launches a routing-independent bound of passes; a
+// pass past the window's rows pulls, computes and scatters nothing.
 // Expert ids outside [0, num_experts) (the mask -1) are skipped.
 #include <stdint.h>
 
@@ -288,34 +291,57 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
     }
 }
 
-// Lane k of the warp of (source rank, token): reserve a pool row for entry k when its expert is local (atomic
-// cursor, global or shared, holding the expert's next free row: rows of an expert come in no fixed order,
-// which changes no result since every row is computed independently and combine reduces in a fixed k order)
-// and record row_src[row] = {src_rank, token, k, chunk_idx}, row_weight[row] and (aligned pools)
-// m_indices[row] = the local expert. -1 when not local.
+// The passes of a window (docs/PROTOCOL.md 9.3): the window's rows, expert-contiguous and aligned (the scan's
+// begin[]), may exceed the pool; pass p holds window rows [pass_begin, pass_begin + pass_rows), a multiple of
+// the alignment, so every group in it still starts aligned. The first pass (pass_begin == 0) reserves each
+// entry's window row from the atomic cursor and, when the window has more passes (entry_rows not null),
+// records it in entry_rows[src_rank][token][k]; later passes read it there, so every pass sees the same
+// rows and each entry lands in exactly one pass.
+struct PassRows {
+    int* entry_rows;  // this chunk's [num_ranks][tokens_per_slot][num_topk] window rows, or null (one pass)
+    int pass_begin;
+    int pass_rows;
+};
+
+// Lane k of the warp of (source rank, token): the pool row of entry k in this pass when its expert is local
+// (its window row from the atomic cursor, global or shared, holding the expert's next free row: rows of an
+// expert come in no fixed order, which changes no result since every row is computed independently and
+// combine reduces in a fixed k order), recording row_src[row] = {src_rank, token, k, chunk_idx},
+// row_weight[row] and (aligned pools) m_indices[row] = the local expert. -1 when not local or in another pass.
 __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_t* idx, const float* weights,
                                            int token, int lane, int src_rank, int chunk_idx, int* cursor,
                                            int4* row_src, float* row_weight, int* m_indices,
-                                           int expert_begin, int num_local_experts) {
+                                           int expert_begin, int num_local_experts, const PassRows& pass) {
     if (lane >= d.num_topk) return -1;
     const int64_t entry = int64_t(token) * d.num_topk + lane;
     const int local = idx[entry] - expert_begin;
     if (local < 0 || local >= num_local_experts) return -1;
-    const int row = atomicAdd(&cursor[local], 1);
+    int* entry_row = pass.entry_rows == nullptr ? nullptr
+        : pass.entry_rows + (int64_t(src_rank) * d.tokens_per_slot * d.num_topk + entry);
+    int window_row;
+    if (pass.pass_begin == 0) {
+        window_row = atomicAdd(&cursor[local], 1);
+        if (entry_row != nullptr) *entry_row = window_row;
+    } else {
+        window_row = *entry_row;  // written by the first pass of this window (an earlier kernel on the stream)
+    }
+    const int row = window_row - pass.pass_begin;
+    if (row < 0 || row >= pass.pass_rows) return -1;
     row_src[row] = make_int4(src_rank, token, lane, chunk_idx);
     row_weight[row] = weights[entry];
     if (m_indices != nullptr) m_indices[row] = local;
     return row;
 }
 
-// One warp per (source rank, token): reserve a pool row for each of the token's local experts, copy the
-// token's x row from the source slot into every reserved row as bf16 (fp8: dequantised with the
-// token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
+// One warp per (source rank, token): reserve a pool row for each of the token's local experts (this pass's:
+// PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
+// with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
 // row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
 extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
                                              __nv_bfloat16* pool_x, int4* row_src,
                                              float* row_weight, int expert_begin, int num_local_experts,
-                                             int* status, const RingDescriptor* stage) {
+                                             int* status, const RingDescriptor* stage, int* entry_rows,
+                                             int pass_begin, int pass_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
@@ -331,7 +357,8 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
         const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, nullptr, expert_begin, num_local_experts);
+                                    row_weight, nullptr, expert_begin, num_local_experts,
+                                    PassRows{entry_rows, pass_begin, pass_rows});
         unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
         if (fp8) {
@@ -398,7 +425,8 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
                                                  uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
                                                  long long sf_col_stride, int* m_indices, int4* row_src,
                                                  float* row_weight, int expert_begin, int num_local_experts,
-                                                 int* status, const RingDescriptor* stage) {
+                                                 int* status, const RingDescriptor* stage, int* entry_rows,
+                                                 int pass_begin, int pass_rows) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
@@ -413,7 +441,8 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
         const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, m_indices, expert_begin, num_local_experts);
+                                    row_weight, m_indices, expert_begin, num_local_experts,
+                                    PassRows{entry_rows, pass_begin, pass_rows});
         const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
         copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x,

@@ -507,9 +507,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bench moe: {missing}", file=sys.stderr)
         return 2
     import torch
-    # Every engine's layer holds a combine buffer of the largest size in the symmetric heap (default 1 GiB).
-    need = len(engines) * max(t * SHAPES[s][3] * SHAPES[s][0] * 2 + t * SHAPES[s][0] * 2 for s in shapes
-                              for t in tokens[-1:])
+    # Every layer borrows the context's workspace: its symmetric regions (ring, combine, output rows) for the
+    # largest shape and token count (symmring.workspace_plan), in the heap (NVSHMEM's default: 1 GiB).
+    from ..workspace_plan import LayerShape, heap_bytes
+    need = max(heap_bytes([LayerShape(*SHAPES[s][:2], SHAPES[s][2], SHAPES[s][3], expert_format=fmt)
+                           for fmt in ("fp8", "bf16")], world_size=1, max_tokens=tokens[-1])
+               + tokens[-1] * 4 * SHAPES[s][0] * 2 for s in shapes)  # + rdma staging of a few peers (per-PE sizes
+                                                                     # barely depend on the ranks)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))
     from ..context import init
     ctx = init("nvshmem")

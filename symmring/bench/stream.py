@@ -377,8 +377,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Symmetric heap: batch ring + combine, streamed ring (at most a slot per chunk: ~ one batch ring, or
     # num_slots slots) + combine, of the largest size; bf16 rows bound the fp8 ones.
     ring_tokens = max([tokens[-1] + max(per_slot)] + [int(s) * max(per_slot) for s in slots if s != "call"])
-    need = max(2 * tokens[-1] * SHAPES[s][3] * SHAPES[s][0] * 2 + (tokens[-1] + ring_tokens) * SHAPES[s][0] * 2
-               for s in shapes)
+    from ..workspace_plan import LayerShape, heap_bytes
+    need = max(heap_bytes([LayerShape(*SHAPES[s][:2], SHAPES[s][2], SHAPES[s][3])], world_size=1,
+                          max_tokens=tokens[-1]) + (tokens[-1] + ring_tokens) * SHAPES[s][0] * 2 for s in shapes)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))
     from ..context import init
     ctx = init("nvshmem")

@@ -66,7 +66,7 @@ import numpy as np
 from .. import env, protocol
 from ..context import Context
 from ..errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
-from ..layout import ALIGN, META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec, align_up
+from ..layout import META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec
 from ..protocol import AckPolicy
 from ..ring import Call, Ring
 from ..workspace_plan import LayerShape

@@ -113,12 +113,14 @@ class ExpertEngine(abc.ABC):
     align_m: int = 1
 
     @abc.abstractmethod
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
         """bf16 ``[num_rows, hidden]``: the expert output of pool rows ``[0, num_rows)`` (a host-side bound;
         rows past the groups' end are undefined and never read). Enqueued on the current torch stream.
 
         ``rows_per_expert``: a host bound on the rows any one local expert holds in this window (None:
-        unknown); an engine may pick its kernels by it, and must then trust it."""
+        unknown); an engine may pick its kernels by it, and must then trust it. ``out``: bf16 ``[num_rows,
+        hidden]`` to write the output into (the workspace's rows the combine sends); the engine returns it
+        (an engine that cannot write into it returns its own tensor, which the layer then copies)."""
 
     def refresh_weights(self) -> None:
         """Re-derive whatever the engine keeps beside `weights` (views, prepared layouts) after the
@@ -151,7 +153,8 @@ class TorchBf16Experts(ExpertEngine):
         w = self.weights
         self._w13_t, self._w_down_t = w.w13.transpose(1, 2), w.w_down.transpose(1, 2)  # [E, K, N] views
 
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
+        # torch._grouped_mm has no out=: its own tensor comes back (stages.outbound copies it where needed).
         h = grouped_mm(pool.x[:num_rows], self._w13_t, pool.group_end)
         act = swiglu(h, self.inter)
         return grouped_mm(act, self._w_down_t, pool.group_end)
@@ -215,18 +218,18 @@ class Fp8Experts(ExpertEngine):
             self._w13, self._w13_scale = w.w13, w.w13_scale
             self._w_down, self._w_down_scale = w.w_down, w.w_down_scale
 
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
         m_indices = pool.m_indices[:num_rows]
         if rows_per_expert is not None and rows_per_expert <= self.small_rows:
             from . import fp8_small
             bound = min(rows_per_expert, num_rows)
             act, act_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(
                 pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound)
-            return fp8_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices,
+            return fp8_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices, out,
                                                     rows_per_group=bound)
         h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices)
         act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True)
-        return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices)
+        return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices, out)
 
 
 def make_engine(engine: str, weights: ExpertWeights) -> ExpertEngine:

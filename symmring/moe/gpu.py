@@ -55,7 +55,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections import OrderedDict
@@ -66,7 +65,6 @@ import numpy as np
 from .. import env, protocol
 from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, RingClosedError
-from ..layout import ALIGN, RingLayout, RingSpec, align_up
 from .. import transport as transport_mod
 from . import plan as plans
 from . import routing as routing_mod
@@ -129,8 +127,10 @@ class MoE:
             `symmring.moe.weights`). Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
         max_tokens: most tokens per rank per call.
         num_slots: slots of the ring (>= 1); the streamed producer runs up to ``num_slots - 1`` chunks ahead.
-        tokens_per_slot: tokens per chunk, the slot's capacity (default ``max_tokens``; at most that). A
-            batch call fits the ring when it has at most ``num_slots * tokens_per_slot`` tokens per rank.
+        tokens_per_slot: tokens per chunk, the slot's capacity (at most ``max_tokens``). A batch call fits the
+            ring when it has at most ``num_slots * tokens_per_slot`` tokens per rank. Neither given: the
+            workspace's chunk (``max_tokens`` without a budget) and enough slots for ``max_tokens``; only
+            ``tokens_per_slot`` given: one slot.
         ack_policy: `AckPolicy.CONSERVATIVE` (acknowledge a chunk after its window's combine signal, the
             default) or ``EARLY`` (right after its pull), or their names (`AckPolicy.parse`).
         expert_window: chunks per expert window of the streamed schedule (``1 <= W <= num_slots``).
@@ -159,6 +159,9 @@ class MoE:
             ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
         graph_cache: CUDA graphs of calls kept for eager calls to replay (`symmring.moe.graph_cache`;
             default 8, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
+        workspace: the `symmring.Workspace` whose ring, combine buffer, pool and output rows the layer borrows
+            for each call (default: the context's own, ``ctx.workspace()``, shared by every layer). Its pool
+            holds one window under uniform routing; a window with more rows runs in passes (PROTOCOL.md 9.3).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -172,14 +175,14 @@ class MoE:
     """
 
     def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
-                 max_tokens: int, num_slots: int = 1, tokens_per_slot: Optional[int] = None, ack_policy=None,
+                 max_tokens: int, num_slots: Optional[int] = None, tokens_per_slot: Optional[int] = None, ack_policy=None,
                  expert_window: int = 1, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
                  routed_scaling_factor: float = 1.0, single_stream: bool = False,
                  timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
                  engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  small_batch_tokens: int = SMALL_BATCH_TOKENS, transport=None,
-                 graph_cache: int = graph_cache_mod.DEFAULT_ENTRIES):
+                 graph_cache: int = graph_cache_mod.DEFAULT_ENTRIES, workspace=None):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -194,13 +197,13 @@ class MoE:
         self.inter = _check_int("inter", inter)
         self.topk = _check_int("topk", topk)
         self.max_tokens = _check_int("max_tokens", max_tokens)
-        self.num_slots = _check_int("num_slots", num_slots)
-        self.tokens_per_slot = self.max_tokens if tokens_per_slot is None else _check_int("tokens_per_slot",
-                                                                                          tokens_per_slot)
-        if self.tokens_per_slot > self.max_tokens:
+        self.num_slots = None if num_slots is None else _check_int("num_slots", num_slots)
+        self.tokens_per_slot = None if tokens_per_slot is None else _check_int("tokens_per_slot", tokens_per_slot)
+        if self.tokens_per_slot is not None and self.tokens_per_slot > self.max_tokens:
             raise ConfigError(f"tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
         self.ack_policy = protocol.AckPolicy.parse(ack_policy)
-        protocol.check_expert_window(expert_window, self.num_slots)
+        if self.num_slots is not None:
+            protocol.check_expert_window(expert_window, self.num_slots)
         self.expert_window = int(expert_window)
         if self.num_experts % self.world_size:
             raise ConfigError(f"num_experts={num_experts}: expected a multiple of world_size={self.world_size} "
@@ -227,7 +230,6 @@ class MoE:
         self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
         transport_mod.request(transport, self.world_size)  # a ConfigError before any collective work
         self._graphs = graph_cache_mod.GraphCache(graph_cache_mod.capacity(graph_cache))
-        self._graph_pool = None  # the torch graph memory pool every cached graph shares (made on first capture)
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
@@ -267,81 +269,41 @@ class MoE:
         self.engine = make_engine(engine, weights)
         self.expert_dtype = weights.dtype
 
-        # --- symmetric memory (collective) ------------------------------------------------------------
-        from ..kernels import DeviceRing
-        self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot, hidden=H,
-                             num_topk=K, num_experts=self.num_experts, x_format=x_format,
-                             sf_group_size=FP8_GROUP_SIZE)
-        self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s, transport=transport)
+        # --- memory: borrowed from the workspace (collective: attach and bind allocate on first use) ------
+        from ..workspace import Workspace
+        from ..workspace_plan import LayerShape
+        if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
+            raise ConfigError(f"workspace={workspace!r}: expected a symmring.Workspace of this context")
+        self.workspace = workspace if workspace is not None else ctx.workspace()
+        self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
+                                      expert_format=self.engine.pool_format)
+        self.workspace.attach(self.layer_shape, self.max_tokens)
+        self.workspace.register(self)
+        ws_plan = self.workspace.plan
+        if self.num_slots is None and self.tokens_per_slot is None:
+            # The workspace's chunk (its windows are whole chunks), and a ring a batch call of max_tokens fits.
+            self.tokens_per_slot = min(ws_plan.tokens_per_slot, self.max_tokens)
+            self.num_slots = protocol.num_chunks_for(self.max_tokens, self.tokens_per_slot)
+        self.num_slots = 1 if self.num_slots is None else self.num_slots
+        self.tokens_per_slot = self.max_tokens if self.tokens_per_slot is None else self.tokens_per_slot
+        protocol.check_expert_window(expert_window, self.num_slots)
+        #: Chunks of an expert window of the batch schedule (the workspace's window; the whole call without
+        #: a budget).
+        self.batch_window = max(1, ws_plan.window_tokens // self.tokens_per_slot)
+        align = self.engine.align_m
+        # The layer's view of the workspace, looked up per use: a workspace that grows (a larger layer built
+        # before the first call) makes new memory and new views for every layer attached.
+        self._bind_key = self.workspace.gpu.bind(self.layer_shape, num_slots=self.num_slots,
+                                                 tokens_per_slot=self.tokens_per_slot, transport=transport,
+                                                 timeout_s=self.timeout_s, align=align)
+        self.spec = self.ring.spec
         #: How this PE reaches each rank ("self", "p2p", "rdma"; `symmring.transport`).
         self.transports = self.ring.transports
-        # rdma sources are read from a staging ring of one slot per source rank (moe_dispatch_stage gets
-        # their slots into it): symmetric memory (a get's local buffer must be on every NVSHMEM transport),
-        # so every PE allocates it when any PE has an rdma peer (the allocation is collective).
-        any_rdma = transport_mod.RDMA in self.transports
-        wanted = ctx.collectives.allgather(any_rdma, what="MoE: transports", timeout_s=self.timeout_s)
-        self.stage_alloc, stage_desc = None, None
-        if any(wanted):
-            stage_layout = RingLayout(dataclasses.replace(self.spec, num_slots=self.world_size), self.world_size)
-            self.stage_alloc = backend.alloc(stage_layout.nbytes)
-            # Only the payload regions are used: slot r holds source rank r's staged chunk.
-            stage_desc = _cupy().asarray(np.frombuffer(
-                stage_layout.descriptor(self.stage_alloc.ptr, rank=self.rank).tobytes(), dtype=np.uint8))
-        # Combine buffer: combine_ready[world_size] uint64, then rows [max_tokens][K][H] bf16 by logical token.
-        rows_offset = align_up(self.world_size * 8, ALIGN)
-        self.combine_alloc = backend.alloc(rows_offset + self.max_tokens * K * H * 2)
-        self._kernels = stages.Kernels(backend)
-
-        # --- local buffers (fixed size: no allocation depends on the routing; graph-capturable) ---------
-        # One pool row per (source rank, token, k) of a window, plus every group's alignment padding.
-        window_tokens = min(self.max_tokens, self.num_slots * self.tokens_per_slot)
-        align = self.engine.align_m
-        entries = self.world_size * window_tokens * K
-        self.capacity = entries + min(E, entries) * (align - 1)
-        fp8_pool = self.engine.pool_format == "fp8"
-        i32 = dict(dtype=torch.int32, device=self.device)
-        # rdma owners get their combine rows by puts, whose local buffer must be symmetric (or registered)
-        # on a network transport; the engine's output is an ordinary allocation, so a PE with rdma peers
-        # copies it into these symmetric rows first (stages.outbound). Collective, as the staging ring.
-        self.outbound_alloc, outbound = None, None
-        if any(wanted):
-            self.outbound_alloc = backend.alloc(self.capacity * H * 2)
-            if any_rdma:
-                outbound = backend.torch_view(self.outbound_alloc, self.rank, 0, np.uint16,
-                                              (self.capacity, H)).view(torch.bfloat16)
         self.max_chunks = protocol.num_chunks_for(self.max_tokens, self.tokens_per_slot)
-        self._state = stages.State(
-            desc=self.ring.kernels.desc, num_ranks=self.world_size, expert_begin=self.expert_begin,
-            num_local_experts=E, tokens_per_slot=self.tokens_per_slot, topk=K, hidden=H,
-            fp8_layout=x_format == "fp8_e4m3", capacity=self.capacity,
-            counts=torch.zeros(E, **i32), begin=torch.zeros(E, **i32), group_end=torch.zeros(E, **i32),
-            cursor=torch.zeros(E, **i32), total=torch.zeros(1, **i32), status=torch.zeros(1, **i32),
-            counters=torch.zeros(stages.NUM_COUNTERS, **i32),
-            pool_x=torch.empty((self.capacity, H), dtype=torch.float8_e4m3fn if fp8_pool else torch.bfloat16,
-                               device=self.device),
-            # Scales of fp8 rows, [num_sf][align4(rows)] per window (State.pool_scales), and every row's group.
-            pool_sf=(torch.empty(stages.pool_scale_words(self.capacity, H), dtype=torch.float32, device=self.device)
-                     if fp8_pool else None),
-            m_indices=torch.full((self.capacity,), -1, **i32) if fp8_pool else None, align=align,
-            bad_id=torch.zeros(stages.BAD_ID_WORDS, **i32),
-            row_src=torch.zeros((self.capacity, 4), **i32),
-            row_weight=torch.zeros(self.capacity, dtype=torch.float32, device=self.device),
-            # Every source's meta token_base per chunk of the window being consumed: [window][world_size].
-            token_base=torch.zeros((max(self.num_slots, 1), self.world_size), dtype=torch.int64, device=self.device),
-            stage=stage_desc if any_rdma else None, outbound=outbound,
-            combine_ready=np.uint64(backend.address(self.combine_alloc, self.rank, 0)),
-            combine_rows=np.uint64(backend.address(self.combine_alloc, self.rank, rows_offset)),
-            stamps=torch.zeros(timeline.num_stamps(self.max_chunks), dtype=torch.int64, device=self.device))
-        # The owner's routing of a streamed call (the producer writes it chunk by chunk; the reduce reads it).
-        self._topk_idx = torch.zeros((self.max_tokens, K), **i32)
-        self._topk_weights = torch.zeros((self.max_tokens, K), dtype=torch.float32, device=self.device)
         self._plans: "OrderedDict[Tuple, plans.Plan]" = OrderedDict()
         self._streams: Dict[int, object] = {}  # torch stream handle -> CuPy view of it
-        self._producer_stream = torch.cuda.Stream(device=self.device)
-        self._consumer_stream = torch.cuda.Stream(device=self.device)
         self._timeline = (0, {})  # (chunks, windows) of the last forward(timeline=True)
         self.last_plan: Optional[plans.Plan] = None  # of the last forward (benchmarks and tests read it)
-        self._call_done = None  # torch.cuda.Event after the last call's end (eager call or CapturedCall.replay)
         self.closed = False
         backend.barrier()
         logger.info("MoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d, %s dispatch, %s experts "
@@ -351,16 +313,90 @@ class MoE:
                     self.tokens_per_slot, self.ack_policy.name.lower(), self.expert_window, self.capacity,
                     self.memory()["pool_bytes"])
 
+    # --- what the layer borrows from its workspace (the same objects for every layer of a shape) ------------
+
+    def forget_workspace_memory(self) -> None:
+        """The workspace is making its memory anew (it grew for a larger layer): drop the cached graphs and
+        plans, which address or were sized for the old memory."""
+        self.clear_graph_cache()
+        self._plans.clear()
+
+    @property
+    def _binding(self):
+        return self.workspace.gpu.bindings[self._bind_key]
+
+    @property
+    def _kernels(self) -> stages.Kernels:
+        return self.workspace.gpu.kernels
+
+    @property
+    def capacity(self) -> int:
+        """Rows of the expert pool (a window under uniform routing; more rows run in passes, PROTOCOL.md 9.3)."""
+        return self._binding.capacity
+
+    @property
+    def ring(self):
+        """The `DeviceRing` of this layer's ring spec in the workspace (shared by the layers of that spec)."""
+        return self._binding.ring
+
+    @property
+    def _state(self) -> stages.State:
+        return self._binding.state
+
+    @property
+    def combine_alloc(self):
+        return self.workspace.gpu.combine_alloc
+
+    @property
+    def stage_alloc(self):
+        return self._binding.stage_alloc
+
+    @property
+    def _topk_idx(self):
+        return self._binding.topk_idx
+
+    @property
+    def _topk_weights(self):
+        return self._binding.topk_weights
+
+    @property
+    def _producer_stream(self):
+        return self.workspace.gpu.producer_stream
+
+    @property
+    def _consumer_stream(self):
+        return self.workspace.gpu.consumer_stream
+
+    @property
+    def _call_done(self):
+        # One end-of-call event per workspace: every layer's call comes after the previous call of any layer.
+        return self.workspace.gpu.call_done
+
+    @_call_done.setter
+    def _call_done(self, event) -> None:
+        self.workspace.gpu.call_done = event
+
+    @property
+    def _graph_pool(self):
+        return self.workspace.gpu.graph_pool
+
+    @_graph_pool.setter
+    def _graph_pool(self, pool) -> None:
+        self.workspace.gpu.graph_pool = pool
+
     def memory(self) -> Dict[str, int]:
-        """Device bytes this layer holds on this PE: ``pool_bytes`` (the expert pool: its rows, their scales,
-        sources, routing weights and group ids), ``heap_bytes`` (symmetric: the ring and the combine buffer)
-        and ``weight_bytes`` (the experts and their scales)."""
+        """Device bytes this layer's calls use on this PE, all of them the workspace's (shared with every layer
+        on it; `symmring.Workspace.memory` has the regions): ``pool_bytes`` (this shape's view of the expert
+        pool: its rows, their scales, sources, routing weights and group ids), ``heap_bytes`` (symmetric: the
+        ring, the combine buffer, the staging ring and the output rows) and ``weight_bytes`` (the layer's own
+        experts and their scales)."""
         s = self._state
         pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
                    if t is not None)
-        rdma = sum(a.nbytes for a in (self.stage_alloc, self.outbound_alloc) if a is not None)
-        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + self.combine_alloc.nbytes + rdma,
-                "weight_bytes": self.engine.weights.nbytes}
+        gpu = self.workspace.gpu
+        stage = 0 if self.stage_alloc is None else self.stage_alloc.nbytes
+        return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + gpu.combine_alloc.nbytes + stage
+                + gpu.out_alloc.nbytes, "weight_bytes": self.engine.weights.nbytes}
 
     # --- validation -----------------------------------------------------------------------------------
 
@@ -681,10 +717,13 @@ class MoE:
 
     def small_batch_applies(self, counts: List[int], streaming: bool) -> bool:
         """Whether a call with every rank's token ``counts`` runs the small-batch schedule by default: fp8
-        dispatch and experts, batch, one chunk, and at most ``small_batch_tokens`` tokens on every rank."""
+        dispatch and experts, batch, one chunk, at most ``small_batch_tokens`` tokens on every rank, and rows
+        that fit the pool in one pass."""
         most = max(counts)
+        entries = sum(counts) * self.topk  # the small-batch schedule runs one pass: its rows must fit the pool
+        rows = entries + min(self.num_local_experts, entries) * (self.engine.align_m - 1)
         return (self._small_batch_capable() and not streaming and 0 < most <= self.small_batch_tokens
-                and most <= self.tokens_per_slot)
+                and most <= self.tokens_per_slot and rows <= self.capacity)
 
     def _plan(self, counts: List[int], streaming: bool, small_batch: bool = False,
               distinct_experts: bool = False) -> plans.Plan:
@@ -695,7 +734,8 @@ class MoE:
                                    expert_window=self.expert_window, streaming=streaming,
                                    two_streams=not self.single_stream, topk=self.topk, capacity=self.capacity,
                                    align=self._state.align, num_groups=self.num_local_experts,
-                                   small_batch=small_batch, distinct_experts=distinct_experts)
+                                   small_batch=small_batch, distinct_experts=distinct_experts,
+                                   batch_window=self.batch_window)
             self._plans[key] = plan
             if len(self._plans) > MAX_CACHED_PLANS:
                 self._plans.popitem(last=False)
@@ -741,10 +781,13 @@ class MoE:
         for chunk in plan.chunks:
             stages.produce_layout(k, s, stream, chunk=chunk, x=x)
         mark("layout")
-        window = plan.windows[0]
-        stages.consume_window(k, s, stream, window=window, engine=self.engine, ack_policy=self.ack_policy,
-                              split_waits=False, topk_idx=idx, topk_weights=weights, y=y,
-                              end_call_chunks=plan.num_chunks, mark=mark if events is not None else None)
+        # One window over the call's chunks, or (a budgeted workspace) windows of its window's chunks in turn.
+        for first, window in plan.windows.items():
+            last = first == plan.last_window
+            stages.consume_window(k, s, stream, window=window, engine=self.engine, ack_policy=self.ack_policy,
+                                  split_waits=False, topk_idx=idx, topk_weights=weights, y=y,
+                                  end_call_chunks=plan.num_chunks if last else 0,
+                                  mark=mark if events is not None and last else None)
 
     def _run_streamed(self, plan: plans.Plan, x, kind: str, source, y, stamps: bool, delays: Dict[int, int],
                       consumer_delays: Dict[int, int]) -> None:
@@ -919,29 +962,20 @@ class MoE:
                                "a staging ring")
 
     def reset(self) -> None:
-        """Collective: clear the ring, the combine buffer and the error state (after a ProtocolTimeout), and
-        drop the cached graphs."""
+        """Collective: clear the workspace's rings, combine buffer and error state (after a ProtocolTimeout;
+        every layer on the workspace is usable again), and drop this layer's cached graphs (the other layers'
+        graphs stay valid: the reset restores the state they were captured against)."""
         self._check_open()
         self.clear_graph_cache()
-        self.ring.reset()
-        self._state.counters.zero_()
-        self._state.status.zero_()
-        self._state.bad_id.zero_()
-        if self._state.m_indices is not None:  # a window cut short by a timeout leaves rows marked
-            self._state.m_indices.fill_(-1)
-        _cupy().cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
-        self.backend.barrier()
+        self.workspace.gpu.reset()
 
     def close(self) -> None:
-        """Collective, idempotent: free the symmetric allocations."""
+        """Idempotent: drop the cached graphs; the layer refuses further calls. Its memory is the workspace's
+        (`symmring.Workspace.close`, collective, or the context's close)."""
         if self.closed:
             return
         self.closed = True
-        self.clear_graph_cache()  # before the memory their kernels address is freed
-        self.backend.free(self.combine_alloc)
-        if self.stage_alloc is not None:
-            self.backend.free(self.stage_alloc)
-        self.ring.close()
+        self.clear_graph_cache()
 
     def __enter__(self) -> "MoE":
         return self
@@ -960,10 +994,17 @@ class CapturedCall:
 
     def __init__(self, layer: MoE, graph):
         self.layer, self.graph = layer, graph
+        self.epoch = layer.workspace.epoch  # the workspace memory this graph addresses
 
     def replay(self) -> None:
-        """Replay on the current stream, after the layer's previous call (no host synchronisation)."""
+        """Replay on the current stream, after the layer's previous call (no host synchronisation).
+
+        Raises:
+            ConfigError: the workspace made its memory anew since the capture (a larger layer was built)."""
         self.layer._check_open()
+        if self.layer.workspace.epoch != self.epoch:
+            raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
+                              "new); capture it again, or build every layer before capturing")
         self.layer._after_previous_call()
         self.graph.replay()
         self.layer._end_of_call()

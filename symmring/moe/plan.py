@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Sequence, Tuple
+from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
 from .. import protocol
 from ..errors import ConfigError
@@ -53,6 +53,9 @@ class WindowStep:
             small-group kernels cover that many rows of each group): ``source_tokens`` when every rank's
             routing has distinct experts per token (the layer's own router), else ``source_tokens * topk``
             (given routing may name an expert twice); at most ``rows_bound``.
+        passes: ``(first window row, rows)`` of each pass through the pool (PROTOCOL.md 9.3): one pass of
+            ``rows_bound`` rows when the window's bound fits the pool, else as many pool-sized passes as the
+            bound needs (the routing decides on the device which of them hold rows).
     """
 
     first: int
@@ -62,6 +65,7 @@ class WindowStep:
     num_valid: int
     source_tokens: int = 0
     rows_per_expert: int = 0
+    passes: Tuple[Tuple[int, int], ...] = ()
 
     @property
     def chunks(self) -> range:
@@ -104,19 +108,23 @@ class Plan:
 
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
               streaming: bool, two_streams: bool, topk: int, capacity: int, align: int = 1,
-              num_groups: int = 1, small_batch: bool = False, distinct_experts: bool = False) -> Plan:
+              num_groups: int = 1, small_batch: bool = False, distinct_experts: bool = False,
+              batch_window: Optional[int] = None) -> Plan:
     """The plan of a call with every rank's token ``counts`` on rank ``rank``.
 
     Args:
         counts: tokens of every rank in this call (the same list on every rank).
         tokens_per_slot, num_slots: the ring's shape; expert_window: chunks per window when streamed.
         streaming: the schedule; two_streams: streamed on a producer and a consumer stream.
-        topk: experts per token; capacity: rows of the expert pool (bounds ``rows_bound``).
+        topk: experts per token; capacity: rows of the expert pool, a multiple of ``align`` (bounds
+            ``rows_bound``; a window whose bound exceeds it runs in passes of at most ``capacity`` rows).
         align, num_groups: every one of the ``num_groups`` expert groups starts at a multiple of ``align``
             rows, so a window of ``m`` entries spans at most ``m + min(num_groups, m) * (align - 1)`` rows.
         small_batch: run the call with the small-batch schedule (a batch call of one chunk).
         distinct_experts: every rank's routing names each expert at most once per token (tightens
             ``rows_per_expert``).
+        batch_window: chunks per expert window of the batch schedule (the workspace's window; None: all of
+            the call's chunks in one window).
 
     Raises:
         ConfigError: a batch call with more chunks than ``num_slots`` (it cannot be in the ring at once),
@@ -133,12 +141,14 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
                               f"tokens_per_slot={T} do not fit the ring of num_slots={S} at once (at most "
                               f"{S * T} tokens per rank); use streaming=True, or a ring with "
                               "num_slots * tokens_per_slot >= max_tokens")
-        window, two_streams = max(1, num_chunks), False
+        window, two_streams = max(1, min(num_chunks, batch_window or num_chunks)), False
     protocol.check_expert_window(window, S)
     if small_batch and (streaming or num_chunks != 1):
         raise ConfigError(f"small_batch: the small-batch schedule runs one-chunk batch calls; this call is "
                           f"{'streamed' if streaming else f'{num_chunks} chunks'} (at most tokens_per_slot={T} "
                           "tokens per rank, streaming=False)")
+    if capacity < 1 or (align > 1 and capacity % align):
+        raise ConfigError(f"capacity={capacity}: expected a positive multiple of align={align} (pool rows)")
     own = counts[rank]
     chunks = tuple(ChunkStep(c, protocol.chunk_token_base(c, T), protocol.chunk_valid_tokens(own, c, T))
                    for c in range(num_chunks))
@@ -148,11 +158,17 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
         entries = topk * tokens
         spanned = entries + min(num_groups, entries) * (align - 1)
         rows_bound = max(1, min(capacity, spanned))
+        passes = tuple((begin, min(capacity, spanned - begin)) for begin in range(0, spanned, capacity)) \
+            if spanned > capacity else ((0, rows_bound),)
         windows[first] = WindowStep(first, last, rows_bound=rows_bound,
                                     token_begin=protocol.chunk_token_base(first, T),
                                     num_valid=sum(chunks[c].num_valid for c in range(first, last + 1)),
                                     source_tokens=tokens,
-                                    rows_per_expert=max(1, min(rows_bound, tokens if distinct_experts else entries)))
+                                    rows_per_expert=max(1, min(rows_bound, tokens if distinct_experts else entries)),
+                                    passes=passes)
+    if small_batch and any(len(w.passes) > 1 for w in windows.values()):
+        raise ConfigError(f"small_batch: the small-batch schedule runs one pass; this call's rows (a bound of "
+                          f"{sum(rows for _, rows in windows[0].passes)}) exceed the pool of {capacity} rows")
     order = tuple(protocol.windowed_enqueue_order(num_chunks, S, window))
     waits: Dict[Tuple[str, int, int], Tuple[Tuple[str, int, int], ...]] = {}
     if two_streams:

@@ -159,6 +159,11 @@ class State:
     the rdma sources' slots are got into, or None when this PE has no rdma peer (`symmring.transport`).
     outbound: bf16 [capacity, hidden] in symmetric memory, the local buffer of the combine's puts to rdma
     owners (`outbound`), or None when this PE has no rdma peer.
+    entry_rows: int32 [window chunks, R, tokens_per_slot, K]: every entry's window row, written by a window's
+    first pass and read by its later ones (device/moe/dispatch.cu PassRows), or None (never more than one
+    pass). out_rows: bf16 [capacity, hidden], the rows the engine writes its L2 output into and the combine
+    sends (symmetric memory, so rdma puts read them as they are), or None (the engine allocates them).
+    pass_group_end: int32 [E], the torch engine's group ends within a pass (``group_end`` moved to the pass).
     """
 
     desc: object
@@ -190,6 +195,9 @@ class State:
     combine_ready: np.uint64
     combine_rows: np.uint64
     stamps: object
+    entry_rows: object = None
+    out_rows: object = None
+    pass_group_end: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -199,11 +207,22 @@ class State:
         num_sf = self.hidden // 128
         return self.pool_sf[: num_sf * column].view(num_sf, column).t()[:rows]
 
-    def pool(self, rows: int) -> Pool:
-        """The pool the engine reads for a window of ``rows`` rows."""
+    def pool(self, rows: int, pass_begin: int = 0, num_passes: int = 1) -> Pool:
+        """The pool the engine reads for a pass of ``rows`` rows starting at window row ``pass_begin`` (the torch
+        engine's group ends moved into the pass, on the current torch stream, when the window has passes)."""
+        group_end = self.group_end
+        if num_passes > 1 and self.pool_sf is None:
+            group_end = self.pass_group_end
+            _torch_sub_clamp(self.group_end, pass_begin, rows, out=group_end)
         if self.pool_sf is None:
-            return Pool(x=self.pool_x, group_end=self.group_end)
-        return Pool(x=self.pool_x, group_end=self.group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
+            return Pool(x=self.pool_x, group_end=group_end)
+        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
+
+
+def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
+    """``out = clamp(group_end - begin, 0, rows)``: a pass's cumulative group ends (enqueued; no sync)."""
+    import torch
+    torch.clamp(group_end - begin, 0, rows, out=out)
 
 
 # --- launchers ------------------------------------------------------------------------------------------
@@ -246,11 +265,17 @@ def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: in
            stream=stream)
 
 
+def _out_rows(s: State, rows: int):
+    """Where the engine writes a pass's L2 output (the workspace's symmetric rows), or None."""
+    return None if s.out_rows is None else s.out_rows[:rows]
+
+
 def outbound(s: State, out):
-    """The rows the combine sends: the engine's output ``out`` itself, or (this PE has rdma peers) a copy
-    in the symmetric outbound rows, since a put's local buffer must be symmetric or registered on a network
-    transport (the engine's output is neither). Enqueued on the current torch stream, as the engine."""
-    if s.outbound is None:
+    """The rows the combine sends: the engine's output ``out`` itself (in the workspace's symmetric out rows,
+    where the engines write it), or (this PE has rdma peers and the engine wrote elsewhere) a copy in the
+    symmetric outbound rows, since a put's local buffer must be symmetric or registered on a network
+    transport. Enqueued on the current torch stream, as the engine."""
+    if s.outbound is None or (s.out_rows is not None and out.data_ptr() == s.out_rows.data_ptr()):
         return out
     rows = s.outbound[: out.shape[0]]
     rows.copy_(out)
@@ -287,20 +312,29 @@ def scan(k: Kernels, s: State, stream) -> None:
                            np.int32(s.num_local_experts), np.int32(s.align)), stream=stream, shared_mem=4 * 1024)
 
 
-def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep) -> None:
+def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep, pass_idx: int = 0) -> None:
     """Pull the chunk's rows routed to local experts from every source into the pool (one warp a token):
-    dequantised to bf16, or as fp8 rows with their scales (fp8 pools, laid out for ``window``)."""
+    dequantised to bf16, or as fp8 rows with their scales (fp8 pools, laid out for the pass). Only the rows
+    of pass ``pass_idx`` of ``window`` (`WindowStep.passes`); the first pass records every entry's window
+    row for the later ones."""
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // s.num_ranks)), s.num_ranks)
+    pass_begin, rows = window.passes[pass_idx]
+    entry_rows = np.uint64(0)
+    if len(window.passes) > 1:  # this chunk's [R][T][K] block of the map
+        entry_rows = np.uint64(s.entry_rows.data_ptr() + (chunk - window.first) * s.entry_rows[0].nbytes)
+    passes = (entry_rows, np.int32(pass_begin), np.int32(rows))
     if s.pool_sf is None:
         k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)), stream=stream)
+                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)) + passes,
+               stream=stream)
         return
-    sf = s.pool_scales(window.rows_bound)
+    sf = s.pool_scales(rows)
     k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
                                             _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
                                             _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)), stream=stream)
+                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)) + passes,
+               stream=stream)
 
 
 def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
@@ -308,13 +342,16 @@ def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
     k.ack((1,), (32,), (s.desc, np.int32(chunk)), stream=stream)
 
 
-def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int) -> None:
-    """Expert output rows ``out`` to their owners' combine rows at (logical token, k); aligned pools skip
-    padding rows and mark every row free (-1) again."""
+def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pass_begin: int = 0,
+                    pass_rows: Optional[int] = None) -> None:
+    """Expert output rows ``out`` of the pass of window rows ``[pass_begin, pass_begin + pass_rows)`` to their
+    owners' combine rows at (logical token, k); aligned pools skip padding rows and mark every row free (-1)
+    again."""
     m_indices = np.uint64(0) if s.m_indices is None else _p(s.m_indices)
-    k.combine_scatter((blocks(s.capacity, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+    rows = s.capacity if pass_rows is None else pass_rows
+    k.combine_scatter((blocks(rows, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                       (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
-                       m_indices, s.combine_rows), stream=stream)
+                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows)), stream=stream)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
@@ -490,28 +527,32 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     # rdma sources: the pull reads the staged layout (not staged yet with split waits) and routing (the
     # staging ring holds one chunk per source: a window of several chunks staged over it while counting).
     restage = (WAIT_LAYOUT if split_waits else 0) | (WAIT_ROUTE | WAIT_LAYOUT if len(window.chunks) > 1 else 0)
-    for c in window.chunks:
-        if split_waits:
-            wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
-        stage(k, s, stream, chunk=c, parts=restage)
-        pull(k, s, stream, chunk=c, window=window)
-        if early:  # the pull was this PE's last read of every source's slot (meta was snapshotted)
-            ack(k, s, stream, chunk=c)
-            if acked is not None:
-                acked(c)
-    if mark is not None:
-        mark("dispatch")
-    if stamps:
-        stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
-        stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
-    out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
-                                     rows_per_expert=window.rows_per_expert))
-    if mark is not None:
-        mark("experts")
-    if stamps:
-        stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
-        stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
-    combine_scatter(k, s, stream, out=out, window_begin=window.first)
+    last_pass = len(window.passes) - 1
+    for pass_idx, (pass_begin, rows) in enumerate(window.passes):
+        # A window whose rows exceed the pool runs in passes (PROTOCOL.md 9.3): each pulls, computes and
+        # scatters the entries of its rows; every pass reads the slots again, so EARLY waits for the last.
+        for c in window.chunks:
+            if split_waits and pass_idx == 0:
+                wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
+            stage(k, s, stream, chunk=c, parts=restage if pass_idx == 0 or len(window.chunks) > 1 else 0)
+            pull(k, s, stream, chunk=c, window=window, pass_idx=pass_idx)
+            if early and pass_idx == last_pass:  # this PE's last read of every source's slot (meta snapshotted)
+                ack(k, s, stream, chunk=c)
+                if acked is not None:
+                    acked(c)
+        if mark is not None and pass_idx == last_pass:
+            mark("dispatch")
+        if stamps and pass_idx == 0:
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
+        out = outbound(s, engine.forward(s.pool(rows, pass_begin, len(window.passes)), rows,
+                                         rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows)))
+        if mark is not None and pass_idx == last_pass:
+            mark("experts")
+        if stamps and pass_idx == last_pass:
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
+            stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
+        combine_scatter(k, s, stream, out=out, window_begin=window.first, pass_begin=pass_begin, pass_rows=rows)
     combine_signal(k, s, stream, first=window.first, last=window.last, ack_chunks=not early)
     combine_wait(k, s, stream, chunk=window.last)
     combine_reduce(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
@@ -540,7 +581,7 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     if mark is not None:
         mark("dispatch")
     out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
-                                     rows_per_expert=window.rows_per_expert))
+                                     rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound)))
     if mark is not None:
         mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,

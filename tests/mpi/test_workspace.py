@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes, shard_experts
 from symmring.moe.reference import reference_moe

@@ -1,0 +1,257 @@
+"""The GPU share of a `symmring.Workspace`: the memory every `symmring.moe.gpu.MoE` of a process borrows.
+
+`DeviceMemory` allocates the workspace's regions once (`symmring.workspace_plan`): the combine buffer and
+the experts' output rows in the symmetric heap, the expert pool and the window's entry map as flat device
+buffers, the owner's routing rows, and the streams, the graph memory pool and the end-of-call event that
+every layer's calls share (calls of all layers are ordered one after another on it). `DeviceMemory.bind`
+gives a layer shape its view of them: a ring (one per distinct ring spec and transport request: layers
+of one shape share it and its generations keep growing across their calls), its staging ring for rdma
+peers, and a `symmring.moe.stages.State` over the shared bytes sized for that shape.
+
+Layers of different shapes read the same bytes with their own row sizes (``pool_rows`` per shape: the
+plan sizes every region for the largest). The state a layer's call leaves (counters, the m_indices of
+the pool, the combine ready words) is left clean for the next call of any layer: the dispatch clears its
+counts, the combine scatter puts every pool row's group back to -1, and combine generations only grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+import numpy as np
+
+from ..layout import ALIGN, RingLayout, RingSpec, align_up
+from ..workspace_plan import LayerShape, WorkspacePlan
+from . import stages, timeline
+
+#: fp8 scale group of the ring and pool.
+FP8_GROUP_SIZE = 128
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+@dataclasses.dataclass
+class Binding:
+    """One ring spec's view of the workspace: its ring, staging ring (or None), state and transports."""
+
+    ring: object
+    stage_alloc: object
+    state: stages.State
+    capacity: int
+    topk_idx: object
+    topk_weights: object
+
+
+class DeviceMemory:
+    """The regions of a GPU workspace (module docstring). Collective constructor (`Workspace.attach`)."""
+
+    def __init__(self, workspace, plan: WorkspacePlan, *, rdma: bool):
+        torch = _torch()
+        self.workspace, self.plan, self.rdma = workspace, plan, rdma
+        backend = workspace.ctx.backend
+        self.backend = backend
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        r = plan.regions
+        world = workspace.world_size
+        # Symmetric: the combine rows ([max_tokens][K][H] bf16 by logical token) and the experts' output rows.
+        # Each ring has its own combine ready words (`_ring`): their generations are that ring's.
+        self.combine_alloc = backend.alloc(max(r["combine"], 16))
+        self.out_alloc = backend.alloc(max(r["out"], 16))
+        # Local: the pool, the window's entry -> row map and the owner's routing rows.
+        self.pool_bytes = torch.empty(max(r["pool"], 16), dtype=torch.uint8, device=self.device)
+        entry_words = max(plan.num_slots * world * plan.tokens_per_slot * s.topk for s in plan.shapes)
+        self.entry_rows = torch.empty(entry_words, dtype=torch.int32, device=self.device)
+        self.routing_bytes = torch.empty(max(r["routing"], 16), dtype=torch.uint8, device=self.device)
+        self.producer_stream = torch.cuda.Stream(device=self.device)
+        self.consumer_stream = torch.cuda.Stream(device=self.device)
+        self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
+        self.call_done = None  # torch.cuda.Event after the last call's end (any layer's)
+        self.kernels = stages.Kernels(backend)
+        # (spec, transport) -> (ring, staging alloc, staging descriptor, combine ready words alloc)
+        self._rings: Dict[Tuple, Tuple[object, object, object, object]] = {}
+        self._bindings: Dict[Tuple, Binding] = {}
+        self.requests = []  # (key, bind arguments) in the order layers bound (`rebind` after the workspace grew)
+        self.closed = False
+
+    def fits(self, plan: WorkspacePlan) -> bool:
+        """Whether this memory holds every region of ``plan`` (a layer that fits attaches without a move)."""
+        r = plan.regions
+        entry_words = max(plan.num_slots * self.workspace.world_size * plan.tokens_per_slot * s.topk
+                          for s in plan.shapes)
+        return (r["combine"] <= self.combine_alloc.nbytes and r["out"] <= self.out_alloc.nbytes
+                and r["pool"] <= self.pool_bytes.numel() and r["routing"] <= self.routing_bytes.numel()
+                and entry_words <= self.entry_rows.numel())
+
+    # --- binding a layer ----------------------------------------------------------------------------------
+
+    def bind(self, shape: LayerShape, *, num_slots: int, tokens_per_slot: int, transport, timeout_s: float,
+             align: int) -> Tuple:
+        """Make the view of a layer of ``shape`` with a ring of ``num_slots`` x ``tokens_per_slot`` and return its
+        key (`bindings`). Collective on first use of a ring spec (every rank's layer asks for the same)."""
+        key = (shape, num_slots, tokens_per_slot, str(transport))
+        if key not in self._bindings:
+            self._bindings[key] = self._make_binding(shape, num_slots, tokens_per_slot, transport, timeout_s, align)
+            self.requests.append((key, (shape, num_slots, tokens_per_slot, transport, timeout_s, align)))
+        return key
+
+    def rebind(self, requests) -> None:
+        """Make the views an earlier `DeviceMemory` of this workspace had, in the same order (collective: a
+        workspace grows inside a layer's constructor, on every rank alike)."""
+        for key, (shape, num_slots, tokens_per_slot, transport, timeout_s, align) in requests:
+            self._bindings[key] = self._make_binding(shape, num_slots, tokens_per_slot, transport, timeout_s, align)
+            self.requests.append((key, (shape, num_slots, tokens_per_slot, transport, timeout_s, align)))
+
+    @property
+    def bindings(self) -> Dict[Tuple, Binding]:
+        return self._bindings
+
+    def _make_binding(self, shape: LayerShape, num_slots: int, tokens_per_slot: int, transport, timeout_s: float,
+                      align: int) -> Binding:
+        torch = _torch()
+        pool_rows = self.workspace.pool_rows(shape)
+        spec = RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=shape.hidden,
+                        num_topk=shape.topk, num_experts=shape.num_experts, x_format=shape.x_format,
+                        sf_group_size=FP8_GROUP_SIZE)
+        ring, stage_alloc, stage_desc, ready_alloc = self._ring(spec, transport, timeout_s)
+        world, rank = self.workspace.world_size, self.workspace.rank
+        E, K, H = max(1, shape.num_experts // world), shape.topk, shape.hidden
+        R = pool_rows
+        fp8_pool = shape.expert_format == "fp8"
+        i32 = dict(dtype=torch.int32, device=self.device)
+        # The pool's bytes: x rows, their scales (fp8), row sources, weights and groups, carved in order.
+        carve = _Carver(self.pool_bytes)
+        pool_x = carve.take((R, H), torch.float8_e4m3fn if fp8_pool else torch.bfloat16)
+        pool_sf = carve.take((stages.pool_scale_words(R, H),), torch.float32) if fp8_pool else None
+        m_indices = carve.take((R,), torch.int32) if fp8_pool else None
+        row_src = carve.take((R, 4), torch.int32)
+        row_weight = carve.take((R,), torch.float32)
+        if m_indices is not None:
+            m_indices.fill_(-1)  # every row free; each call's scatter puts its rows back to -1
+        entry_rows = self.entry_rows[: num_slots * world * tokens_per_slot * K].view(num_slots, world,
+                                                                                   tokens_per_slot, K)
+        routing = _Carver(self.routing_bytes)
+        max_tokens = self.workspace.max_tokens
+        topk_idx = routing.take((max_tokens, K), torch.int32)
+        topk_weights = routing.take((max_tokens, K), torch.float32)
+        out_rows = self.backend.torch_view(self.out_alloc, rank, 0, np.uint16, (R, H)).view(torch.bfloat16)
+        max_chunks = -(-max_tokens // tokens_per_slot)
+        state = stages.State(
+            desc=ring.kernels.desc, num_ranks=world, expert_begin=rank * E, num_local_experts=E,
+            tokens_per_slot=tokens_per_slot, topk=K, hidden=H, fp8_layout=shape.x_format == "fp8_e4m3",
+            capacity=R, counts=torch.zeros(E, **i32), begin=torch.zeros(E, **i32), group_end=torch.zeros(E, **i32),
+            cursor=torch.zeros(E, **i32), total=torch.zeros(1, **i32), status=torch.zeros(1, **i32),
+            counters=torch.zeros(stages.NUM_COUNTERS, **i32), pool_x=pool_x, pool_sf=pool_sf, m_indices=m_indices,
+            align=align, bad_id=torch.zeros(stages.BAD_ID_WORDS, **i32), row_src=row_src, row_weight=row_weight,
+            token_base=torch.zeros((max(num_slots, 1), world), dtype=torch.int64, device=self.device),
+            stage=stage_desc, outbound=out_rows if stage_desc is not None else None,
+            combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
+            combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
+            stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
+            entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32))
+        return Binding(ring=ring, stage_alloc=stage_alloc, state=state, capacity=R, topk_idx=topk_idx,
+                       topk_weights=topk_weights)
+
+    def _ring(self, spec: RingSpec, transport, timeout_s: float):
+        key = (spec, str(transport))
+        found = self._rings.get(key)
+        if found is not None:
+            return found
+        from .. import transport as transport_mod
+        from ..kernels import DeviceRing
+        ring = DeviceRing(self.backend, spec, timeout_s=timeout_s, transport=transport)
+        # rdma sources are read from a staging ring of one slot per source rank (symmetric: a get's local
+        # buffer must be on every NVSHMEM transport), so every PE allocates it when any PE has an rdma peer.
+        any_rdma = transport_mod.RDMA in ring.transports
+        wanted = self.workspace.ctx.collectives.allgather(any_rdma, what="Workspace: transports", timeout_s=timeout_s)
+        stage_alloc, stage_desc = None, None
+        if any(wanted):
+            layout = RingLayout(dataclasses.replace(spec, num_slots=self.workspace.world_size),
+                                self.workspace.world_size)
+            stage_alloc = self.backend.alloc(layout.nbytes)
+            if any_rdma:  # only the payload regions are used: slot r holds source rank r's staged chunk
+                stage_desc = _cupy().asarray(np.frombuffer(
+                    layout.descriptor(stage_alloc.ptr, rank=self.workspace.rank).tobytes(), dtype=np.uint8))
+        # The combine ready words of this ring's calls (one per source rank, zero-filled): a SET of the chunk's
+        # generation, which only grows on this ring, so no other ring's signal can satisfy its waits.
+        ready_alloc = self.backend.alloc(align_up(self.workspace.world_size * 8, ALIGN))
+        self._rings[key] = (ring, stage_alloc, stage_desc, ready_alloc)
+        return self._rings[key]
+
+    # --- accounting, reset, teardown ----------------------------------------------------------------------
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes by region (the plan's ``scratch``: the engines' transient L1 output and activations)."""
+        return {"ring": sum(r.alloc.nbytes + w.nbytes for r, _, _, w in self._rings.values()),
+                "staging": sum(s.nbytes for _, s, _, _ in self._rings.values() if s is not None),
+                "combine": self.combine_alloc.nbytes, "pool": self.pool_bytes.numel(),
+                "out": self.out_alloc.nbytes, "scratch": self.plan.regions["scratch"],
+                "dispatch": self.entry_rows.numel() * 4 + sum(_dispatch_bytes(b.state) for b in self._bindings.values()),
+                "routing": self.routing_bytes.numel()}
+
+    def reset(self) -> None:
+        """Collective: clear every ring, the combine buffer and every binding's error state and pool marks."""
+        torch = _torch()
+        cupy = _cupy()
+        for ring, _, _, ready_alloc in self._rings.values():
+            ring.reset()  # its generation base restarts at 0: so do its combine ready words
+            cupy.cuda.runtime.memset(ready_alloc.ptr, 0, ready_alloc.nbytes)
+        for b in self._bindings.values():
+            s = b.state
+            s.counters.zero_()
+            s.status.zero_()
+            s.bad_id.zero_()
+            if s.m_indices is not None:  # a window cut short by a timeout leaves rows marked
+                s.m_indices.fill_(-1)
+        torch.cuda.synchronize()
+        cupy.cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
+        cupy.cuda.runtime.deviceSynchronize()
+        self.call_done = None
+        self.backend.barrier()
+
+    def close(self) -> None:
+        """Collective, idempotent: free the symmetric allocations and the rings."""
+        if self.closed:
+            return
+        self.closed = True
+        for ring, stage_alloc, _, ready_alloc in self._rings.values():
+            if stage_alloc is not None:
+                self.backend.free(stage_alloc)
+            self.backend.free(ready_alloc)
+            ring.close()
+        self._rings.clear()
+        self._bindings.clear()
+        self.backend.free(self.out_alloc)
+        self.backend.free(self.combine_alloc)
+
+
+def _dispatch_bytes(s: stages.State) -> int:
+    return sum(t.numel() * t.element_size() for t in (s.counts, s.begin, s.group_end, s.cursor, s.total, s.status,
+                                                     s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end))
+
+
+class _Carver:
+    """Consecutive 128-byte aligned typed views of one flat uint8 tensor."""
+
+    def __init__(self, flat):
+        self.flat, self.offset = flat, 0
+
+    def take(self, shape, dtype):
+        torch = _torch()
+        count = int(np.prod(shape))
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        begin = align_up(self.offset, ALIGN)
+        if begin + nbytes > self.flat.numel():
+            from ..errors import ConfigError
+            raise ConfigError(f"workspace: a region of {nbytes} bytes at {begin} does not fit its {self.flat.numel()} "
+                              "bytes (the plan sized it for other shapes)")
+        self.offset = begin + nbytes
+        return self.flat[begin:begin + nbytes].view(dtype).view(shape)
