@@ -24,13 +24,14 @@ untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Dict, Optional
 
 import numpy as np
 
-from . import env, protocol
+from . import agreement, env, protocol
 from . import transport as transport_mod
 from .backends.base import DeviceBackend
 from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError,
@@ -165,6 +166,9 @@ class DeviceRing:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
+        # Once, before the allocation: a rank with another spec is a ConfigError naming it, on every rank.
+        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec",
+                                     timeout_s=float(timeout_s))
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)
@@ -505,7 +509,10 @@ class RingKernels:
             raise RingClosedError("the ring was closed")
         cupy = _cupy()
         self.backend.barrier(what="RingKernels.reset: every device idle")
-        cupy.cuda.runtime.memset(self.alloc.ptr, 0, self.alloc.nbytes)
+        # One stream, in order: the zeroing, then the counters, then the full masks (a memset on the legacy
+        # stream could land after a fill on a non-blocking current stream and clear the fresh masks).
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memsetAsync(self.alloc.ptr, 0, self.alloc.nbytes, stream.ptr)
         self.counters.fill(0)
         _fill_full_masks(self.backend, self.layout, self.alloc)
         cupy.cuda.runtime.deviceSynchronize()

@@ -63,7 +63,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import env, protocol
+from .. import agreement, env, protocol
 from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, RingClosedError
 from ..layout import ALIGN, RingLayout, RingSpec, align_up
@@ -268,6 +268,9 @@ class MoE:
         self.expert_dtype = weights.dtype
 
         # --- symmetric memory (collective) ------------------------------------------------------------
+        # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
+        # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
         from ..kernels import DeviceRing
         self.spec = RingSpec(num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot, hidden=H,
                              num_topk=K, num_experts=self.num_experts, x_format=x_format,
@@ -350,6 +353,15 @@ class MoE:
                     self.inter, K, x_format, self.expert_dtype, self.engine.name, self.max_tokens, self.num_slots,
                     self.tokens_per_slot, self.ack_policy.name.lower(), self.expert_window, self.capacity,
                     self.memory()["pool_bytes"])
+
+    def _agreed_fields(self) -> Dict[str, object]:
+        """What every rank's layer must share: the sizes of its symmetric memory and the schedule options
+        every rank's plan reads (`symmring.agreement`)."""
+        return dict(num_experts=self.num_experts, hidden=self.hidden, inter=self.inter, topk=self.topk,
+                    max_tokens=self.max_tokens, num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot,
+                    x_format=self.x_format, expert_dtype=self.expert_dtype, ack_policy=self.ack_policy.name,
+                    expert_window=self.expert_window, small_batch_tokens=self.small_batch_tokens,
+                    small_batch_capable=self._small_batch_capable())
 
     def memory(self) -> Dict[str, int]:
         """Device bytes this layer holds on this PE: ``pool_bytes`` (the expert pool: its rows, their scales,
@@ -520,15 +532,16 @@ class MoE:
         self._check_open()
         x = self._check_input(x)
         n = int(x.shape[0])
-        stream_it = self.streams(streaming, n)
+        if not isinstance(streaming, bool) and streaming != "auto":
+            raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_MODES)}")
         if not isinstance(timeline, bool):
             raise ConfigError(f"timeline={timeline!r}: expected a bool")
         delays = _check_delays("producer_delay_ns", producer_delay_ns)
         consumer_delays = _check_delays("consumer_delay_ns", consumer_delay_ns)
-        if not stream_it and (timeline or delays or consumer_delays):
+        if streaming is not True and (timeline or delays or consumer_delays):
             raise ConfigError("timeline/producer_delay_ns/consumer_delay_ns: only for the streamed schedule "
                               "(streaming=True)")
-        if stream_it and stage_events is not None:
+        if streaming is not False and stage_events is not None:
             raise ConfigError("stage_events: only for the batch path (streaming=False); the streamed schedule "
                               "records a timeline (timeline=True)")
         if small_batch not in (None, True, False):
@@ -541,8 +554,7 @@ class MoE:
                               f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
         counts, distinct = self._all_token_counts(n, own_router=kind != "given")
-        # Forced on a call it cannot run (streamed, several chunks): make_plan names why.
-        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        stream_it, small = self._schedule(streaming, counts, small_batch)
         plan = self._plan(counts, stream_it, small, distinct)
         self.last_plan = plan
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -673,6 +685,15 @@ class MoE:
         if self._call_done is None:
             self._call_done = _torch().cuda.Event()
         self._call_done.record()
+
+    def _schedule(self, streaming, counts: List[int], small_batch: Optional[bool]) -> Tuple[bool, bool]:
+        """``(streamed, small_batch)`` of a call: decided from the exchanged token ``counts`` (the same list on
+        every rank), never from this rank's own count, so every rank runs the same schedule (PROTOCOL 9.1a):
+        ``"auto"`` asks the policy about ``max(counts)``. A forced ``small_batch`` on a call it cannot run
+        (streamed, several chunks) is left to `plans.make_plan` to name."""
+        stream_it = self.streams(streaming, max(counts))
+        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        return stream_it, small
 
     def _small_batch_capable(self) -> bool:
         # The fused dispatch waits for source r on thread r of every block.
@@ -929,7 +950,9 @@ class MoE:
         self._state.bad_id.zero_()
         if self._state.m_indices is not None:  # a window cut short by a timeout leaves rows marked
             self._state.m_indices.fill_(-1)
-        _cupy().cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
+        # The same stream as the fills above (torch's current one); the barrier synchronises the device.
+        _cupy().cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes,
+                                         _torch().cuda.current_stream().cuda_stream)
         self.backend.barrier()
 
     def close(self) -> None:
@@ -941,6 +964,8 @@ class MoE:
         self.backend.free(self.combine_alloc)
         if self.stage_alloc is not None:
             self.backend.free(self.stage_alloc)
+        if self.outbound_alloc is not None:
+            self.backend.free(self.outbound_alloc)
         self.ring.close()
 
     def __enter__(self) -> "MoE":
