@@ -47,9 +47,12 @@ class _Layer:
     _schedule = gpu.MoE._schedule
     small_batch_applies = gpu.MoE.small_batch_applies
     _small_batch_capable = gpu.MoE._small_batch_capable
+    _raise_async_error = gpu.MoE._raise_async_error
 
-    def __init__(self, rank, counts, *, threshold=1000, small_batch_tokens=128, tokens_per_slot=4096):
+    def __init__(self, rank, counts, *, threshold=1000, small_batch_tokens=128, tokens_per_slot=4096, latched=None):
         self.rank, self.world_size, self.counts = rank, len(counts), list(counts)
+        self.latched = latched or [None] * len(counts)
+        self.backend = None
         self.policy = _Policy(threshold)
         self.small_batch_tokens, self.tokens_per_slot = small_batch_tokens, tokens_per_slot
         self.x_format, self.engine, self.hidden = "fp8_e4m3", _Engine(), 8
@@ -65,7 +68,7 @@ class _Layer:
 
     def _all_token_counts(self, n, own_router):
         assert n == self.counts[self.rank]
-        return list(self.counts), own_router
+        return list(self.counts), own_router, list(self.latched)
 
     def _plan(self, counts, streaming, small_batch=False, distinct_experts=False):
         raise _Planned(counts, streaming, small_batch)
@@ -114,3 +117,49 @@ def test_bad_streaming_and_options_raise_before_the_exchange():
         layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", timeline=True)
     with pytest.raises(ConfigError, match="stage_events"):
         layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", stage_events=[])
+
+
+class _OwnLatch:
+    def error(self):
+        return RuntimeError("own latched error")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_latched_error_on_one_rank_stops_the_call_on_every_rank(world_size):
+    """Issue 24, item 2: the latched device errors travel with the token counts, so every rank raises in the
+    same forward, before anything is planned or enqueued: the rank that latched it raises its own error, the
+    others a ProtocolAborted naming it."""
+    from symmring import layout
+    from symmring.errors import ProtocolAborted
+
+    culprit = world_size - 1
+    words = [layout.ERROR_KIND_DOUBLE_ACK, culprit, 0, 0, 3, 1, 1, 0, 0]
+    latched = [None] * world_size
+    latched[culprit] = words
+    for rank in range(world_size):
+        layer = _Layer(rank, [4] * world_size, latched=latched)
+        layer._latch = _OwnLatch()
+        if rank == culprit:
+            with pytest.raises(RuntimeError, match="own latched error"):
+                layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
+        else:
+            with pytest.raises(ProtocolAborted) as info:
+                layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
+            error = info.value
+            assert (error.rank, error.origin, error.origin_kind, error.origin_peer, error.origin_chunk) == \
+                (rank, culprit, "double_ack", 0, 3), str(error)
+            assert f"rank {culprit} latched a device error" in str(error) and "reset()" in str(error)
+
+
+def test_a_latched_abort_names_the_first_origin():
+    from symmring import layout
+    from symmring.kernels import peer_async_error
+
+    word = layout.pack_abort(2, layout.ERROR_KIND_REUSE, 3, 5)
+    aborted = [layout.ERROR_KIND_ABORTED, 1, 2, 0, 5, 9, word, layout.ERROR_KIND_ROUTE, word]
+    error = peer_async_error(0, [None, aborted, None, None])
+    assert (error.origin, error.origin_kind, error.origin_peer, error.origin_chunk) == (2, "reuse", 3, 5)
+    assert "(reported by rank 1)" in str(error)
+    entry_only = [layout.ERROR_KIND_NONE, 0, 0, 0, 0, 0, 0, 0, word]  # a kernel returned at entry
+    assert peer_async_error(0, [None, entry_only]).origin == 2
+    assert peer_async_error(1, [None, aborted]) is None  # its own: the caller raises the latch's own error

@@ -216,7 +216,12 @@ __device__ inline bool wait_slot_free(const RingDescriptor& d, int chunk_idx, co
         // part issued after its own wait for this slot saw the mask complete.
         if (other_ready != nullptr && ld_acquire_sys(other_ready) == gen) return true;
         if (deadline.expired(d)) {
-            deadline.give_up(d, kErrorReuse, d.rank, slot, chunk_idx, required, observed, required & ~observed);
+            // peer: the lowest consumer whose acknowledgement is missing (the rank that failed to act, named
+            // in the abort word the other PEs read), not this waiting owner.
+            const uint64_t missing = required & ~observed;
+            const int peer = missing != 0 ? w * kRanksPerMaskWord + (__ffsll(static_cast<long long>(missing)) - 1)
+                                          : d.rank;
+            deadline.give_up(d, kErrorReuse, peer, slot, chunk_idx, required, observed, missing);
             return false;
         }
     }

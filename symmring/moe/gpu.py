@@ -276,6 +276,8 @@ class MoE:
                              num_topk=K, num_experts=self.num_experts, x_format=x_format,
                              sf_group_size=FP8_GROUP_SIZE)
         self.ring = DeviceRing(backend, self.spec, timeout_s=self.timeout_s, transport=transport)
+        from ..kernels import AsyncErrorLatch
+        self._latch = AsyncErrorLatch(self.ring.kernels)  # device errors, seen by the host without a sync
         #: How this PE reaches each rank ("self", "p2p", "rdma"; `symmring.transport`).
         self.transports = self.ring.transports
         # rdma sources are read from a staging ring of one slot per source rank (moe_dispatch_stage gets
@@ -553,7 +555,8 @@ class MoE:
                               f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
                               f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        counts, distinct = self._all_token_counts(n, own_router=kind != "given")
+        counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given")
+        self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
         stream_it, small = self._schedule(streaming, counts, small_batch)
         plan = self._plan(counts, stream_it, small, distinct)
         self.last_plan = plan
@@ -585,6 +588,8 @@ class MoE:
             self._run_streamed(plan, x, kind, source, y, stamps, delays or {}, consumer_delays or {})
         else:
             self._run_batch(plan, x, kind, source, y, stage_events)
+        # Last on the caller's stream: after an error, y is NaN and the error latched for the next forward.
+        self._latch.enqueue(_torch().cuda.current_stream().cuda_stream, y)
 
     # --- the cache of captured calls (symmring.moe.graph_cache) ---------------------------------------
 
@@ -869,16 +874,38 @@ class MoE:
             y = self.forward(x, **kwargs)
         return CapturedCall(self, graph), y
 
-    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool]:
-        """Every rank's token count of this call, and whether every rank routes with the layer's own router
-        (distinct experts per token, so no expert gets more rows than there are tokens): a bounded exchange
-        of the context (`PeerTimeout` naming the late ranks; the context then refuses further calls until it
-        is re-initialised)."""
+    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool, List]:
+        """Every rank's token count of this call, whether every rank routes with the layer's own router
+        (distinct experts per token, so no expert gets more rows than there are tokens), and every rank's
+        latched device error (`AsyncErrorLatch.latched`: None where none): a bounded exchange of the context
+        (`PeerTimeout` naming the late ranks; the context then refuses further calls until it is
+        re-initialised)."""
+        latched = self._latch.latched()
         if self.world_size == 1:
-            return [n], own_router
-        pairs = self.ctx.collectives.allgather((n, own_router), what="MoE.forward: token counts",
-                                               timeout_s=self.timeout_s)
-        return [int(c) for c, _ in pairs], all(bool(r) for _, r in pairs)
+            return [n], own_router, [latched]
+        triples = self.ctx.collectives.allgather((n, own_router, latched), what="MoE.forward: token counts",
+                                                 timeout_s=self.timeout_s)
+        return [int(c) for c, _, _ in triples], all(bool(r) for _, r, _ in triples), [e for _, _, e in triples]
+
+    def _raise_async_error(self, latched: List) -> None:
+        """Raise the device error latched by an earlier call of this rank (its own record, named), or else by
+        another rank (`ProtocolAborted` naming it): ``latched`` is the exchanged list, the same on every rank,
+        so every rank raises in the same call. The latch stays set until `reset`."""
+        if all(words is None for words in latched):
+            return
+        from ..kernels import peer_async_error
+        error = self._latch.error() if latched[self.rank] is not None else peer_async_error(self.rank, latched)
+        collectives = getattr(self.backend, "collectives", None)
+        if collectives is not None:
+            collectives.record_fault(error)  # as check_errors: exiting now aborts the job instead of hanging
+        raise error
+
+    def async_error(self):
+        """This rank's device error latched by an earlier call (`symmring.kernels.AsyncErrorLatch`), as the named
+        exception (returned, not raised), or None: a poll of host memory, no synchronisation and no collective
+        (NCCL's ``ncclCommGetAsyncError``). A call still running on the device may latch one later."""
+        self._check_open()
+        return self._latch.error()
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
@@ -954,6 +981,7 @@ class MoE:
         _cupy().cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes,
                                          _torch().cuda.current_stream().cuda_stream)
         self.backend.barrier()
+        self._latch.clear()  # every device idle (the barrier synchronised): no latch kernel can still run
 
     def close(self) -> None:
         """Collective, idempotent: free the symmetric allocations."""
@@ -961,6 +989,7 @@ class MoE:
             return
         self.closed = True
         self.clear_graph_cache()  # before the memory their kernels address is freed
+        self._latch.close()
         self.backend.free(self.combine_alloc)
         if self.stage_alloc is not None:
             self.backend.free(self.stage_alloc)
