@@ -221,6 +221,8 @@ def test_stale_payload_on_the_moe_path_is_detected(ctx):
 def test_dispatch_wait_gives_both_parts_one_deadline(ctx):
     if ctx.world_size != 1:
         pytest.skip("one PE: the wait's sources are this PE's own words, written from the host")
+    if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        pytest.skip("the host writes the route word while the wait runs: not with CUDA_LAUNCH_BLOCKING=1")
     bound_s = 4.0
     moe = layer(ctx, 16, timeout_s=bound_s)
     try:
