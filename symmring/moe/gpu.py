@@ -20,7 +20,8 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   most ``graph_cache`` graphs per layer, calls of at most 256 tokens per rank), so an eager decode call
   costs about what a replay costs; bitwise the same output.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
-  layer's shape, ring and token count; batch where it has no measurement that beat batch.
+  layer's shape, ring and the largest token count of any rank (asked after the token-count exchange, so
+  every rank runs the same schedule); batch where it has no measurement that beat batch.
 
 Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
 torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
@@ -40,8 +41,10 @@ the fp8 engines (every expert's group starts at a multiple of 128 rows), so no r
 is enqueued.
 
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
-later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. With
-``SYMMRING_DEBUG=1`` every forward checks. After a timeout, `MoE.reset` (collective) makes the layer
+later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. Without
+a synchronisation (docs/PROTOCOL.md 10.2): the call's output is NaN, `MoE.async_error` returns the error
+latched in host memory, and the next `forward` raises it on every rank before enqueuing anything. With
+``SYMMRING_DEBUG=1`` every forward checks. After any device error, `MoE.reset` (collective) makes the layer
 usable again.
 
 Example:
@@ -521,14 +524,18 @@ class MoE:
 
         Returns:
             bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync), a new
-            tensor on every call (a replayed call returns a clone of its graph's output).
+            tensor on every call (a replayed call returns a clone of its graph's output); all NaN when a
+            device error was pending at the call's end.
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
                 than the ring (nothing is enqueued).
             PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
             BrokenStateError: an earlier host exchange of the context failed (re-initialise).
-            ProtocolTimeout: with ``SYMMRING_DEBUG=1``, a device wait expired.
+            ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
+                (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
+                every rank and before anything is enqueued, until `reset`; with ``SYMMRING_DEBUG=1`` also a
+                device error of this call.
         """
         torch = _torch()
         self._check_open()
