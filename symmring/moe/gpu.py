@@ -1023,7 +1023,9 @@ class CapturedCall:
         self.layer, self.graph = layer, graph
 
     def replay(self) -> None:
-        """Replay on the current stream, after the layer's previous call (no host synchronisation)."""
+        """Replay on the current stream, after the layer's previous call (no host synchronisation). A replay
+        has no token-count exchange, so it does not raise a device error latched by an earlier call: after one
+        its output is NaN, and `MoE.async_error` (a poll of host memory) names the error."""
         self.layer._check_open()
         self.layer._after_previous_call()
         self.graph.replay()
