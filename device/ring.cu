@@ -194,6 +194,36 @@ extern "C" __global__ void symmring_end_call(const RingDescriptor* desc_ptr, int
     if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
 }
 
+// --- the asynchronous error latch (kernels.AsyncErrorLatch) -------------------------------------------
+
+// Words of the latch's host-mapped status (kernels.LATCH_*): the error record, the abort word, then the flag.
+enum LatchWord : int32_t { kLatchAbort = kErrorWords, kLatchFlag = kErrorWords + 1, kLatchWords = kErrorWords + 2 };
+
+// Enqueued last in every call of a layer (after its last kernel on the caller's stream, in a CUDA graph too).
+// Nothing to do unless this PE has an error pending (its record, or another PE's abort): then every thread
+// fills `poison` (num_poison 16-bit words: the call's bf16 output) with NaN, and thread 0 copies the record and
+// the abort word into `host_status` (pinned, host-mapped memory the host polls without synchronising) and
+// sets its flag, once: the first latched error stays until the host clears it (reset). A kernel of this call
+// that returned early because of an error did so before this one started (stream order), and errors stay
+// pending until reset, so every block sees it: an output that was not completely written is always poisoned.
+extern "C" __global__ void symmring_error_latch(const RingDescriptor* desc_ptr, unsigned long long* host_status,
+                                                unsigned short* poison, long long num_poison) {
+    const RingDescriptor& d = *desc_ptr;
+    if (!error_pending(d)) return;
+    constexpr unsigned short kBf16NaN = 0x7fc0;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_poison; i += stride)
+        poison[i] = kBf16NaN;
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    volatile unsigned long long* status = host_status;
+    if (status[kLatchFlag] != 0) return;
+    const volatile int64_t* record = error_record(d);
+    for (int w = 0; w < kErrorWords; ++w) status[w] = static_cast<unsigned long long>(record[w]);
+    status[kLatchAbort] = load_abort_word(d);
+    __threadfence_system();  // release: the words before the flag the host reads first
+    status[kLatchFlag] = 1ull;
+}
+
 // --- host primitives of the nvshmem backend (one thread each) -----------------------------------------
 
 // SET/ADD (signal ops, relaxed) or OR (atomic, relaxed) on `pe`'s copy of `word`.

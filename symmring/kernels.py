@@ -24,13 +24,15 @@ untouched.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import warnings
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from . import env, protocol
+from . import agreement, env, protocol
 from . import transport as transport_mod
 from .backends.base import DeviceBackend
 from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError,
@@ -165,6 +167,9 @@ class DeviceRing:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
+        # Once, before the allocation: a rank with another spec is a ConfigError naming it, on every rank.
+        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec",
+                                     timeout_s=float(timeout_s))
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)
@@ -453,8 +458,10 @@ class RingKernels:
             collectives.record_fault(error)
         raise error
 
-    def _device_error(self, record, abort_word: int) -> Optional[SymmringError]:
-        """The error a record and an abort word describe (None when both are clear)."""
+    def _device_error(self, record, abort_word: int, *, read_masks: bool = True) -> Optional[SymmringError]:
+        """The error a record and an abort word describe (None when both are clear). ``read_masks``: name a
+        reuse timeout's missing ranks from the slot's mask as it is now (a copy from the device) rather than
+        from the record's missing bits (False: no device access, for `AsyncErrorLatch`)."""
         kind, rank, peer, slot, chunk, expected, observed, missing = record
         names = ERROR_KIND_NAMES
         if kind == ERROR_KIND_NONE and abort_word == 0:
@@ -477,13 +484,14 @@ class RingKernels:
             return DoubleAck(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
                              observed=observed & _U64, advice=RESET_ADVICE)
         missing_ranks = ()
-        if kind == ERROR_KIND_REUSE:
+        if kind == ERROR_KIND_REUSE and read_masks:
             W = self.layout.mask_words
             masks = self.backend.view(self.alloc, self.backend.rank, self.layout["ack_mask"].offset + slot * W * 8,
                                       np.uint64, (W,)).get()
             missing_ranks = protocol.missing_ranks([int(m) for m in masks],
                                                    protocol.full_mask(self.backend.world_size))
-            if not missing_ranks:  # arrived after the timeout: report what the device saw
+        if kind == ERROR_KIND_REUSE:
+            if not missing_ranks:  # arrived after the timeout, or not read: report what the device saw
                 missing_ranks = protocol.missing_ranks([_U64 - (missing & _U64)], [expected & _U64])
             peer = None
         return ProtocolTimeout(names.get(kind, f"kind {kind}"), rank=rank, peer=peer, slot=slot, chunk=chunk,
@@ -505,8 +513,116 @@ class RingKernels:
             raise RingClosedError("the ring was closed")
         cupy = _cupy()
         self.backend.barrier(what="RingKernels.reset: every device idle")
-        cupy.cuda.runtime.memset(self.alloc.ptr, 0, self.alloc.nbytes)
+        # One stream, in order: the zeroing, then the counters, then the full masks (a memset on the legacy
+        # stream could land after a fill on a non-blocking current stream and clear the fresh masks).
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memsetAsync(self.alloc.ptr, 0, self.alloc.nbytes, stream.ptr)
         self.counters.fill(0)
         _fill_full_masks(self.backend, self.layout, self.alloc)
         cupy.cuda.runtime.deviceSynchronize()
         self.backend.barrier(what="RingKernels.reset: ring cleared")
+
+
+# --- asynchronous errors (NCCL's ncclCommGetAsyncError) ---------------------------------------------------
+
+#: Words of `AsyncErrorLatch`'s host-mapped status (device/ring.cu LatchWord): the error record
+#: (`ERROR_WORDS`), the abort word, then the flag the device sets last.
+LATCH_ABORT, LATCH_FLAG, LATCH_WORDS = ERROR_WORDS, ERROR_WORDS + 1, ERROR_WORDS + 2
+#: Threads and most blocks of a latch launch (it only works, poisoning the output, after an error).
+_LATCH_THREADS, _LATCH_MAX_BLOCKS = 256, 64
+
+
+class AsyncErrorLatch:
+    """A ring's device error, latched in pinned host-mapped memory so the host sees it without synchronising.
+
+    `enqueue` puts ``symmring_error_latch`` (device/ring.cu) on a stream after a call's kernels: when the PE has
+    an error pending (its record, or another PE's abort) the kernel fills the call's bf16 output with NaN and,
+    the first time, copies the record and the abort word into the host words and sets the flag. `latched`
+    and `error` read those words (plain host loads: no device call, no synchronisation), so a serving loop
+    learns of a device error on its next call, as NCCL reports ``ncclCommGetAsyncError``. The latch stays set
+    until `clear` (after the collective reset, when every device is idle).
+
+    Args:
+        kernels: the ring's `RingKernels` (its descriptor and module).
+    """
+
+    def __init__(self, kernels: "RingKernels"):
+        cupy = _cupy()
+        runtime = cupy.cuda.runtime
+        self.kernels = kernels
+        # Mapped and portable: with unified addressing (every 64-bit CUDA process) the kernel uses the host
+        # pointer itself.
+        flags = getattr(runtime, "hostAllocMapped", 2) | getattr(runtime, "hostAllocPortable", 1)
+        self._ptr = int(runtime.hostAlloc(LATCH_WORDS * 8, flags))
+        self.words = np.ctypeslib.as_array((ctypes.c_uint64 * LATCH_WORDS).from_address(self._ptr))
+        self.words[:] = 0
+
+    def enqueue(self, stream, poison=None) -> None:
+        """Enqueue the latch on ``stream`` (see `as_stream`), after the call's last kernel there; ``poison``: the
+        call's contiguous 2-byte (bf16) output, NaN-filled when an error is pending (None: nothing)."""
+        ptr, count = 0, 0
+        if poison is not None and poison.numel():
+            if poison.element_size() != 2 or not poison.is_contiguous():
+                raise ConfigError("poison: expected a contiguous 2-byte (bf16) tensor")
+            ptr, count = int(poison.data_ptr()), int(poison.numel())
+        grid = max(1, min(_LATCH_MAX_BLOCKS, -(-count // (_LATCH_THREADS * 8))))
+        self.kernels._fn("symmring_error_latch")(
+            (grid,), (_LATCH_THREADS,), (self.kernels.desc, np.uint64(self._ptr), np.uint64(ptr), np.int64(count)),
+            stream=as_stream(stream))
+
+    def latched(self) -> Optional[List[int]]:
+        """The latched words (record, then abort word; int64 values), or None while nothing is latched."""
+        if int(self.words[LATCH_FLAG]) == 0:
+            return None
+        return [int(v) for v in self.words[:LATCH_FLAG].view(np.int64)]
+
+    def error(self) -> Optional[SymmringError]:
+        """This PE's latched device error as the named exception (not raised), or None."""
+        words = self.latched()
+        if words is None:
+            return None
+        return self.kernels._device_error(words[:ERROR_WORDS], words[LATCH_ABORT] & _U64, read_masks=False)
+
+    def clear(self) -> None:
+        """Forget the latched error: only once no kernel can latch again (after the collective reset)."""
+        self.words[:] = 0
+
+    def close(self) -> None:
+        """Free the host words (synchronises the device first: a latch kernel may still be queued)."""
+        if self._ptr:
+            runtime = _cupy().cuda.runtime
+            runtime.deviceSynchronize()
+            self.words = None
+            runtime.freeHost(self._ptr)
+            self._ptr = 0
+
+
+def peer_async_error(rank: int, latched: Sequence[Optional[Sequence[int]]]) -> Optional[ProtocolAborted]:
+    """The error rank ``rank`` raises when another rank's latch holds a device error (``latched[r]``: rank r's
+    `AsyncErrorLatch.latched` words, gathered in the call's token-count exchange, so every rank sees the same
+    list) and its own does not hold one yet: a `ProtocolAborted` naming the lowest such rank as the origin, with
+    that rank's error kind, peer and chunk. None when no other rank latched anything.
+
+    Example:
+        >>> from symmring import layout
+        >>> words = [layout.ERROR_KIND_REUSE, 0, 2, 0, 1, 7, 3, 4, 0]  # rank 0: reuse wait, rank 2 never acked
+        >>> print(peer_async_error(1, [words, None, None]))  # doctest: +ELLIPSIS
+        rank 1: rank 0 latched a device error (reuse about rank 2, chunk 1); this call was not enqueued...
+    """
+    for origin, words in enumerate(latched):
+        if words is None or origin == rank:
+            continue
+        kind, record_rank, peer, chunk = words[0], words[1], words[2], words[4]
+        if kind in (ERROR_KIND_NONE, ERROR_KIND_ABORTED):  # that rank was itself aborted: name the first origin
+            info = unpack_abort(words[6] if kind == ERROR_KIND_ABORTED else words[LATCH_ABORT])
+            kind, record_rank, peer = info["kind"], info["origin"], info["peer"]
+            chunk = None if info["chunk"] == ABORT_CHUNK_MAX else info["chunk"]
+        name = ERROR_KIND_NAMES.get(kind, f"kind {kind}")
+        error = ProtocolAborted(rank=rank, origin=record_rank, origin_kind=name, origin_peer=peer, origin_chunk=chunk,
+                                advice=RESET_ADVICE)
+        at = f", chunk {chunk}" if chunk is not None else ""
+        via = f" (reported by rank {origin})" if record_rank != origin else ""
+        error.args = (f"rank {rank}: rank {record_rank} latched a device error ({name} about rank {peer}{at}){via}; "
+                      f"this call was not enqueued on any rank; {RESET_ADVICE}",)
+        return error
+    return None

@@ -115,7 +115,8 @@ __device__ __forceinline__ void flag_bad_id(const RingDescriptor& d, int chunk_i
 // Parts of a chunk moe_dispatch_wait waits for (stages.WAIT_*).
 enum WaitParts : int { kWaitRoute = 1, kWaitLayout = 2 };
 
-// Block r waits for source rank r's chunk: its route and/or layout generation (bounded, acquire). With the
+// Block r waits for source rank r's chunk: its route and/or layout generation (acquire; ONE deadline for both
+// parts, so a route that arrives late leaves the layout only the rest of the bound). With the
 // route part, thread 0 then copies the source's meta token_base into token_base[r] (the caller passes the
 // chunk's row of a [window][num_ranks] array). With clear_counts, block 0 zeroes `counts`
 // [num_local_experts] for moe_dispatch_count.
@@ -128,9 +129,10 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
     const int src_rank = blockIdx.x;
     const int slot = slot_of(chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, chunk_idx);
+    Deadline deadline(d);  // one bound for both parts (thread 0's is used): not a bound per part
     if (parts & kWaitRoute) {
         // acquire: pairs with the route publication of moe_produce_route on src_rank.
-        if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute)) return;
+        if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute, deadline)) return;
         __shared__ int fresh;
         if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen);  // a stale slot: typed error
         __syncthreads();
@@ -144,7 +146,8 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
         }
     }
     // acquire: pairs with the layout publication of moe_produce_layout_* on src_rank.
-    if (parts & kWaitLayout) wait_published(d, chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout);
+    if (parts & kWaitLayout)
+        wait_published(d, chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout, deadline);
 }
 
 // The rdma transport's pull (symmring/transport.py): get the chunk's `parts` (kWaitRoute: the meta row,

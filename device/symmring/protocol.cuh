@@ -216,7 +216,12 @@ __device__ inline bool wait_slot_free(const RingDescriptor& d, int chunk_idx, co
         // part issued after its own wait for this slot saw the mask complete.
         if (other_ready != nullptr && ld_acquire_sys(other_ready) == gen) return true;
         if (deadline.expired(d)) {
-            deadline.give_up(d, kErrorReuse, d.rank, slot, chunk_idx, required, observed, required & ~observed);
+            // peer: the lowest consumer whose acknowledgement is missing (the rank that failed to act, named
+            // in the abort word the other PEs read), not this waiting owner.
+            const uint64_t missing = required & ~observed;
+            const int peer = missing != 0 ? w * kRanksPerMaskWord + (__ffsll(static_cast<long long>(missing)) - 1)
+                                          : d.rank;
+            deadline.give_up(d, kErrorReuse, peer, slot, chunk_idx, required, observed, missing);
             return false;
         }
     }
@@ -331,12 +336,13 @@ __device__ inline bool wait_ready(const RingDescriptor& d, int chunk_idx, int sr
 // route_ready_word or layout_ready_word, this PE's address) equals `expected`. For consumers that use the
 // route payload before the layout is published (count on topk_idx while x is still being written); a
 // read of x / x_sf still needs the layout word. Returns false on timeout (error record `kind`).
+// `deadline`: thread 0's Deadline of the whole wait, when one kernel waits for several words in turn (both
+// parts of a chunk: one bound for all of them, docs/PROTOCOL.md section 10); other threads pass any value.
 __device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t* word_local,
-                                      uint64_t expected, ErrorKind kind) {
+                                      uint64_t expected, ErrorKind kind, Deadline& deadline) {
     __shared__ int ok;
     if (threadIdx.x == 0) {
         const uint64_t* word = peer_ptr(d, word_local, src_rank);
-        Deadline deadline(d);
         uint64_t observed;
         ok = 1;
         // acquire: pairs with the release fence of the publication (signal_generation) on src_rank.
@@ -351,6 +357,13 @@ __device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, in
     }
     __syncthreads();  // the other threads read the payload only after thread 0's acquire
     return ok != 0;
+}
+
+// wait_published with a deadline of its own (one word).
+__device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t* word_local,
+                                      uint64_t expected, ErrorKind kind) {
+    Deadline deadline(d);
+    return wait_published(d, chunk_idx, src_rank, word_local, expected, kind, deadline);
 }
 
 // One thread, after the acquire of `src_rank`'s route readiness of chunk `chunk_idx` at generation

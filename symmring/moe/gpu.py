@@ -20,7 +20,8 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   most ``graph_cache`` graphs per layer, calls of at most 256 tokens per rank), so an eager decode call
   costs about what a replay costs; bitwise the same output.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
-  layer's shape, ring and token count; batch where it has no measurement that beat batch.
+  layer's shape, ring and the largest token count of any rank (asked after the token-count exchange, so
+  every rank runs the same schedule); batch where it has no measurement that beat batch.
 
 Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
 torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
@@ -40,8 +41,10 @@ the fp8 engines (every expert's group starts at a multiple of 128 rows), so no r
 is enqueued.
 
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
-later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. With
-``SYMMRING_DEBUG=1`` every forward checks. After a timeout, `MoE.reset` (collective) makes the layer
+later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. Without
+a synchronisation (docs/PROTOCOL.md 10.2): the call's output is NaN, `MoE.async_error` returns the error
+latched in host memory, and the next `forward` raises it on every rank before enqueuing anything. With
+``SYMMRING_DEBUG=1`` every forward checks. After any device error, `MoE.reset` (collective) makes the layer
 usable again.
 
 Example:
@@ -62,7 +65,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import env, protocol
+from .. import agreement, env, protocol
 from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, RingClosedError
 from .. import transport as transport_mod
@@ -270,6 +273,9 @@ class MoE:
         self.expert_dtype = weights.dtype
 
         # --- memory: borrowed from the workspace (collective: attach and bind allocate on first use) ------
+        # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
+        # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
         from ..workspace import Workspace
         from ..workspace_plan import LayerShape
         if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
@@ -313,6 +319,15 @@ class MoE:
                     self.tokens_per_slot, self.ack_policy.name.lower(), self.expert_window, self.capacity,
                     self.memory()["pool_bytes"])
 
+    def _agreed_fields(self) -> Dict[str, object]:
+        """What every rank's layer must share: the sizes of its symmetric memory and the schedule options
+        every rank's plan reads (`symmring.agreement`)."""
+        return dict(num_experts=self.num_experts, hidden=self.hidden, inter=self.inter, topk=self.topk,
+                    max_tokens=self.max_tokens, num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot,
+                    x_format=self.x_format, expert_dtype=self.expert_dtype, ack_policy=self.ack_policy.name,
+                    expert_window=self.expert_window, small_batch_tokens=self.small_batch_tokens,
+                    small_batch_capable=self._small_batch_capable())
+
     # --- what the layer borrows from its workspace (the same objects for every layer of a shape) ------------
 
     def forget_workspace_memory(self) -> None:
@@ -324,6 +339,11 @@ class MoE:
     @property
     def _binding(self):
         return self.workspace.gpu.bindings[self._bind_key]
+
+    @property
+    def _latch(self):
+        """The async-error latch of this layer's ring (`symmring.kernels.AsyncErrorLatch`)."""
+        return self._binding.latch
 
     @property
     def _kernels(self) -> stages.Kernels:
@@ -543,28 +563,33 @@ class MoE:
 
         Returns:
             bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync), a new
-            tensor on every call (a replayed call returns a clone of its graph's output).
+            tensor on every call (a replayed call returns a clone of its graph's output); all NaN when a
+            device error was pending at the call's end.
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
                 than the ring (nothing is enqueued).
             PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
             BrokenStateError: an earlier host exchange of the context failed (re-initialise).
-            ProtocolTimeout: with ``SYMMRING_DEBUG=1``, a device wait expired.
+            ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
+                (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
+                every rank and before anything is enqueued, until `reset`; with ``SYMMRING_DEBUG=1`` also a
+                device error of this call.
         """
         torch = _torch()
         self._check_open()
         x = self._check_input(x)
         n = int(x.shape[0])
-        stream_it = self.streams(streaming, n)
+        if not isinstance(streaming, bool) and streaming != "auto":
+            raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_MODES)}")
         if not isinstance(timeline, bool):
             raise ConfigError(f"timeline={timeline!r}: expected a bool")
         delays = _check_delays("producer_delay_ns", producer_delay_ns)
         consumer_delays = _check_delays("consumer_delay_ns", consumer_delay_ns)
-        if not stream_it and (timeline or delays or consumer_delays):
+        if streaming is not True and (timeline or delays or consumer_delays):
             raise ConfigError("timeline/producer_delay_ns/consumer_delay_ns: only for the streamed schedule "
                               "(streaming=True)")
-        if stream_it and stage_events is not None:
+        if streaming is not False and stage_events is not None:
             raise ConfigError("stage_events: only for the batch path (streaming=False); the streamed schedule "
                               "records a timeline (timeline=True)")
         if small_batch not in (None, True, False):
@@ -576,9 +601,9 @@ class MoE:
                               f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
                               f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        counts, distinct = self._all_token_counts(n, own_router=kind != "given")
-        # Forced on a call it cannot run (streamed, several chunks): make_plan names why.
-        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given")
+        self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
+        stream_it, small = self._schedule(streaming, counts, small_batch)
         plan = self._plan(counts, stream_it, small, distinct)
         self.last_plan = plan
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -609,6 +634,8 @@ class MoE:
             self._run_streamed(plan, x, kind, source, y, stamps, delays or {}, consumer_delays or {})
         else:
             self._run_batch(plan, x, kind, source, y, stage_events)
+        # Last on the caller's stream: after an error, y is NaN and the error latched for the next forward.
+        self._latch.enqueue(_torch().cuda.current_stream().cuda_stream, y)
 
     # --- the cache of captured calls (symmring.moe.graph_cache) ---------------------------------------
 
@@ -709,6 +736,15 @@ class MoE:
         if self._call_done is None:
             self._call_done = _torch().cuda.Event()
         self._call_done.record()
+
+    def _schedule(self, streaming, counts: List[int], small_batch: Optional[bool]) -> Tuple[bool, bool]:
+        """``(streamed, small_batch)`` of a call: decided from the exchanged token ``counts`` (the same list on
+        every rank), never from this rank's own count, so every rank runs the same schedule (PROTOCOL 9.1a):
+        ``"auto"`` asks the policy about ``max(counts)``. A forced ``small_batch`` on a call it cannot run
+        (streamed, several chunks) is left to `plans.make_plan` to name."""
+        stream_it = self.streams(streaming, max(counts))
+        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        return stream_it, small
 
     def _small_batch_capable(self) -> bool:
         # The fused dispatch waits for source r on thread r of every block.
@@ -891,16 +927,38 @@ class MoE:
             y = self.forward(x, **kwargs)
         return CapturedCall(self, graph), y
 
-    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool]:
-        """Every rank's token count of this call, and whether every rank routes with the layer's own router
-        (distinct experts per token, so no expert gets more rows than there are tokens): a bounded exchange
-        of the context (`PeerTimeout` naming the late ranks; the context then refuses further calls until it
-        is re-initialised)."""
+    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool, List]:
+        """Every rank's token count of this call, whether every rank routes with the layer's own router
+        (distinct experts per token, so no expert gets more rows than there are tokens), and every rank's
+        latched device error (`AsyncErrorLatch.latched`: None where none): a bounded exchange of the context
+        (`PeerTimeout` naming the late ranks; the context then refuses further calls until it is
+        re-initialised)."""
+        latched = self._latch.latched()
         if self.world_size == 1:
-            return [n], own_router
-        pairs = self.ctx.collectives.allgather((n, own_router), what="MoE.forward: token counts",
-                                               timeout_s=self.timeout_s)
-        return [int(c) for c, _ in pairs], all(bool(r) for _, r in pairs)
+            return [n], own_router, [latched]
+        triples = self.ctx.collectives.allgather((n, own_router, latched), what="MoE.forward: token counts",
+                                                 timeout_s=self.timeout_s)
+        return [int(c) for c, _, _ in triples], all(bool(r) for _, r, _ in triples), [e for _, _, e in triples]
+
+    def _raise_async_error(self, latched: List) -> None:
+        """Raise the device error latched by an earlier call of this rank (its own record, named), or else by
+        another rank (`ProtocolAborted` naming it): ``latched`` is the exchanged list, the same on every rank,
+        so every rank raises in the same call. The latch stays set until `reset`."""
+        if all(words is None for words in latched):
+            return
+        from ..kernels import peer_async_error
+        error = self._latch.error() if latched[self.rank] is not None else peer_async_error(self.rank, latched)
+        collectives = getattr(self.backend, "collectives", None)
+        if collectives is not None:
+            collectives.record_fault(error)  # as check_errors: exiting now aborts the job instead of hanging
+        raise error
+
+    def async_error(self):
+        """This rank's device error latched by an earlier call (`symmring.kernels.AsyncErrorLatch`), as the named
+        exception (returned, not raised), or None: a poll of host memory, no synchronisation and no collective
+        (NCCL's ``ncclCommGetAsyncError``). A call still running on the device may latch one later."""
+        self._check_open()
+        return self._latch.error()
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
@@ -997,7 +1055,9 @@ class CapturedCall:
         self.epoch = layer.workspace.epoch  # the workspace memory this graph addresses
 
     def replay(self) -> None:
-        """Replay on the current stream, after the layer's previous call (no host synchronisation).
+        """Replay on the current stream, after the layer's previous call (no host synchronisation). A replay
+        has no token-count exchange, so it does not raise a device error latched by an earlier call: after one
+        its output is NaN, and `MoE.async_error` (a poll of host memory) names the error.
 
         Raises:
             ConfigError: the workspace made its memory anew since the capture (a larger layer was built)."""

@@ -40,15 +40,38 @@ def _cupy():
 
 
 @dataclasses.dataclass
-class Binding:
-    """One ring spec's view of the workspace: its ring, staging ring (or None), state and transports."""
+class RingEntry:
+    """One ring of the workspace and what goes with it: the staging ring of rdma sources (or None) and its
+    device descriptor, the combine ready words of this ring's calls, and its async-error latch."""
 
     ring: object
     stage_alloc: object
+    stage_desc: object
+    ready_alloc: object
+    latch: object
+
+
+@dataclasses.dataclass
+class Binding:
+    """One layer shape's view of the workspace: its ring entry, state, pool rows and routing rows."""
+
+    entry: RingEntry
     state: stages.State
     capacity: int
     topk_idx: object
     topk_weights: object
+
+    @property
+    def ring(self):
+        return self.entry.ring
+
+    @property
+    def stage_alloc(self):
+        return self.entry.stage_alloc
+
+    @property
+    def latch(self):
+        return self.entry.latch
 
 
 class DeviceMemory:
@@ -76,8 +99,7 @@ class DeviceMemory:
         self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
         self.call_done = None  # torch.cuda.Event after the last call's end (any layer's)
         self.kernels = stages.Kernels(backend)
-        # (spec, transport) -> (ring, staging alloc, staging descriptor, combine ready words alloc)
-        self._rings: Dict[Tuple, Tuple[object, object, object, object]] = {}
+        self._rings: Dict[Tuple, RingEntry] = {}  # (spec, transport) -> its ring and what goes with it
         self._bindings: Dict[Tuple, Binding] = {}
         self.requests = []  # (key, bind arguments) in the order layers bound (`rebind` after the workspace grew)
         self.closed = False
@@ -121,7 +143,8 @@ class DeviceMemory:
         spec = RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=shape.hidden,
                         num_topk=shape.topk, num_experts=shape.num_experts, x_format=shape.x_format,
                         sf_group_size=FP8_GROUP_SIZE)
-        ring, stage_alloc, stage_desc, ready_alloc = self._ring(spec, transport, timeout_s)
+        entry = self._ring(spec, transport, timeout_s)
+        ring, stage_desc, ready_alloc = entry.ring, entry.stage_desc, entry.ready_alloc
         world, rank = self.workspace.world_size, self.workspace.rank
         E, K, H = max(1, shape.num_experts // world), shape.topk, shape.hidden
         R = pool_rows
@@ -157,8 +180,7 @@ class DeviceMemory:
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32))
-        return Binding(ring=ring, stage_alloc=stage_alloc, state=state, capacity=R, topk_idx=topk_idx,
-                       topk_weights=topk_weights)
+        return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def _ring(self, spec: RingSpec, transport, timeout_s: float):
         key = (spec, str(transport))
@@ -183,27 +205,33 @@ class DeviceMemory:
         # The combine ready words of this ring's calls (one per source rank, zero-filled): a SET of the chunk's
         # generation, which only grows on this ring, so no other ring's signal can satisfy its waits.
         ready_alloc = self.backend.alloc(align_up(self.workspace.world_size * 8, ALIGN))
-        self._rings[key] = (ring, stage_alloc, stage_desc, ready_alloc)
+        from ..kernels import AsyncErrorLatch
+        self._rings[key] = RingEntry(ring, stage_alloc, stage_desc, ready_alloc,
+                                     AsyncErrorLatch(ring.kernels))  # device errors, seen without a sync
         return self._rings[key]
 
     # --- accounting, reset, teardown ----------------------------------------------------------------------
 
     def memory(self) -> Dict[str, int]:
         """Bytes by region (the plan's ``scratch``: the engines' transient L1 output and activations)."""
-        return {"ring": sum(r.alloc.nbytes + w.nbytes for r, _, _, w in self._rings.values()),
-                "staging": sum(s.nbytes for _, s, _, _ in self._rings.values() if s is not None),
+        entries = self._rings.values()
+        return {"ring": sum(e.ring.alloc.nbytes + e.ready_alloc.nbytes for e in entries),
+                "staging": sum(e.stage_alloc.nbytes for e in entries if e.stage_alloc is not None),
                 "combine": self.combine_alloc.nbytes, "pool": self.pool_bytes.numel(),
                 "out": self.out_alloc.nbytes, "scratch": self.plan.regions["scratch"],
                 "dispatch": self.entry_rows.numel() * 4 + sum(_dispatch_bytes(b.state) for b in self._bindings.values()),
                 "routing": self.routing_bytes.numel()}
 
     def reset(self) -> None:
-        """Collective: clear every ring, the combine buffer and every binding's error state and pool marks."""
+        """Collective: clear every ring, the combine buffer, every binding's error state and pool marks, and the
+        async-error latches (the one recovery path of every layer on the workspace)."""
         torch = _torch()
         cupy = _cupy()
-        for ring, _, _, ready_alloc in self._rings.values():
-            ring.reset()  # its generation base restarts at 0: so do its combine ready words
-            cupy.cuda.runtime.memset(ready_alloc.ptr, 0, ready_alloc.nbytes)
+        for e in self._rings.values():
+            e.ring.reset()  # its generation base restarts at 0: so do its combine ready words
+        stream = torch.cuda.current_stream().cuda_stream
+        for e in self._rings.values():
+            cupy.cuda.runtime.memsetAsync(e.ready_alloc.ptr, 0, e.ready_alloc.nbytes, stream)
         for b in self._bindings.values():
             s = b.state
             s.counters.zero_()
@@ -211,22 +239,24 @@ class DeviceMemory:
             s.bad_id.zero_()
             if s.m_indices is not None:  # a window cut short by a timeout leaves rows marked
                 s.m_indices.fill_(-1)
-        torch.cuda.synchronize()
-        cupy.cuda.runtime.memset(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes)
-        cupy.cuda.runtime.deviceSynchronize()
+        # The same stream as the fills above (torch's current one); the barrier synchronises the device.
+        cupy.cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes, stream)
         self.call_done = None
         self.backend.barrier()
+        for e in self._rings.values():
+            e.latch.clear()  # every device idle (the barrier synchronised): no latch kernel can still run
 
     def close(self) -> None:
         """Collective, idempotent: free the symmetric allocations and the rings."""
         if self.closed:
             return
         self.closed = True
-        for ring, stage_alloc, _, ready_alloc in self._rings.values():
-            if stage_alloc is not None:
-                self.backend.free(stage_alloc)
-            self.backend.free(ready_alloc)
-            ring.close()
+        for e in self._rings.values():
+            e.latch.close()
+            if e.stage_alloc is not None:
+                self.backend.free(e.stage_alloc)
+            self.backend.free(e.ready_alloc)
+            e.ring.close()
         self._rings.clear()
         self._bindings.clear()
         self.backend.free(self.out_alloc)

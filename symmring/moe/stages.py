@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import protocol
-from ..pdl import PdlLauncher
+from ..pdl import PdlLauncher, cooperative_requested, launch_cooperative
 from . import timeline
 from .experts import ExpertEngine, Pool
 from .plan import ChunkStep, WindowStep
@@ -143,6 +143,8 @@ class Kernels:
         self.spin_blocks = spin_blocks(backend.num_sms, pes_per_gpu)
         #: Launcher of the small-batch kernels: programmatic dependent launch where `symmring.pdl` allows it.
         self.launch = PdlLauncher(getattr(backend, "compute_capability", 0) // 10, pes_per_gpu)
+        #: Whether the fused combine is launched cooperatively (`symmring.pdl.cooperative_requested`).
+        self.cooperative = cooperative_requested()
 
 
 @dataclass
@@ -454,12 +456,16 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
     grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
                blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
     shared = 16 * s.num_ranks + 4 * (2 * s.num_local_experts + 1)
-    k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,),
-             (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
-              _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
-              np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-              np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
-              _counter(s, COUNTER_SEND)), stream=stream, shared_mem=shared)
+    args = (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
+            _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
+            np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
+            np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
+            _counter(s, COUNTER_SEND))
+    if k.cooperative:  # its blocks wait for its own last block: every block must be resident (a named refusal)
+        launch_cooperative(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared,
+                           what="moe_combine_fused")
+    else:
+        k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------

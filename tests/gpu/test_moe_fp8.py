@@ -296,6 +296,10 @@ def test_out_of_range_expert_id_is_named_and_the_next_call_works(ctx, engine):
         x = to_torch(make_tokens(SEED + 15 + ctx.rank, n, HIDDEN), torch.bfloat16, dev)
         idx = torch.randint(0, NUM_EXPERTS, (n, 2), dtype=torch.int32, device=dev)
         w = torch.rand(n, 2, device=dev)
+        # The reference of the call after the bad one: the same valid call before it (issue 24, item 6: the
+        # next call must equal it bitwise, not merely be finite).
+        y_before = moe.forward(x, topk_idx=idx, topk_weights=w).clone()
+        moe.check_errors()
         bad = idx.clone()
         bad[17, 1] = 10 ** 6
         moe.forward(x, topk_idx=bad, topk_weights=w)
@@ -308,8 +312,9 @@ def test_out_of_range_expert_id_is_named_and_the_next_call_works(ctx, engine):
         ctx.comm.Barrier()
         y = moe.forward(x, topk_idx=idx, topk_weights=w)
         moe.check_errors()  # the record was cleared: the valid call raises nothing
-        if not torch.isfinite(y.float()).all():
-            problems.append("the next call's output is not finite")
+        if not torch.equal(y.view(torch.int16), y_before.view(torch.int16)):
+            rows = int((y.view(torch.int16) != y_before.view(torch.int16)).any(dim=1).sum())
+            problems.append(f"the next call's output differs from the same call before the bad one ({rows} rows)")
     finally:
         moe.close()
     verdict(ctx, not problems, f"{engine}: " + "; ".join(problems))

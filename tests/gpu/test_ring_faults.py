@@ -271,6 +271,55 @@ def test_one_pe_error_aborts_every_other_pe_at_once(backend, seed, wait):
     assert ok, detail
 
 
+@collective
+def test_reuse_timeout_names_the_consumer_that_never_acknowledged(backend, seed):
+    """Issue 24, item 3 (3 PEs and more; 2 work too): every PE reads every PE's chunk 0, and the last PE never
+    acknowledges. Rank 0 then produces chunk 1 into the same slot: its reuse wait times out (3 s) with the
+    last PE's bit missing, and the abort word it raises must name that PE (``origin_peer``), which the other
+    PEs -- waiting (20 s bound) for rank 0's chunk 1 -- report. The old code put the waiting owner (rank 0)
+    in the record's peer and so in every survivor's error (mutant check: ``peer = d.rank`` in
+    protocol.cuh wait_slot_free fails the ``origin_peer`` assertion)."""
+    R, me = backend.world_size, backend.rank
+    if R < 2:
+        pytest.skip("a missing consumer of another PE's slot needs 2 or more PEs")
+    culprit, owner_bound_s = R - 1, 3.0
+    spec = small_spec("bf16", num_slots=1, tokens_per_slot=8)
+    ring = DeviceRing(backend, spec, timeout_s=owner_bound_s if me == 0 else 20.0)
+    try:
+        k = ring.kernels
+        inputs = {c: _inputs(spec, seed, me, c, spec.tokens_per_slot) for c in range(2)}
+        outs = {src: k.new_outputs() for src in range(R)}
+        _produce(k, spec, 0, inputs[0])
+        for src in range(R):
+            k.consume(0, src, outs[src], ack=me != culprit)  # the fault: the culprit reads but never acks
+        cupy.cuda.runtime.deviceSynchronize()
+        backend.barrier(what="test: chunk 0 read everywhere")
+        start = time.monotonic()
+        if me == 0:
+            _produce(k, spec, 1, inputs[1])  # waits for the culprit's acknowledgement of chunk 0
+        else:
+            k.consume(1, 0, k.new_outputs())  # waits for rank 0's chunk 1 until rank 0's abort
+        cupy.cuda.runtime.deviceSynchronize()
+        elapsed = time.monotonic() - start
+        error = device_error(k)
+        ring.reset()
+        ok, detail = _recovered(ring, seed)
+    finally:
+        ring.close()
+    print(f"\nrank {me}: {elapsed:.2f} s: {type(error).__name__}: {error}")
+    if me == 0:
+        from symmring.errors import ProtocolTimeout
+        assert type(error) is ProtocolTimeout and error.kind == "reuse", repr(error)
+        assert list(error.missing_ranks) == [culprit], str(error)
+        assert elapsed < owner_bound_s * 1.2 + 1.0, f"rank 0's reuse wait took {elapsed:.1f} s"
+    else:
+        assert isinstance(error, ProtocolAborted), repr(error)
+        assert (error.origin, error.origin_kind, error.origin_peer) == (0, "reuse", culprit), str(error)
+        assert f"about rank {culprit}" in str(error), str(error)
+        assert elapsed < owner_bound_s * 1.2 + 2.0, f"rank {me} waited {elapsed:.1f} s after rank 0's error"
+    assert ok, detail
+
+
 # --- the split producer -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("two_streams", [False, True], ids=["one_stream", "two_streams"])
