@@ -59,6 +59,7 @@ def test_any_leading_shape_is_one_layer_call(shape):
     n = int(np.prod(shape))
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert module.layer.calls == [(n, "auto"), (n, "auto")]
+    assert int(module.call_token) == 2 and "call_token" not in module.state_dict()  # the op's token counts calls
     assert torch.equal(y.reshape(-1, HIDDEN), flat)
     if n:  # the module's output is the layer's on the module's routing: recompute it here
         logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), module.router_weight)
@@ -166,11 +167,11 @@ def test_op_registered_with_fake_impl():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         x = torch.empty(37, HIDDEN, dtype=torch.bfloat16)
-        y = op(x, torch.empty(37, E), module._handle, STREAMING_CODES[True])
+        y = op(x, torch.empty(37, E), torch.zeros(1, dtype=torch.int64), module._handle, STREAMING_CODES[True])
         assert y.shape == (37, HIDDEN) and y.dtype == torch.bfloat16
     assert module.layer.calls == []  # the fake ran, not the layer
-    torch.library.opcheck(op, (tokens(SEED, 5), torch.randn(5, E), module._handle, 0),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op, (tokens(SEED, 5), torch.randn(5, E), torch.zeros(1, dtype=torch.int64),
+                               module._handle, 0), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_unknown_handle_and_closed_module():
@@ -182,7 +183,7 @@ def test_unknown_handle_and_closed_module():
     with pytest.raises(ConfigError, match=f"handle={handle}"):
         layer_of(handle)
     with pytest.raises(ConfigError, match=f"handle={handle}"):
-        moe_op()(tokens(SEED, 2), torch.zeros(2, E), handle, 0)
+        moe_op()(tokens(SEED, 2), torch.zeros(2, E), torch.zeros(1, dtype=torch.int64), handle, 0)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -303,3 +304,53 @@ def test_compile_fullgraph_through_a_replaced_model():
     ids = hf_models.input_ids(SEED + 1, 2, 16)
     with torch.inference_mode():
         assert torch.equal(compiled(ids).logits, model(ids).logits)
+
+
+def test_deepseek_renormalisation_matches_transformers_where_scores_underflow():
+    """transformers divides DeepSeek-V3's chosen scores by ``sum + 1e-20``: symmring's torch routing and the
+    NumPy reference do too (`routing.RENORM_EPS`). Tokens whose chosen sigmoid scores are ~1e-26 (logit -60)
+    get weights ~1e-6 there, not 1/topk, and tokens whose scores underflow to 0 (logit -200) get 0, not NaN."""
+    _needs_transformers()
+    from symmring.moe import routing
+    from symmring.moe.reference import select_topk
+    model, _ = hf_models.tiny_model("deepseek_v3", SEED)
+    gate = model.model.layers[1].mlp.gate.float()
+    hidden = gate.weight.shape[1]
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.cat([torch.randn(4, E, generator=g) * 2,           # ordinary tokens
+                        -60 - torch.rand(4, E, generator=g),           # s ~ 1e-26: the 1e-20 decides the weights
+                        torch.full((2, E), -200.0)])                   # s == 0 in float32
+    x = torch.zeros(1, hidden)
+    x[0, 0] = 1.0
+    hf = []
+    with torch.no_grad():
+        gate.weight.zero_()
+        for row in logits:  # logits = x @ W^T = W[:, 0] for this one-hot x: one router call per token
+            gate.weight[:, 0] = row
+            hf.append(gate(x))
+    hf_idx = torch.cat([h[2] for h in hf]).long()
+    hf_w = torch.cat([h[1] for h in hf]).float()
+    assert torch.isfinite(hf_w).all() and hf_w[4:8].max() < 1e-4 and (hf_w[8:] == 0).all()
+    options = dict(bias=gate.e_score_correction_bias.float(), routed_scaling_factor=2.5, n_group=4, topk_group=2)
+    idx, w = routing.route(logits, 4, "sigmoid_bias", **options)
+    order, hf_order = idx.long().argsort(1), hf_idx.argsort(1)
+    assert torch.equal(idx.long().gather(1, order), hf_idx.gather(1, hf_order))
+    torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order), rtol=1e-6, atol=0)
+    ref_idx, ref_w = select_topk(logits.numpy(), 4, "sigmoid_bias", bias=options["bias"].numpy(),
+                                 routed_scaling_factor=2.5, n_group=4, topk_group=2)
+    np.testing.assert_array_equal(np.sort(ref_idx, 1), np.sort(hf_idx.numpy(), 1))
+    ref_order = np.argsort(ref_idx, 1)
+    np.testing.assert_allclose(np.take_along_axis(ref_w, ref_order, 1), hf_w.gather(1, hf_order).numpy(),
+                               rtol=1e-5, atol=0)
+    # Without the 1e-20 the underflowing tokens would be 0/0 and the tiny ones 1/topk each (x 2.5).
+    assert np.isfinite(ref_w).all() and ref_w[4:8].max() < 1e-4
+
+
+def test_old_transformers_refused_in_one_line():
+    from symmring.errors import BackendError
+    from symmring.moe.hf import TRANSFORMERS_RANGE, check_transformers
+    assert check_transformers("5.13.0") == "5.13.0" and check_transformers("5.17.0+local") == "5.17.0+local"
+    for old in ("5.12.1", "5.0.0", "4.57.6", "5.12.0.dev0"):
+        with pytest.raises(BackendError, match=rf"transformers {old} is installed; symmring.moe.hf needs "
+                                               rf"transformers{TRANSFORMERS_RANGE} \(pip install \"symmring\[hf\]\"\)"):
+            check_transformers(old)
