@@ -148,6 +148,7 @@ class HostLayer:
             kwargs["workspace"] = workspace
         self.layer = ExpertParallelMoE(ctx, MoEShapes(hidden, num_experts, topk, x_format), *self._f32_weights(),
                                        **kwargs)
+        self.num_calls = 0  #: forward calls made (each one collective)
         self.closed = False
 
     def _f32_weights(self):
@@ -182,6 +183,7 @@ class HostLayer:
             if streaming is True else {}
         y = self.layer.forward(x.float(), logits=logits.detach().float().contiguous(), ack_policy=self.ack_policy,
                                **stream)
+        self.num_calls += 1
         return y.to(torch.bfloat16)
 
     __call__ = forward
