@@ -354,3 +354,101 @@ def test_old_transformers_refused_in_one_line():
         with pytest.raises(BackendError, match=rf"transformers {old} is installed; symmring.moe.hf needs "
                                                rf"transformers{TRANSFORMERS_RANGE} \(pip install \"symmring\[hf\]\"\)"):
             check_transformers(old)
+
+
+# --- the module on the CPU layer (host backend) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def host_ctx():
+    from symmring.context import init
+    context = init("host", timeout_s=30.0)
+    yield context
+    context.close()
+
+
+def _host_weights(seed=SEED, local=E):
+    g = torch.Generator().manual_seed(seed)
+    w_gate, w_up = (torch.randn(local, INTER, HIDDEN, generator=g).bfloat16() / 16 for _ in range(2))
+    w_down = (torch.randn(local, HIDDEN, INTER, generator=g) / 16).bfloat16()
+    return w_gate, w_up, w_down, (torch.randn(E, HIDDEN, generator=g) / 8).bfloat16()
+
+
+def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
+    """The context picks the layer: HostLayer on the host backend; its streamed calls (chunks of 8 through a
+    2-slot ring) equal its batch calls bitwise (the CPU layer is row-independent), and `workspace` is only
+    forwarded when given."""
+    from symmring.moe.host_layer import HostLayer
+    from symmring.moe.module import default_layer_factory
+    assert default_layer_factory(host_ctx) is HostLayer
+    w_gate, w_up, w_down, router = _host_weights()
+    batch = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
+                      workspace=None)
+    streamed = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
+                         streaming=True, tokens_per_slot=8)
+    assert isinstance(batch.layer, HostLayer) and batch.device == torch.device("cpu")
+    x = tokens(SEED + 5, 3, 9)
+    with torch.inference_mode():
+        y, y_streamed = batch(x), streamed(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.abs().max() > 0
+    assert torch.equal(y, y_streamed)
+    assert streamed.layer.layer.last_stats.num_chunks == 4 and batch.layer.layer.last_stats.num_chunks == 1
+    batch.close(), streamed.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(engine="builtin"), "engine: options of the GPU layer"),
+    (dict(expert_dtype="fp8", graph_cache=0), "expert_dtype, graph_cache: options of the GPU layer"),
+    (dict(no_such_option=1), "no_such_option: unexpected argument"),
+    (dict(x_format="fp16"), "x_format='fp16'"),
+    (dict(tokens_per_slot=0), "tokens_per_slot=0"),
+    (dict(w_gate="float"), r"w_gate: expected a bf16 CPU tensor \[16, 256, 256\]"),
+])
+def test_host_layer_bad_arguments(host_ctx, kwargs, match):
+    from symmring.moe.host_layer import HostLayer
+    w_gate, w_up, w_down, _ = _host_weights()
+    if kwargs.get("w_gate") == "float":
+        kwargs = dict(w_gate=w_gate.float())
+    args = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(ConfigError, match=match):
+        HostLayer(host_ctx, E, HIDDEN, INTER, 4, args["w_gate"], args["w_up"], args["w_down"], max_tokens=8, **kwargs)
+
+
+def test_host_layer_reloads_weights(host_ctx):
+    """load_state_dict copies into the layer's bf16 tensors in place and the CPU layer re-derives its float
+    operands: a module loaded with another module's state computes what that module computes, bitwise."""
+    a_w, b_w = _host_weights(SEED), _host_weights(SEED + 1)
+    a = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *a_w[:3], router_weight=a_w[3], max_tokens=16)
+    b = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *b_w[:3], router_weight=b_w[3], max_tokens=16)
+    x = tokens(SEED + 6, 10)
+    with torch.inference_mode():
+        y_a, y_b = a(x), b(x)
+    assert not torch.equal(y_a, y_b)
+    b.load_state_dict(a.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(b(x), y_a)
+    a.close(), b.close()
+
+
+def test_gpu_layer_and_bench_without_torch_name_the_extra(tmp_path):
+    """Without torch, `symmring.moe.gpu.MoE`, `MoEModule` and ``bench moe`` fail in one line naming the extra."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from symmring.moe.gpu import MoE\n"
+            "from symmring.moe import MoEModule\n"
+            "for build in (lambda: MoE(None, 8, 128, 128, 2, None, None, None, max_tokens=8),\n"
+            "              lambda: MoEModule(None, 8, 128, 128, 2, None, None, None, router_weight=None, max_tokens=8)):\n"
+            "    try:\n"
+            "        build()\n"
+            "    except Exception as exc:\n"
+            "        print(type(exc).__name__, exc)\n"
+            "from symmring.__main__ import main\n"
+            "print('status', main(['bench', 'moe']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 3 and lines[2] == "status 2", run.stdout + run.stderr
+    for line in lines[:2]:
+        assert line.startswith("BackendError symmring.moe.") and 'pip install "symmring[gpu]"' in line \
+            and '"symmring[cpu]"' in line, line
+    assert 'bench moe: needs torch with CUDA: torch is not installed (pip install "symmring[gpu]")' in run.stderr
