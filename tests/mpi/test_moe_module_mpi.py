@@ -40,8 +40,6 @@ import pytest
 torch = pytest.importorskip("torch", reason='the torch module needs torch (pip install "symmring[cpu]")')
 pytest.importorskip("transformers", reason='needs transformers (pip install "symmring[hf]")')
 
-from conftest import verdict  # noqa: E402
-
 from symmring.moe import tiny  # noqa: E402
 from symmring.moe.hf import replace_moe_blocks  # noqa: E402
 from symmring.moe.host_layer import HostLayer  # noqa: E402
@@ -121,7 +119,7 @@ def gather_max(comm, value: float) -> float:
 
 @pytest.mark.parametrize("x_format", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("family", tiny.FAMILIES)
-def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, family, x_format):
+def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, check, family, x_format):
     rank = ctx.rank
 
     def run():
@@ -162,7 +160,7 @@ def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, f
     errors = outcome.run(run)
     ok = errors is not None and errors["f64"] <= F64_TOL[x_format] and errors["block"] <= BLOCK_TOL[x_format] \
         and errors["logits"] <= LOGITS_TOL[x_format] and errors["median"] <= LOGITS_MEDIAN_TOL[x_format]
-    verdict(comm, ok, outcome.error or f"errors {errors}, bounds f64 {F64_TOL[x_format]}, block "
+    check(comm, ok, outcome.error or f"errors {errors}, bounds f64 {F64_TOL[x_format]}, block "
             f"{BLOCK_TOL[x_format]}, logits {LOGITS_TOL[x_format]}, median {LOGITS_MEDIAN_TOL[x_format]}")
     worst = {k: gather_max(comm, v) for k, v in errors.items()}
     figure(f"[figure] hf-cpu {family} x_format={x_format}: ranks={ctx.world_size} rel err (max over ranks) "
@@ -171,7 +169,7 @@ def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, f
            f"(<= {LOGITS_MEDIAN_TOL[x_format]:g}), whole batch {worst['logits']:.2e} (<= {LOGITS_TOL[x_format]:g})")
 
 
-def test_state_dict_round_trip_with_transformers_names(ctx, comm, seed, figure, outcome):
+def test_state_dict_round_trip_with_transformers_names(ctx, comm, seed, figure, outcome, check):
     """A replaced model built from other weights loads the original model's state dict (strict: the same
     names; each rank cuts its experts from the full tensors) and then computes what a model replaced from
     the original weights computes, bitwise; its own state dict has the original names, this rank's experts."""
@@ -203,13 +201,14 @@ def test_state_dict_round_trip_with_transformers_names(ctx, comm, seed, figure, 
         return median_token_rel(got, reference)
 
     err = outcome.run(run)
-    verdict(comm, err is not None and err <= LOGITS_MEDIAN_TOL["bf16"], outcome.error or f"logits median rel err {err}")
+    check(comm, err is not None and err <= LOGITS_MEDIAN_TOL["bf16"],
+          outcome.error or f"logits median rel err {err}")
     figure(f"[figure] hf-cpu state_dict round trip deepseek_v3: ranks={ctx.world_size} loaded == replaced from "
            f"the original weights bitwise; vs the original model per token median {gather_max(comm, err):.2e}")
 
 
 @pytest.mark.parametrize("op", ["symmring", "pure-control"])
-def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, seed, outcome, op):
+def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, seed, outcome, check, op):
     """torch.compile of a function that calls the module and discards the result: the layer still runs,
     once per call, on every rank (the op mutates the module's call token). The control routes the same call
     through a pure op (``mutates_args=()``, the old registration): the compiler drops it, so the check can
@@ -245,9 +244,9 @@ def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, se
 
     result = outcome.run(run)
     if op == "symmring":
-        verdict(comm, result == (2, 2), outcome.error or f"(layer calls, call token) = {result}, expected (2, 2)")
+        check(comm, result == (2, 2), outcome.error or f"(layer calls, call token) = {result}, expected (2, 2)")
     else:
-        verdict(comm, result == (0, 0), outcome.error or f"the pure control made {result} calls, expected none")
+        check(comm, result == (0, 0), outcome.error or f"the pure control made {result} calls, expected none")
 
 
 def _pure_op():
