@@ -68,6 +68,8 @@ def main(args) -> int:
     except SymmringError as exc:
         report.say(f"demo: FAIL {exc}")
         return 2
+    if version is None:  # the command line names the extra that brings it
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
     reason = _backend_reason(args.backend)
     try:
         ctx = init(args.backend)
