@@ -452,3 +452,16 @@ def test_gpu_layer_and_bench_without_torch_name_the_extra(tmp_path):
         assert line.startswith("BackendError symmring.moe.") and 'pip install "symmring[gpu]"' in line \
             and '"symmring[cpu]"' in line, line
     assert 'bench moe: needs torch with CUDA: torch is not installed (pip install "symmring[gpu]")' in run.stderr
+
+
+def test_module_built_under_inference_mode_runs_under_no_grad():
+    """The call token is a normal tensor even when the module is built under inference_mode, so a later call
+    under no_grad may write it (an inference tensor refuses in-place writes outside inference mode)."""
+    with torch.inference_mode():
+        module = make_module()
+    x = tokens(SEED + 8, 4)
+    with torch.no_grad():
+        module(x)
+    with torch.inference_mode():
+        module(x)
+    assert int(module.call_token) == 2 and not module.call_token.is_inference()

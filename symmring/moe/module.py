@@ -224,7 +224,10 @@ class MoEModule(_Base):
         self.register_buffer("bias", layer.bias)
         self.shared_experts = None if shared_experts is None else shared_experts.to(self.device)
         # The op's call token (module docstring), on the layer's device; not part of the state dict.
-        self.register_buffer("call_token", torch.zeros(1, dtype=torch.int64, device=self.device), persistent=False)
+        with torch.inference_mode(False):  # a normal tensor even when built under inference_mode: the op
+            # writes it in place, which an inference tensor refuses outside inference mode
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.register_buffer("call_token", token, persistent=False)
         self._handle = register_layer(layer)
         self._op = moe_op()
         self.register_load_state_dict_post_hook(MoEModule._after_load)
