@@ -18,6 +18,8 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
    ``demo: FAIL ...`` (exit 1; 2 for bad arguments).
 
 Run: ``python -m symmring demo`` or ``mpiexec -n 4 python -m symmring demo``.
+
+``--model mixtral|qwen3-moe|deepseek-v3`` runs a transformers model instead (`symmring.demo_model`).
 """
 
 from __future__ import annotations
@@ -55,11 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
     p.add_argument("--backend", default="auto", choices=("auto", "host", "nvshmem"),
                    help="auto (GPU when usable, else CPU), host (CPU) or nvshmem (GPU)")
-    p.add_argument("--x-format", default="fp8_e4m3", choices=("fp8_e4m3", "bf16"),
-                   help="what the ring carries (default fp8_e4m3 with 128-channel scales)")
+    p.add_argument("--x-format", default=None, choices=("fp8_e4m3", "bf16"),
+                   help="what the ring carries (default fp8_e4m3 with 128-channel scales; with --model: bf16)")
     p.add_argument("--topk-method", default="softmax", choices=("softmax", "sigmoid_bias"),
                    help="router: softmax (Mixtral) or sigmoid_bias (DeepSeek-V3)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per path after one warm-up (default 2)")
+    p.add_argument("--model", default=None, choices=("mixtral", "qwen3-moe", "deepseek-v3"),
+                   help="instead: a tiny random transformers model of this family (built locally, no download) "
+                        "with its MoE blocks replaced by symmring's, its logits against the unreplaced model's "
+                        "(needs torch and transformers: the cpu/gpu and hf extras)")
+    p.add_argument("--seq", type=int, default=24, help="with --model: tokens per sequence, 2 sequences per rank "
+                   "(rank r adds 4 r: uneven counts; default 24)")
     return p
 
 
@@ -290,6 +298,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    if args.model is not None:
+        from .demo_model import main as model_main  # needs torch and transformers
+        return model_main(args)
+    if args.x_format is None:
+        args.x_format = "fp8_e4m3"
     from . import __version__, mpi
     from .context import init
     try:

@@ -6,7 +6,8 @@ brings it, so a missing one is reported in one line instead of a traceback.
 | ``cupy`` | ``cupy-cuda13x`` | ``gpu`` |
 | ``nvshmem`` | ``nvshmem4py-cu13`` | ``gpu`` |
 | ``nvidia.nvshmem`` | ``nvidia-nvshmem-cu13`` | ``gpu`` or ``device`` |
-| ``torch`` | ``torch`` | ``gpu`` |
+| ``torch`` | ``torch`` | ``gpu`` (CUDA build) or ``cpu`` (CPU build) |
+| ``transformers`` | ``transformers`` | ``hf`` |
 | ``matplotlib`` | ``matplotlib`` | ``bench`` |
 | ``triton`` | ``triton`` (comes with torch's Linux CUDA wheels) | ``gpu`` |
 | ``deep_gemm`` | ``tokenspeed-deepgemm`` | ``deepgemm`` |
@@ -17,8 +18,10 @@ An MPI library (for ``mpiexec`` and several ranks) comes with the ``mpi`` extra;
 Example:
     >>> installed("numpy"), installed("nvidia.no_such_module")
     (True, False)
+    >>> hint("transformers")
+    'transformers is not installed (pip install "symmring[hf]")'
     >>> hint("torch")
-    'torch is not installed (pip install "symmring[gpu]")'
+    'torch is not installed (pip install "symmring[gpu]" on a GPU machine, "symmring[cpu]" elsewhere)'
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from __future__ import annotations
 import importlib.util
 from typing import Dict, Optional, Tuple
 
-#: module -> (distribution, extra that installs it).
+#: module -> (distribution, extra that installs it; ``"gpu|cpu"``: either, by the machine).
 OPTIONAL: Dict[str, Tuple[str, str]] = {
     "cupy": ("cupy-cuda13x", "gpu"),
     "nvshmem": ("nvshmem4py-cu13", "gpu"),
     "nvidia.nvshmem": ("nvidia-nvshmem-cu13", "device"),
     "nvidia": ("nvidia-nvshmem-cu13", "device"),
-    "torch": ("torch", "gpu"),
+    "torch": ("torch", "gpu|cpu"),
+    "transformers": ("transformers", "hf"),
     "matplotlib": ("matplotlib", "bench"),
     "triton": ("triton", "gpu"),
     "deep_gemm": ("tokenspeed-deepgemm", "deepgemm"),
@@ -64,6 +68,8 @@ def hint(module: str) -> str:
     distribution = OPTIONAL.get(module, OPTIONAL.get(module.split(".")[0], (module, None)))[0]
     if extra is None:
         return f"{module} is not installed"
+    if extra == "gpu|cpu":
+        return f'{distribution} is not installed (pip install "symmring[gpu]" on a GPU machine, "symmring[cpu]" elsewhere)'
     return f'{distribution} is not installed (pip install "symmring[{extra}]")'
 
 

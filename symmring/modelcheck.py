@@ -1580,6 +1580,37 @@ def _mutant_text(result: MutantResult) -> str:
     return head + text + _violation_text(run.violation)
 
 
+def summary_table(report: "Report") -> str:
+    """The short table printed without ``-v``: one row per kind of check and per mutant (the real protocol's
+    violations, if any, in full: they are the finding)."""
+    rows = []
+    runs = report.protocol_runs
+    if runs:
+        rows.append(("protocol", len(runs), sum(r.states for r in runs),
+                     "all invariants held" if not report.violations else f"{report.violations} VIOLATION(S)"))
+    for variant, variant_runs in report.equivalents.items():
+        killed = sum(r.violation is not None for r in variant_runs)
+        rows.append((f"variant {variant}", len(variant_runs), sum(r.states for r in variant_runs),
+                     "equivalent (no counterexample)" if not killed else f"KILLED in {killed} (not equivalent)"))
+    for result in report.mutants:
+        run = result.killing_run
+        if run is None:
+            rows.append((f"mutant {result.spec.name}", len(result.runs), sum(r.states for r in result.runs),
+                         "SURVIVED"))
+        else:
+            match = "" if result.invariant == result.spec.expected else f" (expected {result.spec.expected})"
+            rows.append((f"mutant {result.spec.name}", len(result.runs), run.states,
+                         f"killed by {result.invariant}{match}"))
+    width = max([len(r[0]) for r in rows] + [5])
+    lines = [f"{'check':<{width}}  {'configs':>7}  {'states':>9}  result"]
+    lines += [f"{name:<{width}}  {n:>7}  {states:>9}  {result}" for name, n, states, result in rows]
+    text = "\n".join(lines) + "\n"
+    for run in runs:
+        if run.violation is not None:
+            text += f"{run.config.label()}:\n" + _violation_text(run.violation)
+    return text
+
+
 def _parse_shape(text: str) -> Shape:
     """``P,Q,S,N,C``; ``N`` may be one count per call joined by ``/`` (e.g. ``2,2,2,3/1/3,3``)."""
     try:
@@ -1609,6 +1640,8 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
     parser.add_argument("--mutant", metavar="NAME", action="append", choices=MUTANT_NAMES,
                         help="run only this mutant (repeatable); the real protocol is then not checked")
     parser.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every configuration's line, each mutant's counterexample trace (default: a short table)")
     args = parser.parse_args(argv)
     if args.list_mutants:
         for spec in MUTANTS:
@@ -1628,11 +1661,14 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
             window_shapes, window_cross_checks = FULL_WINDOW_SHAPES, FULL_WINDOW_CROSS_CHECKS
         start = time.perf_counter()
         # The equivalence variants skip the full run's largest unreduced cross-checks (minutes each).
-        report = check(shapes, cross_checks, mutants=args.mutant, check_protocol=not args.mutant, log=out,
+        report = check(shapes, cross_checks, mutants=args.mutant, check_protocol=not args.mutant,
+                       log=out if args.verbose else None,
                        equivalence_cross_checks=[cc for cc in cross_checks if cc in QUICK_CROSS_CHECKS],
                        window_shapes=window_shapes, window_cross_checks=window_cross_checks)
     except ConfigError as exc:
         parser.error(str(exc))
+    if not args.verbose:
+        out.write(summary_table(report))
     out.write(f"total time {time.perf_counter() - start:.1f}s\n")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -128,3 +128,26 @@ def test_progress_lines_go_to_stderr_on_rank_0_only(capsys):
     lines = captured.err.splitlines()
     assert lines[0] == "bench moe: [2/5] mixtral n=128: 0.100 ms"
     assert len(lines) == 2 and lines[1].startswith("bench stream: [7] qwen3 n=64 (") and lines[1].endswith(" s)")
+
+
+def test_demo_model_under_mpiexec_passes(tmp_path):
+    """``mpiexec -n 2 python -m symmring demo --model deepseek-v3``: a tiny DeepSeek-V3 with its MoE blocks
+    replaced by the CPU layer, its logits against the unreplaced model's on both ranks: PASS, exit 0."""
+    pytest.importorskip("torch", reason='needs torch (pip install "symmring[cpu]")')
+    pytest.importorskip("transformers", reason='needs transformers (pip install "symmring[hf]")')
+    from test_under_mpi import find_mpiexec
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SYMMRING_") and k != "PYTEST_ADDOPTS"}
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "symmring", "demo", "--model", "deepseek-v3"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ)
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert lines[-1].startswith("demo: PASS model=deepseek-v3 backend=host ranks=2"), lines[-1]
+    assert sum(line.split()[:1] in (["0"], ["1"]) for line in lines) == 2  # one table row per rank
+
+
+def test_demo_model_bad_name_is_an_argument_error(tmp_path):
+    run = _cli(["demo", "--model", "llama"], tmp_path)
+    assert run.returncode == 2 and "invalid choice: 'llama'" in run.stderr

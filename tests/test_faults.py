@@ -60,20 +60,21 @@ def _run(subject: str, fault: str, extra=()):
     return returncode, wall_s, records, output
 
 
-def _figures(capsys, subject, fault, extra, rc, wall_s, records):
-    with capsys.disabled():
-        mode = f" {' '.join(extra)}" if extra else ""
-        print(f"\n[figure] fault {subject}/{fault}{mode}: mpiexec exit {rc} after {wall_s:.2f} s "
-              f"(bound {BOUND_S:g} s, faulty rank {FAULTY})")
-        for rank, rec in sorted(records.items()):
-            print(f"[figure]   rank {rank}: {rec['error']} after {rec['elapsed_s']:.2f} s: {rec.get('text', '')}")
+def _figures(config, subject, fault, extra, rc, wall_s, records):
+    import figures
+    mode = f" {' '.join(extra)}" if extra else ""
+    figures.emit(config, f"[figure] fault {subject}/{fault}{mode}: mpiexec exit {rc} after {wall_s:.2f} s "
+                         f"(bound {BOUND_S:g} s, faulty rank {FAULTY})")
+    for rank, rec in sorted(records.items()):
+        figures.emit(config, f"[figure]   rank {rank}: {rec['error']} after {rec['elapsed_s']:.2f} s: "
+                             f"{rec.get('text', '')}")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("subject, fault, extra", CASES, ids=[f"{s}-{f}" for s, f, _ in CASES])
-def test_survivors_raise_a_typed_error_naming_the_rank(capsys, subject, fault, extra):
+def test_survivors_raise_a_typed_error_naming_the_rank(pytestconfig, subject, fault, extra):
     rc, wall_s, records, output = _run(subject, fault, extra)
-    _figures(capsys, subject, fault, extra, rc, wall_s, records)
+    _figures(pytestconfig, subject, fault, extra, rc, wall_s, records)
     survivors = [r for r in range(NUM_RANKS) if r != FAULTY]
     problems = []
     for rank in survivors:
@@ -94,10 +95,10 @@ def test_survivors_raise_a_typed_error_naming_the_rank(capsys, subject, fault, e
 
 
 @pytest.mark.mpi
-def test_vanished_rank_under_mpiexec_cleanup(capsys):
+def test_vanished_rank_under_mpiexec_cleanup(pytestconfig):
     """os._exit without MPI_Finalize, mpiexec's default: it kills the job before the bound expires."""
     rc, wall_s, records, output = _run("layer", "hard-exit")
-    _figures(capsys, "layer", "hard-exit", ("(mpiexec default: auto-cleanup)",), rc, wall_s, records)
+    _figures(pytestconfig, "layer", "hard-exit", ("(mpiexec default: auto-cleanup)",), rc, wall_s, records)
     survivors_reported = all(r in records for r in range(NUM_RANKS) if r != FAULTY)
     # Either mpiexec killed the survivors before their bound, or (if it ever lets them run) they reported.
     assert wall_s < BOUND_S + 5 or survivors_reported, (rc, wall_s, records, output[-4000:])

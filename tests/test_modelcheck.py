@@ -268,3 +268,21 @@ def test_split_producer_whose_parts_both_acquire_completes_and_the_old_rule_dead
     result = next(r for r in quick_report.mutants if r.spec.name == "split_acquire_full_mask_only")
     assert "waits to acquire slot" in result.killing_run.violation.message
     assert any("part acquires slot" in line for line in result.killing_run.violation.trace)
+
+
+def test_cli_is_a_short_table_unless_verbose():
+    """Without -v: a table row per check and per mutant, then the time and the summary line; -v adds every
+    configuration's line and each mutant's counterexample trace."""
+    args = ["--config", "1,1,2,3,2", "--mutant", "reset_forgotten", "--mutant", "fence_removed"]
+    out = io.StringIO()
+    assert main(args, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["check", "configs", "states", "result"]
+    assert [line.split()[:2] for line in lines[1:3]] == [["mutant", "reset_forgotten"], ["mutant", "fence_removed"]]
+    assert "killed by inv2-reuse-after-all-acks" in lines[1] and lines[3].startswith("total time")
+    assert len(lines) == 5 and lines[-1] == "modelcheck: states=0 violations=0 mutants_killed=2/2"
+    verbose = io.StringIO()
+    assert main(args + ["-v"], out=verbose) == 0
+    text = verbose.getvalue()
+    assert "== mutants ==" in text and "shortest counterexample" in text and "check  " not in text
+    assert text.splitlines()[-1] == lines[-1]

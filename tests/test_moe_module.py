@@ -59,6 +59,7 @@ def test_any_leading_shape_is_one_layer_call(shape):
     n = int(np.prod(shape))
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert module.layer.calls == [(n, "auto"), (n, "auto")]
+    assert int(module.call_token) == 2 and "call_token" not in module.state_dict()  # the op's token counts calls
     assert torch.equal(y.reshape(-1, HIDDEN), flat)
     if n:  # the module's output is the layer's on the module's routing: recompute it here
         logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), module.router_weight)
@@ -166,11 +167,11 @@ def test_op_registered_with_fake_impl():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         x = torch.empty(37, HIDDEN, dtype=torch.bfloat16)
-        y = op(x, torch.empty(37, E), module._handle, STREAMING_CODES[True])
+        y = op(x, torch.empty(37, E), torch.zeros(1, dtype=torch.int64), module._handle, STREAMING_CODES[True])
         assert y.shape == (37, HIDDEN) and y.dtype == torch.bfloat16
     assert module.layer.calls == []  # the fake ran, not the layer
-    torch.library.opcheck(op, (tokens(SEED, 5), torch.randn(5, E), module._handle, 0),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op, (tokens(SEED, 5), torch.randn(5, E), torch.zeros(1, dtype=torch.int64),
+                               module._handle, 0), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_unknown_handle_and_closed_module():
@@ -182,7 +183,7 @@ def test_unknown_handle_and_closed_module():
     with pytest.raises(ConfigError, match=f"handle={handle}"):
         layer_of(handle)
     with pytest.raises(ConfigError, match=f"handle={handle}"):
-        moe_op()(tokens(SEED, 2), torch.zeros(2, E), handle, 0)
+        moe_op()(tokens(SEED, 2), torch.zeros(2, E), torch.zeros(1, dtype=torch.int64), handle, 0)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -303,3 +304,164 @@ def test_compile_fullgraph_through_a_replaced_model():
     ids = hf_models.input_ids(SEED + 1, 2, 16)
     with torch.inference_mode():
         assert torch.equal(compiled(ids).logits, model(ids).logits)
+
+
+def test_deepseek_renormalisation_matches_transformers_where_scores_underflow():
+    """transformers divides DeepSeek-V3's chosen scores by ``sum + 1e-20``: symmring's torch routing and the
+    NumPy reference do too (`routing.RENORM_EPS`). Tokens whose chosen sigmoid scores are ~1e-26 (logit -60)
+    get weights ~1e-6 there, not 1/topk, and tokens whose scores underflow to 0 (logit -200) get 0, not NaN."""
+    _needs_transformers()
+    from symmring.moe import routing
+    from symmring.moe.reference import select_topk
+    model, _ = hf_models.tiny_model("deepseek_v3", SEED)
+    gate = model.model.layers[1].mlp.gate.float()
+    hidden = gate.weight.shape[1]
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.cat([torch.randn(4, E, generator=g) * 2,           # ordinary tokens
+                        -60 - torch.rand(4, E, generator=g),           # s ~ 1e-26: the 1e-20 decides the weights
+                        torch.full((2, E), -200.0)])                   # s == 0 in float32
+    x = torch.zeros(1, hidden)
+    x[0, 0] = 1.0
+    hf = []
+    with torch.no_grad():
+        gate.weight.zero_()
+        for row in logits:  # logits = x @ W^T = W[:, 0] for this one-hot x: one router call per token
+            gate.weight[:, 0] = row
+            hf.append(gate(x))
+    hf_idx = torch.cat([h[2] for h in hf]).long()
+    hf_w = torch.cat([h[1] for h in hf]).float()
+    assert torch.isfinite(hf_w).all() and hf_w[4:8].max() < 1e-4 and (hf_w[8:] == 0).all()
+    options = dict(bias=gate.e_score_correction_bias.float(), routed_scaling_factor=2.5, n_group=4, topk_group=2)
+    idx, w = routing.route(logits, 4, "sigmoid_bias", **options)
+    order, hf_order = idx.long().argsort(1), hf_idx.argsort(1)
+    assert torch.equal(idx.long().gather(1, order), hf_idx.gather(1, hf_order))
+    torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order), rtol=1e-6, atol=0)
+    ref_idx, ref_w = select_topk(logits.numpy(), 4, "sigmoid_bias", bias=options["bias"].numpy(),
+                                 routed_scaling_factor=2.5, n_group=4, topk_group=2)
+    np.testing.assert_array_equal(np.sort(ref_idx, 1), np.sort(hf_idx.numpy(), 1))
+    ref_order = np.argsort(ref_idx, 1)
+    np.testing.assert_allclose(np.take_along_axis(ref_w, ref_order, 1), hf_w.gather(1, hf_order).numpy(),
+                               rtol=1e-5, atol=0)
+    # Without the 1e-20 the underflowing tokens would be 0/0 and the tiny ones 1/topk each (x 2.5).
+    assert np.isfinite(ref_w).all() and ref_w[4:8].max() < 1e-4
+
+
+def test_old_transformers_refused_in_one_line():
+    from symmring.errors import BackendError
+    from symmring.moe.hf import TRANSFORMERS_RANGE, check_transformers
+    assert check_transformers("5.13.0") == "5.13.0" and check_transformers("5.17.0+local") == "5.17.0+local"
+    for old in ("5.12.1", "5.0.0", "4.57.6", "5.12.0.dev0"):
+        with pytest.raises(BackendError, match=rf"transformers {old} is installed; symmring.moe.hf needs "
+                                               rf"transformers{TRANSFORMERS_RANGE} \(pip install \"symmring\[hf\]\"\)"):
+            check_transformers(old)
+
+
+# --- the module on the CPU layer (host backend) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def host_ctx():
+    from symmring.context import init
+    context = init("host", timeout_s=30.0)
+    yield context
+    context.close()
+
+
+def _host_weights(seed=SEED, local=E):
+    g = torch.Generator().manual_seed(seed)
+    w_gate, w_up = (torch.randn(local, INTER, HIDDEN, generator=g).bfloat16() / 16 for _ in range(2))
+    w_down = (torch.randn(local, HIDDEN, INTER, generator=g) / 16).bfloat16()
+    return w_gate, w_up, w_down, (torch.randn(E, HIDDEN, generator=g) / 8).bfloat16()
+
+
+def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
+    """The context picks the layer: HostLayer on the host backend; its streamed calls (chunks of 8 through a
+    2-slot ring) equal its batch calls bitwise (the CPU layer is row-independent), and `workspace` is only
+    forwarded when given."""
+    from symmring.moe.host_layer import HostLayer
+    from symmring.moe.module import default_layer_factory
+    assert default_layer_factory(host_ctx) is HostLayer
+    w_gate, w_up, w_down, router = _host_weights()
+    batch = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
+                      workspace=None)
+    streamed = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
+                         streaming=True, tokens_per_slot=8)
+    assert isinstance(batch.layer, HostLayer) and batch.device == torch.device("cpu")
+    x = tokens(SEED + 5, 3, 9)
+    with torch.inference_mode():
+        y, y_streamed = batch(x), streamed(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.abs().max() > 0
+    assert torch.equal(y, y_streamed)
+    assert streamed.layer.layer.last_stats.num_chunks == 4 and batch.layer.layer.last_stats.num_chunks == 1
+    batch.close(), streamed.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(engine="builtin"), "engine: options of the GPU layer"),
+    (dict(expert_dtype="fp8", graph_cache=0), "expert_dtype, graph_cache: options of the GPU layer"),
+    (dict(no_such_option=1), "no_such_option: unexpected argument"),
+    (dict(x_format="fp16"), "x_format='fp16'"),
+    (dict(tokens_per_slot=0), "tokens_per_slot=0"),
+    (dict(w_gate="float"), r"w_gate: expected a bf16 CPU tensor \[16, 256, 256\]"),
+])
+def test_host_layer_bad_arguments(host_ctx, kwargs, match):
+    from symmring.moe.host_layer import HostLayer
+    w_gate, w_up, w_down, _ = _host_weights()
+    if kwargs.get("w_gate") == "float":
+        kwargs = dict(w_gate=w_gate.float())
+    args = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(ConfigError, match=match):
+        HostLayer(host_ctx, E, HIDDEN, INTER, 4, args["w_gate"], args["w_up"], args["w_down"], max_tokens=8, **kwargs)
+
+
+def test_host_layer_reloads_weights(host_ctx):
+    """load_state_dict copies into the layer's bf16 tensors in place and the CPU layer re-derives its float
+    operands: a module loaded with another module's state computes what that module computes, bitwise."""
+    a_w, b_w = _host_weights(SEED), _host_weights(SEED + 1)
+    a = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *a_w[:3], router_weight=a_w[3], max_tokens=16)
+    b = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *b_w[:3], router_weight=b_w[3], max_tokens=16)
+    x = tokens(SEED + 6, 10)
+    with torch.inference_mode():
+        y_a, y_b = a(x), b(x)
+    assert not torch.equal(y_a, y_b)
+    b.load_state_dict(a.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(b(x), y_a)
+    a.close(), b.close()
+
+
+def test_gpu_layer_and_bench_without_torch_name_the_extra(tmp_path):
+    """Without torch, `symmring.moe.gpu.MoE`, `MoEModule` and ``bench moe`` fail in one line naming the extra."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from symmring.moe.gpu import MoE\n"
+            "from symmring.moe import MoEModule\n"
+            "for build in (lambda: MoE(None, 8, 128, 128, 2, None, None, None, max_tokens=8),\n"
+            "              lambda: MoEModule(None, 8, 128, 128, 2, None, None, None, router_weight=None, max_tokens=8)):\n"
+            "    try:\n"
+            "        build()\n"
+            "    except Exception as exc:\n"
+            "        print(type(exc).__name__, exc)\n"
+            "from symmring.__main__ import main\n"
+            "print('status', main(['bench', 'moe']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 3 and lines[2] == "status 2", run.stdout + run.stderr
+    for line in lines[:2]:
+        assert line.startswith("BackendError symmring.moe.") and 'pip install "symmring[gpu]"' in line \
+            and '"symmring[cpu]"' in line, line
+    assert 'bench moe: needs torch with CUDA: torch is not installed (pip install "symmring[gpu]")' in run.stderr
+
+
+def test_module_built_under_inference_mode_runs_under_no_grad():
+    """The call token is a normal tensor even when the module is built under inference_mode, so a later call
+    under no_grad may write it (an inference tensor refuses in-place writes outside inference mode)."""
+    with torch.inference_mode():
+        module = make_module()
+    x = tokens(SEED + 8, 4)
+    with torch.no_grad():
+        module(x)
+    with torch.inference_mode():
+        module(x)
+    assert int(module.call_token) == 2 and not module.call_token.is_inference()

@@ -117,3 +117,46 @@ def test_wheel_metadata_names_the_package(wheel):
     metadata = email.parser.Parser().parsestr(_dist_info(wheel, "METADATA"), headersonly=True)
     assert metadata["Name"] == "symmring"
     assert metadata["Version"] == symmring.__version__
+
+
+def test_wheel_ships_license_and_py_typed(wheel):
+    names = set(wheel.namelist())
+    assert "symmring/py.typed" in names
+    licenses = [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licenses and wheel.read(licenses[0]) == (ROOT / "LICENSE").read_bytes()
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text \
+        and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_metadata_python_versions_and_extras(wheel):
+    import symmring
+    metadata = email.parser.Parser().parsestr(_dist_info(wheel, "METADATA"), headersonly=True)
+    assert metadata["Requires-Python"] == ">=3.10"
+    classifiers = metadata.get_all("Classifier")
+    assert "Typing :: Typed" in classifiers and "Programming Language :: Python :: 3.11" in classifiers
+    extras = set(metadata.get_all("Provides-Extra"))
+    assert {"mpi", "gpu", "device", "cpu", "hf", "test", "bench", "deepgemm"} <= extras
+    requires = metadata.get_all("Requires-Dist")
+    by_extra = {}
+    for line in requires:
+        req, _, marker = line.partition(";")
+        extra = marker.split("extra ==")[-1].strip().strip("'\"") if "extra ==" in marker else None
+        by_extra.setdefault(extra, []).append(req.strip().replace(" ", ""))
+    # DeepGEMM's wheel links libtorch: the extra pins it with the torch it was built against.
+    from symmring.moe.deepgemm import BUILT_FOR_TORCH
+    ((dist, version), (major, minor)), = BUILT_FOR_TORCH.items()
+    assert sorted(by_extra["deepgemm"]) == sorted([f"{dist}=={version}", f"torch=={major}.{minor}.*"])
+    from symmring.moe.hf import TRANSFORMERS_RANGE
+    assert by_extra["hf"] == [f"transformers{TRANSFORMERS_RANGE}".replace(">=5.13,<6", "<6,>=5.13")] \
+        or by_extra["hf"] == [f"transformers{TRANSFORMERS_RANGE}"]
+    assert any(r.startswith("torch==") and r.endswith("+cpu") for r in by_extra["cpu"])
+    assert metadata["Version"] == symmring.__version__
+
+
+def test_changelog_names_the_version():
+    import re
+    import symmring
+    text = (ROOT / "CHANGELOG.md").read_text()
+    newest = re.search(r"^## (\S+)", text, re.M)
+    assert newest is not None and newest.group(1) == symmring.__version__, (newest and newest.group(1))

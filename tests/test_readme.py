@@ -19,3 +19,16 @@ def test_readme_python_example_runs(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_commands_are_what_ci_runs():
+    """The Quick start's install and test commands are the ones .ci/run runs (the README says so)."""
+    ci = (README.parent / ".ci" / "run").read_text()
+    readme = README.read_text()
+    install = re.search(r'pip install -q (-e "\.\[[a-z,]+\]")', ci)
+    assert install is not None
+    assert f'pip install {install.group(1)} && python -m symmring demo' in readme
+    extras = set(re.search(r"\[([a-z,]+)\]", install.group(1)).group(1).split(","))
+    assert {"cpu", "hf", "mpi", "test"} <= extras  # torch and transformers paths run in CI
+    test = re.search(r"^python -m pytest (.+)$", ci, flags=re.M)
+    assert test is not None and f"python -m pytest {test.group(1)}" in readme

@@ -59,7 +59,8 @@ def test_mpi_suite(num_ranks):
         pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
     cmd = [mpiexec, "-n", str(num_ranks), sys.executable, "-m", "mpi4py", "-m", "pytest", "tests/mpi", "-q",
            "-p", "no:cacheprovider", "-m", "not slow"]
-    env = dict(os.environ, SYMMRING_TIMEOUT_S=PROTOCOL_TIMEOUT_S, PYTHONUNBUFFERED="1")
+    # The ranks print their figure lines (collected below; -s shows them) and append them to the figure log.
+    env = dict(os.environ, SYMMRING_TIMEOUT_S=PROTOCOL_TIMEOUT_S, PYTHONUNBUFFERED="1", SYMMRING_FIGURES_SHOW="1")
     env.pop("PYTEST_ADDOPTS", None)
     returncode, output = run_bounded(cmd, env=env, timeout_s=RUN_TIMEOUT_S)
     figures = [line for line in output.splitlines() if "[figure]" in line]

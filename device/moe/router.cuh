@@ -211,7 +211,8 @@ __device__ __forceinline__ RouteEntry route_token(const RouterOptions& o, const 
     float weight;
     if (sigmoid) {
         weight = my_value;
-        if (o.norm_topk_prob) weight = weight / warp_sum(mine ? weight : 0.0f);
+        // sum + 1e-20 (routing.RENORM_EPS): transformers' DeepSeek-V3 router; 0, not 0/0, when every s underflows.
+        if (o.norm_topk_prob) weight = weight / (warp_sum(mine ? weight : 0.0f) + 1e-20f);
         weight = weight * o.routed_scaling_factor;
     } else {
         const float top = __shfl_sync(kFullWarp, my_value, 0);  // entry 0: the largest logit, of all experts too

@@ -14,7 +14,7 @@ def missing_cuda_torch() -> Optional[str]:
     try:
         import torch
     except ImportError:
-        return "needs torch with CUDA (not installed)"
+        return 'needs torch with CUDA: torch is not installed (pip install "symmring[gpu]")'
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
     return None

@@ -57,6 +57,40 @@ from .fp8_kernels import ALIGN_M, check_gemm_args
 
 logger = logging.getLogger(__name__)
 
+#: Builds of DeepGEMM that link libtorch -> the torch release (major, minor) each was built against. The
+#: ``deepgemm`` extra pins the build and that torch together; `torch_mismatch` refuses any other pairing
+#: before ``import deep_gemm`` (a libtorch ABI mismatch may crash the process rather than raise).
+BUILT_FOR_TORCH = {("tokenspeed-deepgemm", "2.5.0.post20260424"): (2, 11)}
+
+
+def torch_mismatch(distribution: str, version: Optional[str], torch_version: str) -> Optional[str]:
+    """Why DeepGEMM build ``distribution==version`` cannot load beside ``torch_version`` (None: it may).
+
+    Example:
+        >>> torch_mismatch("tokenspeed-deepgemm", "2.5.0.post20260424", "2.11.0+cu130") is None
+        True
+        >>> torch_mismatch("tokenspeed-deepgemm", "2.5.0.post20260424", "2.13.0+cpu")
+        'tokenspeed-deepgemm 2.5.0.post20260424 is built against torch 2.11 but torch 2.13.0+cpu is installed (pip install "symmring[gpu,deepgemm]" installs the pair)'
+    """
+    want = BUILT_FOR_TORCH.get((distribution, version))
+    if want is None:
+        return None
+    have = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit())
+    if have == want:
+        return None
+    return (f"{distribution} {version} is built against torch {want[0]}.{want[1]} but torch {torch_version} is "
+            f'installed (pip install "symmring[gpu,deepgemm]" installs the pair)')
+
+
+def _installed_build() -> Tuple[str, Optional[str]]:
+    import importlib.metadata
+    for distribution, _ in BUILT_FOR_TORCH:
+        try:
+            return distribution, importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "", None
+
 
 @functools.lru_cache(maxsize=None)
 def _load() -> Tuple[Optional[Any], str]:
@@ -65,6 +99,9 @@ def _load() -> Tuple[Optional[Any], str]:
         import torch
     except ImportError:
         return None, "torch is not installed"
+    mismatch = torch_mismatch(*_installed_build(), torch.__version__)
+    if mismatch:
+        return None, mismatch
     try:
         if not torch.cuda.is_available():
             return None, "no CUDA device is visible"

@@ -309,9 +309,7 @@ class ExpertParallelMoE:
         self.n_group, self.topk_group, self.norm_topk_prob = int(n_group), int(topk_group), norm_topk_prob
         self.max_tokens_per_rank = max_tokens_per_rank
         # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
-        self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
-                             for i in range(len(self.experts))]
-        self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
+        self.set_expert_weights(w_gate, w_up, w_down)
         # Rings, combine buffer (and its generation base) and pool: borrowed from the workspace per call.
         self.workspace = workspace if workspace is not None else ctx.workspace()
         self.layer_shape = LayerShape(self.shapes.hidden, self.inter, self.shapes.num_experts, self.shapes.num_topk,
@@ -326,6 +324,23 @@ class ExpertParallelMoE:
                  f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "",
                  "" if norm_topk_prob else ", norm_topk_prob=False", self.shapes.x_format, self.timeout_s,
                  "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
+
+    def set_expert_weights(self, w_gate, w_up, w_down) -> None:
+        """Replace this rank's expert weights (local, not collective: each rank its own experts), e.g. after
+        `symmring.moe.module.MoEModule` loaded a state dict. Shapes as at construction.
+
+        Raises:
+            ConfigError: a weight of another shape, dtype or with a non-finite value (the layer is unchanged).
+        """
+        (w_gate, _), (w_up, _), (w_down, _) = (as_numpy(n, v) for n, v in (
+            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
+        num_local, inter, _ = check_expert_weights(w_gate, w_up, w_down, hidden=self.shapes.hidden)
+        if (num_local, inter) != (len(self.experts), self.inter):
+            raise ConfigError(f"w_gate.shape={w_gate.shape}: expected [{len(self.experts)}, {self.inter}, "
+                              f"{self.shapes.hidden}] (this layer's experts)")
+        self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
+                             for i in range(len(self.experts))]
+        self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
 
     @property
     def topk_method(self) -> str:

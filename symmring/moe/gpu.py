@@ -89,7 +89,11 @@ MAX_CACHED_PLANS = 64
 
 
 def _torch():
-    import torch
+    try:
+        import torch
+    except ImportError:  # one line naming the extra, not a traceback into the layer
+        from .. import deps
+        raise BackendError(f"symmring.moe.gpu.MoE needs torch: {deps.hint('torch')}") from None
     return torch
 
 

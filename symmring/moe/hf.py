@@ -20,6 +20,17 @@ fp8-quantised transformers model) and weights on the meta device are refused wit
 Rank ``r`` of ``R`` takes experts ``[r E/R, (r+1) E/R)``; every rank must hold the same model (the same
 weights) and replace the same blocks in the same order (the layer's construction is collective).
 
+The context picks the layer (`symmring.moe.module.MoEModule`): on the nvshmem backend the GPU layer (the
+module on the current CUDA device), on the host backend the CPU layer (the module on the CPU; a whole
+transformers model runs with symmring's expert-parallel blocks under ``mpiexec`` on any machine). The
+module keeps the block's state names (``checkpoint_names="hf"``): a replaced model loads the original
+model's state dict, each rank taking its experts.
+
+transformers: the tested range is `TRANSFORMERS_RANGE` (``>=5.13,<6``, the ``hf`` extra); 5.0-5.12 keep
+DeepSeek-V3's routing options on the block instead of its router and fill masked groups with 0 instead of
+``-inf``, so `from_hf` refuses them in one line (`check_transformers`). The routing follows transformers'
+to the bit where it can: DeepSeek-V3 divides by ``sum + 1e-20`` (`symmring.moe.routing.RENORM_EPS`).
+
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()  # doctest: +SKIP
     >>> replaced = replace_moe_blocks(model, ctx, max_tokens=4096, engine="builtin")  # doctest: +SKIP
@@ -32,8 +43,13 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..errors import ConfigError
+from ..errors import BackendError, ConfigError
 from . import routing
+
+#: The transformers versions `from_hf` is tested with: the oldest that works (5.13.0: DeepSeek-V3's router
+#: holds ``top_k``, masked groups are ``-inf``) up to the next major version.
+TRANSFORMERS_MIN, TRANSFORMERS_BELOW = (5, 13), (6,)
+TRANSFORMERS_RANGE = ">=5.13,<6"
 
 #: transformers MoE block classes (matched by name on the class and its bases) -> family.
 BLOCK_CLASSES = {"MixtralSparseMoeBlock": "mixtral", "Qwen3MoeSparseMoeBlock": "qwen3_moe",
@@ -47,6 +63,47 @@ SET_BY_BLOCK = ("num_experts", "hidden", "inter", "topk", "w_gate", "w_up", "w_d
 def _torch():
     import torch
     return torch
+
+
+def _release(version: str):
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_transformers(version: Optional[str] = None) -> Optional[str]:
+    """The installed transformers version (None when it is not installed), refused below the tested range.
+
+    Raises:
+        BackendError: transformers older than 5.13, in one line naming the version needed.
+
+    Example:
+        >>> check_transformers("5.17.0")
+        '5.17.0'
+        >>> check_transformers("5.12.1")
+        Traceback (most recent call last):
+        ...
+        symmring.errors.BackendError: transformers 5.12.1 is installed; symmring.moe.hf needs transformers>=5.13,<6 (pip install "symmring[hf]")
+    """
+    if version is None:
+        import importlib.metadata
+        try:
+            version = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    release = _release(version)
+    if release < TRANSFORMERS_MIN:
+        raise BackendError(f"transformers {version} is installed; symmring.moe.hf needs transformers"
+                           f"{TRANSFORMERS_RANGE} (pip install \"symmring[hf]\")")
+    if release >= TRANSFORMERS_BELOW:
+        import logging
+        logging.getLogger(__name__).warning("transformers %s is newer than the tested range %s", version,
+                                            TRANSFORMERS_RANGE)
+    return version
 
 
 def block_family(module) -> Optional[str]:
@@ -143,35 +200,44 @@ def _check_layer_kwargs(layer_kwargs: dict) -> None:
                           "arguments (engine, expert_dtype, x_format, num_slots, tokens_per_slot, ...)")
 
 
-def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, **layer_kwargs):
+def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, workspace=None,
+            **layer_kwargs):
     """A `symmring.moe.module.MoEModule` computing ``block`` with this rank's experts (module docstring).
 
     Args:
         block: a transformers 5.x ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` or ``DeepseekV3MoE``
             (bf16 experts, on any device; every rank holding the same weights).
-        ctx: the symmring context (``symmring.init("nvshmem")``); its rank and world size pick the experts.
+        ctx: the symmring context; its backend picks the layer (nvshmem: the GPU layer; host: the CPU layer),
+            its rank and world size the experts.
         max_tokens: most tokens per rank per call (the layer's buffers).
         streaming: ``False``, ``True`` or ``"auto"``: the schedule of every call.
-        device: where the layer's weights go (default: the current CUDA device, the GPU layer's device).
-        layer_factory: builds the layer (default `symmring.moe.gpu.MoE`; tests pass a CPU stand-in).
+        device: where the layer's weights go (default: the CPU on the host backend, else the current CUDA
+            device, the GPU layer's device).
+        layer_factory: builds the layer (default: by the backend, `symmring.moe.module.default_layer_factory`;
+            tests pass a stand-in).
+        workspace: passed to the layer when given (`symmring.moe.module.MoEModule`).
         **layer_kwargs: the layer's other arguments (``engine``, ``expert_dtype``, ``x_format``, ``num_slots``,
             ``tokens_per_slot``, ``expert_window``, ``ack_policy``, ...).
 
     Returns:
-        The module; ``block`` itself is left as it was (its shared experts, if any, are shared with the module).
+        The module (``checkpoint_names="hf"``: its state under the block's names); ``block`` itself is left as
+        it was (its shared experts, if any, are shared with the module).
 
     Raises:
         ConfigError: an unsupported block (`block_spec`), a layer argument the block sets, or a bad layer
             argument (before any collective work).
+        BackendError: transformers older than the tested range (`check_transformers`).
 
     Example:
         >>> module = from_hf(model.model.layers[0].mlp, ctx, max_tokens=4096, engine="torch")  # doctest: +SKIP
     """
     torch = _torch()
+    check_transformers()
     spec = block_spec(block, getattr(ctx, "world_size", None))
     _check_layer_kwargs(layer_kwargs)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        on_host = getattr(getattr(ctx, "backend", None), "name", None) == "host"
+        device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
     E, I = spec["num_experts"], spec["inter"]
     local = E // ctx.world_size
     begin = ctx.rank * local
@@ -185,7 +251,8 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
     return _module_cls()(ctx, E, spec["hidden"], I, spec["topk"], w_gate, w_up, w_down,
                          router_weight=spec["router_weight"], max_tokens=max_tokens,
                          router_dtype=spec["router_dtype"], shared_experts=spec["shared_experts"],
-                         streaming=streaming, layer_factory=layer_factory, **options, **layer_kwargs)
+                         streaming=streaming, layer_factory=layer_factory, checkpoint_names="hf",
+                         workspace=workspace, **options, **layer_kwargs)
 
 
 def _module_cls():
@@ -200,7 +267,7 @@ def replace_moe_blocks(model, ctx, **kwargs) -> Dict[str, object]:
     Args:
         model: a ``torch.nn.Module`` (a transformers model) holding the blocks.
         ctx: the symmring context.
-        **kwargs: `from_hf`'s keyword arguments (``max_tokens`` required).
+        **kwargs: `from_hf`'s keyword arguments (``max_tokens`` required; ``workspace`` passed to every layer).
 
     Returns:
         ``{qualified name: the MoEModule now there}``, in model order; the replaced blocks are dropped
@@ -219,8 +286,9 @@ def replace_moe_blocks(model, ctx, **kwargs) -> Dict[str, object]:
     if not found:
         raise ConfigError(f"model: {type(model).__name__} holds no supported MoE block (expected one of "
                           f"{sorted(BLOCK_CLASSES)})")
+    check_transformers()
     _check_layer_kwargs({k: v for k, v in kwargs.items() if k not in ("max_tokens", "streaming", "device",
-                                                                       "layer_factory")})
+                                                                       "layer_factory", "workspace")})
     for name, block in found:
         try:
             block_spec(block, getattr(ctx, "world_size", None))

@@ -24,8 +24,9 @@ TopK variants (`select_topk`):
   experts with the largest logits (softmax is monotonic, so the same experts as the largest
   probabilities), weights = their probabilities renormalised to sum to 1.
 * ``"sigmoid_bias"`` (DeepSeek-V3): ``scores = sigmoid(logits)``; the ``K`` experts with the largest
-  ``scores + bias`` are chosen; weights = their *unbiased* scores divided by the sum of those scores,
-  times ``routed_scaling_factor``.
+  ``scores + bias`` are chosen; weights = their *unbiased* scores divided by the sum of those scores
+  plus 1e-20 (`symmring.moe.routing.RENORM_EPS`, transformers' guard against 0/0), times
+  ``routed_scaling_factor``.
 * ``norm_topk_prob=False`` (Qwen3-MoE's variant; a DeepSeek-V3 option): the chosen probabilities (times
   ``routed_scaling_factor`` for ``"sigmoid_bias"``) are not divided by their sum.
 * ``n_group > 1`` with ``topk_group`` (DeepSeek-V3's group-limited top-k, ``"sigmoid_bias"``): experts
@@ -54,7 +55,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import quant
-from .routing import SCORINGS, check_options  # pure Python: routing imports torch only inside `route`
+from .routing import RENORM_EPS, SCORINGS, check_options  # pure Python: routing imports torch only inside `route`
 
 #: TopK variants accepted by `select_topk`: the torch routing's `routing.SCORINGS`, one list for both.
 TOPK_METHODS = SCORINGS
@@ -261,6 +262,8 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         total = np.zeros((num_tokens, 1), np.float64)
         for k in range(num_topk):
             total += chosen[:, k:k + 1]
+        if method == "sigmoid_bias":
+            total += RENORM_EPS  # transformers' DeepSeek-V3 router: sum + 1e-20
         weights = chosen / total
     else:
         weights = chosen

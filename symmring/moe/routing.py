@@ -6,7 +6,9 @@ The same definitions as the NumPy reference (`symmring.moe.reference.select_topk
   softmax probabilities renormalised to sum to 1, i.e. a softmax over the chosen logits (float32).
 * ``"sigmoid_bias"`` (DeepSeek-V3): ``s = sigmoid(logits)`` in float32; experts chosen by the ``topk``
   largest ``s + bias``; weights ``s`` of the chosen experts (no bias) renormalised to sum to 1, times
-  ``routed_scaling_factor``.
+  ``routed_scaling_factor``. The renormalisation divides by ``sum + RENORM_EPS`` (1e-20), as transformers'
+  DeepSeek-V3 router does: a no-op unless every chosen ``s`` is below ~1e-13, where it gives transformers'
+  small weights (0 when the ``s`` underflow) instead of 0/0.
 
 Options (`check_options`; the names of the transformers configs):
 
@@ -36,6 +38,8 @@ def _torch():
     return torch
 
 
+#: Added to the sum of the chosen sigmoid scores before dividing by it (transformers' DeepSeek-V3 router).
+RENORM_EPS = 1e-20
 #: Routing functions accepted by `route`.
 SCORINGS = ("softmax", "sigmoid_bias")
 #: Experts of a group whose scores make the group's score (DeepSeek-V3: the two largest).
@@ -145,7 +149,7 @@ def route(logits, topk: int, scoring: str = "softmax", *, bias=None, routed_scal
         _, idx = torch.topk(choice, topk, dim=-1)
         weights = probs.gather(1, idx)
         if norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
         weights = weights * float(routed_scaling_factor)
     return idx.to(torch.int32), weights.float()
 

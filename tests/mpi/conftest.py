@@ -10,9 +10,14 @@ runs them with 2, 3 and 4 ranks). Every test reaches one verdict on all ranks (`
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: figures
+import figures  # noqa: E402
 
 from symmring.context import init
 
@@ -42,12 +47,12 @@ def seed(request):
 
 
 @pytest.fixture
-def figure(comm, capsys):
-    """``figure(line)`` prints a figure line once (rank 0), bypassing pytest's capture so it shows up."""
+def figure(comm, request):
+    """``figure(line)`` records a figure line once (rank 0): to the figure log, and on the terminal with -s or
+    -v (tests/figures.py)."""
     def emit(line: str) -> None:
         if comm.Get_rank() == 0:
-            with capsys.disabled():
-                print(line, flush=True)
+            figures.emit(request.config, line)
     return emit
 
 
