@@ -40,6 +40,8 @@ def test_constraints():
     assert anchor.megamoe_constraints(4096, 2048, 250, 6, num_ranks=8) == [
         "num_experts=250: not a multiple of num_ranks=8"]
     assert anchor.megamoe_constraints(4096, 2048, 8, 9) == ["topk=9: above num_experts=8"]
+    assert anchor.megamoe_constraints(*anchor.ANCHOR_SHAPES["qwen3-30b-a3b"]) == []
+    assert anchor.megamoe_constraints(*anchor.ANCHOR_SHAPES["mixtral"]) == ["inter=14336: above 4096 (inter / 64 <= 64)"]
 
 
 def _interleave_reference(w, gran):
@@ -60,11 +62,23 @@ def test_interleave_numpy(gran, n, k):
     np.testing.assert_array_equal(anchor.interleave_gate_up(w, gran), _interleave_reference(w, gran))
 
 
+def _deepgemm_sm90_transform(t, gran=8):
+    """DeepGEMM's transform_weights_for_mega_moe_sm90 on the L1 weight, as written in its Python wrapper (PR 323
+    tree, sgl_deep_gemm/__init__.py): stack gate and up blocks of 8 rows."""
+    import torch
+    g, n, *rest = t.shape
+    half = n // 2
+    gate = t[:, :half].reshape(g, half // gran, gran, *rest)
+    up = t[:, half:].reshape(g, half // gran, gran, *rest)
+    return torch.empty_like(t).copy_(torch.stack([gate, up], dim=2).reshape(g, n, *rest))
+
+
 def test_interleave_torch_fp8_bytes():
     torch = pytest.importorskip("torch")
     w = torch.randn(2, 64, 128).to(torch.float8_e4m3fn)
     got = anchor.interleave_gate_up(w.view(torch.uint8))
     np.testing.assert_array_equal(got.numpy(), _interleave_reference(w.view(torch.uint8).numpy(), 8))
+    assert torch.equal(got, _deepgemm_sm90_transform(w.view(torch.uint8)))
     with pytest.raises(ValueError):
         anchor.interleave_gate_up(np.zeros((1, 24, 1)), gran=8)
 
@@ -122,7 +136,7 @@ def test_load_error_names_the_tool(monkeypatch):
     pytest.importorskip("torch")
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ImportError, match="tools/megamoe/build.sh"):
+    with pytest.raises(ImportError, match="tools/megamoe/build.sh"):  # megamoe_dg not importable
         anchor.load_megamoe()
 
 
@@ -138,5 +152,5 @@ def test_megamoe_on_gpu():
     try:
         anchor.load_megamoe()
     except ImportError as exc:
-        pytest.skip(f"DeepGEMM's SM90 MegaMoE not built here: {exc}")
+        pytest.skip(f"DeepGEMM's SM90 MegaMoE (megamoe_dg) not built here: {exc}")
     pytest.skip("the MegaMoE run is tools/megamoe/run_anchor.sh (several minutes of JIT compiles), not a unit test")

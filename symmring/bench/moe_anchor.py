@@ -1,9 +1,9 @@
 """``python -m symmring bench moe --anchor megamoe``: the symmring layer beside DeepGEMM's SM90 MegaMoE.
 
-DeepGEMM's SM90 MegaMoE (``deep_gemm.fp8_mega_moe``, ``sgl-deep-gemm==0.2.5``: dispatch, both expert GEMMs
-with SwiGLU and combine fused in one persistent kernel) is the layer the RFC is written for. This benchmark
-runs it and the symmring layer (`symmring.moe.gpu.MoE`, fp8 experts) on the SAME inputs and prints their
-latency side by side, per model shape and tokens per rank:
+DeepGEMM's SM90 FP8 MegaMoE (dispatch, both expert GEMMs with SwiGLU and combine fused in one persistent
+kernel, ``sm90_fp8_mega_moe_impl``) is the layer the RFC is written for. This benchmark runs it and the
+symmring layer (`symmring.moe.gpu.MoE`, fp8 experts) on the SAME inputs and prints their latency side by
+side, per model shape and tokens per rank:
 
 * inputs: one seeded ``x`` (bf16), one set of expert weights drawn in bf16 and quantised ONCE to fp8 e4m3
   with float32 128x128 block scales (`symmring.moe.weights.quantize_blocks`), one routing
@@ -13,13 +13,14 @@ latency side by side, per model shape and tokens per rank:
   streamed (``streaming=True``, a ring of ``--tokens-per-slot`` slots; only where a call has at least two
   chunks), for each engine (``builtin``; ``deepgemm`` where `symmring.moe.deepgemm` finds a working
   ``deep_gemm``);
-* MegaMoE: the same fp8 weights as ``l1 = [gate; up]`` with their block scales, through its own weight
-  transform (``transform_weights_for_mega_moe_sm90``: gate/up rows interleaved by 8); its symmetric buffer
-  (at one rank a plain ``torch.empty`` of ``get_symm_buffer_size_for_sm90_mega_moe`` bytes, as its
-  ``SymmBuffer`` does at one rank); its routing input (``mega_moe_pre_dispatch_sm90``: fp8 ``x`` with
-  per-128 float32 scales, ``topk_idx``, ``topk_weights``, ``routed_scaling_factor=1``); then
-  ``fp8_mega_moe(y, l1, l2, buffer, recipe=(128, 128, 128), activation="swiglu", activation_clamp=None,
-  num_tokens_bound=n)``. Timed: pre-dispatch + kernel (``megamoe_ms``), and the kernel alone.
+* MegaMoE: the same fp8 weights as ``l1 = [gate; up]`` (rows interleaved by 8, `interleave_gate_up`, which
+  is its ``transform_weights_for_mega_moe_sm90``; scales unchanged) and ``l2 = down``; its symmetric buffer
+  (at one rank a plain ``torch.zeros`` of ``get_symm_buffer_size_for_sm90_mega_moe`` bytes, sliced by the
+  function that returns, as its ``SymmBuffer`` does at one rank); its routing input
+  (``mega_moe_pre_dispatch_sm90``: fp8 ``x`` with per-128 float32 scales, ``topk_idx``, ``topk_weights``,
+  ``routed_scaling_factor=1``); then ``fp8_mega_moe(y, l1, l2, None, buffer, [ptr], 0, capacity,
+  num_experts, topk, (128, 128, 128), "swiglu", None, fast_math=True)``. Timed: pre-dispatch + kernel
+  (``ms``), and the kernel alone (``kernel_ms``).
 
 Both compute the same function, ``y = sum_k w_k * W_down(silu(W_gate x) * (W_up x))`` (MegaMoE's swiglu with
 no clamp is ``silu(gate) * up``; it multiplies the topk weight into the SwiGLU output before the second
@@ -30,13 +31,15 @@ experts_forward`) with the DEQUANTISED fp8 weights and the bf16 ``x``, so the to
 
 Shapes (`ANCHOR_SHAPES`): V4-Flash-like and DeepSeek-V3-like by default; `megamoe_constraints` says which a
 shape breaks of what the SM90 kernel asserts; a shape the kernel's host code rejects at run time is
-recorded with the error and skipped. One PE (the anchor's own multi-rank path needs torch symmetric memory
-over a process group; not run here).
+recorded with the error. One PE (MegaMoE's several-rank path needs torch symmetric memory over a process
+group; not wired here).
 
-``deep_gemm`` is imported only here, lazily (`load_megamoe`), never by the library: build it with
-``tools/megamoe/build.sh`` (the wheel's ``_C.so`` needs torch >= 2.13 symbols; a small compat library maps
-them onto torch 2.11). ``--warm-only`` compiles MegaMoE's kernel for one shape and size and exits (the
-driver, ``tools/megamoe/run_anchor.sh``, runs several at once to overlap DeepGEMM's JIT compiles).
+MegaMoE comes from ``megamoe_dg``, a module built by ``tools/megamoe/build.sh`` from DeepGEMM's source
+(deepseek-ai/DeepGEMM refs/pull/323/head 8ddf7f9, the newest stored tree with the SM90 kernel) against the
+installed torch; it is imported only here, lazily (`load_megamoe`), never by the library. Its own name keeps
+it apart from the ``deep_gemm`` of symmring's DeepGEMM engine. ``--warm-only`` compiles MegaMoE's kernel for
+some shapes and sizes and exits (the driver, ``tools/megamoe/run_anchor.sh``, runs several at once to
+overlap DeepGEMM's JIT compiles).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
 ANCHORS = ("megamoe",)
 #: Relative error ||y - y_ref|| / ||y_ref|| accepted against the dequantised-weight bf16 reference.
 DEFAULT_TOL = 0.05
-BUILD_HINT = "tools/megamoe/build.sh (installs .whl/sgl_deep_gemm-0.2.5-*.whl and its torch-2.11 compat library)"
+BUILD_HINT = "tools/megamoe/build.sh (builds DeepGEMM's SM90 MegaMoE as the module megamoe_dg from .megamoe/)"
 
 DESCRIPTION = ("symmring's GPU MoE layer (batch, streamed; each fp8 engine) beside DeepGEMM's SM90 MegaMoE on the "
                "same fp8 weights, inputs and routing, outputs checked against one reference.")
@@ -80,21 +83,25 @@ DESCRIPTION = ("symmring's GPU MoE layer (batch, streamed; each fp8 engine) besi
 # --------------------------------------------------------------------------------------------- pure logic
 def megamoe_constraints(hidden: int, inter: int, num_experts: int, topk: int, num_ranks: int = 1) -> List[str]:
     """What a shape breaks of the SM90 MegaMoE kernel's static assertions and its host layout (empty: none
-    known). From ``include/deep_gemm/impls/sm90_fp8_mega_moe.cuh`` (sgl-deep-gemm 0.2.5): BLOCK_K = 128 with
-    per-128 scale factors (hidden and inter multiples of 128; the L1 output ``2 * inter`` is split gate/up
-    by 8 rows), ``kNumTopk <= 32``, ``kNumExperts % kNumRanks == 0``, ``kNumRanks <= 32``.
+    known). From DeepGEMM's ``csrc/apis/sm90_mega.hpp`` and ``include/deep_gemm/impls/sm90_fp8_mega_moe.cuh``
+    (PR 323 tree): hidden and inter multiples of 128 (per-128 scale factors), ``inter / 64 <= 64`` (the L2
+    activations' per-64 scales), ``kNumTopk <= 32``, ``kNumExperts % kNumRanks == 0``; ``kNumRanks <= 32``.
 
     Example:
         >>> megamoe_constraints(4096, 2048, 256, 6)
         []
         >>> megamoe_constraints(4000, 2048, 256, 40)
         ['hidden=4000: not a multiple of 128', 'topk=40: above 32']
+        >>> megamoe_constraints(4096, 14336, 8, 2)  # Mixtral-like
+        ['inter=14336: above 4096 (inter / 64 <= 64)']
     """
     out = []
     if hidden % 128:
         out.append(f"hidden={hidden}: not a multiple of 128")
     if inter % 128:
         out.append(f"inter={inter}: not a multiple of 128")
+    if inter // 64 > 64:
+        out.append(f"inter={inter}: above 4096 (inter / 64 <= 64)")
     if topk > 32:
         out.append(f"topk={topk}: above 32")
     if topk > num_experts:
@@ -156,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per row (a quarter above 4096 tokens)")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="relative error accepted vs the reference")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-megamoe", action="store_true", help="symmring rows only (e.g. another deep_gemm)")
+    parser.add_argument("--no-megamoe", action="store_true", help="symmring rows only")
     parser.add_argument("--check-only", action="store_true", help="correctness rows only (one timed call)")
     parser.add_argument("--warm-only", action="store_true",
                         help="compile MegaMoE's kernels for these shapes and sizes (uninitialised weights) and exit")
@@ -258,38 +265,30 @@ def write_json(path: Optional[str], payload: Dict) -> None:
 
 # --------------------------------------------------------------------------------------------- GPU side
 def load_megamoe():
-    """``deep_gemm`` with SM90 MegaMoE (sgl-deep-gemm 0.2.5), after its torch-2.11 compat library (a file
-    ``libtorch211_compat.so`` next to the package, put there by tools/megamoe/build.sh) was loaded globally.
+    """``megamoe_dg``: DeepGEMM's SM90 FP8 MegaMoE as tools/megamoe/build.sh builds it.
 
     Raises:
-        ImportError: deep_gemm is missing, does not load, or has no ``fp8_mega_moe`` (naming the tool script).
+        ImportError: it is missing, does not load, or lacks an entry point (naming the tool script).
     """
-    import torch  # noqa: F401  (libtorch first: the compat library links against it)
-    spec = importlib.util.find_spec("deep_gemm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"deep_gemm is not importable; build DeepGEMM's MegaMoE with {BUILD_HINT} and put its "
-                          "site directory on PYTHONPATH")
-    pkg_dir = list(spec.submodule_search_locations)[0]
-    compat = os.path.join(pkg_dir, "libtorch211_compat.so")
-    if os.path.exists(compat):
-        ctypes.CDLL(compat, mode=ctypes.RTLD_GLOBAL)
+    import torch  # noqa: F401  (libtorch first)
+    if importlib.util.find_spec("megamoe_dg") is None:
+        raise ImportError(f"megamoe_dg is not importable; build DeepGEMM's MegaMoE with {BUILD_HINT} and put its "
+                          "site directory (default /tmp/megamoe-site) on PYTHONPATH")
     try:
-        import deep_gemm
-    except Exception as exc:  # an ABI mismatch surfaces as OSError/RuntimeError from load_library
-        raise ImportError(f"deep_gemm at {pkg_dir} does not load ({type(exc).__name__}: {exc}); "
-                          f"see {BUILD_HINT}") from exc
-    missing = [n for n in ("fp8_mega_moe", "mega_moe_pre_dispatch_sm90", "transform_weights_for_mega_moe_sm90")
-               if not hasattr(deep_gemm, n)]
+        import megamoe_dg
+    except Exception as exc:  # an ABI mismatch surfaces as ImportError/OSError/RuntimeError
+        raise ImportError(f"megamoe_dg does not load ({type(exc).__name__}: {exc}); see {BUILD_HINT}") from exc
+    missing = [n for n in ("fp8_mega_moe", "mega_moe_pre_dispatch_sm90", "get_symm_buffer_size_for_sm90_mega_moe",
+                           "get_token_alignment_for_sm90_mega_moe") if not hasattr(megamoe_dg._C, n)]
     if missing:
-        raise ImportError(f"deep_gemm at {pkg_dir} has no SM90 MegaMoE ({', '.join(missing)} missing): it is "
-                          f"not sgl-deep-gemm 0.2.5; see {BUILD_HINT}")
-    return deep_gemm
+        raise ImportError(f"megamoe_dg has no {', '.join(missing)}; see {BUILD_HINT}")
+    return megamoe_dg
 
 
 class MegaMoEBuffer:
-    """MegaMoE's SM90 symmetric buffer at one rank: ``deep_gemm.SM90SymmBuffer`` with a plain ``torch.empty``
-    instead of torch symmetric memory (what its generic ``SymmBuffer`` does at one rank), so no process
-    group is needed. Carries the attributes ``deep_gemm.fp8_mega_moe`` reads."""
+    """MegaMoE's SM90 symmetric buffer at one rank: its ``SM90SymmBuffer`` with a plain ``torch.zeros``
+    instead of torch symmetric memory (what its generic ``SymmBuffer`` does at one rank), so no process group
+    is needed; the capacity aligned as its ``get_symm_buffer_for_sm90_mega_moe`` aligns it."""
 
     def __init__(self, dg, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                  intermediate_hidden: int, activation: str = "swiglu"):
@@ -297,16 +296,13 @@ class MegaMoEBuffer:
         align = int(dg._C.get_token_alignment_for_sm90_mega_moe())
         self.num_max_tokens_per_rank = -(-num_max_tokens_per_rank // align) * align
         self.num_experts, self.num_topk = num_experts, num_topk
-        self.hidden, self.intermediate_hidden = hidden, intermediate_hidden
-        self.group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 1, barrier=lambda: None)
-        layout_args = (1, num_experts, self.num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                       True, activation)
-        self.nbytes = int(dg._C.get_symm_buffer_size_for_sm90_mega_moe(*layout_args))
+        self.nbytes, slice_input_buffers = dg._C.get_symm_buffer_size_for_sm90_mega_moe(
+            1, num_experts, self.num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, True, activation)
+        self.nbytes = int(self.nbytes)
         self.buffer = torch.zeros(self.nbytes, dtype=torch.int8, device="cuda")
-        self.handle = types.SimpleNamespace(buffer_ptrs=[self.buffer.data_ptr()])
+        self.buffer_ptrs = [self.buffer.data_ptr()]
         (self.x, self.x_sf, self.topk_idx, self.topk_weights,
-         self.l1_acts, self.l1_acts_sf, self.l2_acts, self.l2_acts_sf) = \
-            dg._C.slice_symm_buffer_for_sm90_mega_moe(self.buffer, *layout_args)
+         self.l1_acts, self.l1_acts_sf, self.l2_acts, self.l2_acts_sf) = slice_input_buffers(self.buffer)
 
 
 def make_inputs(shape: str, tokens: Sequence[int], seed: int, device):
@@ -372,37 +368,33 @@ def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
 
 
 class MegaMoERunner:
-    """MegaMoE on one shape: transformed weights, one buffer sized for the largest call, ``run(x, idx, w)``."""
+    """MegaMoE on one shape: its weights (``[gate; up]`` interleaved by 8 rows, scales as they are), one buffer
+    sized for ``max_tokens``, ``run(x, topk_idx, topk_weights)``."""
 
     def __init__(self, dg, weights, hidden: int, inter: int, num_experts: int, topk: int, max_tokens: int,
-                 check_transform: bool = True, transformed=None):
+                 transformed=None):
         import torch
-        self.dg, self.hidden, self.topk = dg, hidden, topk
+        self.dg, self.hidden, self.topk, self.num_experts = dg, hidden, topk, num_experts
         self.buf = MegaMoEBuffer(dg, num_experts, max_tokens, topk, hidden, inter)
-        self.transform_matches = None
         if transformed is not None:  # ((l1, l1_sf), (l2, l2_sf)) already in MegaMoE's layout
             (self.l1, self.l1_sf), (self.l2, self.l2_sf) = transformed
             return
         l1 = torch.cat([weights["gate"], weights["up"]], dim=1)
-        l1_sf = torch.cat([weights["gate_scale"], weights["up_scale"]], dim=1)
-        (self.l1, self.l1_sf), (self.l2, self.l2_sf) = dg.transform_weights_for_mega_moe_sm90(
-            (l1, l1_sf), (weights["down"], weights["down_scale"]))
-        # The transform is pure row movement: the same bytes as this module's reading of it.
-        if check_transform:
-            mine = interleave_gate_up(l1.view(torch.uint8))
-            self.transform_matches = bool(torch.equal(mine, self.l1.view(torch.uint8))
-                                          and torch.equal(self.l1_sf, l1_sf))
-            del mine
+        self.l1 = interleave_gate_up(l1.view(torch.uint8)).view(torch.float8_e4m3fn)
         del l1
+        self.l1_sf = torch.cat([weights["gate_scale"], weights["up_scale"]], dim=1).contiguous()
+        self.l2, self.l2_sf = weights["down"], weights["down_scale"]
 
     def pre_dispatch(self, x, topk_idx, topk_weights):
-        self.dg.mega_moe_pre_dispatch_sm90(x, topk_idx, topk_weights, self.buf.x, self.buf.x_sf, self.buf.topk_idx,
-                                           self.buf.topk_weights, x.shape[0], 128, 1.0)
+        b = self.buf
+        self.dg._C.mega_moe_pre_dispatch_sm90(x, topk_idx, topk_weights, b.x, b.x_sf, b.topk_idx, b.topk_weights,
+                                              int(x.shape[0]), 128, 1.0)
 
     def kernel(self, y):
-        self.dg.fp8_mega_moe(y, (self.l1, self.l1_sf), (self.l2, self.l2_sf), self.buf,
-                             recipe=(128, 128, 128), activation="swiglu", activation_clamp=None,
-                             num_tokens_bound=y.shape[0])
+        b = self.buf
+        self.dg._C.fp8_mega_moe(y, (self.l1, self.l1_sf), (self.l2, self.l2_sf), None, b.buffer, b.buffer_ptrs, 0,
+                                b.num_max_tokens_per_rank, self.num_experts, self.topk, (128, 128, 128), "swiglu",
+                                None, True)
 
     def run(self, x, topk_idx, topk_weights, y=None):
         import torch
@@ -468,8 +460,7 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
         try:
             mega = MegaMoERunner(dg, weights, hidden, inter, num_experts, topk, max_tokens)
             payload["megamoe"][shape] = {"buffer_bytes": mega.buf.nbytes,
-                                         "num_max_tokens_per_rank": mega.buf.num_max_tokens_per_rank,
-                                         "transform_matches": mega.transform_matches}
+                                         "num_max_tokens_per_rank": mega.buf.num_max_tokens_per_rank}
         except Exception as exc:
             payload["skipped"].append({**base, "impl": "megamoe", "reason": f"{type(exc).__name__}: {exc}"})
             logger.warning("%s: MegaMoE setup failed: %s", shape, exc)
@@ -574,7 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(per_layer * num_layers * 1.25) + 2 ** 28)))
     rows: List[Dict] = []
     payload = {"anchor": args.anchor, "rows": rows, "skipped": [], "megamoe": {}, "tol": args.tol,
-               "deep_gemm": getattr(dg, "__version__", None), "torch": torch.__version__,
+               "megamoe_build": getattr(dg, "__version__", None), "torch": torch.__version__,
                "device": torch.cuda.get_device_name(), "argv": list(argv) if argv is not None else sys.argv[1:],
                "complete": False}
     started = time.perf_counter()

@@ -1,50 +1,61 @@
 #!/usr/bin/env bash
-# tools/megamoe/build.sh -- make DeepGEMM's SM90 MegaMoE (sgl-deep-gemm 0.2.5) importable next to the
-# installed torch 2.11, for `python -m symmring bench moe --anchor megamoe`. A tool, not a dependency.
+# tools/megamoe/build.sh [SITE] -- make DeepGEMM's SM90 FP8 MegaMoE importable as `megamoe_dg` (SITE default
+# /tmp/megamoe-site; put it on PYTHONPATH) next to the installed torch, for
+# `python -m symmring bench moe --anchor megamoe`. A tool, never a dependency of the symmring package.
 #
-#   tools/megamoe/build.sh [SITE]      (SITE default /tmp/megamoe-site)
-#
-# 1. installs .whl/sgl_deep_gemm-0.2.5-*.whl into SITE (--no-deps, no index);
-# 2. builds SITE/deep_gemm/libtorch211_compat.so from tools/megamoe/torch211_compat.cpp against the installed
-#    torch's headers (c++, -std=c++17; seconds); without a compiler it copies .megamoe/libtorch211_compat.so
-#    (carried; built elsewhere against torch 2.11.0+cu130's headers) when the installed torch is 2.11;
-# 3. checks that every symbol _C.so needs from libtorch resolves (torch's libs + the compat library) and
-#    imports deep_gemm through tools/megamoe/load.py.
-# Why a compat library and not a rebuilt _C.so: the 0.2.5 wheel's _C.so was built against torch >= 2.13 and
-# its source (csrc/torch_library_api.cpp and the csrc tree of October 2026) is in no stored snapshot of
-# sgl-project/DeepGEMM (newest: June 2026, no torch_library_api.cpp at any ref), so it cannot be rebuilt
-# for 2.11; eight libtorch symbols are missing, and each has a 2.11 equivalent (see the .cpp).
+# Needs .megamoe/ (git-ignored; tools/megamoe/fetch_wheels.sh --megamoe fills it here):
+#   megamoe-src.tar.xz      DeepGEMM's host code (csrc/) and kernel headers (include/deep_gemm) from
+#                           deepseek-ai/DeepGEMM refs/pull/323/head 8ddf7f9, with the cutlass (f3fde58) and fmt
+#                           (553ec11) its submodules pin; SOURCE inside says so
+#   _C.cpython-312-x86_64-linux-gnu.so   that host code + tools/megamoe/megamoe_bind.cpp, built against
+#                           torch 2.11.0+cu130 (optional: without it, or when it does not import, this
+#                           script compiles it here, about two minutes on one core)
+# Why not the sgl-deep-gemm 0.2.5 wheel: its _C.so was built against torch 2.14 (eight libtorch symbols
+# missing in 2.11, c10::TensorImpl's fields 8 bytes further on, DispatchKey::CUDA one value lower), and its
+# source (October 2026) is in no stored snapshot of sgl-project/DeepGEMM; PR 323's tree is the newest stored
+# source of the SM90 kernel. Its kernels are JIT-compiled by nvcc at the first call (DG_JIT_CACHE_DIR).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 SITE="${1:-/tmp/megamoe-site}"
 PY="${PYTHON:-python3}"
-mkdir -p "$SITE"
-whl=$(ls .whl/sgl_deep_gemm-0.2.5-*.whl 2>/dev/null | head -n 1)
-if [[ -z "$whl" ]]; then echo "build.sh: .whl/sgl_deep_gemm-0.2.5-*.whl missing (carry .whl)"; exit 3; fi
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$whl" || exit 4
-TORCH_DIR=$("$PY" -c "import torch, os; print(os.path.dirname(torch.__file__))") || exit 5
-TORCH_VER=$("$PY" -c "import torch; print(torch.__version__)")
-echo "torch $TORCH_VER at $TORCH_DIR"
-out="$SITE/deep_gemm/libtorch211_compat.so"
-# Built here when a compiler is at hand (2 s; matches this machine's glibc); else the carried build.
-abi=$("$PY" -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
-if ${CXX:-c++} -std=c++17 -O2 -fPIC -shared -D_GLIBCXX_USE_CXX11_ABI="$abi" -I"$TORCH_DIR/include" \
-    tools/megamoe/torch211_compat.cpp -o "$out" -L"$TORCH_DIR/lib" -lc10 -ltorch_cpu -lc10_cuda \
-    -Wl,--version-script=tools/megamoe/torch211_compat.map -Wl,-rpath,"$TORCH_DIR/lib"; then
-  echo "compat library: built $out"
-elif [[ -f .megamoe/libtorch211_compat.so && "$TORCH_VER" == 2.11.* ]]; then
-  cp .megamoe/libtorch211_compat.so "$out" && echo "compat library: carried .megamoe/libtorch211_compat.so"
-else
-  echo "build.sh: compat library neither built nor carried"; exit 6
+SO=_C.cpython-312-x86_64-linux-gnu.so
+[[ -f .megamoe/megamoe-src.tar.xz ]] || { echo "build.sh: .megamoe/megamoe-src.tar.xz missing (carry .megamoe)"; exit 3; }
+SRC=/tmp/megamoe-src
+rm -rf "$SRC" && tar -xJf .megamoe/megamoe-src.tar.xz -C /tmp || exit 4
+cat "$SRC/SOURCE"
+PKG="$SITE/megamoe_dg"
+rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$SRC/include" "$PKG/" && cp tools/megamoe/megamoe_dg_init.py "$PKG/__init__.py" || exit 5
+check() { PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import megamoe_dg as m; \
+print('megamoe_dg:', m.__version__, '| token alignment', m._C.get_token_alignment_for_sm90_mega_moe())"; }
+if [[ -f ".megamoe/$SO" ]]; then
+  cp ".megamoe/$SO" "$PKG/" && check && { echo "build.sh: the carried _C imports"; exit 0; }
+  echo "build.sh: the carried _C does not import here; compiling it"
 fi
-# Every undefined symbol of _C.so that is not in libc/libstdc++/CUDA must be defined by torch or the compat lib.
-defs=$(mktemp)
-for f in "$TORCH_DIR"/lib/lib{c10,c10_cuda,torch,torch_cpu,torch_cuda}.so "$out"; do
-  nm -D --defined-only "$f" | awk '{print $NF}'
-done | sort -u >"$defs"
-missing=$(nm -D --undefined-only "$SITE/deep_gemm/_C.so" | awk '{print $NF}' | grep -E 'c10|caffe2|torch|^_ZN(K|R)?2at|aoti' \
-  | sort -u | comm -23 - "$defs")
-rm -f "$defs"
-if [[ -n "$missing" ]]; then echo "build.sh: symbols still missing:"; echo "$missing" | c++filt; exit 7; fi
-echo "symbols: every libtorch symbol of _C.so resolves"
-PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" tools/megamoe/load.py || exit 8
+eval "$("$PY" - <<'PYEOF'
+import glob, os, sysconfig, torch
+t = os.path.dirname(torch.__file__)
+print(f"TORCH_DIR={t}")
+print(f"PYINC={sysconfig.get_paths()['include']}")
+print(f"ABI={int(torch.compiled_with_cxx11_abi())}")
+site = os.path.dirname(t)
+inc = sorted(set(glob.glob(os.path.join(site, 'nvidia', '*', 'include')) + glob.glob(os.path.join(site, 'nvidia', '*', '*', 'include'))))
+lib = sorted(set(glob.glob(os.path.join(site, 'nvidia', '*', 'lib')) + glob.glob(os.path.join(site, 'nvidia', '*', '*', 'lib'))))
+print("NVINC='" + " ".join("-I" + d for d in inc) + "'")
+print("NVLIB='" + " ".join("-L" + d for d in lib) + "'")
+PYEOF
+)"
+CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
+echo "torch at $TORCH_DIR, python headers $PYINC, CUDA_HOME $CUDA_HOME"
+t0=$SECONDS
+${CXX:-c++} -std=c++17 -O2 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
+  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+  -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$PYINC" \
+  -I"$CUDA_HOME/include" -I"$CUDA_HOME/include/cccl" $NVINC \
+  -I"$SRC/csrc" -I"$SRC/include" -I"$SRC/fmt/include" \
+  tools/megamoe/megamoe_bind.cpp -o "$PKG/$SO" \
+  -L"$TORCH_DIR/lib" -L"$CUDA_HOME/lib64" $NVLIB \
+  -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -l:libcudart.so.13 -l:libnvrtc.so.13 \
+  -l:libcublasLt.so.13 -l:libcublas.so.13 \
+  || { echo "build.sh: compiling _C failed"; exit 6; }
+echo "build.sh: compiled _C in $((SECONDS - t0)) s"
+check || exit 7
