@@ -458,7 +458,15 @@ def draw_plot(rows: List[Dict], png_path: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--anchor" or a.startswith("--anchor=") for a in argv):
+        # Another layer beside this one (symmring.bench.moe_anchor, its own options): it alone imports the anchor.
+        from . import moe_anchor
+        return moe_anchor.main(argv)
     parser = argparse.ArgumentParser(prog="python -m symmring bench moe", description=DESCRIPTION)
+    parser.add_argument("--anchor", choices=("megamoe",),
+                        help="instead: this layer beside DeepGEMM's SM90 MegaMoE on the same inputs (its own options: "
+                             "bench moe --anchor megamoe --help; build it with tools/megamoe/build.sh)")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw latency vs tokens with the fp8 roofline")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")

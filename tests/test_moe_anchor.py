@@ -1,0 +1,159 @@
+"""`symmring.bench.moe_anchor` (``bench moe --anchor megamoe``) where no GPU is needed: argument parsing, the
+shape constraints, MegaMoE's gate/up interleave against an element-by-element NumPy reference, the table and
+the JSON writer, and that nothing in the package imports ``deep_gemm`` at module level. The GPU run itself
+(tools/megamoe/run_anchor.sh) is skipped here with its reason."""
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from symmring.bench import moe_anchor as anchor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_parse_defaults_and_errors():
+    args = anchor.parse_args(["--anchor", "megamoe"])
+    assert args.shapes == ["v4-flash", "deepseek-v3"]
+    assert args.tokens == [1, 8, 64, 512, 4096, 8192] and args.max_tokens == 8192
+    assert args.engines == ["builtin", "deepgemm"] and args.modes == ["batch", "streamed"]
+    args = anchor.parse_args(["--anchor", "megamoe", "--tokens", "64,8", "--engines", "none", "--max-tokens", "8192"])
+    assert args.tokens == [8, 64] and args.engines == [] and args.max_tokens == 8192
+    for bad in (["--shapes", "nope"], ["--tokens", "0"], ["--tokens", "x"], ["--engines", "torch"],
+                ["--modes", "eager"], ["--tokens", "64", "--max-tokens", "8"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            anchor.parse_args(["--anchor", "megamoe", *bad])
+        assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        anchor.parse_args([])  # --anchor is required
+
+
+def test_constraints():
+    for name in anchor.DEFAULT_SHAPES:
+        assert anchor.megamoe_constraints(*anchor.ANCHOR_SHAPES[name]) == []
+    assert anchor.megamoe_constraints(4096, 2000, 256, 6) == ["inter=2000: not a multiple of 128"]
+    assert anchor.megamoe_constraints(4096, 2048, 250, 6, num_ranks=8) == [
+        "num_experts=250: not a multiple of num_ranks=8"]
+    assert anchor.megamoe_constraints(4096, 2048, 8, 9) == ["topk=9: above num_experts=8"]
+    assert anchor.megamoe_constraints(*anchor.ANCHOR_SHAPES["qwen3-30b-a3b"]) == []
+    assert anchor.megamoe_constraints(*anchor.ANCHOR_SHAPES["mixtral"]) == ["inter=14336: above 4096 (inter / 64 <= 64)"]
+
+
+def _interleave_reference(w, gran):
+    """Output row r = gate row or up row, chosen element by element (no reshape)."""
+    g, n = w.shape[:2]
+    half = n // 2
+    out = np.empty_like(w)
+    for r in range(n):
+        block, within = divmod(r, 2 * gran)
+        src = block * gran + within if within < gran else half + block * gran + within - gran
+        out[:, r] = w[:, src]
+    return out
+
+
+@pytest.mark.parametrize("gran,n,k", [(8, 32, 5), (8, 256, 3), (2, 8, 1)])
+def test_interleave_numpy(gran, n, k):
+    w = np.random.default_rng(0).integers(0, 255, size=(3, n, k), dtype=np.uint8)
+    np.testing.assert_array_equal(anchor.interleave_gate_up(w, gran), _interleave_reference(w, gran))
+
+
+def _deepgemm_sm90_transform(t, gran=8):
+    """DeepGEMM's transform_weights_for_mega_moe_sm90 on the L1 weight, as written in its Python wrapper (PR 323
+    tree, sgl_deep_gemm/__init__.py): stack gate and up blocks of 8 rows."""
+    import torch
+    g, n, *rest = t.shape
+    half = n // 2
+    gate = t[:, :half].reshape(g, half // gran, gran, *rest)
+    up = t[:, half:].reshape(g, half // gran, gran, *rest)
+    return torch.empty_like(t).copy_(torch.stack([gate, up], dim=2).reshape(g, n, *rest))
+
+
+def test_interleave_torch_fp8_bytes():
+    torch = pytest.importorskip("torch")
+    w = torch.randn(2, 64, 128).to(torch.float8_e4m3fn)
+    got = anchor.interleave_gate_up(w.view(torch.uint8))
+    np.testing.assert_array_equal(got.numpy(), _interleave_reference(w.view(torch.uint8).numpy(), 8))
+    assert torch.equal(got, _deepgemm_sm90_transform(w.view(torch.uint8)))
+    with pytest.raises(ValueError):
+        anchor.interleave_gate_up(np.zeros((1, 24, 1)), gran=8)
+
+
+def test_table_and_json(tmp_path):
+    rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin batch", ms=0.30, rel_err=0.021, ok=True),
+            dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.20, rel_err=0.020, ok=True),
+            dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin streamed", ms=None, ok=False,
+                 error="RuntimeError: x"),
+            dict(shape="deepseek-v3", tokens_per_rank=4096, impl="symmring builtin streamed", ms=2.0, rel_err=0.03,
+                 ok=True)]
+    summary = anchor.summarize(rows)
+    assert summary[0]["ratios"] == {"symmring builtin batch": pytest.approx(1.5)}
+    assert summary[0]["ok"] is False and summary[1]["ratios"] == {}
+    table = anchor.format_table(rows).splitlines()
+    assert table[0].split()[:2] == ["shape", "tokens"] and table[0].rstrip().endswith("ok")
+    assert "megamoe" in table[0] and table[0].index("megamoe") > table[0].index("symmring builtin streamed")
+    assert "0.300 ms (2.1e-02)" in table[1] and "1.50" in table[1] and table[1].endswith("NO")
+    assert table[2].endswith("yes") and "2.000 ms" in table[2]
+    path = tmp_path / "a.json"
+    anchor.write_json(str(path), {"rows": rows, "summary": summary})
+    assert json.loads(path.read_text())["rows"][0]["impl"] == "symmring builtin batch"
+    assert not (tmp_path / "a.json.tmp").exists()
+    anchor.write_json(None, {})  # no path: nothing written
+
+
+def test_no_module_level_deep_gemm_import():
+    """Only functions import deep_gemm or the anchor's megamoe_dg (the anchor lazily, the DeepGEMM engine
+    lazily): never a module of the package."""
+    for path in (ROOT / "symmring").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] in ("deep_gemm", "megamoe_dg") for n in names), \
+                f"{path}: imports {names} at module level"
+
+
+def test_cli_help_and_cpu_exit():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "symmring", "bench", "moe", *a], capture_output=True,
+                                    text=True, cwd=ROOT, timeout=120)
+    out = run("--anchor", "megamoe", "--help")
+    assert out.returncode == 0 and "--max-tokens" in out.stdout and "--warm-only" in out.stdout
+    assert "--anchor" in run("--help").stdout
+    out = run("--anchor", "megamoe", "--shapes", "nope")
+    assert out.returncode == 2 and "unknown" in out.stderr
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        out = run("--anchor", "megamoe", "--tokens", "8")
+        assert out.returncode == 2 and "needs" in out.stderr
+
+
+def test_load_error_names_the_tool(monkeypatch):
+    pytest.importorskip("torch")
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="tools/megamoe/build.sh"):  # megamoe_dg not importable
+        anchor.load_megamoe()
+
+
+def test_driver_scripts_parse():
+    for script in ("tools/megamoe/run_anchor.sh", "tools/megamoe/build.sh", "tools/megamoe/prepare_src.sh",
+                   "tools/megamoe/fetch_wheels.sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+def test_megamoe_on_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper (sm_90) GPU: run tools/megamoe/run_anchor.sh there")
+    try:
+        anchor.load_megamoe()
+    except ImportError as exc:
+        pytest.skip(f"DeepGEMM's SM90 MegaMoE (megamoe_dg) not built here: {exc}")
+    pytest.skip("the MegaMoE run is tools/megamoe/run_anchor.sh (several minutes of JIT compiles), not a unit test")
