@@ -72,10 +72,12 @@ def requested() -> bool:
 
 
 def cooperative_requested() -> bool:
-    """``SYMMRING_COOPERATIVE`` (``1`` default): launch the kernels whose blocks wait for each other (the fused
-    combine) cooperatively, so the driver guarantees every block resident at once or refuses the launch;
-    ``0`` launches them like the others (residency then rests on `stages.spin_blocks` alone)."""
-    return os.environ.get("SYMMRING_COOPERATIVE", "1").strip() != "0"
+    """``SYMMRING_COOPERATIVE`` (``0`` default; ``1`` opts in): launch the kernels whose blocks wait for each other
+    (the fused combine) cooperatively, so the driver guarantees every block resident at once or refuses the
+    launch. Off by default: on the H200 (one PE, 2026-12-01) the cooperative fused combine broke the small-batch
+    schedule at 8 tokens (a failed call, then an illegal memory access); residency rests on
+    `stages.spin_blocks` alone, as before."""
+    return os.environ.get("SYMMRING_COOPERATIVE", "0").strip() == "1"
 
 
 def launch_cooperative(fn, grid, block, args, *, stream, shared_mem: int = 0, what: str) -> None:

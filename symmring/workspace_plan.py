@@ -21,7 +21,8 @@ Regions, in bytes per PE (the GPU layer; the CPU layer keeps the ring, combine a
 
 The window: ``window_tokens`` tokens per rank (a multiple of the chunk, at most ``max_tokens``). Its pool
 has rows for uniform routing (every local expert gets ``world * window_tokens * topk / num_experts``
-rows, each group padded to the engine's 128-row alignment). Without a budget the window is the whole
+rows, each group padded to the engine's 128-row alignment), and at least for any routing of a decode-sized
+call (`DECODE_TOKENS` per rank: the small-batch schedule runs one pass). Without a budget the window is the whole
 call (one window, one pass under uniform routing); a budget picks the largest window that fits.
 
 Example:
@@ -44,6 +45,9 @@ from .layout import ALIGN, RingLayout, RingSpec, align_up
 
 #: Regions of a workspace, in the order the planner prints them.
 REGIONS = ("ring", "staging", "combine", "pool", "out", "scratch", "dispatch", "routing")
+#: Tokens per rank of a decode-sized call: the pool holds ANY routing of such a call in one pass (the
+#: small-batch schedule runs one pass; symmring.moe.gpu.SMALL_BATCH_TOKENS).
+DECODE_TOKENS = 128
 #: Row alignment of every expert group in an fp8 pool (the contiguous layout the fp8 GEMMs read).
 FP8_ALIGN = 128
 #: fp8 scale group (channels per scale).
@@ -123,6 +127,18 @@ def uniform_rows(shape: LayerShape, world_size: int, window_tokens: int) -> int:
     local = max(1, shape.num_experts // world_size)
     per_expert = -(-world_size * window_tokens * shape.topk // shape.num_experts)
     return max(shape.align, local * align_up(per_expert, shape.align))
+
+
+def window_rows(shape: LayerShape, world_size: int, window_tokens: int) -> int:
+    """The pool rows of a window: its uniform routing's, and at least the worst routing's of a decode-sized
+    call (`DECODE_TOKENS` per rank, at most the window), so decode never needs a second pass.
+
+    Example:
+        >>> window_rows(LayerShape(7168, 2048, 256, 8), 8, 4096)   # uniform: the decode bound is 12256 rows
+        32768
+    """
+    decode = align_up(worst_rows(shape, world_size, min(window_tokens, DECODE_TOKENS)), shape.align)
+    return max(uniform_rows(shape, world_size, window_tokens), decode)
 
 
 def worst_rows(shape: LayerShape, world_size: int, tokens: int) -> int:
@@ -205,7 +221,7 @@ def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, dev
              tokens_per_slot: int, num_slots: int, window_tokens: int,
              rows: Optional[int]) -> Tuple[Dict[LayerShape, int], Dict[str, int]]:
     gpu = device == "gpu"
-    pool_rows = {s: uniform_rows(s, world_size, window_tokens) if rows is None else align_up(rows, s.align)
+    pool_rows = {s: window_rows(s, world_size, window_tokens) if rows is None else align_up(rows, s.align)
                  for s in shapes}
     rings = {s.ring_spec(num_slots, tokens_per_slot) for s in shapes}
     regions = dict.fromkeys(REGIONS, 0)
@@ -324,5 +340,5 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "window_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
            "parse_bytes"]

@@ -103,8 +103,8 @@ def test_a_pdl_launch_passes_grid_block_stream_and_every_argument(monkeypatch):
 
 # --- cooperative launches (issue 24, item 5: the fused combine's blocks wait for each other) ---------------
 
-@pytest.mark.parametrize("env, want", [(None, True), ("1", True), ("0", False)])
-def test_cooperative_by_default(monkeypatch, env, want):
+@pytest.mark.parametrize("env, want", [(None, False), ("1", True), ("0", False)])
+def test_cooperative_only_when_asked(monkeypatch, env, want):
     if env is None:
         monkeypatch.delenv("SYMMRING_COOPERATIVE", raising=False)
     else:

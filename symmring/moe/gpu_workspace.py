@@ -99,7 +99,7 @@ class DeviceMemory:
         self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
         self.call_done = None  # torch.cuda.Event after the last call's end (any layer's)
         self.kernels = stages.Kernels(backend)
-        self._rings: Dict[Tuple, RingEntry] = {}  # (spec, transport) -> its ring and what goes with it
+        self._rings: Dict[Tuple, RingEntry] = {}  # (spec, transport, timeout) -> its ring and what goes with it
         self._bindings: Dict[Tuple, Binding] = {}
         self.requests = []  # (key, bind arguments) in the order layers bound (`rebind` after the workspace grew)
         self.closed = False
@@ -119,7 +119,7 @@ class DeviceMemory:
              align: int) -> Tuple:
         """Make the view of a layer of ``shape`` with a ring of ``num_slots`` x ``tokens_per_slot`` and return its
         key (`bindings`). Collective on first use of a ring spec (every rank's layer asks for the same)."""
-        key = (shape, num_slots, tokens_per_slot, str(transport))
+        key = (shape, num_slots, tokens_per_slot, str(transport), float(timeout_s))
         if key not in self._bindings:
             self._bindings[key] = self._make_binding(shape, num_slots, tokens_per_slot, transport, timeout_s, align)
             self.requests.append((key, (shape, num_slots, tokens_per_slot, transport, timeout_s, align)))
@@ -183,7 +183,9 @@ class DeviceMemory:
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def _ring(self, spec: RingSpec, transport, timeout_s: float):
-        key = (spec, str(transport))
+        # The bound of every device wait lives in the ring's descriptor: layers with another timeout get a ring
+        # of their own.
+        key = (spec, str(transport), float(timeout_s))
         found = self._rings.get(key)
         if found is not None:
             return found
