@@ -3,7 +3,7 @@
 One workspace serves every MoE layer of a process (`symmring.workspace`). Its size comes from a
 *budget*, not from the worst routing: the expert pool holds one **window** of tokens under uniform
 routing, and a window whose arrivals exceed the pool runs as more **passes** over the same pool (the
-routing decides how many, on the device; PROTOCOL.md 9.3), so no routing can overflow the pool.
+routing decides how many, on the device; PROTOCOL.md 9.1c), so no routing can overflow the pool.
 
 Regions, in bytes per PE (the GPU layer; the CPU layer keeps the ring, combine and pool regions):
 

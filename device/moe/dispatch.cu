@@ -294,7 +294,7 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
     }
 }
 
-// The passes of a window (docs/PROTOCOL.md 9.3): the window's rows, expert-contiguous and aligned (the scan's
+// The passes of a window (docs/PROTOCOL.md 9.1c): the window's rows, expert-contiguous and aligned (the scan's
 // begin[]), may exceed the pool; pass p holds window rows [pass_begin, pass_begin + pass_rows), a multiple of
 // the alignment, so every group in it still starts aligned. The first pass (pass_begin == 0) reserves each
 // entry's window row from the atomic cursor and, when the window has more passes (entry_rows not null),

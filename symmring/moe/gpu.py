@@ -34,11 +34,11 @@ SwiGLU, L2); **combine** (rows back to their owners at the logical token row, a 
 fixed-order weighted reduce into ``y``). The plan of each distinct call (`symmring.moe.plan`) is built
 once and reused.
 
-Capacity: the expert pool has ``m = world_size * min(max_tokens, num_slots * tokens_per_slot) * topk`` rows,
-one per possible (source rank, token, k) of a window, plus ``min(E, m) * 127`` rows of group alignment for
-the fp8 engines (every expert's group starts at a multiple of 128 rows), so no routing can overflow it; ``max_tokens``
-(tokens per rank per call) is fixed at construction and a larger batch is a ConfigError before anything
-is enqueued.
+Memory: the layer borrows a `symmring.Workspace` (``ctx.workspace()`` unless ``workspace=``): rings, combine
+rows, expert pool, output rows, shared by every layer of the process. The pool holds one window under
+uniform routing (and any routing of a 128-token call); a window with more rows runs in passes over it
+(docs/PROTOCOL.md 9.1c), so no routing can overflow it; ``max_tokens`` (tokens per rank per call) is fixed at
+construction and a larger batch is a ConfigError before anything is enqueued.
 
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
 later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. Without
@@ -168,7 +168,7 @@ class MoE:
             default 8, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
         workspace: the `symmring.Workspace` whose ring, combine buffer, pool and output rows the layer borrows
             for each call (default: the context's own, ``ctx.workspace()``, shared by every layer). Its pool
-            holds one window under uniform routing; a window with more rows runs in passes (PROTOCOL.md 9.3).
+            holds one window under uniform routing; a window with more rows runs in passes (PROTOCOL.md 9.1c).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -355,7 +355,7 @@ class MoE:
 
     @property
     def capacity(self) -> int:
-        """Rows of the expert pool (a window under uniform routing; more rows run in passes, PROTOCOL.md 9.3)."""
+        """Rows of the expert pool (a window under uniform routing; more rows run in passes, PROTOCOL.md 9.1c)."""
         return self._binding.capacity
 
     @property

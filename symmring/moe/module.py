@@ -178,7 +178,8 @@ class MoEModule(_Base):
             backend, `symmring.moe.gpu.MoE` on nvshmem, `symmring.moe.host_layer.HostLayer` on host).
         checkpoint_names: ``"layer"`` (the buffers' own names) or ``"hf"`` (the transformers block's names,
             module docstring; what `symmring.moe.hf.from_hf` sets).
-        workspace: passed to the layer when given (the shared memory it borrows); None: the layer's own.
+        workspace: the `symmring.Workspace` the layer borrows (None: the context's own, ``ctx.workspace()``, which
+            every block of a model then shares).
         **layer_kwargs: the layer's other arguments (routing: ``scoring``, ``bias``,
             ``routed_scaling_factor``, ``n_group``, ``topk_group``, ``norm_topk_prob``; ``engine``,
             ``expert_dtype``, ``x_format``, the ring's sizes, ...), passed through.

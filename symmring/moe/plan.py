@@ -53,7 +53,7 @@ class WindowStep:
             small-group kernels cover that many rows of each group): ``source_tokens`` when every rank's
             routing has distinct experts per token (the layer's own router), else ``source_tokens * topk``
             (given routing may name an expert twice); at most ``rows_bound``.
-        passes: ``(first window row, rows)`` of each pass through the pool (PROTOCOL.md 9.3): one pass of
+        passes: ``(first window row, rows)`` of each pass through the pool (PROTOCOL.md 9.1c): one pass of
             ``rows_bound`` rows when the window's bound fits the pool, else as many pool-sized passes as the
             bound needs (the routing decides on the device which of them hold rows).
     """

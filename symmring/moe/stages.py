@@ -535,7 +535,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     restage = (WAIT_LAYOUT if split_waits else 0) | (WAIT_ROUTE | WAIT_LAYOUT if len(window.chunks) > 1 else 0)
     last_pass = len(window.passes) - 1
     for pass_idx, (pass_begin, rows) in enumerate(window.passes):
-        # A window whose rows exceed the pool runs in passes (PROTOCOL.md 9.3): each pulls, computes and
+        # A window whose rows exceed the pool runs in passes (PROTOCOL.md 9.1c): each pulls, computes and
         # scatters the entries of its rows; every pass reads the slots again, so EARLY waits for the last.
         for c in window.chunks:
             if split_waits and pass_idx == 0:
