@@ -196,13 +196,15 @@ class Workspace:
         return regions
 
     def check_open(self) -> None:
+        """Raise what the context raises when it is closed or broken, else `RingClosedError` when this workspace
+        was closed, `BrokenStateError` when a call left it in an unknown state."""
+        self.ctx.check_open()
         if self.closed:
-            raise RingClosedError("this workspace was closed")
+            raise RingClosedError("this workspace was closed (its layers can no longer run)")
         if self.failure is not None:
             raise BrokenStateError(f"rank {self.rank}: the workspace is in an unknown state after a call failed "
                                    f"part-way ({type(self.failure).__name__}: {self.failure}); close its layers and "
                                    "the workspace (collective) and build new ones", self.failure)
-        self.ctx.check_open()
 
     def close(self) -> None:
         """Collective, idempotent: free every region (the layers that borrowed it can no longer run)."""

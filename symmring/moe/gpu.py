@@ -303,6 +303,7 @@ class MoE:
         align = self.engine.align_m
         # The layer's view of the workspace, looked up per use: a workspace that grows (a larger layer built
         # before the first call) makes new memory and new views for every layer attached.
+        self._bound = (-1, None)  # (workspace epoch, binding): `_binding`
         self._bind_key = self.workspace.gpu.bind(self.layer_shape, num_slots=self.num_slots,
                                                  tokens_per_slot=self.tokens_per_slot, transport=transport,
                                                  timeout_s=self.timeout_s, align=align)
@@ -342,7 +343,12 @@ class MoE:
 
     @property
     def _binding(self):
-        return self.workspace.gpu.bindings[self._bind_key]
+        # Looked up once per workspace memory (its epoch), not per use: a forward reads it dozens of times.
+        epoch, binding = self._bound
+        if epoch != self.workspace.epoch:
+            binding = self.workspace.gpu.bindings[self._bind_key]
+            self._bound = (self.workspace.epoch, binding)
+        return binding
 
     @property
     def _latch(self):
@@ -452,7 +458,7 @@ class MoE:
     def _check_open(self) -> None:
         if self.closed:
             raise RingClosedError("this MoE layer was closed")
-        self.ctx.check_open()
+        self.workspace.check_open()  # its memory: a closed workspace is a RingClosedError (the context's too)
 
     def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights) -> Tuple:
         """Validate the routing source (nothing enqueued): ``("given", (topk_idx, topk_weights))``,
