@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 #: Distributions whose versions are reported when installed: (label, distribution names to try).
 _OPTIONAL_DISTRIBUTIONS = (
     ("torch", ("torch",)),
+    ("transformers", ("transformers",)),
     ("cupy", ("cupy-cuda13x", "cupy-cuda12x", "cupy")),
     ("nvshmem4py", ("nvshmem4py-cu13", "nvshmem4py-cu12", "nvshmem4py")),
     ("nvidia-nvshmem", ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")),
@@ -127,7 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         lines.append(f"mpi4py: not usable ({type(exc).__name__}: {exc})")
     for label, names in _OPTIONAL_DISTRIBUTIONS:
-        lines.append(f"{label}: {_distribution_version(names) or 'not installed'}")
+        version = _distribution_version(names)
+        if version is None and label in ("torch", "transformers"):  # what the torch module needs: name the extra
+            from . import deps
+            lines.append(f"{label}: {deps.hint(label).split(' is ', 1)[1]}")
+        else:
+            lines.append(f"{label}: {version or 'not installed'}")
     backend, reason = auto_backend()
     lines.append(f"backend (auto): {backend} -- {reason}")
     gpus, how = gpu_devices()

@@ -465,3 +465,30 @@ def test_module_built_under_inference_mode_runs_under_no_grad():
     with torch.inference_mode():
         module(x)
     assert int(module.call_token) == 2 and not module.call_token.is_inference()
+
+
+class _Fp8StandIn(hf_models.StandInLayer):
+    """The stand-in with fp8 experts, as the GPU layer's fp8 engines keep them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        w = self.engine.weights
+        w.w13, w.w_down = w.w13.to(torch.float8_e4m3fn), w.w_down.to(torch.float8_e4m3fn)
+
+
+def test_transformers_names_refuse_bf16_experts_into_fp8_and_bad_names():
+    """A module with the transformers block's names takes the block's bf16 experts only into bf16 experts:
+    into an fp8 engine's it is a ConfigError naming the engine (nothing is loaded); an unknown
+    checkpoint_names is a ConfigError before the layer is built."""
+    _needs_transformers()
+    from symmring.moe.hf import from_hf
+    model, _ = hf_models.tiny_model("mixtral", SEED)
+    block = model.model.layers[0].mlp
+    module = from_hf(block, ctx_of(), max_tokens=16, device="cpu", layer_factory=_Fp8StandIn)
+    before = module.w13.clone()
+    with pytest.raises(ConfigError, match=r"state_dict\['experts.gate_up_proj'\]: bf16 transformers experts, but "
+                                          r"the layer keeps torch.float8_e4m3fn experts \(engine=stand-in\)"):
+        module.load_state_dict(block.state_dict())
+    assert torch.equal(module.w13.view(torch.uint8), before.view(torch.uint8))
+    with pytest.raises(ConfigError, match="checkpoint_names='transformers': expected one of"):
+        make_module(checkpoint_names="transformers")

@@ -91,10 +91,14 @@ def check_transformers(version: Optional[str] = None) -> Optional[str]:
     """
     if version is None:
         import importlib.metadata
-        try:
-            version = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        import sys
+        module = sys.modules.get("transformers")  # the one imported, when it is (metadata may be another copy's)
+        version = getattr(module, "__version__", None)
+        if version is None:
+            try:
+                version = importlib.metadata.version("transformers")
+            except importlib.metadata.PackageNotFoundError:
+                return None
     release = _release(version)
     if release < TRANSFORMERS_MIN:
         raise BackendError(f"transformers {version} is installed; symmring.moe.hf needs transformers"

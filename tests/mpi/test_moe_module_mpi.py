@@ -117,8 +117,12 @@ def gather_max(comm, value: float) -> float:
     return comm.allreduce(value, op=MPI.MAX)
 
 
-@pytest.mark.parametrize("x_format", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+# bf16 dispatch for every family; fp8 dispatch (the same ring, x quantised) for DeepSeek-V3 only, which keeps
+# this file near a minute under 4 ranks on 2 cores (the fp8 figures of the other two: docs/MOE.md).
+CASES = [(family, "bf16") for family in tiny.FAMILIES] + [("deepseek_v3", "fp8_e4m3")]
+
+
+@pytest.mark.parametrize("family,x_format", CASES)
 def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, check, family, x_format):
     rank = ctx.rank
 
