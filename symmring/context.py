@@ -61,16 +61,21 @@ class Context:
             raise RingClosedError(f"{self!r} was closed (finalize); call symmring.init() again")
         self.collectives.check()
 
-    def workspace(self, **kwargs):
+    def workspace(self, *, collective: bool = False, **kwargs):
         """The context's own `symmring.Workspace`, which every MoE layer borrows unless given ``workspace=``.
 
         Made on the first call (collective then: every rank makes it), with ``kwargs`` (`Workspace`'s
         ``max_tokens``, ``budget``, ``tokens_per_slot``, ``pool_rows``); later calls return it, and giving
-        arguments again once it exists is a `ConfigError`. Closed with the context. One that a failed call
-        left in an unknown state (`Workspace.failure`) is closed and replaced here (collective, as the layer
-        constructors that call this are); the layers that borrowed it keep refusing calls."""
-        if self._workspace is not None and self._workspace.failure is not None and not self._workspace.closed:
-            self._workspace.close()  # a failed call left it in an unknown state: the next layer gets a fresh one
+        arguments again once it exists is a `ConfigError`. Closed with the context. With ``collective=True``
+        (the layers' constructors, which every rank calls) the ranks agree in a bounded exchange whether a
+        failed call left the workspace in an unknown state on any rank (`Workspace.failure`); if so every
+        rank closes it and makes a fresh one (the layers that borrowed it keep refusing calls)."""
+        current = self._workspace
+        if collective and current is not None and not current.closed:
+            failed = self.collectives.allgather(current.failure is not None, what="ctx.workspace: failed calls",
+                                                timeout_s=self.timeout_s)
+            if any(failed):
+                current.close()  # on every rank alike: the next layer gets a fresh workspace
         if self._workspace is None or self._workspace.closed:
             from .workspace import Workspace
             self._workspace = Workspace(self, **kwargs)

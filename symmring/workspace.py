@@ -11,9 +11,10 @@ Created once per context (``ctx.workspace()``, which every layer uses by default
 (``Workspace(ctx, ...)``, passed as ``workspace=``). Layers attach at construction (collective, as the
 layers' constructors are): the workspace grows to serve the largest shape and ``max_tokens`` attached.
 On GPUs growing makes the memory anew (after a device synchronisation): the layers attached before get
-views of the new memory and drop their cached graphs and plans, and a graph captured by hand before
-(`symmring.moe.gpu.MoE.capture`) refuses to replay with a `ConfigError` (build every layer first, as a
-server does). On CPUs the rings and the combine buffer also grow on demand within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct shape has
+views of the new memory and drop their cached graphs and plans, and a graph of `symmring.moe.gpu.MoE.capture`
+refuses to replay with a `ConfigError`; any other CUDA graph captured over a layer's forward before (a
+`torch.cuda.graph`, a compiled model's) addresses freed memory and must be captured again: build every
+layer first, then capture, as a server does. On CPUs the rings and the combine buffer also grow on demand within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct shape has
 its ring (layers of one shape share it, and its generations keep growing across their calls).
 
 Example:
@@ -48,7 +49,8 @@ _WORD_BYTES = 8
 
 
 class Workspace:
-    """The process's memory for MoE calls (see the module docstring). Collective constructor.
+    """The process's memory for MoE calls (see the module docstring). Nothing is allocated until a layer
+    attaches (collectively).
 
     Args:
         ctx: the `symmring.Context`.
@@ -98,7 +100,8 @@ class Workspace:
         a layer's constructor calls it on every rank with the same arguments).
 
         Raises:
-            ConfigError: the layer does not fit and the workspace already ran a call.
+            ConfigError: no plan holds the layers attached so far and this one (a budget too small; the
+                workspace is left as it was).
         """
         self.check_open()
         shapes = tuple(dict.fromkeys(self.shapes + (shape,)))
@@ -106,13 +109,13 @@ class Workspace:
         tokens = max(bounds) if bounds else None
         if shapes == self.shapes and tokens == self.max_tokens and (self._device is None or rdma <= self._device.rdma):
             return
-        self.shapes, self.max_tokens = shapes, tokens
         if self._host is not None:
             # Without a token bound the CPU workspace grows with the calls (one pass per chunk); with one,
             # the pool is the plan's, allocated now.
             self.plan = None if tokens is None else plan(
                 shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget, device="cpu",
                 tokens_per_slot=min(tokens, self.tokens_per_slot or tokens), pool_rows=self.pool_rows_override)
+            self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
             hidden = max(s.hidden for s in shapes)
             rows = max((self.pool_rows(s) for s in shapes), default=0) if self._bounded else 0
             self._host.pool_view(rows, hidden)
@@ -123,6 +126,7 @@ class Workspace:
         self.plan = plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
                          tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
                          device="gpu", rdma=rdma, pool_rows=self.pool_rows_override)
+        self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
         from .moe.gpu_workspace import DeviceMemory
         if self._device is not None and self._device.fits(self.plan):
             self._device.plan = self.plan  # the memory holds the new plan too: nothing moves
@@ -244,7 +248,9 @@ class _HostMemory:
         """A ring of ``spec``, shared by every layer of that shape (``exact=False``: any one of that shape with
         at least its tokens per slot; a smaller one is replaced). Collective (every rank asks for the same)."""
         from .ring import Ring
-        key = (dataclasses.replace(spec, tokens_per_slot=1), ack_policy, spec.tokens_per_slot if exact else None)
+        # The timeout is the ring's (its waits' bound): layers with another one get a ring of their own.
+        key = (dataclasses.replace(spec, tokens_per_slot=1), ack_policy, float(timeout_s),
+               spec.tokens_per_slot if exact else None)
         ring = self.rings.pop(key, None)
         if ring is not None and ring.spec.tokens_per_slot < spec.tokens_per_slot:
             ring.close()

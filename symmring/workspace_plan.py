@@ -105,9 +105,11 @@ class LayerShape:
                         sf_group_size=SF_GROUP)
 
     def pool_row_bytes(self) -> int:
-        """Bytes of one pool row: x (fp8 + its scales, or bf16), source (int32 x4), weight, group id."""
+        """Bytes of one pool row in the shared pool bytes: x (fp8 + its scales, or bf16), source (int32 x4) and
+        weight. The group ids of fp8 rows (`m_indices`) live apart: they must stay -1 between calls, and the
+        shared bytes are another shape's rows in the meantime."""
         if self.expert_format == "fp8":
-            return self.hidden + 4 * -(-self.hidden // SF_GROUP) + 16 + 4 + 4
+            return self.hidden + 4 * -(-self.hidden // SF_GROUP) + 16 + 4
         return 2 * self.hidden + 16 + 4
 
     def scratch_row_bytes(self) -> int:
@@ -141,12 +143,26 @@ def window_rows(shape: LayerShape, world_size: int, window_tokens: int) -> int:
     return max(uniform_rows(shape, world_size, window_tokens), decode)
 
 
+def spanned_rows(entries: int, num_groups: int, align: int) -> int:
+    """The most pool rows ``entries`` (token, k) entries over ``num_groups`` expert groups can span when every
+    group starts at a multiple of ``align`` rows (the layer's plans and the planner use this one bound).
+
+    Example:
+        >>> spanned_rows(16, 4, 128)
+        524
+    """
+    return entries + min(num_groups, entries) * (align - 1)
+
+
+def entry_words(num_slots: int, world_size: int, tokens_per_slot: int, topk: int) -> int:
+    """int32 words of a window's entry -> row map: one per (slot, source rank, token, k)."""
+    return num_slots * world_size * tokens_per_slot * topk
+
+
 def worst_rows(shape: LayerShape, world_size: int, tokens: int) -> int:
     """Pool rows a window of ``tokens`` tokens on every rank can need at most: every (token, k) of every
     rank on this rank's experts, plus every group's alignment padding."""
-    local = max(1, shape.num_experts // world_size)
-    entries = world_size * tokens * shape.topk
-    return entries + min(local, entries) * (shape.align - 1)
+    return spanned_rows(world_size * tokens * shape.topk, max(1, shape.num_experts // world_size), shape.align)
 
 
 def num_passes(pool_rows: int, rows_bound: int) -> int:
@@ -217,6 +233,11 @@ def dispatch_words_bytes(shape: LayerShape, world_size: int, num_slots: int, max
         + 8 * _STAMPS_PER_CHUNK * max_chunks
 
 
+def group_id_rows(shapes: Sequence[LayerShape], pool_rows: Dict[LayerShape, int]) -> int:
+    """Rows of the fp8 pools' group ids (`m_indices`): the most pool rows of any fp8 shape (0 without one)."""
+    return max((pool_rows[s] for s in shapes if s.expert_format == "fp8"), default=0)
+
+
 def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, device: str, rdma: bool,
              tokens_per_slot: int, num_slots: int, window_tokens: int,
              rows: Optional[int]) -> Tuple[Dict[LayerShape, int], Dict[str, int]]:
@@ -228,24 +249,27 @@ def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, dev
     # Each GPU ring has its combine ready words (one per rank) beside it: generations are per ring.
     ready = align_up(world_size * 8) if gpu else 0
     regions["ring"] = sum(RingLayout(spec, world_size).nbytes + ready for spec in rings)
-    if rdma:
-        regions["staging"] = max(RingLayout(dataclasses.replace(spec, num_slots=world_size), world_size).nbytes
+    if rdma:  # one staging ring beside each ring
+        regions["staging"] = sum(RingLayout(dataclasses.replace(spec, num_slots=world_size), world_size).nbytes
                                  for spec in rings)
     row_elem = 2 if gpu else 4
     words = 0 if gpu else align_up(world_size * 8)  # the CPU buffer keeps its ready words first
     regions["combine"] = words + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
     if gpu:
-        # Five arrays carved from one buffer, each 128-byte aligned (gpu_workspace._Carver).
-        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes) + 5 * ALIGN
+        # Four arrays carved from one buffer, each 128-byte aligned (gpu_workspace._Carver), and the fp8 group
+        # ids of the most rows apart.
+        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes) + 4 * ALIGN \
+            + 4 * group_id_rows(shapes, pool_rows)
         regions["out"] = max(pool_rows[s] * s.hidden * 2 for s in shapes)
         regions["scratch"] = max(pool_rows[s] * s.scratch_row_bytes() for s in shapes)
-        entry_map = max(num_slots * world_size * tokens_per_slot * s.topk * 4 for s in shapes)
+        entry_map = 4 * max(entry_words(num_slots, world_size, tokens_per_slot, s.topk) for s in shapes)
         regions["dispatch"] = entry_map + sum(dispatch_words_bytes(s, world_size, num_slots, max_tokens,
                                                                    tokens_per_slot) for s in shapes)
         regions["routing"] = max(max_tokens * s.topk * 8 for s in shapes) + 2 * ALIGN
     else:
-        # CPU: the pool is float32 rows dequantised from the dispatch format (experts in float64 per pass).
-        regions["pool"] = max(pool_rows[s] * s.hidden * 4 for s in shapes)
+        # CPU: the pool is float32 rows dequantised from the dispatch format (experts in float64 per pass), as
+        # many rows as the largest shape's of the widest hidden (one buffer: _HostMemory.pool_view).
+        regions["pool"] = max(pool_rows.values()) * max(s.hidden for s in shapes) * 4
     return pool_rows, regions
 
 
@@ -260,8 +284,8 @@ def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budg
         budget: bytes per PE; None: a window of the whole call (``max_tokens``). Otherwise the largest window
             (a multiple of the chunk) whose total fits; a budget too small for a window of one chunk is a
             `ConfigError` naming the smallest that fits.
-        tokens_per_slot: the ring's chunk (default: ``max_tokens`` without a budget, else the largest power of
-            two up to 1024 that divides the window choices: ``min(max_tokens, 1024)``).
+        tokens_per_slot: the ring's chunk (default: ``max_tokens`` without a budget, else ``min(max_tokens,
+            1024)``; windows are whole chunks).
         device: ``"gpu"`` or ``"cpu"``; rdma: allocate the staging ring.
         pool_rows: the pool's rows for every shape instead of the window's (rounded up to the shape's
             alignment; tests force passes with a small pool).
@@ -335,10 +359,11 @@ def parse_bytes(text: str) -> int:
         value = float(t) * mult
     except ValueError:
         raise ConfigError(f"budget={text!r}: expected bytes, e.g. 1073741824, 1GiB or 512MiB") from None
-    if value < 1:
+    if not value < float("inf") or value != value or value < 1:
         raise ConfigError(f"budget={text!r}: expected a positive size")
     return int(value)
 
 
-__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "window_rows", "worst_rows", "num_passes", "PRESETS", "REGIONS",
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "window_rows", "worst_rows",
+           "spanned_rows", "entry_words", "group_id_rows", "num_passes", "PRESETS", "REGIONS",
            "parse_bytes"]

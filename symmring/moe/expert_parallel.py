@@ -311,7 +311,7 @@ class ExpertParallelMoE:
         # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
         self.set_expert_weights(w_gate, w_up, w_down)
         # Rings, combine buffer (and its generation base) and pool: borrowed from the workspace per call.
-        self.workspace = workspace if workspace is not None else ctx.workspace()
+        self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
         self.layer_shape = LayerShape(self.shapes.hidden, self.inter, self.shapes.num_experts, self.shapes.num_topk,
                                       x_format=self.shapes.x_format, expert_format="bf16")
         self.workspace.attach(self.layer_shape, max_tokens_per_rank)

@@ -69,6 +69,7 @@ from .. import agreement, env, protocol
 from ..backends.base import DeviceBackend
 from ..errors import BackendError, ConfigError, RingClosedError
 from .. import transport as transport_mod
+from ..workspace_plan import spanned_rows
 from . import plan as plans
 from . import routing as routing_mod
 from . import graph_cache as graph_cache_mod
@@ -277,14 +278,15 @@ class MoE:
         self.expert_dtype = weights.dtype
 
         # --- memory: borrowed from the workspace (collective: attach and bind allocate on first use) ------
-        # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
-        # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
-        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
         from ..workspace import Workspace
         from ..workspace_plan import LayerShape
         if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
             raise ConfigError(f"workspace={workspace!r}: expected a symmring.Workspace of this context")
-        self.workspace = workspace if workspace is not None else ctx.workspace()
+        self._transport_request = transport_mod.request(transport, self.world_size)
+        # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
+        # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
+        self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
         self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
                                       expert_format=self.engine.pool_format)
         self.workspace.attach(self.layer_shape, self.max_tokens)
@@ -331,7 +333,9 @@ class MoE:
                     max_tokens=self.max_tokens, num_slots=self.num_slots, tokens_per_slot=self.tokens_per_slot,
                     x_format=self.x_format, expert_dtype=self.expert_dtype, ack_policy=self.ack_policy.name,
                     expert_window=self.expert_window, small_batch_tokens=self.small_batch_tokens,
-                    small_batch_capable=self._small_batch_capable())
+                    small_batch_capable=self._small_batch_capable(), timeout_s=self.timeout_s,
+                    # Whether a ring of the workspace is shared depends on these too (gpu_workspace keys).
+                    transport=str(self._transport_request))
 
     # --- what the layer borrows from its workspace (the same objects for every layer of a shape) ------------
 
@@ -766,8 +770,8 @@ class MoE:
         dispatch and experts, batch, one chunk, at most ``small_batch_tokens`` tokens on every rank, and rows
         that fit the pool in one pass."""
         most = max(counts)
-        entries = sum(counts) * self.topk  # the small-batch schedule runs one pass: its rows must fit the pool
-        rows = entries + min(self.num_local_experts, entries) * (self.engine.align_m - 1)
+        # The small-batch schedule runs one pass: its rows must fit the pool.
+        rows = spanned_rows(sum(counts) * self.topk, self.num_local_experts, self.engine.align_m)
         return (self._small_batch_capable() and not streaming and 0 < most <= self.small_batch_tokens
                 and most <= self.tokens_per_slot and rows <= self.capacity)
 

@@ -9,9 +9,10 @@ of one shape share it and its generations keep growing across their calls), its 
 peers, and a `symmring.moe.stages.State` over the shared bytes sized for that shape.
 
 Layers of different shapes read the same bytes with their own row sizes (``pool_rows`` per shape: the
-plan sizes every region for the largest). The state a layer's call leaves (counters, the m_indices of
-the pool, the combine ready words) is left clean for the next call of any layer: the dispatch clears its
-counts, the combine scatter puts every pool row's group back to -1, and combine generations only grow.
+plan sizes every region for the largest); a pass writes every row it reads before reading it. What must
+stay clean between calls lives apart: the fp8 rows' group ids (`m_indices`, one -1 filled array every
+fp8 shape views; the combine scatter puts each row it sends back to -1), each binding's counters and each
+ring's combine ready words (their generations only grow).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from typing import Dict, Tuple
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..layout import ALIGN, RingLayout, RingSpec, align_up
-from ..workspace_plan import LayerShape, WorkspacePlan
+from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, group_id_rows
 from . import stages, timeline
 
-#: fp8 scale group of the ring and pool.
-FP8_GROUP_SIZE = 128
 
 
 def _torch():
@@ -89,10 +89,14 @@ class DeviceMemory:
         # Each ring has its own combine ready words (`_ring`): their generations are that ring's.
         self.combine_alloc = backend.alloc(max(r["combine"], 16))
         self.out_alloc = backend.alloc(max(r["out"], 16))
-        # Local: the pool, the window's entry -> row map and the owner's routing rows.
-        self.pool_bytes = torch.empty(max(r["pool"], 16), dtype=torch.uint8, device=self.device)
-        entry_words = max(plan.num_slots * world * plan.tokens_per_slot * s.topk for s in plan.shapes)
-        self.entry_rows = torch.empty(entry_words, dtype=torch.int32, device=self.device)
+        # Local: the pool (its shared bytes, and the fp8 rows' group ids apart: those stay -1 between calls,
+        # whatever another shape's rows do to the shared bytes), the window's entry -> row map and the owner's
+        # routing rows.
+        group_rows = group_id_rows(plan.shapes, plan.pool_rows)
+        self.pool_bytes = torch.empty(max(r["pool"] - 4 * group_rows, 16), dtype=torch.uint8, device=self.device)
+        self.m_indices = torch.full((max(group_rows, 1),), -1, dtype=torch.int32, device=self.device)
+        self.entry_rows = torch.empty(max(entry_words(plan.num_slots, world, plan.tokens_per_slot, s.topk)
+                                          for s in plan.shapes), dtype=torch.int32, device=self.device)
         self.routing_bytes = torch.empty(max(r["routing"], 16), dtype=torch.uint8, device=self.device)
         self.producer_stream = torch.cuda.Stream(device=self.device)
         self.consumer_stream = torch.cuda.Stream(device=self.device)
@@ -107,11 +111,12 @@ class DeviceMemory:
     def fits(self, plan: WorkspacePlan) -> bool:
         """Whether this memory holds every region of ``plan`` (a layer that fits attaches without a move)."""
         r = plan.regions
-        entry_words = max(plan.num_slots * self.workspace.world_size * plan.tokens_per_slot * s.topk
-                          for s in plan.shapes)
+        group_rows = group_id_rows(plan.shapes, plan.pool_rows)
+        words = max(entry_words(plan.num_slots, self.workspace.world_size, plan.tokens_per_slot, s.topk)
+                    for s in plan.shapes)
         return (r["combine"] <= self.combine_alloc.nbytes and r["out"] <= self.out_alloc.nbytes
-                and r["pool"] <= self.pool_bytes.numel() and r["routing"] <= self.routing_bytes.numel()
-                and entry_words <= self.entry_rows.numel())
+                and r["pool"] - 4 * group_rows <= self.pool_bytes.numel() and group_rows <= self.m_indices.numel()
+                and r["routing"] <= self.routing_bytes.numel() and words <= self.entry_rows.numel())
 
     # --- binding a layer ----------------------------------------------------------------------------------
 
@@ -136,31 +141,41 @@ class DeviceMemory:
     def bindings(self) -> Dict[Tuple, Binding]:
         return self._bindings
 
+    def _entry_rows(self, num_slots: int, tokens_per_slot: int, topk: int):
+        """The entry map's view ``[num_slots, ranks, tokens_per_slot, topk]`` for a ring of that shape; a ring
+        larger than the plan's grows the map (local memory; the views of the bindings so far move with it)."""
+        world = self.workspace.world_size
+        words = entry_words(num_slots, world, tokens_per_slot, topk)
+        if words > self.entry_rows.numel():
+            self.entry_rows = _torch().empty(words, dtype=_torch().int32, device=self.device)
+            for b in self._bindings.values():
+                s = b.state
+                s.entry_rows = self.entry_rows[: s.entry_rows.numel()].view(s.entry_rows.shape)
+        return self.entry_rows[:words].view(num_slots, world, tokens_per_slot, topk)
+
     def _make_binding(self, shape: LayerShape, num_slots: int, tokens_per_slot: int, transport, timeout_s: float,
                       align: int) -> Binding:
         torch = _torch()
         pool_rows = self.workspace.pool_rows(shape)
-        spec = RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=shape.hidden,
-                        num_topk=shape.topk, num_experts=shape.num_experts, x_format=shape.x_format,
-                        sf_group_size=FP8_GROUP_SIZE)
-        entry = self._ring(spec, transport, timeout_s)
+        entry = self._ring(shape.ring_spec(num_slots, tokens_per_slot), transport, timeout_s)
         ring, stage_desc, ready_alloc = entry.ring, entry.stage_desc, entry.ready_alloc
         world, rank = self.workspace.world_size, self.workspace.rank
         E, K, H = max(1, shape.num_experts // world), shape.topk, shape.hidden
         R = pool_rows
         fp8_pool = shape.expert_format == "fp8"
         i32 = dict(dtype=torch.int32, device=self.device)
-        # The pool's bytes: x rows, their scales (fp8), row sources, weights and groups, carved in order.
+        # The pool's shared bytes: x rows, their scales (fp8), row sources and weights, carved in order (every
+        # pass writes the rows it uses before reading them); the group ids: the -1 filled array's first R.
         carve = _Carver(self.pool_bytes)
         pool_x = carve.take((R, H), torch.float8_e4m3fn if fp8_pool else torch.bfloat16)
         pool_sf = carve.take((stages.pool_scale_words(R, H),), torch.float32) if fp8_pool else None
-        m_indices = carve.take((R,), torch.int32) if fp8_pool else None
         row_src = carve.take((R, 4), torch.int32)
         row_weight = carve.take((R,), torch.float32)
-        if m_indices is not None:
-            m_indices.fill_(-1)  # every row free; each call's scatter puts its rows back to -1
-        entry_rows = self.entry_rows[: num_slots * world * tokens_per_slot * K].view(num_slots, world,
-                                                                                   tokens_per_slot, K)
+        if fp8_pool and R > self.m_indices.numel():
+            raise ConfigError(f"workspace: {R} pool rows of {shape} exceed its {self.m_indices.numel()} group ids "
+                              "(the plan sized them for other shapes)")
+        m_indices = self.m_indices[:R] if fp8_pool else None
+        entry_rows = self._entry_rows(num_slots, tokens_per_slot, K)
         routing = _Carver(self.routing_bytes)
         max_tokens = self.workspace.max_tokens
         topk_idx = routing.take((max_tokens, K), torch.int32)
@@ -219,7 +234,7 @@ class DeviceMemory:
         entries = self._rings.values()
         return {"ring": sum(e.ring.alloc.nbytes + e.ready_alloc.nbytes for e in entries),
                 "staging": sum(e.stage_alloc.nbytes for e in entries if e.stage_alloc is not None),
-                "combine": self.combine_alloc.nbytes, "pool": self.pool_bytes.numel(),
+                "combine": self.combine_alloc.nbytes, "pool": self.pool_bytes.numel() + 4 * self.m_indices.numel(),
                 "out": self.out_alloc.nbytes, "scratch": self.plan.regions["scratch"],
                 "dispatch": self.entry_rows.numel() * 4 + sum(_dispatch_bytes(b.state) for b in self._bindings.values()),
                 "routing": self.routing_bytes.numel()}
@@ -239,8 +254,7 @@ class DeviceMemory:
             s.counters.zero_()
             s.status.zero_()
             s.bad_id.zero_()
-            if s.m_indices is not None:  # a window cut short by a timeout leaves rows marked
-                s.m_indices.fill_(-1)
+        self.m_indices.fill_(-1)  # a window cut short by a timeout leaves rows marked
         # The same stream as the fills above (torch's current one); the barrier synchronises the device.
         cupy.cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes, stream)
         self.call_done = None

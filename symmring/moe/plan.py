@@ -28,6 +28,7 @@ from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
 from .. import protocol
 from ..errors import ConfigError
+from ..workspace_plan import spanned_rows
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
     for first, last in protocol.expert_windows(num_chunks, window):
         tokens = sum(protocol.chunk_valid_tokens(n, c, T) for n in counts for c in range(first, last + 1))
         entries = topk * tokens
-        spanned = entries + min(num_groups, entries) * (align - 1)
+        spanned = spanned_rows(entries, num_groups, align)
         rows_bound = max(1, min(capacity, spanned))
         passes = tuple((begin, min(capacity, spanned - begin)) for begin in range(0, spanned, capacity)) \
             if spanned > capacity else ((0, rows_bound),)

@@ -161,7 +161,8 @@ class State:
     the rdma sources' slots are got into, or None when this PE has no rdma peer (`symmring.transport`).
     outbound: bf16 [capacity, hidden] in symmetric memory, the local buffer of the combine's puts to rdma
     owners (`outbound`), or None when this PE has no rdma peer.
-    entry_rows: int32 [window chunks, R, tokens_per_slot, K]: every entry's window row, written by a window's
+    entry_rows: int32 [num_slots, R, tokens_per_slot, K]: every entry's window row (by the chunk's place in its
+    window), written by a window's
     first pass and read by its later ones (device/moe/dispatch.cu PassRows), or None (never more than one
     pass). out_rows: bf16 [capacity, hidden], the rows the engine writes its L2 output into and the combine
     sends (symmetric memory, so rdma puts read them as they are), or None (the engine allocates them).

@@ -205,3 +205,23 @@ def test_one_graph_over_four_layers_equals_eager(ctx):
     message = f"one graph over 4 layers, 5 replays with new inputs == eager bitwise: {ok} {worst}"
     print(f"[figure] workspace: {message}")
     verdict(ctx, ok, message)
+
+
+def test_fp8_shapes_interleaved_on_one_pool(ctx):
+    """Two fp8 shapes share the pool's bytes: a call of the wider one writes rows over where the other's rows
+    were. Calls alternating A, B, A, B each match the reference (the group ids that must stay -1 between calls
+    live apart from the shared bytes)."""
+    workspace = Workspace(ctx, max_tokens=96)
+    shapes = ((256, 256, 2, "builtin"), (1024, 256, 4, "builtin"))
+    layers = [build(ctx, workspace, shape, SEED + 50 + i, 96) for i, shape in enumerate(shapes)]
+    parts = []
+    try:
+        for call in range(4):
+            (moe, weights, fmt), shape = layers[call % 2], shapes[call % 2]
+            parts.append(check_layer(ctx, moe, weights, fmt, shape[0], shape[2], SEED + 60 + call, 96, False))
+    finally:
+        workspace.close()
+    err, finite = agreed_error(ctx, parts)
+    message = f"two fp8 shapes alternating on one pool, 4 calls: relative error {err:.3e} (<= {REL_TOL})"
+    print(f"[figure] workspace: {message}")
+    verdict(ctx, finite and err <= REL_TOL, message)
