@@ -45,16 +45,13 @@ overlap DeepGEMM's JIT compiles).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import logging
-import math
 import os
 import statistics
 import sys
 import time
-import types
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import missing_cuda_torch, progress
