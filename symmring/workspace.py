@@ -14,8 +14,9 @@ On GPUs growing makes the memory anew (after a device synchronisation): the laye
 views of the new memory and drop their cached graphs and plans, and a graph of `symmring.moe.gpu.MoE.capture`
 refuses to replay with a `ConfigError`; any other CUDA graph captured over a layer's forward before (a
 `torch.cuda.graph`, a compiled model's) addresses freed memory and must be captured again: build every
-layer first, then capture, as a server does. On CPUs the rings and the combine buffer also grow on demand within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct shape has
-its ring (layers of one shape share it, and its generations keep growing across their calls).
+layer first, then capture, as a server does. On CPUs the rings and the combine buffer also grow on demand
+within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct
+shape has its ring (layers of one shape share it, and its generations keep growing across their calls).
 
 Example:
     >>> import symmring
@@ -169,7 +170,7 @@ class Workspace:
         return sys.maxsize  # CPU without a token bound: the pool grows to each chunk's arrivals
 
     def begin_call(self) -> None:
-        """A layer starts a call on this workspace (no growth after this)."""
+        """A layer starts a call on this workspace (counted in `calls`)."""
         self.check_open()
         self.calls += 1
 
