@@ -292,6 +292,20 @@ def _backend_reason(requested: str) -> str:
     return auto_backend()[1]
 
 
+def fail(ctx, report, exc) -> int:
+    """The demo's end after a symmring error in its run (``demo`` and ``demo --model``): the ``demo: FAIL`` line,
+    the context closed, and the exit status (2 for a bad configuration, which every rank raises; else 1)."""
+    if isinstance(exc, ConfigError):
+        report.say(f"demo: FAIL bad configuration: {exc}")
+        status = 2
+    else:
+        log.error("rank %d: %s", ctx.rank, exc)
+        report.say(f"demo: FAIL {type(exc).__name__}: {exc}")
+        status = 1
+    ctx.close()
+    return status
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the demo; returns 0 (PASS), 1 (FAIL) or 2 (bad arguments)."""
     try:
@@ -344,15 +358,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         report.say(f"CPU layer (backend {ctx.backend.name}, {memory}):")
         backends_used.append(ctx.backend.name)
         results.append(run_cpu(ctx, args, prob, report))
-    except ConfigError as exc:  # collective: every rank raises it
-        report.say(f"demo: FAIL bad configuration: {exc}")
-        ctx.close()
-        return 2
     except SymmringError as exc:
-        log.error("rank %d: %s", ctx.rank, exc)
-        report.say(f"demo: FAIL {type(exc).__name__}: {exc}")
-        ctx.close()
-        return 1
+        return fail(ctx, report, exc)
     passed = all(ok for ok, _ in results)
     ctx.close()
     verdict = "PASS" if passed else "FAIL"

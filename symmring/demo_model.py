@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .errors import ConfigError, SymmringError
+from .errors import SymmringError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def main(args) -> int:
     import torch
     from . import __version__, mpi
     from .context import init
-    from .demo import Reporter, _backend_reason
+    from .demo import Reporter, _backend_reason, fail
     from .moe import tiny
     from .moe.hf import check_transformers, replace_moe_blocks
 
@@ -100,15 +100,8 @@ def main(args) -> int:
             got = model(ids).logits
         per_token, whole, top1 = _errors(got, want)
         elapsed_s = time.perf_counter() - start_s
-    except ConfigError as exc:  # collective: every rank raises it
-        report.say(f"demo: FAIL bad configuration: {exc}")
-        ctx.close()
-        return 2
     except SymmringError as exc:
-        log.error("rank %d: %s", ctx.rank, exc)
-        report.say(f"demo: FAIL {type(exc).__name__}: {exc}")
-        ctx.close()
-        return 1
+        return fail(ctx, report, exc)
     rows = ctx.comm.gather((ctx.rank, int(per_token.numel()), float(per_token.median()), float(per_token.max()),
                             whole, top1, elapsed_s), root=0)
     tokens = ctx.comm.allgather(per_token.cpu().tolist())
