@@ -96,7 +96,7 @@ class Workspace:
     def device(self) -> str:
         return "cpu" if self._host is not None else "gpu"
 
-    def attach(self, shape: LayerShape, max_tokens: Optional[int], *, rdma: bool = False) -> None:
+    def attach(self, shape: LayerShape, max_tokens: Optional[int]) -> None:
         """Make room for a layer of ``shape`` with calls of up to ``max_tokens`` tokens per rank (collective:
         a layer's constructor calls it on every rank with the same arguments).
 
@@ -108,7 +108,7 @@ class Workspace:
         shapes = tuple(dict.fromkeys(self.shapes + (shape,)))
         bounds = [t for t in (self.max_tokens, max_tokens) if t is not None]
         tokens = max(bounds) if bounds else None
-        if shapes == self.shapes and tokens == self.max_tokens and (self._device is None or rdma <= self._device.rdma):
+        if shapes == self.shapes and tokens == self.max_tokens:
             return
         if self._host is not None:
             # Without a token bound the CPU workspace grows with the calls (one pass per chunk); with one,
@@ -123,10 +123,9 @@ class Workspace:
             return
         if tokens is None:
             raise ConfigError("workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
-        rdma = rdma or (self._device is not None and self._device.rdma)
         self.plan = plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
                          tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
-                         device="gpu", rdma=rdma, pool_rows=self.pool_rows_override)
+                         device="gpu", pool_rows=self.pool_rows_override)
         self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
         from .moe.gpu_workspace import DeviceMemory
         if self._device is not None and self._device.fits(self.plan):
@@ -142,7 +141,7 @@ class Workspace:
             torch.cuda.synchronize()  # no kernel of an earlier call still uses the memory freed below
             requests = self._device.requests
             self._device.close()
-        self._device = DeviceMemory(self, self.plan, rdma=rdma)
+        self._device = DeviceMemory(self, self.plan)
         self.epoch += 1
         self._device.rebind(requests)
 

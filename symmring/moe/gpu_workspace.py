@@ -77,9 +77,9 @@ class Binding:
 class DeviceMemory:
     """The regions of a GPU workspace (module docstring). Collective constructor (`Workspace.attach`)."""
 
-    def __init__(self, workspace, plan: WorkspacePlan, *, rdma: bool):
+    def __init__(self, workspace, plan: WorkspacePlan):
         torch = _torch()
-        self.workspace, self.plan, self.rdma = workspace, plan, rdma
+        self.workspace, self.plan = workspace, plan
         backend = workspace.ctx.backend
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device())
