@@ -189,8 +189,9 @@ class Workspace:
     def memory(self) -> Dict[str, int]:
         """Bytes per PE this workspace holds now, by region (`symmring.workspace_plan.REGIONS`); ``total`` too.
 
-        On GPUs ``scratch`` is the engines' per-pass L1 output and activations, which come from torch's
-        allocator during a call (the plan's figure; freed between calls)."""
+        On GPUs ``scratch`` is the engines' transient tensors (the fp8 activations' scales; the torch engine's
+        L1 output and activations), which come from torch's allocator during a call (the plan's figure; freed
+        between calls)."""
         regions = dict.fromkeys(REGIONS, 0)
         if self._host is not None:
             regions.update(self._host.memory())
@@ -289,7 +290,7 @@ class _HostMemory:
 
     def memory(self) -> Dict[str, int]:
         return {"ring": sum(ring.allocation.nbytes for ring in self.rings.values()),
-                "combine": 0 if self.combine is None else self.combine.nbytes, "pool": self.pool.nbytes}
+                "combine": 0 if self.combine is None else self.combine.nbytes, "experts": self.pool.nbytes}
 
     def close(self) -> None:
         for ring in self.rings.values():

@@ -12,11 +12,14 @@ Regions, in bytes per PE (the GPU layer; the CPU layer keeps the ring, combine a
     staging    symmetric, rdma peers only: one slot per source rank (`symmring.transport`)
     combine    symmetric: [max_tokens][topk][hidden] rows (bf16 on GPUs, float32 on CPUs, its ready words
                first) at each token's logical row, shared by every layer
-    pool       the expert pool: pool_rows rows of x (fp8 + scales, or bf16) and each row's source,
-               weight and group id
-    out        symmetric: the experts' L2 output rows, which the combine sends (and rdma puts read)
-    scratch    the engines' L1 output and fp8 activations of one pass (torch's allocator: transient)
-    dispatch   the entry -> row map of a window (passes agree on every entry's row), counters, token bases
+    experts    symmetric: what the experts read and write in one pass, placed by lifetime (`expert_arena`):
+               the pool rows of x (fp8 + scales, or bf16; dispatch writes them, L1 reads them), the L1
+               output (bf16), the fp8 activations (L2's input) and the L2 output rows, which the combine
+               sends (rdma puts read them). Parts never live at the same time share bytes.
+    scratch    the engines' transient tensors (torch's allocator): the activations' scales (fp8), or the
+               torch engine's L1 output and activations (bf16)
+    dispatch   the window's entry -> row map (passes agree on every entry's row), every pool row's
+               source, weight and group id, counters, token bases
     routing    the owner's top-k ids and weights of a call ([max_tokens][topk])
 
 The window: ``window_tokens`` tokens per rank (a multiple of the chunk, at most ``max_tokens``). Its pool
@@ -44,7 +47,9 @@ from .errors import ConfigError
 from .layout import ALIGN, RingLayout, RingSpec, align_up
 
 #: Regions of a workspace, in the order the planner prints them.
-REGIONS = ("ring", "staging", "combine", "pool", "out", "scratch", "dispatch", "routing")
+REGIONS = ("ring", "staging", "combine", "experts", "scratch", "dispatch", "routing")
+#: The regions in NVSHMEM's symmetric heap (GPU).
+SYMMETRIC_REGIONS = ("ring", "staging", "combine", "experts")
 #: Tokens per rank of a decode-sized call: the pool holds ANY routing of such a call in one pass (the
 #: small-batch schedule runs one pass; symmring.moe.gpu.SMALL_BATCH_TOKENS).
 DECODE_TOKENS = 128
@@ -104,18 +109,50 @@ class LayerShape:
                         num_topk=self.topk, num_experts=self.num_experts, x_format=self.x_format,
                         sf_group_size=SF_GROUP)
 
-    def pool_row_bytes(self) -> int:
-        """Bytes of one pool row in the shared pool bytes: x (fp8 + its scales, or bf16), source (int32 x4) and
-        weight. The group ids of fp8 rows (`m_indices`) live apart: they must stay -1 between calls, and the
-        shared bytes are another shape's rows in the meantime."""
-        if self.expert_format == "fp8":
-            return self.hidden + 4 * -(-self.hidden // SF_GROUP) + 16 + 4
-        return 2 * self.hidden + 16 + 4
+    def row_meta_bytes(self) -> int:
+        """Bytes per pool row outside the experts' region: its source (int32 x4), routing weight and, for fp8
+        rows, its group id (`m_indices`: kept apart, it must stay -1 between calls while the experts' bytes
+        hold another shape's rows)."""
+        return 16 + 4 + (4 if self.expert_format == "fp8" else 0)
 
-    def scratch_row_bytes(self) -> int:
-        """Bytes per pool row of the engine's L1 output (bf16) and activations (fp8 + scales, or bf16)."""
-        act = self.inter + 4 * -(-self.inter // SF_GROUP) if self.expert_format == "fp8" else 2 * self.inter
-        return 2 * 2 * self.inter + act
+    def scratch_bytes(self, rows: int) -> int:
+        """The engine's transient bytes for a pass of ``rows`` rows: the fp8 activations' scales (MN-major,
+        columns of ``align4(rows)``), or the torch engine's bf16 L1 output and activations."""
+        if self.expert_format == "fp8":
+            return 4 * -(-self.inter // SF_GROUP) * align_up(rows, 4)
+        return rows * (2 * 2 * self.inter + 2 * self.inter)
+
+
+def expert_arena(shape: LayerShape, rows: int) -> Dict[str, Tuple[int, int]]:
+    """``{part: (byte offset, bytes)}`` of the experts' region for a pass of ``rows`` pool rows, and
+    ``"total"``: ``(0, bytes of the region)``.
+
+    One pass runs in stream order: dispatch writes the pool (``pool_x``, ``pool_sf``), L1 reads it and
+    writes ``h``, SwiGLU reads ``h`` and writes ``act``, L2 reads ``act`` and writes ``out``, the combine
+    sends ``out`` (its rdma puts are complete before its grid ends), and only then does the next pass's
+    dispatch write the pool again. So only parts alive at one time must not overlap: (pool, h), (h, act)
+    and (act, out). ``out`` and ``h`` start at 0, the pool follows ``h``, ``act`` follows both ``h`` and
+    ``out``. bf16 pools (the torch engine keeps its own ``h`` and activations): the pool and ``out`` at 0.
+
+    Example (DeepSeek-V3 at EP8, 4096 tokens per rank: 512 MiB instead of 1000 MiB side by side):
+        >>> arena = expert_arena(LayerShape(7168, 2048, 256, 8), 32768)
+        >>> [(part, round(arena[part][1] / 2**20, 1)) for part in ("out", "h", "pool_x", "act", "total")]
+        [('out', 448.0), ('h', 256.0), ('pool_x', 224.0), ('act', 64.0), ('total', 512.0)]
+    """
+    H = shape.hidden
+    out = rows * H * 2
+    if shape.expert_format != "fp8":
+        pool = rows * H * 2
+        return {"out": (0, out), "pool_x": (0, pool), "total": (0, align_up(max(out, pool)))}
+    h = rows * 2 * shape.inter * 2
+    sf_words = (H // SF_GROUP) * align_up(rows, 4)  # symmring.moe.stages.pool_scale_words
+    pool_x = align_up(h)
+    pool_sf = align_up(pool_x + rows * H)
+    act = align_up(max(out, h))
+    parts = {"out": (0, out), "h": (0, h), "pool_x": (pool_x, rows * H), "pool_sf": (pool_sf, 4 * sf_words),
+             "act": (act, rows * shape.inter)}
+    parts["total"] = (0, align_up(max(offset + size for offset, size in parts.values())))
+    return parts
 
 
 def uniform_rows(shape: LayerShape, world_size: int, window_tokens: int) -> int:
@@ -214,6 +251,13 @@ class WorkspacePlan:
         lines = [f"{name:<10} {self.regions[name]:>14,d} bytes  ({self.regions[name] / 2**20:9.1f} MiB)"
                  for name in REGIONS]
         for shape in self.shapes:
+            if self.device == "gpu":
+                arena = expert_arena(shape, self.pool_rows[shape])
+                names = {"pool_x": "pool rows", "pool_sf": "their scales", "h": "L1 output", "act": "activations",
+                         "out": "L2 output rows"}
+                parts = ", ".join(f"{label} {arena[part][1] / 2**20:.1f} MiB at {arena[part][0] / 2**20:.1f}"
+                                  for part, label in names.items() if part in arena)
+                lines.append(f"experts    {parts} (parts never alive at once share bytes)")
             worst = worst_rows(shape, self.world_size, self.window_tokens)
             lines.append(f"window     {self.window_tokens} tokens per rank ({self.window_chunks} chunk(s) of "
                          f"{self.tokens_per_slot}); pool {self.pool_rows[shape]} rows for hidden {shape.hidden}, "
@@ -231,6 +275,12 @@ def dispatch_words_bytes(shape: LayerShape, world_size: int, num_slots: int, max
     max_chunks = -(-max_tokens // tokens_per_slot)
     return 4 * (_EXPERT_ARRAYS * local + _FIXED_WORDS) + 8 * max(1, num_slots) * world_size \
         + 8 * _STAMPS_PER_CHUNK * max_chunks
+
+
+def pool_meta_bytes(shapes: Sequence[LayerShape], pool_rows: Dict[LayerShape, int]) -> int:
+    """Bytes of the pool rows' sources and weights (two arrays carved from one local buffer, 128-byte aligned,
+    sized for the shape of the most rows) and of the fp8 rows' group ids (apart, -1 filled)."""
+    return max(pool_rows[s] * 20 for s in shapes) + 2 * ALIGN + 4 * group_id_rows(shapes, pool_rows)
 
 
 def group_id_rows(shapes: Sequence[LayerShape], pool_rows: Dict[LayerShape, int]) -> int:
@@ -256,20 +306,16 @@ def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, dev
     words = 0 if gpu else align_up(world_size * 8)  # the CPU buffer keeps its ready words first
     regions["combine"] = words + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
     if gpu:
-        # Four arrays carved from one buffer, each 128-byte aligned (gpu_workspace._Carver), and the fp8 group
-        # ids of the most rows apart.
-        regions["pool"] = max(pool_rows[s] * s.pool_row_bytes() for s in shapes) + 4 * ALIGN \
-            + 4 * group_id_rows(shapes, pool_rows)
-        regions["out"] = max(pool_rows[s] * s.hidden * 2 for s in shapes)
-        regions["scratch"] = max(pool_rows[s] * s.scratch_row_bytes() for s in shapes)
+        regions["experts"] = max(expert_arena(s, pool_rows[s])["total"][1] for s in shapes)
+        regions["scratch"] = max(s.scratch_bytes(pool_rows[s]) for s in shapes)
         entry_map = 4 * max(entry_words(num_slots, world_size, tokens_per_slot, s.topk) for s in shapes)
-        regions["dispatch"] = entry_map + sum(dispatch_words_bytes(s, world_size, num_slots, max_tokens,
-                                                                   tokens_per_slot) for s in shapes)
+        regions["dispatch"] = entry_map + pool_meta_bytes(shapes, pool_rows) \
+            + sum(dispatch_words_bytes(s, world_size, num_slots, max_tokens, tokens_per_slot) for s in shapes)
         regions["routing"] = max(max_tokens * s.topk * 8 for s in shapes) + 2 * ALIGN
     else:
         # CPU: the pool is float32 rows dequantised from the dispatch format (experts in float64 per pass), as
         # many rows as the largest shape's of the widest hidden (one buffer: _HostMemory.pool_view).
-        regions["pool"] = max(pool_rows.values()) * max(s.hidden for s in shapes) * 4
+        regions["experts"] = max(pool_rows.values()) * max(s.hidden for s in shapes) * 4
     return pool_rows, regions
 
 
@@ -335,9 +381,10 @@ def plan(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, budg
 
 def heap_bytes(shapes: Iterable[LayerShape], *, world_size: int, max_tokens: int, rdma: bool = True) -> int:
     """Bytes of NVSHMEM's symmetric heap a GPU workspace for ``shapes`` takes without a budget (ring, staging,
-    combine and output rows): what ``NVSHMEM_SYMMETRIC_SIZE`` must hold, beside any other symmetric memory."""
+    combine and the experts' region): what ``NVSHMEM_SYMMETRIC_SIZE`` must hold, beside any other symmetric
+    memory."""
     p = plan(list(shapes), world_size=world_size, max_tokens=max_tokens, rdma=rdma)
-    return sum(p.regions[name] for name in ("ring", "staging", "combine", "out"))
+    return sum(p.regions[name] for name in SYMMETRIC_REGIONS)
 
 
 def parse_bytes(text: str) -> int:
@@ -364,6 +411,7 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "uniform_rows", "window_rows", "worst_rows",
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "expert_arena", "pool_meta_bytes",
+           "SYMMETRIC_REGIONS", "uniform_rows", "window_rows", "worst_rows",
            "spanned_rows", "entry_words", "group_id_rows", "num_passes", "PRESETS", "REGIONS",
            "parse_bytes"]

@@ -14,7 +14,7 @@ from symmring import plan as plan_cli
 from symmring.errors import ConfigError
 from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes
 from symmring.workspace import Workspace
-from symmring.workspace_plan import PRESETS, REGIONS, LayerShape, plan, uniform_rows, worst_rows
+from symmring.workspace_plan import PRESETS, REGIONS, LayerShape, expert_arena, plan, uniform_rows, worst_rows
 
 DEEPSEEK = LayerShape(**{k: v for k, v in PRESETS["deepseek-v3"].items() if k != "layers"})
 
@@ -39,15 +39,34 @@ def test_cli_total_is_the_plans_and_independent_of_layers():
     assert expected.pool_rows[DEEPSEEK] * 8 <= worst_rows(DEEPSEEK, 8, 4096)
 
 
+def test_default_fits_a_gib_and_the_experts_parts_overlap_by_lifetime():
+    """DeepSeek-V3 at EP8, 4096 tokens per rank: the default (a window of the whole call) is at most 1 GiB
+    per PE because the experts' parts that are never alive at once share bytes."""
+    free = plan([DEEPSEEK], world_size=8, max_tokens=4096)
+    assert free.window_tokens == 4096 and free.total <= 2**30
+    arena = expert_arena(DEEPSEEK, free.pool_rows[DEEPSEEK])
+    side_by_side = sum(size for part, (_, size) in arena.items() if part != "total")
+    assert free.regions["experts"] == arena["total"][1] < 0.55 * side_by_side
+
+    def overlap(a, b):
+        (oa, sa), (ob, sb) = arena[a], arena[b]
+        return oa < ob + sb and ob < oa + sa
+
+    # Alive together in a pass: (pool, h) for L1, (h, act) for SwiGLU, (act, out) for L2.
+    for a, b in (("pool_x", "h"), ("pool_sf", "h"), ("pool_x", "pool_sf"), ("h", "act"), ("act", "out")):
+        assert not overlap(a, b), (a, b)
+    assert overlap("out", "h") and overlap("out", "pool_x")  # the saving: never alive at once
+
+
 def test_budget_picks_the_largest_window_that_fits():
     free = plan([DEEPSEEK], world_size=8, max_tokens=4096)
-    capped = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=2**30)
-    assert free.window_tokens == 4096 and capped.total <= 2**30 < free.total
+    capped = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=768 << 20)
+    assert free.window_tokens == 4096 and capped.total <= 768 << 20 < free.total
     assert capped.window_tokens == 2048 and capped.pool_rows[DEEPSEEK] == uniform_rows(DEEPSEEK, 8, 2048)
     bigger = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=capped.total + 1,
                   tokens_per_slot=capped.tokens_per_slot)
     assert bigger.window_tokens == capped.window_tokens  # the next window (3072) does not fit one byte more
-    out = _cli("--preset", "deepseek-v3", "--ranks", "8", "--max-tokens", "4096", "--budget", "1GiB")
+    out = _cli("--preset", "deepseek-v3", "--ranks", "8", "--max-tokens", "4096", "--budget", "768MiB")
     assert out.splitlines()[-1] == f"total per PE: {capped.total} bytes ({capped.total / 2**20:.1f} MiB)"
 
 
@@ -91,10 +110,10 @@ def test_live_host_workspace_matches_the_plan():
         w = [(rng.standard_normal(s) / 8).astype(np.float32) for s in ((4, 32, 128), (4, 32, 128), (4, 128, 32))]
         layer = ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=ws)
         expected = plan([layer.layer_shape], world_size=1, max_tokens=64, budget=2 << 20, device="cpu")
-        assert ws.memory()["pool"] == expected.regions["pool"]
+        assert ws.memory()["experts"] == expected.regions["experts"]
         layer.forward(rng.standard_normal((64, 128), dtype=np.float32),
                       router_weight=rng.standard_normal((4, 128), dtype=np.float32))
-        assert ws.memory()["pool"] == expected.regions["pool"]
+        assert ws.memory()["experts"] == expected.regions["experts"]
         assert ws.memory()["combine"] == expected.regions["combine"]
         with pytest.raises(ConfigError, match="workspace=.*expected a symmring.Workspace of this context"):
             ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=object())

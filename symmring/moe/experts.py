@@ -98,6 +98,20 @@ class Pool:
     m_indices: Optional[object] = None
 
 
+@dataclass
+class Scratch:
+    """Where an fp8 engine puts a pass's intermediates (the workspace's experts' region: rows past the pass's
+    are another pass's or shape's; `symmring.workspace_plan.expert_arena`).
+
+    Attributes:
+        h: bf16 ``[capacity, 2 * inter]``: L1's output (gate then up).
+        act: float8_e4m3fn ``[capacity, inter]``: SwiGLU's output quantised for L2.
+    """
+
+    h: object
+    act: object
+
+
 class ExpertEngine(abc.ABC):
     """How this rank's experts compute (see the module docstring).
 
@@ -113,14 +127,17 @@ class ExpertEngine(abc.ABC):
     align_m: int = 1
 
     @abc.abstractmethod
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
+                scratch: Optional[Scratch] = None):
         """bf16 ``[num_rows, hidden]``: the expert output of pool rows ``[0, num_rows)`` (a host-side bound;
         rows past the groups' end are undefined and never read). Enqueued on the current torch stream.
 
         ``rows_per_expert``: a host bound on the rows any one local expert holds in this window (None:
         unknown); an engine may pick its kernels by it, and must then trust it. ``out``: bf16 ``[num_rows,
         hidden]`` to write the output into (the workspace's rows the combine sends); the engine returns it
-        (an engine that cannot write into it returns its own tensor, which the layer then copies)."""
+        (an engine that cannot write into it returns its own tensor, which the layer then copies).
+        ``scratch``: where to put the intermediates (`Scratch`; None: the engine allocates them); an engine
+        that keeps its own ignores it."""
 
     def refresh_weights(self) -> None:
         """Re-derive whatever the engine keeps beside `weights` (views, prepared layouts) after the
@@ -153,7 +170,8 @@ class TorchBf16Experts(ExpertEngine):
         w = self.weights
         self._w13_t, self._w_down_t = w.w13.transpose(1, 2), w.w_down.transpose(1, 2)  # [E, K, N] views
 
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
+                scratch: Optional[Scratch] = None):
         # torch._grouped_mm has no out=: its own tensor comes back (stages.outbound copies it where needed).
         h = grouped_mm(pool.x[:num_rows], self._w13_t, pool.group_end)
         act = swiglu(h, self.inter)
@@ -218,17 +236,21 @@ class Fp8Experts(ExpertEngine):
             self._w13, self._w13_scale = w.w13, w.w13_scale
             self._w_down, self._w_down_scale = w.w_down, w.w_down_scale
 
-    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None):
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
+                scratch: Optional[Scratch] = None):
         m_indices = pool.m_indices[:num_rows]
+        q_out = None if scratch is None else scratch.act[:num_rows]
         if rows_per_expert is not None and rows_per_expert <= self.small_rows:
             from . import fp8_small
             bound = min(rows_per_expert, num_rows)
             act, act_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(
-                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound)
+                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound,
+                q_out=q_out)
             return fp8_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices, out,
                                                     rows_per_group=bound)
-        h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices)
-        act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True)
+        h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices,
+                       None if scratch is None else scratch.h[:num_rows])
+        act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True, q_out=q_out)
         return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices, out)
 
 

@@ -575,7 +575,18 @@ def act_scales_empty(M: int, num_groups: int, device, *, mn_major: bool):
     return torch.empty((M, num_groups), dtype=torch.float32, device=device)
 
 
-def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = False):
+def check_q_out(q_out, M: int, inter: int):
+    """``q_out`` when it is a float8_e4m3fn ``[M, inter]`` tensor with contiguous rows, else a ConfigError (None
+    passes)."""
+    torch = _torch()
+    if q_out is not None and (not isinstance(q_out, torch.Tensor) or q_out.dtype != torch.float8_e4m3fn or
+                              tuple(q_out.shape) != (M, inter) or (M and q_out.stride(1) != 1)):
+        raise ConfigError(f"q_out: expected float8_e4m3fn [{M}, {inter}] with contiguous rows, got "
+                          f"{getattr(q_out, 'dtype', type(q_out).__name__)} {tuple(getattr(q_out, 'shape', ()))}")
+    return q_out
+
+
+def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = False, q_out=None):
     """SwiGLU of L1's output and fp8 quantisation for L2, in one kernel.
 
     ``act = silu(gate) * up`` (``gate = h[:, :I]``, ``up = h[:, I:]``) in float32, then per row and 128
@@ -588,6 +599,7 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
         act_out: optional float32 ``[M, I]`` (contiguous rows) that also receives ``act`` (for tests).
         sf_mn_major: lay ``q_sf`` out MN-major with 16-byte aligned columns (strides ``(1, align4(M))``, what
             DeepGEMM reads without a transform; the Triton GEMM takes either).
+        q_out: optional float8_e4m3fn ``[M, I]`` (contiguous rows) to write ``q`` into (the workspace's rows).
 
     Returns:
         ``(q, q_sf)``: float8_e4m3fn ``[M, I]`` and float32 ``[M, I // 128]`` (row-major unless
@@ -627,8 +639,13 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
                               f"{tuple(getattr(act_out, 'shape', ()))}")
         tensors.append(act_out)
         names.append("act_out")
+    q = check_q_out(q_out, M, inter)
+    if q is not None:
+        tensors.append(q)
+        names.append("q_out")
     _check_device(tensors, names)
-    q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
+    if q is None:
+        q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
     q_sf = act_scales_empty(M, inter // 128, h.device, mn_major=sf_mn_major)
     if M == 0:
         return q, q_sf

@@ -422,15 +422,15 @@ class MoE:
         """Device bytes this layer's calls use on this PE, all of them the workspace's (shared with every layer
         on it; `symmring.Workspace.memory` has the regions): ``pool_bytes`` (this shape's view of the expert
         pool: its rows, their scales, sources, routing weights and group ids), ``heap_bytes`` (symmetric: the
-        ring, the combine buffer, the staging ring and the output rows) and ``weight_bytes`` (the layer's own
-        experts and their scales)."""
+        ring, the combine buffer, the staging ring and the experts' region) and ``weight_bytes`` (the layer's
+        own experts and their scales)."""
         s = self._state
         pool = sum(t.numel() * t.element_size() for t in (s.pool_x, s.pool_sf, s.m_indices, s.row_src, s.row_weight)
                    if t is not None)
         gpu = self.workspace.gpu
         stage = 0 if self.stage_alloc is None else self.stage_alloc.nbytes
         return {"pool_bytes": pool, "heap_bytes": self.ring.alloc.nbytes + gpu.combine_alloc.nbytes + stage
-                + gpu.out_alloc.nbytes, "weight_bytes": self.engine.weights.nbytes}
+                + gpu.experts_alloc.nbytes, "weight_bytes": self.engine.weights.nbytes}
 
     # --- validation -----------------------------------------------------------------------------------
 

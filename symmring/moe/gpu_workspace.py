@@ -1,8 +1,9 @@
 """The GPU share of a `symmring.Workspace`: the memory every `symmring.moe.gpu.MoE` of a process borrows.
 
 `DeviceMemory` allocates the workspace's regions once (`symmring.workspace_plan`): the combine buffer and
-the experts' output rows in the symmetric heap, the expert pool and the window's entry map as flat device
-buffers, the owner's routing rows, and the streams, the graph memory pool and the end-of-call event that
+the experts' region (pool rows, L1 output, activations and L2 output rows, placed by lifetime:
+`symmring.workspace_plan.expert_arena`) in the symmetric heap, the pool rows' sources, weights and group
+ids and the window's entry map as flat device buffers, the owner's routing rows, and the streams, the graph memory pool and the end-of-call event that
 every layer's calls share (calls of all layers are ordered one after another on it). `DeviceMemory.bind`
 gives a layer shape its view of them: a ring (one per distinct ring spec and transport request: layers
 of one shape share it and its generations keep growing across their calls), its staging ring for rdma
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..layout import ALIGN, RingLayout, RingSpec, align_up
-from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, group_id_rows
+from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, expert_arena, group_id_rows, pool_meta_bytes
 from . import stages, timeline
 
 
@@ -85,15 +86,17 @@ class DeviceMemory:
         self.device = torch.device("cuda", torch.cuda.current_device())
         r = plan.regions
         world = workspace.world_size
-        # Symmetric: the combine rows ([max_tokens][K][H] bf16 by logical token) and the experts' output rows.
-        # Each ring has its own combine ready words (`_ring`): their generations are that ring's.
+        # Symmetric: the combine rows ([max_tokens][K][H] bf16 by logical token) and the experts' region (its
+        # L2 output rows are what the combine sends, and rdma puts read them where they are). Each ring has its
+        # own combine ready words (`_ring`): their generations are that ring's.
         self.combine_alloc = backend.alloc(max(r["combine"], 16))
-        self.out_alloc = backend.alloc(max(r["out"], 16))
-        # Local: the pool (its shared bytes, and the fp8 rows' group ids apart: those stay -1 between calls,
-        # whatever another shape's rows do to the shared bytes), the window's entry -> row map and the owner's
+        self.experts_alloc = backend.alloc(max(r["experts"], 16))
+        # Local: the pool rows' sources and weights, the fp8 rows' group ids apart (those stay -1 between calls,
+        # whatever another shape's rows do to the experts' bytes), the window's entry -> row map and the owner's
         # routing rows.
         group_rows = group_id_rows(plan.shapes, plan.pool_rows)
-        self.pool_bytes = torch.empty(max(r["pool"] - 4 * group_rows, 16), dtype=torch.uint8, device=self.device)
+        self.row_bytes = torch.empty(max(pool_meta_bytes(plan.shapes, plan.pool_rows) - 4 * group_rows, 16),
+                                     dtype=torch.uint8, device=self.device)
         self.m_indices = torch.full((max(group_rows, 1),), -1, dtype=torch.int32, device=self.device)
         self.entry_rows = torch.empty(max(entry_words(plan.num_slots, world, plan.tokens_per_slot, s.topk)
                                           for s in plan.shapes), dtype=torch.int32, device=self.device)
@@ -114,8 +117,9 @@ class DeviceMemory:
         group_rows = group_id_rows(plan.shapes, plan.pool_rows)
         words = max(entry_words(plan.num_slots, self.workspace.world_size, plan.tokens_per_slot, s.topk)
                     for s in plan.shapes)
-        return (r["combine"] <= self.combine_alloc.nbytes and r["out"] <= self.out_alloc.nbytes
-                and r["pool"] - 4 * group_rows <= self.pool_bytes.numel() and group_rows <= self.m_indices.numel()
+        return (r["combine"] <= self.combine_alloc.nbytes and r["experts"] <= self.experts_alloc.nbytes
+                and pool_meta_bytes(plan.shapes, plan.pool_rows) - 4 * group_rows <= self.row_bytes.numel()
+                and group_rows <= self.m_indices.numel()
                 and r["routing"] <= self.routing_bytes.numel() and words <= self.entry_rows.numel())
 
     # --- binding a layer ----------------------------------------------------------------------------------
@@ -164,11 +168,19 @@ class DeviceMemory:
         R = pool_rows
         fp8_pool = shape.expert_format == "fp8"
         i32 = dict(dtype=torch.int32, device=self.device)
-        # The pool's shared bytes: x rows, their scales (fp8), row sources and weights, carved in order (every
-        # pass writes the rows it uses before reading them); the group ids: the -1 filled array's first R.
-        carve = _Carver(self.pool_bytes)
-        pool_x = carve.take((R, H), torch.float8_e4m3fn if fp8_pool else torch.bfloat16)
-        pool_sf = carve.take((stages.pool_scale_words(R, H),), torch.float32) if fp8_pool else None
+        # The experts' region, shared by every shape (every pass writes the rows it uses before reading them):
+        # pool rows, their scales, L1 output, activations and L2 output rows where `expert_arena` puts them.
+        # The rows' sources and weights live through the combine: carved from their own bytes.
+        arena = _Arena(self.backend, self.experts_alloc, rank, expert_arena(shape, R))
+        pool_x = arena.take("pool_x", (R, H), torch.float8_e4m3fn if fp8_pool else torch.bfloat16)
+        pool_sf = arena.take("pool_sf", (stages.pool_scale_words(R, H),), torch.float32) if fp8_pool else None
+        out_rows = arena.take("out", (R, H), torch.bfloat16)
+        scratch = None
+        if fp8_pool:
+            from .experts import Scratch
+            scratch = Scratch(h=arena.take("h", (R, 2 * shape.inter), torch.bfloat16),
+                              act=arena.take("act", (R, shape.inter), torch.float8_e4m3fn))
+        carve = _Carver(self.row_bytes)
         row_src = carve.take((R, 4), torch.int32)
         row_weight = carve.take((R,), torch.float32)
         if fp8_pool and R > self.m_indices.numel():
@@ -180,7 +192,6 @@ class DeviceMemory:
         max_tokens = self.workspace.max_tokens
         topk_idx = routing.take((max_tokens, K), torch.int32)
         topk_weights = routing.take((max_tokens, K), torch.float32)
-        out_rows = self.backend.torch_view(self.out_alloc, rank, 0, np.uint16, (R, H)).view(torch.bfloat16)
         max_chunks = -(-max_tokens // tokens_per_slot)
         state = stages.State(
             desc=ring.kernels.desc, num_ranks=world, expert_begin=rank * E, num_local_experts=E,
@@ -194,7 +205,7 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
-            entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32))
+            entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def _ring(self, spec: RingSpec, transport, timeout_s: float):
@@ -230,13 +241,14 @@ class DeviceMemory:
     # --- accounting, reset, teardown ----------------------------------------------------------------------
 
     def memory(self) -> Dict[str, int]:
-        """Bytes by region (the plan's ``scratch``: the engines' transient L1 output and activations)."""
+        """Bytes by region (the plan's ``scratch``: the engines' transient tensors, which torch allocates)."""
         entries = self._rings.values()
         return {"ring": sum(e.ring.alloc.nbytes + e.ready_alloc.nbytes for e in entries),
                 "staging": sum(e.stage_alloc.nbytes for e in entries if e.stage_alloc is not None),
-                "combine": self.combine_alloc.nbytes, "pool": self.pool_bytes.numel() + 4 * self.m_indices.numel(),
-                "out": self.out_alloc.nbytes, "scratch": self.plan.regions["scratch"],
-                "dispatch": self.entry_rows.numel() * 4 + sum(_dispatch_bytes(b.state) for b in self._bindings.values()),
+                "combine": self.combine_alloc.nbytes, "experts": self.experts_alloc.nbytes,
+                "scratch": self.plan.regions["scratch"],
+                "dispatch": self.entry_rows.numel() * 4 + self.row_bytes.numel() + 4 * self.m_indices.numel()
+                + sum(_dispatch_bytes(b.state) for b in self._bindings.values()),
                 "routing": self.routing_bytes.numel()}
 
     def reset(self) -> None:
@@ -275,13 +287,31 @@ class DeviceMemory:
             e.ring.close()
         self._rings.clear()
         self._bindings.clear()
-        self.backend.free(self.out_alloc)
+        self.backend.free(self.experts_alloc)
         self.backend.free(self.combine_alloc)
 
 
 def _dispatch_bytes(s: stages.State) -> int:
     return sum(t.numel() * t.element_size() for t in (s.counts, s.begin, s.group_end, s.cursor, s.total, s.status,
                                                      s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end))
+
+
+class _Arena:
+    """Typed views of the parts of the experts' region (`expert_arena`: ``{part: (offset, bytes)}``)."""
+
+    def __init__(self, backend, alloc, rank: int, parts):
+        self.backend, self.alloc, self.rank, self.parts = backend, alloc, rank, parts
+        if parts["total"][1] > alloc.nbytes:
+            raise ConfigError(f"workspace: the experts' region of {parts['total'][1]} bytes does not fit its "
+                              f"{alloc.nbytes} bytes (the plan sized it for other shapes)")
+
+    def take(self, part: str, shape, dtype):
+        torch = _torch()
+        offset, nbytes = self.parts[part]
+        count = int(np.prod(shape))
+        assert count * torch.empty((), dtype=dtype).element_size() <= max(nbytes, 1), part
+        flat = self.backend.torch_view(self.alloc, self.rank, offset, np.uint8, (max(nbytes, 1),))
+        return flat[: count * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
 
 class _Carver:

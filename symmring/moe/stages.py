@@ -167,6 +167,8 @@ class State:
     pass). out_rows: bf16 [capacity, hidden], the rows the engine writes its L2 output into and the combine
     sends (symmetric memory, so rdma puts read them as they are), or None (the engine allocates them).
     pass_group_end: int32 [E], the torch engine's group ends within a pass (``group_end`` moved to the pass).
+    scratch: the fp8 engines' L1 output and activations of a pass in the workspace's experts' region
+    (`symmring.moe.experts.Scratch`), or None (the engine allocates them).
     """
 
     desc: object
@@ -201,6 +203,7 @@ class State:
     entry_rows: object = None
     out_rows: object = None
     pass_group_end: object = None
+    scratch: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -553,7 +556,8 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
         out = outbound(s, engine.forward(s.pool(rows, pass_begin, len(window.passes)), rows,
-                                         rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows)))
+                                         rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows),
+                                         scratch=s.scratch))
         if mark is not None and pass_idx == last_pass:
             mark("experts")
         if stamps and pass_idx == last_pass:
@@ -588,7 +592,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     if mark is not None:
         mark("dispatch")
     out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
-                                     rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound)))
+                                     rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
+                                     scratch=s.scratch))
     if mark is not None:
         mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,

@@ -115,8 +115,8 @@ def test_auto_schedule_agrees_with_uneven_counts(ctx, big_rank):
 @pytest.mark.parametrize("fault", ["double_ack", "abort"])
 def test_async_error_poisons_then_raises_on_every_pe(ctx, fault):
     R, me = ctx.world_size, ctx.rank
-    n = 48 + 8 * me
-    moe = layer(ctx, 64, timeout_s=5.0)
+    n = 48 + 8 * me  # uneven counts: every rank's fits max_tokens on any number of PEs
+    moe = layer(ctx, 48 + 8 * R, timeout_s=5.0)
     problems, line = [], ""
     try:
         x, logits = tokens(SEED + 100 + me, n)
