@@ -9,7 +9,6 @@
 | ``SYMMRING_GRAPH_CACHE`` | entries of the GPU layer's cache of captured calls (`symmring.moe.graph_cache`): an int >= 0 that overrides every layer's ``graph_cache`` argument; ``0`` switches eager calls' graph replays off | unset (the argument: ``8``) |
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 | ``SYMMRING_PDL`` | ``0``: launch the GPU layer's small-batch kernels without programmatic dependent launch (`symmring.pdl`; used only with one PE per GPU, compute capability >= 9) | ``1`` |
-| ``SYMMRING_COOPERATIVE`` | ``1``: launch the GPU layer's fused combine (whose blocks wait for each other) cooperatively (`symmring.pdl.launch_cooperative`: every block resident, or a named refusal); off by default (it broke the 1-PE small-batch schedule on the H200) | ``0`` |
 | ``SYMMRING_TRANSPORT`` | how GPU rings and MoE layers reach each peer without ``transport=``: ``auto``, ``p2p``, ``rdma``, ``rdma:<ranks>`` (`symmring.transport`, which reads it) | ``auto`` |
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user

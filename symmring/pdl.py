@@ -71,34 +71,6 @@ def requested() -> bool:
     return os.environ.get("SYMMRING_PDL", "1").strip() != "0"
 
 
-def cooperative_requested() -> bool:
-    """``SYMMRING_COOPERATIVE`` (``0`` default; ``1`` opts in): launch the kernels whose blocks wait for each other
-    (the fused combine) cooperatively, so the driver guarantees every block resident at once or refuses the
-    launch. Off by default: on the H200 (one PE, 2026-12-01) the cooperative fused combine broke the small-batch
-    schedule at 8 tokens (a failed call, then an illegal memory access); residency rests on
-    `stages.spin_blocks` alone, as before."""
-    return os.environ.get("SYMMRING_COOPERATIVE", "0").strip() == "1"
-
-
-def launch_cooperative(fn, grid, block, args, *, stream, shared_mem: int = 0, what: str) -> None:
-    """Launch ``fn`` (a CuPy ``Function``) with ``cuLaunchCooperativeKernel`` (CuPy checks the grid against the
-    occupancy first), without PDL: every block of the grid is resident at once, whatever else holds SMs
-    (other streams, NCCL, other MPS clients), or the launch is refused.
-
-    Raises:
-        BackendError: the driver (or CuPy's occupancy check) refused the launch; names ``what``, the grid and
-            the escape hatch.
-    """
-    try:
-        fn(tuple(grid), tuple(block), args, stream=stream, shared_mem=shared_mem, enable_cooperative_groups=True)
-    except Exception as exc:  # CuPy: ValueError (grid over the occupancy) or CUDADriverError
-        raise BackendError(f"{what}: its blocks wait for each other, so it is launched cooperatively (every block "
-                           f"resident at once); the launch of {tuple(grid)} blocks x {tuple(block)} threads, "
-                           f"{shared_mem} bytes of shared memory, was refused ({type(exc).__name__}: {exc}). "
-                           "SYMMRING_COOPERATIVE=0 launches it as an ordinary kernel (residency then not "
-                           "guaranteed: another client holding SMs can make it time out)") from exc
-
-
 def _arg_bytes(arg) -> bytes:
     """A kernel argument's bytes: numpy scalars as they are, device arrays (CuPy) as their address."""
     if isinstance(arg, np.generic):

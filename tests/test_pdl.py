@@ -99,33 +99,3 @@ def test_a_pdl_launch_passes_grid_block_stream_and_every_argument(monkeypatch):
     monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: (lambda *a: 999))
     with pytest.raises(BackendError, match="CUresult 999; SYMMRING_PDL=0"):
         launcher(Fn(), (1,), (32,), (), stream=Stream())
-
-
-# --- cooperative launches (issue 24, item 5: the fused combine's blocks wait for each other) ---------------
-
-@pytest.mark.parametrize("env, want", [(None, False), ("1", True), ("0", False)])
-def test_cooperative_only_when_asked(monkeypatch, env, want):
-    if env is None:
-        monkeypatch.delenv("SYMMRING_COOPERATIVE", raising=False)
-    else:
-        monkeypatch.setenv("SYMMRING_COOPERATIVE", env)
-    assert pdl.cooperative_requested() is want
-
-
-def test_cooperative_launch_asks_cupy_for_cuLaunchCooperativeKernel():
-    calls = []
-
-    def fn(grid, block, args, **kwargs):
-        calls.append((grid, block, args, kwargs))
-
-    pdl.launch_cooperative(fn, (5,), (256,), (np.int32(1),), stream="s", shared_mem=64, what="k")
-    assert calls == [((5,), (256,), (np.int32(1),), dict(stream="s", shared_mem=64, enable_cooperative_groups=True))]
-
-
-def test_a_refused_cooperative_launch_is_a_named_error():
-    def fn(grid, block, args, **kwargs):
-        raise ValueError("The specified grid size exceeds the limit")  # CuPy's occupancy check
-
-    with pytest.raises(BackendError, match=r"moe_combine_fused: .*cooperatively.*\(200,\) blocks.*exceeds the limit"
-                                           r".*SYMMRING_COOPERATIVE=0"):
-        pdl.launch_cooperative(fn, (200,), (256,), (), stream=None, what="moe_combine_fused")

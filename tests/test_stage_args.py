@@ -138,3 +138,27 @@ def test_pass_launchers_match_their_kernels():
     calls.clear()
     stages.pull(k, bf16, None, chunk=5, window=one_pass)
     assert [int(a) for a in calls[0][1][-3:]] == [0, 0, 100]  # one pass: no entry map
+
+
+def test_fused_combine_arguments_match_its_kernel():
+    """The fused combine goes through the layer's one launcher (PDL where allowed; no cooperative launch: it needs
+    no residency), one value per kernel parameter, and its ``counters`` is the address of COUNTER_SEND with
+    COUNTER_TICKET the word after it (device/moe/combine.cu reads counters[0] and counters[1])."""
+    from symmring.moe.plan import WindowStep
+    k, _, _ = fake_layer()
+    k.combine_fused = "combine"
+    s = SimpleNamespace(desc=np.uint64(0xD0), topk=8, hidden=2048, num_ranks=2, num_local_experts=4,
+                        row_src=FakeTensor(0xB8, (8, 4)), counts=FakeTensor(0xA0, (4, 1)),
+                        begin=FakeTensor(0xA8, (4, 1)), token_base=FakeTensor(0xFC, (1, 2)),
+                        m_indices=FakeTensor(0xF0, (8, 1)), combine_rows=np.uint64(0xCC),
+                        combine_ready=np.uint64(0xCE), counters=FakeTensor(0xC0, (5, 1)))
+    window = WindowStep(3, 3, rows_bound=256, token_begin=0, num_valid=5, source_tokens=9, passes=((0, 256),))
+    y = FakeTensor(0x900, (5, 2048), element_size=2)
+    stages.combine_fused(k, s, None, out=FakeTensor(0x500, (256, 2048)), window=window, ack_now=True,
+                         topk_idx=FakeTensor(0x600, (5, 8)), topk_weights=FakeTensor(0x700, (5, 8)), y=y,
+                         end_call_chunks=1)
+    (fn, args), = k.launch.calls
+    assert fn == "combine"
+    assert sizes_of(args) == kernel_params("moe_combine_fused", "moe/combine.cu")
+    assert stages.COUNTER_TICKET == stages.COUNTER_SEND + 1 < stages.NUM_COUNTERS
+    assert int(args[-1]) == 0xC0 + 4 * stages.COUNTER_SEND

@@ -25,12 +25,13 @@
 //                        kernel this is) block 0 then ends the call.
 //
 // The small-batch schedule runs all four in ONE grid after the experts:
-//   moe_combine_fused    scatter of the live rows (from the group counts: no padding row is visited), the
-//                        last block to arrive signals (and with ack_now acknowledges) as moe_combine_signal,
-//                        then every block waits as moe_combine_wait and reduces its share of the tokens as
-//                        moe_combine_reduce (the same reduce_tokens, so the same bits); with end_call_chunks >
-//                        0 the last block to arrive ends the call. Its blocks wait for each other (the own
-//                        signal), so the grid is small enough to be resident at once (see the kernel).
+//   moe_combine_fused    scatter of the live rows (from the group counts: no padding row is visited) in items
+//                        that blocks take from a ticket counter; the block whose item completes the scatter
+//                        signals (and with ack_now acknowledges) as moe_combine_signal, then every block waits
+//                        as moe_combine_wait and reduces its share of the tokens as moe_combine_reduce (the
+//                        same reduce_tokens, so the same bits); with end_call_chunks > 0 the grid's last draw
+//                        ends the call. A block waits only once every scatter item is taken by a running
+//                        block, so the grid needs no residency (see the kernel).
 //
 // Reuse of the combine buffer: a rank writes into an owner's buffer for call n+1 only after it saw the
 // owner's call-n+1 publication, which the owner enqueues after its call-n reduce (stream order).
@@ -57,9 +58,10 @@ constexpr int kScatterLoadsInFlight = 4;
 // the row by 16-byte stores through its mapping; an rdma owner (is_rdma_peer: peer_ptr is null) by one
 // warp-wide non-blocking put (nvshmemx_putmem_nbi_warp), and every thread of a warp that issued one calls
 // nvshmem_quiet before leaving: its puts are COMPLETE (delivered into the owner's memory) before this grid's
-// arrival and the signal that follows it (signal_owners, after the kernel or grid_last_block). A fence
-// would only order delivery of this thread's later operations to the same PE, and the signal is another
-// thread's (and, in moe_combine_signal, another kernel's). The branch is per row (warp-uniform).
+// end and the signal that follows it (signal_owners: moe_combine_signal; moe_combine_fused quiets the same way
+// before each scatter item's arrival). A fence would only order delivery of this thread's later operations to
+// the same PE, and the signal is another thread's (and, in moe_combine_signal, another kernel's). The branch is
+// per row (warp-uniform).
 __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv_bfloat16* pool_out,
                                              const int4* row_src, int num_rows, const long long* token_base,
                                              int window_begin, int* m_indices, __nv_bfloat16* combine_rows) {
@@ -92,7 +94,7 @@ __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv
 }
 
 // Block-level, one block: SET combine_ready[this rank] = gen on every owner, each signalling thread after a
-// release (the rows this grid stored before; with several blocks, after their grid handshake).
+// release (the rows this grid stored before; in moe_combine_fused, after the acquire of every item's arrival).
 __device__ __forceinline__ void signal_owners(const RingDescriptor& d, uint64_t* combine_ready, uint64_t gen) {
     __syncthreads();
     for (int owner = threadIdx.x; owner < d.num_ranks; owner += blockDim.x) {
@@ -100,6 +102,35 @@ __device__ __forceinline__ void signal_owners(const RingDescriptor& d, uint64_t*
         nvshmem_fence();
         nvshmemx_signal_op(combine_ready + d.rank, gen, NVSHMEM_SIGNAL_SET, owner);
     }
+}
+
+// moe_combine_fused's work distribution: tickets instead of blockIdx, so no block waits for another that may not
+// be resident (see the kernel). counters[0] counts the finished scatter items, counters[1] the tickets drawn.
+
+// One thread, with `t` the value its draw (atomicAdd(tickets, 1)) returned: the ticket. Every block draws until
+// it holds a ticket >= gridDim.x (the scatter items), so a launch makes exactly 2 * gridDim.x draws; the last one
+// resets the word for the next launch or graph replay (stream order; nothing of this launch draws again) and,
+// with end_call_chunks > 0, ends the call: every block read the generation base before its first draw (a fence
+// in between), and this draw came after every other draw (one atomic word).
+__device__ inline int ticket_drawn(const RingDescriptor& d, unsigned int* tickets, unsigned int t,
+                                   int end_call_chunks) {
+    if (t == 2u * gridDim.x - 1u) {
+        __threadfence();  // acquire: after every block's draws (and its read of the generation base before them)
+        atomicExch(tickets, 0u);
+        if (end_call_chunks > 0) end_call(d, end_call_chunks);
+    }
+    return static_cast<int>(t);
+}
+
+// One thread, with `before` the value its item's arrival (atomicAdd(arrivals, 1), after a release at system
+// scope) returned: whether that arrival completed all `num_items` scatter items. True in exactly one block,
+// after an acquire (every item's stores are then ordered before what it does next: the signal); that block
+// resets the word (no other arrival of this launch follows).
+__device__ inline bool item_arrived(unsigned int* arrivals, unsigned int before, unsigned int num_items) {
+    if (before != num_items - 1u) return false;
+    __threadfence();  // acquire: every item's stores before the signal
+    atomicExch(arrivals, 0u);
+    return true;
 }
 
 // One thread: bounded wait (one deadline) until every source's combine_ready word on this PE is >= gen
@@ -246,24 +277,32 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, co
 }
 
 // The small-batch schedule after the experts, in ONE grid: moe_combine_scatter + moe_combine_signal +
-// moe_combine_wait + moe_combine_reduce of the one-chunk window `chunk_idx`.
-//   1. Scatter: this PE's live pool rows (expert e's rows [begin[e], begin[e] + counts[e]), from the fused
-//      dispatch; padding rows are never touched) to their owners' combine rows, grid-stride over 16-byte
-//      vectors with kScatterLoadsInFlight loads per thread before their stores; m_indices of each row set back
-//      to -1. Each block then releases its peer stores at system scope before its arrival.
-//   2. The last block to arrive (counters[0]) signals every owner (as moe_combine_signal) and, with ack_now
-//      (CONSERVATIVE), acknowledges the chunk.
+// moe_combine_wait + moe_combine_reduce of the one-chunk window `chunk_idx`. It needs NO grid-wide residency:
+// whatever number of its blocks is resident (down to one, beside another stream's kernels, NCCL or another
+// MPS client holding the other SMs), it completes.
+//   1. Scatter, in gridDim.x items taken from a ticket counter (counters[1]), never by blockIdx: a block draws
+//      tickets until it holds one >= gridDim.x. Item t is what block t of a grid-stride loop over gridDim.x
+//      blocks sends, of this PE's live pool rows (expert e's rows [begin[e], begin[e] + counts[e]), from the fused
+//      dispatch; padding rows are never touched) to their owners' combine rows, over 16-byte vectors with
+//      kScatterLoadsInFlight loads per thread before their stores (rdma owners: warp-wide puts, then
+//      nvshmem_quiet); m_indices of each row set back to -1. The block then releases the item's stores at
+//      system scope and counts it (counters[0]).
+//   2. The block whose arrival completes the gridDim.x items signals every owner (as moe_combine_signal) and,
+//      with ack_now (CONSERVATIVE), acknowledges the chunk.
 //   3. Thread 0 of every block waits for every source's signal (as moe_combine_wait: bounded, acquire), then
-//      the block reduces its share of this PE's tokens (reduce_tokens, as moe_combine_reduce).
-//   4. With end_call_chunks > 0 the last block to arrive (counters[1]) ends the call: every block has read the
-//      generation base by then.
-// Step 3 waits for step 2 of this grid (this PE's own signal), so every block must be resident at once: the
-// grid is at most stages.Kernels.spin_blocks, which also keeps the grids of all PEs sharing the GPU under
-// MPS resident together with the kernels they wait for (docs/PROTOCOL.md 9.2). A late peer only delays step 3
-// (bounded by the ring's timeout).
+//      the block reduces its share of this PE's tokens by blockIdx (reduce_tokens, as moe_combine_reduce).
+//   4. With end_call_chunks > 0 the grid's last draw ends the call: every block read the generation base
+//      before its first draw.
+// Forward progress: a block waits (step 3) only after it drew a ticket >= gridDim.x, i.e. once every scatter
+// ticket was drawn -- by blocks that were running then and finish their items with no wait of their own -- so
+// this PE's own signal always comes, however many blocks are resident; the blocks that could not be resident
+// run later and find it set. Only the peers' signals can hold step 3, bounded by the ring's timeout. The grid is
+// at most stages.Kernels.spin_blocks all the same: the PEs sharing a GPU under MPS leave the kernels they wait
+// for free SMs (docs/PROTOCOL.md 9.2).
 // token_base: the chunk's row of the dispatch's [window][num_ranks] snapshot. Dynamic shared memory:
-// num_ranks pointers and int64 bases, then (2 * num_local_experts + 1) ints. counters: two zeroed device words
-// (each reset by its last block).
+// num_ranks pointers and int64 bases, then (2 * num_local_experts + 1) ints. counters: two zeroed device words,
+// the items' arrivals then the tickets, each reset by the launch's last arrival or last draw (a block that
+// returns at entry on a pending error leaves them set: MoE.reset() zeroes them, the one recovery path).
 extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                              const int4* row_src, const int* expert_counts, const int* begin,
                                              int num_local_experts, const long long* token_base, int* m_indices,
@@ -282,9 +321,12 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     int* live_before = reinterpret_cast<int*>(owner_base + R);  // [E + 1]: live rows of the experts before e
     int* group_begin = live_before + E + 1;                      // [E]
     __shared__ int ok;
-    __shared__ int any_rdma;  // some owner is an rdma peer (peer_ptr null): its rows go by puts (step 1b)
+    __shared__ int any_rdma;     // some owner is an rdma peer (peer_ptr null): its rows go by puts
+    __shared__ int ticket;       // this block's current ticket (step 1)
+    __shared__ int signals;      // this block's arrival completed the scatter: it signals (step 2)
+    __shared__ uint64_t gen;     // the chunk's generation, read once per block before its first draw
     if (error_pending(d)) return;
-    if (threadIdx.x == 0) any_rdma = 0;
+    if (threadIdx.x == 0) any_rdma = signals = 0;
     __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         owner_rows[r] = peer_ptr(d, combine_rows, r);
@@ -308,13 +350,20 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
         }
         if (lane == 31) live_before[E] = inclusive;
     }
+    // Warp 1 (while warp 0 scans): the generation, then the block's first ticket.
+    if (threadIdx.x == (blockDim.x > 32 ? 32 : 0)) {
+        gen = expected_generation(d, chunk_idx);
+        __threadfence();  // the generation base read before the draw (the grid's last draw may end the call)
+        ticket = ticket_drawn(d, counters + 1, atomicAdd(counters + 1, 1u), end_call_chunks);
+    }
     __syncthreads();
 
-    // 1. Scatter. Live row i is row begin[e] + i - live_before[e] of the expert e with live_before[e] <= i <
-    //    live_before[e + 1] (a binary search; empty experts have equal bounds and are never found).
+    // 1. Scatter items. Live row i is row begin[e] + i - live_before[e] of the expert e with live_before[e] <= i
+    //    < live_before[e + 1] (a binary search; empty experts have equal bounds and are never found).
+    const int num_items = gridDim.x;
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
     const int64_t num_vecs = int64_t(live_before[E]) * vecs_per_row;
-    const int64_t num_threads = int64_t(gridDim.x) * blockDim.x;
+    const int64_t num_threads = int64_t(num_items) * blockDim.x;
     auto row_of_live = [&](int i) {
         int lo = 0, hi = E - 1;  // the last e with live_before[e] <= i
         while (lo < hi) {
@@ -323,53 +372,64 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
         }
         return group_begin[lo] + i - live_before[lo];
     };
-    for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i0 < num_vecs;
-         i0 += kScatterLoadsInFlight * num_threads) {
-        int4 raw[kScatterLoadsInFlight];
-        int4 src[kScatterLoadsInFlight];
-        int row[kScatterLoadsInFlight];
+    for (int item = ticket; item < num_items; item = ticket) {
+        for (int64_t i0 = int64_t(item) * blockDim.x + threadIdx.x; i0 < num_vecs;
+             i0 += kScatterLoadsInFlight * num_threads) {
+            int4 raw[kScatterLoadsInFlight];
+            int4 src[kScatterLoadsInFlight];
+            int row[kScatterLoadsInFlight];
 #pragma unroll
-        for (int u = 0; u < kScatterLoadsInFlight; ++u) {
-            const int64_t i = i0 + u * num_threads;
-            row[u] = i < num_vecs ? row_of_live(static_cast<int>(i / vecs_per_row)) : -1;
-            if (row[u] < 0) continue;
-            raw[u] = reinterpret_cast<const int4*>(pool_out + int64_t(row[u]) * d.hidden)[i % vecs_per_row];
-            src[u] = row_src[row[u]];  // {owner, chunk-local token, k, chunk}
-        }
+            for (int u = 0; u < kScatterLoadsInFlight; ++u) {
+                const int64_t i = i0 + u * num_threads;
+                row[u] = i < num_vecs ? row_of_live(static_cast<int>(i / vecs_per_row)) : -1;
+                if (row[u] < 0) continue;
+                raw[u] = reinterpret_cast<const int4*>(pool_out + int64_t(row[u]) * d.hidden)[i % vecs_per_row];
+                src[u] = row_src[row[u]];  // {owner, chunk-local token, k, chunk}
+            }
 #pragma unroll
-        for (int u = 0; u < kScatterLoadsInFlight; ++u) {
-            if (row[u] < 0) continue;
-            const int64_t v = (i0 + u * num_threads) % vecs_per_row;
-            const int64_t token = owner_base[src[u].x] + src[u].y;
-            __nv_bfloat16* owner = owner_rows[src[u].x];
-            if (owner != nullptr) reinterpret_cast<int4*>(owner + (token * d.num_topk + src[u].z) * d.hidden)[v] = raw[u];
-            if (v == 0) m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
+            for (int u = 0; u < kScatterLoadsInFlight; ++u) {
+                if (row[u] < 0) continue;
+                const int64_t v = (i0 + u * num_threads) % vecs_per_row;
+                const int64_t token = owner_base[src[u].x] + src[u].y;
+                __nv_bfloat16* owner = owner_rows[src[u].x];
+                if (owner != nullptr)
+                    reinterpret_cast<int4*>(owner + (token * d.num_topk + src[u].z) * d.hidden)[v] = raw[u];
+                if (v == 0) m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
+            }
         }
-    }
-    // 1b. Rows of rdma owners: one warp-wide non-blocking put per row, and nvshmem_quiet by every thread that
-    //     put before the block's arrival (as scatter_rows: the puts are delivered before the signal).
-    if (any_rdma) {
-        const int lane_warp = threadIdx.x / 32;
-        const int warps_per_block = blockDim.x / 32;
-        bool put_any = false;
-        for (int i = blockIdx.x * warps_per_block + lane_warp; i < live_before[E]; i += gridDim.x * warps_per_block) {
-            const int row = row_of_live(i);  // warp-uniform
-            const int4 src = row_src[row];
-            if (owner_rows[src.x] != nullptr) continue;
-            const int64_t token = owner_base[src.x] + src.y;
-            nvshmemx_putmem_nbi_warp(combine_rows + (token * d.num_topk + src.z) * d.hidden,
-                                     pool_out + int64_t(row) * d.hidden, size_t(d.hidden) * sizeof(__nv_bfloat16),
-                                     src.x);
-            put_any = true;
+        // Rows of rdma owners: one warp-wide non-blocking put per row, and nvshmem_quiet by every thread that
+        // put before the item's arrival (as scatter_rows: the puts are delivered before the signal).
+        if (any_rdma) {
+            const int warp = threadIdx.x / 32;
+            const int warps_per_block = blockDim.x / 32;
+            bool put_any = false;
+            for (int i = item * warps_per_block + warp; i < live_before[E]; i += num_items * warps_per_block) {
+                const int row = row_of_live(i);  // warp-uniform
+                const int4 src = row_src[row];
+                if (owner_rows[src.x] != nullptr) continue;
+                const int64_t token = owner_base[src.x] + src.y;
+                nvshmemx_putmem_nbi_warp(combine_rows + (token * d.num_topk + src.z) * d.hidden,
+                                         pool_out + int64_t(row) * d.hidden,
+                                         size_t(d.hidden) * sizeof(__nv_bfloat16), src.x);
+                put_any = true;
+            }
+            if (put_any) nvshmem_quiet();
         }
-        if (put_any) nvshmem_quiet();
+        __syncthreads();  // every thread's stores (and quiets) of the item before thread 0's release
+        if (threadIdx.x == 0) {
+            __threadfence_system();  // release: the item's peer stores before its arrival (the owners read them)
+            // The arrival and the next draw, both in flight at once (neither needs the other's value).
+            const unsigned int before = atomicAdd(counters, 1u);
+            const unsigned int drawn = atomicAdd(counters + 1, 1u);
+            if (item_arrived(counters, before, num_items)) signals = 1;
+            ticket = ticket_drawn(d, counters + 1, drawn, end_call_chunks);
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (threadIdx.x == 0) __threadfence_system();  // this block's peer stores before its arrival
 
-    // 2. The last block signals (release in signal_owners, after the handshake ordered every block's stores).
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    if (grid_last_block(counters)) {
+    // 2. The block that completed the scatter signals (release in signal_owners, after its acquire of every
+    //    item's arrival). Its draw above was past the items: the scatter is over.
+    if (signals) {
         signal_owners(d, combine_ready, gen);
         // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
         if (ack_now)
@@ -379,11 +439,6 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     // 3. Every source's rows, then this block's share of the reduce.
     if (threadIdx.x == 0) ok = wait_sources(d, chunk_idx, combine_ready, gen);
     __syncthreads();  // the other threads read the rows only after thread 0's acquire
-    // A block that gives up here never reaches counters[1], which stays non-zero: the error stops the ring
-    // until MoE.reset(), which zeroes every counter (the one recovery path).
     if (!ok) return;
     reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
-
-    // 4. The end of the call, once every block read the generation base.
-    if (end_call_chunks > 0 && grid_last_block(counters + 1) && threadIdx.x == 0) end_call(d, end_call_chunks);
 }

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import protocol
-from ..pdl import PdlLauncher, cooperative_requested, launch_cooperative
+from ..pdl import PdlLauncher
 from . import timeline
 from .experts import ExpertEngine, Pool
 from .plan import ChunkStep, WindowStep
@@ -59,9 +59,10 @@ WAIT_ROUTE, WAIT_LAYOUT = 1, 2
 STATUS_NO_PEER_MAPPING, STATUS_BAD_EXPERT_ID = 1, 2
 #: Words of the bad-expert-id record (device/moe/dispatch.cu BadIdWord): value, source rank, token, k.
 BAD_ID_WORDS = 4
-#: Words of `State.counters`, one zeroed grid-handshake word per last-block step of a kernel (the fused
-#: combine uses COUNTER_SEND and the word after it, COUNTER_FINISH).
-COUNTER_ROUTE, COUNTER_LAYOUT, COUNTER_DISPATCH, COUNTER_SEND, COUNTER_FINISH = range(5)
+#: Words of `State.counters`, zeroed, each reset by the kernel that uses it: one grid-handshake word per
+#: last-block step of a kernel, and the fused combine's two (COUNTER_SEND: its finished scatter items, then
+#: COUNTER_TICKET: the work tickets its blocks draw; device/moe/combine.cu).
+COUNTER_ROUTE, COUNTER_LAYOUT, COUNTER_DISPATCH, COUNTER_SEND, COUNTER_TICKET = range(5)
 NUM_COUNTERS = 5
 
 
@@ -76,11 +77,12 @@ def spin_blocks(num_sms: int, pes_per_gpu: int) -> int:
     The rule: the PEs sharing one GPU run one such kernel each at a time (one stream), and together they
     hold at most HALF its SMs (one 256-thread block per SM at most, where the hardware spreads them), so
     the kernels they wait for (the other PEs' producers and combine, the expert GEMMs) always find whole
-    SMs free, and every block of each grid is resident at once (the fused combine's blocks wait for its
-    own last block's signal). ``num_sms // (2 * pes_per_gpu)``, at least 1: 66 blocks on an H200 (132 SMs)
-    for one PE, 16 for four under MPS. With programmatic dependent launch (`Kernels.launch`, one PE per GPU
-    only) the next fused grid may sit resident beside the spinning one: sound because a lone PE's fused
-    kernels spin only on remote peers (docs/PROTOCOL.md 9.2).
+    SMs free. No grid needs all its blocks resident at once: no block of these kernels waits for another
+    block of its own grid (the fused combine's blocks take their scatter work from a ticket counter before
+    any of them waits; device/moe/combine.cu). ``num_sms // (2 * pes_per_gpu)``, at least 1: 66 blocks on an
+    H200 (132 SMs) for one PE, 16 for four under MPS. With programmatic dependent launch (`Kernels.launch`, one
+    PE per GPU only) the next fused grid may sit resident beside the spinning one: sound because a lone PE's
+    fused kernels spin only on remote peers (docs/PROTOCOL.md 9.2).
     """
     return max(1, num_sms // (2 * max(1, pes_per_gpu)))
 
@@ -143,8 +145,6 @@ class Kernels:
         self.spin_blocks = spin_blocks(backend.num_sms, pes_per_gpu)
         #: Launcher of the small-batch kernels: programmatic dependent launch where `symmring.pdl` allows it.
         self.launch = PdlLauncher(getattr(backend, "compute_capability", 0) // 10, pes_per_gpu)
-        #: Whether the fused combine is launched cooperatively (`symmring.pdl.cooperative_requested`).
-        self.cooperative = cooperative_requested()
 
 
 @dataclass
@@ -295,7 +295,7 @@ def stage(k: Kernels, s: State, stream, *, chunk: int, parts: int, wait: bool = 
     if s.stage is None or not parts:
         return
     # With wait (the small-batch schedule) every block polls: at most spin_blocks of them in all
-    # (docs/PROTOCOL.md 9.2), so the fused combine's blocks and the peers' kernels stay resident.
+    # (docs/PROTOCOL.md 9.2), so the peers' kernels find free SMs.
     most = max(1, k.spin_blocks // s.num_ranks) if wait else MAX_COUNT_BLOCKS
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, most), s.num_ranks)
     k.stage(grid, (THREADS_PER_BLOCK,), (s.desc, s.stage, np.int32(chunk), np.int32(parts), np.int32(wait)),
@@ -455,7 +455,9 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
                   y, end_call_chunks: int) -> None:
     """The small-batch combine of the one-chunk ``window`` in one grid: `combine_scatter` of the live rows,
     `combine_signal` (``ack_now``: CONSERVATIVE), `combine_wait` and `combine_reduce`; ``end_call_chunks`` > 0
-    ends the call. At most `Kernels.spin_blocks` blocks (they wait for the grid's own signal)."""
+    ends the call. At most `Kernels.spin_blocks` blocks (they wait for the sources' signals); it completes with
+    any number of them resident (its blocks take the scatter from a ticket counter, COUNTER_SEND and
+    COUNTER_TICKET, before any waits)."""
     scatter_vecs = s.topk * window.source_tokens * (s.hidden // 8)  # a bound of this PE's live rows' vectors
     grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
                blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
@@ -465,11 +467,7 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
             np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
             np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
             _counter(s, COUNTER_SEND))
-    if k.cooperative:  # its blocks wait for its own last block: every block must be resident (a named refusal)
-        launch_cooperative(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared,
-                           what="moe_combine_fused")
-    else:
-        k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
+    k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A one-chunk batch call with fp8 dispatch and fp8 experts runs produce (route + l
 count + scan + pull) and combine (scatter + signal + wait + reduce + end of call) as one kernel each
 (`symmring.moe.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
 so its output must be BITWISE the general schedule's, for every ack policy, any mix of token counts per rank
-(zero-token ranks included), masked entries, and graph replays. Auto selection follows
-``small_batch_tokens``; what it cannot run is a ConfigError before anything is enqueued.
+(zero-token ranks included), masked entries, and graph replays, also while another stream's kernel holds
+nearly every SM (the fused combine needs no residency). Auto selection follows ``small_batch_tokens``; what it
+cannot run is a ConfigError before anything is enqueued.
 
 Several PEs: ``python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu/test_moe_small.py``.
 """
@@ -13,6 +14,7 @@ Several PEs: ``python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytes
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -22,9 +24,10 @@ from moe_helpers import gpu_layer_torch  # noqa: E402
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
 
-from moe_helpers import cuda_device as dev, fp8_engines, make_tokens, make_weights, to_torch, verdict  # noqa: E402
+from moe_helpers import (agree, cuda_device as dev, fp8_engines, make_tokens, make_weights, to_torch,  # noqa: E402
+                         verdict)
 
-from symmring.errors import ConfigError  # noqa: E402
+from symmring.errors import ConfigError, ProtocolTimeout, ProtocolViolation  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -275,4 +278,157 @@ def test_programmatic_dependent_launch_is_bitwise_plain(ctx):
     finally:
         launcher.enabled = True
         moe.close()
+    verdict(ctx, not problems, "; ".join(problems))
+
+
+# --- the fused combine needs no residency (issue 24, item 5) ----------------------------------------------------
+
+#: A kernel that holds SMs: one block per SM (it takes all of the SM's shared memory, so no block of any other
+#: kernel fits beside it), spinning until `stop` is set or `limit_ns` passed (bounded whatever happens).
+HOLD_SMS_SOURCE = r"""
+extern "C" __global__ void hold_sms(unsigned int* started, const volatile unsigned int* stop,
+                                    unsigned long long limit_ns) {
+    extern __shared__ unsigned char held[];
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    held[threadIdx.x] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(started, 1u);
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (*stop == 0u && now - start < limit_ns);
+}
+"""
+#: SMs the holding kernel leaves free: room for a few blocks of each small-batch kernel (66 on an H200), far
+#: fewer than the fused combine's grid.
+FREE_SMS = 2
+#: The ring's timeout of the layer under test, and the bound of the holding kernel: a combine whose blocks
+#: waited for unscheduled blocks of its own grid timed out long before the SMs came free.
+HOLD_TIMEOUT_S, HOLD_LIMIT_S = 2.0, 10.0
+
+
+class SmHolder:
+    """`HOLD_SMS_SOURCE` on its own non-blocking CuPy stream (the legacy default stream does not wait for it)."""
+
+    def __init__(self, free_sms: int):
+        import cupy
+        self.cupy = cupy
+        attr, device = cupy.cuda.runtime.deviceGetAttribute, cupy.cuda.Device().id
+        num_sms = attr(16, device)  # cudaDevAttrMultiProcessorCount
+        # Shared memory: MaxSharedMemoryPerBlockOptin, MaxSharedMemoryPerMultiprocessor, ReservedSharedMemoryPerBlock.
+        per_block, per_sm, reserved = attr(97, device), attr(81, device), attr(111, device)
+        self.shared = min(per_block, per_sm - reserved)
+        #: Why this GPU cannot be held one block per SM with no room beside it (None: it can).
+        self.unfit = None if per_sm - self.shared - reserved < reserved else (
+            f"a block takes at most {self.shared} of an SM's {per_sm} bytes of shared memory: others fit beside it")
+        self.blocks = num_sms - free_sms
+        self.kernel = cupy.RawKernel(HOLD_SMS_SOURCE, "hold_sms")
+        self.kernel.max_dynamic_shared_size_bytes = self.shared  # compiles it (NVRTC) now, before any timing
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.poll = cupy.cuda.Stream(non_blocking=True)
+        self.started = cupy.zeros(1, dtype=cupy.uint32)
+        self.stop_flag = cupy.zeros(1, dtype=cupy.uint32)
+        cupy.cuda.Device().synchronize()  # both words zeroed before the non-blocking stream's launch
+
+    def start(self, limit_s: float, wait_s: float = 10.0) -> bool:
+        """Launch it; True once every block is resident (False: not within ``wait_s``; then stopped)."""
+        with self.stream:
+            self.kernel((self.blocks,), (32,), (self.started, self.stop_flag, np.uint64(int(limit_s * 1e9))),
+                        shared_mem=self.shared)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if int(self.started.get(stream=self.poll)[0]) == self.blocks:
+                return True
+            time.sleep(0.001)
+        self.stop()
+        return False
+
+    def holding(self) -> bool:
+        """Whether it still runs (a stream query: no synchronisation)."""
+        return not self.stream.done
+
+    def stop(self) -> None:
+        self.stop_flag.set(np.ones(1, np.uint32), stream=self.poll)  # a copy: needs no SM
+        self.stream.synchronize()
+
+
+def test_small_batch_completes_beside_a_kernel_holding_the_sms(ctx):
+    """A kernel on another stream holds all SMs but `FREE_SMS` (as another stream, NCCL or another MPS client may)
+    while small-batch calls run, eagerly and from a captured graph: they complete before it ends, with no
+    timeout, bitwise the general schedule. The fused combine's grid (`stages.spin_blocks`: 66 blocks on an H200)
+    is then far from resident at once; before its blocks took the scatter from a ticket counter, the resident
+    ones waited for the arrival of blocks that could not start and the call timed out (docs/PROTOCOL.md 9.2)."""
+    one_pe_per_gpu, _ = agree(ctx.comm, ctx.backend.pes_per_gpu == 1, "")
+    if not one_pe_per_gpu:
+        pytest.skip("several PEs share a GPU: each one's holding kernel would starve the others")
+    holder = SmHolder(FREE_SMS)
+    fits, _ = agree(ctx.comm, holder.unfit is None, "")
+    if not fits:
+        pytest.skip(f"this GPU cannot be held SM by SM: {holder.unfit}")
+    n, topk = 128, 8  # the largest small batch: the fused combine's grid is spin_blocks
+    warm = layer(ctx, "builtin", 128, topk)  # compiles the engine's kernels under the default timeout
+    try:
+        x = to_torch(make_tokens(SEED + 80 + ctx.rank, n, HIDDEN), torch.bfloat16, dev())
+        idx, w = routing(SEED + 81 + ctx.rank, n, topk, masked=False)
+        for small_batch in (True, False):
+            call(warm, x, idx, w, small_batch=small_batch)
+    finally:
+        warm.close()
+    moe = layer(ctx, "builtin", 128, topk, timeout_s=HOLD_TIMEOUT_S)
+    problems, lines, failed = [], [], False
+    try:
+        inputs = []
+        for case in range(2):
+            x = to_torch(make_tokens(SEED + 90 + 10 * case + ctx.rank, n, HIDDEN), torch.bfloat16, dev())
+            idx, w = routing(SEED + 91 + 10 * case + ctx.rank, n, topk, masked=case == 1)
+            y_general, _ = call(moe, x, idx, w, small_batch=False)
+            y_small, small = call(moe, x, idx, w, small_batch=True)  # its first call: before the SMs are held
+            if not small or not np.array_equal(y_small, y_general):
+                problems.append(f"case {case}: the small-batch call differs before any SM was held")
+            inputs.append((x, idx, w, y_general))
+        static = [t.clone() for t in inputs[0][:3]]
+        graph, y_static = moe.capture(static[0], topk_idx=static[1], topk_weights=static[2], small_batch=True)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()  # non-blocking: waits for nothing of the holder's
+        if not holder.start(HOLD_LIMIT_S):
+            problems.append(f"the holding kernel's {holder.blocks} blocks were not all resident within 10 s")
+        else:
+            start = time.monotonic()
+            outputs = []
+            try:
+                with torch.cuda.stream(side):
+                    for x, idx, w, _ in inputs:  # eager, back to back
+                        outputs.append(moe.forward(x, topk_idx=idx, topk_weights=w, small_batch=True,
+                                                   graph_cache=False))
+                    for _ in range(2):  # graph replays (counters reset by each launch, no host memset)
+                        graph.replay()
+                        outputs.append(y_static.clone())
+                side.synchronize()  # this stream only: the holder holds on
+                seconds = time.monotonic() - start
+                still_held = holder.holding()
+            finally:
+                holder.stop()
+            lines.append(f"{len(outputs)} small-batch calls beside {holder.blocks} held SMs: {seconds:.3f} s")
+            if not still_held:
+                problems.append(f"the calls ended after the holding kernel ({seconds:.2f} s; its bound "
+                                f"{HOLD_LIMIT_S} s): the test proved nothing")
+            want = [y for *_, y in inputs] + [inputs[0][3]] * 2
+            for i, (got, expected) in enumerate(zip(outputs, want)):
+                got = got.float().cpu().numpy()
+                if not np.array_equal(got, expected):
+                    rows = int(np.sum(np.any(got != expected, axis=1)))
+                    problems.append(f"call {i} beside the held SMs != general ({rows} of {n} rows differ)")
+        del graph
+        try:
+            moe.check_errors()
+        except (ProtocolTimeout, ProtocolViolation) as exc:
+            failed = True
+            problems.append(f"{type(exc).__name__}: {exc}")
+        none_failed, _ = agree(ctx.comm, not failed, "")
+        if not none_failed:
+            moe.reset()  # collective, on every rank alike: the next tests find the workspace clean
+    finally:
+        moe.close()
+    print(f"\nrank {ctx.rank}: " + "; ".join(lines))
     verdict(ctx, not problems, "; ".join(problems))
