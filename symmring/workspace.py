@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -47,6 +48,21 @@ log = logging.getLogger(__name__)
 #: Rings a host workspace keeps (per ring spec and acknowledgement policy; least recently used dropped).
 MAX_HOST_RINGS = 8
 _WORD_BYTES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a `Workspace.step` exchanged: every rank's ``counts``, whether every rank routes with its layers'
+    own routers (``distinct``), and every rank's latched device error words (None where none)."""
+
+    counts: Tuple[int, ...]
+    distinct: bool
+    latched: Tuple
+
+    def bucket(self, cap: int) -> int:
+        """The token bucket every rank plans the step's calls for (`symmring.moe.plan.token_bucket`)."""
+        from .moe.plan import token_bucket
+        return token_bucket(max(self.counts), cap)
 
 
 class Workspace:
@@ -89,6 +105,7 @@ class Workspace:
         self._device = None  # symmring.moe.gpu_workspace.DeviceMemory on a device backend
         from .backends.base import DeviceBackend
         self._host = None if isinstance(ctx.backend, DeviceBackend) else _HostMemory(ctx)
+        self.active_step: Optional["Step"] = None  # the open `step`, or None
 
     # --- attaching layers ---------------------------------------------------------------------------------
 
@@ -172,6 +189,64 @@ class Workspace:
         """A layer starts a call on this workspace (counted in `calls`)."""
         self.check_open()
         self.calls += 1
+
+    # --- model steps ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, num_tokens: int, *, own_router: bool = True):
+        """One model step (a forward of every layer) with ONE bounded host exchange for all its MoE calls:
+        every rank's token count, whether every rank routes with the layers' own routers, and every rank's
+        latched device error (as vLLM exchanges its data-parallel token counts once per step). Collective:
+        every rank enters the step. Inside it the GPU layers' `forward` exchanges nothing: every rank plans
+        its calls for the same token bucket (`symmring.moe.plan.token_bucket` of the largest count), and
+        each rank's exact count goes to the device.
+
+        Args:
+            num_tokens: this rank's tokens in every MoE call of the step (a call may have fewer; more is a
+                `ConfigError`).
+            own_router: every call of the step routes with the layer's router (``router_weight`` or
+                ``logits``: distinct experts per token, a tighter bound for the engines); False when some
+                call passes ``topk_idx``.
+
+        Yields:
+            the `Step` (its ``counts``, ``bucket`` and ``distinct``).
+
+        Raises:
+            ConfigError: a bad argument, or a step inside a step (before any exchange).
+            PeerTimeout, BrokenStateError: as the context's exchanges.
+
+        Example:
+            >>> with workspace.step(x.shape[0]):            # doctest: +SKIP
+            ...     logits = model(x)                        # every MoE layer: no host exchange
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ConfigError(f"num_tokens={num_tokens!r}: expected an int >= 0")
+        if not isinstance(own_router, bool):
+            raise ConfigError(f"own_router={own_router!r}: expected a bool")
+        if self.active_step is not None:
+            raise ConfigError("Workspace.step: a step is already open (steps do not nest)")
+        self.check_open()
+        latched = None if self._device is None else self._device.latched()
+        triples = [(int(num_tokens), own_router, latched)] if self.world_size == 1 else \
+            self.ctx.collectives.allgather((int(num_tokens), own_router, latched), what="Workspace.step",
+                                           timeout_s=self.ctx.timeout_s)
+        counts = tuple(int(c) for c, _, _ in triples)
+        self.active_step = Step(counts=counts, distinct=all(bool(r) for _, r, _ in triples),
+                                latched=tuple(e for _, _, e in triples))
+        try:
+            yield self.active_step
+        finally:
+            self.active_step = None
+
+    def set_call_tokens(self, num_tokens: int) -> None:
+        """GPU: this rank's token count for the next call or replay, enqueued on the current torch stream (a
+        graph captured over a step reads it on the device: set it before each ``graph.replay()`` with that
+        replay's count, at most the rows the graph was captured with). `forward` sets it itself."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ConfigError(f"num_tokens={num_tokens!r}: expected an int >= 0")
+        if self._device is None:
+            raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
+        self._device.call_tokens.fill_(int(num_tokens))
 
     # --- host (CPU) memory ------------------------------------------------------------------------------
 

@@ -68,3 +68,16 @@ def test_streamed_plan_waits_are_the_protocols_cross_stream_edges(num_chunks, nu
         assert position[before] < position[after] and before[0] != after[0]
     single = make_plan((10 * num_chunks, 3), 0, streaming=True, **{**kw, "two_streams": False})
     assert single.waits == {} and single.signals == frozenset()
+
+
+def test_token_buckets_cover_every_count_and_are_few():
+    """`token_bucket`: at least the count, at most the cap when the count fits it, powers of two up to 256 then
+    multiples of 256; 7 buckets up to 64 tokens, 24 up to 4096."""
+    from symmring.moe.plan import BUCKET_STEP, num_buckets, token_bucket
+    for cap in (1, 5, 64, 300, 4096):
+        for n in range(0, cap + 1):
+            b = token_bucket(n, cap)
+            assert (b == 0) == (n == 0) and n <= b <= max(n, cap)
+            assert b == cap or b & (b - 1) == 0 or b % BUCKET_STEP == 0
+    assert token_bucket(5000, 4096) == 5000  # past the cap: the count itself (the layer refuses it first)
+    assert (num_buckets(64), num_buckets(4096)) == (7, 24)

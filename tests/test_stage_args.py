@@ -57,7 +57,8 @@ def fake_layer():
     launch = Recorder()
     k = SimpleNamespace(launch=launch, produce_chunk_fp8="produce", spin_blocks=66,
                         route_topk=lambda grid, block, args, stream: launch.calls.append(("route", args)))
-    s = SimpleNamespace(topk=8, hidden=2048, desc=np.uint64(0xD0), counters=FakeTensor(0xC0, (5, 1)))
+    s = SimpleNamespace(topk=8, hidden=2048, desc=np.uint64(0xD0), counters=FakeTensor(0xC0, (5, 1)),
+                        call_tokens=FakeTensor(0xE0, (1, 1)))
     chunk = SimpleNamespace(chunk=3, token_base=0, num_valid=2)
     return k, s, chunk
 
@@ -74,9 +75,10 @@ def test_producer_arguments_match_its_kernel_with_and_without_logits():
                          logits=(logits, routing.LOGITS_DTYPE_CODES["bfloat16"]))
     (_, plain), (_, routed) = k.launch.calls
     assert sizes_of(plain) == want and sizes_of(routed) == want
-    assert int(plain[8]) == 0 and int(routed[8]) == 0x400  # logits: null (copy topk) vs the call's logits
-    assert (int(routed[9]), int(routed[10])) == (1, 160)   # bf16, row stride in elements
-    assert routed[11:] == router and plain[11:] == router   # the options in RouterOptions' order
+    assert int(plain[7]) == 0xE0 and int(routed[7]) == 0xE0  # the device word of the call's token count
+    assert int(plain[9]) == 0 and int(routed[9]) == 0x400  # logits: null (copy topk) vs the call's logits
+    assert (int(routed[10]), int(routed[11])) == (1, 160)   # bf16, row stride in elements
+    assert routed[12:] == router and plain[12:] == router   # the options in RouterOptions' order
 
 
 def test_routing_kernel_arguments_match_its_kernel():
@@ -151,7 +153,8 @@ def test_fused_combine_arguments_match_its_kernel():
                         row_src=FakeTensor(0xB8, (8, 4)), counts=FakeTensor(0xA0, (4, 1)),
                         begin=FakeTensor(0xA8, (4, 1)), token_base=FakeTensor(0xFC, (1, 2)),
                         m_indices=FakeTensor(0xF0, (8, 1)), combine_rows=np.uint64(0xCC),
-                        combine_ready=np.uint64(0xCE), counters=FakeTensor(0xC0, (5, 1)))
+                        combine_ready=np.uint64(0xCE), counters=FakeTensor(0xC0, (5, 1)),
+                        call_tokens=FakeTensor(0xE0, (1, 1)))
     window = WindowStep(3, 3, rows_bound=256, token_begin=0, num_valid=5, source_tokens=9, passes=((0, 256),))
     y = FakeTensor(0x900, (5, 2048), element_size=2)
     stages.combine_fused(k, s, None, out=FakeTensor(0x500, (256, 2048)), window=window, ack_now=True,

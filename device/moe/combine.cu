@@ -39,6 +39,7 @@
 
 #include <cuda_bf16.h>
 
+#include <moe/call_tokens.cuh>
 #include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
@@ -269,9 +270,10 @@ extern "C" __global__ void moe_combine_wait(const RingDescriptor* desc_ptr, int 
 extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, const __nv_bfloat16* combine_rows,
                                               const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
                                               long long y_row_stride, int token_begin, int num_valid,
-                                              int end_call_chunks) {
+                                              const int* call_tokens, int end_call_chunks) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, token_begin, num_valid);
     if (end_call_chunks > 0 && blockIdx.x == 0 && threadIdx.x == 0) end_call(d, end_call_chunks);
     reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
 }
@@ -309,10 +311,12 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                                              __nv_bfloat16* combine_rows, int chunk_idx, uint64_t* combine_ready,
                                              int ack_now, const int32_t* topk_idx, const float* topk_weights,
                                              __nv_bfloat16* y, long long y_row_stride, int token_begin,
-                                             int num_valid, int end_call_chunks, unsigned int* counters) {
+                                             int num_valid, const int* call_tokens, int end_call_chunks,
+                                             unsigned int* counters) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, token_begin, num_valid);  // after the wait
     const int R = d.num_ranks;
     const int E = num_local_experts;
     extern __shared__ __align__(16) unsigned char shared_bytes[];

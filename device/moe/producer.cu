@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/call_tokens.cuh>
 #include <moe/router.cuh>
 #include <symmring/protocol.cuh>
 
@@ -273,9 +274,10 @@ extern "C" __global__ void moe_wait_slot(const RingDescriptor* desc_ptr, int chu
 // counter: a zeroed device word private to this kernel (reset by the last block).
 extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int chunk_idx,
                                              const int32_t* topk_idx, const float* topk_weights,
-                                             int num_valid, unsigned int* counter) {
+                                             int num_valid, const int* call_tokens, unsigned int* counter) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
     write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
@@ -290,9 +292,10 @@ extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int
 // layer). Must run after moe_produce_route of the same chunk (which acquires the slot).
 extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
                                                   const __nv_bfloat16* x, long long x_row_stride,
-                                                  int num_valid, unsigned int* counter) {
+                                                  int num_valid, const int* call_tokens, unsigned int* counter) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
     write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
     grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
                  /*layout=*/true);
@@ -302,9 +305,10 @@ extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr
 // 16-byte loads and publish layout readiness from the last block.
 extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_ptr, int chunk_idx,
                                                    const __nv_bfloat16* x, long long x_row_stride,
-                                                   int num_valid, unsigned int* counter) {
+                                                   int num_valid, const int* call_tokens, unsigned int* counter) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
     const int slot = slot_of(chunk_idx, d.num_slots);
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector (hidden % 8 == 0: RingSpec)
     int4* dst = reinterpret_cast<int4*>(x_of(d, slot));
@@ -331,7 +335,8 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
 extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
                                                  int32_t* topk_idx, float* topk_weights,
                                                  const __nv_bfloat16* x, long long x_row_stride, int num_valid,
-                                                 unsigned int* counter, const void* logits, int logits_dtype,
+                                                 const int* call_tokens, unsigned int* counter, const void* logits,
+                                                 int logits_dtype,
                                                  long long logits_stride, const float* bias,
                                                  float routed_scaling_factor, int scoring, int num_experts,
                                                  int n_group, int topk_group, int norm_topk_prob) {
@@ -339,6 +344,7 @@ extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr,
     grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
     const RouterOptions o{bias, routed_scaling_factor, scoring, num_experts, d.num_topk, n_group, topk_group,
                           norm_topk_prob};
     const ProducerRoute route = producer_route(o, logits, logits_dtype, logits_stride, topk_idx, topk_weights,

@@ -16,12 +16,19 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in three fused
   kernels around the experts (`symmring.moe.stages.small_batch_call`), bitwise the same output;
   ``forward(small_batch=True/False)`` forces either.
-* eager calls of a shape seen before replay a CUDA graph of that call (`symmring.moe.graph_cache`: at
-  most ``graph_cache`` graphs per layer, calls of at most 256 tokens per rank), so an eager decode call
-  costs about what a replay costs; bitwise the same output.
+* token counts on the device: every rank plans a call for the same token **bucket**
+  (`symmring.moe.plan.token_bucket` of the largest count: powers of two up to 256, then multiples of 256),
+  and its exact count goes into a device word the producers and the reduce read (and the slots' metadata
+  carry to the consumers). The bucket comes from one bounded host exchange per call, or per model step
+  inside `symmring.Workspace.step` (one exchange for every layer of the step, as vLLM exchanges its
+  data-parallel counts once per step); a graph captured over a step serves any counts up to its bucket
+  (`symmring.Workspace.set_call_tokens` before each replay).
+* eager calls of a bucket seen before replay a CUDA graph of that call (`symmring.moe.graph_cache`: at
+  most ``graph_cache`` graphs per layer, one per bucket, calls of at most 256 tokens per rank), so an eager
+  decode call costs about what a replay costs; bitwise the same output.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
-  layer's shape, ring and the largest token count of any rank (asked after the token-count exchange, so
-  every rank runs the same schedule); batch where it has no measurement that beat batch.
+  layer's shape, ring and the call's bucket (the same on every rank, so every rank runs the same
+  schedule); batch where it has no measurement that beat batch.
 
 Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
 torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
@@ -101,6 +108,11 @@ def _torch():
 def _cupy():
     import cupy
     return cupy
+
+
+def _rows_like(t, rows: int):
+    """An uninitialised tensor like ``t`` with ``rows`` rows (a cached graph's static input for its bucket)."""
+    return _torch().empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -555,7 +567,8 @@ class MoE:
                 small_batch: Optional[bool] = None, stage_events: Optional[List] = None, timeline: bool = False,
                 producer_delay_ns=None, consumer_delay_ns=None, graph_cache: bool = True):
         """Run the layer on this rank's tokens (collective: every rank calls forward once per call, with
-        the same ``streaming``).
+        the same ``streaming``). Outside a `symmring.Workspace.step` it exchanges every rank's token count
+        with the other ranks (one bounded host exchange); inside one it exchanges nothing.
 
         Args:
             x: bf16 ``[n, hidden]`` on this rank's GPU, ``0 <= n <= max_tokens``, rows contiguous.
@@ -584,6 +597,8 @@ class MoE:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
                 than the ring (nothing is enqueued).
             PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
+            ConfigError: inside a step, more tokens than the step declared, or given routing in a step
+                declared ``own_router=True``.
             BrokenStateError: an earlier host exchange of the context failed (re-initialise).
             ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
                 (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
@@ -615,10 +630,16 @@ class MoE:
                               f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
                               f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given")
+        step = self.workspace.active_step
+        if step is None:
+            counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given")
+        else:  # the step exchanged the counts once for every layer: nothing to exchange here
+            counts, distinct, latched = self._step_counts(step, n, kind)
         self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
-        stream_it, small = self._schedule(streaming, counts, small_batch)
-        plan = self._plan(counts, stream_it, small, distinct)
+        # Every rank plans for the same token bucket; this rank's exact count goes to the device (_begin_call).
+        bucket = [self._bucket(max(counts))] * self.world_size
+        stream_it, small = self._schedule(streaming, bucket, small_batch)
+        plan = self._plan(bucket, stream_it, small, distinct)
         self.last_plan = plan
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
             return torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
@@ -629,8 +650,8 @@ class MoE:
             y = self._cached_call(plan, distinct, x, kind, source)
         if y is None:
             y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
-            if not capturing:
-                self._after_previous_call()
+            if not capturing:  # a captured call reads the count set before its replay (Workspace.set_call_tokens)
+                self._begin_call(n)
             self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
             if not capturing:
                 self._end_of_call()
@@ -689,7 +710,7 @@ class MoE:
                                "calls of this shape run eagerly", self.rank, plan.counts, type(exc).__name__, exc)
                 return None
             self._graphs.insert(key, entry)
-        self._after_previous_call()  # before the copies: the previous replay may still read the static inputs
+        self._begin_call(x.shape[0])  # before the copies: the previous replay may still read the static inputs
         y = entry.replay(values)
         self._end_of_call()  # after the clone: the next call (any graph of the shared pool) comes after it
         return y
@@ -697,12 +718,13 @@ class MoE:
     def _capture_call(self, plan: plans.Plan, x, kind: str, source) -> graph_cache_mod.CachedGraph:
         """Capture this call's kernels on static inputs (a side stream, the cache's memory pool; nothing runs)."""
         torch = _torch()
+        rows = plan.counts[self.rank]  # the bucket: the graph serves any count up to it (the device reads it)
         with torch.inference_mode(False):  # normal tensors: later calls may copy into them outside inference mode
-            inputs = [torch.empty_like(x)]
+            inputs = [_rows_like(x, rows)]
             if kind == "given":
-                inputs += [torch.empty_like(t) for t in source]
+                inputs += [_rows_like(t, rows) for t in source]
             elif kind == "logits":
-                inputs.append(torch.empty_like(source))
+                inputs.append(_rows_like(source, rows))
         static_source = {"given": tuple(inputs[1:]), "logits": inputs[-1]}.get(kind, source)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -710,7 +732,7 @@ class MoE:
         caller = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                y = torch.empty((x.shape[0], self.hidden), dtype=torch.bfloat16, device=self.device)
+                y = torch.empty((rows, self.hidden), dtype=torch.bfloat16, device=self.device)
                 self._enqueue(plan, inputs[0], kind, static_source, y)
         finally:
             torch.cuda.set_stream(caller)  # a failed capture_end would leave the capture stream current
@@ -738,6 +760,37 @@ class MoE:
         # torch releases a graph memory pool with its last graph; a capture into the released handle fails
         # (CUDACachingAllocator's use_count assertion), so the next capture makes a new pool.
         self._graph_pool = None
+
+    def _bucket(self, most: int) -> int:
+        """The token bucket of a call whose largest rank has ``most`` tokens (`plans.token_bucket`): at most
+        ``max_tokens``, and at most the ring when ``most`` fits it (a batch call must fit the ring)."""
+        ring = self.num_slots * self.tokens_per_slot
+        return plans.token_bucket(most, min(self.max_tokens, ring) if most <= ring else self.max_tokens)
+
+    def _step_counts(self, step, n: int, kind: str) -> Tuple[List[int], bool, List]:
+        """``(counts, distinct, latched)`` of a call inside `Workspace.step` (no exchange): the step's, with this
+        rank's own latch read now (a device error of an earlier call of the step raises here, on this rank).
+
+        Raises:
+            ConfigError: more tokens than the step declared, or ``topk_idx`` in a step declared
+                ``own_router=True``."""
+        if n > step.counts[self.rank]:
+            raise ConfigError(f"x.shape[0]={n}: more tokens than this step declared ({step.counts[self.rank]}; "
+                              "Workspace.step(num_tokens))")
+        if kind == "given" and step.distinct:
+            raise ConfigError("topk_idx/topk_weights: this step was declared with own_router=True (every call "
+                              "routes with the layer's router); open it with own_router=False")
+        latched = list(step.latched)
+        own = self._latch.latched()
+        if own is not None:
+            latched[self.rank] = own
+        return list(step.counts), step.distinct and kind != "given", latched
+
+    def _begin_call(self, num_tokens: int) -> None:
+        """Order this call after the previous one (`_after_previous_call`), then set this rank's token count on
+        the device (the workspace's word every layer's kernels read)."""
+        self._after_previous_call()
+        self.workspace.gpu.call_tokens.fill_(num_tokens)
 
     def _after_previous_call(self) -> None:
         """Order this call after the previous one's end (its generation base advance), whatever stream either
@@ -910,8 +963,8 @@ class MoE:
         Runs ``warmup`` eager calls first (real calls: every rank must make the same ones), then
         captures. Each ``graph.replay()`` is one more call on every rank: the generations come from the
         device-resident generation base, so replays never reuse a stale one. Refill ``x`` (and the
-        routing tensors) in place between replays. The chunk count is fixed by the capture (every rank's
-        token count must stay the same).
+        routing tensors) in place between replays. The schedule is the capture's token bucket: the other
+        ranks' counts may change up to it from replay to replay; this rank's is ``x``'s rows.
 
         Returns:
             ``(call, y)``: a `CapturedCall` (``call.replay()``; ``call.graph`` is the ``torch.cuda.CUDAGraph``)
@@ -939,7 +992,7 @@ class MoE:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = self.forward(x, **kwargs)
-        return CapturedCall(self, graph), y
+        return CapturedCall(self, graph, int(x.shape[0])), y
 
     def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool, List]:
         """Every rank's token count of this call, whether every rank routes with the layer's own router
@@ -961,7 +1014,12 @@ class MoE:
         if all(words is None for words in latched):
             return
         from ..kernels import peer_async_error
-        error = self._latch.error() if latched[self.rank] is not None else peer_async_error(self.rank, latched)
+        error = None
+        if latched[self.rank] is not None:  # this ring's latch, or (a step's exchange) another ring's of this PE
+            error = self._latch.error() or next((e.latch.error() for e in self.workspace.gpu.rings()
+                                                  if e.latch.latched() is not None), None)
+        if error is None:
+            error = peer_async_error(self.rank, latched)
         collectives = getattr(self.backend, "collectives", None)
         if collectives is not None:
             collectives.record_fault(error)  # as check_errors: exiting now aborts the job instead of hanging
@@ -1064,8 +1122,8 @@ class CapturedCall:
         graph: the ``torch.cuda.CUDAGraph``.
     """
 
-    def __init__(self, layer: MoE, graph):
-        self.layer, self.graph = layer, graph
+    def __init__(self, layer: MoE, graph, num_tokens: int):
+        self.layer, self.graph, self.num_tokens = layer, graph, num_tokens
         self.epoch = layer.workspace.epoch  # the workspace memory this graph addresses
 
     def replay(self) -> None:
@@ -1079,6 +1137,6 @@ class CapturedCall:
         if self.layer.workspace.epoch != self.epoch:
             raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
                               "new); capture it again, or build every layer before capturing")
-        self.layer._after_previous_call()
+        self.layer._begin_call(self.num_tokens)
         self.graph.replay()
         self.layer._end_of_call()

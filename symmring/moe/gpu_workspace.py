@@ -101,6 +101,8 @@ class DeviceMemory:
         self.entry_rows = torch.empty(max(entry_words(plan.num_slots, world, plan.tokens_per_slot, s.topk)
                                           for s in plan.shapes), dtype=torch.int32, device=self.device)
         self.routing_bytes = torch.empty(max(r["routing"], 16), dtype=torch.uint8, device=self.device)
+        # This rank's token count of the current call (every layer's kernels clamp their bucket's bounds to it).
+        self.call_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.producer_stream = torch.cuda.Stream(device=self.device)
         self.consumer_stream = torch.cuda.Stream(device=self.device)
         self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
@@ -205,7 +207,8 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
-            entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch)
+            entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
+            call_tokens=self.call_tokens)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def _ring(self, spec: RingSpec, transport, timeout_s: float):
@@ -237,6 +240,18 @@ class DeviceMemory:
         self._rings[key] = RingEntry(ring, stage_alloc, stage_desc, ready_alloc,
                                      AsyncErrorLatch(ring.kernels))  # device errors, seen without a sync
         return self._rings[key]
+
+    def rings(self):
+        """Every `RingEntry` of this memory."""
+        return list(self._rings.values())
+
+    def latched(self):
+        """The first latched device error words of this PE's rings (`AsyncErrorLatch.latched`), or None."""
+        for e in self._rings.values():
+            words = e.latch.latched()
+            if words is not None:
+                return words
+        return None
 
     # --- accounting, reset, teardown ----------------------------------------------------------------------
 

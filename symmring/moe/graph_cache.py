@@ -7,8 +7,9 @@ So the layer keeps, per distinct call, a CUDA graph of it (`symmring.moe.gpu.MoE
 a side stream) and an eager call that finds its graph only copies its inputs into the graph's static
 inputs, replays it and clones the static output (all on the current stream, no host synchronisation):
 
-* **Key**: everything that fixes the captured work: the plan's key (every rank's token count, the
-  schedule, small-batch, distinct experts), the routing kind, and for ``router_weight`` its data pointer
+* **Key**: everything that fixes the captured work: the plan's key (the call's token bucket, the
+  schedule, small-batch, distinct experts; each rank's exact count is on the device, so one graph serves
+  every count up to its bucket on every rank: at most one graph per bucket, `symmring.moe.plan.token_bucket`), the routing kind, and for ``router_weight`` its data pointer
   and strides (the graph reads the router weight in place: another tensor is another key, one updated in
   place is read as it is at replay), for ``logits`` their dtype. ``x``, the logits and given
   ``topk_idx``/``topk_weights`` are copied into the graph's own static tensors.
@@ -16,8 +17,8 @@ inputs, replays it and clones the static output (all on the current stream, no h
   captures (after a device synchronisation) and replays, later calls replay. Only calls of at most
   `MAX_TOKENS` tokens on every rank, with contiguous ``x`` (and logits), and never while the caller's
   stream is capturing (a graph the caller captures around the layer then holds the plain kernels), nor
-  with ``stage_events``, ``timeline`` or delays. The host exchange of the token counts still runs on every
-  call; it is what makes the ranks' keys agree on the counts.
+  with ``stage_events``, ``timeline`` or delays. The ranks' keys agree on the bucket through the token-count
+  exchange of the call, or of the model step (`symmring.Workspace.step`: one for every layer of the step).
 * **Ranks need not agree** on replaying: a replay runs exactly the kernels an eager call launches (the
   generations come from the device-resident generation base), and capturing is no collective, so one
   rank replaying while another launches (a router weight that moved on one rank only) is still one call.
@@ -171,11 +172,13 @@ class CachedGraph:
         self.graph, self.inputs, self.output = graph, tuple(inputs), output
 
     def replay(self, values: Sequence):
-        """Copy ``values`` into the static inputs, replay, and return a clone of the output (all enqueued on
-        the current stream)."""
+        """Copy ``values`` into the first rows of the static inputs (a graph captured for a token bucket holds
+        that many rows; the call's count is on the device), replay, and return a clone of the output's rows of
+        this call (all enqueued on the current stream)."""
         import torch
+        rows = int(values[0].shape[0]) if values else self.output.shape[0]
         with torch.no_grad():  # an input that requires grad must not give the static inputs a history
             for static, value in zip(self.inputs, values):
-                static.copy_(value)
+                static[: value.shape[0]].copy_(value)
         self.graph.replay()
-        return self.output.clone()
+        return self.output[:rows].clone()

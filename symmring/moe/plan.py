@@ -31,6 +31,38 @@ from ..errors import ConfigError
 from ..workspace_plan import spanned_rows
 
 
+#: Token buckets: powers of two up to this many tokens per rank, then multiples of it.
+BUCKET_STEP = 256
+
+
+def token_bucket(tokens: int, cap: int) -> int:
+    """The token bucket of a call whose largest rank has ``tokens`` tokens: 0 for 0, the next power of two up
+    to `BUCKET_STEP`, then the next multiple of it; at most ``cap`` (the layer's ``max_tokens``).
+
+    Every rank computes it from the same exchanged (or step-declared) value, so every rank plans the same
+    call; a plan and a graph made for a bucket serve ANY counts up to it on every rank, zero included: each
+    rank's exact count lives on the device (`symmring.moe.stages.State.call_tokens`) and travels in the
+    slots' metadata.
+
+    Example:
+        >>> [token_bucket(n, 4096) for n in (0, 1, 3, 64, 65, 256, 257, 4000, 4096)]
+        [0, 1, 4, 64, 128, 256, 512, 4096, 4096]
+    """
+    if tokens <= 0:
+        return 0
+    if tokens <= BUCKET_STEP:
+        bucket = 1 << (int(tokens) - 1).bit_length()
+    else:
+        bucket = -(-int(tokens) // BUCKET_STEP) * BUCKET_STEP
+    return max(int(tokens), min(bucket, int(cap)))
+
+
+def num_buckets(cap: int) -> int:
+    """How many buckets calls of 1 to ``cap`` tokens per rank fall in (the most graphs a layer's cache holds
+    for one schedule and routing source)."""
+    return len({token_bucket(n, cap) for n in range(1, cap + 1)})
+
+
 @dataclass(frozen=True)
 class ChunkStep:
     """This rank's part of one chunk: logical token base and valid tokens (0 for a zero-token chunk)."""

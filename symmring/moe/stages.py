@@ -97,6 +97,11 @@ def pool_scale_words(capacity: int, hidden: int) -> int:
     return (hidden // 128) * (-(-capacity // 4) * 4)
 
 
+def _tokens(s: "State") -> np.uint64:
+    """The device word of this call's token count (`State.call_tokens`), or null: the plan's counts are exact."""
+    return np.uint64(0) if s.call_tokens is None else np.uint64(s.call_tokens.data_ptr())
+
+
 def _p(tensor) -> np.uint64:
     """A tensor's device address as a kernel argument."""
     return np.uint64(tensor.data_ptr())
@@ -169,6 +174,10 @@ class State:
     pass_group_end: int32 [E], the torch engine's group ends within a pass (``group_end`` moved to the pass).
     scratch: the fp8 engines' L1 output and activations of a pass in the workspace's experts' region
     (`symmring.moe.experts.Scratch`), or None (the engine allocates them).
+    call_tokens: int32 [1], this rank's tokens of the call (the workspace's word, filled before each call or
+    replay): the producers and the reduce clamp the plan's token bounds to it on the device
+    (device/moe/call_tokens.cuh), so a plan and a graph made for a token bucket serve any count up to it;
+    None: the plan's counts are exact.
     """
 
     desc: object
@@ -204,6 +213,7 @@ class State:
     out_rows: object = None
     pass_group_end: object = None
     scratch: object = None
+    call_tokens: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -245,7 +255,7 @@ def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_pt
     grid = blocks(chunk.num_valid * s.topk, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS)
     k.produce_route((grid,), (THREADS_PER_BLOCK,),
                     (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx_ptr), np.uint64(topk_weights_ptr),
-                     np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)), stream=stream)
+                     np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE)), stream=stream)
 
 
 def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None:
@@ -258,7 +268,7 @@ def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None
     stride = x.stride(0)
     fn((grid,), (THREADS_PER_BLOCK,),
        (s.desc, np.int32(chunk.chunk), np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-        np.int32(chunk.num_valid), _counter(s, COUNTER_LAYOUT)), stream=stream)
+        np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_LAYOUT)), stream=stream)
 
 
 def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool) -> None:
@@ -378,7 +388,8 @@ def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx
     ``end_call_chunks`` > 0 this kernel also ends the call (single-stream schedules)."""
     k.combine_reduce((blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                      (s.desc, s.combine_rows, _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-                      np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks)),
+                      np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s),
+                      np.int32(end_call_chunks)),
                      stream=stream)
 
 
@@ -418,7 +429,8 @@ def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, t
              (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-              np.int32(chunk.num_valid), _counter(s, COUNTER_ROUTE)) + source + tuple(router), stream=stream)
+              np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE)) + source + tuple(router),
+             stream=stream)
 
 
 def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx, topk_weights) -> None:
@@ -465,7 +477,7 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
     args = (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
             _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
             np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-            np.int32(window.token_begin), np.int32(window.num_valid), np.int32(end_call_chunks),
+            np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s), np.int32(end_call_chunks),
             _counter(s, COUNTER_SEND))
     k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 

@@ -151,3 +151,36 @@ def test_pool_passes_reduce_to_one_with_a_large_pool(ctx, comm, seed):
     _, errors, passes, _ = run_layers(ctx, comm, seed, 2, workspace, worst=False)
     workspace.close()
     assert not errors and passes == 2
+
+
+@pytest.mark.mpi
+def test_a_step_exchanges_once_for_every_layer(ctx, comm, check):
+    """`Workspace.step`: one exchange of every rank's count (uneven), the bucket every rank plans for, the
+    routing declaration; a nested step and bad arguments are refused before any exchange."""
+    from symmring.errors import ConfigError
+    from symmring.moe.plan import token_bucket
+    world, rank = comm.Get_size(), comm.Get_rank()
+    workspace = Workspace(ctx)
+    errors = []
+    before = ctx.collectives._sequence
+    with workspace.step(3 + 5 * rank) as step:
+        if step.counts != tuple(3 + 5 * r for r in range(world)):
+            errors.append(f"counts {step.counts}")
+        if step.bucket(4096) != token_bucket(3 + 5 * (world - 1), 4096) or not step.distinct:
+            errors.append(f"bucket {step.bucket(4096)}, distinct {step.distinct}")
+        if workspace.active_step is not step or ctx.collectives._sequence - before != (world > 1):
+            errors.append(f"{ctx.collectives._sequence - before} exchanges for one step")
+        with pytest.raises(ConfigError, match="already open"):
+            with workspace.step(1):
+                pass
+    if workspace.active_step is not None:
+        errors.append("the step stayed open")
+    with workspace.step(0, own_router=rank != 0) as step:
+        if step.distinct or step.bucket(64) != 0 or step.latched != (None,) * world:
+            errors.append(f"declared routing {step.distinct}, bucket {step.bucket(64)}, latched {step.latched}")
+    for bad, what in (({"num_tokens": -1}, "num_tokens"), ({"num_tokens": 1, "own_router": 1}, "own_router")):
+        with pytest.raises(ConfigError, match=what):
+            with workspace.step(**bad):
+                pass
+    workspace.close()
+    check(comm, not errors, "; ".join(errors))

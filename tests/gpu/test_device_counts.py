@@ -1,0 +1,154 @@
+"""Token counts on the device (symmring.moe.gpu, `Workspace.step`): every rank plans a call for the same token
+bucket and its exact count lives in a device word, so one captured graph serves any per-rank counts up to the
+bucket (uneven and zero included), a model step exchanges with the other ranks once, and the graph cache holds
+at most one graph per bucket.
+
+Several PEs: ``python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu/test_device_counts.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from moe_helpers import gpu_layer_torch  # noqa: E402
+
+torch = gpu_layer_torch()  # or the whole module skips, with the reason
+pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
+
+from moe_helpers import cuda_device as device_of, make_tokens, to_torch, verdict  # noqa: E402
+from test_workspace import SHAPES, build  # noqa: E402  (the layers of the workspace tests)
+from test_workspace import routing as routing_rows  # noqa: E402
+
+from symmring.moe.plan import num_buckets  # noqa: E402
+from symmring.workspace import Workspace  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261202))
+BUCKET = 32
+REPLAYS = 200
+
+
+@pytest.fixture(scope="module")
+def ctx(nvshmem_ctx):
+    return nvshmem_ctx
+
+
+def routing(seed, rows, topk, worst):
+    """`test_workspace.routing`, and empty arrays for a zero-token call."""
+    if rows == 0:
+        return np.zeros((0, topk), np.int32), np.zeros((0, topk), np.float32)
+    return routing_rows(seed, rows, topk, worst)
+
+
+def layer_inputs(layers, seed, rows):
+    """Per layer: seeded x, topk ids and weights of ``rows`` tokens (on the device)."""
+    dev = device_of()
+    out = []
+    for i, _ in enumerate(layers):
+        hidden, _, topk, _ = SHAPES[i % 2]
+        idx, w = routing(seed + i, rows, topk, False)
+        out.append((to_torch(make_tokens(seed + i, rows, hidden), torch.bfloat16, dev),
+                    to_torch(idx, torch.int32, dev), to_torch(w, torch.float32, dev)))
+    return out
+
+
+def random_count(ctx, replay: int) -> int:
+    """This rank's tokens of a replay: seeded per (replay, rank); every rank takes a zero-token turn."""
+    if replay % (ctx.world_size + 2) == ctx.rank:
+        return 0
+    return int(np.random.default_rng(SEED + 7919 * replay + ctx.rank).integers(0, BUCKET + 1))
+
+
+def test_one_step_graph_serves_random_counts_and_exchanges_once(ctx):
+    """Four layers (two shapes) of a model step captured in ONE graph for a bucket of 32 tokens, replayed 200
+    times with random per-rank counts (zero on each rank in turn; `Workspace.set_call_tokens`), each replay
+    bitwise equal to the eager step with those counts; an eager step of the four layers makes one exchange."""
+    workspace = Workspace(ctx, max_tokens=BUCKET)
+    layers = [build(ctx, workspace, SHAPES[i % 2], SEED + i, BUCKET)[0] for i in range(4)]
+    collectives = ctx.collectives
+    problems, exchanges = [], []
+
+    def step(tensors):
+        return [moe.forward(x, topk_idx=i, topk_weights=w, graph_cache=False)
+                for moe, (x, i, w) in zip(layers, tensors)]
+
+    try:
+        static = layer_inputs(layers, SEED, BUCKET)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), workspace.step(BUCKET, own_router=False):
+            step(static)  # warm-up: compiles and loads every kernel before the capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with workspace.step(BUCKET, own_router=False), torch.cuda.graph(graph):
+            ys = step(static)
+        zero_turns = 0
+        for replay in range(REPLAYS):
+            n = random_count(ctx, replay)
+            zero_turns += n == 0
+            fresh = layer_inputs(layers, SEED + 1000 * (replay + 1), n)
+            for dst, src in zip(static, fresh):
+                for d, s in zip(dst, src):
+                    d[:n].copy_(s)
+            workspace.set_call_tokens(n)
+            graph.replay()
+            replayed = [y[:n].clone() for y in ys]
+            before = collectives._sequence
+            with workspace.step(BUCKET, own_router=False):  # the graph's bucket: the same plan eagerly
+                eager = step(fresh)
+            exchanges.append(collectives._sequence - before)
+            for i, (a, b) in enumerate(zip(replayed, eager)):
+                if a.shape != b.shape or not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+                    problems.append(f"replay {replay} ({n} tokens) layer {i} differs from eager")
+            if len(problems) > 4:
+                break
+        for moe in layers:
+            moe.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        workspace.close()
+    most = max(exchanges, default=0)
+    if ctx.world_size > 1 and most != 1:
+        problems.append(f"an eager step of 4 layers made {most} exchanges (expected 1)")
+    message = (f"one graph of 4 layers, {REPLAYS} replays with random counts (this rank: {zero_turns} with zero "
+               f"tokens) == eager bitwise: {not problems}; exchanges per step of 4 layers: {most}; "
+               + "; ".join(problems[:5]))
+    print(f"[figure] device counts: {message}")
+    verdict(ctx, not problems, message)
+
+
+def test_graph_cache_holds_one_graph_per_bucket(ctx):
+    """200 eager calls with random per-rank counts (uneven, zero included) through the graph cache: at most one
+    capture per token bucket, every cached call bitwise equal to the same call launched kernel by kernel."""
+    workspace = Workspace(ctx, max_tokens=64)
+    moe = build(ctx, workspace, SHAPES[0], SEED, 64)[0]
+    dev = device_of()
+    hidden, _, topk, _ = SHAPES[0]
+    problems = []
+    try:
+        for call in range(REPLAYS):
+            n = int(np.random.default_rng(SEED + 31 * call + ctx.rank).integers(0, 65))
+            x = to_torch(make_tokens(SEED + call + 3 * ctx.rank, n, hidden), torch.bfloat16, dev)
+            idx, w = routing(SEED + 5 * call + ctx.rank, n, topk, False)
+            idx, w = to_torch(idx, torch.int32, dev), to_torch(w, torch.float32, dev)
+            y = moe.forward(x, topk_idx=idx, topk_weights=w)
+            if call % 10 == 9:
+                ref = moe.forward(x, topk_idx=idx, topk_weights=w, graph_cache=False)
+                if not torch.equal(y.view(torch.int16), ref.view(torch.int16)):
+                    problems.append(f"call {call} ({n} tokens): cached != uncached")
+        moe.check_errors()
+        info = moe.graph_cache_info()
+    finally:
+        torch.cuda.synchronize()
+        workspace.close()
+    if info["captures"] > num_buckets(64):
+        problems.append(f"{info['captures']} captures > {num_buckets(64)} buckets")
+    message = (f"{REPLAYS} calls with random counts: captures {info['captures']} (buckets {num_buckets(64)}), "
+               f"hits {info['hits']}, failures {info['failures']}; " + "; ".join(problems[:5]))
+    print(f"[figure] device counts: {message}")
+    verdict(ctx, not problems and info["failures"] == 0, message)
