@@ -406,6 +406,9 @@ class ExpertParallelMoE:
             ConfigError: on every rank, before any shared-memory work, if any rank's arguments are bad
                 (named), or the ranks disagree on ``streaming``/``tokens_per_slot``/``num_slots``/
                 ``ack_policy``/``lookahead``.
+                Inside a `symmring.Workspace.step` the call exchanges nothing (the step exchanged every
+                rank's count once): its arguments are checked on this rank only, more tokens than the
+                step declared is a ConfigError, and the ranks' call options are not cross-checked.
             ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks);
                 the layer then refuses further calls (`BrokenStateError`) until it is closed and rebuilt.
             PeerTimeout: a rank did not reach one of the call's exchanges within ``timeout_s`` (named);
@@ -421,16 +424,29 @@ class ExpertParallelMoE:
         plan, error = _config_error(lambda: self._validate_call(
             x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot, num_slots,
             ack_policy, lookahead))
-        _agree(self.ctx, error, "forward", self.timeout_s)
-        route_rows, call_params = plan
-        # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
-        gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts",
-                                                  timeout_s=self.timeout_s)
-        counts = [n for n, _ in gathered]
-        mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
-        _agree(self.ctx, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
-               f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
-               if mismatch else None, "forward", self.timeout_s)
+        step = self.workspace.active_step
+        if step is None:
+            _agree(self.ctx, error, "forward", self.timeout_s)
+            route_rows, call_params = plan
+            # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
+            gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts",
+                                                      timeout_s=self.timeout_s)
+            counts = [n for n, _ in gathered]
+            mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
+            _agree(self.ctx, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
+                   f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
+                   if mismatch else None, "forward", self.timeout_s)
+        else:
+            # Inside a model step the step exchanged the counts once for every layer: no exchange here. The
+            # arguments are checked on this rank alone (a rank that refuses its call leaves the others to a
+            # bounded ProtocolTimeout), and the ranks must pass the same call options (not cross-checked).
+            if error:
+                raise ConfigError(error)
+            route_rows, call_params = plan
+            if x.shape[0] > step.counts[self.rank]:
+                raise ConfigError(f"x.shape[0]={x.shape[0]}: more tokens than this step declared "
+                                  f"({step.counts[self.rank]}; Workspace.step(num_tokens))")
+            counts = list(step.counts)  # a rank may bring fewer: its last chunks are zero-token chunks
         over = [r for r, n in enumerate(counts) if self.max_tokens_per_rank is not None
                 and n > self.max_tokens_per_rank]
         if over:

@@ -40,6 +40,7 @@ import pytest
 torch = pytest.importorskip("torch", reason='the torch module needs torch (pip install "symmring[cpu]")')
 pytest.importorskip("transformers", reason='needs transformers (pip install "symmring[hf]")')
 
+from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import tiny  # noqa: E402
 from symmring.moe.hf import replace_moe_blocks  # noqa: E402
 from symmring.moe.host_layer import HostLayer  # noqa: E402
@@ -266,3 +267,43 @@ def _pure_op():
         def _(x, logits, handle):
             return torch.empty_like(x)
     return torch.ops.symmring_test.pure_moe.default
+
+
+def test_a_model_step_exchanges_once_for_every_layer(ctx, comm, seed, figure, outcome, check):
+    """A forward of a replaced model inside `Workspace.step`: ONE exchange with the other ranks for its MoE
+    blocks once the step's ring exists (each call outside a step makes its own: the argument check, the counts
+    and the options), bitwise the logits of the forward without a step; a rank may bring fewer tokens than it
+    declared (the CPU layer makes a ring for the declared size on first use, collectively)."""
+
+    def run():
+        _, model = model_pair("deepseek_v3", seed)
+        replaced = replace_moe_blocks(model, ctx, max_tokens=MAX_TOKENS)
+        workspace = next(iter(replaced.values())).layer.layer.workspace
+        assert all(m.layer.layer.workspace is workspace for m in replaced.values())
+        ids = batch(seed, ctx.rank)
+        collectives = ctx.collectives
+        with torch.inference_mode():
+            model(ids)  # first use: the rings and the combine buffer are made (collectively)
+            before = collectives._sequence
+            free = model(ids).logits
+            per_forward = collectives._sequence - before
+            with workspace.step(ids.numel() + 3):  # 3 more than it brings: a larger ring, made on first use
+                model(ids)
+            before = collectives._sequence
+            with workspace.step(ids.numel() + 3):  # the same step again: nothing left to allocate
+                stepped = model(ids).logits
+            in_step = collectives._sequence - before
+            with workspace.step(ids.numel() - 1):
+                with pytest.raises(ConfigError, match="more tokens than this step declared"):
+                    model(ids)
+        for module in replaced.values():
+            module.close()
+        return torch.equal(free, stepped), per_forward, in_step, len(replaced)
+
+    result = outcome.run(run)
+    ok = result is not None and result[0] and result[2] == (1 if ctx.world_size > 1 else 0) \
+        and (ctx.world_size == 1 or result[1] >= result[3])
+    check(comm, ok, outcome.error or f"(bitwise, exchanges without a step, in a step, MoE blocks) = {result}")
+    if result is not None:
+        figure(f"[figure] hf-cpu step deepseek_v3: ranks={ctx.world_size} a forward of {result[3]} MoE blocks: "
+               f"{result[1]} exchanges without a step, {result[2]} in a step; logits bitwise equal: {result[0]}")
