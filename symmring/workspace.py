@@ -241,11 +241,16 @@ class Workspace:
     def set_call_tokens(self, num_tokens: int) -> None:
         """GPU: this rank's token count for the next call or replay, enqueued on the current torch stream (a
         graph captured over a step reads it on the device: set it before each ``graph.replay()`` with that
-        replay's count, at most the rows the graph was captured with). `forward` sets it itself."""
+        replay's count, at most the rows the graph was captured with; every launch is also clamped to those
+        rows). `forward` sets it itself. Ordered after the last call of any layer on this workspace (as a
+        call is): replay the step on the same stream."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ConfigError(f"num_tokens={num_tokens!r}: expected an int >= 0")
         if self._device is None:
             raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
+        import torch
+        if self._device.call_done is not None:  # after the last call: its producers and reduce read one count
+            torch.cuda.current_stream().wait_event(self._device.call_done)
         self._device.call_tokens.fill_(int(num_tokens))
 
     # --- host (CPU) memory ------------------------------------------------------------------------------

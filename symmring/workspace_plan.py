@@ -55,6 +55,8 @@ SYMMETRIC_REGIONS = ("ring", "staging", "combine", "experts")
 DECODE_TOKENS = 128
 #: Row alignment of every expert group in an fp8 pool (the contiguous layout the fp8 GEMMs read).
 FP8_ALIGN = 128
+#: The most rows of one expert the fp8 engine's small-group kernels take (symmring.moe.experts.SMALL_ROWS).
+SMALL_GROUP_ROWS = 64
 #: fp8 scale group (channels per scale).
 SF_GROUP = 128
 #: int32 arrays of one word per local expert a layer shape's dispatch keeps (counts, begin, group_end, cursor,
@@ -115,12 +117,24 @@ class LayerShape:
         hold another shape's rows)."""
         return 16 + 4 + (4 if self.expert_format == "fp8" else 0)
 
-    def scratch_bytes(self, rows: int) -> int:
+    def scratch_bytes(self, rows: int, world_size: int = 1) -> int:
         """The engine's transient bytes for a pass of ``rows`` rows: the fp8 activations' scales (MN-major,
-        columns of ``align4(rows)``), or the torch engine's bf16 L1 output and activations."""
+        columns of ``align4(rows)``) and the small-group path's own activations (its fused L1 writes them
+        while the pool is still read, so not in the experts' region: `small_path_rows` rows), or the torch
+        engine's bf16 L1 output and activations."""
         if self.expert_format == "fp8":
-            return 4 * -(-self.inter // SF_GROUP) * align_up(rows, 4)
+            small = min(rows, small_path_rows(self, world_size))
+            scales = 4 * -(-self.inter // SF_GROUP)
+            return scales * align_up(rows, 4) + small * self.inter + scales * align_up(small, 4)
         return rows * (2 * 2 * self.inter + 2 * self.inter)
+
+
+def small_path_rows(shape: LayerShape, world_size: int) -> int:
+    """The most pool rows a pass of the fp8 engine's small-group path spans: it runs when no local expert holds
+    more than `SMALL_GROUP_ROWS` rows, that is at most ``SMALL_GROUP_ROWS * topk`` entries (given routing may
+    repeat an expert), each group padded to the 128-row alignment."""
+    local = max(1, shape.num_experts // world_size)
+    return spanned_rows(SMALL_GROUP_ROWS * shape.topk, local, shape.align)
 
 
 def expert_arena(shape: LayerShape, rows: int) -> Dict[str, Tuple[int, int]]:
@@ -131,7 +145,8 @@ def expert_arena(shape: LayerShape, rows: int) -> Dict[str, Tuple[int, int]]:
     writes ``h``, SwiGLU reads ``h`` and writes ``act``, L2 reads ``act`` and writes ``out``, the combine
     sends ``out`` (its rdma puts are complete before its grid ends), and only then does the next pass's
     dispatch write the pool again. So only parts alive at one time must not overlap: (pool, h), (h, act)
-    and (act, out). ``out`` and ``h`` start at 0, the pool follows ``h``, ``act`` follows both ``h`` and
+    and (act, out). (The engine's small-group path fuses L1 with SwiGLU, so it reads the pool while it
+    writes its activations: those come from torch, `LayerShape.scratch_bytes`.) ``out`` and ``h`` start at 0, the pool follows ``h``, ``act`` follows both ``h`` and
     ``out``. bf16 pools (the torch engine keeps its own ``h`` and activations): the pool and ``out`` at 0.
 
     Example (DeepSeek-V3 at EP8, 4096 tokens per rank: 512 MiB instead of 1000 MiB side by side):
@@ -307,7 +322,7 @@ def _regions(shapes: Sequence[LayerShape], world_size: int, max_tokens: int, dev
     regions["combine"] = words + max(max_tokens * s.topk * s.hidden * row_elem for s in shapes)
     if gpu:
         regions["experts"] = max(expert_arena(s, pool_rows[s])["total"][1] for s in shapes)
-        regions["scratch"] = max(s.scratch_bytes(pool_rows[s]) for s in shapes)
+        regions["scratch"] = max(s.scratch_bytes(pool_rows[s], world_size) for s in shapes)
         entry_map = 4 * max(entry_words(num_slots, world_size, tokens_per_slot, s.topk) for s in shapes)
         regions["dispatch"] = entry_map + pool_meta_bytes(shapes, pool_rows) \
             + sum(dispatch_words_bytes(s, world_size, num_slots, max_tokens, tokens_per_slot) for s in shapes)
@@ -411,7 +426,8 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "expert_arena", "pool_meta_bytes",
+__all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "expert_arena", "pool_meta_bytes", "small_path_rows",
+           "SMALL_GROUP_ROWS",
            "SYMMETRIC_REGIONS", "uniform_rows", "window_rows", "worst_rows",
            "spanned_rows", "entry_words", "group_id_rows", "num_passes", "PRESETS", "REGIONS",
            "parse_bytes"]

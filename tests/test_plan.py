@@ -81,3 +81,16 @@ def test_token_buckets_cover_every_count_and_are_few():
             assert b == cap or b & (b - 1) == 0 or b % BUCKET_STEP == 0
     assert token_bucket(5000, 4096) == 5000  # past the cap: the count itself (the layer refuses it first)
     assert (num_buckets(64), num_buckets(4096)) == (7, 24)
+
+
+def test_own_rows_clamps_this_ranks_bounds_to_its_tensors():
+    """A plan made for a bucket, launched on fewer rows (an eager call's ``x``): this rank's chunk and window
+    bounds never pass them; the other ranks' bounds (``source_tokens``, rows) are the bucket's."""
+    from symmring.moe.plan import make_plan, own_rows
+    plan = make_plan((64, 64), 0, tokens_per_slot=32, num_slots=2, expert_window=2, streaming=True,
+                     two_streams=False, topk=2, capacity=4096)
+    clamped = own_rows(plan, 40)
+    assert [c.num_valid for c in clamped.chunks] == [32, 8]
+    assert [w.num_valid for w in clamped.windows.values()] == [40]
+    assert clamped.windows[0].source_tokens == plan.windows[0].source_tokens == 128
+    assert own_rows(plan, 64) is plan and [c.num_valid for c in own_rows(plan, 0).chunks] == [0, 0]

@@ -9,6 +9,8 @@ rank 0 streamed, which `test_auto_decides_from_the_exchanged_counts` catches.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -45,6 +47,7 @@ class _Layer:
 
     forward = gpu.MoE.forward
     streams = gpu.MoE.streams
+    _bucket = gpu.MoE._bucket
     _schedule = gpu.MoE._schedule
     small_batch_applies = gpu.MoE.small_batch_applies
     _small_batch_capable = gpu.MoE._small_batch_capable
@@ -56,6 +59,8 @@ class _Layer:
         self.backend = None
         self.policy = _Policy(threshold)
         self.small_batch_tokens, self.tokens_per_slot = small_batch_tokens, tokens_per_slot
+        self.max_tokens, self.num_slots = 4096, 1
+        self.workspace = SimpleNamespace(active_step=None)  # no model step: forward exchanges the counts
         self.x_format, self.engine, self.hidden = "fp8_e4m3", _Engine(), 8
         # The pool holds any of these calls in one pass (small_batch_applies checks it).
         self.topk, self.num_local_experts, self.capacity = 2, 4, 1 << 30
@@ -104,9 +109,18 @@ def test_small_batch_decides_from_the_exchanged_counts(counts):
 
 
 def test_auto_small_batch_agree_together():
-    # Policy threshold 100: ranks [120, 10] stream (max 120) and so none runs the small-batch schedule.
-    assert set(_schedules([120, 10], threshold=100)) == {((120, 10), True, False)}
-    assert set(_schedules([90, 10], threshold=100)) == {((90, 10), False, True)}
+    # Policy threshold 100: ranks [120, 10] stream (max 120) and so none runs the small-batch schedule. Every
+    # rank plans for the token bucket of the largest count (128 here), its own count goes to the device.
+    assert set(_schedules([120, 10], threshold=100)) == {((128, 128), True, False)}
+    assert set(_schedules([90, 10], threshold=100)) == {((128, 128), False, True)}
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [1, 3], [0, 3, 2], [60, 33]])
+def test_every_rank_plans_the_bucket_of_the_largest_count(counts):
+    from symmring.moe.plan import token_bucket
+    schedules = _schedules(counts, streaming=False)
+    assert len(set(schedules)) == 1, schedules
+    assert schedules[0][0] == (token_bucket(max(counts), 4096),) * len(counts)
 
 
 def test_bad_streaming_and_options_raise_before_the_exchange():
@@ -166,3 +180,9 @@ def test_a_latched_abort_names_the_first_origin():
     entry_only = [layout.ERROR_KIND_NONE, 0, 0, 0, 0, 0, 0, 0, word]  # a kernel returned at entry
     assert peer_async_error(0, [None, entry_only]).origin == 2
     assert peer_async_error(1, [None, aborted]) is None  # its own: the caller raises the latch's own error
+
+
+def test_the_bucket_never_adds_a_chunk():
+    # Chunks of 48 tokens: 40 tokens plan one chunk (48, not the power of two 64), 50 plan two (64 <= 96).
+    assert set(_schedules([40, 3], streaming=False, tokens_per_slot=48)) == {((48, 48), False, True)}
+    assert {s[0] for s in _schedules([50, 3], streaming=False, tokens_per_slot=48)} == {(64, 64)}

@@ -58,6 +58,18 @@ def test_default_fits_a_gib_and_the_experts_parts_overlap_by_lifetime():
     assert overlap("out", "h") and overlap("out", "pool_x")  # the saving: never alive at once
 
 
+def test_the_small_group_path_keeps_its_activations_apart():
+    """The fp8 engine's small-group path fuses L1 with SwiGLU (it reads the pool while writing activations),
+    so its activations are torch's: the plan's scratch counts them, for the rows such a pass can span."""
+    from symmring.moe.experts import SMALL_ROWS
+    from symmring.workspace_plan import SMALL_GROUP_ROWS, small_path_rows
+    assert SMALL_GROUP_ROWS == SMALL_ROWS
+    rows = small_path_rows(DEEPSEEK, 8)
+    assert rows == SMALL_ROWS * 8 + 32 * 127
+    free = plan([DEEPSEEK], world_size=8, max_tokens=4096)
+    assert free.regions["scratch"] >= rows * DEEPSEEK.inter and free.total <= 2**30
+
+
 def test_budget_picks_the_largest_window_that_fits():
     free = plan([DEEPSEEK], world_size=8, max_tokens=4096)
     capped = plan([DEEPSEEK], world_size=8, max_tokens=4096, budget=768 << 20)

@@ -100,8 +100,11 @@ class Pool:
 
 @dataclass
 class Scratch:
-    """Where an fp8 engine puts a pass's intermediates (the workspace's experts' region: rows past the pass's
-    are another pass's or shape's; `symmring.workspace_plan.expert_arena`).
+    """Where an fp8 engine puts a pass's intermediates on its general path, L1 then SwiGLU then L2 (the
+    workspace's experts' region: rows past the pass's are another pass's or shape's;
+    `symmring.workspace_plan.expert_arena`). ``act`` may share bytes with the pool (dead after L1) and ``h``
+    with the output rows (written by L2): an engine must not read the pool after writing ``act``, nor write
+    the output before it is done with ``h``; a bf16 pool shares its bytes with the output rows.
 
     Attributes:
         h: bf16 ``[capacity, 2 * inter]``: L1's output (gate then up).
@@ -239,18 +242,19 @@ class Fp8Experts(ExpertEngine):
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):
         m_indices = pool.m_indices[:num_rows]
-        q_out = None if scratch is None else scratch.act[:num_rows]
         if rows_per_expert is not None and rows_per_expert <= self.small_rows:
             from . import fp8_small
             bound = min(rows_per_expert, num_rows)
+            # Its activations come from torch, not `scratch`: the fused L1 writes them while other programs
+            # still read the pool, which the workspace's activations may share bytes with (expert_arena).
             act, act_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(
-                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound,
-                q_out=q_out)
+                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound)
             return fp8_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices, out,
                                                     rows_per_group=bound)
         h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices,
                        None if scratch is None else scratch.h[:num_rows])
-        act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True, q_out=q_out)
+        act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True,
+                                         q_out=None if scratch is None else scratch.act[:num_rows])
         return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices, out)
 
 

@@ -27,8 +27,8 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   most ``graph_cache`` graphs per layer, one per bucket, calls of at most 256 tokens per rank), so an eager
   decode call costs about what a replay costs; bitwise the same output.
 * ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
-  layer's shape, ring and the call's bucket (the same on every rank, so every rank runs the same
-  schedule); batch where it has no measurement that beat batch.
+  layer's shape, ring and the largest token count of any rank (exchanged, or declared to the step, so
+  every rank runs the same schedule); batch where it has no measurement that beat batch.
 
 Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
 torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
@@ -638,7 +638,7 @@ class MoE:
         self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
         # Every rank plans for the same token bucket; this rank's exact count goes to the device (_begin_call).
         bucket = [self._bucket(max(counts))] * self.world_size
-        stream_it, small = self._schedule(streaming, bucket, small_batch)
+        stream_it, small = self._schedule(streaming, counts, small_batch, bucket)
         plan = self._plan(bucket, stream_it, small, distinct)
         self.last_plan = plan
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -650,8 +650,11 @@ class MoE:
             y = self._cached_call(plan, distinct, x, kind, source)
         if y is None:
             y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
-            if not capturing:  # a captured call reads the count set before its replay (Workspace.set_call_tokens)
+            if not capturing:
                 self._begin_call(n)
+            elif step is None:  # a graph captured outside a step replays this count (it fixed the bucket too)
+                self.workspace.gpu.call_tokens.fill_(n)
+            # else: a step's graph reads the count set before each replay (Workspace.set_call_tokens)
             self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
             if not capturing:
                 self._end_of_call()
@@ -665,6 +668,7 @@ class MoE:
                  stamps: bool = False, delays: Optional[Dict[int, int]] = None,
                  consumer_delays: Optional[Dict[int, int]] = None) -> None:
         """The call's kernels on the current stream (eagerly, or into the graph being captured)."""
+        plan = plans.own_rows(plan, int(x.shape[0]))  # never past x's or y's rows, whatever the count word says
         if plan.streaming:
             self._run_streamed(plan, x, kind, source, y, stamps, delays or {}, consumer_delays or {})
         else:
@@ -765,26 +769,29 @@ class MoE:
         """The token bucket of a call whose largest rank has ``most`` tokens (`plans.token_bucket`): at most
         ``max_tokens``, and at most the ring when ``most`` fits it (a batch call must fit the ring)."""
         ring = self.num_slots * self.tokens_per_slot
-        return plans.token_bucket(most, min(self.max_tokens, ring) if most <= ring else self.max_tokens)
+        cap = min(self.max_tokens, ring) if most <= ring else self.max_tokens
+        chunks = -(-most // self.tokens_per_slot) * self.tokens_per_slot  # never more chunks than the count's
+        return plans.token_bucket(most, min(cap, chunks))
 
     def _step_counts(self, step, n: int, kind: str) -> Tuple[List[int], bool, List]:
-        """``(counts, distinct, latched)`` of a call inside `Workspace.step` (no exchange): the step's, with this
-        rank's own latch read now (a device error of an earlier call of the step raises here, on this rank).
+        """``(counts, distinct, latched)`` of a call inside `Workspace.step` (no exchange): the step's.
 
         Raises:
-            ConfigError: more tokens than the step declared, or ``topk_idx`` in a step declared
-                ``own_router=True``."""
+            ConfigError: on every rank, a declared count over ``max_tokens``; on this rank only (the others
+                then time out, bounded), more tokens than this rank declared or ``topk_idx`` in a step
+                declared ``own_router=True``."""
         if n > step.counts[self.rank]:
             raise ConfigError(f"x.shape[0]={n}: more tokens than this step declared ({step.counts[self.rank]}; "
                               "Workspace.step(num_tokens))")
         if kind == "given" and step.distinct:
             raise ConfigError("topk_idx/topk_weights: this step was declared with own_router=True (every call "
                               "routes with the layer's router); open it with own_router=False")
-        latched = list(step.latched)
-        own = self._latch.latched()
-        if own is not None:
-            latched[self.rank] = own
-        return list(step.counts), step.distinct and kind != "given", latched
+        if max(step.counts) > self.max_tokens:  # every rank sees the same counts: every rank refuses
+            raise ConfigError(f"Workspace.step: ranks declared {list(step.counts)} tokens, over this layer's "
+                              f"max_tokens={self.max_tokens}")
+        # Only the exchanged errors: every rank raises in the same call. An error latched during the step
+        # poisons that rank's later outputs (NaN) and is raised on every rank at the next step's first call.
+        return list(step.counts), step.distinct and kind != "given", list(step.latched)
 
     def _begin_call(self, num_tokens: int) -> None:
         """Order this call after the previous one (`_after_previous_call`), then set this rank's token count on
@@ -804,13 +811,16 @@ class MoE:
             self._call_done = _torch().cuda.Event()
         self._call_done.record()
 
-    def _schedule(self, streaming, counts: List[int], small_batch: Optional[bool]) -> Tuple[bool, bool]:
-        """``(streamed, small_batch)`` of a call: decided from the exchanged token ``counts`` (the same list on
-        every rank), never from this rank's own count, so every rank runs the same schedule (PROTOCOL 9.1a):
-        ``"auto"`` asks the policy about ``max(counts)``. A forced ``small_batch`` on a call it cannot run
-        (streamed, several chunks) is left to `plans.make_plan` to name."""
+    def _schedule(self, streaming, counts: List[int], small_batch: Optional[bool],
+                  bucket: Optional[List[int]] = None) -> Tuple[bool, bool]:
+        """``(streamed, small_batch)`` of a call: decided from the exchanged (or step-declared) token ``counts``
+        (the same list on every rank), never from this rank's own count, so every rank runs the same schedule
+        (PROTOCOL 9.1a): ``"auto"`` asks the policy about ``max(counts)``; the small-batch schedule needs the
+        call's largest count within ``small_batch_tokens`` and its ``bucket`` (the counts every rank plans
+        for) within one chunk and one pass. A forced ``small_batch`` on a call it cannot run (streamed,
+        several chunks) is left to `plans.make_plan` to name."""
         stream_it = self.streams(streaming, max(counts))
-        small = self.small_batch_applies(counts, stream_it) if small_batch is None else small_batch
+        small = self.small_batch_applies(counts, stream_it, bucket) if small_batch is None else small_batch
         return stream_it, small
 
     def _small_batch_capable(self) -> bool:
@@ -818,15 +828,17 @@ class MoE:
         return (self.x_format == "fp8_e4m3" and self.engine.pool_format == "fp8"
                 and self.world_size <= stages.THREADS_PER_BLOCK)
 
-    def small_batch_applies(self, counts: List[int], streaming: bool) -> bool:
+    def small_batch_applies(self, counts: List[int], streaming: bool, bucket: Optional[List[int]] = None) -> bool:
         """Whether a call with every rank's token ``counts`` runs the small-batch schedule by default: fp8
-        dispatch and experts, batch, one chunk, at most ``small_batch_tokens`` tokens on every rank, and rows
-        that fit the pool in one pass."""
+        dispatch and experts, batch, at most ``small_batch_tokens`` tokens on every rank, and the call as
+        planned (``bucket``: every rank's planned tokens; default ``counts``) one chunk whose rows fit the pool
+        in one pass."""
+        planned = counts if bucket is None else bucket
         most = max(counts)
         # The small-batch schedule runs one pass: its rows must fit the pool.
-        rows = spanned_rows(sum(counts) * self.topk, self.num_local_experts, self.engine.align_m)
+        rows = spanned_rows(sum(planned) * self.topk, self.num_local_experts, self.engine.align_m)
         return (self._small_batch_capable() and not streaming and 0 < most <= self.small_batch_tokens
-                and most <= self.tokens_per_slot and rows <= self.capacity)
+                and max(planned) <= self.tokens_per_slot and rows <= self.capacity)
 
     def _plan(self, counts: List[int], streaming: bool, small_batch: bool = False,
               distinct_experts: bool = False) -> plans.Plan:
@@ -913,7 +925,9 @@ class MoE:
             idx, weights = self._topk_idx, self._topk_weights
 
             def route(rows: slice) -> None:
-                self._route(x, kind, source, rows, out=(idx[rows], weights[rows]))
+                rows = slice(rows.start, min(rows.stop, x.shape[0]))  # the bucket's chunk may pass x's end
+                if rows.start < rows.stop:
+                    self._route(x, kind, source, rows, out=(idx[rows], weights[rows]))
         self._timeline = (plan.num_chunks, {w.first: w.last for w in plan.windows.values()}) if stamps else (0, {})
         last_window = plan.last_window
         p_stream, c_stream = self._stream(producer.cuda_stream), self._stream(consumer.cuda_stream)

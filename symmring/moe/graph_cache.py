@@ -51,7 +51,7 @@ from .. import env
 from ..errors import ConfigError
 
 #: Default ``graph_cache``: graphs kept per layer.
-DEFAULT_ENTRIES = 8
+DEFAULT_ENTRIES = 12
 #: The most tokens per rank of a call the cache serves (a graph's static output is ``[n, hidden]``).
 MAX_TOKENS = 256
 #: Keys remembered as seen once (so a key's second call captures), least recently seen dropped first.

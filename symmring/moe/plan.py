@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
@@ -137,6 +138,21 @@ class Plan:
     def last_window(self) -> int:
         """First chunk of the call's last window."""
         return next(reversed(self.windows))
+
+
+def own_rows(plan: "Plan", rows: int) -> "Plan":
+    """``plan`` with this rank's token bounds (each chunk's ``num_valid``, each window's) clamped to ``rows``,
+    the rows of the call's ``x`` and ``y``: the device count further clamps them (`State.call_tokens`), and
+    this keeps every launch inside the call's tensors whatever that word holds. The plan itself when no
+    bound passes ``rows``."""
+    if all(c.token_base + c.num_valid <= rows for c in plan.chunks) and \
+            all(w.token_begin + w.num_valid <= rows for w in plan.windows.values()):
+        return plan
+    chunks = tuple(dataclasses.replace(c, num_valid=max(0, min(c.num_valid, rows - c.token_base)))
+                   for c in plan.chunks)
+    windows = {first: dataclasses.replace(w, num_valid=max(0, min(w.num_valid, rows - w.token_begin)))
+               for first, w in plan.windows.items()}
+    return dataclasses.replace(plan, chunks=chunks, windows=windows)
 
 
 def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slots: int, expert_window: int,
