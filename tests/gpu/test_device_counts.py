@@ -152,3 +152,59 @@ def test_graph_cache_holds_one_graph_per_bucket(ctx):
                f"hits {info['hits']}, failures {info['failures']}; " + "; ".join(problems[:5]))
     print(f"[figure] device counts: {message}")
     verdict(ctx, not problems and info["failures"] == 0, message)
+
+
+def test_a_replaced_model_step_captured_once_serves_random_counts(ctx):
+    """A transformers model whose MoE blocks were replaced (`replace_moe_blocks`, built-in fp8 engine) captured
+    in ONE CUDA graph for a bucket of 32 tokens inside `Workspace.step`, replayed with random per-rank counts
+    (`Workspace.set_call_tokens`): the logits of each rank's first n positions equal, bitwise, the eager forward
+    of the same padded batch, whose MoE layers compute all 32 rows (causal attention: positions past n never
+    reach the first n, and every MoE row is computed alike; the first replay writes every row, so later rows
+    past n hold finite values)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_models
+    import hf_models
+    from symmring.moe.hf import replace_moe_blocks
+    dev = device_of()
+    model, _ = hf_models.tiny_model("mixtral", SEED, device=dev)
+    replaced = replace_moe_blocks(model, ctx, max_tokens=BUCKET, engine="builtin")
+    workspace = next(iter(replaced.values())).layer.workspace
+    static_ids = hf_models.input_ids(SEED + ctx.rank, 1, BUCKET).to(dev)
+    problems, counts = [], []
+    try:
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), workspace.step(BUCKET):
+                model(static_ids)  # warm-up: every kernel compiled and loaded before the capture
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with workspace.step(BUCKET), torch.cuda.graph(graph):
+                logits = model(static_ids).logits
+            workspace.set_call_tokens(BUCKET)
+            graph.replay()  # every row of every layer written once
+            for replay in range(20):
+                n = max(1, random_count(ctx, replay))
+                counts.append(n)
+                fresh = hf_models.input_ids(SEED + 100 * (replay + 1) + ctx.rank, 1, BUCKET).to(dev)
+                static_ids.copy_(fresh)
+                workspace.set_call_tokens(n)
+                graph.replay()
+                got = logits[:, :n].clone()
+                with workspace.step(BUCKET):
+                    want = model(fresh).logits[:, :n]
+                if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    diff = (got.float() - want.float()).abs().max().item()
+                    problems.append(f"replay {replay} ({n} tokens): logits differ from eager (max |diff| {diff:.3e})")
+            for module in replaced.values():
+                module.layer.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        for module in replaced.values():
+            module.close()
+    message = (f"a replaced Mixtral-like model captured once, 20 replays with counts {counts[:6]}...: first n "
+               f"positions == eager bitwise: {not problems}; " + "; ".join(problems[:3]))
+    print(f"[figure] device counts: {message}")
+    verdict(ctx, not problems, message)
