@@ -50,6 +50,13 @@ MAX_HOST_RINGS = 8
 _WORD_BYTES = 8
 
 
+def _token_count(value) -> int:
+    """``value`` as a token count (an int >= 0), else a ConfigError naming ``num_tokens``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"num_tokens={value!r}: expected an int >= 0")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """What a `Workspace.step` exchanged: every rank's ``counts``, whether every rank routes with its layers'
@@ -60,7 +67,8 @@ class Step:
     latched: Tuple
 
     def bucket(self, cap: int) -> int:
-        """The token bucket every rank plans the step's calls for (`symmring.moe.plan.token_bucket`)."""
+        """The token bucket of the step's largest count, at most ``cap`` (`symmring.moe.plan.token_bucket`); a GPU
+        layer also keeps it within its ring's whole chunks (`symmring.moe.gpu.MoE._bucket`)."""
         from .moe.plan import token_bucket
         return token_bucket(max(self.counts), cap)
 
@@ -219,16 +227,15 @@ class Workspace:
             >>> with workspace.step(x.shape[0]):            # doctest: +SKIP
             ...     logits = model(x)                        # every MoE layer: no host exchange
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise ConfigError(f"num_tokens={num_tokens!r}: expected an int >= 0")
+        num_tokens = _token_count(num_tokens)
         if not isinstance(own_router, bool):
             raise ConfigError(f"own_router={own_router!r}: expected a bool")
         if self.active_step is not None:
             raise ConfigError("Workspace.step: a step is already open (steps do not nest)")
         self.check_open()
         latched = None if self._device is None else self._device.latched()
-        triples = [(int(num_tokens), own_router, latched)] if self.world_size == 1 else \
-            self.ctx.collectives.allgather((int(num_tokens), own_router, latched), what="Workspace.step",
+        triples = [(num_tokens, own_router, latched)] if self.world_size == 1 else \
+            self.ctx.collectives.allgather((num_tokens, own_router, latched), what="Workspace.step",
                                            timeout_s=self.ctx.timeout_s)
         counts = tuple(int(c) for c, _, _ in triples)
         self.active_step = Step(counts=counts, distinct=all(bool(r) for _, r, _ in triples),
@@ -244,14 +251,10 @@ class Workspace:
         replay's count, at most the rows the graph was captured with; every launch is also clamped to those
         rows). `forward` sets it itself. Ordered after the last call of any layer on this workspace (as a
         call is): replay the step on the same stream."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise ConfigError(f"num_tokens={num_tokens!r}: expected an int >= 0")
+        num_tokens = _token_count(num_tokens)
         if self._device is None:
             raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
-        import torch
-        if self._device.call_done is not None:  # after the last call: its producers and reduce read one count
-            torch.cuda.current_stream().wait_event(self._device.call_done)
-        self._device.call_tokens.fill_(int(num_tokens))
+        self._device.begin_call(num_tokens)
 
     # --- host (CPU) memory ------------------------------------------------------------------------------
 

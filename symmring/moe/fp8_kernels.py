@@ -575,17 +575,6 @@ def act_scales_empty(M: int, num_groups: int, device, *, mn_major: bool):
     return torch.empty((M, num_groups), dtype=torch.float32, device=device)
 
 
-def check_q_out(q_out, M: int, inter: int):
-    """``q_out`` when it is a float8_e4m3fn ``[M, inter]`` tensor with contiguous rows, else a ConfigError (None
-    passes)."""
-    torch = _torch()
-    if q_out is not None and (not isinstance(q_out, torch.Tensor) or q_out.dtype != torch.float8_e4m3fn or
-                              tuple(q_out.shape) != (M, inter) or (M and q_out.stride(1) != 1)):
-        raise ConfigError(f"q_out: expected float8_e4m3fn [{M}, {inter}] with contiguous rows, got "
-                          f"{getattr(q_out, 'dtype', type(q_out).__name__)} {tuple(getattr(q_out, 'shape', ()))}")
-    return q_out
-
-
 def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = False, q_out=None):
     """SwiGLU of L1's output and fp8 quantisation for L2, in one kernel.
 
@@ -639,13 +628,16 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
                               f"{tuple(getattr(act_out, 'shape', ()))}")
         tensors.append(act_out)
         names.append("act_out")
-    q = check_q_out(q_out, M, inter)
-    if q is not None:
-        tensors.append(q)
+    if q_out is not None:
+        if (not isinstance(q_out, torch.Tensor) or q_out.dtype != torch.float8_e4m3fn or
+                tuple(q_out.shape) != (M, inter) or (M and q_out.stride(1) != 1)):
+            raise ConfigError(f"q_out: expected float8_e4m3fn [{M}, {inter}] with contiguous rows, got "
+                              f"{getattr(q_out, 'dtype', type(q_out).__name__)} "
+                              f"{tuple(getattr(q_out, 'shape', ()))}")
+        tensors.append(q_out)
         names.append("q_out")
     _check_device(tensors, names)
-    if q is None:
-        q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
+    q = q_out if q_out is not None else torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
     q_sf = act_scales_empty(M, inter // 128, h.device, mn_major=sf_mn_major)
     if M == 0:
         return q, q_sf

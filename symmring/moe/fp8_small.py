@@ -618,7 +618,7 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
 
 
 def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows_per_group: Optional[int] = None,
-                                        config: Optional[SmallConfig] = None, q_out=None):
+                                        config: Optional[SmallConfig] = None):
     """L1 of small groups fused with SwiGLU and the 1x128 fp8 quantisation: L2's input in one kernel.
 
     Bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, a_sf, b13, b13_sf, m_indices, config=config),
@@ -630,7 +630,6 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
             block scales ``[G, 2 * I / 128, K / 128]``.
         rows_per_group: as `grouped_gemm_fp8_small`.
         config: a `SmallConfig` with ``block_n == 128``; `small_config(..., fused=True)` when None.
-        q_out: optional float8_e4m3fn ``[M, I]`` (contiguous rows, on ``a``'s device) to write ``q`` into.
 
     Returns:
         ``(q, q_sf)``: float8_e4m3fn ``[M, I]`` and float32 ``[M, I / 128]`` MN-major (strides
@@ -651,11 +650,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     inter = two_i // 2
     rows_per_group = _check_rows_per_group(rows_per_group)
     config = _resolve_config(config, M, two_i, K, G, rows_per_group, fused=True)
-    q = fp8_kernels.check_q_out(q_out, M, inter)
-    if q is not None and q.device != a.device:
-        raise ConfigError(f"q_out: on {q.device}, expected {a.device} (a's device)")
-    if q is None:
-        q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=a.device)
+    q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=a.device)
     q_sf = fp8_kernels.act_scales_empty(M, inter // 128, a.device, mn_major=True)
     if M:
         _launch(a, a_sf, b13, b13_sf, m_indices, q, q_sf, M=M, n_out=inter, K=K, G=G,

@@ -595,10 +595,9 @@ class MoE:
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
-                than the ring (nothing is enqueued).
+                than the ring (nothing is enqueued); inside a step also more tokens than the step declared, or
+                given routing in a step declared ``own_router=True`` (`_step_counts`).
             PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
-            ConfigError: inside a step, more tokens than the step declared, or given routing in a step
-                declared ``own_router=True``.
             BrokenStateError: an earlier host exchange of the context failed (re-initialise).
             ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
                 (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
@@ -767,7 +766,8 @@ class MoE:
 
     def _bucket(self, most: int) -> int:
         """The token bucket of a call whose largest rank has ``most`` tokens (`plans.token_bucket`): at most
-        ``max_tokens``, and at most the ring when ``most`` fits it (a batch call must fit the ring)."""
+        ``max_tokens``, at most the ring when ``most`` fits it (a batch call must fit the ring), and never more
+        chunks than ``most`` needs."""
         ring = self.num_slots * self.tokens_per_slot
         cap = min(self.max_tokens, ring) if most <= ring else self.max_tokens
         chunks = -(-most // self.tokens_per_slot) * self.tokens_per_slot  # never more chunks than the count's
@@ -794,16 +794,9 @@ class MoE:
         return list(step.counts), step.distinct and kind != "given", list(step.latched)
 
     def _begin_call(self, num_tokens: int) -> None:
-        """Order this call after the previous one (`_after_previous_call`), then set this rank's token count on
-        the device (the workspace's word every layer's kernels read)."""
-        self._after_previous_call()
-        self.workspace.gpu.call_tokens.fill_(num_tokens)
-
-    def _after_previous_call(self) -> None:
-        """Order this call after the previous one's end (its generation base advance), whatever stream either
-        was issued on: a call on another stream, or a graph replay there, never publishes a stale generation."""
-        if self._call_done is not None:
-            _torch().cuda.current_stream().wait_event(self._call_done)
+        """Order this call after the previous one (of any layer), then set this rank's token count on the device
+        (`DeviceMemory.begin_call`: the workspace's word every layer's kernels read)."""
+        self.workspace.gpu.begin_call(num_tokens)
 
     def _end_of_call(self) -> None:
         # One event, re-recorded: a wait already enqueued keeps the record it saw (cudaStreamWaitEvent).

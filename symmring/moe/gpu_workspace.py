@@ -3,8 +3,9 @@
 `DeviceMemory` allocates the workspace's regions once (`symmring.workspace_plan`): the combine buffer and
 the experts' region (pool rows, L1 output, activations and L2 output rows, placed by lifetime:
 `symmring.workspace_plan.expert_arena`) in the symmetric heap, the pool rows' sources, weights and group
-ids and the window's entry map as flat device buffers, the owner's routing rows, and the streams, the graph memory pool and the end-of-call event that
-every layer's calls share (calls of all layers are ordered one after another on it). `DeviceMemory.bind`
+ids and the window's entry map as flat device buffers, the owner's routing rows, the call's token count,
+and the streams, the graph memory pool and the end-of-call event that every layer's calls share (calls of
+all layers are ordered one after another on it). `DeviceMemory.bind`
 gives a layer shape its view of them: a ring (one per distinct ring spec and transport request: layers
 of one shape share it and its generations keep growing across their calls), its staging ring for rdma
 peers, and a `symmring.moe.stages.State` over the shared bytes sized for that shape.
@@ -241,6 +242,15 @@ class DeviceMemory:
                                      AsyncErrorLatch(ring.kernels))  # device errors, seen without a sync
         return self._rings[key]
 
+    def begin_call(self, num_tokens: int) -> None:
+        """Order the next call (or replay) after the end of the last call of any layer (`call_done`: its
+        generation base advance), whatever stream either was issued on, so no call publishes a stale generation;
+        then set its token count on the device (a call's producers and its reduce read one count). On the
+        current torch stream."""
+        if self.call_done is not None:
+            _torch().cuda.current_stream().wait_event(self.call_done)
+        self.call_tokens.fill_(num_tokens)
+
     def rings(self):
         """Every `RingEntry` of this memory."""
         return list(self._rings.values())
@@ -321,12 +331,11 @@ class _Arena:
                               f"{alloc.nbytes} bytes (the plan sized it for other shapes)")
 
     def take(self, part: str, shape, dtype):
-        torch = _torch()
         offset, nbytes = self.parts[part]
-        count = int(np.prod(shape))
-        assert count * torch.empty((), dtype=dtype).element_size() <= max(nbytes, 1), part
+        size = int(np.prod(shape)) * _torch().empty((), dtype=dtype).element_size()
+        assert size <= max(nbytes, 1), part
         flat = self.backend.torch_view(self.alloc, self.rank, offset, np.uint8, (max(nbytes, 1),))
-        return flat[: count * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+        return flat[:size].view(dtype).view(shape)
 
 
 class _Carver:
