@@ -4,7 +4,8 @@ Usage (one PE, on a GPU machine): ``python tools/eager_probe.py [--shape qwen3-3
 it once per package to compare (``PYTHONPATH=OTHER`` puts another commit's package first). Prints one line:
 the median milliseconds of an eager call (CUDA events, the graph cache on) with Python's garbage collector on
 and off, the host microseconds per call (``perf_counter`` around ``forward`` alone), the process's CPU
-affinity, its thread count and the number of objects the collector tracks.
+affinity, its thread count and the number of objects the collector tracks. ``--profile CALLS`` then profiles
+that many calls (cProfile, top 25 by own time: where the host microseconds go).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also profile this many calls with cProfile and print the top 25 by own time")
     args = parser.parse_args()
     import torch
     import symmring
@@ -58,6 +61,16 @@ def main() -> None:
           f"{on_us:.1f} us median), gc off {off_ms:.4f} ms (host {off_us:.1f} us); affinity "
           f"{len(os.sched_getaffinity(0))} cpus, {threads} threads, {len(gc.get_objects())} gc objects, "
           f"graph cache {moe.graph_cache_info()}", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.profile):
+            moe.forward(x, router_weight=router)
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     moe.close()
     ctx.close()
 

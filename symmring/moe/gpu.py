@@ -652,7 +652,7 @@ class MoE:
             if not capturing:
                 self._begin_call(n)
             elif step is None:  # a graph captured outside a step replays this count (it fixed the bucket too)
-                self.workspace.gpu.call_tokens.fill_(n)
+                self.workspace.gpu.record_call_tokens(n)
             # else: a step's graph reads the count set before each replay (Workspace.set_call_tokens)
             self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
             if not capturing:

@@ -20,7 +20,7 @@ ring's combine ready words (their generations only grow).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -104,6 +104,9 @@ class DeviceMemory:
         self.routing_bytes = torch.empty(max(r["routing"], 16), dtype=torch.uint8, device=self.device)
         # This rank's token count of the current call (every layer's kernels clamp their bucket's bounds to it).
         self.call_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # What that word holds while only `begin_call` writes it (every layer of a decode step sets the same count:
+        # one fill per step, not per layer); None once a captured graph writes it too (`record_call_tokens`).
+        self._call_tokens_holds: Optional[int] = 0
         self.producer_stream = torch.cuda.Stream(device=self.device)
         self.consumer_stream = torch.cuda.Stream(device=self.device)
         self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
@@ -249,6 +252,15 @@ class DeviceMemory:
         current torch stream."""
         if self.call_done is not None:
             _torch().cuda.current_stream().wait_event(self.call_done)
+        if num_tokens != self._call_tokens_holds:  # a fill is a kernel on the call's critical path: skip a no-op
+            self.call_tokens.fill_(num_tokens)
+            if self._call_tokens_holds is not None:
+                self._call_tokens_holds = num_tokens
+
+    def record_call_tokens(self, num_tokens: int) -> None:
+        """Write the count into the graph being captured (a graph captured outside a step replays its own count).
+        Its replays write the word behind `begin_call`'s back, so from now on every call fills it."""
+        self._call_tokens_holds = None
         self.call_tokens.fill_(num_tokens)
 
     def rings(self):

@@ -19,7 +19,7 @@ torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
 
 from moe_helpers import cuda_device as device_of, make_tokens, to_torch, verdict  # noqa: E402
-from test_workspace import SHAPES, build  # noqa: E402  (the layers of the workspace tests)
+from test_workspace import NUM_EXPERTS, SHAPES, build  # noqa: E402  (the layers of the workspace tests)
 from test_workspace import routing as routing_rows  # noqa: E402
 
 from symmring.moe.plan import num_buckets  # noqa: E402
@@ -30,10 +30,13 @@ pytestmark = pytest.mark.gpu
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261202))
 BUCKET = 32
 REPLAYS = 200
+CACHED_CALLS = 1000  # the issue's count of eager calls through the graph cache
 
 
 @pytest.fixture(scope="module")
 def ctx(nvshmem_ctx):
+    if NUM_EXPERTS % nvshmem_ctx.world_size:
+        pytest.skip(f"these layers split {NUM_EXPERTS} experts evenly: not over {nvshmem_ctx.world_size} PEs")
     return nvshmem_ctx
 
 
@@ -123,7 +126,7 @@ def test_one_step_graph_serves_random_counts_and_exchanges_once(ctx):
 
 
 def test_graph_cache_holds_one_graph_per_bucket(ctx):
-    """200 eager calls with random per-rank counts (uneven, zero included) through the graph cache: at most one
+    """1000 eager calls with random per-rank counts (uneven, zero included) through the graph cache: at most one
     capture per token bucket, every cached call bitwise equal to the same call launched kernel by kernel."""
     workspace = Workspace(ctx, max_tokens=64)
     moe = build(ctx, workspace, SHAPES[0], SEED, 64)[0]
@@ -131,7 +134,7 @@ def test_graph_cache_holds_one_graph_per_bucket(ctx):
     hidden, _, topk, _ = SHAPES[0]
     problems = []
     try:
-        for call in range(REPLAYS):
+        for call in range(CACHED_CALLS):
             n = int(np.random.default_rng(SEED + 31 * call + ctx.rank).integers(0, 65))
             x = to_torch(make_tokens(SEED + call + 3 * ctx.rank, n, hidden), torch.bfloat16, dev)
             idx, w = routing(SEED + 5 * call + ctx.rank, n, topk, False)
@@ -148,7 +151,7 @@ def test_graph_cache_holds_one_graph_per_bucket(ctx):
         workspace.close()
     if info["captures"] > num_buckets(64):
         problems.append(f"{info['captures']} captures > {num_buckets(64)} buckets")
-    message = (f"{REPLAYS} calls with random counts: captures {info['captures']} (buckets {num_buckets(64)}), "
+    message = (f"{CACHED_CALLS} calls with random counts: captures {info['captures']} (buckets {num_buckets(64)}), "
                f"hits {info['hits']}, failures {info['failures']}; " + "; ".join(problems[:5]))
     print(f"[figure] device counts: {message}")
     verdict(ctx, not problems and info["failures"] == 0, message)
@@ -208,3 +211,38 @@ def test_a_replaced_model_step_captured_once_serves_random_counts(ctx):
                f"positions == eager bitwise: {not problems}; " + "; ".join(problems[:3]))
     print(f"[figure] device counts: {message}")
     verdict(ctx, not problems, message)
+
+
+def test_a_graph_captured_outside_a_step_keeps_the_count_word_honest(ctx):
+    """A call skips the count fill when the word already holds its count, unless a graph captured outside a step
+    writes the word: here a raw ``torch.cuda.graph`` around a 3-token forward, replayed between two 5-token
+    eager calls. Without that rule the second eager call would read 3 and leave its last 2 rows unwritten."""
+    workspace = Workspace(ctx, max_tokens=64)
+    moe = build(ctx, workspace, SHAPES[0], SEED, 64)[0]
+    hidden, _, topk, _ = SHAPES[0]
+    dev = device_of()
+
+    def call_inputs(seed, n):
+        idx, w = routing(seed + 1, n, topk, False)
+        return (to_torch(make_tokens(seed, n, hidden), torch.bfloat16, dev), to_torch(idx, torch.int32, dev),
+                to_torch(w, torch.float32, dev))
+
+    small, large = call_inputs(SEED + 11, 3), call_inputs(SEED + 13, 5)
+    try:
+        ref = moe.forward(*large[:1], topk_idx=large[1], topk_weights=large[2], graph_cache=False)
+        moe.forward(*small[:1], topk_idx=small[1], topk_weights=small[2], graph_cache=False)  # warm the 3-token plan
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe.forward(*small[:1], topk_idx=small[1], topk_weights=small[2])
+        first = moe.forward(*large[:1], topk_idx=large[1], topk_weights=large[2], graph_cache=False)
+        graph.replay()  # every rank replays: one more call of the layer, count 3 written by the graph
+        second = moe.forward(*large[:1], topk_idx=large[1], topk_weights=large[2], graph_cache=False)
+        moe.check_errors()
+        same = [torch.equal(y.view(torch.int16), ref.view(torch.int16)) for y in (first, second)]
+    finally:
+        torch.cuda.synchronize()
+        workspace.close()
+    message = f"5-token calls around a raw replay of a 3-token capture == the first 5-token call bitwise: {same}"
+    print(f"[figure] device counts: {message}")
+    verdict(ctx, all(same), message)

@@ -43,7 +43,7 @@ from symmring.moe.policy import StreamPolicy  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261224))
-HIDDEN, INTER, NUM_EXPERTS, TOPK = 256, 256, 16, 2
+HIDDEN, INTER, NUM_EXPERTS, TOPK = 256, 256, 24, 2  # 24 experts split evenly over 1, 2, 3, 4 or 8 PEs
 
 
 class ThresholdPolicy(StreamPolicy):
