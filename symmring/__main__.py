@@ -3,7 +3,7 @@
 * ``demo``: the main job: a small MoE layer, batch-ready and streamed, checked against the reference;
   GPU backend where one is usable, CPU backend otherwise. Last line ``demo: PASS ...``/``demo: FAIL ...``.
 * ``info``: versions, the backend ``auto`` would pick, devices, ``SYMMRING_*`` variables.
-* ``plan``: the bytes per PE of the MoE workspace (`symmring.workspace_plan`), by region, for a model's sizes.
+* ``plan``: the bytes per PE of the MoE workspace (`symmring.moe.workspace_plan`), by region, for a model's sizes.
 * ``bench NAME``: benchmarks (`BENCHMARKS`); each prints a table and can write ``--json PATH``.
 
 ``-v``/``--verbose`` (anywhere before a ``--``) shows symmring's INFO log lines on stderr, ``-vv`` DEBUG

@@ -77,7 +77,7 @@ class Context:
             if any(failed):
                 current.close()  # on every rank alike: the next layer gets a fresh workspace
         if self._workspace is None or self._workspace.closed:
-            from .workspace import Workspace
+            from .moe.workspace import Workspace
             self._workspace = Workspace(self, **kwargs)
         elif kwargs:
             raise ConfigError(f"ctx.workspace({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}): this context's "

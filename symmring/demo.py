@@ -10,7 +10,7 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
    (relative error <= 1e-2): batch-ready (``streaming=False``), streamed (``streaming=True``: the chunks
    pipeline; its expert GEMMs see the batch path's groups) and ``streaming="auto"`` (what the measured
    policy picks), and checks streamed == batch **bitwise**; then, on the CPU backend, step 3 as well;
-3. runs the expert-parallel layer (`symmring.moe.expert_parallel`) on the CPU backend batch-ready (one
+3. runs the expert-parallel layer (`symmring.moe.cpu.layer`) on the CPU backend batch-ready (one
    chunk of the whole batch) and streamed (``--tokens-per-slot`` chunks through a ``--num-slots`` ring);
 4. checks streamed == batch **bitwise**, both against `symmring.moe.reference.reference_moe` of the
    global problem (rtol 1e-5, atol 1e-5 of the largest output), and reruns bitwise identical;
@@ -160,7 +160,7 @@ def _bit_differences(a: np.ndarray, b: np.ndarray) -> int:
 
 def run_cpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     """Batch and streamed on the CPU layer; returns ``(passed, summary)`` (the same on every rank)."""
-    from .moe.expert_parallel import ExpertParallelMoE, MoEShapes, shard_experts
+    from .moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
     from .moe.reference import reference_moe
     from .protocol import AckPolicy
     shapes = MoEShapes(args.hidden, args.experts, args.topk, x_format=args.x_format)
@@ -222,7 +222,7 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     import torch
 
     from .moe import gpu
-    from .moe.expert_parallel import local_experts
+    from .moe.cpu.layer import local_experts
     from .moe.reference import reference_moe, router_logits
     device = torch.device("cuda", torch.cuda.current_device())
 

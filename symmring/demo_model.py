@@ -3,9 +3,9 @@
 On every rank (the same seed everywhere) the demo
 
 1. initialises symmring (``--backend``: auto, host or nvshmem) and builds two copies of a tiny random
-   transformers model of the family (`symmring.moe.tiny`: Mixtral, Qwen3-MoE or DeepSeek-V3; 24 experts,
+   transformers model of the family (`symmring.moe.integrations.tiny`: Mixtral, Qwen3-MoE or DeepSeek-V3; 24 experts,
    two MoE layers; built from a config, no download);
-2. replaces the MoE blocks of one copy by `symmring.moe.module.MoEModule` (`replace_moe_blocks`): the CPU
+2. replaces the MoE blocks of one copy by `symmring.moe.integrations.module.MoEModule` (`replace_moe_blocks`): the CPU
    layer on the host backend, the GPU layer (bf16 experts, ``engine="torch"``) on nvshmem; rank ``r`` of
    ``R`` computes experts ``[r E/R, (r+1) E/R)`` for every rank's tokens; the ring carries x as ``--x-format``
    (default bf16: bit for bit);
@@ -50,8 +50,8 @@ def main(args) -> int:
     from . import __version__, mpi
     from .context import init
     from .demo import Reporter, _backend_reason, fail
-    from .moe import tiny
-    from .moe.hf import check_transformers, replace_moe_blocks
+    from .moe.integrations import tiny
+    from .moe.integrations.hf import check_transformers, replace_moe_blocks
 
     x_format = args.x_format or "bf16"
     try:

@@ -10,7 +10,7 @@ launch gap. The previous kernel lets it start with ``griddepcontrol.launch_depen
 Where it is used (`PdlLauncher.enabled`): compute capability >= 9, ``SYMMRING_PDL`` not ``0``, and ONE PE
 on the GPU. A dependent kernel's blocks hold their SMs while they wait; with several PEs on one GPU (MPS)
 those SMs could be the ones another PE's kernel needs to finish the spin wait the first PE is in (the
-budget of `symmring.moe.stages.spin_blocks`), so that configuration keeps plain launches.
+budget of `symmring.moe.gpu.stages.spin_blocks`), so that configuration keeps plain launches.
 
 A stream capture records the launches as programmatic graph edges (CUDA >= 12.3), so graph replays keep
 the overlap. Driver entry point through ctypes (libcuda); no launch attribute is reachable from CuPy.

@@ -1,6 +1,6 @@
 """``python -m symmring plan``: the bytes per PE a workspace takes, by region, and the window it implies.
 
-Prints one line per region (`symmring.workspace_plan.REGIONS`), the window (tokens per rank, chunks, pool
+Prints one line per region (`symmring.moe.workspace_plan.REGIONS`), the window (tokens per rank, chunks, pool
 rows, passes of uniform and worst routing), and last ``total per PE: N bytes (X MiB)``. The total does not
 depend on ``--layers`` (every layer borrows the one workspace); the line before the total says what one
 workspace per layer would have taken. `symmring.Workspace.memory` returns the same regions for a live
@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from .errors import ConfigError
-from .workspace_plan import PRESETS, LayerShape, parse_bytes, plan
+from .moe.workspace_plan import PRESETS, LayerShape, parse_bytes, plan
 
 
 def _parser() -> argparse.ArgumentParser:

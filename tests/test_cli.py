@@ -107,7 +107,7 @@ def test_verbose_shows_backend_choice_and_layer_setup_on_stderr(how, tmp_path):
     assert any(line.startswith("INFO symmring.backends.nvshmem: no GPU backend: ") for line in info_lines), \
         run.stderr  # why "auto" chose the host backend (this CPU machine)
     assert any(line.startswith("INFO symmring.context: ") and "uses the host backend" in line for line in info_lines)
-    assert any(line.startswith("INFO symmring.moe.expert_parallel: ExpertParallelMoE on rank 0/1") for line in info_lines)
+    assert any(line.startswith("INFO symmring.moe.cpu.layer: ExpertParallelMoE on rank 0/1") for line in info_lines)
     assert not any(line.startswith("DEBUG ") for line in run.stderr.splitlines())
 
 

@@ -19,8 +19,8 @@ import symmring
 from symmring import deps
 
 #: Modules whose examples need torch (CPU is enough).
-NEEDS_TORCH = {"symmring.moe.routing", "symmring.moe.torch_ref", "symmring.moe.weights", "symmring.moe.module",
-               "symmring.moe.host_layer"}
+NEEDS_TORCH = {"symmring.moe.routing", "symmring.moe.torch_ref", "symmring.moe.weights", "symmring.moe.integrations.module",
+               "symmring.moe.cpu.host_layer"}
 #: Modules whose examples compile device code (nvcc and the nvidia-nvshmem wheel, no GPU).
 NEEDS_NVCC = {"symmring.jit"}
 #: GPU examples not yet marked ``# doctest: +SKIP``; their files belong to the GPU layer's work. strict:
@@ -28,8 +28,8 @@ NEEDS_NVCC = {"symmring.jit"}
 PENDING_GPU_MARKS: set = set()
 #: CPU modules that must keep at least one example that runs.
 MUST_HAVE_EXAMPLES = {"symmring.protocol", "symmring.layout", "symmring.moe.quant", "symmring.moe.reference",
-                      "symmring.moe.policy", "symmring.moe.plan", "symmring.context", "symmring.ring",
-                      "symmring.env", "symmring.moe.expert_parallel", "symmring.mpi", "symmring.deps",
+                      "symmring.moe.gpu.policy", "symmring.moe.gpu.plan", "symmring.context", "symmring.ring",
+                      "symmring.env", "symmring.moe.cpu.layer", "symmring.mpi", "symmring.deps",
                       "symmring.launch", "symmring.backends.host"}
 
 

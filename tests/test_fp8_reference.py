@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from symmring.errors import BackendError, ConfigError
-from symmring.moe import fp8_kernels, quant
+from symmring.moe import quant
+from symmring.moe.engines import triton_large
 from symmring.moe.fp8_reference import (ALIGN_M, dequantize_weight_blocks, grouped_gemm_fp8_reference,
                                         make_contiguous_layout, quantize_weight_blocks, silu_mul_f32,
                                         swiglu_quant_reference)
@@ -239,48 +240,48 @@ def test_contiguous_layout_helpers():
     assert starts.tolist() == [0, 256, 256, 384] and len(m_indices) == 700
     assert (m_indices == 0).sum() == 130 and (m_indices == 1).sum() == 0 and (m_indices == 3).sum() == 128
     assert np.all(m_indices[130:256] == -1) and np.all(m_indices[512:] == -1)
-    fp8_kernels.check_contiguous_layout(m_indices, 4)
+    triton_large.check_contiguous_layout(m_indices, 4)
     bad = m_indices.copy()
     bad[512] = 0                                   # group 0 again, after other groups
     with pytest.raises(ConfigError, match="not contiguous"):
-        fp8_kernels.check_contiguous_layout(bad, 4)
+        triton_large.check_contiguous_layout(bad, 4)
     shifted = np.roll(m_indices, 1)                # group 0 now starts at row 1
     with pytest.raises(ConfigError, match="multiple of 128"):
-        fp8_kernels.check_contiguous_layout(shifted, 4)
+        triton_large.check_contiguous_layout(shifted, 4)
     with pytest.raises(ConfigError, match=r"\[-1, 2\)"):
-        fp8_kernels.check_contiguous_layout(m_indices, 2)
+        triton_large.check_contiguous_layout(m_indices, 2)
     with pytest.raises(ConfigError, match="total_rows"):
         make_contiguous_layout([200], total_rows=200)
-    assert ALIGN_M == fp8_kernels.ALIGN_M == 128
+    assert ALIGN_M == triton_large.ALIGN_M == 128
 
 
 def test_gemm_configs():
-    names = [c.name for c in fp8_kernels.configs()]
+    names = [c.name for c in triton_large.configs()]
     assert len(names) == len(set(names)) >= 8
-    for c in fp8_kernels.configs():
-        assert fp8_kernels.ALIGN_M % c.block_m == 0 and c.smem_bytes <= 227 * 1024
+    for c in triton_large.configs():
+        assert triton_large.ALIGN_M % c.block_m == 0 and c.smem_bytes <= 227 * 1024
     for problem in [(32 * 256, 4096, 7168, 32), (32 * 128, 4096, 7168, 32), (8 * 2048, 28672, 4096, 8),
                     (128 * 256, 1536, 2048, 128), (128, 128, 128, 1), (4096, 7168, 2048, 256)]:
-        assert isinstance(fp8_kernels.default_config(*problem), fp8_kernels.GemmConfig)
+        assert isinstance(triton_large.default_config(*problem), triton_large.GemmConfig)
     with pytest.raises(ConfigError, match="block_m"):
-        fp8_kernels.GemmConfig(block_m=256)
+        triton_large.GemmConfig(block_m=256)
     with pytest.raises(ConfigError, match="num_warps"):
-        fp8_kernels.GemmConfig(num_warps=2)
+        triton_large.GemmConfig(num_warps=2)
 
 
 def test_engines_fail_cleanly_without_triton(monkeypatch):
     # A missing triton (or torch) surfaces as BackendError at the first call, never at import.
     monkeypatch.setitem(sys.modules, "triton", None)
-    fp8_kernels._triton.cache_clear()
+    triton_large._triton.cache_clear()
     try:
         with pytest.raises(BackendError, match="triton"):
-            fp8_kernels.swiglu_quant_fp8(None)
+            triton_large.swiglu_quant_fp8(None)
     finally:
-        fp8_kernels._triton.cache_clear()
+        triton_large._triton.cache_clear()
 
 
 def test_deepgemm_status_never_raises():
-    from symmring.moe import deepgemm
+    from symmring.moe.engines import deepgemm
     ok, reason = deepgemm.deepgemm_status()
     assert isinstance(ok, bool) and isinstance(reason, str) and reason
     if not ok:

@@ -1,4 +1,4 @@
-"""`symmring.moe.fp8_small`'s default configuration rule on the CPU (no torch, no triton): where it splits K
+"""`symmring.moe.engines.triton_small`'s default configuration rule on the CPU (no torch, no triton): where it splits K
 and where it does not, for the decode shapes of `symmring.bench.moe.SHAPES` at 1-64 tokens, with the pool
 bound the layer's plan gives (``entries + min(E, entries) * 127`` rows); the sweep's configurations; the
 split in the names the decode benchmark prints. The kernels themselves: tests/gpu/test_fp8_small.py."""
@@ -9,8 +9,8 @@ import pytest
 
 from symmring.bench import gemm_decode
 from symmring.bench.moe import SHAPES
-from symmring.moe import fp8_small
-from symmring.moe.fp8_small import DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config, tile_programs
+from symmring.moe.engines import triton_small
+from symmring.moe.engines.triton_small import DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config, tile_programs
 
 NUM_SMS = 132
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -71,12 +71,12 @@ def test_split_rule_edges():
 
 def test_sweep_configs_and_names():
     for fused in (False, True):
-        names = [c.name for c in fp8_small.configs(fused)]
+        names = [c.name for c in triton_small.configs(fused)]
         assert len(names) == len(set(names)), f"fused={fused}: two sweep configurations share a name"
-    splits = [c for c in fp8_small.configs() if c.split_k > 1]
+    splits = [c for c in triton_small.configs() if c.split_k > 1]
     assert {(c.num_warps, c.num_stages, c.split_k) for c in splits} == {(4, s, k) for s in (3, 4) for k in (2, 4)}
     assert all(c.name.endswith(f"k{c.split_k}") for c in splits)
-    assert all(c.smem_bytes(True) <= 200 * 1024 for c in fp8_small.configs(fused=True))
+    assert all(c.smem_bytes(True) <= 200 * 1024 for c in triton_small.configs(fused=True))
     assert SmallConfig(128, 64, 8, 6, tma=False, split_k=4).name == "n128t64w8s6k4-ptr"
 
 
@@ -100,7 +100,7 @@ def test_split_counters_cache():
     restocks. (The kernel keeping them zero: tests/gpu/test_fp8_small.py.)"""
     torch = pytest.importorskip("torch")
     cpu = torch.device("cpu")
-    cache = fp8_small._SplitCounters()
+    cache = triton_small._SplitCounters()
     assert cache._for_capture(torch, cpu, 8).numel() == 8  # no arena yet: its own zeros
     first = cache.get(torch, cpu, 100)
     assert first.numel() >= 100 and not first.any() and cache.get(torch, cpu, 50) is first

@@ -1,4 +1,4 @@
-"""`symmring.moe.graph_cache` on the CPU: the capacity option and ``SYMMRING_GRAPH_CACHE``, the cache's
+"""`symmring.moe.gpu.graph_cache` on the CPU: the capacity option and ``SYMMRING_GRAPH_CACHE``, the cache's
 decisions (a key's second call captures, later ones replay), LRU eviction, failed captures, and a
 `CachedGraph` replay's input copies and cloned output (on CPU tensors with a stand-in graph). The GPU
 layer's use of it: tests/gpu/test_moe_graph_cache.py."""
@@ -9,8 +9,8 @@ import pytest
 
 from symmring import env
 from symmring.errors import ConfigError
-from symmring.moe import graph_cache
-from symmring.moe.graph_cache import CachedGraph, GraphCache
+from symmring.moe.gpu import graph_cache
+from symmring.moe.gpu.graph_cache import CachedGraph, GraphCache
 
 
 @pytest.fixture(autouse=True)

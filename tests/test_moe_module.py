@@ -1,4 +1,4 @@
-"""`symmring.moe.module.MoEModule`, its custom op and `symmring.moe.hf` on the CPU.
+"""`symmring.moe.integrations.module.MoEModule`, its custom op and `symmring.moe.integrations.hf` on the CPU.
 
 The GPU layer needs a GPU, so here the module runs a stand-in layer with the same constructor and forward
 (`hf_models.StandInLayer`: the layer's routing, `torch_ref`'s experts): what is checked is the module's own
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="MoEModule needs torch")
 
 import hf_models  # noqa: E402  (tests/ is on sys.path: pytest's rootdir insertion)
 
-from symmring.moe.module import MoEModule, STREAMING_CODES, layer_of, moe_op  # noqa: E402
+from symmring.moe.integrations.module import MoEModule, STREAMING_CODES, layer_of, moe_op  # noqa: E402
 
 SEED = 20261214
 HIDDEN, INTER, E = 256, 256, 16
@@ -218,7 +218,7 @@ def test_replaced_model_routes_as_transformers(family, norm):
         want = reference(ids).logits.float()
     for h in hooks:
         h.remove()
-    from symmring.moe.hf import replace_moe_blocks
+    from symmring.moe.integrations.hf import replace_moe_blocks
     replaced = replace_moe_blocks(model, ctx_of(), max_tokens=64, device="cpu", layer_factory=hf_models.StandInLayer)
     assert list(replaced) == [name for name, _ in hf_models.moe_blocks(reference)] and len(replaced) == 2
     blocks = dict(hf_models.moe_blocks(reference))
@@ -244,7 +244,7 @@ def test_replaced_model_routes_as_transformers(family, norm):
 
 def test_from_hf_takes_this_ranks_experts():
     _needs_transformers()
-    from symmring.moe.hf import from_hf
+    from symmring.moe.integrations.hf import from_hf
     model, _ = hf_models.tiny_model("deepseek_v3", SEED)
     block = model.model.layers[1].mlp
     module = from_hf(block, ctx_of(rank=1, world_size=2), max_tokens=16, device="cpu",
@@ -261,7 +261,7 @@ def test_from_hf_takes_this_ranks_experts():
 
 def test_from_hf_rejects_what_it_cannot_run():
     _needs_transformers()
-    from symmring.moe.hf import from_hf, replace_moe_blocks
+    from symmring.moe.integrations.hf import from_hf, replace_moe_blocks
     model, _ = hf_models.tiny_model("qwen3_moe", SEED)
     block = model.model.layers[0].mlp
     kw = dict(max_tokens=16, device="cpu", layer_factory=hf_models.StandInLayer)
@@ -297,7 +297,7 @@ def test_compile_fullgraph_through_a_replaced_model():
     """torch.compile(fullgraph=True) traces a whole transformers model through the custom op (no graph
     break) and runs what eager runs."""
     _needs_transformers()
-    from symmring.moe.hf import replace_moe_blocks
+    from symmring.moe.integrations.hf import replace_moe_blocks
     model, _ = hf_models.tiny_model("deepseek_v3", SEED)
     replace_moe_blocks(model, ctx_of(), max_tokens=64, device="cpu", layer_factory=hf_models.StandInLayer)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -348,10 +348,10 @@ def test_deepseek_renormalisation_matches_transformers_where_scores_underflow():
 
 def test_old_transformers_refused_in_one_line():
     from symmring.errors import BackendError
-    from symmring.moe.hf import TRANSFORMERS_RANGE, check_transformers
+    from symmring.moe.integrations.hf import TRANSFORMERS_RANGE, check_transformers
     assert check_transformers("5.13.0") == "5.13.0" and check_transformers("5.17.0+local") == "5.17.0+local"
     for old in ("5.12.1", "5.0.0", "4.57.6", "5.12.0.dev0"):
-        with pytest.raises(BackendError, match=rf"transformers {old} is installed; symmring.moe.hf needs "
+        with pytest.raises(BackendError, match=rf"transformers {old} is installed; symmring.moe.integrations.hf needs "
                                                rf"transformers{TRANSFORMERS_RANGE} \(pip install \"symmring\[hf\]\"\)"):
             check_transformers(old)
 
@@ -377,8 +377,8 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
     """The context picks the layer: HostLayer on the host backend; its streamed calls (chunks of 8 through a
     2-slot ring) equal its batch calls bitwise (the CPU layer is row-independent), and `workspace` is only
     forwarded when given."""
-    from symmring.moe.host_layer import HostLayer
-    from symmring.moe.module import default_layer_factory
+    from symmring.moe.cpu.host_layer import HostLayer
+    from symmring.moe.integrations.module import default_layer_factory
     assert default_layer_factory(host_ctx) is HostLayer
     w_gate, w_up, w_down, router = _host_weights()
     batch = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
@@ -404,7 +404,7 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
     (dict(w_gate="float"), r"w_gate: expected a bf16 CPU tensor \[16, 256, 256\]"),
 ])
 def test_host_layer_bad_arguments(host_ctx, kwargs, match):
-    from symmring.moe.host_layer import HostLayer
+    from symmring.moe.cpu.host_layer import HostLayer
     w_gate, w_up, w_down, _ = _host_weights()
     if kwargs.get("w_gate") == "float":
         kwargs = dict(w_gate=w_gate.float())
@@ -481,7 +481,7 @@ def test_transformers_names_refuse_bf16_experts_into_fp8_and_bad_names():
     into an fp8 engine's it is a ConfigError naming the engine (nothing is loaded); an unknown
     checkpoint_names is a ConfigError before the layer is built."""
     _needs_transformers()
-    from symmring.moe.hf import from_hf
+    from symmring.moe.integrations.hf import from_hf
     model, _ = hf_models.tiny_model("mixtral", SEED)
     block = model.model.layers[0].mlp
     module = from_hf(block, ctx_of(), max_tokens=16, device="cpu", layer_factory=_Fp8StandIn)

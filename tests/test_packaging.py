@@ -144,10 +144,10 @@ def test_metadata_python_versions_and_extras(wheel):
         extra = marker.split("extra ==")[-1].strip().strip("'\"") if "extra ==" in marker else None
         by_extra.setdefault(extra, []).append(req.strip().replace(" ", ""))
     # DeepGEMM's wheel links libtorch: the extra pins it with the torch it was built against.
-    from symmring.moe.deepgemm import BUILT_FOR_TORCH
+    from symmring.moe.engines.deepgemm import BUILT_FOR_TORCH
     ((dist, version), (major, minor)), = BUILT_FOR_TORCH.items()
     assert sorted(by_extra["deepgemm"]) == sorted([f"{dist}=={version}", f"torch=={major}.{minor}.*"])
-    from symmring.moe.hf import TRANSFORMERS_RANGE
+    from symmring.moe.integrations.hf import TRANSFORMERS_RANGE
     assert by_extra["hf"] == [f"transformers{TRANSFORMERS_RANGE}".replace(">=5.13,<6", "<6,>=5.13")] \
         or by_extra["hf"] == [f"transformers{TRANSFORMERS_RANGE}"]
     assert any(r.startswith("torch==") and r.endswith("+cpu") for r in by_extra["cpu"])

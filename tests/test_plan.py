@@ -1,9 +1,9 @@
-"""The GPU layer's per-call plan (symmring.moe.plan), on the CPU: windows, bounds and the small-batch flag."""
+"""The GPU layer's per-call plan (symmring.moe.gpu.plan), on the CPU: windows, bounds and the small-batch flag."""
 
 import pytest
 
 from symmring.errors import ConfigError
-from symmring.moe.plan import make_plan
+from symmring.moe.gpu.plan import make_plan
 
 KW = dict(tokens_per_slot=128, num_slots=3, expert_window=3, two_streams=True, topk=2, capacity=4096)
 
@@ -73,7 +73,7 @@ def test_streamed_plan_waits_are_the_protocols_cross_stream_edges(num_chunks, nu
 def test_token_buckets_cover_every_count_and_are_few():
     """`token_bucket`: at least the count, at most the cap when the count fits it, powers of two up to 256 then
     multiples of 256; 7 buckets up to 64 tokens, 24 up to 4096."""
-    from symmring.moe.plan import BUCKET_STEP, num_buckets, token_bucket
+    from symmring.moe.gpu.plan import BUCKET_STEP, num_buckets, token_bucket
     for cap in (1, 5, 64, 300, 4096):
         for n in range(0, cap + 1):
             b = token_bucket(n, cap)
@@ -86,7 +86,7 @@ def test_token_buckets_cover_every_count_and_are_few():
 def test_own_rows_clamps_this_ranks_bounds_to_its_tensors():
     """A plan made for a bucket, launched on fewer rows (an eager call's ``x``): this rank's chunk and window
     bounds never pass them; the other ranks' bounds (``source_tokens``, rows) are the bucket's."""
-    from symmring.moe.plan import make_plan, own_rows
+    from symmring.moe.gpu.plan import make_plan, own_rows
     plan = make_plan((64, 64), 0, tokens_per_slot=32, num_slots=2, expert_window=2, streaming=True,
                      two_streams=False, topk=2, capacity=4096)
     clamped = own_rows(plan, 40)

@@ -117,7 +117,7 @@ def test_auto_small_batch_agree_together():
 
 @pytest.mark.parametrize("counts", [[3, 1], [1, 3], [0, 3, 2], [60, 33]])
 def test_every_rank_plans_the_bucket_of_the_largest_count(counts):
-    from symmring.moe.plan import token_bucket
+    from symmring.moe.gpu.plan import token_bucket
     schedules = _schedules(counts, streaming=False)
     assert len(set(schedules)) == 1, schedules
     assert schedules[0][0] == (token_bucket(max(counts), 4096),) * len(counts)

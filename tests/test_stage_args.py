@@ -1,4 +1,4 @@
-"""`symmring.moe.stages`' launchers of the routing kernels, on the CPU: the argument tuple each builds has one
+"""`symmring.moe.gpu.stages`' launchers of the routing kernels, on the CPU: the argument tuple each builds has one
 value per parameter of its kernel in device/moe/producer.cu, of the parameter's size, in order (a fake launcher
 records the call; fake tensors stand in for torch's). On a GPU, tests/gpu/test_moe_routing.py runs them."""
 
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from symmring import jit
-from symmring.moe import routing, stages
+from symmring.moe import routing
+from symmring.moe.gpu import stages
 
 #: Bytes of each C parameter type the kernels take.
 C_SIZES = {"int": 4, "float": 4, "long long": 8, "uint64_t": 8}
@@ -106,7 +107,7 @@ class FakeRows(FakeTensor):
 def test_pass_launchers_match_their_kernels():
     """pull, pull_fp8 and combine_scatter carry the pass arguments (device/moe/dispatch.cu PassRows): one value
     per kernel parameter, of its size, and the entry map of a window's later chunk at its block's offset."""
-    from symmring.moe.plan import WindowStep
+    from symmring.moe.gpu.plan import WindowStep
     calls = []
 
     def recorder(name):
@@ -146,7 +147,7 @@ def test_fused_combine_arguments_match_its_kernel():
     """The fused combine goes through the layer's one launcher (PDL where allowed; no cooperative launch: it needs
     no residency), one value per kernel parameter, and its ``counters`` is the address of COUNTER_SEND with
     COUNTER_TICKET the word after it (device/moe/combine.cu reads counters[0] and counters[1])."""
-    from symmring.moe.plan import WindowStep
+    from symmring.moe.gpu.plan import WindowStep
     k, _, _ = fake_layer()
     k.combine_fused = "combine"
     s = SimpleNamespace(desc=np.uint64(0xD0), topk=8, hidden=2048, num_ranks=2, num_local_experts=4,

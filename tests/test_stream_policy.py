@@ -1,4 +1,4 @@
-"""The streaming policy (symmring.moe.policy) and the timeline arithmetic of the streamed layer, on the CPU.
+"""The streaming policy (symmring.moe.gpu.policy) and the timeline arithmetic of the streamed layer, on the CPU.
 
 Synthetic benchmark rows (seeded): the policy must pick the fastest streamed configuration only when it
 beats batch by the margin, apply the entry of the largest measured size at or below a request, resolve
@@ -13,8 +13,8 @@ import random
 import pytest
 
 from symmring.errors import ConfigError
-from symmring.moe.timeline import hidden_producer_fraction, overlap_fraction
-from symmring.moe.policy import DEFAULT_MARGIN, StreamPolicy, resolve
+from symmring.moe.gpu.timeline import hidden_producer_fraction, overlap_fraction
+from symmring.moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 
 SEED = 20261129
 

@@ -1,4 +1,4 @@
-"""The workspace planner (`symmring.workspace_plan`, ``python -m symmring plan``) and a live host workspace."""
+"""The workspace planner (`symmring.moe.workspace_plan`, ``python -m symmring plan``) and a live host workspace."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from symmring import init
 from symmring import plan as plan_cli
 from symmring.errors import ConfigError
-from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes
-from symmring.workspace import Workspace
-from symmring.workspace_plan import PRESETS, REGIONS, LayerShape, expert_arena, plan, uniform_rows, worst_rows
+from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes
+from symmring.moe.workspace import Workspace
+from symmring.moe.workspace_plan import PRESETS, REGIONS, LayerShape, expert_arena, plan, uniform_rows, worst_rows
 
 DEEPSEEK = LayerShape(**{k: v for k, v in PRESETS["deepseek-v3"].items() if k != "layers"})
 
@@ -61,8 +61,8 @@ def test_default_fits_a_gib_and_the_experts_parts_overlap_by_lifetime():
 def test_the_small_group_path_keeps_its_activations_apart():
     """The fp8 engine's small-group path fuses L1 with SwiGLU (it reads the pool while writing activations),
     so its activations are torch's: the plan's scratch counts them, for the rows such a pass can span."""
-    from symmring.moe.experts import SMALL_ROWS
-    from symmring.workspace_plan import SMALL_GROUP_ROWS, small_path_rows
+    from symmring.moe.engines.fp8 import SMALL_ROWS
+    from symmring.moe.workspace_plan import SMALL_GROUP_ROWS, small_path_rows
     assert SMALL_GROUP_ROWS == SMALL_ROWS
     rows = small_path_rows(DEEPSEEK, 8)
     assert rows == SMALL_ROWS * 8 + 32 * 127
@@ -140,8 +140,9 @@ def test_live_host_workspace_matches_the_plan():
 def test_dispatch_words_follow_the_layers_arrays():
     """The planner's count of a shape's dispatch words uses the GPU layer's own constants (a drift in
     stages/timeline fails here, not only on a GPU)."""
-    from symmring import workspace_plan
-    from symmring.moe import stages, timeline
+    from symmring.moe import workspace_plan
+    from symmring.moe.gpu import stages
+    from symmring.moe.gpu import timeline
     assert workspace_plan._STAMPS_PER_CHUNK == timeline.num_stamps(1)
     assert workspace_plan._FIXED_WORDS == 2 + stages.NUM_COUNTERS + stages.BAD_ID_WORDS
     shape = LayerShape(256, 128, 16, 2)

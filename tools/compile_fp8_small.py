@@ -1,4 +1,4 @@
-"""Compile `symmring.moe.fp8_small`'s kernel for sm_90 without a GPU: PTX and cubin (Triton's bundled ptxas).
+"""Compile `symmring.moe.engines.triton_small`'s kernel for sm_90 without a GPU: PTX and cubin (Triton's bundled ptxas).
 
 A check the CPU interpreter cannot make: that the GPU compiler accepts the kernel (the split-K path's
 atomic, barriers and ``.cg`` loads included) and how much shared memory each configuration takes (the
@@ -44,8 +44,8 @@ class _Sm90:
 def compile_one(cfg, swiglu: bool, M: int = 1024, K: int = 2048, inter: int = 768, G: int = 8):
     """The compiled kernel of ``cfg`` (fused L1 when ``swiglu``) for CPU stand-ins of the layer's tensors
     (pool scales MN-major, as the layer passes them)."""
-    from symmring.moe import fp8_small
-    _, kernel, tensor_descriptor = fp8_small._jit()
+    from symmring.moe.engines import triton_small
+    _, kernel, tensor_descriptor = triton_small._jit()
     NB = 2 * inter if swiglu else 2048
     n_out = inter if swiglu else NB
     a = torch.empty((M, K), dtype=torch.float8_e4m3fn)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write each configuration's PTX into this directory")
     args = parser.parse_args(argv)
     driver.set_active(_Sm90())
-    from symmring.moe.fp8_small import SmallConfig
+    from symmring.moe.engines.triton_small import SmallConfig
     cases = [(SmallConfig(128, 16, 4, 4), True), (SmallConfig(128, 16, 4, 3, split_k=3), True),
              (SmallConfig(128, 32, 4, 3, split_k=2), True), (SmallConfig(128, 16, 4, 4, split_k=2), True),
              (SmallConfig(128, 16, 4, 4), False), (SmallConfig(64, 16, 4, 4, split_k=2), False),

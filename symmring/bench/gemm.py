@@ -12,9 +12,9 @@ with CUDA events after warm-up; the GPU is kept busy by a short ``torch.cuda._sl
 call so host launch overhead is not counted; inputs rotate between several sets when one set would fit in
 L2):
 
-* the Triton engine (`symmring.moe.fp8_kernels.grouped_gemm_fp8`) for every configuration of
+* the Triton engine (`symmring.moe.engines.triton_large.grouped_gemm_fp8`) for every configuration of
   ``configs()`` plus `default_config`'s choice: the best and the default are reported;
-* DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` when `symmring.moe.deepgemm.deepgemm_status` says it
+* DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` when `symmring.moe.engines.deepgemm.deepgemm_status` says it
   is usable (else the reason is printed), and the ratios Triton best / DeepGEMM and default / DeepGEMM;
 * torch's bf16 ``torch._grouped_mm`` on the same rows, and a dense fp8 ``torch._scaled_mm`` (per-tensor
   scales: the cuBLAS fp8 ceiling) of the same total ``M x N x K``;
@@ -25,7 +25,7 @@ L2):
   quantisation rule evaluated with torch.
 
 ``--decode`` and ``--decode-sweep`` run the decode-size problems of `symmring.bench.gemm_decode` instead
-(the small-group kernels of `symmring.moe.fp8_small` against today's path and the weight-read time).
+(the small-group kernels of `symmring.moe.engines.triton_small` against today's path and the weight-read time).
 
 Progress goes to stderr, the table last to stdout; ``--json PATH`` writes every figure (all configs'
 rates, so `default_config` can be retuned from it). ``--quick``: the four anchors, four configurations,
@@ -207,7 +207,7 @@ def _num_sets(p: Problem, l2_bytes: int) -> int:
 
 def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
     import torch
-    from ..moe import fp8_kernels
+    from ..moe.engines import triton_large
     row: Dict = {"problem": p.name, "layer": p.layer, "groups": p.groups, "rows_per_group": p.rows_per_group,
                  "M_real": p.M, "N": p.N, "K": p.K, "flops": p.flops, "deepgemm_anchor_tflops": p.anchor}
     tflops = lambda ms: p.flops / (ms * 1e-3) / 1e12  # noqa: E731
@@ -216,14 +216,14 @@ def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
     b, b_sf, m_idx, out = data.b, data.b_sf, data.m_indices, data.out
 
     # Triton: every configuration (default first); the sweep stops once the time budget is spent.
-    default = fp8_kernels.default_config(p.M, p.N, p.K, p.groups)
+    default = triton_large.default_config(p.M, p.N, p.K, p.groups)
     cfgs = [default] + [c for c in state["configs"] if c != default]
     row["triton"] = {}
     for i, cfg in enumerate(cfgs):
         if i and time.perf_counter() - state["started"] > args.budget_s:
             row["sweep_truncated"] = True
             break
-        fns = [lambda s=s, c=cfg: fp8_kernels.grouped_gemm_fp8(s[1], s[2], b, b_sf, m_idx, out=out, config=c)
+        fns = [lambda s=s, c=cfg: triton_large.grouped_gemm_fp8(s[1], s[2], b, b_sf, m_idx, out=out, config=c)
                for s in data.sets]
         try:
             fns[0]()
@@ -245,7 +245,7 @@ def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
 
     # DeepGEMM
     if state["deepgemm_ok"]:
-        from ..moe import deepgemm
+        from ..moe.engines import deepgemm
         try:
             fns = [lambda s=s: deepgemm.grouped_gemm_fp8(s[1], s[2], b, b_sf, m_idx, out) for s in data.sets]
             fns[0]()
@@ -286,19 +286,19 @@ def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
 def bench_swiglu(data: Inputs, p: Problem, args, state: Dict) -> Dict:
     """swiglu_quant_fp8 on an L1 output [M, N] (random bf16 rows): GB/s and bitwise agreement."""
     import torch
-    from ..moe import fp8_kernels
+    from ..moe.engines import triton_large
     gen = torch.Generator(device=data.out.device).manual_seed(5)
     h = torch.randn(p.M, p.N, device=data.out.device, dtype=torch.bfloat16, generator=gen) * 2
     inter = p.N // 2
     try:
-        q, q_sf = fp8_kernels.swiglu_quant_fp8(h, data.m_indices)
+        q, q_sf = triton_large.swiglu_quant_fp8(h, data.m_indices)
         rows = slice(0, min(p.M, 4096))
         g, u = h[rows, :inter].float(), h[rows, inter:].float()
         act = g / (1.0 + torch.exp(-g)) * u
         q_ref, sf_ref = _quant_rows(act)
         q_bad = int((q[rows].view(torch.uint8) != q_ref.view(torch.uint8)).sum())
         sf_bad = int((q_sf[rows] != sf_ref).sum())
-        ms = _time_ms([lambda: fp8_kernels.swiglu_quant_fp8(h, data.m_indices)], args.repeats)
+        ms = _time_ms([lambda: triton_large.swiglu_quant_fp8(h, data.m_indices)], args.repeats)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     num_bytes = p.M * p.N * 2 + p.M * inter + p.M * (inter // 128) * 4 + p.M * 4
@@ -366,15 +366,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bench gemm: {missing}", file=sys.stderr)
         return 2
     import torch
-    from ..moe import fp8_kernels
-    from ..moe.deepgemm import deepgemm_status
+    from ..moe.engines import triton_large
+    from ..moe.engines.deepgemm import deepgemm_status
     logging.basicConfig(level=logging.WARNING)
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference of the correctness checks
     # DeepGEMM's JIT compiles with nvcc (its NVRTC path fails on the H200 image: NVRTC finds no
     # <cuda/std/cstdint>); DG_JIT_CACHE_DIR keeps the kernels across runs.
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
-    configs = fp8_kernels.configs()
+    configs = triton_large.configs()
     if args.quick:
         quick = ("128x128w8s5g8", "64x128w4s3g8", "128x256w8s3g8", "128x128w8s4g8-ptr")
         configs = [c for c in configs if c.name in quick]

@@ -9,9 +9,9 @@ per possible group), so empty 128-row blocks trail the touched ones as in a real
 ``--decode`` times, in one run and side by side (CUDA graphs, each replaying the step over several input
 sets so the weights do not stay in L2; median of ``--repeats`` replays, per step):
 
-* ``small``: `fp8_small.grouped_gemm_swiglu_quant_fp8_small` (L1 + SwiGLU + quantise) then
-  `fp8_small.grouped_gemm_fp8_small` (L2), their `small_config` choices, ``rows_per_group`` = the tokens;
-* ``builtin``: today's `fp8_kernels.grouped_gemm_fp8` L1, `swiglu_quant_fp8`, L2 (default configs);
+* ``small``: `triton_small.grouped_gemm_swiglu_quant_fp8_small` (L1 + SwiGLU + quantise) then
+  `triton_small.grouped_gemm_fp8_small` (L2), their `small_config` choices, ``rows_per_group`` = the tokens;
+* ``builtin``: today's `triton_large.grouped_gemm_fp8` L1, `swiglu_quant_fp8`, L2 (default configs);
 * ``deepgemm``: the same with DeepGEMM's contiguous GEMM, where it loads;
 * ``read``: the fp8 weight bytes (and block scales) of the touched experts over the device copy rate
   measured in the same run (the layer's roofline at these sizes),
@@ -19,7 +19,7 @@ sets so the weights do not stay in L2; median of ``--repeats`` replays, per step
 and prints ``small / read``, ``builtin / small`` and ``deepgemm / small``, and the relative difference of
 the small and builtin outputs over real rows (the same quantised inputs; different rounding points only).
 
-``--decode-sweep`` times each small kernel alone for every configuration of `fp8_small.configs` (fused L1
+``--decode-sweep`` times each small kernel alone for every configuration of `triton_small.configs` (fused L1
 and L2 separately, at 1, 8, 32 and 64 tokens unless ``--tokens`` says otherwise) against its own weight-read
 time, and prints the best configuration next to `small_config`'s choice, to retune the rule from one run.
 Split-K configurations (names ending ``k2``, ``k4``; `small_config` may choose others, e.g. ``k3``) are timed
@@ -103,24 +103,25 @@ class DecodePool:
 
 def _steps(shape: DecodeShape, dg_ok: bool) -> Dict[str, Callable]:
     """name -> fn(pool) running L1, SwiGLU + quantise, L2 of the pool; returns the output rows."""
-    from ..moe import fp8_kernels, fp8_small
+    from ..moe.engines import triton_large
+    from ..moe.engines import triton_small
 
     def small(p):
-        q, q_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices,
+        q, q_sf = triton_small.grouped_gemm_swiglu_quant_fp8_small(p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices,
                                                                 rows_per_group=p.rows_per_expert)
-        return fp8_small.grouped_gemm_fp8_small(q, q_sf, shape.w_down, shape.w_down_sf, p.m_indices,
+        return triton_small.grouped_gemm_fp8_small(q, q_sf, shape.w_down, shape.w_down_sf, p.m_indices,
                                                 rows_per_group=p.rows_per_expert)
 
     def unfused(gemm):
         def run(p):
             h = gemm(p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices)
-            q, q_sf = fp8_kernels.swiglu_quant_fp8(h, p.m_indices, sf_mn_major=True)
+            q, q_sf = triton_large.swiglu_quant_fp8(h, p.m_indices, sf_mn_major=True)
             return gemm(q, q_sf, shape.w_down, shape.w_down_sf, p.m_indices)
         return run
 
-    steps = {"small": small, "builtin": unfused(fp8_kernels.grouped_gemm_fp8)}
+    steps = {"small": small, "builtin": unfused(triton_large.grouped_gemm_fp8)}
     if dg_ok:
-        from ..moe import deepgemm
+        from ..moe.engines import deepgemm
         steps["deepgemm"] = unfused(lambda a, a_sf, b, b_sf, m: deepgemm.grouped_gemm_fp8(a, a_sf, b, b_sf, m))
     return steps
 
@@ -167,7 +168,7 @@ def _pools(shape: DecodeShape, tokens: int, l2_bytes: int) -> List[DecodePool]:
 
 def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeats: int) -> List[Dict]:
     import torch
-    from ..moe import fp8_small
+    from ..moe.engines import triton_small
     rows = []
     for name in shapes:
         t0 = time.perf_counter()
@@ -178,9 +179,9 @@ def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repea
             p0 = pools[0]
             touched = statistics.mean(p.touched for p in pools)
             read_ms = (shape.l1_bytes(touched) + shape.l2_bytes(touched)) / (state["copy_gbps"] * 1e9) * 1e3
-            l1_cfg = fp8_small.small_config(p0.num_rows, 2 * shape.inter, shape.hidden, shape.num_experts,
+            l1_cfg = triton_small.small_config(p0.num_rows, 2 * shape.inter, shape.hidden, shape.num_experts,
                                             p0.rows_per_expert, fused=True)
-            l2_cfg = fp8_small.small_config(p0.num_rows, shape.hidden, shape.inter, shape.num_experts,
+            l2_cfg = triton_small.small_config(p0.num_rows, shape.hidden, shape.inter, shape.num_experts,
                                             p0.rows_per_expert)
             row = {"shape": name, "tokens": n, "num_rows": p0.num_rows, "touched_experts": touched,
                    "sets": len(pools), "read_us": read_ms * 1e3,
@@ -236,7 +237,8 @@ def format_decode(rows: List[Dict], state: Dict) -> str:
 def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeats: int,
                budget_s: float) -> List[Dict]:
     import torch
-    from ..moe import fp8_kernels, fp8_small
+    from ..moe.engines import triton_large
+    from ..moe.engines import triton_small
     num_sms = torch.cuda.get_device_properties(state["device"]).multi_processor_count
     rows = []
     for name in shapes:
@@ -245,30 +247,30 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
             pools = _pools(shape, n, state["l2_bytes"])
             p0 = pools[0]
             touched = statistics.mean(p.touched for p in pools)
-            acts = [fp8_kernels.swiglu_quant_fp8(
-                fp8_kernels.grouped_gemm_fp8(p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices), p.m_indices,
+            acts = [triton_large.swiglu_quant_fp8(
+                triton_large.grouped_gemm_fp8(p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices), p.m_indices,
                 sf_mn_major=True) for p in pools]
             kernels = {
-                "L1": (True, shape.l1_bytes(touched), lambda p, a, c: fp8_small.grouped_gemm_swiglu_quant_fp8_small(
+                "L1": (True, shape.l1_bytes(touched), lambda p, a, c: triton_small.grouped_gemm_swiglu_quant_fp8_small(
                     p.x, p.x_sf, shape.w13, shape.w13_sf, p.m_indices, rows_per_group=p.rows_per_expert, config=c),
                     (2 * shape.inter, shape.hidden)),
-                "L2": (False, shape.l2_bytes(touched), lambda p, a, c: fp8_small.grouped_gemm_fp8_small(
+                "L2": (False, shape.l2_bytes(touched), lambda p, a, c: triton_small.grouped_gemm_fp8_small(
                     a[0], a[1], shape.w_down, shape.w_down_sf, p.m_indices, rows_per_group=p.rows_per_expert,
                     config=c), (shape.hidden, shape.inter)),
             }
             for gemm, (fused, num_bytes, fn, (N, K)) in kernels.items():
                 read_us = num_bytes / (state["copy_gbps"] * 1e9) * 1e6
-                default = fp8_small.small_config(p0.num_rows, N, K, shape.num_experts, p0.rows_per_expert,
+                default = triton_small.small_config(p0.num_rows, N, K, shape.num_experts, p0.rows_per_expert,
                                                  fused=fused)
                 row = {"shape": name, "tokens": n, "gemm": gemm, "read_us": read_us, "default": default.name,
                        "configs": {}}
 
                 def useful(c, N=N, K=K, fused=fused):  # split only below the SM count, >= 1 K block per split
-                    return c.split_k == 1 or (c.split_k <= K // 128 and fp8_small.tile_programs(
+                    return c.split_k == 1 or (c.split_k <= K // 128 and triton_small.tile_programs(
                         p0.num_rows, N, shape.num_experts, p0.rows_per_expert, c.block_n, c.block_t,
                         fused=fused) < num_sms)
 
-                for cfg in [default] + [c for c in fp8_small.configs(fused) if c != default and useful(c)]:
+                for cfg in [default] + [c for c in triton_small.configs(fused) if c != default and useful(c)]:
                     if cfg != default and time.perf_counter() - state["started"] > budget_s:
                         row["sweep_truncated"] = True
                         break

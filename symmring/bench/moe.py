@@ -9,7 +9,7 @@ sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``built
 * the layer's latency (`symmring.moe.gpu.MoE.forward`, batch-ready path, fp8 dispatch, router GEMM and TopK
   included), eagerly and replayed from a CUDA graph, and its stages (route, layout, dispatch, experts,
   combine); an eager call of at most 256 tokens per rank replays the layer's own cached graph of its shape
-  once warm (`symmring.moe.graph_cache`), so such rows also give the eager latency with the cache off
+  once warm (`symmring.moe.gpu.graph_cache`), so such rows also give the eager latency with the cache off
   (``eager_nocache_ms``, ``forward(graph_cache=False)``) beside it;
 * the expert stage's rate (TFLOP/s over the rows actually routed), and, for the fp8 engines, each fp8
   engine's expert step timed alone on the SAME pool (the same grouped problem), so ``vs DG`` is the
@@ -164,7 +164,7 @@ def available_engines(names) -> List[str]:
     out = []
     for name in names:
         if name == "deepgemm":
-            from ..moe import deepgemm
+            from ..moe.engines import deepgemm
             ok, reason = deepgemm.deepgemm_status()
             if not ok:
                 logger.warning("bench moe: engine deepgemm skipped: %s", reason)
@@ -201,8 +201,8 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 graphs: bool = True, seed: int = 0, done: Optional[List[int]] = None, total: Optional[int] = None,
                 started: Optional[float] = None, kernels: bool = False, transport: str = "p2p") -> List[Dict]:
     import torch
-    from ..moe.experts import Fp8Experts
-    from ..moe.gpu import MoE, STAGES
+    from ..moe.engines.fp8 import Fp8Experts
+    from ..moe.gpu.layer import MoE, STAGES
     from ..moe.torch_ref import TorchMoE
     hidden, inter, num_experts, topk = SHAPES[name]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
@@ -516,8 +516,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import torch
     # Every layer borrows the context's workspace: its symmetric regions (ring, combine, output rows) for the
-    # largest shape and token count (symmring.workspace_plan), in the heap (NVSHMEM's default: 1 GiB).
-    from ..workspace_plan import LayerShape, heap_bytes
+    # largest shape and token count (symmring.moe.workspace_plan), in the heap (NVSHMEM's default: 1 GiB).
+    from ..moe.workspace_plan import LayerShape, heap_bytes
     need = max(heap_bytes([LayerShape(*SHAPES[s][:2], SHAPES[s][2], SHAPES[s][3], expert_format=fmt)
                            for fmt in ("fp8", "bf16")], world_size=1, max_tokens=tokens[-1])
                + tokens[-1] * 4 * SHAPES[s][0] * 2 for s in shapes)  # + rdma staging of a few peers (per-PE sizes

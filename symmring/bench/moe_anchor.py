@@ -11,7 +11,7 @@ side, per model shape and tokens per rank:
 * symmring: ``MoE(..., w_gate, w_up, w_down, w_*_scale=...)`` given those fp8 weights, called with
   ``topk_idx``/``topk_weights`` (no router), batch (``streaming=False``, the default one-slot ring) and
   streamed (``streaming=True``, a ring of ``--tokens-per-slot`` slots; only where a call has at least two
-  chunks), for each engine (``builtin``; ``deepgemm`` where `symmring.moe.deepgemm` finds a working
+  chunks), for each engine (``builtin``; ``deepgemm`` where `symmring.moe.engines.deepgemm` finds a working
   ``deep_gemm``);
 * MegaMoE: the same fp8 weights as ``l1 = [gate; up]`` (rows interleaved by 8, `interleave_gate_up`, which
   is its ``transform_weights_for_mega_moe_sm90``; scales unchanged) and ``l2 = down``; its symmetric buffer
@@ -420,7 +420,7 @@ class MegaMoERunner:
 
 def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[str], max_tokens: int,
                      tokens_per_slot: int) -> Dict[str, object]:
-    from ..moe.gpu import MoE
+    from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = ANCHOR_SHAPES[shape]
     common = dict(w_gate_scale=weights["gate_scale"], w_up_scale=weights["up_scale"],
                   w_down_scale=weights["down_scale"], expert_dtype="fp8")
@@ -439,13 +439,13 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
 
 
 def usable_engines(engines: List[str], payload: Dict) -> List[str]:
-    """The engines that work here: ``deepgemm`` only where `symmring.moe.deepgemm` imports a ``deep_gemm`` and
+    """The engines that work here: ``deepgemm`` only where `symmring.moe.engines.deepgemm` imports a ``deep_gemm`` and
     its probe GEMM agrees with torch (in this process that is whichever ``deep_gemm`` is first on the path);
     each one left out is recorded in ``payload["skipped"]``."""
     out = []
     for engine in engines:
         if engine == "deepgemm":
-            from ..moe import deepgemm
+            from ..moe.engines import deepgemm
             ok, reason = deepgemm.deepgemm_status(probe=True)
             payload["deepgemm_engine"] = reason
             if not ok:

@@ -15,7 +15,7 @@ and reports the ratio streamed / batch (median of ``--repeats`` warm calls each)
 measures both captured into CUDA graphs (the streamed path launches ~15 kernels per chunk, so eagerly it
 pays the host's launch cost per chunk).
 
-The automatic policy table (`symmring.moe.policy.StreamPolicy`) picks, per shape and token count, the
+The automatic policy table (`symmring.moe.gpu.policy.StreamPolicy`) picks, per shape and token count, the
 fastest measured streamed configuration when it beat batch by at least 3 % (the run-to-run noise of one
 ratio), else batch; ``recheck`` times each streamed choice again against batch on other inputs and
 weights with twice the repeats (the honest check: the choice was picked on the data it was measured on).
@@ -46,7 +46,7 @@ import numpy as np
 
 from . import missing_cuda_torch, progress
 
-from ..moe.policy import DEFAULT_MARGIN, StreamPolicy, resolve
+from ..moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 from .moe import SHAPES, layer_weights
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _call(layer, x, router, graphs: Dict, use_graph: bool, streaming: bool):
 def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats: int, use_graph: bool,
                 seed: int = 0) -> List[Dict]:
     import torch
-    from ..moe.gpu import MoE
+    from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = SHAPES[name]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     max_tokens = max(tokens)
@@ -145,7 +145,7 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
 
 def policy_table(rows: List[Dict], margin: float = DEFAULT_MARGIN) -> List[Dict]:
     """Per (shape, tokens): the fastest streamed configuration if it beat batch by ``margin``, else batch
-    (`symmring.moe.policy.StreamPolicy`)."""
+    (`symmring.moe.gpu.policy.StreamPolicy`)."""
     return StreamPolicy.from_rows(rows, margin).entries
 
 
@@ -164,8 +164,8 @@ def recheck_policy(ctx, table: List[Dict], repeats: int, use_graph: bool) -> Non
 def timeline(ctx, shape: str, n: int, cfgs: List[Dict], png_path: str) -> List[Dict]:
     """One call per configuration with device timestamps; one PNG with a panel each. Returns the data."""
     import torch
-    from ..moe.gpu import MoE
-    from ..moe.timeline import hidden_producer_fraction, overlap_fraction
+    from ..moe.gpu.layer import MoE
+    from ..moe.gpu.timeline import hidden_producer_fraction, overlap_fraction
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=3)
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
@@ -224,9 +224,9 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     50 ms sleep kernel first) timed alone and beside ``world_size + 1`` blocks of the consumer's wait loop
     (``moe_spin_probe``), interleaved."""
     import torch
-    from ..moe import plan as plans
-    from ..moe import stages
-    from ..moe.gpu import MoE
+    from ..moe.gpu import plan as plans
+    from ..moe.gpu import stages
+    from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
@@ -377,7 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Symmetric heap: batch ring + combine, streamed ring (at most a slot per chunk: ~ one batch ring, or
     # num_slots slots) + combine, of the largest size; bf16 rows bound the fp8 ones.
     ring_tokens = max([tokens[-1] + max(per_slot)] + [int(s) * max(per_slot) for s in slots if s != "call"])
-    from ..workspace_plan import LayerShape, heap_bytes
+    from ..moe.workspace_plan import LayerShape, heap_bytes
     need = max(heap_bytes([LayerShape(*SHAPES[s][:2], SHAPES[s][2], SHAPES[s][3])], world_size=1,
                           max_tokens=tokens[-1]) + (tokens[-1] + ring_tokens) * SHAPES[s][0] * 2 for s in shapes)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(need * 1.25) + 2 ** 28)))

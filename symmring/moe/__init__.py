@@ -1,7 +1,7 @@
 """MoE layers and their parts. The torch-facing names load on first use (symmring imports without torch):
 
-* `MoEModule` (`symmring.moe.module`): the GPU layer as a ``torch.nn.Module``, its forward a torch custom op;
-* `from_hf`, `replace_moe_blocks` (`symmring.moe.hf`): build it from transformers MoE blocks.
+* `MoEModule` (`symmring.moe.integrations.module`): the GPU layer as a ``torch.nn.Module``, its forward a torch custom op;
+* `from_hf`, `replace_moe_blocks` (`symmring.moe.integrations.hf`): build it from transformers MoE blocks.
 """
 
 _LAZY = {"MoEModule": "module", "moe_op": "module", "from_hf": "hf", "replace_moe_blocks": "hf"}

@@ -9,7 +9,7 @@ Weights use the ``nn.Linear`` convention of Mixtral and Qwen-MoE (``w1``/``w3``/
 ``w_up`` are ``[num_experts, inter, hidden]``, ``w_down`` is ``[num_experts, hidden, inter]``.
 
 Routing and the grouped-GEMM primitives are the definitions the layer uses (`symmring.moe.routing`,
-`symmring.moe.experts`); what is plain here is the data movement: sort by expert, gather, scatter-add.
+`symmring.moe.engines`); what is plain here is the data movement: sort by expert, gather, scatter-add.
 
 Nothing here imports torch at module import time beyond the first call (no import-time side effects).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from ..errors import ConfigError
-from .experts import fuse_gate_up, grouped_mm, swiglu
+from .engines.torch_bf16 import fuse_gate_up, grouped_mm, swiglu
 from .routing import route
 
 

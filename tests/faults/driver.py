@@ -47,7 +47,7 @@ import numpy as np
 
 import symmring
 from symmring import protocol
-from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
 
 #: How late the faulty rank starts (late) or how long its producer sleeps (stall): far beyond the bound.
 LATE_S = 20.0

@@ -96,7 +96,7 @@ def cuda_device():
 
 def deepgemm_reason() -> Optional[str]:
     """Why the DeepGEMM engine cannot run here, or None when it loads."""
-    from symmring.moe import deepgemm
+    from symmring.moe.engines import deepgemm
     ok, reason = deepgemm.deepgemm_status()
     return None if ok else reason
 

@@ -22,8 +22,8 @@ from moe_helpers import cuda_device as device_of, make_tokens, to_torch, verdict
 from test_workspace import NUM_EXPERTS, SHAPES, build  # noqa: E402  (the layers of the workspace tests)
 from test_workspace import routing as routing_rows  # noqa: E402
 
-from symmring.moe.plan import num_buckets  # noqa: E402
-from symmring.workspace import Workspace  # noqa: E402
+from symmring.moe.gpu.plan import num_buckets  # noqa: E402
+from symmring.moe.workspace import Workspace  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -168,7 +168,7 @@ def test_a_replaced_model_step_captured_once_serves_random_counts(ctx):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_models
     import hf_models
-    from symmring.moe.hf import replace_moe_blocks
+    from symmring.moe.integrations.hf import replace_moe_blocks
     dev = device_of()
     model, _ = hf_models.tiny_model("mixtral", SEED, device=dev)
     replaced = replace_moe_blocks(model, ctx, max_tokens=BUCKET, engine="builtin")

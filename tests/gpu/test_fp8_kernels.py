@@ -1,4 +1,4 @@
-"""The fp8 expert engines (symmring.moe.fp8_kernels, symmring.moe.deepgemm) against the CPU references.
+"""The fp8 expert engines (symmring.moe.engines.triton_large, symmring.moe.engines.deepgemm) against the CPU references.
 
 Needs torch with a CUDA GPU of compute capability >= 8.9 and triton (no NVSHMEM); skipped with the reason
 elsewhere. With ``TRITON_INTERPRET=1`` the Triton kernels run on the CPU through Triton's interpreter
@@ -32,14 +32,15 @@ import pytest
 
 from moe_helpers import deepgemm_reason
 from symmring.errors import ConfigError
-from symmring.moe import fp8_kernels, quant
+from symmring.moe import quant
+from symmring.moe.engines import triton_large
 from symmring.moe.fp8_reference import (grouped_gemm_fp8_reference, make_contiguous_layout,
                                         quantize_weight_blocks, silu_mul_f32)
 
 torch = pytest.importorskip("torch", reason="the fp8 engine tests need torch (and triton, and a CUDA GPU)")
 pytest.importorskip("triton", reason="the fp8 engine tests need triton (it ships with torch's CUDA wheels)")
 
-INTERPRET = fp8_kernels.interpreting()
+INTERPRET = triton_large.interpreting()
 SEED = 20261201
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -149,9 +150,9 @@ GEMM_SHAPES_GPU = GEMM_SHAPES_SMALL + [
     ([500, 0, 37, 1024, 255, 128, 0, 3], 1024, 1024, 4096),
     ([256] * 4, 2048, 2048, None),
 ]
-INTERPRETER_CONFIGS = [fp8_kernels.GemmConfig(128, 128, 8, 8, 3), fp8_kernels.GemmConfig(64, 128, 8, 4, 3, tma=False),
-                       fp8_kernels.GemmConfig(128, 256, 8, 8, 3)]
-GEMM_CONFIGS = INTERPRETER_CONFIGS if INTERPRET else fp8_kernels.configs()
+INTERPRETER_CONFIGS = [triton_large.GemmConfig(128, 128, 8, 8, 3), triton_large.GemmConfig(64, 128, 8, 4, 3, tma=False),
+                       triton_large.GemmConfig(128, 256, 8, 8, 3)]
+GEMM_CONFIGS = INTERPRETER_CONFIGS if INTERPRET else triton_large.configs()
 GEMM_SHAPES = GEMM_SHAPES_SMALL if INTERPRET else GEMM_SHAPES_GPU
 SENTINEL = 7.0  # bf16-exact: rows the kernel must not write keep it
 
@@ -192,7 +193,7 @@ def test_grouped_gemm_matches_reference(config, shape, device):
     m_indices = problem[4]
     args = [to_torch(v, device) for v in problem]
     out = torch.full((len(m_indices), N), SENTINEL, dtype=torch.bfloat16, device=device)
-    fp8_kernels.grouped_gemm_fp8(*args, out=out, config=config)
+    triton_large.grouped_gemm_fp8(*args, out=out, config=config)
     err = check_gemm(out, problem, f"{config.name} {shape}")
     # Tiles that start with a padding row exit before writing anything.
     starts = np.arange(0, len(m_indices), config.block_m)
@@ -205,28 +206,28 @@ def test_grouped_gemm_matches_reference(config, shape, device):
 def test_grouped_gemm_default_config_strided_scales_and_errors(device):
     problem = make_gemm_problem([200, 64], 256, 256, 512)
     a, a_sf, b, b_sf, m_indices = [to_torch(v, device) for v in problem]
-    out = fp8_kernels.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices)  # default config, allocated output
+    out = triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices)  # default config, allocated output
     check_gemm(out, problem, "default config")
     # MN-major activation scales (DeepGEMM's layout) and transposed weight scales give the same result.
     a_sf_mn = torch.empty_strided(a_sf.shape, (1, a_sf.shape[0]), dtype=torch.float32, device=device).copy_(a_sf)
     b_sf_t = b_sf.transpose(1, 2).contiguous().transpose(1, 2)
-    out2 = fp8_kernels.grouped_gemm_fp8(a, a_sf_mn, b, b_sf_t, m_indices)
+    out2 = triton_large.grouped_gemm_fp8(a, a_sf_mn, b, b_sf_t, m_indices)
     real = torch.from_numpy(problem[4] >= 0).to(device)
     assert torch.equal(out[real], out2[real])
     with pytest.raises(ConfigError, match="a:"):
-        fp8_kernels.grouped_gemm_fp8(a.float(), a_sf, b, b_sf, m_indices)
+        triton_large.grouped_gemm_fp8(a.float(), a_sf, b, b_sf, m_indices)
     with pytest.raises(ConfigError, match="multiple of 128"):
-        fp8_kernels.grouped_gemm_fp8(a[:, :100], a_sf, b, b_sf, m_indices)
+        triton_large.grouped_gemm_fp8(a[:, :100], a_sf, b, b_sf, m_indices)
     with pytest.raises(ConfigError, match="b_sf"):
-        fp8_kernels.grouped_gemm_fp8(a, a_sf, b, b_sf[:, :1], m_indices)
+        triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf[:, :1], m_indices)
     with pytest.raises(ConfigError, match="m_indices"):
-        fp8_kernels.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices.long())
+        triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices.long())
     with pytest.raises(ConfigError, match="out"):
-        fp8_kernels.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=torch.empty(3, 3, device=device))
+        triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=torch.empty(3, 3, device=device))
     if device.type == "cuda":
         with pytest.raises(ConfigError, match="device"):
-            fp8_kernels.grouped_gemm_fp8(a, a_sf.cpu(), b, b_sf, m_indices)
-    empty = fp8_kernels.grouped_gemm_fp8(a[:0], a_sf[:0], b, b_sf, m_indices[:0])
+            triton_large.grouped_gemm_fp8(a, a_sf.cpu(), b, b_sf, m_indices)
+    empty = triton_large.grouped_gemm_fp8(a[:0], a_sf[:0], b, b_sf, m_indices[:0])
     assert tuple(empty.shape) == (0, 256)
 
 
@@ -261,7 +262,7 @@ def test_swiglu_quant_bitwise(M, inter, with_indices, device):
         m_np = np.where(rng.random(M) < 0.25, -1, 0).astype(np.int32)
         m_np[:3] = 0
     act_out = torch.empty(M, inter, dtype=torch.float32, device=device)
-    q, q_sf = fp8_kernels.swiglu_quant_fp8(h, None if m_np is None else to_torch(m_np, device), act_out=act_out)
+    q, q_sf = triton_large.swiglu_quant_fp8(h, None if m_np is None else to_torch(m_np, device), act_out=act_out)
     assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (M, inter)
     assert q_sf.dtype == torch.float32 and tuple(q_sf.shape) == (M, inter // 128)
     real = np.ones(M, bool) if m_np is None else m_np >= 0
@@ -293,14 +294,14 @@ def test_swiglu_quant_bitwise(M, inter, with_indices, device):
 def test_swiglu_quant_errors(device):
     h = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
     with pytest.raises(ConfigError, match="bfloat16"):
-        fp8_kernels.swiglu_quant_fp8(h.float())
+        triton_large.swiglu_quant_fp8(h.float())
     with pytest.raises(ConfigError, match="multiple of 128"):
-        fp8_kernels.swiglu_quant_fp8(h[:, :192])
+        triton_large.swiglu_quant_fp8(h[:, :192])
     with pytest.raises(ConfigError, match="m_indices"):
-        fp8_kernels.swiglu_quant_fp8(h, torch.zeros(3, dtype=torch.int32, device=device))
+        triton_large.swiglu_quant_fp8(h, torch.zeros(3, dtype=torch.int32, device=device))
     with pytest.raises(ConfigError, match="act_out"):
-        fp8_kernels.swiglu_quant_fp8(h, act_out=torch.empty(4, 256, device=device))
-    q, q_sf = fp8_kernels.swiglu_quant_fp8(h[:0])
+        triton_large.swiglu_quant_fp8(h, act_out=torch.empty(4, 256, device=device))
+    q, q_sf = triton_large.swiglu_quant_fp8(h[:0])
     assert tuple(q.shape) == (0, 128) and tuple(q_sf.shape) == (0, 1)
 
 
@@ -316,7 +317,7 @@ def _deepgemm_reason():
 @pytest.mark.parametrize("shape", [s for s in GEMM_SHAPES if s[1] % 8 == 0],
                          ids=lambda s: f"G{len(s[0])}-N{s[1]}-K{s[2]}")
 def test_deepgemm_matches_reference_and_triton(shape, device):
-    from symmring.moe import deepgemm
+    from symmring.moe.engines import deepgemm
     rows, N, K, total = shape
     problem = cached_problem(tuple(rows), N, K, total)
     a, a_sf, b, b_sf, m_indices = [to_torch(v, device) for v in problem]
@@ -326,7 +327,7 @@ def test_deepgemm_matches_reference_and_triton(shape, device):
     out_dg2 = deepgemm.grouped_gemm_fp8(a, deepgemm.prepare_activation_scales(a_sf), b, b_sf, m_indices)
     real = torch.from_numpy(problem[4] >= 0).to(device)
     assert torch.equal(out_dg[real], out_dg2[real]), "MN-major activation scales changed DeepGEMM's result"
-    out_tr = fp8_kernels.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices)
+    out_tr = triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices)
     err_tr = check_gemm(out_tr, problem, f"Triton {shape}")
     diff = float((out_dg[real].float() - out_tr[real].float()).norm() / out_dg[real].float().norm())
     assert diff <= 1e-2, f"DeepGEMM vs Triton: relative difference {diff:.3e}"
@@ -334,7 +335,7 @@ def test_deepgemm_matches_reference_and_triton(shape, device):
 
 
 def test_deepgemm_status_reports(device):
-    from symmring.moe.deepgemm import deepgemm_status
+    from symmring.moe.engines.deepgemm import deepgemm_status
     ok, reason = deepgemm_status(probe=not INTERPRET)
     assert isinstance(ok, bool) and reason
     print(f"deepgemm_status: ok={ok}: {reason}")

@@ -1,4 +1,4 @@
-"""The small-batch fp8 kernels (symmring.moe.fp8_small) against the float64 reference and against themselves.
+"""The small-batch fp8 kernels (symmring.moe.engines.triton_small) against the float64 reference and against themselves.
 
 Runs where tests/gpu/test_fp8_kernels.py runs (a CUDA GPU of compute capability >= 8.9, or the CPU under
 ``TRITON_INTERPRET=1`` with smaller shapes and fewer configurations; the same exact-cast fixture)::
@@ -10,7 +10,7 @@ Runs where tests/gpu/test_fp8_kernels.py runs (a CUDA GPU of compute capability 
   empty groups, empty 128-row blocks and trailing padding; padding rows (garbage, NaN scales) never
   written; the ``rows_per_group`` bound visits only the first row tiles of each block;
 * the fused L1 + SwiGLU + quantise: q and q_sf bitwise the small GEMM's bf16 output through
-  `fp8_kernels.swiglu_quant_fp8` on every real row, and near the float64 model of the same recipe;
+  `triton_large.swiglu_quant_fp8` on every real row, and near the float64 model of the same recipe;
 * position independence: the same rows placed at other pool positions (another group slot, another row
   of the tile, other rows beside them) give bitwise the same output rows, for both kernels;
 * split-K (``split_k > 1``, in the configurations above too): within the same tolerance of the float64
@@ -35,13 +35,14 @@ from test_fp8_kernels import (E4M3, INTERPRET, SENTINEL, _skip_reason, check_gem
 import torch  # noqa: E402  (test_fp8_kernels skipped the module already where torch is missing)
 
 from symmring.errors import ConfigError  # noqa: E402
-from symmring.moe import fp8_kernels, fp8_small  # noqa: E402
+from symmring.moe.engines import triton_large  # noqa: E402
+from symmring.moe.engines import triton_small  # noqa: E402
 from symmring.moe.fp8_reference import grouped_gemm_fp8_reference, swiglu_quant_reference  # noqa: E402
 from symmring.moe.quant import BF16_DTYPE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
-SmallConfig = fp8_small.SmallConfig
+SmallConfig = triton_small.SmallConfig
 INTERPRETER_CONFIGS = [SmallConfig(128, 16, 4, 2), SmallConfig(64, 32, 4, 3, tma=False), SmallConfig(64, 64, 4, 2),
                        SmallConfig(128, 16, 4, 2, split_k=2), SmallConfig(64, 32, 4, 2, tma=False, split_k=3)]
 GPU_CONFIGS = [SmallConfig(n, t, w, s) for n in (64, 128) for t in (16, 32, 64) for w in (4, 8) for s in (3, 6)]
@@ -80,7 +81,7 @@ def test_small_gemm_matches_reference(config, shape, device):
     problem = make_gemm_problem(rows, N, K, total)
     m_indices = problem[4]
     out = torch.full((len(m_indices), N), SENTINEL, dtype=torch.bfloat16, device=device)
-    fp8_small.grouped_gemm_fp8_small(*_args(problem, device), out=out, rows_per_group=max(rows), config=config)
+    triton_small.grouped_gemm_fp8_small(*_args(problem, device), out=out, rows_per_group=max(rows), config=config)
     err = check_gemm(out, problem, f"{config.name} {shape}")
     got = to_numpy(out).astype(np.float32)
     assert np.all(got[m_indices < 0] == SENTINEL), f"{config.name}: a padding row was written"
@@ -91,18 +92,18 @@ def test_small_gemm_bound_and_default_config(device):
     rows = [20, 0, 1, 9]
     problem = make_gemm_problem(rows, 256, 256, 768)
     args = _args(problem, device)
-    full = fp8_small.grouped_gemm_fp8_small(*args)  # every tile, default config (row tile 64)
+    full = triton_small.grouped_gemm_fp8_small(*args)  # every tile, default config (row tile 64)
     check_gemm(full, problem, "no bound")
     real = torch.from_numpy(problem[4] >= 0).to(device)
     cfg = SmallConfig(128, 16, 4, 2)
     # A bound that holds: the same rows (the same configuration computes them the same way).
-    a = fp8_small.grouped_gemm_fp8_small(*args, rows_per_group=20, config=cfg)
-    b = fp8_small.grouped_gemm_fp8_small(*args, rows_per_group=128, config=cfg)
-    c = fp8_small.grouped_gemm_fp8_small(*args, config=cfg)
+    a = triton_small.grouped_gemm_fp8_small(*args, rows_per_group=20, config=cfg)
+    b = triton_small.grouped_gemm_fp8_small(*args, rows_per_group=128, config=cfg)
+    c = triton_small.grouped_gemm_fp8_small(*args, config=cfg)
     assert torch.equal(a[real], b[real]) and torch.equal(a[real], c[real])
     # A bound that does not hold leaves the rows past it unwritten (the contract: the bound must hold).
     out = torch.full_like(a, SENTINEL)
-    fp8_small.grouped_gemm_fp8_small(*args, out=out, rows_per_group=16, config=cfg)
+    triton_small.grouped_gemm_fp8_small(*args, out=out, rows_per_group=16, config=cfg)
     assert torch.equal(out[:16], a[:16]) and bool((out[16:20].float() == SENTINEL).all())
 
 
@@ -112,7 +113,7 @@ def _fused_problem(rows, inter, K, total, seed=7):
 
 
 # The fused kernel stages two weight tiles (gate and up) per step: only the configurations whose pipeline
-# fits the SM's shared memory (fp8_small.configs applies the same rule).
+# fits the SM's shared memory (triton_small.configs applies the same rule).
 FUSED_CONFIGS = [c for c in CONFIGS if c.block_n == 128 and c.smem_bytes(True) <= 200 * 1024]
 FUSED_SHAPES = [([1, 0, 17, 3, 64], 128, 256, 1024), ([33, 2, 0, 65], 256, 128, 640)]
 if not INTERPRET:  # K blocks for every split configuration
@@ -127,12 +128,12 @@ def test_fused_l1_bitwise_small_gemm_then_swiglu_quant(config, shape, device):
     problem = _fused_problem(rows, inter, K, total)
     a, a_sf, b, b_sf, m_idx = _args(problem, device)
     real = problem[4] >= 0
-    q, q_sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=max(rows),
+    q, q_sf = triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=max(rows),
                                                             config=config)
     assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (total, inter)
     assert tuple(q_sf.shape) == (total, inter // 128) and q_sf.stride(0) == 1  # MN-major, as L2 reads it
-    h = fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=max(rows), config=config)
-    q_ref, sf_ref = fp8_kernels.swiglu_quant_fp8(h, m_idx, sf_mn_major=True)
+    h = triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=max(rows), config=config)
+    q_ref, sf_ref = triton_large.swiglu_quant_fp8(h, m_idx, sf_mn_major=True)
     for name, got, want in (("q", q, q_ref), ("q_sf", q_sf, sf_ref)):
         diff = first_difference(name, to_numpy(got)[real], to_numpy(want)[real])
         assert diff is None, f"{config.name}: fused != small GEMM + swiglu_quant_fp8: {diff}"
@@ -169,14 +170,14 @@ def test_row_results_independent_of_position(config, device):
     inter, K = 128, 256
     base = make_gemm_problem([5, 2], 2 * inter, K, 256, seed=11)
     args = _args(base, device)
-    out0 = fp8_small.grouped_gemm_fp8_small(*args, config=config)[:5]
-    q0, sf0 = fp8_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=config)
+    out0 = triton_small.grouped_gemm_fp8_small(*args, config=config)[:5]
+    q0, sf0 = triton_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=config)
     for slot_rows, seed in ((9, 1), (config.block_t - 2, 2), (40, 3)):
         moved, rows = _relocated(base, slot_rows, seed)
         margs = _args(moved, device)
-        out1 = fp8_small.grouped_gemm_fp8_small(*margs, config=config)[rows]
+        out1 = triton_small.grouped_gemm_fp8_small(*margs, config=config)[rows]
         assert torch.equal(out0, out1), f"{config.name}: GEMM rows changed when placed at row {slot_rows}"
-        q1, sf1 = fp8_small.grouped_gemm_swiglu_quant_fp8_small(*margs, config=config)
+        q1, sf1 = triton_small.grouped_gemm_swiglu_quant_fp8_small(*margs, config=config)
         assert torch.equal(q0[:5].view(torch.uint8), q1[rows].view(torch.uint8)), \
             f"{config.name}: fused q rows changed when placed at row {slot_rows}"
         assert torch.equal(sf0[:5], sf1[rows]), f"{config.name}: fused q_sf rows changed at row {slot_rows}"
@@ -186,22 +187,22 @@ def test_small_errors(device):
     problem = make_gemm_problem([3, 1], 256, 256, 256)
     a, a_sf, b, b_sf, m_idx = _args(problem, device)
     with pytest.raises(ConfigError, match="a:"):
-        fp8_small.grouped_gemm_fp8_small(a.float(), a_sf, b, b_sf, m_idx)
+        triton_small.grouped_gemm_fp8_small(a.float(), a_sf, b, b_sf, m_idx)
     with pytest.raises(ConfigError, match="b_sf"):
-        fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf[:, :1], m_idx)
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf[:, :1], m_idx)
     with pytest.raises(ConfigError, match="m_indices"):
-        fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx.long())
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx.long())
     with pytest.raises(ConfigError, match="out"):
-        fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, out=torch.empty(3, 3, device=device))
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, out=torch.empty(3, 3, device=device))
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ConfigError, match="rows_per_group"):
-            fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=bad)
+            triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=bad)
     with pytest.raises(ConfigError, match="config"):
-        fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=fp8_kernels.GemmConfig())
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=triton_large.GemmConfig())
     with pytest.raises(ConfigError, match="block_n"):
-        fp8_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(64, 16))
+        triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(64, 16))
     with pytest.raises(ConfigError, match="2 \\* I"):
-        fp8_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b[:, :128], b_sf[:, :1], m_idx)
+        triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b[:, :128], b_sf[:, :1], m_idx)
     for kwargs in ({"block_n": 32}, {"block_t": 8}, {"num_warps": 2}, {"num_stages": 0}):
         with pytest.raises(ConfigError):
             SmallConfig(**kwargs)
@@ -210,18 +211,19 @@ def test_small_errors(device):
             SmallConfig(split_k=bad)
     # K = 256 is 2 K blocks: 3 splits is an error, not clamped (the configuration names what runs).
     with pytest.raises(ConfigError, match="split_k=3: more splits than K blocks"):
-        fp8_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
     with pytest.raises(ConfigError, match="split_k=3"):
-        fp8_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
+        triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
     assert SmallConfig(128, 16, 4, 4).name == "n128t16w4s4" and SmallConfig(64, 16, split_k=2).name == "n64t16w4s4k2"
-    empty = fp8_small.grouped_gemm_fp8_small(a[:0], a_sf[:0], b, b_sf, m_idx[:0])
+    empty = triton_small.grouped_gemm_fp8_small(a[:0], a_sf[:0], b, b_sf, m_idx[:0])
     assert tuple(empty.shape) == (0, 256)
 
 
 def test_fp8_experts_small_path(device):
     """Fp8Experts: rows_per_expert <= small_rows takes the small kernels, else the large-group path; both
     agree with the float64 model of the same recipe, and small_rows=0 disables the small path."""
-    from symmring.moe.experts import Fp8Experts, Pool
+    from symmring.moe.engines.fp8 import Fp8Experts
+    from symmring.moe.engines import Pool
     from symmring.moe.weights import ExpertWeights
     inter, hidden, rows = 128, 256, [3, 0, 1, 5]
     a_q, a_sf, w13, w13_sf, m_indices = make_gemm_problem(rows, 2 * inter, hidden, 640, seed=3)
@@ -234,9 +236,9 @@ def test_fp8_experts_small_path(device):
     calls = []
     small = Fp8Experts(weights, "builtin", small_rows=8)
     large = Fp8Experts(weights, "builtin", small_rows=0)
-    original = fp8_small.grouped_gemm_swiglu_quant_fp8_small
+    original = triton_small.grouped_gemm_swiglu_quant_fp8_small
     try:
-        fp8_small.grouped_gemm_swiglu_quant_fp8_small = lambda *a, **k: calls.append(k) or original(*a, **k)
+        triton_small.grouped_gemm_swiglu_quant_fp8_small = lambda *a, **k: calls.append(k) or original(*a, **k)
         y_small = small.forward(pool, 640, rows_per_expert=5)
         assert len(calls) == 1 and calls[0]["rows_per_group"] == 5
         y_large = large.forward(pool, 640, rows_per_expert=5)
@@ -244,7 +246,7 @@ def test_fp8_experts_small_path(device):
         y_over = small.forward(pool, 640, rows_per_expert=9)
         assert len(calls) == 1, "the small path ran where it should not"
     finally:
-        fp8_small.grouped_gemm_swiglu_quant_fp8_small = original
+        triton_small.grouped_gemm_swiglu_quant_fp8_small = original
     assert torch.equal(y_large[torch.from_numpy(real)], y_none[torch.from_numpy(real)])
     assert torch.equal(y_large[torch.from_numpy(real)], y_over[torch.from_numpy(real)])
     # The float64 model of the recipe: L1 (bf16), SwiGLU + 1x128 quantisation, L2.
@@ -268,7 +270,7 @@ def test_rows_across_tile_shapes(device):
     problem = make_gemm_problem([5, 0, 12], 256, 384, 512, seed=5)
     args = _args(problem, device)
     real = torch.from_numpy(problem[4] >= 0).to(device)
-    outs = {c.name: fp8_small.grouped_gemm_fp8_small(*args, config=c)[real]
+    outs = {c.name: triton_small.grouped_gemm_fp8_small(*args, config=c)[real]
             for c in (SmallConfig(128, 16, 4, 2), SmallConfig(128, 64, 4, 3), SmallConfig(64, 32, 4, 2))}
     first, *others = outs.items()
     for name, out in others:
@@ -299,11 +301,11 @@ def test_split_k_within_the_reference_tolerance(split_k, device):
     real = problem[4] >= 0
     cfg = dataclasses.replace(SPLIT_BASE, split_k=split_k)
     out = torch.full((len(real), N), SENTINEL, dtype=torch.bfloat16, device=device)
-    fp8_small.grouped_gemm_fp8_small(*args, out=out, rows_per_group=max(rows), config=cfg)
+    triton_small.grouped_gemm_fp8_small(*args, out=out, rows_per_group=max(rows), config=cfg)
     err = check_gemm(out, problem, cfg.name)
     got = to_numpy(out).astype(np.float64)
     assert np.all(got[~real] == SENTINEL), f"{cfg.name}: a padding row was written"
-    unsplit = to_numpy(fp8_small.grouped_gemm_fp8_small(*args, rows_per_group=max(rows), config=SPLIT_BASE))
+    unsplit = to_numpy(triton_small.grouped_gemm_fp8_small(*args, rows_per_group=max(rows), config=SPLIT_BASE))
     unsplit = unsplit.astype(np.float64)[real]
     diff = float(np.linalg.norm(got[real] - unsplit) / np.linalg.norm(unsplit))
     assert diff <= 1e-2, f"{cfg.name} vs {SPLIT_BASE.name}: {diff:.2e}"
@@ -316,7 +318,7 @@ def _sync(device):
 
 
 def _counters_zero(what):
-    for buf in fp8_small.split_counter_buffers():
+    for buf in triton_small.split_counter_buffers():
         assert not bool(buf.any()), f"{what}: a split-K counter left non-zero ({int(buf.count_nonzero())} of them)"
 
 
@@ -328,16 +330,16 @@ def test_split_k_repeat_launches_bitwise_and_counters_zero(device):
     real = torch.from_numpy(problem[4] >= 0).to(device)
     for split_k in (2, 3):
         cfg = dataclasses.replace(SPLIT_BASE, split_k=split_k)
-        out1 = fp8_small.grouped_gemm_fp8_small(*args, config=cfg)
-        q1, sf1 = fp8_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
+        out1 = triton_small.grouped_gemm_fp8_small(*args, config=cfg)
+        q1, sf1 = triton_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
         _sync(device)
         _counters_zero(f"{cfg.name} first launches")
-        buffers = [b.data_ptr() for b in fp8_small.split_counter_buffers()]
-        out2 = fp8_small.grouped_gemm_fp8_small(*args, config=cfg)
-        q2, sf2 = fp8_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
+        buffers = [b.data_ptr() for b in triton_small.split_counter_buffers()]
+        out2 = triton_small.grouped_gemm_fp8_small(*args, config=cfg)
+        q2, sf2 = triton_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
         _sync(device)
         _counters_zero(f"{cfg.name} second launches")
-        assert [b.data_ptr() for b in fp8_small.split_counter_buffers()] == buffers, "the counters were not reused"
+        assert [b.data_ptr() for b in triton_small.split_counter_buffers()] == buffers, "the counters were not reused"
         assert torch.equal(out1[real], out2[real]), f"{cfg.name}: GEMM differs between launches"
         assert torch.equal(q1[real].view(torch.uint8), q2[real].view(torch.uint8)), f"{cfg.name}: fused q differs"
         assert torch.equal(sf1[real], sf2[real]), f"{cfg.name}: fused q_sf differs"
@@ -352,16 +354,16 @@ def test_split_k_graph_replays_and_streams(device, monkeypatch):
     args = _args(problem, device)
     real = torch.from_numpy(problem[4] >= 0).to(device)
     cfg = dataclasses.replace(SPLIT_BASE, split_k=4)
-    want = fp8_small.grouped_gemm_fp8_small(*args, config=cfg)[real]
-    q_want, sf_want = (t[real] for t in fp8_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg))
+    want = triton_small.grouped_gemm_fp8_small(*args, config=cfg)[real]
+    q_want, sf_want = (t[real] for t in triton_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg))
     torch.cuda.synchronize()
     for fresh in (False, True):
         if fresh:  # no eager split launch since: no arena, the capture zeroes its own (a memset node)
-            monkeypatch.setattr(fp8_small, "_split_counters", fp8_small._SplitCounters())
+            monkeypatch.setattr(fp8_small, "_split_counters", triton_small._SplitCounters())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fp8_small.grouped_gemm_fp8_small(*args, config=cfg)
-            q, sf = fp8_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
+            out = triton_small.grouped_gemm_fp8_small(*args, config=cfg)
+            q, sf = triton_small.grouped_gemm_swiglu_quant_fp8_small(*args, config=cfg)
         for replay in range(3):
             out.fill_(SENTINEL)
             graph.replay()
@@ -378,7 +380,7 @@ def test_split_k_graph_replays_and_streams(device, monkeypatch):
     for _ in range(4):
         for s in streams:
             with torch.cuda.stream(s):
-                outs.append(fp8_small.grouped_gemm_fp8_small(*args, config=cfg))
+                outs.append(triton_small.grouped_gemm_fp8_small(*args, config=cfg))
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert torch.equal(o[real], want), f"launch {i} on stream {i % 2} != the one-stream result"
@@ -467,7 +469,7 @@ def test_split_k_arithmetic_is_the_documented_sum(split_k, device):
     K = 384 if INTERPRET else 768  # 3 or 6 K blocks: uneven splits among them
     problem = _integer_problem(rows, N, K, 512, seed=23)
     cfg = dataclasses.replace(SPLIT_BASE, split_k=split_k)
-    out = fp8_small.grouped_gemm_fp8_small(*_args(problem, device), config=cfg)
+    out = triton_small.grouped_gemm_fp8_small(*_args(problem, device), config=cfg)
     real = problem[4] >= 0
     want = _split_model(problem, split_k, fused_fma=not INTERPRET)
     diff = first_difference(cfg.name, to_numpy(out)[real], want[real])

@@ -1,4 +1,4 @@
-"""The GPU layer's cache of captured calls (`symmring.moe.graph_cache`): eager calls replay a CUDA graph.
+"""The GPU layer's cache of captured calls (`symmring.moe.gpu.graph_cache`): eager calls replay a CUDA graph.
 
 An eager `MoE.forward` whose key (every rank's token count, the schedule, the routing kind) was seen
 before replays a graph of that call. Every output must equal, BITWISE, the same call with the cache off
@@ -311,7 +311,7 @@ def test_bypasses(ctx, monkeypatch):
 def test_module_op_path_replays_and_matches(ctx):
     """`MoEModule` calls the layer through its custom op, eagerly: those calls replay too, bitwise."""
     pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
-    from symmring.moe.module import MoEModule
+    from symmring.moe.integrations.module import MoEModule
     w_gate, w_up, w_down, router = make_weights(SEED + 51, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: hf_model
 import hf_models  # noqa: E402
 from moe_helpers import cuda_device as device_of, verdict  # noqa: E402
 
-from symmring.moe.hf import from_hf, replace_moe_blocks  # noqa: E402
+from symmring.moe.integrations.hf import from_hf, replace_moe_blocks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def rel(a, b) -> float:
 
 def untied(block, x):
     """Mask of the tokens whose top-k boundary is no tie in the transformers router's own selection key."""
-    from symmring.moe.hf import block_family
+    from symmring.moe.integrations.hf import block_family
     logits, _, _ = block.gate(x)
     key = logits.float()
     if block_family(block) == "deepseek_v3":

@@ -6,7 +6,7 @@ every output must equal the single-stream result BITWISE and no wait may time ou
 two calls would run concurrently and publish the same generations (stale payloads, double
 acknowledgements, timeouts). Batch, small-batch (fp8) and streamed (two streams, so the local edges of
 the plan are exercised inside the captured graph too). The eager steps replay the layer's own cached
-graph once warm (`symmring.moe.graph_cache`); the reference launches every kernel.
+graph once warm (`symmring.moe.gpu.graph_cache`); the reference launches every kernel.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_calls_on_alternating_streams_and_graph_replays_stay_ordered(ctx, case):
             logits = to_torch(rng.standard_normal((n, NUM_EXPERTS)).astype(np.float32), torch.float32, dev())
             inputs.append((x, logits))
         # The single-stream reference launches every kernel; the eager steps below replay the layer's cached
-        # graph of the call once warm (symmring.moe.graph_cache), so its ordering is exercised too.
+        # graph of the call once warm (symmring.moe.gpu.graph_cache), so its ordering is exercised too.
         want = [moe.forward(x, logits=lg, graph_cache=False, **kwargs).clone() for x, lg in inputs]
         moe.check_errors()
         x_graph, logits_graph = (t.clone() for t in inputs[1])

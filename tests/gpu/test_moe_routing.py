@@ -30,7 +30,8 @@ torch = gpu_layer_torch()  # or the whole module skips, with the reason
 
 from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
-from symmring.moe import routing, stages  # noqa: E402
+from symmring.moe import routing  # noqa: E402
+from symmring.moe.gpu import stages
 from symmring.moe.reference import select_topk  # noqa: E402
 
 pytestmark = pytest.mark.gpu

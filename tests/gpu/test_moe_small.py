@@ -2,7 +2,7 @@
 
 A one-chunk batch call with fp8 dispatch and fp8 experts runs produce (route + layout), dispatch (wait +
 count + scan + pull) and combine (scatter + signal + wait + reduce + end of call) as one kernel each
-(`symmring.moe.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
+(`symmring.moe.gpu.stages.small_batch_call`). Its pool rows and experts are the general schedule's,
 so its output must be BITWISE the general schedule's, for every ack policy, any mix of token counts per rank
 (zero-token ranks included), masked entries, and graph replays, also while another stream's kernel holds
 nearly every SM (the fused combine needs no residency). Auto selection follows ``small_batch_tokens``; what it

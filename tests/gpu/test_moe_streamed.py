@@ -41,7 +41,7 @@ from moe_helpers import agree, make_tokens, make_weights, rel_error, skewed_logi
 
 from symmring.errors import ConfigError, ProtocolTimeout  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
-from symmring.moe.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
+from symmring.moe.gpu.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.protocol import AckPolicy  # noqa: E402
 

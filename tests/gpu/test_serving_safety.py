@@ -36,9 +36,9 @@ from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch,
 
 from symmring import layout  # noqa: E402
 from symmring.errors import ProtocolAborted, ProtocolTimeout, ProtocolViolation, StalePayload  # noqa: E402
-from symmring.moe import stages  # noqa: E402
+from symmring.moe.gpu import stages  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
-from symmring.moe.policy import StreamPolicy  # noqa: E402
+from symmring.moe.gpu.policy import StreamPolicy  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

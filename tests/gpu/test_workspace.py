@@ -1,4 +1,4 @@
-"""The GPU layers of a model on one `symmring.Workspace` (symmring.moe.gpu_workspace): passes through a pool far
+"""The GPU layers of a model on one `symmring.Workspace` (symmring.moe.gpu.memory): passes through a pool far
 below the worst routing, layers of different shapes, memory that does not grow with the layers, the live
 regions equal to the planner's, and one CUDA graph over several layers bitwise equal to eager.
 
@@ -22,8 +22,8 @@ from moe_helpers import cuda_device as device_of, make_tokens, make_weights, to_
 from symmring.moe import fp8_reference  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
-from symmring.workspace import Workspace  # noqa: E402
-from symmring.workspace_plan import REGIONS, plan  # noqa: E402
+from symmring.moe.workspace import Workspace  # noqa: E402
+from symmring.moe.workspace_plan import REGIONS, plan  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ import pytest
 from mpi4py import MPI
 
 from symmring.errors import ConfigError
-from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
 from symmring.moe.reference import reference_moe
 from symmring.protocol import AckPolicy
 

@@ -5,7 +5,7 @@ Run (every rank runs every test; rank 0 writes one figure line per case)::
     mpiexec -n 2 python -m mpi4py -m pytest tests/mpi/test_moe_module_mpi.py -q -p no:cacheprovider
     python -m pytest tests/mpi/test_moe_module_mpi.py -q          # a world of 1
 
-Small random Mixtral, Qwen3-MoE and DeepSeek-V3 models (`symmring.moe.tiny`: hidden 256, moe inter 256, 24
+Small random Mixtral, Qwen3-MoE and DeepSeek-V3 models (`symmring.moe.integrations.tiny`: hidden 256, moe inter 256, 24
 experts, an even split over 1-4 ranks, top-4, two MoE layers; DeepSeek-V3 with a dense first layer, a shared
 expert and n_group=4 / topk_group=2) are built on every rank from one seed; `replace_moe_blocks` swaps their
 MoE blocks for `MoEModule` on the host backend (`HostLayer`: rank r computes experts [r E/R, (r+1) E/R) for
@@ -41,9 +41,9 @@ torch = pytest.importorskip("torch", reason='the torch module needs torch (pip i
 pytest.importorskip("transformers", reason='needs transformers (pip install "symmring[hf]")')
 
 from symmring.errors import ConfigError  # noqa: E402
-from symmring.moe import tiny  # noqa: E402
-from symmring.moe.hf import replace_moe_blocks  # noqa: E402
-from symmring.moe.host_layer import HostLayer  # noqa: E402
+from symmring.moe.integrations import tiny  # noqa: E402
+from symmring.moe.integrations.hf import replace_moe_blocks  # noqa: E402
+from symmring.moe.cpu.host_layer import HostLayer  # noqa: E402
 
 NUM_EXPERTS = 24
 MAX_TOKENS = 128
@@ -225,7 +225,7 @@ def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, se
         w_gate, w_up = (torch.randn(local, inter, hidden, generator=g).bfloat16() / 11 for _ in range(2))
         w_down = (torch.randn(local, hidden, inter, generator=g) / 8).bfloat16()
         router = torch.randn(NUM_EXPERTS, hidden, generator=g) / 11
-        from symmring.moe.module import MoEModule
+        from symmring.moe.integrations.module import MoEModule
         module = MoEModule(ctx, NUM_EXPERTS, hidden, inter, 2, w_gate, w_up, w_down, router_weight=router,
                            max_tokens=32)
         if op == "symmring":
@@ -257,7 +257,7 @@ def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, se
 def _pure_op():
     """A pure custom op calling the layer (the registration before the call token), for the control."""
     if not hasattr(torch.ops.symmring_test, "pure_moe"):
-        from symmring.moe.module import layer_of
+        from symmring.moe.integrations.module import layer_of
 
         @torch.library.custom_op("symmring_test::pure_moe", mutates_args=())
         def pure_moe(x: torch.Tensor, logits: torch.Tensor, handle: int) -> torch.Tensor:

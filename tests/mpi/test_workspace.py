@@ -14,10 +14,10 @@ import math
 import numpy as np
 import pytest
 
-from symmring.moe.expert_parallel import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
 from symmring.moe.reference import reference_moe
-from symmring.workspace import Workspace
-from symmring.workspace_plan import REGIONS
+from symmring.moe.workspace import Workspace
+from symmring.moe.workspace_plan import REGIONS
 
 NUM_EXPERTS = 12  # an even split over 1, 2, 3 or 4 ranks
 #: Two layer shapes: (hidden, inter, top-k).
@@ -158,7 +158,7 @@ def test_a_step_exchanges_once_for_every_layer(ctx, comm, check):
     """`Workspace.step`: one exchange of every rank's count (uneven), the bucket every rank plans for, the
     routing declaration; a nested step and bad arguments are refused before any exchange."""
     from symmring.errors import ConfigError
-    from symmring.moe.plan import token_bucket
+    from symmring.moe.gpu.plan import token_bucket
     world, rank = comm.Get_size(), comm.Get_rank()
     workspace = Workspace(ctx)
     errors = []

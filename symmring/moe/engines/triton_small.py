@@ -1,6 +1,6 @@
 """Small-batch fp8 expert kernels: "swap-AB" block-scaled grouped GEMMs for groups of a few rows (decode).
 
-Same formats and pool as `symmring.moe.fp8_kernels` (the contiguous layout: every group starts at a
+Same formats and pool as `symmring.moe.engines.triton_large` (the contiguous layout: every group starts at a
 multiple of `ALIGN_M` = 128 pool rows, ``m_indices`` the group of each row, -1 for padding; 1x128
 activation scales with any strides, 128x128 weight block scales), the same checks, and the same per-row
 definition ``out[r, n] = sum_kb (a[r, kb] . b[g, n, kb]) * a_sf[r, kb] * b_sf[g, n // 128, kb]``. What
@@ -14,7 +14,7 @@ time to read the touched experts' weights:
   the output's columns here; the epilogue stores them transposed back to ``out [M, N]`` rows (bf16).
 * `grouped_gemm_swiglu_quant_fp8_small`: L1 fused with SwiGLU and the 1x128 fp8 quantisation of L2's
   input. ``BLOCK_N = 128``: each program computes gate channels ``[n0, n0 + 128)`` and the matching up
-  channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]`` (`symmring.moe.experts.fuse_gate_up`)
+  channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]`` (`symmring.moe.engines.torch_bf16.fuse_gate_up`)
   as two accumulators, so it owns exactly one 128-channel scale group of every row and needs nothing
   from other programs. It writes L2's ``(q, q_sf)`` (scales MN-major, as ``swiglu_quant_fp8(sf_mn_major=True)``).
 
@@ -42,14 +42,14 @@ Numerics (bitwise contracts)
     float32 partial ``p_s``; the result is ``((p_0 + p_1) + p_2) + ... + p_{S-1}``, float32 additions in split
     order (see "Split-K" for how). S = 1 is the plain loop above. The fused kernel runs the same K loop
     (and, split, the same reduction) for gate and up, rounds both to bf16 (the rounding the unfused path's
-    ``h`` goes through), then evaluates SwiGLU and the quantisation exactly as `fp8_kernels.swiglu_quant_fp8`
+    ``h`` goes through), then evaluates SwiGLU and the quantisation exactly as `triton_large.swiglu_quant_fp8`
     does (CUDA's accurate ``expf``, IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3
     nearest even). Hence, for the same configuration (``split_k`` included),
     ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a,
     ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not bitwise
     (each within the tolerance below). Against the float64 definition the GEMM is within the bf16 rounding
     (as `fp8_kernels`); the swap changes which operand is A, not the arithmetic per output element, so
-    results are close to but not bitwise those of `fp8_kernels.grouped_gemm_fp8` (its promotion may contract
+    results are close to but not bitwise those of `triton_large.grouped_gemm_fp8` (its promotion may contract
     differently).
 
     Padding rows inside a real tile are computed from whatever the pool holds (garbage or NaN spoils only
@@ -119,7 +119,7 @@ Split-K (``split_k > 1``)
 
 DeepGEMM's small-batch kernel wants the masked layout (``[G, max_rows, K]`` per expert), not the contiguous
 pool the layer's dispatch writes, so the layer's fp8 engines use these kernels for tiny groups whatever
-their large-group GEMM is (`symmring.moe.experts.Fp8Experts`).
+their large-group GEMM is (`symmring.moe.engines.fp8.Fp8Experts`).
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ConfigError
-from . import fp8_kernels
-from .fp8_kernels import ALIGN_M, BLOCK_K, _ceil_div, _tma_ok, check_gemm_args, interpreting
+from ...errors import ConfigError
+from . import triton_large
+from .triton_large import ALIGN_M, BLOCK_K, _ceil_div, _tma_ok, check_gemm_args, interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -441,8 +441,8 @@ def _small_gemm_fp8_kernel(
 def _jit():
     """torch, the jitted kernel and TensorDescriptor (fp8_kernels' imports and its BackendError)."""
     global tl, swiglu_quant_rows
-    torch, triton, _, _, tensor_descriptor = fp8_kernels._triton()
-    tl, swiglu_quant_rows = fp8_kernels.tl, fp8_kernels.swiglu_quant_rows
+    torch, triton, _, _, tensor_descriptor = triton_large._triton()
+    tl, swiglu_quant_rows = triton_large.tl, triton_large.swiglu_quant_rows
     kernel = triton.jit(_small_gemm_fp8_kernel,
                         do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
                                            "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
@@ -583,11 +583,11 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
                            config: Optional[SmallConfig] = None):
     """Block-scaled fp8 grouped GEMM of the contiguous layout for small groups (swap-AB tiles, Triton).
 
-    The contract of `fp8_kernels.grouped_gemm_fp8` (``out[r] = a[r] @ b[g]^T`` block-scaled, float32
+    The contract of `triton_large.grouped_gemm_fp8` (``out[r] = a[r] @ b[g]^T`` block-scaled, float32
     accumulation, bf16) with every padding row left unwritten. Enqueued on the current stream.
 
     Args:
-        a, a_sf, b, b_sf, m_indices: as `fp8_kernels.grouped_gemm_fp8` (a ``[M, K]`` fp8, a_sf any strides,
+        a, a_sf, b, b_sf, m_indices: as `triton_large.grouped_gemm_fp8` (a ``[M, K]`` fp8, a_sf any strides,
             b ``[G, N, K]`` fp8, b_sf ``[G, ceil(N / 128), K / 128]``, m_indices int32 ``[M]``).
         out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
         rows_per_group: a bound on any group's rows (None: every row tile is visited). A group with more
@@ -605,7 +605,7 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
     Example:
         >>> out = grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, rows_per_group=1)  # doctest: +SKIP
     """
-    torch = fp8_kernels._torch()
+    torch = triton_large._torch()
     M, N, K, G = check_gemm_args(a, a_sf, b, b_sf, m_indices, out)
     rows_per_group = _check_rows_per_group(rows_per_group)
     config = _resolve_config(config, M, N, K, G, rows_per_group, fused=False)
@@ -642,7 +642,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     Example:
         >>> q, q_sf = grouped_gemm_swiglu_quant_fp8_small(x, x_sf, w13, w13_sf, m_indices, rows_per_group=4)  # doctest: +SKIP
     """
-    torch = fp8_kernels._torch()
+    torch = triton_large._torch()
     M, two_i, K, G = check_gemm_args(a, a_sf, b13, b13_sf, m_indices)
     if two_i % 256:
         raise ConfigError(f"b13.shape={tuple(b13.shape)}: expected [G, 2 * I, K] with I a multiple of 128 "
@@ -651,7 +651,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     rows_per_group = _check_rows_per_group(rows_per_group)
     config = _resolve_config(config, M, two_i, K, G, rows_per_group, fused=True)
     q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=a.device)
-    q_sf = fp8_kernels.act_scales_empty(M, inter // 128, a.device, mn_major=True)
+    q_sf = triton_large.act_scales_empty(M, inter // 128, a.device, mn_major=True)
     if M:
         _launch(a, a_sf, b13, b13_sf, m_indices, q, q_sf, M=M, n_out=inter, K=K, G=G,
                 rows_per_group=rows_per_group, config=config, swiglu=True)

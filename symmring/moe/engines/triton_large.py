@@ -72,7 +72,7 @@ import logging
 import os
 from typing import Any, List, Optional, Tuple
 
-from ..errors import BackendError, ConfigError
+from ...errors import BackendError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ def _triton():
         import triton.language as _tl
         from triton.language.extra import libdevice as _libdevice
     except ImportError as exc:
-        raise BackendError(f"symmring.moe.fp8_kernels needs torch and triton (Triton ships with torch's Linux "
+        raise BackendError(f"symmring.moe.engines.triton_large needs torch and triton (Triton ships with torch's Linux "
                            f"CUDA wheels): {exc}") from exc
     tl, libdevice = _tl, _libdevice
     swiglu_quant_rows = triton.jit(_swiglu_quant_rows)

@@ -1,4 +1,4 @@
-"""Optional DeepGEMM engine for the fp8 expert GEMMs: the same contract as `symmring.moe.fp8_kernels.grouped_gemm_fp8`.
+"""Optional DeepGEMM engine for the fp8 expert GEMMs: the same contract as `symmring.moe.engines.triton_large.grouped_gemm_fp8`.
 
 DeepGEMM (``deep_gemm``) is not a dependency: `deepgemm_status` says whether it can be used here and why
 not, and the layer falls back to the Triton engine. The build known to load next to torch 2.11 on the
@@ -52,8 +52,8 @@ import io
 import logging
 from typing import Any, Optional, Tuple
 
-from ..errors import BackendError, ConfigError
-from .fp8_kernels import ALIGN_M, check_gemm_args
+from ...errors import BackendError, ConfigError
+from .triton_large import ALIGN_M, check_gemm_args
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def prepare_activation_scales(a_sf):
 def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None):
     """Block-scaled fp8 grouped GEMM of the contiguous layout through DeepGEMM (SM90).
 
-    The contract of `symmring.moe.fp8_kernels.grouped_gemm_fp8`:
+    The contract of `symmring.moe.engines.triton_large.grouped_gemm_fp8`:
     ``out[r, n] = sum_kb (a[r, kb] . b[g, n, kb]) * a_sf[r, kb] * b_sf[g, n // 128, kb]`` in bf16 for rows
     with ``g = m_indices[r] >= 0``. Padding blocks' rows come back as zeros (module notes).
 

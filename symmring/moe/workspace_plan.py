@@ -1,6 +1,6 @@
 """How much memory a `symmring.Workspace` takes, region by region, before anything is allocated.
 
-One workspace serves every MoE layer of a process (`symmring.workspace`). Its size comes from a
+One workspace serves every MoE layer of a process (`symmring.moe.workspace`). Its size comes from a
 *budget*, not from the worst routing: the expert pool holds one **window** of tokens under uniform
 routing, and a window whose arrivals exceed the pool runs as more **passes** over the same pool (the
 routing decides how many, on the device; PROTOCOL.md 9.1c), so no routing can overflow the pool.
@@ -43,8 +43,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import ConfigError
-from .layout import ALIGN, RingLayout, RingSpec, align_up
+from ..errors import ConfigError
+from ..layout import ALIGN, RingLayout, RingSpec, align_up
 
 #: Regions of a workspace, in the order the planner prints them.
 REGIONS = ("ring", "staging", "combine", "experts", "scratch", "dispatch", "routing")
@@ -55,7 +55,7 @@ SYMMETRIC_REGIONS = ("ring", "staging", "combine", "experts")
 DECODE_TOKENS = 128
 #: Row alignment of every expert group in an fp8 pool (the contiguous layout the fp8 GEMMs read).
 FP8_ALIGN = 128
-#: The most rows of one expert the fp8 engine's small-group kernels take (symmring.moe.experts.SMALL_ROWS).
+#: The most rows of one expert the fp8 engine's small-group kernels take (symmring.moe.engines.fp8.SMALL_ROWS).
 SMALL_GROUP_ROWS = 64
 #: fp8 scale group (channels per scale).
 SF_GROUP = 128
@@ -63,7 +63,7 @@ SF_GROUP = 128
 #: the pass's group ends) and its fixed int32 words (total, status, 5 grid counters, 4 bad-id words).
 _EXPERT_ARRAYS = 5
 _FIXED_WORDS = 11
-#: int64 timeline stamps per chunk (symmring.moe.timeline.num_stamps: 2 per stage, 7 stages).
+#: int64 timeline stamps per chunk (symmring.moe.gpu.timeline.num_stamps: 2 per stage, 7 stages).
 _STAMPS_PER_CHUNK = 14
 
 #: Model presets of ``python -m symmring plan --preset``: (hidden, inter, experts, topk, MoE layers).
@@ -160,7 +160,7 @@ def expert_arena(shape: LayerShape, rows: int) -> Dict[str, Tuple[int, int]]:
         pool = rows * H * 2
         return {"out": (0, out), "pool_x": (0, pool), "total": (0, align_up(max(out, pool)))}
     h = rows * 2 * shape.inter * 2
-    sf_words = (H // SF_GROUP) * align_up(rows, 4)  # symmring.moe.stages.pool_scale_words
+    sf_words = (H // SF_GROUP) * align_up(rows, 4)  # symmring.moe.gpu.stages.pool_scale_words
     pool_x = align_up(h)
     pool_sf = align_up(pool_x + rows * H)
     act = align_up(max(out, h))
@@ -284,7 +284,7 @@ class WorkspacePlan:
 
 def dispatch_words_bytes(shape: LayerShape, world_size: int, num_slots: int, max_tokens: int,
                          tokens_per_slot: int) -> int:
-    """Bytes of one layer shape's dispatch words on a GPU (symmring.moe.gpu_workspace: per-expert counters, the
+    """Bytes of one layer shape's dispatch words on a GPU (symmring.moe.gpu.memory: per-expert counters, the
     fixed words, the window's token bases [slots][ranks] and the timeline stamps)."""
     local = max(1, shape.num_experts // world_size)
     max_chunks = -(-max_tokens // tokens_per_slot)

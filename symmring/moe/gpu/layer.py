@@ -14,31 +14,31 @@ stream with no host synchronisation. Its chunks move through a ring of ``num_slo
   readiness alone, and runs one grouped GEMM per window).
 * small batches (decode): a batch call of one chunk with at most ``small_batch_tokens`` tokens on every
   rank (fp8 dispatch and fp8 experts) runs the small-batch schedule: the same stages in three fused
-  kernels around the experts (`symmring.moe.stages.small_batch_call`), bitwise the same output;
+  kernels around the experts (`symmring.moe.gpu.stages.small_batch_call`), bitwise the same output;
   ``forward(small_batch=True/False)`` forces either.
 * token counts on the device: every rank plans a call for the same token **bucket**
-  (`symmring.moe.plan.token_bucket` of the largest count: powers of two up to 256, then multiples of 256),
+  (`symmring.moe.gpu.plan.token_bucket` of the largest count: powers of two up to 256, then multiples of 256),
   and its exact count goes into a device word the producers and the reduce read (and the slots' metadata
   carry to the consumers). The bucket comes from one bounded host exchange per call, or per model step
   inside `symmring.Workspace.step` (one exchange for every layer of the step, as vLLM exchanges its
   data-parallel counts once per step); a graph captured over a step serves any counts up to its bucket
   (`symmring.Workspace.set_call_tokens` before each replay).
-* eager calls of a bucket seen before replay a CUDA graph of that call (`symmring.moe.graph_cache`: at
+* eager calls of a bucket seen before replay a CUDA graph of that call (`symmring.moe.gpu.graph_cache`: at
   most ``graph_cache`` graphs per layer, one per bucket, calls of at most 256 tokens per rank), so an eager
   decode call costs about what a replay costs; bitwise the same output.
-* ``streaming="auto"``: what the measured policy (`symmring.moe.policy.StreamPolicy`) says for this
+* ``streaming="auto"``: what the measured policy (`symmring.moe.gpu.policy.StreamPolicy`) says for this
   layer's shape, ring and the largest token count of any rank (exchanged, or declared to the step, so
   every rank runs the same schedule); batch where it has no measurement that beat batch.
 
-Stages of a call (`symmring.moe.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
+Stages of a call (`symmring.moe.gpu.stages`, kernels in ``device/moe/``): **produce** (router GEMM and TopK in
 torch, `symmring.moe.routing`; ``moe_produce_route`` acquires the slot and publishes route readiness;
 ``moe_produce_layout_fp8`` quantises ``x`` to fp8 e4m3 with per-128-channel scales, bitwise
 `symmring.moe.quant`, or ``_bf16`` copies it, and publishes layout readiness); **dispatch** (wait for both
 generations of every source, count and scan the local experts' rows, pull every routed row over NVLink
 into the expert pool: dequantised to bf16 for bf16 experts, as fp8 rows with their scales for fp8
-experts); **experts** (the `symmring.moe.experts.ExpertEngine` seam: L1,
+experts); **experts** (the `symmring.moe.engines.ExpertEngine` seam: L1,
 SwiGLU, L2); **combine** (rows back to their owners at the logical token row, a signal per owner, then a
-fixed-order weighted reduce into ``y``). The plan of each distinct call (`symmring.moe.plan`) is built
+fixed-order weighted reduce into ``y``). The plan of each distinct call (`symmring.moe.gpu.plan`) is built
 once and reused.
 
 Memory: the layer borrows a `symmring.Workspace` (``ctx.workspace()`` unless ``workspace=``): rings, combine
@@ -72,13 +72,13 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import agreement, env, protocol
-from ..backends.base import DeviceBackend
-from ..errors import BackendError, ConfigError, RingClosedError
-from .. import transport as transport_mod
+from ... import agreement, env, protocol
+from ...backends.base import DeviceBackend
+from ...errors import BackendError, ConfigError, RingClosedError
+from ... import transport as transport_mod
 from ..workspace_plan import spanned_rows
 from . import plan as plans
-from . import routing as routing_mod
+from .. import routing as routing_mod
 from . import graph_cache as graph_cache_mod
 from . import stages, timeline
 
@@ -100,7 +100,7 @@ def _torch():
     try:
         import torch
     except ImportError:  # one line naming the extra, not a traceback into the layer
-        from .. import deps
+        from ... import deps
         raise BackendError(f"symmring.moe.gpu.MoE needs torch: {deps.hint('torch')}") from None
     return torch
 
@@ -162,11 +162,11 @@ class MoE:
         single_stream: run the streamed schedule's producer and consumer on the caller's stream, in the
             enqueue order (the serial schedule of PROTOCOL.md 9.1; for tests and as a fallback).
         timeout_s: bound of every device wait (default: the context's).
-        policy: a `symmring.moe.policy.StreamPolicy` for ``streaming="auto"`` (default: the one measured on
+        policy: a `symmring.moe.gpu.policy.StreamPolicy` for ``streaming="auto"`` (default: the one measured on
             an H200, `StreamPolicy.default`).
         expert_dtype: ``"bf16"`` or ``"fp8"`` experts (None: what ``engine`` needs, else the weights' own
             format); bf16 weights are quantised to 128x128-block fp8 once, fp8 ones dequantised for bf16.
-        engine: the experts' GEMMs (`symmring.moe.experts.ENGINES`): ``"torch"`` (bf16), ``"builtin"``
+        engine: the experts' GEMMs (`symmring.moe.engines.ENGINES`): ``"torch"`` (bf16), ``"builtin"``
             (Triton fp8), ``"deepgemm"`` (fp8, optional), ``"auto"`` (DeepGEMM where it loads for fp8).
         w_gate_scale, w_up_scale, w_down_scale: float32 block scales of fp8 e4m3 weights
             (``[E, ceil(inter / 128), ceil(hidden / 128)]``, down ``[E, ceil(hidden / 128), ceil(inter /
@@ -177,7 +177,7 @@ class MoE:
             ``nvshmem_ptr`` maps, rdma otherwise), ``"p2p"``, ``"rdma"`` (every peer: NVSHMEM gets into a
             staging ring, puts of combine rows, remote atomics), ``"rdma:1,3"`` (those peers); None:
             ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
-        graph_cache: CUDA graphs of calls kept for eager calls to replay (`symmring.moe.graph_cache`;
+        graph_cache: CUDA graphs of calls kept for eager calls to replay (`symmring.moe.gpu.graph_cache`;
             default 8, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
         workspace: the `symmring.Workspace` whose ring, combine buffer, pool and output rows the layer borrows
             for each call (default: the context's own, ``ctx.workspace()``, shared by every layer). Its pool
@@ -259,8 +259,8 @@ class MoE:
         self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         E, K, H = self.num_local_experts, self.topk, self.hidden
-        from .experts import ENGINES, make_engine
-        from .weights import expert_weights
+        from ..engines import ENGINES, make_engine
+        from ..weights import expert_weights
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r}: expected one of {list(ENGINES)}")
         wanted = {"torch": "bf16", "builtin": "fp8", "deepgemm": "fp8"}.get(engine)
@@ -586,7 +586,7 @@ class MoE:
                 before producing the chunk, or the consumer before consuming the window that starts at it
                 (tests: a deliberately slow producer or consumer).
             graph_cache: False: this call neither replays nor captures a cached graph (launches its kernels;
-                `symmring.moe.graph_cache` says when True replays).
+                `symmring.moe.gpu.graph_cache` says when True replays).
 
         Returns:
             bf16 ``[n, hidden]`` tensor ``y`` (enqueued on the current torch stream; no host sync), a new
@@ -675,7 +675,7 @@ class MoE:
         # Last on the caller's stream: after an error, y is NaN and the error latched for the next forward.
         self._latch.enqueue(_torch().cuda.current_stream().cuda_stream, y)
 
-    # --- the cache of captured calls (symmring.moe.graph_cache) ---------------------------------------
+    # --- the cache of captured calls (symmring.moe.gpu.graph_cache) ---------------------------------------
 
     def _graph_key(self, plan: plans.Plan, distinct: bool, x, kind: str, source) -> Optional[Tuple]:
         """``(key, the call's tensors for the graph's static inputs)`` of a call the cache may serve, or None."""
@@ -743,14 +743,14 @@ class MoE:
 
     def graph_cache_info(self) -> Dict[str, int]:
         """The cache of captured calls: ``entries``, ``capacity``, ``hits`` (eager calls that replayed),
-        ``captures``, ``evictions``, ``failures`` (`symmring.moe.graph_cache.GraphCache.info`)."""
+        ``captures``, ``evictions``, ``failures`` (`symmring.moe.gpu.graph_cache.GraphCache.info`)."""
         return self._graphs.info()
 
     def refresh_weights(self) -> None:
         """After overwriting the expert weights in place (the tensors of ``layer.engine.weights``): let the
         engine re-derive what it keeps beside them (`ExpertEngine.refresh_weights`: views, DeepGEMM's
         prepared layouts, which may be new tensors) and drop the cached graphs, which address the former
-        ones. `symmring.moe.module.MoEModule.load_state_dict` calls it."""
+        ones. `symmring.moe.integrations.module.MoEModule.load_state_dict` calls it."""
         self.engine.refresh_weights()
         self.clear_graph_cache()
 
@@ -1020,7 +1020,7 @@ class MoE:
         so every rank raises in the same call. The latch stays set until `reset`."""
         if all(words is None for words in latched):
             return
-        from ..kernels import peer_async_error
+        from ...kernels import peer_async_error
         error = None
         if latched[self.rank] is not None:  # this ring's latch, or (a step's exchange) another ring's of this PE
             error = self._latch.error() or next((e.latch.error() for e in self.workspace.gpu.rings()
@@ -1052,7 +1052,7 @@ class MoE:
 
     def timeline_records(self, relative: bool = True) -> List[Dict]:
         """Device timestamps of the last ``forward(streaming=True, timeline=True)`` (synchronises): see
-        `symmring.moe.timeline.records` (``relative=False``: the device clock's values)."""
+        `symmring.moe.gpu.timeline.records` (``relative=False``: the device clock's values)."""
         self._check_open()
         num_chunks, windows = self._timeline
         if not num_chunks:

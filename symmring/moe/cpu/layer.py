@@ -63,16 +63,16 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from .. import env, protocol
-from ..context import Context
-from ..errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
-from ..layout import META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec
-from ..protocol import AckPolicy
-from ..ring import Call, Ring
+from ... import env, protocol
+from ...context import Context
+from ...errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
+from ...layout import META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec
+from ...protocol import AckPolicy
+from ...ring import Call, Ring
 from ..workspace_plan import LayerShape
-from . import quant
-from .reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
-from .routing import SCORINGS, check_options
+from .. import quant
+from ..reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
+from ..routing import SCORINGS, check_options
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class ExpertParallelMoE:
 
     def set_expert_weights(self, w_gate, w_up, w_down) -> None:
         """Replace this rank's expert weights (local, not collective: each rank its own experts), e.g. after
-        `symmring.moe.module.MoEModule` loaded a state dict. Shapes as at construction.
+        `symmring.moe.integrations.module.MoEModule` loaded a state dict. Shapes as at construction.
 
         Raises:
             ConfigError: a weight of another shape, dtype or with a non-finite value (the layer is unchanged).

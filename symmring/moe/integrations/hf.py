@@ -1,4 +1,4 @@
-"""transformers MoE blocks to `symmring.moe.module.MoEModule`: Mixtral, Qwen3-MoE and DeepSeek-V3 (transformers 5.x).
+"""transformers MoE blocks to `symmring.moe.integrations.module.MoEModule`: Mixtral, Qwen3-MoE and DeepSeek-V3 (transformers 5.x).
 
 The 5.x blocks share one expert layout, which is the layer's own: ``block.experts.gate_up_proj [E, 2I, H]``
 (gate rows, then up rows: the layer's fused ``w13``), ``block.experts.down_proj [E, H, I]`` and the router
@@ -20,7 +20,7 @@ fp8-quantised transformers model) and weights on the meta device are refused wit
 Rank ``r`` of ``R`` takes experts ``[r E/R, (r+1) E/R)``; every rank must hold the same model (the same
 weights) and replace the same blocks in the same order (the layer's construction is collective).
 
-The context picks the layer (`symmring.moe.module.MoEModule`): on the nvshmem backend the GPU layer (the
+The context picks the layer (`symmring.moe.integrations.module.MoEModule`): on the nvshmem backend the GPU layer (the
 module on the current CUDA device), on the host backend the CPU layer (the module on the CPU; a whole
 transformers model runs with symmring's expert-parallel blocks under ``mpiexec`` on any machine). The
 module keeps the block's state names (``checkpoint_names="hf"``): a replaced model loads the original
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..errors import BackendError, ConfigError
-from . import routing
+from ...errors import BackendError, ConfigError
+from .. import routing
 
 #: The transformers versions `from_hf` is tested with: the oldest that works (5.13.0: DeepSeek-V3's router
 #: holds ``top_k``, masked groups are ``-inf``) up to the next major version.
@@ -87,7 +87,7 @@ def check_transformers(version: Optional[str] = None) -> Optional[str]:
         >>> check_transformers("5.12.1")
         Traceback (most recent call last):
         ...
-        symmring.errors.BackendError: transformers 5.12.1 is installed; symmring.moe.hf needs transformers>=5.13,<6 (pip install "symmring[hf]")
+        symmring.errors.BackendError: transformers 5.12.1 is installed; symmring.moe.integrations.hf needs transformers>=5.13,<6 (pip install "symmring[hf]")
     """
     if version is None:
         import importlib.metadata
@@ -101,7 +101,7 @@ def check_transformers(version: Optional[str] = None) -> Optional[str]:
                 return None
     release = _release(version)
     if release < TRANSFORMERS_MIN:
-        raise BackendError(f"transformers {version} is installed; symmring.moe.hf needs transformers"
+        raise BackendError(f"transformers {version} is installed; symmring.moe.integrations.hf needs transformers"
                            f"{TRANSFORMERS_RANGE} (pip install \"symmring[hf]\")")
     if release >= TRANSFORMERS_BELOW:
         import logging
@@ -206,7 +206,7 @@ def _check_layer_kwargs(layer_kwargs: dict) -> None:
 
 def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, workspace=None,
             **layer_kwargs):
-    """A `symmring.moe.module.MoEModule` computing ``block`` with this rank's experts (module docstring).
+    """A `symmring.moe.integrations.module.MoEModule` computing ``block`` with this rank's experts (module docstring).
 
     Args:
         block: a transformers 5.x ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` or ``DeepseekV3MoE``
@@ -217,9 +217,9 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         streaming: ``False``, ``True`` or ``"auto"``: the schedule of every call.
         device: where the layer's weights go (default: the CPU on the host backend, else the current CUDA
             device, the GPU layer's device).
-        layer_factory: builds the layer (default: by the backend, `symmring.moe.module.default_layer_factory`;
+        layer_factory: builds the layer (default: by the backend, `symmring.moe.integrations.module.default_layer_factory`;
             tests pass a stand-in).
-        workspace: passed to the layer when given (`symmring.moe.module.MoEModule`).
+        workspace: passed to the layer when given (`symmring.moe.integrations.module.MoEModule`).
         **layer_kwargs: the layer's other arguments (``engine``, ``expert_dtype``, ``x_format``, ``num_slots``,
             ``tokens_per_slot``, ``expert_window``, ``ack_policy``, ...).
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 #: Scale of the experts' down projection (x 1/sqrt(inter)): their output is then about a quarter of the
 #: residual stream, enough to show in the logits without the MoE dominating every later router input.
 DOWN_SCALE = 0.25
-#: The families (`symmring.moe.hf.BLOCK_CLASSES`' values); the demo's ``--model`` takes them with ``-``.
+#: The families (`symmring.moe.integrations.hf.BLOCK_CLASSES`' values); the demo's ``--model`` takes them with ``-``.
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 #: The demo's names of the families.
 MODEL_NAMES = {"mixtral": "mixtral", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3"}

@@ -1,14 +1,14 @@
 """The GPU share of a `symmring.Workspace`: the memory every `symmring.moe.gpu.MoE` of a process borrows.
 
-`DeviceMemory` allocates the workspace's regions once (`symmring.workspace_plan`): the combine buffer and
+`DeviceMemory` allocates the workspace's regions once (`symmring.moe.workspace_plan`): the combine buffer and
 the experts' region (pool rows, L1 output, activations and L2 output rows, placed by lifetime:
-`symmring.workspace_plan.expert_arena`) in the symmetric heap, the pool rows' sources, weights and group
+`symmring.moe.workspace_plan.expert_arena`) in the symmetric heap, the pool rows' sources, weights and group
 ids and the window's entry map as flat device buffers, the owner's routing rows, the call's token count,
 and the streams, the graph memory pool and the end-of-call event that every layer's calls share (calls of
 all layers are ordered one after another on it). `DeviceMemory.bind`
 gives a layer shape its view of them: a ring (one per distinct ring spec and transport request: layers
 of one shape share it and its generations keep growing across their calls), its staging ring for rdma
-peers, and a `symmring.moe.stages.State` over the shared bytes sized for that shape.
+peers, and a `symmring.moe.gpu.stages.State` over the shared bytes sized for that shape.
 
 Layers of different shapes read the same bytes with their own row sizes (``pool_rows`` per shape: the
 plan sizes every region for the largest); a pass writes every row it reads before reading it. What must
@@ -24,8 +24,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..layout import ALIGN, RingLayout, RingSpec, align_up
+from ...errors import ConfigError
+from ...layout import ALIGN, RingLayout, RingSpec, align_up
 from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, expert_arena, group_id_rows, pool_meta_bytes
 from . import stages, timeline
 
@@ -183,7 +183,7 @@ class DeviceMemory:
         out_rows = arena.take("out", (R, H), torch.bfloat16)
         scratch = None
         if fp8_pool:
-            from .experts import Scratch
+            from ..engines import Scratch
             scratch = Scratch(h=arena.take("h", (R, 2 * shape.inter), torch.bfloat16),
                               act=arena.take("act", (R, shape.inter), torch.float8_e4m3fn))
         carve = _Carver(self.row_bytes)
@@ -222,8 +222,8 @@ class DeviceMemory:
         found = self._rings.get(key)
         if found is not None:
             return found
-        from .. import transport as transport_mod
-        from ..kernels import DeviceRing
+        from ... import transport as transport_mod
+        from ...kernels import DeviceRing
         ring = DeviceRing(self.backend, spec, timeout_s=timeout_s, transport=transport)
         # rdma sources are read from a staging ring of one slot per source rank (symmetric: a get's local
         # buffer must be on every NVSHMEM transport), so every PE allocates it when any PE has an rdma peer.
@@ -240,7 +240,7 @@ class DeviceMemory:
         # The combine ready words of this ring's calls (one per source rank, zero-filled): a SET of the chunk's
         # generation, which only grows on this ring, so no other ring's signal can satisfy its waits.
         ready_alloc = self.backend.alloc(align_up(self.workspace.world_size * 8, ALIGN))
-        from ..kernels import AsyncErrorLatch
+        from ...kernels import AsyncErrorLatch
         self._rings[key] = RingEntry(ring, stage_alloc, stage_desc, ready_alloc,
                                      AsyncErrorLatch(ring.kernels))  # device errors, seen without a sync
         return self._rings[key]
@@ -362,7 +362,7 @@ class _Carver:
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         begin = align_up(self.offset, ALIGN)
         if begin + nbytes > self.flat.numel():
-            from ..errors import ConfigError
+            from ...errors import ConfigError
             raise ConfigError(f"workspace: a region of {nbytes} bytes at {begin} does not fit its {self.flat.numel()} "
                               "bytes (the plan sized it for other shapes)")
         self.offset = begin + nbytes

@@ -9,11 +9,11 @@ Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every a
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
   (``dispatch.cu``) and `combine_fused` (``combine.cu``).
 
-Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.plan.Plan`):
+Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.gpu.plan.Plan`):
 
 * `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
-  (the `symmring.moe.experts.ExpertEngine` seam), send the rows home and reduce;
+  (the `symmring.moe.engines.ExpertEngine` seam), send the rows home and reduce;
 * `small_batch_call`: a whole one-chunk batch call (fp8 pools) in three fused kernels around the experts:
   produce (route, from the router's logits too, + layout), dispatch (wait + count + scan + pull) and combine
   (scatter + signal + wait +
@@ -34,10 +34,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .. import protocol
-from ..pdl import PdlLauncher
+from ... import protocol
+from ...pdl import PdlLauncher
 from . import timeline
-from .experts import ExpertEngine, Pool
+from ..engines import ExpertEngine, Pool
 from .plan import ChunkStep, WindowStep
 
 #: Threads per block of the MoE kernels (8 warps).
@@ -173,7 +173,7 @@ class State:
     sends (symmetric memory, so rdma puts read them as they are), or None (the engine allocates them).
     pass_group_end: int32 [E], the torch engine's group ends within a pass (``group_end`` moved to the pass).
     scratch: the fp8 engines' L1 output and activations of a pass in the workspace's experts' region
-    (`symmring.moe.experts.Scratch`), or None (the engine allocates them).
+    (`symmring.moe.engines.Scratch`), or None (the engine allocates them).
     call_tokens: int32 [1], this rank's tokens of the call (the workspace's word, filled before each call or
     replay): the producers and the reduce clamp the plan's token bounds to it on the device
     (device/moe/call_tokens.cuh), so a plan and a graph made for a token bucket serve any count up to it;

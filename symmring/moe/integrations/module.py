@@ -3,7 +3,7 @@
 `MoEModule` holds one layer (this rank's experts), the router weight and the routing configuration, and
 optionally shared experts (any ``nn.Module``, DeepSeek-V3's, run in torch on the same hidden states). The
 context picks the layer: `symmring.moe.gpu.MoE` on the nvshmem backend (tensors on the GPU), and
-`symmring.moe.host_layer.HostLayer` (the CPU layer, `symmring.ExpertParallelMoE`, torch CPU tensors in and
+`symmring.moe.cpu.host_layer.HostLayer` (the CPU layer, `symmring.ExpertParallelMoE`, torch CPU tensors in and
 out) on the host backend; the module is the same class either way. ``forward(hidden_states)`` takes bf16
 ``[..., hidden]`` of any leading shape:
 
@@ -17,7 +17,7 @@ out) on the host backend; the module is the same class either way. ``forward(hid
   ``state_dict()`` is this rank's experts in the engine's layout; ``load_state_dict`` copies into the
   layer's tensors in place (dtype and shape must match: a `ConfigError` otherwise; ``assign=True`` is
   refused) and then lets the engine re-derive what it keeps beside them
-  (`symmring.moe.experts.ExpertEngine.refresh_weights`) and drops the layer's cached graphs. ``.to()``/``.half()``/``.cuda()`` leave the
+  (`symmring.moe.engines.ExpertEngine.refresh_weights`) and drops the layer's cached graphs. ``.to()``/``.half()``/``.cuda()`` leave the
   layer's tensors as they are (they live in the layer's fixed layout on its GPU); the router weight and
   the shared experts follow.
 * **Inference only.** The layer has no backward: a call with an input that requires grad while grad is
@@ -39,8 +39,8 @@ out) on the host backend; the module is the same class either way. ``forward(hid
   captures it like the layer's own `symmring.moe.gpu.MoE.capture` (each replay is a new call; the token
   counts are fixed by the capture; the token's increment is one more tiny kernel). Called eagerly (eager
   module, or compiled code outside a CUDA graph), the GPU layer replays its own cached graph of the call's
-  shape (`symmring.moe.graph_cache`); inside the caller's capture it launches plainly.
-* **Checkpoint names.** A module built by `symmring.moe.hf.from_hf` (``checkpoint_names="hf"``) names its
+  shape (`symmring.moe.gpu.graph_cache`); inside the caller's capture it launches plainly.
+* **Checkpoint names.** A module built by `symmring.moe.integrations.hf.from_hf` (``checkpoint_names="hf"``) names its
   state like the transformers block it replaced: ``gate.weight`` (the router), ``experts.gate_up_proj``,
   ``experts.down_proj``, ``gate.e_score_correction_bias`` (DeepSeek-V3) and ``shared_experts.*``, so a
   replaced model loads the original model's state dict: expert tensors of all ``E`` experts are cut to
@@ -65,8 +65,8 @@ import itertools
 import weakref
 from typing import Tuple
 
-from .. import deps
-from ..errors import BackendError, ConfigError
+from ... import deps
+from ...errors import BackendError, ConfigError
 
 try:  # symmring imports without torch; this module needs it
     import torch
@@ -94,7 +94,7 @@ _next_handle = itertools.count(1)
 
 def _require_torch():
     if torch is None:
-        raise BackendError(f"symmring.moe.module needs torch: {deps.hint('torch')}")
+        raise BackendError(f"symmring.moe.integrations.module needs torch: {deps.hint('torch')}")
     return torch
 
 
@@ -145,12 +145,12 @@ def moe_op():
 
 
 def default_layer_factory(ctx):
-    """The layer class of ``ctx``'s backend: `symmring.moe.host_layer.HostLayer` on ``host``,
+    """The layer class of ``ctx``'s backend: `symmring.moe.cpu.host_layer.HostLayer` on ``host``,
     `symmring.moe.gpu.MoE` otherwise (which refuses a context that is not on a device backend)."""
     if getattr(getattr(ctx, "backend", None), "name", None) == "host":
-        from .host_layer import HostLayer
+        from ..cpu.host_layer import HostLayer
         return HostLayer
-    from .gpu import MoE
+    from ..gpu.layer import MoE
     return MoE
 
 
@@ -175,9 +175,9 @@ class MoEModule(_Base):
         shared_experts: an ``nn.Module`` added to the routed output (``y + shared_experts(x)``), or None.
         streaming: the layer's schedule for every call: ``False`` (batch), ``True`` or ``"auto"``.
         layer_factory: builds the layer with `symmring.moe.gpu.MoE`'s signature (default: by the context's
-            backend, `symmring.moe.gpu.MoE` on nvshmem, `symmring.moe.host_layer.HostLayer` on host).
+            backend, `symmring.moe.gpu.MoE` on nvshmem, `symmring.moe.cpu.host_layer.HostLayer` on host).
         checkpoint_names: ``"layer"`` (the buffers' own names) or ``"hf"`` (the transformers block's names,
-            module docstring; what `symmring.moe.hf.from_hf` sets).
+            module docstring; what `symmring.moe.integrations.hf.from_hf` sets).
         workspace: the `symmring.Workspace` the layer borrows (None: the context's own, ``ctx.workspace()``, which
             every block of a model then shares).
         **layer_kwargs: the layer's other arguments (routing: ``scoring``, ``bias``,
@@ -266,7 +266,7 @@ class MoEModule(_Base):
         """``(logits, topk_idx, topk_weights)`` of ``hidden_states``: torch's `symmring.moe.routing.route` on
         `router_logits`, the definition the layer's device routing of the same logits follows (the experts
         agree, ties to the lower id; weights to float32 rounding); for inspection and tests, no layer call."""
-        from . import routing
+        from .. import routing
         x = self._tokens(hidden_states)
         logits = self.router_logits(x)
         idx, weights = routing.route(logits, self.topk, **self.routing)

@@ -35,7 +35,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A `Workspace` holds the symmetric and scratch memory of MoE calls: the rings, th
 its generation base), the expert pool, the dispatch words and, on GPUs, the experts' output rows. Layers
 keep only their weights, routing options and plans; every layer of a model (``from_hf``,
 ``replace_moe_blocks``) borrows the same workspace, so memory does not grow with the number of layers.
-Its size comes from a budget (`symmring.workspace_plan`): the pool holds one window of tokens under
+Its size comes from a budget (`symmring.moe.workspace_plan`): the pool holds one window of tokens under
 uniform routing, and a window whose arrivals exceed it runs as more passes over the same pool.
 
 Created once per context (``ctx.workspace()``, which every layer uses by default) or explicitly
@@ -38,9 +38,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import BrokenStateError, ConfigError, RingClosedError
-from .layout import ALIGN, RingSpec, align_up
-from .protocol import AckPolicy
+from ..errors import BrokenStateError, ConfigError, RingClosedError
+from ..layout import ALIGN, RingSpec, align_up
+from ..protocol import AckPolicy
 from .workspace_plan import REGIONS, LayerShape, WorkspacePlan, plan
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ class Step:
     latched: Tuple
 
     def bucket(self, cap: int) -> int:
-        """The token bucket of the step's largest count, at most ``cap`` (`symmring.moe.plan.token_bucket`); a GPU
+        """The token bucket of the step's largest count, at most ``cap`` (`symmring.moe.gpu.plan.token_bucket`); a GPU
         layer also keeps it within its ring's whole chunks (`symmring.moe.gpu.MoE._bucket`)."""
-        from .moe.plan import token_bucket
+        from .gpu.plan import token_bucket
         return token_bucket(max(self.counts), cap)
 
 
@@ -81,7 +81,7 @@ class Workspace:
         ctx: the `symmring.Context`.
         max_tokens: most tokens per rank per call (None: the largest of the attached layers').
         budget: bytes per PE (None: a pool for a window of the whole call under uniform routing;
-            `symmring.workspace_plan.plan`).
+            `symmring.moe.workspace_plan.plan`).
         tokens_per_slot: the GPU ring's chunk (None: the plan's choice).
         pool_rows: rows of the expert pool, overriding the budget's (tests: a tiny pool forces passes).
 
@@ -110,8 +110,8 @@ class Workspace:
         self._layers: List["weakref.ref"] = []  # GPU layers attached (their views and graphs follow the memory)
         self.closed = False
         self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
-        self._device = None  # symmring.moe.gpu_workspace.DeviceMemory on a device backend
-        from .backends.base import DeviceBackend
+        self._device = None  # symmring.moe.gpu.memory.DeviceMemory on a device backend
+        from ..backends.base import DeviceBackend
         self._host = None if isinstance(ctx.backend, DeviceBackend) else _HostMemory(ctx)
         self.active_step: Optional["Step"] = None  # the open `step`, or None
 
@@ -152,7 +152,7 @@ class Workspace:
                          tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
                          device="gpu", pool_rows=self.pool_rows_override)
         self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
-        from .moe.gpu_workspace import DeviceMemory
+        from .gpu.memory import DeviceMemory
         if self._device is not None and self._device.fits(self.plan):
             self._device.plan = self.plan  # the memory holds the new plan too: nothing moves
             return
@@ -206,7 +206,7 @@ class Workspace:
         every rank's token count, whether every rank routes with the layers' own routers, and every rank's
         latched device error (as vLLM exchanges its data-parallel token counts once per step). Collective:
         every rank enters the step. Inside it the GPU layers' `forward` exchanges nothing: every rank plans
-        its calls for the same token bucket (`symmring.moe.plan.token_bucket` of the largest count), and
+        its calls for the same token bucket (`symmring.moe.gpu.plan.token_bucket` of the largest count), and
         each rank's exact count goes to the device.
 
         Args:
@@ -264,13 +264,13 @@ class Workspace:
 
     @property
     def gpu(self):
-        """The device memory (`symmring.moe.gpu_workspace.DeviceMemory`) on a device backend."""
+        """The device memory (`symmring.moe.gpu.memory.DeviceMemory`) on a device backend."""
         return self._device
 
     # --- accounting, teardown -------------------------------------------------------------------------------
 
     def memory(self) -> Dict[str, int]:
-        """Bytes per PE this workspace holds now, by region (`symmring.workspace_plan.REGIONS`); ``total`` too.
+        """Bytes per PE this workspace holds now, by region (`symmring.moe.workspace_plan.REGIONS`); ``total`` too.
 
         On GPUs ``scratch`` is the engines' transient tensors (the fp8 activations' scales; the torch engine's
         L1 output and activations), which come from torch's allocator during a call (the plan's figure; freed
@@ -331,7 +331,7 @@ class _HostMemory:
     def ring(self, spec: RingSpec, ack_policy: AckPolicy, timeout_s: float, exact: bool):
         """A ring of ``spec``, shared by every layer of that shape (``exact=False``: any one of that shape with
         at least its tokens per slot; a smaller one is replaced). Collective (every rank asks for the same)."""
-        from .ring import Ring
+        from ..ring import Ring
         # The timeout is the ring's (its waits' bound): layers with another one get a ring of their own.
         key = (dataclasses.replace(spec, tokens_per_slot=1), ack_policy, float(timeout_s),
                spec.tokens_per_slot if exact else None)

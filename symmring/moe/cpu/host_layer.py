@@ -1,4 +1,4 @@
-"""The CPU layer behind `symmring.moe.module.MoEModule`: `HostLayer`, `symmring.ExpertParallelMoE` with the
+"""The CPU layer behind `symmring.moe.integrations.module.MoEModule`: `HostLayer`, `symmring.ExpertParallelMoE` with the
 GPU layer's constructor and forward (torch CPU tensors in and out).
 
 `MoEModule` (and so `from_hf`, `replace_moe_blocks`) builds this layer when its context is on the host
@@ -36,8 +36,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-from ..errors import BackendError, ConfigError
-from .weights import ExpertWeights
+from ...errors import BackendError, ConfigError
+from ..weights import ExpertWeights
 
 #: ``x_format`` values of the CPU layer's ring.
 X_FORMATS = ("bf16", "fp8_e4m3")
@@ -47,11 +47,11 @@ GPU_ONLY = ("engine", "expert_dtype", "expert_window", "single_stream", "policy"
 
 
 def _torch():
-    from .. import deps
+    from ... import deps
     try:
         import torch
     except ImportError:
-        raise BackendError(f"symmring.moe.host_layer: {deps.hint('torch')}") from None
+        raise BackendError(f"symmring.moe.cpu.host_layer: {deps.hint('torch')}") from None
     return torch
 
 
@@ -89,8 +89,8 @@ class HostLayer:
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                  timeout_s: Optional[float] = None, workspace=None, **gpu_only):
         torch = _torch()
-        from .. import protocol
-        from .expert_parallel import ExpertParallelMoE, MoEShapes
+        from ... import protocol
+        from .layer import ExpertParallelMoE, MoEShapes
         if gpu_only:
             unknown = sorted(set(gpu_only) - set(GPU_ONLY))
             if unknown:

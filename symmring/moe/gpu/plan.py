@@ -27,8 +27,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-from .. import protocol
-from ..errors import ConfigError
+from ... import protocol
+from ...errors import ConfigError
 from ..workspace_plan import spanned_rows
 
 
@@ -42,7 +42,7 @@ def token_bucket(tokens: int, cap: int) -> int:
 
     Every rank computes it from the same exchanged (or step-declared) value, so every rank plans the same
     call; a plan and a graph made for a bucket serve ANY counts up to it on every rank, zero included: each
-    rank's exact count lives on the device (`symmring.moe.stages.State.call_tokens`) and travels in the
+    rank's exact count lives on the device (`symmring.moe.gpu.stages.State.call_tokens`) and travels in the
     slots' metadata.
 
     Example:
@@ -113,7 +113,7 @@ class Plan:
     Attributes:
         streaming: the schedule; counts: every rank's tokens of the call; num_chunks: the call's chunks.
         small_batch: a one-chunk batch call run by the small-batch schedule's fused kernels
-            (`symmring.moe.stages.small_batch_call`).
+            (`symmring.moe.gpu.stages.small_batch_call`).
         waits: two streams only: for an item of ``order``, the items of the other stream it must follow
             (`protocol.call_dependency_graph`'s "own chunks" and "own acknowledgement" edges), so every
             topological order of the captured call is a valid serial schedule; ``signals``: the items
