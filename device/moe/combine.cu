@@ -1,4 +1,4 @@
-// MoE combine kernels (symmring.moe.stages, combine_*): send every expert output row back to the rank that
+// MoE combine kernels (symmring.moe.gpu.stages, combine_*): send every expert output row back to the rank that
 // owns its token, then reduce each token's top-k rows in a fixed order.
 //
 // Combine buffer: a symmetric allocation holding, on every PE, a signal word per source rank,

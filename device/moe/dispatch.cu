@@ -1,4 +1,4 @@
-// MoE dispatch kernels (symmring.moe.stages, wait/count/scan/pull/ack): gather, from every source rank's
+// MoE dispatch kernels (symmring.moe.gpu.stages, wait/count/scan/pull/ack): gather, from every source rank's
 // ring slot, the token rows routed to this PE's experts into an expert-contiguous pool: dequantised to bf16
 // (moe_dispatch_pull, for bf16 experts) or as fp8 rows with their scales (moe_dispatch_pull_fp8).
 //
@@ -37,7 +37,7 @@
 //                       threads of a block copy its tokens' rows (16-byte vectors, several loads in flight).
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
-// Capacity: the pool holds a budget's rows (symmring.workspace_plan), not the worst routing's. A window whose
+// Capacity: the pool holds a budget's rows (symmring.moe.workspace_plan), not the worst routing's. A window whose
 // rows (the scan's total, padding included) exceed it runs in passes (PassRows): each pass pulls only the
 // entries whose window row falls in its range, the experts compute the pass, the combine scatters it, so no
 // routing overflows the pool or is truncated. The host launches a routing-independent bound of passes; a

@@ -1,4 +1,4 @@
-// MoE producer kernels (symmring.moe.stages, produce_*): write one chunk of this PE's tokens into its own
+// MoE producer kernels (symmring.moe.gpu.stages, produce_*): write one chunk of this PE's tokens into its own
 // ring slot and publish it. Route (topk_idx, topk_weights, meta) and layout (x, x_sf) are separate launches
 // with separate publications, so either may finish first (the RFC's independent readiness generations).
 //

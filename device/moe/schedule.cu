@@ -1,4 +1,4 @@
-// The MoE schedule's own small kernels (symmring.moe.stages): the end of a call, timeline stamps, and the
+// The MoE schedule's own small kernels (symmring.moe.gpu.stages): the end of a call, timeline stamps, and the
 // test and benchmark hooks.
 //
 //   moe_end_call     one thread, after every kernel of the call on every stream (a two-stream schedule
