@@ -47,7 +47,7 @@ import time
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import missing_cuda_torch
+from . import lacks_cuda_torch
 from .gemm_common import progress, quant_rows
 from .moe import SHAPES
 
@@ -344,9 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.repeats = args.repeats or (10 if args.quick else 20)
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    missing = missing_cuda_torch()
-    if missing:
-        print(f"bench gemm: {missing}", file=sys.stderr)
+    if lacks_cuda_torch("bench gemm"):
         return 2
     import torch
     from ..moe import fp8_kernels
