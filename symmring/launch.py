@@ -623,8 +623,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "Every rank gets these unless already set (symmring.env.GPU_ENV):\n" +
                "\n".join(f"  {d.name}={d.value}{' (one node only)' if d.one_node_only else ''}: {d.reason}"
                          for d in env.GPU_ENV))
-    parser.add_argument("-n", "--num-ranks", type=int, help="ranks (PEs) in all (default with --hosts/--hostfile: "
-                        "the sum of the slots; with -N in a Slurm allocation: K per node)")
+    parser.add_argument("-n", "-np", "--num-ranks", type=int, help="ranks (PEs) in all (default with "
+                        "--hosts/--hostfile: the sum of the slots; with -N in a Slurm allocation: K per node)")
     parser.add_argument("-N", "--ranks-per-node", type=int, metavar="K", help="ranks per node (Open MPI "
                         "--map-by ppr:K:node, Hydra -ppn K, srun --ntasks-per-node K)")
     parser.add_argument("--hosts", metavar="H[:K],...", help="hosts, each with its ranks: node1:8,node2:8 "

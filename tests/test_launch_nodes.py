@@ -6,6 +6,7 @@ rank pins its GPU by (each launcher's variables), and ``--dry-run`` (prints, sta
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import stat
 import subprocess
@@ -239,6 +240,14 @@ def test_dry_run_on_one_node_keeps_the_one_node_policy(fake_mpirun, tmp_path):
     assert run.returncode == 0, run.stderr
     assert "export NVSHMEM_REMOTE_TRANSPORT=none" in run.stdout.splitlines()
     assert "export SYMMRING_LAUNCH_GPUS=0" in run.stdout.splitlines()
+
+
+def test_np_is_an_alias_of_n(fake_mpirun, tmp_path):
+    """``-np N`` (mpirun's spelling, which launch/symmring-mpirun always took) is ``-n N``."""
+    run = _launch(["--mpirun", str(fake_mpirun), "-np", "3", "--dry-run", "--", "prog"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("# symmring.launch --dry-run: 3 ranks, openmpi"), run.stdout
+    assert shlex.split(run.stdout.splitlines()[-1])[1:3] == ["-np", "3"]
 
 
 @pytest.mark.parametrize("args, words", [
