@@ -6,9 +6,9 @@ What it does around ``mpirun -n N cmd ...``:
 * exports the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
   ``NVSHMEM_REMOTE_TRANSPORT=none`` for a job on one node only, ``CUDA_MODULE_LOADING=EAGER``,
   ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless already set; ``--print-env``
-  prints the one-node policy as ``export`` lines and exits (``tools/gpu_common.sh`` and
-  ``launch/symmring-mpirun`` read it from there), ``--dry-run`` prints a job's environment and command
-  line and starts nothing;
+  prints the one-node policy as ``export`` lines and exits (``tools/gpu_common.sh`` reads it through
+  ``launch/symmring-mpirun``, the bash wrapper that runs this module), ``--dry-run`` prints a job's
+  environment and command line and starts nothing;
 * places the ranks (`plan_job`, `launcher_command`): ``--hosts n1:8,n2:8``, ``--hostfile FILE`` (Open MPI
   or MPICH syntax), ``-N K`` ranks per node, in the launcher's own syntax (Open MPI ``--host``/
   ``--hostfile``/``--map-by``, Hydra ``-hosts``/``-f``/``-ppn``, srun ``--nodelist``/``--nodes``/
