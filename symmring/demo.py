@@ -292,6 +292,31 @@ def _backend_reason(requested: str) -> str:
     return auto_backend()[1]
 
 
+def world_reporter() -> Optional[Reporter]:
+    """The demo's first step (``demo`` and ``demo --model``): a `Reporter` on MPI's world communicator, or None
+    after rank 0 of the launch printed ``demo: FAIL`` (no MPI library under a multi-rank launch; exit 1)."""
+    from . import mpi
+    try:
+        return Reporter(mpi.load().COMM_WORLD)
+    except SymmringError as exc:  # no MPI library under a multi-rank launch
+        if mpi.launcher_rank() == 0:
+            print(f"demo: FAIL {exc}", flush=True)
+        return None
+
+
+def start(backend: str, report: Reporter) -> Optional[Tuple[object, Reporter, str]]:
+    """Initialise the ``--backend`` (``demo`` and ``demo --model``): (the context, a `Reporter` on its
+    communicator, why that backend), or None after ``demo: FAIL`` on ``report`` (exit 1)."""
+    from .context import init
+    reason = _backend_reason(backend)
+    try:
+        ctx = init(backend)
+    except SymmringError as exc:
+        report.say(f"demo: FAIL could not initialise the {backend} backend: {exc}")
+        return None
+    return ctx, Reporter(ctx.comm), reason
+
+
 def fail(ctx, report, exc) -> int:
     """The demo's end after a symmring error in its run (``demo`` and ``demo --model``): the ``demo: FAIL`` line,
     the context closed, and the exit status (2 for a bad configuration, which every rank raises; else 1)."""
@@ -317,26 +342,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return model_main(args)
     if args.x_format is None:
         args.x_format = "fp8_e4m3"
-    from . import __version__, mpi
+    from . import __version__
     from .context import init
-    try:
-        report = Reporter(mpi.load().COMM_WORLD)
-    except SymmringError as exc:  # no MPI library under a multi-rank launch
-        if mpi.launcher_rank() == 0:
-            print(f"demo: FAIL {exc}", flush=True)
+    report = world_reporter()
+    if report is None:
         return 1
     for name in ("tokens", "hidden", "experts", "topk", "inter", "tokens_per_slot", "num_slots", "repeats"):
         low = 0 if name in ("tokens", "repeats") else 1
         if getattr(args, name) < low:
             report.say(f"demo: FAIL --{name.replace('_', '-')}={getattr(args, name)}: expected >= {low}")
             return 2
-    reason = _backend_reason(args.backend)
-    try:
-        ctx = init(args.backend)
-    except SymmringError as exc:
-        report.say(f"demo: FAIL could not initialise the {args.backend} backend: {exc}")
+    started = start(args.backend, report)
+    if started is None:
         return 1
-    report = Reporter(ctx.comm)
+    ctx, report, reason = started
     report.say(f"symmring {__version__} demo: {ctx.world_size} rank(s), backend {ctx.backend.name} "
                f"({reason}) on {ctx.device}")
     report.say(f"problem: {args.tokens} tokens/rank x hidden {args.hidden}, {args.experts} experts "

@@ -47,18 +47,14 @@ def _errors(got, want):
 def main(args) -> int:
     """Run the model demo with the demo's parsed ``args``; returns 0 (PASS), 1 (FAIL) or 2 (bad arguments)."""
     import torch
-    from . import __version__, mpi
-    from .context import init
-    from .demo import Reporter, _backend_reason, fail
+    from . import __version__
+    from .demo import fail, start, world_reporter
     from .moe.integrations import tiny
     from .moe.integrations.hf import check_transformers, replace_moe_blocks
 
     x_format = args.x_format or "bf16"
-    try:
-        report = Reporter(mpi.load().COMM_WORLD)
-    except SymmringError as exc:  # no MPI library under a multi-rank launch
-        if mpi.launcher_rank() == 0:
-            print(f"demo: FAIL {exc}", flush=True)
+    report = world_reporter()
+    if report is None:
         return 1
     if args.seq < 1:
         report.say(f"demo: FAIL --seq={args.seq}: expected >= 1")
@@ -70,13 +66,10 @@ def main(args) -> int:
         return 2
     if version is None:  # the command line names the extra that brings it
         raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
-    reason = _backend_reason(args.backend)
-    try:
-        ctx = init(args.backend)
-    except SymmringError as exc:
-        report.say(f"demo: FAIL could not initialise the {args.backend} backend: {exc}")
+    started = start(args.backend, report)
+    if started is None:
         return 1
-    report = Reporter(ctx.comm)
+    ctx, report, reason = started
     family = tiny.canonical_family(args.model)
     on_gpu = ctx.backend.name != "host"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

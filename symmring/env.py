@@ -13,7 +13,7 @@
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
-launchers (``python -m symmring.launch``, ``launch/symmring-mpirun``) for every rank, and by the GPU
+launcher (``python -m symmring.launch``, also as ``launch/symmring-mpirun``) for every rank, and by the GPU
 scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them as ``export`` lines).
 The settings marked "one node only" (`EnvDefault.one_node_only`) apply only to a job known to run on one
 node: the nvshmem backend counts the job's nodes (an MPI shared-memory split) before NVSHMEM starts, and
@@ -160,7 +160,7 @@ class EnvDefault(NamedTuple):
 
 
 #: The GPU environment policy: what every GPU process of symmring runs with unless the user set the
-#: variable (to a non-empty value). The one table the backend, both launchers and tools/ read.
+#: variable (to a non-empty value). The one table the backend, the launcher and tools/ read.
 GPU_ENV = (
     EnvDefault("NVSHMEM_DISABLE_NVLS", "1",
                "symmring never uses NVLink multicast (NVLS), and multicast objects can take a shared host's "

@@ -6,9 +6,9 @@ What it does around ``mpirun -n N cmd ...``:
 * exports the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
   ``NVSHMEM_REMOTE_TRANSPORT=none`` for a job on one node only, ``CUDA_MODULE_LOADING=EAGER``,
   ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``) unless already set; ``--print-env``
-  prints the one-node policy as ``export`` lines and exits (``tools/gpu_common.sh`` and
-  ``launch/symmring-mpirun`` read it from there), ``--dry-run`` prints a job's environment and command
-  line and starts nothing;
+  prints the one-node policy as ``export`` lines and exits (``tools/gpu_common.sh`` reads it through
+  ``launch/symmring-mpirun``, the bash wrapper that runs this module), ``--dry-run`` prints a job's
+  environment and command line and starts nothing;
 * places the ranks (`plan_job`, `launcher_command`): ``--hosts n1:8,n2:8``, ``--hostfile FILE`` (Open MPI
   or MPICH syntax), ``-N K`` ranks per node, in the launcher's own syntax (Open MPI ``--host``/
   ``--hostfile``/``--map-by``, Hydra ``-hosts``/``-f``/``-ppn``, srun ``--nodelist``/``--nodes``/
@@ -623,8 +623,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "Every rank gets these unless already set (symmring.env.GPU_ENV):\n" +
                "\n".join(f"  {d.name}={d.value}{' (one node only)' if d.one_node_only else ''}: {d.reason}"
                          for d in env.GPU_ENV))
-    parser.add_argument("-n", "--num-ranks", type=int, help="ranks (PEs) in all (default with --hosts/--hostfile: "
-                        "the sum of the slots; with -N in a Slurm allocation: K per node)")
+    parser.add_argument("-n", "-np", "--num-ranks", type=int, help="ranks (PEs) in all (default with "
+                        "--hosts/--hostfile: the sum of the slots; with -N in a Slurm allocation: K per node)")
     parser.add_argument("-N", "--ranks-per-node", type=int, metavar="K", help="ranks per node (Open MPI "
                         "--map-by ppr:K:node, Hydra -ppn K, srun --ntasks-per-node K)")
     parser.add_argument("--hosts", metavar="H[:K],...", help="hosts, each with its ranks: node1:8,node2:8 "

@@ -1,4 +1,5 @@
-"""One GPU environment policy (symmring.env.GPU_ENV), applied by the backend, both launchers and tools/.
+"""One GPU environment policy (symmring.env.GPU_ENV), applied by the backend, the launcher (also through
+launch/symmring-mpirun) and tools/.
 
 No GPU is needed: the backend's environment step runs in `gpu_available` before any CUDA call, and the
 launchers are run with a stand-in MPI launcher that starts the rank command once, so the rank's
@@ -148,27 +149,29 @@ def test_python_launcher_help_and_print_env(tmp_path):
     assert _exports(out) == env.gpu_env_defaults()
 
 
-@pytest.mark.parametrize("python", ["package", "fallback copy"])
-def test_bash_launcher_print_env_equals_the_table(python, tmp_path):
-    """From the package, and from the launcher's own copy when Python is unusable: the same set, and a
-    user-set value is kept by both."""
-    interpreter = sys.executable if python == "package" else str(tmp_path / "no-such-python")
-    for user, want in (({}, env.gpu_env_defaults()),
-                       ({"NCCL_NVLS_ENABLE": "1 2"}, {**env.gpu_env_defaults(), "NCCL_NVLS_ENABLE": "1 2"})):
-        run = subprocess.run(["bash", str(BASH_LAUNCHER), "--print-env"], capture_output=True, text=True, timeout=60,
-                             cwd=tmp_path, env=_env_without_policy(SYMMRING_PYTHON=interpreter, **user))
-        assert run.returncode == 0, run.stderr
-        assert ("launcher's copy" in run.stderr) == (python == "fallback copy"), run.stderr
-        lines = run.stdout.strip().splitlines()
-        assert len(lines) == len(NAMES) and all(line.startswith("export ") for line in lines)
-        exported = subprocess.run(["bash", "-c", f'{run.stdout}\nfor n in {" ".join(NAMES)}; do echo "$n=${{!n}}"; '
-                                   "done"], capture_output=True, text=True, check=True, env=_env_without_policy())
-        assert dict(line.split("=", 1) for line in exported.stdout.splitlines()) == want
+@pytest.mark.parametrize("user", [{}, {"NCCL_NVLS_ENABLE": "1 2"}])
+def test_bash_launcher_print_env_is_the_python_launchers(user, tmp_path):
+    """launch/symmring-mpirun runs ``python -m symmring.launch``: its ``--print-env`` is the Python launcher's,
+    to the byte, a user-set value kept."""
+    environ = _env_without_policy(SYMMRING_PYTHON=sys.executable, **user)
+    wrapper, python = (subprocess.run(cmd + ["--print-env"], capture_output=True, text=True, timeout=60,
+                                      cwd=tmp_path, env=environ)
+                       for cmd in (["bash", str(BASH_LAUNCHER)], [sys.executable, "-m", "symmring.launch"]))
+    assert (wrapper.returncode, wrapper.stderr) == (0, ""), wrapper.stderr
+    assert wrapper.stdout == python.stdout
+    assert _exports(wrapper.stdout) == {**env.gpu_env_defaults(), **user}
+
+
+def test_bash_launcher_without_a_usable_python_fails_in_one_line(tmp_path):
+    run = subprocess.run(["bash", str(BASH_LAUNCHER), "--print-env"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=_env_without_policy(SYMMRING_PYTHON=str(tmp_path / "no-such-python")))
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr.startswith("symmring-mpirun: ") and "SYMMRING_PYTHON" in run.stderr, run.stderr
 
 
 def test_bash_launcher_ranks_get_its_interpreter_and_the_table(fake_mpirun, decoy_path, tmp_path):
-    """SYMMRING_PYTHON names the interpreter; without it, the python3 installed beside the script (a venv's
-    bin/) wins over the PATH's."""
+    """The interpreter that runs the Python launcher for the bash script: SYMMRING_PYTHON names it; without
+    it, the python3 installed beside the script (a venv's bin/) wins over the PATH's."""
     installed = tmp_path / "venv-bin"
     installed.mkdir()
     (installed / "symmring-mpirun").write_bytes(BASH_LAUNCHER.read_bytes())
@@ -182,7 +185,6 @@ def test_bash_launcher_ranks_get_its_interpreter_and_the_table(fake_mpirun, deco
         report = _rank_report(run)
         assert Path(report["exe"]).resolve() == Path(sys.executable).resolve(), script
         assert report["env"] == {**env.gpu_env_defaults(), "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
-        assert "launcher's copy" not in run.stderr
 
 
 def test_every_gpu_tool_sources_the_common_helper_and_sets_no_policy_variable_itself():
@@ -204,7 +206,6 @@ def test_sourcing_gpu_common_exports_the_table(tmp_path):
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert dict(line.split("=", 1) for line in lines[:-1]) == env.gpu_env_defaults()
-    assert "launcher's copy" not in run.stderr, run.stderr
 
 
 def test_docs_list_the_table():

@@ -85,14 +85,16 @@ def _check_variant(venv: Path, tmp_path: Path, mpiexec) -> None:
         last = _last_line(demo4)
         assert demo4.returncode == 0 and last.startswith("demo: PASS backend=host ranks=4 "), \
             demo4.stdout + demo4.stderr
-    # The installed scripts: the console script, and the bash launcher finding the venv's python beside it.
+    # The installed scripts: the console script, and the bash wrapper of the launcher finding the venv's python
+    # beside it (its output is the venv's `python -m symmring.launch --print-env`).
     helps = subprocess.run([str(venv / "bin" / "symmring"), "--help"], capture_output=True, text=True,
                            timeout=RUN_TIMEOUT_S, cwd=tmp_path, env=_clean_env(venv))
     assert helps.returncode == 0 and "bench stream" in helps.stdout, helps.stdout + helps.stderr
     exports = subprocess.run(["bash", str(venv / "bin" / "symmring-mpirun"), "--print-env"], capture_output=True,
                              text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path, env=_clean_env(venv))
-    assert exports.returncode == 0 and "launcher's copy" not in exports.stderr, exports.stderr
+    assert exports.returncode == 0 and exports.stderr == "", exports.stderr
     assert "export NVSHMEM_DISABLE_NVLS=1" in exports.stdout
+    assert exports.stdout == _run(venv, tmp_path, ["-m", "symmring.launch", "--print-env"]).stdout
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ rank pins its GPU by (each launcher's variables), and ``--dry-run`` (prints, sta
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import stat
 import subprocess
@@ -211,12 +212,11 @@ def fake_mpirun(tmp_path):
     return path
 
 
-def _launch(args, tmp_path, **extra):
+def _launch(args, tmp_path, command=(sys.executable, "-m", "symmring.launch"), **extra):
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("NVSHMEM_", "SLURM_", "SYMMRING_LAUNCH"))}
     environ.pop("PYTEST_ADDOPTS", None)
     environ.update(extra)
-    return subprocess.run([sys.executable, "-m", "symmring.launch", *args], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path, env=environ)
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=environ)
 
 
 def test_dry_run_across_nodes_prints_the_environment_and_command(fake_mpirun, tmp_path):
@@ -241,6 +241,14 @@ def test_dry_run_on_one_node_keeps_the_one_node_policy(fake_mpirun, tmp_path):
     assert "export SYMMRING_LAUNCH_GPUS=0" in run.stdout.splitlines()
 
 
+def test_np_is_an_alias_of_n(fake_mpirun, tmp_path):
+    """``-np N`` (mpirun's spelling, which launch/symmring-mpirun always took) is ``-n N``."""
+    run = _launch(["--mpirun", str(fake_mpirun), "-np", "3", "--dry-run", "--", "prog"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("# symmring.launch --dry-run: 3 ranks, openmpi"), run.stdout
+    assert shlex.split(run.stdout.splitlines()[-1])[1:3] == ["-np", "3"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--hosts", "n1:2,n2:2", "--mps"], "--mps starts CUDA MPS on this node only, and this job's ranks run on 2 nodes"),
     (["--hosts", "n1,n2", "-n", "4"], "n1, n2 without slots"),
@@ -255,10 +263,20 @@ def test_bad_launches_fail_before_starting(fake_mpirun, tmp_path, args, words):
     assert (words or "--srun: srun not found on PATH") in run.stderr, run.stderr
 
 
-def test_bash_launcher_refuses_host_options(tmp_path):
-    run = subprocess.run(["bash", str(ROOT / "launch" / "symmring-mpirun"), "--hosts", "a:2,b:2", "--", "prog"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert run.returncode == 2 and "python -m symmring.launch" in run.stderr, run.stderr
+@pytest.mark.parametrize("args", [
+    ["--hosts", "n1:4,n2:4", "--dry-run", "--", "python", "x.py"],
+    ["-np", "2", "--dry-run", "--", "prog"],
+    ["--hosts", "n1,n2", "-n", "4", "--", "prog"],  # a bad launch: exit 2, the same message
+])
+def test_bash_launcher_is_the_python_launcher(fake_mpirun, tmp_path, args):
+    """launch/symmring-mpirun hands every argument to ``python -m symmring.launch``: the same output and exit
+    status (the host options too, which it refused when it was a launcher of its own)."""
+    extra = {"SYMMRING_PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "0"}
+    python = _launch(["--mpirun", str(fake_mpirun), *args], tmp_path, **extra)
+    wrapper = _launch(["--mpirun", str(fake_mpirun), *args], tmp_path,
+                      command=["bash", str(ROOT / "launch" / "symmring-mpirun")], **extra)
+    assert (wrapper.returncode, wrapper.stdout, wrapper.stderr) == (python.returncode, python.stdout, python.stderr)
+    assert "started a job" not in wrapper.stderr and wrapper.returncode == (2 if "--dry-run" not in args else 0)
 
 
 @pytest.mark.mpi

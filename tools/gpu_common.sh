@@ -8,8 +8,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)')}"
 # The GPU environment policy, symmring.env.GPU_ENV (NVLink multicast off in NVSHMEM, NCCL and torch;
-# no remote transport; eager module loading), from the package through the launcher, which falls back
-# to its own copy of the table only when $PY cannot import symmring. Values set by the caller are kept.
+# no remote transport; eager module loading), from the package through the launcher ($PY -m
+# symmring.launch --print-env). Values set by the caller are kept.
 eval "$(SYMMRING_PYTHON="$PY" bash launch/symmring-mpirun --print-env)"
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

@@ -20,6 +20,15 @@ def missing_cuda_torch() -> Optional[str]:
     return None
 
 
+def lacks_cuda_torch(bench: str) -> bool:
+    """Whether a torch benchmark cannot run here; if so, says why on stderr (``<bench>: <reason>``, the
+    reason from `missing_cuda_torch`), and the benchmark returns 2."""
+    missing = missing_cuda_torch()
+    if missing:
+        print(f"{bench}: {missing}", file=sys.stderr)
+    return missing is not None
+
+
 def progress(bench: str, done: int, total: Optional[int], what: str, *, rank: int = 0,
              started_s: Optional[float] = None, stream=None) -> None:
     """Say on stderr (rank 0 only; stdout keeps the table) that an item of a sweep finished.

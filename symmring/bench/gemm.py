@@ -47,7 +47,8 @@ import time
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import missing_cuda_torch
+from . import lacks_cuda_torch
+from .gemm_common import progress, quant_rows
 from .moe import SHAPES
 
 logger = logging.getLogger(__name__)
@@ -101,10 +102,6 @@ def problems(quick: bool) -> List[Problem]:
     return out
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench gemm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def _time_ms(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 3) -> float:
     """Median milliseconds of one call, cycling through ``fns`` (one per input set).
 
@@ -138,20 +135,6 @@ def measure_copy_gbps(device) -> float:
 
 # --- data -------------------------------------------------------------------------------------------------
 
-def _quant_rows(x):
-    """Per row and 128 columns, the ring's rule in torch: (q fp8, sf float32 [M, K / 128])."""
-    import torch
-    M, K = x.shape
-    groups = x.float().view(M, K // 128, 128)
-    amax = groups.abs().amax(dim=2)
-    # A tensor divisor: torch turns division by a Python scalar into a multiply by its reciprocal, which
-    # is not the IEEE quotient the rule (and producer.cu, and the Triton kernel) uses.
-    sf = amax / torch.full_like(amax, 448.0)
-    sf = torch.where(sf == 0, torch.ones_like(sf), sf)
-    q = (groups / sf[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(M, K)
-    return q, sf
-
-
 def _quant_blocks(w):
     """128x128 block quantisation of bf16 ``[G, N, K]`` (N, K multiples of 128): (q fp8, sf [G, N/128, K/128])."""
     import torch
@@ -173,7 +156,7 @@ class Inputs:
         self.sets = []
         for _ in range(num_sets):
             x = torch.randn(p.M, p.K, device=device, dtype=torch.bfloat16, generator=gen)
-            a, a_sf = _quant_rows(x)
+            a, a_sf = quant_rows(x)
             self.sets.append((x, a, a_sf))
         w = torch.randn(p.groups, p.N, p.K, device=device, dtype=torch.bfloat16, generator=gen) / math.sqrt(p.K)
         self.w_bf16 = w
@@ -295,7 +278,7 @@ def bench_swiglu(data: Inputs, p: Problem, args, state: Dict) -> Dict:
         rows = slice(0, min(p.M, 4096))
         g, u = h[rows, :inter].float(), h[rows, inter:].float()
         act = g / (1.0 + torch.exp(-g)) * u
-        q_ref, sf_ref = _quant_rows(act)
+        q_ref, sf_ref = quant_rows(act)
         q_bad = int((q[rows].view(torch.uint8) != q_ref.view(torch.uint8)).sum())
         sf_bad = int((q_sf[rows] != sf_ref).sum())
         ms = _time_ms([lambda: triton_large.swiglu_quant_fp8(h, data.m_indices)], args.repeats)
@@ -361,9 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.repeats = args.repeats or (10 if args.quick else 20)
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    missing = missing_cuda_torch()
-    if missing:
-        print(f"bench gemm: {missing}", file=sys.stderr)
+    if lacks_cuda_torch("bench gemm"):
         return 2
     import torch
     from ..moe.engines import triton_large
@@ -382,11 +363,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         dg_ok, dg_reason = False, "skipped (--no-deepgemm)"
     else:
         dg_ok, dg_reason = deepgemm_status(probe=True)
-    _progress(f"DeepGEMM: {dg_reason}")
+    progress(f"DeepGEMM: {dg_reason}")
     state = {"started": started, "configs": configs, "deepgemm_ok": dg_ok, "deepgemm_reason": dg_reason,
              "l2_bytes": torch.cuda.get_device_properties(device).L2_cache_size,
              "copy_gbps": measure_copy_gbps(device)}
-    _progress(f"device copy {state['copy_gbps']:.0f} GB/s")
+    progress(f"device copy {state['copy_gbps']:.0f} GB/s")
     if args.decode or args.decode_sweep:
         from . import gemm_decode
         state["device"] = device
@@ -408,7 +389,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(bench_problem(p, device, args, state))
         torch.cuda.empty_cache()  # the problem's tensors are gone with bench_problem's frame
         r = rows[-1]
-        _progress(f"{i + 1}/{len(todo)} {p.name}: Triton best {r.get('triton_best')} "
+        progress(f"{i + 1}/{len(todo)} {p.name}: Triton best {r.get('triton_best')} "
                   f"{r.get('triton_best_tflops') or float('nan'):.0f} TFLOP/s, DeepGEMM "
                   f"{r.get('deepgemm_tflops', float('nan')):.0f} ({time.perf_counter() - t0:.1f} s)")
     elapsed = time.perf_counter() - started

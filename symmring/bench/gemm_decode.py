@@ -34,7 +34,7 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .gemm import _progress, _quant_rows
+from .gemm_common import progress, quant_rows
 from .moe import SHAPES
 
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -93,7 +93,7 @@ class DecodePool:
         dev = shape.device
         gen = torch.Generator(device=dev).manual_seed(seed)
         x = torch.randn(self.num_rows, shape.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-        self.x, x_sf = _quant_rows(x)
+        self.x, x_sf = quant_rows(x)
         # The layer's pool scales are MN-major (State.pool_scales): strides (1, align4(rows)).
         column = -(-self.num_rows // 4) * 4
         self.x_sf = torch.empty(shape.hidden // 128, column, device=dev).t()[:self.num_rows].copy_(x_sf)
@@ -203,12 +203,12 @@ def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repea
                     if f"{other}_us" in row:
                         row[f"{other}_vs_small"] = row[f"{other}_us"] / row["small_us"]
             rows.append(row)
-            _progress(f"decode {name} {n} tokens: small {row.get('small_us', float('nan')):.1f} us, builtin "
+            progress(f"decode {name} {n} tokens: small {row.get('small_us', float('nan')):.1f} us, builtin "
                       f"{row.get('builtin_us', float('nan')):.1f} us, read {row['read_us']:.1f} us")
             del pools, outs
         del shape, steps
         torch.cuda.empty_cache()
-        _progress(f"decode {name}: {time.perf_counter() - t0:.1f} s")
+        progress(f"decode {name}: {time.perf_counter() - t0:.1f} s")
     return rows
 
 
@@ -286,7 +286,7 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
                     row.update(best=best, best_us=timed[best], default_us=timed.get(default.name),
                                best_vs_read=timed[best] / read_us)
                 rows.append(row)
-                _progress(f"sweep {name} {n} tokens {gemm}: best {row.get('best')} {row.get('best_us', 0):.1f} us, "
+                progress(f"sweep {name} {n} tokens {gemm}: best {row.get('best')} {row.get('best_us', 0):.1f} us, "
                           f"default {default.name} {row.get('default_us') or float('nan'):.1f} us, read {read_us:.1f} us")
             del pools, acts
         shape = None  # its weights freed before empty_cache (not del: the kernels' lambdas close over it)

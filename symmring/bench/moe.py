@@ -53,7 +53,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import missing_cuda_torch, progress
+from . import lacks_cuda_torch, progress
 
 logger = logging.getLogger(__name__)
 
@@ -510,9 +510,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--tokens={args.tokens!r}: expected comma-separated integers")
     if not tokens or tokens[0] < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be positive")
-    missing = missing_cuda_torch()
-    if missing:
-        print(f"bench moe: {missing}", file=sys.stderr)
+    if lacks_cuda_torch("bench moe"):
         return 2
     import torch
     # Every layer borrows the context's workspace: its symmetric regions (ring, combine, output rows) for the

@@ -54,7 +54,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import missing_cuda_torch, progress
+from . import lacks_cuda_torch, progress
 
 logger = logging.getLogger(__name__)
 
@@ -559,9 +559,7 @@ def warm(dg, args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    missing = missing_cuda_torch()
-    if missing:
-        print(f"bench moe --anchor: {missing}", file=sys.stderr)
+    if lacks_cuda_torch("bench moe --anchor"):
         return 2
     import torch
     dg = None

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from . import missing_cuda_torch, progress
+from . import lacks_cuda_torch, progress
 
 from ..moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 from .moe import SHAPES, layer_weights
@@ -368,9 +368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--ack={args.ack!r}: expected some of {list(DEFAULT_ACK)}")
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    missing = missing_cuda_torch()
-    if missing:
-        print(f"bench stream: {missing}", file=sys.stderr)
+    if lacks_cuda_torch("bench stream"):
         return 2
     configs = [dict(tokens_per_slot=t, num_slots=s, expert_window=w, ack_policy=a)
                for t in per_slot for s in slots for w in windows for a in acks]
