@@ -265,8 +265,7 @@ class RingModel:
             idx, preds = self.graph_nodes[r][item[1]][item]
             if self.graph_serial and item[0] != "advance":
                 return w[self.o_stream + 3 * r + 2] == idx + 1  # the executor started it
-            done = self._graph_done(w, r)
-            return not done >> idx & 1 and done & preds == preds
+            return self._graph_ready(w, r, idx, preds)
         if not self.cfg.serial:
             return True
         idx = w[self.o_stream + r]
@@ -276,6 +275,11 @@ class RingModel:
     def _graph_done(self, w: Sequence[int], r: int) -> int:
         o = self.o_stream + 3 * r
         return w[o] | w[o + 1] << 8
+
+    def _graph_ready(self, w: Sequence[int], r: int, idx: int, preds: int) -> bool:
+        """Whether rank ``r``'s graph item ``idx`` has not finished and every item of ``preds`` has."""
+        done = self._graph_done(w, r)
+        return not done >> idx & 1 and done & preds == preds
 
     def _executor_steps(self, w: bytes, out: List[Successor]) -> None:
         """Graph mode with a serial executor: a rank that runs no item starts one whose predecessors all
@@ -290,8 +294,7 @@ class RingModel:
                 if k >= self.C or c >= self.chunks[k]:
                     continue
                 idx, preds = self.graph_nodes[r][k][item]
-                done = self._graph_done(w, r)
-                if not done >> idx & 1 and done & preds == preds:
+                if self._graph_ready(w, r, idx, preds):
                     nxt = bytearray(w)
                     nxt[self.o_stream + 3 * r + 2] = idx + 1
                     out.append((("start", r, item), bytes(nxt), None))
@@ -335,6 +338,10 @@ class RingModel:
                 return (earlier, s + self.S * ((n - 1 - s) // self.S))
         return None
 
+    def _missing(self, mask: int) -> List[int]:
+        """The consumers whose bit ``mask`` lacks."""
+        return [q for q in range(self.Q) if not mask >> q & 1]
+
     def _published(self, w: Sequence[int], p: int, k: int, c: int, field: int) -> bool:
         """Ghost: whether producer ``p`` has executed its publish of ``field`` for chunk ``(k, c)``."""
         o = _PROD_WORDS * p
@@ -368,7 +375,7 @@ class RingModel:
                 for c in range(self.chunks[k]):
                     written = w[self.o_written + self._chunk_idx(p, k, c)]
                     if written != self.all_consumers:
-                        missing = [q for q in range(self.Q) if not written >> q & 1]
+                        missing = self._missing(written)
                         return (INV_COMBINE_ONCE, f"final state: result of source {p} call {k} chunk {c} "
                                 f"never written by consumers {missing}")
         return None
@@ -430,12 +437,7 @@ class RingModel:
                     nxt = bytearray(w)
                     violation = self._check_overwrite(w, p, k, c, s, field)
                     nxt[m + 3 + field] = tag
-                    if self.split:
-                        nxt[m + 2] = 0  # grid_publish(reset_mask=true): the reset, then the release
-                    # release: pairs with the consumers' acquire in their ready wait
-                    nxt[m + field] = gen
-                    nxt[o + 3 + field] = _PH_PUBLISHED
-                    self._finish_producer_chunk(nxt, p)
+                    self._publish(nxt, p, m, field, gen)
                     labels = (("write", p, k, c, s, field, tag, False), ("publish", p, k, c, s, field, gen))
                     out.append((labels, bytes(nxt), violation))
                 elif phase == _PH_NONE:
@@ -454,13 +456,8 @@ class RingModel:
                     out.append((("write", p, k, c, s, field, tag, mutant == "fence_removed"), bytes(nxt),
                                 violation))
                 elif phase == _PH_WRITTEN:
-                    # release: pairs with the consumers' acquire in their ready wait
                     nxt = bytearray(w)
-                    if self.split:
-                        nxt[m + 2] = 0  # grid_publish(reset_mask=true): the reset, then the release
-                    nxt[m + field] = gen
-                    nxt[o + 3 + field] = _PH_PUBLISHED
-                    self._finish_producer_chunk(nxt, p)
+                    self._publish(nxt, p, m, field, gen)
                     out.append((("publish", p, k, c, s, field, gen), bytes(nxt), None))
             if (mutant == "reset_after_publish" and not w[o + 5] and w[o + 3] == _PH_PUBLISHED
                     and w[o + 4] == _PH_PUBLISHED):
@@ -486,6 +483,16 @@ class RingModel:
                 nxt[o + 2] = acquired | 1 << field
                 out.append((("acquire_part", p, k, c, s, field, mask, free), bytes(nxt), None))
 
+    def _publish(self, nxt: bytearray, p: int, m: int, field: int, gen: int) -> None:
+        """Producer ``p`` publishes ``field`` of the slot at word ``m`` with generation ``gen`` (the split
+        producer resets the mask first), then finishes its chunk if that was the chunk's last step."""
+        if self.split:
+            nxt[m + 2] = 0  # grid_publish(reset_mask=true): the reset, then the release
+        # release: pairs with the consumers' acquire in their ready wait
+        nxt[m + field] = gen
+        nxt[_PROD_WORDS * p + 3 + field] = _PH_PUBLISHED
+        self._finish_producer_chunk(nxt, p)
+
     def _finish_producer_chunk(self, nxt: bytearray, p: int) -> None:
         o = _PROD_WORDS * p
         done = nxt[o + 2] and nxt[o + 3] == _PH_PUBLISHED and nxt[o + 4] == _PH_PUBLISHED
@@ -504,7 +511,7 @@ class RingModel:
         acked = w[self.o_acked + self._chunk_idx(p, *prev)]
         if acked == self.all_consumers:
             return None
-        missing = [q for q in range(self.Q) if not acked >> q & 1]
+        missing = self._missing(acked)
         return (INV_REUSE, f"producer {p} overwrites {_FIELD_NAMES[field]} of slot {s} with call {k} chunk "
                 f"{c} while call {prev[0]} chunk {prev[1]} lacks acknowledgements of consumers {missing}")
 
@@ -624,7 +631,6 @@ class RingModel:
         """Apply one stage of consumer ``q``'s window ``[first, last]`` for source ``p`` (``None``: the
         reduce) to ``nxt``; ``None`` when it is a wait that is not satisfied."""
         base = nxt[self.o_base + q]
-        _, bit = protocol.ack_bit(q)
         kind = step[0]
         if kind in ("route", "layout"):
             c = step[1]
@@ -648,28 +654,19 @@ class RingModel:
             return ("w" + kind, q, p, k, c, s, observed, gen, tuple(seen), tag), violation
         if kind == "ack":
             c = step[1]
-            m = self._slot(p, protocol.slot_of(c, self.S))
-            # release: pairs with the owner's acquire of the slot (its mask wait)
-            nxt[m + 2] |= bit
-            nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
-            return ("ack", q, p, k, c, protocol.slot_of(c, self.S), nxt[m + 2]), None
+            return ("ack", q, p, k, c, protocol.slot_of(c, self.S), self._ack(nxt, q, p, k, c)), None
         if kind == "combine":
             violation = None
             gen = protocol.generation(base, last)
             for c in range(first, last + 1):
-                idx = self.o_written + self._chunk_idx(p, k, c)
-                if nxt[idx] & bit:
-                    violation = violation or (INV_COMBINE_ONCE, f"consumer {q} writes the result of source {p} "
-                                              f"call {k} chunk {c} a second time")
-                nxt[idx] |= bit
+                again = self._write_result(nxt, q, p, k, c)
+                violation = violation or again
             # release: the rows before the signal; pairs with the acquire of owner p's reduce
             nxt[self.o_comb + p * self.Q + q] = gen
             conservative = self.policy == AckPolicy.CONSERVATIVE
             if conservative:
                 for c in range(first, last + 1):
-                    m = self._slot(p, protocol.slot_of(c, self.S))
-                    nxt[m + 2] |= bit
-                    nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
+                    self._ack(nxt, q, p, k, c)
             return ("wcombine", q, p, k, first, last, gen, conservative), None
         # reduce: this rank's own rows of the window, once every consumer signalled them (>=, as the device)
         gen = protocol.generation(base, last)
@@ -680,7 +677,7 @@ class RingModel:
         for c in range(first, last + 1):
             written = nxt[self.o_written + self._chunk_idx(q, k, c)]
             if written != self.all_consumers:
-                missing = [r for r in range(self.Q) if not written >> r & 1]
+                missing = self._missing(written)
                 violation = violation or (INV_COMBINE_ONCE, f"owner {q} reduces call {k} chunk {c} before "
                                           f"consumers {missing} wrote their results")
         return ("reduce", q, k, first, last, gen, tuple(signals)), violation
@@ -710,24 +707,38 @@ class RingModel:
             label = ("read", q, p, k, c, s, field, seen, tag)
             violation = self._check_read(q, p, k, c, s, field, seen, tag)
         elif op == OP_ACK:
-            # release: pairs with the owner's acquire of the slot (its mask wait)
-            _, bit = protocol.ack_bit(q)
-            nxt[m + 2] |= bit
-            nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
-            label = ("ack", q, p, k, c, s, nxt[m + 2])
+            label = ("ack", q, p, k, c, s, self._ack(nxt, q, p, k, c))
         else:
-            idx = self.o_written + self._chunk_idx(p, k, c)
-            _, bit = protocol.ack_bit(q)
             label = ("combine", q, p, k, c)
             if self.mutant == "combine_rereads_slot":
                 seen = nxt[m + 3]
                 label = ("combine_reread", q, p, k, c, s, seen, tag)
                 violation = self._check_read(q, p, k, c, s, 0, seen, tag)
-            if nxt[idx] & bit:
-                violation = violation or (INV_COMBINE_ONCE, f"consumer {q} writes the result of source {p} "
-                                          f"call {k} chunk {c} a second time")
-            nxt[idx] |= bit
+            again = self._write_result(nxt, q, p, k, c)
+            violation = violation or again
         return label, violation
+
+    def _ack(self, nxt: bytearray, q: int, p: int, k: int, c: int) -> int:
+        """Consumer ``q`` acknowledges chunk ``c`` of call ``k`` of source ``p``: its bit into the slot's mask
+        and into the chunk's (ghost) acknowledgements. Returns the slot's mask."""
+        _, bit = protocol.ack_bit(q)
+        mask = self._slot(p, protocol.slot_of(c, self.S)) + 2
+        # release: pairs with the owner's acquire of the slot (its mask wait)
+        nxt[mask] |= bit
+        nxt[self.o_acked + self._chunk_idx(p, k, c)] |= bit
+        return nxt[mask]
+
+    def _write_result(self, nxt: bytearray, q: int, p: int, k: int, c: int) -> Optional[Tuple[str, str]]:
+        """Consumer ``q`` writes its result of chunk ``c`` of call ``k`` of source ``p`` (ghost); the violation
+        of invariant 4 when it had written it before."""
+        idx = self.o_written + self._chunk_idx(p, k, c)
+        _, bit = protocol.ack_bit(q)
+        violation = None
+        if nxt[idx] & bit:
+            violation = (INV_COMBINE_ONCE, f"consumer {q} writes the result of source {p} call {k} chunk {c} "
+                         "a second time")
+        nxt[idx] |= bit
+        return violation
 
     def _check_read(self, q: int, p: int, k: int, c: int, s: int, field: int, seen: int,
                     expected: int) -> Optional[Tuple[str, str]]:
@@ -741,13 +752,10 @@ class RingModel:
         """End of a call on one rank: both streams joined, the device advances the generation base."""
         C = self.C
         for r in range(self.R):
-            calls = []
-            if r < self.P:
-                o = _PROD_WORDS * r
-                calls.append((w[o], w[o + 1]))
-            if r < self.Q:
-                o = self.o_cons + self.cons_words * r
-                calls.append((w[o], w[o + 1]))
+            # The rank's program counters (call, chunk): its producer's, its consumer's.
+            counters = (([_PROD_WORDS * r] if r < self.P else [])
+                        + ([self.o_cons + self.cons_words * r] if r < self.Q else []))
+            calls = [(w[o], w[o + 1]) for o in counters]
             k = calls[0][0]
             if k >= C:
                 continue
@@ -758,11 +766,7 @@ class RingModel:
             base = w[self.o_base + r]
             new_base = base if self.mutant == "generation_baked" else protocol.next_base(base, N)
             nxt[self.o_base + r] = new_base
-            if r < self.P:
-                o = _PROD_WORDS * r
-                nxt[o], nxt[o + 1] = k + 1, 0
-            if r < self.Q:
-                o = self.o_cons + self.cons_words * r
+            for o in counters:
                 nxt[o], nxt[o + 1] = k + 1, 0
             self._item_finished(nxt, r, ("advance", k, N))
             out.append((("advance", r, k, base, new_base), bytes(nxt), None))
