@@ -836,50 +836,16 @@ class RingModel:
         if isinstance(label[0], tuple):
             return "; ".join(self.describe(part) for part in label)
         kind = label[0]
-        if kind == "acquire":
-            _, p, k, c, s, mask, reset = label
-            what = "resets mask to 0b0" if reset else "does NOT reset the mask"
-            return (f"producer {p} call {k} chunk {c}: acquires slot {s} (mask {mask:#b} accepted), {what}")
-        if kind == "acquire_part":
-            _, p, k, c, s, field, mask, free = label
-            why = f"mask {mask:#b} complete" if free else f"its {_FIELD_NAMES[1 - field]} part is published"
-            return f"producer {p} call {k} chunk {c}: {_FIELD_NAMES[field]} part acquires slot {s} ({why})"
-        if kind == "write":
-            _, p, k, c, s, field, tag, buffered = label
-            where = "into its store buffer (not yet visible)" if buffered else "(visible)"
-            return (f"producer {p} call {k} chunk {c}: writes {_FIELD_NAMES[field]} payload "
-                    f"{self.tag_text(tag)} of slot {s} {where}")
-        if kind == "publish":
-            _, p, k, c, s, field, gen = label
-            return f"producer {p} call {k} chunk {c}: publishes {_FIELD_NAMES[field]}_ready[{s}] = {gen}"
-        if kind == "late_reset":
-            _, p, k, c, s, mask = label
-            return (f"producer {p} call {k} chunk {c}: resets mask of slot {s} ({mask:#b} -> 0b0) "
-                    "after publish")
+        if kind in ("acquire", "acquire_part", "write", "publish", "late_reset"):
+            _, p, k, c, s, *rest = label
+            return f"producer {p} call {k} chunk {c}: {self._producer_text(kind, s, rest)}"
+        if kind in ("wait", "read", "combine_reread", "ack", "combine", "wroute", "wlayout"):
+            _, q, p, k, c, *rest = label
+            return f"consumer {q} call {k} chunk {c}: {self._consumer_text(kind, p, rest)}"
         if kind == "drain":
             _, p, s, field, tag = label
             return (f"store buffer of producer {p}: {_FIELD_NAMES[field]} payload {self.tag_text(tag)} of "
                     f"slot {s} becomes visible")
-        if kind == "wait":
-            _, q, p, k, c, s, route_gen, layout_gen, gen = label
-            return (f"consumer {q} call {k} chunk {c}: wait on source {p} slot {s} satisfied "
-                    f"(route_ready={route_gen}, layout_ready={layout_gen}, expected gen {gen})")
-        if kind in ("read", "combine_reread"):
-            if kind == "read":
-                _, q, p, k, c, s, field, seen, tag = label
-                what = f"reads {_FIELD_NAMES[field]} payload"
-            else:
-                _, q, p, k, c, s, seen, tag = label
-                what = "combine re-reads route metadata"
-            ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
-            return (f"consumer {q} call {k} chunk {c}: {what} of source {p} slot {s}: "
-                    f"{self.tag_text(seen)} {ok}")
-        if kind == "ack":
-            _, q, p, k, c, s, mask = label
-            return f"consumer {q} call {k} chunk {c}: acknowledges source {p} slot {s} (mask now {mask:#b})"
-        if kind == "combine":
-            _, q, p, k, c = label
-            return f"consumer {q} call {k} chunk {c}: writes combine result of source {p} to its output"
         if kind == "advance":
             _, r, k, base, new_base = label
             return f"rank {r}: end of call {k}, generation base {base} -> {new_base}"
@@ -887,12 +853,6 @@ class RingModel:
             _, r, item = label
             what = f"produce chunk {item[2]}" if item[0] == "produce" else f"consume the window from chunk {item[2]}"
             return f"rank {r}: the executor starts call {item[1]}'s {what}"
-        if kind in ("wroute", "wlayout"):
-            _, q, p, k, c, s, observed, gen, seen, tag = label
-            what = "counts its route" if kind == "wroute" else "pulls its layout (and route)"
-            reads = ", ".join(f"{self.tag_text(t)} {'ok' if t == tag else 'WRONG'}" for t in seen)
-            return (f"consumer {q} call {k} chunk {c}: {kind[1:]} wait on source {p} slot {s} satisfied "
-                    f"({kind[1:]}_ready={observed}, expected gen {gen}), {what}: {reads}")
         if kind == "wcombine":
             _, q, p, k, first, last, gen, acked = label
             text = (f"consumer {q} call {k} window [{first}, {last}]: writes its results of source {p}'s "
@@ -903,3 +863,51 @@ class RingModel:
             return (f"owner {q} call {k} window [{first}, {last}]: every consumer's combine signal "
                     f"{list(signals)} >= {gen}, reduces its rows")
         return repr(label)
+
+    def _producer_text(self, kind: str, s: int, rest: List[int]) -> str:
+        """What a producer's step on slot ``s`` does (`describe`); ``rest``: the label's fields after the slot."""
+        if kind == "acquire":
+            mask, reset = rest
+            what = "resets mask to 0b0" if reset else "does NOT reset the mask"
+            return f"acquires slot {s} (mask {mask:#b} accepted), {what}"
+        if kind == "acquire_part":
+            field, mask, free = rest
+            why = f"mask {mask:#b} complete" if free else f"its {_FIELD_NAMES[1 - field]} part is published"
+            return f"{_FIELD_NAMES[field]} part acquires slot {s} ({why})"
+        if kind == "write":
+            field, tag, buffered = rest
+            where = "into its store buffer (not yet visible)" if buffered else "(visible)"
+            return f"writes {_FIELD_NAMES[field]} payload {self.tag_text(tag)} of slot {s} {where}"
+        if kind == "publish":
+            field, gen = rest
+            return f"publishes {_FIELD_NAMES[field]}_ready[{s}] = {gen}"
+        (mask,) = rest  # late_reset
+        return f"resets mask of slot {s} ({mask:#b} -> 0b0) after publish"
+
+    def _consumer_text(self, kind: str, p: int, rest: List) -> str:
+        """What a consumer's step on source ``p`` does (`describe`); ``rest``: the label's fields after the
+        chunk (the slot first, except for a combine)."""
+        if kind == "combine":
+            return f"writes combine result of source {p} to its output"
+        s, *rest = rest
+        if kind == "wait":
+            route_gen, layout_gen, gen = rest
+            return (f"wait on source {p} slot {s} satisfied (route_ready={route_gen}, layout_ready={layout_gen}, "
+                    f"expected gen {gen})")
+        if kind == "ack":
+            (mask,) = rest
+            return f"acknowledges source {p} slot {s} (mask now {mask:#b})"
+        if kind in ("wroute", "wlayout"):
+            observed, gen, seen, tag = rest
+            what = "counts its route" if kind == "wroute" else "pulls its layout (and route)"
+            reads = ", ".join(f"{self.tag_text(t)} {'ok' if t == tag else 'WRONG'}" for t in seen)
+            return (f"{kind[1:]} wait on source {p} slot {s} satisfied ({kind[1:]}_ready={observed}, "
+                    f"expected gen {gen}), {what}: {reads}")
+        if kind == "read":
+            field, seen, tag = rest
+            what = f"reads {_FIELD_NAMES[field]} payload"
+        else:  # combine_reread
+            seen, tag = rest
+            what = "combine re-reads route metadata"
+        ok = "ok" if seen == tag else f"WRONG, expected {self.tag_text(tag)}"
+        return f"{what} of source {p} slot {s}: {self.tag_text(seen)} {ok}"
