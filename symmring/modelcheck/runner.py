@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..errors import ConfigError
-from .config import Shape
+from .config import ModelConfig, Shape
 from .mutants import _MUTANT_BY_NAME, EQUIVALENT_VARIANTS, MUTANT_NAMES, MutantSpec
 from .search import RunResult, Violation, explore
 from .suites import CrossCheck, mutant_configs, protocol_configs
@@ -147,11 +147,7 @@ def check(shapes: Sequence[Shape],
         write("== protocol ==\n")
         for cfg in protocol_configs(shapes, cross_checks, window_shapes=window_shapes,
                                     window_cross_checks=window_cross_checks):
-            run = explore(cfg)
-            protocol_runs.append(run)
-            write(_run_line(run))
-            if run.violation is not None:
-                write(_violation_text(run.violation))
+            protocol_runs.append(_explore_and_log(cfg, write))
         for variant in EQUIVALENT_VARIANTS:
             write(f"== equivalence variant {variant} (expected: no counterexample) ==\n")
             equivalents[variant] = []
@@ -159,11 +155,7 @@ def check(shapes: Sequence[Shape],
             for cfg in protocol_configs(shapes, variant_checks, mutant=variant):
                 if cfg.serial:
                     continue
-                run = explore(cfg)
-                equivalents[variant].append(run)
-                write(_run_line(run))
-                if run.violation is not None:
-                    write(_violation_text(run.violation))
+                equivalents[variant].append(_explore_and_log(cfg, write))
     write("== mutants ==\n")
     results = []
     for name in names:
@@ -178,6 +170,15 @@ def check(shapes: Sequence[Shape],
                    f"{sum(run.states for run in runs)} states")
         write(f"finding: variant {variant}: {verdict}\n")
     return report
+
+
+def _explore_and_log(cfg: ModelConfig, write: Callable[[str], object]) -> RunResult:
+    """`explore` ``cfg``, then ``write`` its line and, after a violation, its counterexample."""
+    run = explore(cfg)
+    write(_run_line(run))
+    if run.violation is not None:
+        write(_violation_text(run.violation))
+    return run
 
 
 def _run_line(run: RunResult) -> str:
