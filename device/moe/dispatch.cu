@@ -336,16 +336,17 @@ __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_
     return row;
 }
 
-// One warp per (source rank, token): reserve a pool row for each of the token's local experts (this pass's:
-// PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
-// with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
-// row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
-extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
-                                             __nv_bfloat16* pool_x, int4* row_src,
-                                             float* row_weight, int expert_begin, int num_local_experts,
-                                             int* status, const RingDescriptor* stage, int* entry_rows,
-                                             int pass_begin, int pass_rows) {
-    const RingDescriptor& d = *desc_ptr;
+// The body of moe_dispatch_pull and moe_dispatch_pull_fp8 (source rank blockIdx.y of chunk chunk_idx; nothing
+// when an error is pending or the slot is unreachable): one warp per valid token (grid-stride) reserves the
+// token's pool rows (reserve_row; m_indices null: not recorded) and, when it got any, the whole warp calls
+// copy_token(from, token, row, rows_mask, hidden, fp8, lane) to copy the token's row into them (lane k holds
+// `row`, the pool row of entry k or -1; rows_mask: the lanes with one; hidden and fp8, whether the ring's rows
+// are fp8: read from the descriptor once, before the loop).
+template <typename CopyToken>
+__device__ __forceinline__ void pull_tokens(const RingDescriptor& d, int chunk_idx, int* cursor, int4* row_src,
+                                            float* row_weight, int* m_indices, int expert_begin,
+                                            int num_local_experts, int* status, const RingDescriptor* stage,
+                                            const PassRows& pass, CopyToken copy_token) {
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
     const int slot = slot_of(chunk_idx, d.num_slots);
@@ -360,10 +361,25 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
         const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, nullptr, expert_begin, num_local_experts,
-                                    PassRows{entry_rows, pass_begin, pass_rows});
-        unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+                                    row_weight, m_indices, expert_begin, num_local_experts, pass);
+        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
+        copy_token(from, token, row, rows_mask, hidden, fp8, lane);
+    }
+}
+
+// One warp per (source rank, token): reserve a pool row for each of the token's local experts (this pass's:
+// PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
+// with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
+// row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
+extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
+                                             __nv_bfloat16* pool_x, int4* row_src,
+                                             float* row_weight, int expert_begin, int num_local_experts,
+                                             int* status, const RingDescriptor* stage, int* entry_rows,
+                                             int pass_begin, int pass_rows) {
+    const RingDescriptor& d = *desc_ptr;
+    auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool fp8,
+                          int lane) {
         if (fp8) {
             // 16 fp8 channels per lane and step (one 16-byte load), written as 32 bytes of bf16.
             const uint8_t* src = from.x + int64_t(token) * hidden;
@@ -407,7 +423,9 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
                 }
             }
         }
-    }
+    };
+    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, nullptr, expert_begin, num_local_experts, status, stage,
+                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
 }
 
 // One block, after moe_dispatch_pull (the last read of every source's slot; its meta was snapshotted by
@@ -431,26 +449,13 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
                                                  int* status, const RingDescriptor* stage, int* entry_rows,
                                                  int pass_begin, int pass_rows) {
     const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    const int src_rank = blockIdx.y;
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const SourceSlot from = source_slot(d, stage, slot, src_rank);
-    if (!slot_reachable(from, status)) return;
-    const int num_valid = num_valid_of(d, from);
-    const int lane = threadIdx.x % 32;
-    const int warps_per_block = blockDim.x / 32;
-    const int hidden = d.hidden;
-
-    for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
-         token += gridDim.x * warps_per_block) {
-        const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, m_indices, expert_begin, num_local_experts,
-                                    PassRows{entry_rows, pass_begin, pass_rows});
-        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (rows_mask == 0) continue;
+    auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool /*fp8*/,
+                          int lane) {
         copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
                        pool_sf, sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
-    }
+    };
+    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, m_indices, expert_begin, num_local_experts, status, stage,
+                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
 }
 
 // The small-batch schedule's dispatch of one chunk into an fp8 pool (see the header): wait, count, scan, pull
