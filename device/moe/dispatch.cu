@@ -267,6 +267,26 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
 }
 
 // One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
+// with one): copy the token's row `src` [hidden] of T as it is into every reserved row of pool_x [rows][hidden],
+// one 16-byte vector per lane and step (16 / sizeof(T) elements; hidden a multiple of them). Every lane runs
+// every step (shuffles need the whole warp); lanes past the row idle.
+template <typename T>
+__device__ __forceinline__ void copy_token_row(const T* src, int row, unsigned rows_mask, T* pool_x, int hidden,
+                                               int lane) {
+    constexpr int kPerLane = 16 / sizeof(T);
+    for (int col0 = 0; col0 < hidden; col0 += 32 * kPerLane) {
+        const int col = col0 + lane * kPerLane;
+        const bool active = col < hidden;
+        int4 raw = make_int4(0, 0, 0, 0);
+        if (active) raw = *reinterpret_cast<const int4*>(src + col);
+        for (unsigned m = rows_mask; m; m &= m - 1) {
+            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
+        }
+    }
+}
+
+// One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
 // with one): copy the token's fp8 row `src` [hidden] (16 bytes per lane and step) and its num_sf float32
 // scales `src_sf` into every reserved row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at
 // row * sf_row_stride + j * sf_col_stride (row-major or MN-major, the layout DeepGEMM reads).
@@ -282,16 +302,7 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
             if (j < num_sf) pool_sf[int64_t(dst_row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
         }
     }
-    for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
-        const int col = col0 + lane * 16;
-        const bool active = col < hidden;
-        int4 raw = make_int4(0, 0, 0, 0);
-        if (active) raw = *reinterpret_cast<const int4*>(src + col);
-        for (unsigned m = rows_mask; m; m &= m - 1) {
-            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-            if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
-        }
-    }
+    copy_token_row(src, row, rows_mask, pool_x, hidden, lane);
 }
 
 // The passes of a window (docs/PROTOCOL.md 9.1c): the window's rows, expert-contiguous and aligned (the scan's
@@ -411,17 +422,8 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
             }
         } else {
             // bf16: 8 channels per lane and step.
-            const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden;
-            for (int col0 = 0; col0 < hidden; col0 += 32 * 8) {
-                const int col = col0 + lane * 8;
-                const bool active = col < hidden;
-                int4 raw = make_int4(0, 0, 0, 0);
-                if (active) raw = *reinterpret_cast<const int4*>(src + col);
-                for (unsigned m = rows_mask; m; m &= m - 1) {
-                    const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-                    if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
-                }
-            }
+            copy_token_row(reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden, row, rows_mask,
+                           pool_x, hidden, lane);
         }
     };
     pull_tokens(d, chunk_idx, cursor, row_src, row_weight, nullptr, expert_begin, num_local_experts, status, stage,
