@@ -48,6 +48,11 @@ class CompileError(SymmringError, RuntimeError):
         super().__init__(detail)
 
 
+def _with_advice(message: str, advice: str) -> str:
+    """``message``, then ``"; <advice>"`` when there is advice (what the caller can do, e.g. "call reset()")."""
+    return f"{message}; {advice}" if advice else message
+
+
 class ProtocolTimeout(SymmringError, TimeoutError):
     """A bounded protocol wait expired.
 
@@ -83,9 +88,7 @@ class ProtocolTimeout(SymmringError, TimeoutError):
         if self.missing_ranks:
             what = "acknowledgements" if kind == "reuse" else "signals"
             msg += f"; missing {what} from ranks {list(self.missing_ranks)}"
-        if advice:
-            msg += f"; {advice}"
-        super().__init__(msg)
+        super().__init__(_with_advice(msg, advice))
 
 
 class ProtocolAborted(ProtocolTimeout):
@@ -120,9 +123,7 @@ class ProtocolAborted(ProtocolTimeout):
             what = "(a kernel returned at entry, before any wait of its own)"
         msg = (f"rank {rank}: aborted {what}: rank {origin} recorded a device error first ({origin_kind} about "
                f"rank {origin_peer},{at}); rank {origin}'s check_errors() names it")
-        if advice:
-            msg += f"; {advice}"
-        self.args = (msg,)
+        self.args = (_with_advice(msg, advice),)
 
 
 class ProtocolViolation(SymmringError, RuntimeError):
@@ -158,10 +159,8 @@ class StalePayload(ProtocolViolation):
                f"generation {expected}, but the slot's meta row holds chunk {observed_chunk}, generation "
                f"{observed} (the slot was overwritten while in use, or the ranks ran different call "
                "sequences); the payload was not used")
-        if advice:
-            msg += f"; {advice}"
-        super().__init__("stale_payload", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
-                         observed=observed)
+        super().__init__("stale_payload", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
 
 
 class DoubleAck(ProtocolViolation):
@@ -172,10 +171,8 @@ class DoubleAck(ProtocolViolation):
                  advice: str = ""):
         msg = (f"rank {rank}: acknowledged chunk {chunk} (slot {slot}) of rank {peer} twice: its bit "
                f"{expected:#x} was already set in rank {peer}'s mask word ({observed:#x} before the OR)")
-        if advice:
-            msg += f"; {advice}"
-        super().__init__("double_ack", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
-                         observed=observed)
+        super().__init__("double_ack", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
 
 
 class PeerTimeout(ProtocolTimeout):
