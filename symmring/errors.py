@@ -48,7 +48,28 @@ class CompileError(SymmringError, RuntimeError):
         super().__init__(detail)
 
 
-class ProtocolTimeout(SymmringError, TimeoutError):
+def _with_advice(message: str, advice: str) -> str:
+    """``message``, then ``"; <advice>"`` when there is advice (what the caller can do, e.g. "call reset()")."""
+    return f"{message}; {advice}" if advice else message
+
+
+class _ProtocolError(SymmringError):
+    """What every protocol error records (`ProtocolTimeout`, `ProtocolViolation`): the wait or check (``kind``),
+    the rank that made it, the peer it concerned, the slot and chunk, and what it expected and observed."""
+
+    def __init__(self, message: str, *, kind: str, rank: int, peer: Optional[int], slot: Optional[int],
+                 chunk: Optional[int], expected: Optional[int], observed: int):
+        self.kind = kind
+        self.rank = rank
+        self.peer = peer
+        self.slot = slot
+        self.chunk = chunk
+        self.expected = expected
+        self.observed = observed
+        super().__init__(message)
+
+
+class ProtocolTimeout(_ProtocolError, TimeoutError):
     """A bounded protocol wait expired.
 
     Attributes:
@@ -67,25 +88,18 @@ class ProtocolTimeout(SymmringError, TimeoutError):
     def __init__(self, kind: str, *, rank: int, slot: int, expected: int, observed: int,
                  peer: Optional[int] = None, missing_ranks: Sequence[int] = (), timeout_s: float = 0.0,
                  chunk: Optional[int] = None, advice: str = ""):
-        self.kind = kind
-        self.rank = rank
-        self.peer = peer
-        self.slot = slot
-        self.chunk = chunk
-        self.expected = expected
-        self.observed = observed
-        self.missing_ranks = tuple(missing_ranks)
-        self.timeout_s = timeout_s
+        missing = tuple(missing_ranks)
         where = f"slot {slot}" + (f" (chunk {chunk})" if chunk is not None else "")
         src = f" of rank {peer}" if peer is not None else ""
         msg = (f"rank {rank}: timed out after {timeout_s:g} s waiting for {kind}{src} on {where}: "
                f"expected {expected}, observed {observed}")
-        if self.missing_ranks:
+        if missing:
             what = "acknowledgements" if kind == "reuse" else "signals"
-            msg += f"; missing {what} from ranks {list(self.missing_ranks)}"
-        if advice:
-            msg += f"; {advice}"
-        super().__init__(msg)
+            msg += f"; missing {what} from ranks {list(missing)}"
+        super().__init__(_with_advice(msg, advice), kind=kind, rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
+        self.missing_ranks = missing
+        self.timeout_s = timeout_s
 
 
 class ProtocolAborted(ProtocolTimeout):
@@ -104,10 +118,7 @@ class ProtocolAborted(ProtocolTimeout):
     def __init__(self, *, rank: int, origin: int, origin_kind: str, origin_peer: int,
                  origin_chunk: Optional[int], waited: Optional[str] = None, slot: Optional[int] = None,
                  chunk: Optional[int] = None, expected: Optional[int] = None, advice: str = ""):
-        super().__init__("aborted", rank=rank, slot=-1 if slot is None else slot, expected=expected or 0,
-                         observed=0, peer=origin, chunk=chunk)
-        self.slot = slot
-        self.expected = expected
+        super().__init__("aborted", rank=rank, slot=slot, expected=expected, observed=0, peer=origin, chunk=chunk)
         self.origin = origin
         self.origin_kind = origin_kind
         self.origin_peer = origin_peer
@@ -120,12 +131,10 @@ class ProtocolAborted(ProtocolTimeout):
             what = "(a kernel returned at entry, before any wait of its own)"
         msg = (f"rank {rank}: aborted {what}: rank {origin} recorded a device error first ({origin_kind} about "
                f"rank {origin_peer},{at}); rank {origin}'s check_errors() names it")
-        if advice:
-            msg += f"; {advice}"
-        self.args = (msg,)
+        self.args = (_with_advice(msg, advice),)
 
 
-class ProtocolViolation(SymmringError, RuntimeError):
+class ProtocolViolation(_ProtocolError, RuntimeError):
     """A device check found the protocol broken (not a timeout): the error record of a detector.
 
     Attributes:
@@ -136,14 +145,8 @@ class ProtocolViolation(SymmringError, RuntimeError):
 
     def __init__(self, kind: str, message: str, *, rank: int, peer: int, slot: int, chunk: int, expected: int,
                  observed: int):
-        self.kind = kind
-        self.rank = rank
-        self.peer = peer
-        self.slot = slot
-        self.chunk = chunk
-        self.expected = expected
-        self.observed = observed
-        super().__init__(message)
+        super().__init__(message, kind=kind, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
+                         observed=observed)
 
 
 class StalePayload(ProtocolViolation):
@@ -158,10 +161,8 @@ class StalePayload(ProtocolViolation):
                f"generation {expected}, but the slot's meta row holds chunk {observed_chunk}, generation "
                f"{observed} (the slot was overwritten while in use, or the ranks ran different call "
                "sequences); the payload was not used")
-        if advice:
-            msg += f"; {advice}"
-        super().__init__("stale_payload", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
-                         observed=observed)
+        super().__init__("stale_payload", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
 
 
 class DoubleAck(ProtocolViolation):
@@ -172,10 +173,8 @@ class DoubleAck(ProtocolViolation):
                  advice: str = ""):
         msg = (f"rank {rank}: acknowledged chunk {chunk} (slot {slot}) of rank {peer} twice: its bit "
                f"{expected:#x} was already set in rank {peer}'s mask word ({observed:#x} before the OR)")
-        if advice:
-            msg += f"; {advice}"
-        super().__init__("double_ack", msg, rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected,
-                         observed=observed)
+        super().__init__("double_ack", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
 
 
 class PeerTimeout(ProtocolTimeout):

@@ -267,6 +267,26 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
 }
 
 // One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
+// with one): copy the token's row `src` [hidden] of T as it is into every reserved row of pool_x [rows][hidden],
+// one 16-byte vector per lane and step (16 / sizeof(T) elements; hidden a multiple of them). Every lane runs
+// every step (shuffles need the whole warp); lanes past the row idle.
+template <typename T>
+__device__ __forceinline__ void copy_token_row(const T* src, int row, unsigned rows_mask, T* pool_x, int hidden,
+                                               int lane) {
+    constexpr int kPerLane = 16 / sizeof(T);
+    for (int col0 = 0; col0 < hidden; col0 += 32 * kPerLane) {
+        const int col = col0 + lane * kPerLane;
+        const bool active = col < hidden;
+        int4 raw = make_int4(0, 0, 0, 0);
+        if (active) raw = *reinterpret_cast<const int4*>(src + col);
+        for (unsigned m = rows_mask; m; m &= m - 1) {
+            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+            if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
+        }
+    }
+}
+
+// One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
 // with one): copy the token's fp8 row `src` [hidden] (16 bytes per lane and step) and its num_sf float32
 // scales `src_sf` into every reserved row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at
 // row * sf_row_stride + j * sf_col_stride (row-major or MN-major, the layout DeepGEMM reads).
@@ -282,16 +302,7 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
             if (j < num_sf) pool_sf[int64_t(dst_row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
         }
     }
-    for (int col0 = 0; col0 < hidden; col0 += 32 * 16) {
-        const int col = col0 + lane * 16;
-        const bool active = col < hidden;
-        int4 raw = make_int4(0, 0, 0, 0);
-        if (active) raw = *reinterpret_cast<const int4*>(src + col);
-        for (unsigned m = rows_mask; m; m &= m - 1) {
-            const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-            if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
-        }
-    }
+    copy_token_row(src, row, rows_mask, pool_x, hidden, lane);
 }
 
 // The passes of a window (docs/PROTOCOL.md 9.1c): the window's rows, expert-contiguous and aligned (the scan's
@@ -336,16 +347,17 @@ __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_
     return row;
 }
 
-// One warp per (source rank, token): reserve a pool row for each of the token's local experts (this pass's:
-// PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
-// with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
-// row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
-extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
-                                             __nv_bfloat16* pool_x, int4* row_src,
-                                             float* row_weight, int expert_begin, int num_local_experts,
-                                             int* status, const RingDescriptor* stage, int* entry_rows,
-                                             int pass_begin, int pass_rows) {
-    const RingDescriptor& d = *desc_ptr;
+// The body of moe_dispatch_pull and moe_dispatch_pull_fp8 (source rank blockIdx.y of chunk chunk_idx; nothing
+// when an error is pending or the slot is unreachable): one warp per valid token (grid-stride) reserves the
+// token's pool rows (reserve_row; m_indices null: not recorded) and, when it got any, the whole warp calls
+// copy_token(from, token, row, rows_mask, hidden, fp8, lane) to copy the token's row into them (lane k holds
+// `row`, the pool row of entry k or -1; rows_mask: the lanes with one; hidden and fp8, whether the ring's rows
+// are fp8: read from the descriptor once, before the loop).
+template <typename CopyToken>
+__device__ __forceinline__ void pull_tokens(const RingDescriptor& d, int chunk_idx, int* cursor, int4* row_src,
+                                            float* row_weight, int* m_indices, int expert_begin,
+                                            int num_local_experts, int* status, const RingDescriptor* stage,
+                                            const PassRows& pass, CopyToken copy_token) {
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
     const int slot = slot_of(chunk_idx, d.num_slots);
@@ -360,10 +372,25 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
     for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
          token += gridDim.x * warps_per_block) {
         const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, nullptr, expert_begin, num_local_experts,
-                                    PassRows{entry_rows, pass_begin, pass_rows});
-        unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
+                                    row_weight, m_indices, expert_begin, num_local_experts, pass);
+        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
         if (rows_mask == 0) continue;
+        copy_token(from, token, row, rows_mask, hidden, fp8, lane);
+    }
+}
+
+// One warp per (source rank, token): reserve a pool row for each of the token's local experts (this pass's:
+// PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
+// with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
+// row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
+extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
+                                             __nv_bfloat16* pool_x, int4* row_src,
+                                             float* row_weight, int expert_begin, int num_local_experts,
+                                             int* status, const RingDescriptor* stage, int* entry_rows,
+                                             int pass_begin, int pass_rows) {
+    const RingDescriptor& d = *desc_ptr;
+    auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool fp8,
+                          int lane) {
         if (fp8) {
             // 16 fp8 channels per lane and step (one 16-byte load), written as 32 bytes of bf16.
             const uint8_t* src = from.x + int64_t(token) * hidden;
@@ -395,19 +422,12 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
             }
         } else {
             // bf16: 8 channels per lane and step.
-            const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden;
-            for (int col0 = 0; col0 < hidden; col0 += 32 * 8) {
-                const int col = col0 + lane * 8;
-                const bool active = col < hidden;
-                int4 raw = make_int4(0, 0, 0, 0);
-                if (active) raw = *reinterpret_cast<const int4*>(src + col);
-                for (unsigned m = rows_mask; m; m &= m - 1) {
-                    const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-                    if (active) *reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col) = raw;
-                }
-            }
+            copy_token_row(reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden, row, rows_mask,
+                           pool_x, hidden, lane);
         }
-    }
+    };
+    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, nullptr, expert_begin, num_local_experts, status, stage,
+                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
 }
 
 // One block, after moe_dispatch_pull (the last read of every source's slot; its meta was snapshotted by
@@ -431,26 +451,13 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
                                                  int* status, const RingDescriptor* stage, int* entry_rows,
                                                  int pass_begin, int pass_rows) {
     const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    const int src_rank = blockIdx.y;
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const SourceSlot from = source_slot(d, stage, slot, src_rank);
-    if (!slot_reachable(from, status)) return;
-    const int num_valid = num_valid_of(d, from);
-    const int lane = threadIdx.x % 32;
-    const int warps_per_block = blockDim.x / 32;
-    const int hidden = d.hidden;
-
-    for (int token = blockIdx.x * warps_per_block + threadIdx.x / 32; token < num_valid;
-         token += gridDim.x * warps_per_block) {
-        const int row = reserve_row(d, from.idx, from.weights, token, lane, src_rank, chunk_idx, cursor, row_src,
-                                    row_weight, m_indices, expert_begin, num_local_experts,
-                                    PassRows{entry_rows, pass_begin, pass_rows});
-        const unsigned rows_mask = __ballot_sync(0xffffffffu, row >= 0);
-        if (rows_mask == 0) continue;
+    auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool /*fp8*/,
+                          int lane) {
         copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
                        pool_sf, sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
-    }
+    };
+    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, m_indices, expert_begin, num_local_experts, status, stage,
+                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
 }
 
 // The small-batch schedule's dispatch of one chunk into an fp8 pool (see the header): wait, count, scan, pull

@@ -202,6 +202,22 @@ __device__ __forceinline__ void write_layout_fp8(const RingDescriptor& d, int ch
                            threadIdx.x % 32);
 }
 
+// Grid-stride over 16-byte vectors, one thread each: the chunk's bf16 layout (x as it is, no quantisation) into
+// its slot.
+__device__ __forceinline__ void write_layout_bf16(const RingDescriptor& d, int chunk_idx, const __nv_bfloat16* x,
+                                                  long long x_row_stride, int num_valid) {
+    const int slot = slot_of(chunk_idx, d.num_slots);
+    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector (hidden % 8 == 0: RingSpec)
+    int4* dst = reinterpret_cast<int4*>(x_of(d, slot));
+    const int64_t num_vecs = int64_t(num_valid) * vecs_per_row;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vecs;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t token = i / vecs_per_row;
+        const int64_t vec = i % vecs_per_row;
+        dst[i] = *reinterpret_cast<const int4*>(x + token * x_row_stride + vec * 8);
+    }
+}
+
 // The small-batch producer's layout: grid-stride over warp steps (token, 256-channel slice), so even one
 // token spreads over hidden / 256 warps; each warp loads kStepsInFlight steps before it converts them.
 // The same quantize_step_fp8 as the warp-per-token layout, so the same bits. x is the caller's input (no
@@ -258,6 +274,24 @@ __device__ __forceinline__ void write_layout_fp8_sliced(const RingDescriptor& d,
     }
 }
 
+// The body of moe_produce_layout_fp8 (kFp8) and moe_produce_layout_bf16: unless an error is pending, the
+// chunk's layout (write_layout_fp8 or write_layout_bf16) of its num_valid tokens (capped by call_tokens),
+// then layout readiness, published by the last block (grid_publish).
+template <bool kFp8>
+__device__ __forceinline__ void produce_layout(const RingDescriptor* desc_ptr, int chunk_idx, const __nv_bfloat16* x,
+                                               long long x_row_stride, int num_valid, const int* call_tokens,
+                                               unsigned int* counter) {
+    const RingDescriptor& d = *desc_ptr;
+    if (error_pending(d)) return;
+    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
+    if (kFp8)
+        write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
+    else
+        write_layout_bf16(d, chunk_idx, x, x_row_stride, num_valid);
+    grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
+                 /*layout=*/true);
+}
+
 }  // namespace
 
 // One block: wait until every consumer acknowledged the slot's previous use (chunk - num_slots), acquire;
@@ -293,12 +327,7 @@ extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int
 extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
                                                   const __nv_bfloat16* x, long long x_row_stride,
                                                   int num_valid, const int* call_tokens, unsigned int* counter) {
-    const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
-    write_layout_fp8(d, chunk_idx, x, x_row_stride, num_valid);
-    grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
-                 /*layout=*/true);
+    produce_layout</*kFp8=*/true>(desc_ptr, chunk_idx, x, x_row_stride, num_valid, call_tokens, counter);
 }
 
 // Layout of chunk `chunk_idx`, bf16 dispatch format (no quantisation): copy x rows into the slot with
@@ -306,21 +335,7 @@ extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr
 extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_ptr, int chunk_idx,
                                                    const __nv_bfloat16* x, long long x_row_stride,
                                                    int num_valid, const int* call_tokens, unsigned int* counter) {
-    const RingDescriptor& d = *desc_ptr;
-    if (error_pending(d)) return;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector (hidden % 8 == 0: RingSpec)
-    int4* dst = reinterpret_cast<int4*>(x_of(d, slot));
-    const int64_t num_vecs = int64_t(num_valid) * vecs_per_row;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vecs;
-         i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t token = i / vecs_per_row;
-        const int64_t vec = i % vecs_per_row;
-        dst[i] = *reinterpret_cast<const int4*>(x + token * x_row_stride + vec * 8);
-    }
-    grid_publish(d, chunk_idx, expected_generation(d, chunk_idx), counter, /*reset_mask=*/false, /*route=*/false,
-                 /*layout=*/true);
+    produce_layout</*kFp8=*/false>(desc_ptr, chunk_idx, x, x_row_stride, num_valid, call_tokens, counter);
 }
 
 // The small-batch schedule's producer, fp8 layout: moe_produce_route and moe_produce_layout_fp8 in one grid.
