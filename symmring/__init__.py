@@ -17,10 +17,10 @@ from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, 
                      StalePayload, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.cpu.layer import ExpertParallelMoE, MoEShapes  # noqa: E402
-from .protocol import AckPolicy  # noqa: E402
-from .ring import Call, ChunkView, Ring  # noqa: E402
 from .moe.workspace import Workspace  # noqa: E402
 from .moe.workspace_plan import LayerShape  # noqa: E402
+from .protocol import AckPolicy  # noqa: E402
+from .ring import Call, ChunkView, Ring  # noqa: E402
 
 __all__ = [
     "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",

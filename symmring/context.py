@@ -17,6 +17,7 @@ from typing import Optional
 
 from . import env
 from .backends.base import Backend
+from .closing import Closing
 from .collective import Collectives
 from .errors import BackendError, ConfigError, RingClosedError
 
@@ -28,7 +29,7 @@ BACKENDS = ("auto", "host", "nvshmem")
 _current: Optional["Context"] = None
 
 
-class Context:
+class Context(Closing):
     """This process's place in the ring world: its backend, rank and bounds.
 
     Attributes:
@@ -113,12 +114,6 @@ class Context:
         if _current is self:
             _current = None
         log.debug("symmring context closed on rank %d", self.rank)
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if self.broken else "open")

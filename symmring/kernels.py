@@ -40,6 +40,7 @@ from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, Prot
 from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_DOUBLE_ACK, ERROR_KIND_NAMES, ERROR_KIND_NONE,
                      ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS, RingLayout, RingSpec,
                      unpack_abort)
+from .closing import Closing
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _check_index(name: str, value, upper: Optional[int] = None) -> int:
     return int(value)
 
 
-class DeviceRing:
+class DeviceRing(Closing):
     """One ring's symmetric allocation on GPU PEs, its layout and device descriptor (collective).
 
     Args:
@@ -219,12 +220,6 @@ class DeviceRing:
     def _check_open(self) -> None:
         if self.closed:
             raise RingClosedError("the device ring was closed")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _fill_full_masks(backend, layout: RingLayout, alloc) -> None:

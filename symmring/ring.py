@@ -38,6 +38,7 @@ import numpy as np
 from . import layout as _layout
 from . import protocol
 from . import transport as transport_mod
+from .closing import Closing
 from .context import Context
 from .errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
 from .layout import RingLayout, RingSpec
@@ -125,7 +126,7 @@ def _check_array(name: str, arr, shape: Tuple[int, ...], kinds: str, dtypes=()) 
     return dtype
 
 
-class Ring:
+class Ring(Closing):
     """A ring of ``spec.num_slots`` token-chunk slots on every rank (collective constructor).
 
     Args:
@@ -520,12 +521,6 @@ class Ring:
         self._views.clear()
         if not self.ctx.closed:
             self._backend.free(self._alloc)
-
-    def __enter__(self) -> "Ring":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Ring({self.spec}, rank={self.rank}, world_size={self.world_size}, "

@@ -18,7 +18,7 @@ import pytest
 
 from symmring.errors import BackendError, ConfigError
 from symmring.moe import quant
-from symmring.moe.engines import triton_large
+from symmring.moe.engines import triton_common, triton_large
 from symmring.moe.fp8_reference import (ALIGN_M, dequantize_weight_blocks, grouped_gemm_fp8_reference,
                                         make_contiguous_layout, quantize_weight_blocks, silu_mul_f32,
                                         swiglu_quant_reference)
@@ -273,11 +273,13 @@ def test_engines_fail_cleanly_without_triton(monkeypatch):
     # A missing triton (or torch) surfaces as BackendError at the first call, never at import.
     monkeypatch.setitem(sys.modules, "triton", None)
     triton_large._triton.cache_clear()
+    triton_common.load.cache_clear()
     try:
         with pytest.raises(BackendError, match="triton"):
             triton_large.swiglu_quant_fp8(None)
     finally:
         triton_large._triton.cache_clear()
+        triton_common.load.cache_clear()
 
 
 def test_deepgemm_status_never_raises():

@@ -227,7 +227,7 @@ def format_decode(rows: List[Dict], state: Dict) -> str:
         errors = [f"{k}: {v}" for k, v in r.items() if k.endswith("_error")]
         lines.extend(f"    {e}" for e in errors)
     lines.append("us per step (L1 + SwiGLU/quantise + L2; CUDA graph, median); read: fp8 weights of the touched "
-                 "experts (mean over the sets) / copy rate; small = fp8_small (fused L1, L2), builtin = "
+                 "experts (mean over the sets) / copy rate; small = triton_small (fused L1, L2), builtin = "
                  "grouped_gemm_fp8 + swiglu_quant_fp8 + grouped_gemm_fp8, DG = DeepGEMM + swiglu_quant_fp8; "
                  "diff: ||small - builtin|| / ||builtin|| over real rows; cfg names: n<weight rows>t<row tile>"
                  "w<warps>s<stages>[k<K splits>]")

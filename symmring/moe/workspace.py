@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..closing import Closing
 from ..errors import BrokenStateError, ConfigError, RingClosedError
 from ..layout import ALIGN, RingSpec, align_up
 from ..protocol import AckPolicy
@@ -73,7 +74,7 @@ class Step:
         return token_bucket(max(self.counts), cap)
 
 
-class Workspace:
+class Workspace(Closing):
     """The process's memory for MoE calls (see the module docstring). Nothing is allocated until a layer
     attaches (collectively).
 
@@ -303,12 +304,6 @@ class Workspace:
             self._host.close()
         if self._device is not None:
             self._device.close()
-
-    def __enter__(self) -> "Workspace":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Workspace({self.device}, rank {self.rank}/{self.world_size}, max_tokens={self.max_tokens}, "

@@ -278,7 +278,7 @@ def test_rows_across_tile_shapes(device):
             continue
         diff = float((out.float() - first[1].float()).norm() / first[1].float().norm())
         assert not INTERPRET and diff <= 1e-2, f"{name} vs {first[0]}: {diff:.2e}"
-        warnings.warn(f"fp8_small: {name} and {first[0]} differ (relative {diff:.2e}): tile shape changes the "
+        warnings.warn(f"triton_small: {name} and {first[0]} differ (relative {diff:.2e}): tile shape changes the "
                       f"MMA's rounding on this GPU")
 
 
@@ -359,7 +359,7 @@ def test_split_k_graph_replays_and_streams(device, monkeypatch):
     torch.cuda.synchronize()
     for fresh in (False, True):
         if fresh:  # no eager split launch since: no arena, the capture zeroes its own (a memset node)
-            monkeypatch.setattr(fp8_small, "_split_counters", triton_small._SplitCounters())
+            monkeypatch.setattr(triton_small, "_split_counters", triton_small._SplitCounters())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = triton_small.grouped_gemm_fp8_small(*args, config=cfg)

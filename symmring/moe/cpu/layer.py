@@ -64,15 +64,16 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ... import env, protocol
+from ...closing import Closing
 from ...context import Context
 from ...errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
 from ...layout import META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec
 from ...protocol import AckPolicy
 from ...ring import Call, Ring
-from ..workspace_plan import LayerShape
 from .. import quant
 from ..reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
 from ..routing import SCORINGS, check_options
+from ..workspace_plan import LayerShape
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ class ForwardStats:
     elapsed_s: float = 0.0
 
 
-class ExpertParallelMoE:
+class ExpertParallelMoE(Closing):
     """An expert-parallel MoE layer whose inputs move through a `Ring` (collective constructor).
 
     Args:
@@ -487,12 +488,6 @@ class ExpertParallelMoE:
     def close(self) -> None:
         """Idempotent: the layer refuses further calls. Its memory is the workspace's (`Workspace.close`)."""
         self.closed = True
-
-    def __enter__(self) -> "ExpertParallelMoE":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"ExpertParallelMoE({self.shapes}, rank={self.rank}/{self.world_size}, experts="

@@ -69,26 +69,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-from ...errors import BackendError, ConfigError
+from ...errors import ConfigError
+from . import triton_common
+from .triton_common import ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, check_device, interpreting, tma_ok
 
 logger = logging.getLogger(__name__)
 
-#: Rows per alignment unit of the contiguous layout; every group starts at a multiple of it.
-ALIGN_M = 128
-#: K per MMA step and per scale block.
-BLOCK_K = 128
 FP8_E4M3_MAX = 448.0
 #: Rows per program of the SwiGLU + quantise kernel (8 bf16 = 16 bytes per thread and load at 4 warps).
 SWIGLU_BLOCK_ROWS = 32
 
-# Set by _triton() on first use: the kernels below resolve ``tl``, ``libdevice`` and the jitted helper
-# ``swiglu_quant_rows`` from this module's globals.
-tl: Any = None
-libdevice: Any = None
-swiglu_quant_rows: Any = None
+# Set by _triton() on first use (`triton_common.bind`): the kernels below resolve them from this module's globals.
+tl = swiglu_quant_rows = gemm_program = load_tile = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +156,9 @@ def configs() -> List[GemmConfig]:
     ]
 
 
-#: SMs of an H200/H100 SXM; only the default chooser's wave estimate uses it.
-_NUM_SMS_HOPPER = 132
 
 
-def default_config(M: int, N: int, K: int, G: int, num_sms: int = _NUM_SMS_HOPPER) -> GemmConfig:
+def default_config(M: int, N: int, K: int, G: int, num_sms: int = NUM_SMS_HOPPER) -> GemmConfig:
     """The configuration `grouped_gemm_fp8` uses when none is given, from the sweep measured on the H200.
 
     ``python -m symmring bench gemm`` (2026-12-01, 18 problems: L1 and L2 of the three model shapes at 128,
@@ -207,23 +199,10 @@ def _grouped_gemm_fp8_kernel(
 ):
     BLOCK_KK: tl.constexpr = 128
     BLOCK_N: tl.constexpr = SUB_N * (1 + TWO_HALVES)
-    tl.assume(M > 0)
-    tl.assume(N > 0)
-    tl.assume(K > 0)
-    tl.assume(stride_am > 0)
-    tl.assume(stride_asm >= 0)
-    tl.assume(stride_ask >= 0)
-    tl.assume(stride_bg > 0)
-    tl.assume(stride_bn > 0)
-    tl.assume(stride_bsg >= 0)
-    tl.assume(stride_bsn >= 0)
-    tl.assume(stride_bsk >= 0)
-    tl.assume(stride_om > 0)
-
+    pid = gemm_program(M, N, K, stride_am, stride_asm, stride_ask, stride_bg, stride_bn, stride_bsg, stride_bsn,
+                       stride_bsk, stride_om)
     # Grouped tile order: GROUP_M M blocks per band, the band's M blocks fastest, so the blocks of one
     # expert ask for the same weight tile at about the same time (one HBM read, the rest from L2).
-    pid = tl.program_id(0)
-    tl.assume(pid >= 0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_band = GROUP_M * num_pid_n
@@ -259,6 +238,8 @@ def _grouped_gemm_fp8_kernel(
         if TWO_HALVES:
             n_ok1 = (offs_n0 + SUB_N) < N
             b_ptrs1 = b_ptrs0 + SUB_N * stride_bn
+    else:  # load_tile reads the descriptors
+        a_ptrs = b_ptrs0 = b_ptrs1 = n_ok0 = n_ok1 = None
 
     acc0 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
     if TWO_HALVES:
@@ -268,21 +249,14 @@ def _grouped_gemm_fp8_kernel(
     # num_stages would pipeline only the loads that feed the dots).
     for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
         off_k = kt * BLOCK_KK
-        if TMA_LOAD:
-            a = a_desc.load([off_m, off_k])
-            b0 = b_desc.load([b_row0, off_k])
-        else:
-            a = tl.load(a_ptrs + off_k, mask=m_ok[:, None], other=0.0)
-            b0 = tl.load(b_ptrs0 + off_k, mask=n_ok0[:, None], other=0.0)
+        a = load_tile(a_desc, a_ptrs, off_m, off_k, m_ok, TMA_LOAD)
+        b0 = load_tile(b_desc, b_ptrs0, b_row0, off_k, n_ok0, TMA_LOAD)
         a_s = tl.load(a_sf_rows + kt * stride_ask, mask=m_ok, other=0.0)
         # DeepGEMM's promotion: scale = a_sf * b_sf (one float32 rounding), then acc += scale * block.
         s0 = a_s * tl.load(b_sf_block + kt * stride_bsk)
         acc0 += tl.dot(a, b0.T) * s0[:, None]
         if TWO_HALVES:
-            if TMA_LOAD:
-                b1 = b_desc.load([b_row0 + SUB_N, off_k])
-            else:
-                b1 = tl.load(b_ptrs1 + off_k, mask=n_ok1[:, None], other=0.0)
+            b1 = load_tile(b_desc, b_ptrs1, b_row0 + SUB_N, off_k, n_ok1, TMA_LOAD)
             s1 = a_s * tl.load(b_sf_block + stride_bsn + kt * stride_bsk, mask=half1_ok, other=0.0)
             acc1 += tl.dot(a, b1.T) * s1[:, None]
 
@@ -297,24 +271,6 @@ def _grouped_gemm_fp8_kernel(
         tl.store(o_ptrs, acc0.to(tl.bfloat16), mask=m_ok[:, None] & (offs_n < N)[None, :])
         if TWO_HALVES:
             tl.store(o_ptrs + SUB_N, acc1.to(tl.bfloat16), mask=m_ok[:, None] & (offs_n + SUB_N < N)[None, :])
-
-
-def _swiglu_quant_rows(gate, up, ACCURATE_EXP: tl.constexpr):
-    """``silu(gate) * up`` and its fp8 quantisation, one scale per row of the ``[rows, 128]`` tiles
-    (float32 values of bf16 numbers): ``(act, q e4m3, scale)``. The one definition both SwiGLU kernels
-    (`swiglu_quant_fp8` and `fp8_small`'s fused L1) run, so they agree bitwise."""
-    if ACCURATE_EXP:
-        e = libdevice.exp(-gate)  # CUDA's expf, as torch's float32 exp (tl.exp would be ex2.approx)
-    else:
-        e = tl.exp(-gate)  # the Triton interpreter: NumPy's float32 exp (it has no libdevice)
-    act = tl.math.div_rn(gate, 1.0 + e) * up
-    amax = tl.max(tl.abs(act), axis=1)
-    scale = tl.math.div_rn(amax, 448.0)  # IEEE division, as quant.quantize_fp8 and producer.cu
-    scale = tl.where(scale == 0.0, 1.0, scale)  # zero group: scale 1, quantises to zeros
-    scaled = tl.math.div_rn(act, scale[:, None])
-    # amax / (amax / 448) can round just above 448; clip so the conversion never saturates differently.
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return act, scaled.to(tl.float8e4nv), scale
 
 
 def _swiglu_quant_fp8_kernel(
@@ -350,60 +306,22 @@ def _swiglu_quant_fp8_kernel(
 
 # --- host side --------------------------------------------------------------------------------------------
 
-def interpreting() -> bool:
-    """True under the Triton interpreter (``TRITON_INTERPRET=1``): kernels run with NumPy on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=None)
 def _triton():
-    """torch, triton and the jitted kernels; BackendError when torch or triton is missing."""
-    global tl, libdevice, swiglu_quant_rows
-    try:
-        import torch
-        import triton
-        import triton.language as _tl
-        from triton.language.extra import libdevice as _libdevice
-    except ImportError as exc:
-        raise BackendError(f"symmring.moe.engines.triton_large needs torch and triton (Triton ships with torch's Linux "
-                           f"CUDA wheels): {exc}") from exc
-    tl, libdevice = _tl, _libdevice
-    swiglu_quant_rows = triton.jit(_swiglu_quant_rows)
+    """torch, triton, the jitted kernels and TensorDescriptor (`triton_common.bind`: BackendError when torch or
+    triton is missing)."""
+    t = triton_common.bind(globals())
     # No value specialisation (divisibility by 16, == 1) of the row count and the scale strides: they do
     # not matter for speed, and specialising on them would compile one more variant per pattern (the pool
     # bound M varies; K / 128 is 56 for DeepSeek-V3, 16 for Qwen3; MN-major a_sf has stride 1 along M).
-    gemm = triton.jit(_grouped_gemm_fp8_kernel,
-                      do_not_specialize=["M", "stride_asm", "stride_ask", "stride_bsg", "stride_bsn", "stride_bsk"])
-    swiglu = triton.jit(_swiglu_quant_fp8_kernel, do_not_specialize=["M", "stride_sfm", "stride_sfk"])
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # Triton < 3.4: pointer loads only
-        TensorDescriptor = None
-    return torch, triton, gemm, swiglu, TensorDescriptor
+    gemm = t.triton.jit(_grouped_gemm_fp8_kernel,
+                        do_not_specialize=["M", "stride_asm", "stride_ask", "stride_bsg", "stride_bsn", "stride_bsk"])
+    swiglu = t.triton.jit(_swiglu_quant_fp8_kernel, do_not_specialize=["M", "stride_sfm", "stride_sfk"])
+    return t.torch, t.triton, gemm, swiglu, t.TensorDescriptor
 
 
 def _torch():
     return _triton()[0]
-
-
-def _check_device(tensors, names) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ConfigError("tensors on different devices: " +
-                          ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors)))
-    device = devices.pop()
-    if device.type != "cuda" and not interpreting():
-        raise ConfigError(f"device={device}: expected CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)")
-    if device.type == "cuda" and not interpreting():
-        torch = _torch()
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            raise BackendError(f"device {device} has compute capability {major}.{minor}: fp8 tensor-core "
-                               f"dots need 8.9 or newer (9.0, Hopper, is the target)")
-
-
-def _ceil_div(x: int, y: int) -> int:
-    return -(-x // y)
 
 
 def check_gemm_args(a, a_sf, b, b_sf, m_indices, out=None) -> Tuple[int, int, int, int]:
@@ -441,7 +359,7 @@ def check_gemm_args(a, a_sf, b, b_sf, m_indices, out=None) -> Tuple[int, int, in
         raise ConfigError(f"b.stride()={b.stride()}: expected K-contiguous weights (stride 1 along K)")
     if a_sf.dtype != torch.float32 or tuple(a_sf.shape) != (M, K // BLOCK_K):
         raise ConfigError(f"a_sf: expected float32 [{M}, {K // BLOCK_K}], got {a_sf.dtype} {tuple(a_sf.shape)}")
-    nb = _ceil_div(N, 128)
+    nb = ceil_div(N, 128)
     if b_sf.dtype != torch.float32 or tuple(b_sf.shape) != (G, nb, K // BLOCK_K):
         raise ConfigError(f"b_sf: expected float32 [{G}, {nb}, {K // BLOCK_K}] (one scale per 128x128 block), "
                           f"got {b_sf.dtype} {tuple(b_sf.shape)}")
@@ -452,7 +370,7 @@ def check_gemm_args(a, a_sf, b, b_sf, m_indices, out=None) -> Tuple[int, int, in
         if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, N) or (M and out.stride(1) != 1):
             raise ConfigError(f"out: expected bfloat16 [{M}, {N}] with contiguous rows, got {out.dtype} "
                               f"{tuple(out.shape)} strides {out.stride()}")
-    _check_device([t for _, t in named], [n for n, _ in named])
+    check_device([t for _, t in named], [n for n, _ in named])
     return M, N, K, G
 
 
@@ -490,12 +408,6 @@ def check_contiguous_layout(m_indices, num_groups: int, align: int = ALIGN_M) ->
         row = int(starts[repeated[0]])
         raise ConfigError(f"m_indices[{row}]={values[row]}: group {values[row]} is not contiguous "
                           f"(it starts a second time at row {row})")
-
-
-def _tma_ok(t, block_inner_bytes_multiple: int = 16) -> bool:
-    """TMA's requirements on a 2-D view: 16-byte aligned base and row pitch, unit inner stride."""
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
-            (t.stride(-2) * t.element_size()) % block_inner_bytes_multiple == 0)
 
 
 def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[GemmConfig] = None):
@@ -541,9 +453,9 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     tma_hw = interpreting() or torch.cuda.get_device_capability(a.device)[0] >= 9
     # b as [G * N, K] (one descriptor for every group) needs the groups back to back.
     b_flat_ok = b.stride(0) == N * b.stride(1)
-    tma_load = bool(config.tma and tma_hw and TensorDescriptor is not None and _tma_ok(a) and b_flat_ok and
+    tma_load = bool(config.tma and tma_hw and TensorDescriptor is not None and tma_ok(a) and b_flat_ok and
                     b.data_ptr() % 16 == 0 and (b.stride(1) % 16 == 0))
-    tma_store = bool(config.tma and tma_hw and TensorDescriptor is not None and _tma_ok(out))
+    tma_store = bool(config.tma and tma_hw and TensorDescriptor is not None and tma_ok(out))
     if config.tma and not (tma_load and tma_store):
         logger.debug("grouped_gemm_fp8: TMA %s; pointer %s used instead", config.name,
                      "loads and stores" if not (tma_load or tma_store) else ("loads" if not tma_load else "stores"))
@@ -553,7 +465,7 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
         b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [sub_n, BLOCK_K])
     if tma_store:
         out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [config.block_m, sub_n])
-    grid = (_ceil_div(M, config.block_m) * _ceil_div(N, config.block_n),)
+    grid = (ceil_div(M, config.block_m) * ceil_div(N, config.block_n),)
     gemm_kernel[grid](
         a, a_desc, a_sf, b, b_desc, b_sf, out, out_desc, m_indices,
         M, N, K,
@@ -620,28 +532,21 @@ def swiglu_quant_fp8(h, m_indices=None, *, act_out=None, sf_mn_major: bool = Fal
                               f"{tuple(getattr(m_indices, 'shape', ()))}")
         tensors.append(m_indices)
         names.append("m_indices")
-    if act_out is not None:
-        if (not isinstance(act_out, torch.Tensor) or act_out.dtype != torch.float32 or
-                tuple(act_out.shape) != (M, inter) or (M and act_out.stride(1) != 1)):
-            raise ConfigError(f"act_out: expected float32 [{M}, {inter}] with contiguous rows, got "
-                              f"{getattr(act_out, 'dtype', type(act_out).__name__)} "
-                              f"{tuple(getattr(act_out, 'shape', ()))}")
-        tensors.append(act_out)
-        names.append("act_out")
-    if q_out is not None:
-        if (not isinstance(q_out, torch.Tensor) or q_out.dtype != torch.float8_e4m3fn or
-                tuple(q_out.shape) != (M, inter) or (M and q_out.stride(1) != 1)):
-            raise ConfigError(f"q_out: expected float8_e4m3fn [{M}, {inter}] with contiguous rows, got "
-                              f"{getattr(q_out, 'dtype', type(q_out).__name__)} "
-                              f"{tuple(getattr(q_out, 'shape', ()))}")
-        tensors.append(q_out)
-        names.append("q_out")
-    _check_device(tensors, names)
+    for name, out, dtype in (("act_out", act_out, torch.float32), ("q_out", q_out, torch.float8_e4m3fn)):
+        if out is None:
+            continue
+        if (not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != (M, inter) or
+                (M and out.stride(1) != 1)):
+            raise ConfigError(f"{name}: expected {str(dtype).split('.')[-1]} [{M}, {inter}] with contiguous rows, "
+                              f"got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        tensors.append(out)
+        names.append(name)
+    check_device(tensors, names)
     q = q_out if q_out is not None else torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=h.device)
     q_sf = act_scales_empty(M, inter // 128, h.device, mn_major=sf_mn_major)
     if M == 0:
         return q, q_sf
-    grid = (_ceil_div(M, SWIGLU_BLOCK_ROWS), inter // 128)
+    grid = (ceil_div(M, SWIGLU_BLOCK_ROWS), inter // 128)
     swiglu_kernel[grid](
         h, q, q_sf, act_out if act_out is not None else q_sf, m_indices if m_indices is not None else q_sf,
         M, inter, h.stride(0), q.stride(0), q_sf.stride(0), q_sf.stride(1),

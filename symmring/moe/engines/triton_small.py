@@ -30,7 +30,7 @@ Which tiles run
 
 Numerics (bitwise contracts)
     Per K block of 128 the MMA forms the 128 fp8 products' sum (Hopper's reduced-precision fp8
-    accumulation inside the block, as in `fp8_kernels`); the block result is promoted with one explicit
+    accumulation inside the block, as in `triton_large`); the block result is promoted with one explicit
     fused multiply-add ``acc = fma(block, a_sf[r, kb] * b_sf[g, n // 128, kb], acc)`` (scale product
     rounded to float32 first), K blocks in increasing order, and FMA contraction is otherwise off (every
     other float32 step is its own rounding). So a row's result depends only on its own activations, its
@@ -48,7 +48,7 @@ Numerics (bitwise contracts)
     ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a,
     ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not bitwise
     (each within the tolerance below). Against the float64 definition the GEMM is within the bf16 rounding
-    (as `fp8_kernels`); the swap changes which operand is A, not the arithmetic per output element, so
+    (as `triton_large`); the swap changes which operand is A, not the arithmetic per output element, so
     results are close to but not bitwise those of `triton_large.grouped_gemm_fp8` (its promotion may contract
     differently).
 
@@ -131,16 +131,15 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import ConfigError
-from . import triton_large
-from .triton_large import ALIGN_M, BLOCK_K, _ceil_div, _tma_ok, check_gemm_args, interpreting
+from . import triton_common, triton_large
+from .triton_common import ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, interpreting, tma_ok
+from .triton_large import check_gemm_args
 
 logger = logging.getLogger(__name__)
 
 #: Row tiles (the MMA's N side) and weight tiles (its M side) the kernels take.
 BLOCK_T_CHOICES = (16, 32, 64)
 BLOCK_N_CHOICES = (64, 128)
-#: SMs of an H200/H100 SXM: the default rule's "does the grid fill the machine" test.
-_NUM_SMS_HOPPER = 132
 #: The splits the default rule takes where it splits (module notes: the H200 sweep).
 DEFAULT_SPLIT_K = 2
 #: The fewest K blocks per split the default rule leaves (one fill of its 4-stage pipeline).
@@ -148,10 +147,8 @@ MIN_SPLIT_K_BLOCKS = 4
 #: Split counts ``bench gemm --decode-sweep`` times besides 1 (`configs`).
 SWEEP_SPLIT_K = (2, 4)
 
-# Set by _jit() on first use (the kernel resolves ``tl`` and fp8_kernels' jitted ``swiglu_quant_rows``
-# from this module's globals).
-tl: Any = None
-swiglu_quant_rows: Any = None
+# Set by _jit() on first use (`triton_common.bind`): the kernel resolves them from this module's globals.
+tl = swiglu_quant_rows = gemm_program = load_tile = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,13 +223,13 @@ def tile_programs(M: int, N: int, G: int, rows_per_group: Optional[int], block_n
         >>> tile_programs(256, 4096, 8, 1, 128, 16), tile_programs(1024, 1536, 128, 1, 128, 16, fused=True)
         (64, 48)
     """
-    groups = min(G, _ceil_div(M, ALIGN_M))
-    tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
-    return groups * tiles_per_block * _ceil_div(N // 2 if fused else N, block_n)
+    groups = min(G, ceil_div(M, ALIGN_M))
+    tiles_per_block = ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
+    return groups * tiles_per_block * ceil_div(N // 2 if fused else N, block_n)
 
 
 def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], *, fused: bool = False,
-                 num_sms: int = _NUM_SMS_HOPPER) -> SmallConfig:
+                 num_sms: int = NUM_SMS_HOPPER) -> SmallConfig:
     """The configuration the small kernels use when none is given (the rule of the module notes).
 
     Args:
@@ -312,24 +309,11 @@ def _small_gemm_fp8_kernel(
     # [tiles][SPLIT_K][1 + SWIGLU][BLOCK_N][BLOCK_T], counter_ptr int32 [tiles], zero at launch and left zero.
     # SPLIT_K == 1: neither is touched.
     BLOCK_KK: tl.constexpr = 128
-    tl.assume(M > 0)
-    tl.assume(N_OUT > 0)
-    tl.assume(K > 0)
     tl.assume(tiles_per_block > 0)
-    tl.assume(stride_am > 0)
-    tl.assume(stride_asm >= 0)
-    tl.assume(stride_ask >= 0)
-    tl.assume(stride_bg > 0)
-    tl.assume(stride_bn > 0)
-    tl.assume(stride_bsg >= 0)
-    tl.assume(stride_bsn >= 0)
-    tl.assume(stride_bsk >= 0)
-    tl.assume(stride_om > 0)
-
+    pid = gemm_program(M, N_OUT, K, stride_am, stride_asm, stride_ask, stride_bg, stride_bn, stride_bsg, stride_bsn,
+                       stride_bsk, stride_om)
     # Row tile fastest, then the N tile, then the 128-row block: the row tiles of one group read the same
     # weight tile one after the other (L2), and the empty blocks at the pool's end come last.
-    pid = tl.program_id(0)
-    tl.assume(pid >= 0)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     sub = pid % tiles_per_block
     pid_n = (pid // tiles_per_block) % num_pid_n
@@ -357,6 +341,9 @@ def _small_gemm_fp8_kernel(
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_OUT
         b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+        b_ptrs_u = b_ptrs + N_OUT * stride_bn  # the up rows (SWIGLU)
+    else:  # load_tile reads the descriptors
+        a_ptrs = b_ptrs = b_ptrs_u = n_ok = None
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     if SWIGLU:
@@ -376,21 +363,14 @@ def _small_gemm_fp8_kernel(
         kt_end = kt_begin + per_split + (split < extra).to(tl.int32)
     for kt in tl.range(kt_begin, kt_end, num_stages=NUM_STAGES):
         off_k = kt * BLOCK_KK
-        if TMA_LOAD:
-            a = a_desc.load([off_t, off_k])
-            w = b_desc.load([b_row0, off_k])
-        else:
-            a = tl.load(a_ptrs + off_k, mask=t_ok[:, None], other=0.0)
-            w = tl.load(b_ptrs + off_k, mask=n_ok[:, None], other=0.0)
+        a = load_tile(a_desc, a_ptrs, off_t, off_k, t_ok, TMA_LOAD)
+        w = load_tile(b_desc, b_ptrs, b_row0, off_k, n_ok, TMA_LOAD)
         a_s = tl.load(a_sf_rows + kt * stride_ask, mask=t_ok, other=0.0)
         # The promotion: scale = a_sf * b_sf (one float32 rounding), acc = fma(block, scale, acc).
         s = tl.broadcast_to((a_s * tl.load(b_sf_g + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
         acc = tl.fma(tl.dot(w, a.T), s, acc)
         if SWIGLU:
-            if TMA_LOAD:
-                w_u = b_desc.load([b_row0 + N_OUT, off_k])
-            else:
-                w_u = tl.load(b_ptrs + N_OUT * stride_bn + off_k, mask=n_ok[:, None], other=0.0)
+            w_u = load_tile(b_desc, b_ptrs_u, b_row0 + N_OUT, off_k, n_ok, TMA_LOAD)
             s_u = tl.broadcast_to((a_s * tl.load(b_sf_u + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
             acc_u = tl.fma(tl.dot(w_u, a.T), s_u, acc_u)
 
@@ -439,14 +419,13 @@ def _small_gemm_fp8_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _jit():
-    """torch, the jitted kernel and TensorDescriptor (fp8_kernels' imports and its BackendError)."""
-    global tl, swiglu_quant_rows
-    torch, triton, _, _, tensor_descriptor = triton_large._triton()
-    tl, swiglu_quant_rows = triton_large.tl, triton_large.swiglu_quant_rows
-    kernel = triton.jit(_small_gemm_fp8_kernel,
-                        do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
-                                           "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
-    return torch, kernel, tensor_descriptor
+    """torch, the jitted kernel and TensorDescriptor (`triton_common.bind`: BackendError when torch or triton is
+    missing)."""
+    t = triton_common.bind(globals())
+    kernel = t.triton.jit(_small_gemm_fp8_kernel,
+                          do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
+                                             "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
+    return t.torch, kernel, t.TensorDescriptor
 
 
 class _SplitCounters:
@@ -493,11 +472,11 @@ class _SplitCounters:
         arena = self._arenas.get(str(device))
         if arena is not None and arena[0].numel() - arena[1] >= num:
             first = arena[1]
-            arena[1] = min(arena[0].numel(), first + _ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN)
+            arena[1] = min(arena[0].numel(), first + ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN)
             return arena[0][first:first + num]
         if not self._warned:
             self._warned = True
-            logger.info("fp8_small: a split-K launch captured with no zeroed counters left (no eager split "
+            logger.info("triton_small: a split-K launch captured with no zeroed counters left (no eager split "
                         "launch on %s since the arena filled): its graph zeroes its own (one memset per replay)",
                         device)
         return torch.zeros(num, dtype=torch.int32, device=device)
@@ -534,15 +513,15 @@ def _check_rows_per_group(rows_per_group) -> Optional[int]:
 def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_group, config, swiglu):
     torch, kernel, tensor_descriptor = _jit()
     NB = b.shape[1]
-    tiles_per_block = _ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), config.block_t)
+    tiles_per_block = ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), config.block_t)
     tma_hw = interpreting() or torch.cuda.get_device_capability(a.device)[0] >= 9
-    tma_load = bool(config.tma and tma_hw and tensor_descriptor is not None and _tma_ok(a) and
+    tma_load = bool(config.tma and tma_hw and tensor_descriptor is not None and tma_ok(a) and
                     b.stride(0) == NB * b.stride(1) and b.data_ptr() % 16 == 0 and b.stride(1) % 16 == 0)
     a_desc = b_desc = None
     if tma_load:
         a_desc = tensor_descriptor(a, [M, K], [a.stride(0), 1], [config.block_t, BLOCK_K])
         b_desc = tensor_descriptor(b, [G * NB, K], [b.stride(1), 1], [config.block_n, BLOCK_K])
-    tiles = _ceil_div(M, ALIGN_M) * tiles_per_block * _ceil_div(n_out, config.block_n)
+    tiles = ceil_div(M, ALIGN_M) * tiles_per_block * ceil_div(n_out, config.block_n)
     if config.split_k == 1:
         grid, partial, counters = (tiles,), a_sf, m_indices  # the kernel touches neither (SPLIT_K=1)
     else:
@@ -605,7 +584,7 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
     Example:
         >>> out = grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, rows_per_group=1)  # doctest: +SKIP
     """
-    torch = triton_large._torch()
+    torch = triton_common.load().torch
     M, N, K, G = check_gemm_args(a, a_sf, b, b_sf, m_indices, out)
     rows_per_group = _check_rows_per_group(rows_per_group)
     config = _resolve_config(config, M, N, K, G, rows_per_group, fused=False)
@@ -642,7 +621,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     Example:
         >>> q, q_sf = grouped_gemm_swiglu_quant_fp8_small(x, x_sf, w13, w13_sf, m_indices, rows_per_group=4)  # doctest: +SKIP
     """
-    torch = triton_large._torch()
+    torch = triton_common.load().torch
     M, two_i, K, G = check_gemm_args(a, a_sf, b13, b13_sf, m_indices)
     if two_i % 256:
         raise ConfigError(f"b13.shape={tuple(b13.shape)}: expected [G, 2 * I, K] with I a multiple of 128 "

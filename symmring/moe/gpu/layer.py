@@ -73,14 +73,16 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ... import agreement, env, protocol
-from ...backends.base import DeviceBackend
-from ...errors import BackendError, ConfigError, RingClosedError
 from ... import transport as transport_mod
-from ..workspace_plan import spanned_rows
-from . import plan as plans
+from ...backends.base import DeviceBackend
+from ...closing import Closing
+from ...errors import BackendError, ConfigError, RingClosedError
 from .. import routing as routing_mod
+from ..workspace_plan import spanned_rows
 from . import graph_cache as graph_cache_mod
+from . import plan as plans
 from . import stages, timeline
+from .memory import view
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ def _check_delays(name: str, delays) -> Dict[int, int]:
     return {int(c): int(ns) for c, ns in delays.items()}
 
 
-class MoE:
+class MoE(Closing):
     """Expert-parallel MoE layer on GPU PEs (see the module docstring).
 
     Args:
@@ -346,7 +348,7 @@ class MoE:
                     x_format=self.x_format, expert_dtype=self.expert_dtype, ack_policy=self.ack_policy.name,
                     expert_window=self.expert_window, small_batch_tokens=self.small_batch_tokens,
                     small_batch_capable=self._small_batch_capable(), timeout_s=self.timeout_s,
-                    # Whether a ring of the workspace is shared depends on these too (gpu_workspace keys).
+                    # Whether a ring of the workspace is shared depends on these too (memory.DeviceMemory keys).
                     transport=str(self._transport_request))
 
     # --- what the layer borrows from its workspace (the same objects for every layer of a shape) ------------
@@ -366,69 +368,25 @@ class MoE:
             self._bound = (self.workspace.epoch, binding)
         return binding
 
-    @property
-    def _latch(self):
-        """The async-error latch of this layer's ring (`symmring.kernels.AsyncErrorLatch`)."""
-        return self._binding.latch
+    # The layer's views of its workspace (looked up per use: a workspace that grows makes new memory).
+    _latch = view("_binding.latch", "The async-error latch of this layer's ring (`symmring.kernels.AsyncErrorLatch`).")
+    _kernels = view("workspace.gpu.kernels")
+    capacity = view("_binding.capacity",
+                    "Rows of the expert pool (a window under uniform routing; more rows run in passes, PROTOCOL.md "
+                    "9.1c).")
+    ring = view("_binding.ring", "The `DeviceRing` of this layer's ring spec in the workspace (shared by the layers "
+                                 "of that spec).")
+    _state = view("_binding.state")
+    combine_alloc = view("workspace.gpu.combine_alloc")
+    stage_alloc = view("_binding.stage_alloc")
+    _topk_idx = view("_binding.topk_idx")
+    _topk_weights = view("_binding.topk_weights")
+    _producer_stream = view("workspace.gpu.producer_stream")
+    _consumer_stream = view("workspace.gpu.consumer_stream")
 
-    @property
-    def _kernels(self) -> stages.Kernels:
-        return self.workspace.gpu.kernels
-
-    @property
-    def capacity(self) -> int:
-        """Rows of the expert pool (a window under uniform routing; more rows run in passes, PROTOCOL.md 9.1c)."""
-        return self._binding.capacity
-
-    @property
-    def ring(self):
-        """The `DeviceRing` of this layer's ring spec in the workspace (shared by the layers of that spec)."""
-        return self._binding.ring
-
-    @property
-    def _state(self) -> stages.State:
-        return self._binding.state
-
-    @property
-    def combine_alloc(self):
-        return self.workspace.gpu.combine_alloc
-
-    @property
-    def stage_alloc(self):
-        return self._binding.stage_alloc
-
-    @property
-    def _topk_idx(self):
-        return self._binding.topk_idx
-
-    @property
-    def _topk_weights(self):
-        return self._binding.topk_weights
-
-    @property
-    def _producer_stream(self):
-        return self.workspace.gpu.producer_stream
-
-    @property
-    def _consumer_stream(self):
-        return self.workspace.gpu.consumer_stream
-
-    @property
-    def _call_done(self):
-        # One end-of-call event per workspace: every layer's call comes after the previous call of any layer.
-        return self.workspace.gpu.call_done
-
-    @_call_done.setter
-    def _call_done(self, event) -> None:
-        self.workspace.gpu.call_done = event
-
-    @property
-    def _graph_pool(self):
-        return self.workspace.gpu.graph_pool
-
-    @_graph_pool.setter
-    def _graph_pool(self, pool) -> None:
-        self.workspace.gpu.graph_pool = pool
+    # One end-of-call event per workspace: every layer's call comes after the previous call of any layer.
+    _call_done = view("workspace.gpu.call_done", writable=True)
+    _graph_pool = view("workspace.gpu.graph_pool", writable=True)
 
     def memory(self) -> Dict[str, int]:
         """Device bytes this layer's calls use on this PE, all of them the workspace's (shared with every layer
@@ -1113,12 +1071,6 @@ class MoE:
             return
         self.closed = True
         self.clear_graph_cache()
-
-    def __enter__(self) -> "MoE":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class CapturedCall:

@@ -20,6 +20,7 @@ ring's combine ready words (their generations only grow).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -39,6 +40,17 @@ def _torch():
 def _cupy():
     import cupy
     return cupy
+
+
+def view(path: str, doc: str = "", writable: bool = False) -> property:
+    """A property reading ``self.<path>`` (a dotted path), looked up on every use (and, ``writable``, setting
+    it): how a `Binding` and a layer reach the parts of the workspace memory they view."""
+    owner, name = path.rsplit(".", 1)
+    get_owner = operator.attrgetter(owner)
+
+    def set_value(self, value) -> None:
+        setattr(get_owner(self), name, value)
+    return property(operator.attrgetter(path), set_value if writable else None, doc=doc or f"``self.{path}``")
 
 
 @dataclasses.dataclass
@@ -63,17 +75,9 @@ class Binding:
     topk_idx: object
     topk_weights: object
 
-    @property
-    def ring(self):
-        return self.entry.ring
-
-    @property
-    def stage_alloc(self):
-        return self.entry.stage_alloc
-
-    @property
-    def latch(self):
-        return self.entry.latch
+    ring = view("entry.ring")
+    stage_alloc = view("entry.stage_alloc")
+    latch = view("entry.latch")
 
 
 class DeviceMemory:

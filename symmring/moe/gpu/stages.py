@@ -36,8 +36,8 @@ import numpy as np
 
 from ... import protocol
 from ...pdl import PdlLauncher
-from . import timeline
 from ..engines import ExpertEngine, Pool
+from . import timeline
 from .plan import ChunkStep, WindowStep
 
 #: Threads per block of the MoE kernels (8 warps).
