@@ -2,7 +2,7 @@
 `triton_small`: the swap-AB kernels for tiny ones): the layout's constants, loading Triton on first use
 (`bind`: the kernels are plain functions whose module globals ``tl`` and the jitted helpers are set then,
 so symmring imports without Triton), the two device helpers both kernels inline (the SwiGLU +
-quantisation of a tile, the GEMMs' program id and argument assumptions, a K block of an operand) and the host checks of devices and TMA views.
+quantisation of a tile, the GEMMs' program id and argument assumptions) and the host checks of devices and TMA views.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ tl: Any = None
 libdevice: Any = None
 
 #: What `load` returns: the modules and the jitted helpers.
-Triton = collections.namedtuple("Triton", "torch triton tl TensorDescriptor swiglu_quant_rows gemm_program load_tile")
+Triton = collections.namedtuple("Triton", "torch triton tl TensorDescriptor swiglu_quant_rows gemm_program")
 
 
 def interpreting() -> bool:
@@ -79,14 +79,6 @@ def _gemm_program(M, N, K, stride_am, stride_asm, stride_ask, stride_bg, stride_
     return pid
 
 
-def _load_tile(desc, ptrs, row, off_k, row_ok, TMA_LOAD: tl.constexpr):
-    """One K block of a GEMM operand: rows ``[row, row + block)`` by the tensor descriptor ``desc`` (TMA), or
-    by the pointer tile ``ptrs`` with the rows outside ``row_ok`` zero."""
-    if TMA_LOAD:
-        return desc.load([row, off_k])
-    return tl.load(ptrs + off_k, mask=row_ok[:, None], other=0.0)
-
-
 # --- loading -----------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -106,16 +98,14 @@ def load() -> Triton:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # Triton < 3.4: pointer loads only
         TensorDescriptor = None
-    return Triton(torch, triton, _tl, TensorDescriptor, triton.jit(_swiglu_quant_rows), triton.jit(_gemm_program),
-                  triton.jit(_load_tile))
+    return Triton(torch, triton, _tl, TensorDescriptor, triton.jit(_swiglu_quant_rows), triton.jit(_gemm_program))
 
 
 def bind(namespace: dict) -> Triton:
     """`load`, and set ``tl`` and the jitted helpers in a kernel module's ``namespace`` (its ``globals()``),
     where its kernels look them up when Triton compiles them."""
     t = load()
-    namespace.update(tl=t.tl, swiglu_quant_rows=t.swiglu_quant_rows, gemm_program=t.gemm_program,
-                     load_tile=t.load_tile)
+    namespace.update(tl=t.tl, swiglu_quant_rows=t.swiglu_quant_rows, gemm_program=t.gemm_program)
     return t
 
 

@@ -82,7 +82,7 @@ FP8_E4M3_MAX = 448.0
 SWIGLU_BLOCK_ROWS = 32
 
 # Set by _triton() on first use (`triton_common.bind`): the kernels below resolve them from this module's globals.
-tl = swiglu_quant_rows = gemm_program = load_tile = None
+tl = swiglu_quant_rows = gemm_program = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +238,6 @@ def _grouped_gemm_fp8_kernel(
         if TWO_HALVES:
             n_ok1 = (offs_n0 + SUB_N) < N
             b_ptrs1 = b_ptrs0 + SUB_N * stride_bn
-    else:  # load_tile reads the descriptors
-        a_ptrs = b_ptrs0 = b_ptrs1 = n_ok0 = n_ok1 = None
 
     acc0 = tl.zeros((BLOCK_M, SUB_N), dtype=tl.float32)
     if TWO_HALVES:
@@ -249,14 +247,21 @@ def _grouped_gemm_fp8_kernel(
     # num_stages would pipeline only the loads that feed the dots).
     for kt in tl.range(0, k_tiles, num_stages=NUM_STAGES):
         off_k = kt * BLOCK_KK
-        a = load_tile(a_desc, a_ptrs, off_m, off_k, m_ok, TMA_LOAD)
-        b0 = load_tile(b_desc, b_ptrs0, b_row0, off_k, n_ok0, TMA_LOAD)
+        if TMA_LOAD:
+            a = a_desc.load([off_m, off_k])
+            b0 = b_desc.load([b_row0, off_k])
+        else:
+            a = tl.load(a_ptrs + off_k, mask=m_ok[:, None], other=0.0)
+            b0 = tl.load(b_ptrs0 + off_k, mask=n_ok0[:, None], other=0.0)
         a_s = tl.load(a_sf_rows + kt * stride_ask, mask=m_ok, other=0.0)
         # DeepGEMM's promotion: scale = a_sf * b_sf (one float32 rounding), then acc += scale * block.
         s0 = a_s * tl.load(b_sf_block + kt * stride_bsk)
         acc0 += tl.dot(a, b0.T) * s0[:, None]
         if TWO_HALVES:
-            b1 = load_tile(b_desc, b_ptrs1, b_row0 + SUB_N, off_k, n_ok1, TMA_LOAD)
+            if TMA_LOAD:
+                b1 = b_desc.load([b_row0 + SUB_N, off_k])
+            else:
+                b1 = tl.load(b_ptrs1 + off_k, mask=n_ok1[:, None], other=0.0)
             s1 = a_s * tl.load(b_sf_block + stride_bsn + kt * stride_bsk, mask=half1_ok, other=0.0)
             acc1 += tl.dot(a, b1.T) * s1[:, None]
 

@@ -148,7 +148,7 @@ MIN_SPLIT_K_BLOCKS = 4
 SWEEP_SPLIT_K = (2, 4)
 
 # Set by _jit() on first use (`triton_common.bind`): the kernel resolves them from this module's globals.
-tl = swiglu_quant_rows = gemm_program = load_tile = None
+tl = swiglu_quant_rows = gemm_program = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +341,6 @@ def _small_gemm_fp8_kernel(
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_OUT
         b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
-        b_ptrs_u = b_ptrs + N_OUT * stride_bn  # the up rows (SWIGLU)
-    else:  # load_tile reads the descriptors
-        a_ptrs = b_ptrs = b_ptrs_u = n_ok = None
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     if SWIGLU:
@@ -363,14 +360,21 @@ def _small_gemm_fp8_kernel(
         kt_end = kt_begin + per_split + (split < extra).to(tl.int32)
     for kt in tl.range(kt_begin, kt_end, num_stages=NUM_STAGES):
         off_k = kt * BLOCK_KK
-        a = load_tile(a_desc, a_ptrs, off_t, off_k, t_ok, TMA_LOAD)
-        w = load_tile(b_desc, b_ptrs, b_row0, off_k, n_ok, TMA_LOAD)
+        if TMA_LOAD:
+            a = a_desc.load([off_t, off_k])
+            w = b_desc.load([b_row0, off_k])
+        else:
+            a = tl.load(a_ptrs + off_k, mask=t_ok[:, None], other=0.0)
+            w = tl.load(b_ptrs + off_k, mask=n_ok[:, None], other=0.0)
         a_s = tl.load(a_sf_rows + kt * stride_ask, mask=t_ok, other=0.0)
         # The promotion: scale = a_sf * b_sf (one float32 rounding), acc = fma(block, scale, acc).
         s = tl.broadcast_to((a_s * tl.load(b_sf_g + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
         acc = tl.fma(tl.dot(w, a.T), s, acc)
         if SWIGLU:
-            w_u = load_tile(b_desc, b_ptrs_u, b_row0 + N_OUT, off_k, n_ok, TMA_LOAD)
+            if TMA_LOAD:
+                w_u = b_desc.load([b_row0 + N_OUT, off_k])
+            else:
+                w_u = tl.load(b_ptrs + N_OUT * stride_bn + off_k, mask=n_ok[:, None], other=0.0)
             s_u = tl.broadcast_to((a_s * tl.load(b_sf_u + kt * stride_bsk))[None, :], (BLOCK_N, BLOCK_T))
             acc_u = tl.fma(tl.dot(w_u, a.T), s_u, acc_u)
 
