@@ -33,6 +33,7 @@ from symmring.moe import quant  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.torch_ref import TorchMoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -58,9 +59,10 @@ def build(ctx, weights, topk, max_tokens, x_format, **kwargs):
     E_local = NUM_EXPERTS // ctx.world_size
     lo, hi = ctx.rank * E_local, (ctx.rank + 1) * E_local
     dev = device_of(ctx)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, to_torch(w_gate[lo:hi], torch.bfloat16, dev),
-               to_torch(w_up[lo:hi], torch.bfloat16, dev), to_torch(w_down[lo:hi], torch.bfloat16, dev),
-               max_tokens=max(1, max_tokens), x_format=x_format, **kwargs)
+    return MoE(ctx,
+               Experts(to_torch(w_gate[lo:hi], torch.bfloat16, dev), to_torch(w_up[lo:hi], torch.bfloat16, dev), to_torch(w_down[lo:hi], torch.bfloat16, dev)),
+               RoutingConfig(NUM_EXPERTS, topk), max_tokens=max(1, max_tokens),
+               schedule=ScheduleConfig(x_format=x_format), **kwargs)
 
 
 def run_case(ctx, *, num_tokens, topk, x_format="fp8_e4m3", logits_fn=None, masked=False, calls=1,

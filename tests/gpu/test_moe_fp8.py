@@ -38,6 +38,7 @@ from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import fp8_reference  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -77,9 +78,9 @@ def fp8_layer(ctx, q, engine, max_tokens, *, num_experts=NUM_EXPERTS, hidden=HID
     def f32(a):
         return to_torch(local(ctx, a, num_experts), torch.float32, dev)
 
-    return MoE(ctx, num_experts, hidden, inter, topk, fp8(q["gate"][0]), fp8(q["up"][0]), fp8(q["down"][0]),
-               w_gate_scale=f32(q["gate"][1]), w_up_scale=f32(q["up"][1]), w_down_scale=f32(q["down"][1]),
-               max_tokens=max(1, max_tokens), engine=engine, **kwargs)
+    return MoE(ctx,
+               Experts(fp8(q["gate"][0]), fp8(q["up"][0]), fp8(q["down"][0]), w_gate_scale=f32(q["gate"][1]), w_up_scale=f32(q["up"][1]), w_down_scale=f32(q["down"][1])),
+               RoutingConfig(num_experts, topk), max_tokens=max(1, max_tokens), engine=engine, **kwargs)
 
 
 def run(moe, x, logits, **kwargs):
@@ -126,9 +127,9 @@ def test_checkpoint_weights_equal_bf16_weights_quantised_by_the_layer(ctx, engin
     dev = device_of()
     n = 300
     from_ckpt = fp8_layer(ctx, q, engine, n)
-    from_bf16 = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                        for w in (w_gate, w_up, w_down)),
-                    max_tokens=n, expert_dtype="fp8", engine=engine)
+    from_bf16 = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev)
+                                                        for w in (w_gate, w_up, w_down)), expert_dtype="fp8"),
+                    RoutingConfig(NUM_EXPERTS, 2), max_tokens=n, engine=engine)
     problems = []
     try:
         a, b = from_ckpt.engine.weights, from_bf16.engine.weights
@@ -188,9 +189,9 @@ def test_vs_transformers_mixtral(ctx, engine):
     if block is None:
         pytest.skip("transformers' MixtralSparseMoeBlock is not importable here or has an unknown layout")
     n = 256
-    moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                 for w in (w_gate, w_up, w_down)),
-              max_tokens=n, expert_dtype="fp8", engine=engine)
+    moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev)
+                                                 for w in (w_gate, w_up, w_down)), expert_dtype="fp8"),
+              RoutingConfig(NUM_EXPERTS, 2), max_tokens=n, engine=engine)
     try:
         x = to_torch(make_tokens(SEED + 9 + ctx.rank, n, HIDDEN), torch.bfloat16, dev)
         y_ref, idx, weights = mixtral_forward(block, x)
@@ -266,14 +267,14 @@ def test_bad_weights_and_options_are_rejected(ctx):
     problems = []
     for name, (weights, kwargs) in cases.items():
         try:
-            MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *weights, max_tokens=16, **kwargs).close()
+            MoE(ctx, Experts(*weights), RoutingConfig(NUM_EXPERTS, 2), max_tokens=16, **kwargs).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
     try:  # inter not a multiple of 128 with fp8 experts
         w = make_weights(SEED, NUM_EXPERTS, HIDDEN, 136)[:3]
-        MoE(ctx, NUM_EXPERTS, HIDDEN, 136, 2, *(to_torch(local(ctx, a), torch.bfloat16, dev) for a in w),
-            max_tokens=16, expert_dtype="fp8").close()
+        MoE(ctx, Experts(*(to_torch(local(ctx, a), torch.bfloat16, dev) for a in w), expert_dtype="fp8"),
+            RoutingConfig(NUM_EXPERTS, 2), max_tokens=16).close()
         problems.append("inter=136: no ConfigError")
     except ConfigError:
         pass
@@ -287,8 +288,9 @@ def test_out_of_range_expert_id_is_named_and_the_next_call_works(ctx, engine):
     dev = device_of()
     n = 64
     if engine == "torch":
-        moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                     for w in (w_gate, w_up, w_down)), max_tokens=n)
+        moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev)
+                                                     for w in (w_gate, w_up, w_down))),
+                  RoutingConfig(NUM_EXPERTS, 2), max_tokens=n)
     else:
         moe = fp8_layer(ctx, q, engine, n)
     problems = []
@@ -326,8 +328,9 @@ def test_fp8_pool_rows_take_half_the_bytes(ctx, engine):
     dev = device_of()
     n = 512
     fp8_moe = fp8_layer(ctx, q, engine, n)
-    bf16_moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                      for w in (w_gate, w_up, w_down)), max_tokens=n)
+    bf16_moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev)
+                                                      for w in (w_gate, w_up, w_down))),
+                   RoutingConfig(NUM_EXPERTS, 2), max_tokens=n)
     try:
         rows8 = fp8_moe._state.pool_x.numel() * fp8_moe._state.pool_x.element_size() / fp8_moe.capacity
         rows16 = bf16_moe._state.pool_x.numel() * bf16_moe._state.pool_x.element_size() / bf16_moe.capacity

@@ -44,6 +44,7 @@ from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.gpu.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.protocol import AckPolicy  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -72,8 +73,8 @@ def local_weights(ctx, weights):
 
 def build(ctx, weights, topk, max_tokens, **kwargs):
     """A layer; without ring arguments it has the default ring (one slot of max_tokens: the batch path)."""
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *local_weights(ctx, weights), max_tokens=max(1, max_tokens),
-               **kwargs)
+    return MoE(ctx, Experts(*local_weights(ctx, weights)), RoutingConfig(NUM_EXPERTS, topk),
+               max_tokens=max(1, max_tokens), **kwargs)
 
 
 def inputs(tseed, n, topk, *, logits_fn=None, masked=False):
@@ -358,7 +359,7 @@ def test_bad_arguments(ctx):
     problems = []
     for name, kwargs in cases.items():
         try:
-            MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *w, **kwargs).close()
+            MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 2), **kwargs).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
@@ -471,8 +472,8 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
     lo, hi = ctx.rank * E_local, (ctx.rank + 1) * E_local
     w = [to_torch(a[lo:hi], torch.bfloat16, device_of()) for a in weights[:3]]
     n = 12 * 128
-    moe = MoE(ctx, NUM_EXPERTS, H, I, 8, *w, max_tokens=n, tokens_per_slot=128, num_slots=1,
-              ack_policy=ack_policy)
+    moe = MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 8), max_tokens=n,
+              schedule=ScheduleConfig(num_slots=1, tokens_per_slot=128, ack_policy=ack_policy))
     problems = []
     try:
         rng = np.random.default_rng(SEED + 62 + ctx.rank)

@@ -28,6 +28,7 @@ from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch,
 
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -59,9 +60,10 @@ def layer(ctx, transport, **kwargs):
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                       for w in (w_gate, w_up, w_down)),
-               max_tokens=64, transport=transport, **kwargs)
+    return MoE(ctx, Experts(*(to_torch(w[mine], torch.bfloat16, dev())
+                                                       for w in (w_gate, w_up, w_down))),
+               RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=64, schedule=ScheduleConfig(transport=transport),
+               **kwargs)
 
 
 def routing(seed, n, masked: bool):
