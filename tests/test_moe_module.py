@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="MoEModule needs torch")
 import hf_models  # noqa: E402  (tests/ is on sys.path: pytest's rootdir insertion)
 
 from symmring.moe.integrations.module import MoEModule, STREAMING_CODES, layer_of, moe_op  # noqa: E402
-from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 SEED = 20261214
 HIDDEN, INTER, E = 256, 256, 16

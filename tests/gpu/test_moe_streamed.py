@@ -44,7 +44,7 @@ from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.gpu.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.protocol import AckPolicy  # noqa: E402
-from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -71,10 +71,11 @@ def local_weights(ctx, weights):
     return [to_torch(w[lo:hi], torch.bfloat16, device_of()) for w in weights[:3]]
 
 
-def build(ctx, weights, topk, max_tokens, **kwargs):
-    """A layer; without ring arguments it has the default ring (one slot of max_tokens: the batch path)."""
+def build(ctx, weights, topk, max_tokens, **schedule):
+    """A layer; ``schedule``: `ScheduleConfig`'s fields. Without ring fields it has the default ring (one slot of
+    max_tokens: the batch path)."""
     return MoE(ctx, Experts(*local_weights(ctx, weights)), RoutingConfig(NUM_EXPERTS, topk),
-               max_tokens=max(1, max_tokens), **kwargs)
+               max_tokens=max(1, max_tokens), schedule=ScheduleConfig(**schedule))
 
 
 def inputs(tseed, n, topk, *, logits_fn=None, masked=False):
@@ -358,8 +359,10 @@ def test_bad_arguments(ctx):
     }
     problems = []
     for name, kwargs in cases.items():
-        try:
-            MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 2), **kwargs).close()
+        try:  # the schedule's own check (ScheduleConfig) or the layer's (tokens_per_slot > max_tokens)
+            max_tokens = kwargs.pop("max_tokens")
+            MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 2), max_tokens=max_tokens,
+                schedule=ScheduleConfig(**kwargs)).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
