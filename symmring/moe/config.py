@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional
 
@@ -107,6 +108,9 @@ class RoutingConfig:
         if isinstance(self.routed_scaling_factor, bool) or not isinstance(
                 self.routed_scaling_factor, (int, float, np.integer, np.floating)):
             raise ConfigError(f"routed_scaling_factor={self.routed_scaling_factor!r}: expected a number")
+        self._check_bias()
+
+    def _check_bias(self) -> None:
         if self.bias is not None:
             shape = _length(self.bias)
             if shape != (self.num_experts,):
@@ -129,8 +133,12 @@ class RoutingConfig:
                 self.topk_group, self.norm_topk_prob)
 
     def with_bias(self, bias) -> "RoutingConfig":
-        """The same options with another ``bias`` (a copy on another device, say); validated again."""
-        return dataclasses.replace(self, bias=bias)
+        """The same options with another ``bias`` (a copy on another device or dtype, say): the options are
+        not checked again (they were when this value was made), the new bias's length is."""
+        new = copy.copy(self)
+        _set(new, "bias", bias)
+        new._check_bias()
+        return new
 
 
 @dataclasses.dataclass(frozen=True)
