@@ -123,7 +123,8 @@ def test_bad_module_arguments_rejected(kwargs, match):
 
 def test_layer_kwargs_pass_through():
     schedule = ScheduleConfig(num_slots=2, tokens_per_slot=32)
-    routing = RoutingConfig(E, 4, "sigmoid_bias", bias=torch.zeros(E), n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    routing = RoutingConfig(E, 4, "sigmoid_bias", bias=torch.zeros(E), n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5)
     module = make_module(engine="builtin", schedule=schedule, routing=routing)
     assert module.layer.others == dict(engine="builtin", schedule=schedule)
     assert module.routing.n_group == 4 and module.routing.routed_scaling_factor == 2.5

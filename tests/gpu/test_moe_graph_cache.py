@@ -318,8 +318,8 @@ def test_module_op_path_replays_and_matches(ctx):
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
     experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)), expert_dtype="fp8")
-    module = MoEModule(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK), router_weight=to_torch(router, torch.bfloat16, dev()),
-                       max_tokens=MAX_TOKENS, engine="builtin")
+    module = MoEModule(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK),
+                       router_weight=to_torch(router, torch.bfloat16, dev()), max_tokens=MAX_TOKENS, engine="builtin")
     problems = []
     try:
         with torch.inference_mode():

@@ -79,7 +79,7 @@ from ... import transport as transport_mod
 from ..workspace_plan import spanned_rows
 from . import plan as plans
 from .. import routing as routing_mod
-from ..config import SMALL_BATCH_TOKENS, Experts, RoutingConfig, ScheduleConfig
+from ..config import SMALL_BATCH_TOKENS, Experts, RoutingConfig, ScheduleConfig  # noqa: F401 (re-exported)
 from . import graph_cache as graph_cache_mod
 from . import stages, timeline
 
@@ -221,7 +221,8 @@ class MoE:
         self.routing, self.schedule = routing, schedule
         num_experts, topk, x_format = routing.num_experts, routing.topk, schedule.x_format or "fp8_e4m3"
         self.num_experts, self.topk = num_experts, topk
-        self.hidden, self.inter = experts.hidden, experts.inter
+        self.hidden = _check_int("hidden (w_gate.shape[2])", experts.hidden)
+        self.inter = _check_int("inter (w_gate.shape[1])", experts.inter)
         hidden, inter = self.hidden, self.inter
         self.max_tokens = _check_int("max_tokens", max_tokens)
         self.num_slots, self.tokens_per_slot = schedule.num_slots, schedule.tokens_per_slot

@@ -190,8 +190,9 @@ class MoEModule(_Base):
         BackendError: torch is missing, or the context's backend has no layer.
     """
 
-    def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, router_weight, max_tokens: int, router_dtype=None, shared_experts=None, streaming=False,
-                 layer_factory=None, checkpoint_names: str = "layer", workspace=None, **layer_kwargs):
+    def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, router_weight, max_tokens: int,
+                 router_dtype=None, shared_experts=None, streaming=False, layer_factory=None,
+                 checkpoint_names: str = "layer", workspace=None, **layer_kwargs):
         torch = _require_torch()
         super().__init__()
         self.streaming = _check_streaming(streaming)
