@@ -151,9 +151,18 @@ def test_block_spec_and_from_hf_give_the_routing_config_a_cpu_layer_takes(ctx):
          bool(gate.norm_topk_prob))
     assert r.bias is gate.e_score_correction_bias and r.routed_scaling_factor == float(gate.routed_scaling_factor)
     # from_hf hands the layer this routing (the bias moved to the layer's device).
+    seen = {}
+
+    def factory(ctx, experts, routing, **kwargs):
+        seen.update(experts=experts, routing=routing, kwargs=kwargs)
+        return hf_models.StandInLayer(ctx, experts, routing, **kwargs)
+
+    schedule = ScheduleConfig(num_slots=2)
     module = from_hf(block, SimpleNamespace(rank=0, world_size=1), max_tokens=16, device="cpu",
-                     layer_factory=hf_models.StandInLayer)
+                     layer_factory=factory, expert_dtype="fp8", schedule=schedule)
     assert isinstance(module.routing, RoutingConfig) and module.routing.key() == r.key()
+    assert seen["routing"].key() == r.key() and seen["kwargs"] == dict(max_tokens=16, schedule=schedule)
+    assert seen["experts"].expert_dtype == "fp8" and seen["experts"].hidden == spec["hidden"]
     # The same value builds the CPU layer (its float32 experts from the block's).
     I = spec["inter"]
     w13 = spec["gate_up_proj"].detach().float().numpy()

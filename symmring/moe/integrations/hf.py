@@ -205,7 +205,7 @@ def _check_layer_kwargs(layer_kwargs: dict) -> None:
 
 
 def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, workspace=None,
-            **layer_kwargs):
+            expert_dtype: Optional[str] = None, **layer_kwargs):
     """A `symmring.moe.integrations.module.MoEModule` computing ``block`` with this rank's experts (module docstring).
 
     Args:
@@ -220,6 +220,8 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         layer_factory: builds the layer (default: by the backend, `symmring.moe.integrations.module.default_layer_factory`;
             tests pass a stand-in).
         workspace: passed to the layer when given (`symmring.moe.integrations.module.MoEModule`).
+        expert_dtype: the `symmring.moe.config.Experts` field of the experts `from_hf` makes from the block's
+            (None: what the engine needs, else bf16; ``"fp8"``: quantised once by the GPU layer).
         **layer_kwargs: the layer's other arguments: ``schedule`` (a `symmring.moe.config.ScheduleConfig`:
             ``x_format``, ``num_slots``, ``tokens_per_slot``, ``expert_window``, ``ack_policy``, ...), ``engine``.
 
@@ -254,7 +256,7 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         w_down = spec["down_proj"][begin:begin + local].to(device)
         if routing.bias is not None:
             routing = routing.with_bias(routing.bias.detach().to(device))
-    return _module_cls()(ctx, Experts(w_gate, w_up, w_down), routing, router_weight=spec["router_weight"],
+    return _module_cls()(ctx, Experts(w_gate, w_up, w_down, expert_dtype=expert_dtype), routing, router_weight=spec["router_weight"],
                          max_tokens=max_tokens, router_dtype=spec["router_dtype"],
                          shared_experts=spec["shared_experts"], streaming=streaming, layer_factory=layer_factory,
                          checkpoint_names="hf", workspace=workspace, **layer_kwargs)
@@ -293,7 +295,7 @@ def replace_moe_blocks(model, ctx, **kwargs) -> Dict[str, object]:
                           f"{sorted(BLOCK_CLASSES)})")
     check_transformers()
     _check_layer_kwargs({k: v for k, v in kwargs.items() if k not in ("max_tokens", "streaming", "device",
-                                                                       "layer_factory", "workspace")})
+                                                                       "layer_factory", "workspace", "expert_dtype")})
     for name, block in found:
         try:
             block_spec(block, getattr(ctx, "world_size", None))
