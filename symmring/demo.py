@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from .errors import ConfigError, SymmringError
+from .moe.config import Experts, RoutingConfig, ScheduleConfig
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,10 @@ def run_cpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     ref_s = report.max(time.perf_counter() - start_s)
     y_ref = ref.y[prob.rows]
     results = {}
+    options = {k: v for k, v in prob.options.items() if k != "topk_method"}
+    routing = RoutingConfig(shapes.num_experts, shapes.num_topk, prob.options["topk_method"], **options)
     with ExpertParallelMoE(ctx, shapes, *shard_experts(prob.w_gate, prob.w_up, prob.w_down, ctx.rank,
-                                                       ctx.world_size), **prob.options) as layer:
+                                                       ctx.world_size), routing=routing) as layer:
         paths = {
             "batch": dict(),
             "streamed": dict(streaming=True, tokens_per_slot=args.tokens_per_slot, num_slots=args.num_slots),
@@ -231,10 +234,10 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
 
     experts = local_experts(ctx.rank, ctx.world_size, args.experts)
     local = slice(experts.start, experts.stop)
-    kwargs = dict(scoring=args.topk_method)
+    options = dict(scoring=args.topk_method)
     if args.topk_method == "sigmoid_bias":
-        kwargs.update(bias=on_gpu(prob.options["bias"], torch.float32),
-                      routed_scaling_factor=prob.options["routed_scaling_factor"])
+        options.update(bias=on_gpu(prob.options["bias"], torch.float32),
+                       routed_scaling_factor=prob.options["routed_scaling_factor"])
     # float32 logits from the reference's router, so the GPU and the reference pick the same experts.
     logits = router_logits(prob.x, prob.router_weight)
     ref = reference_moe(prob.x, w_gate=prob.w_gate, w_up=prob.w_up, w_down=prob.w_down, num_topk=args.topk,
@@ -248,9 +251,9 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     logits_gpu = on_gpu(logits[prob.rows], torch.float32)
     y_ref = ref.y[prob.rows]
     results = {}
-    moe = gpu.MoE(ctx, args.experts, args.hidden, args.inter, args.topk, *weights, max_tokens=max_tokens,
-                  tokens_per_slot=T, num_slots=slots, expert_window=slots, ack_policy="early",
-                  x_format=args.x_format, **kwargs)
+    moe = gpu.MoE(ctx, Experts(*weights), RoutingConfig(args.experts, args.topk, **options), max_tokens=max_tokens,
+                  schedule=ScheduleConfig(num_slots=slots, tokens_per_slot=T, ack_policy="early", expert_window=slots,
+                                          x_format=args.x_format))
     try:
         for name, streaming in (("batch", False), ("streamed", True), ("auto", "auto")):
             outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu, streaming=streaming),

@@ -26,6 +26,7 @@ import logging
 import time
 
 from .errors import SymmringError
+from .moe.config import ScheduleConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def main(args) -> int:
         ids = tiny.input_ids(args.seed + 101 * ctx.rank, 2, args.seq + 4 * ctx.rank).to(device)
         max_tokens = 2 * (args.seq + 4 * (ctx.world_size - 1))  # the largest rank's batch (the same everywhere)
         replaced = replace_moe_blocks(model, ctx, max_tokens=max_tokens,
-                                      x_format=x_format, **layer_kwargs)
+                                      schedule=ScheduleConfig(x_format=x_format), **layer_kwargs)
         first = next(iter(replaced.values()))
         report.say(f"model: {type(model).__name__}, {len(replaced)} MoE blocks replaced ({', '.join(replaced)}): "
                    f"{first.extra_repr()}; x as {x_format}, seed {args.seed}")

@@ -14,12 +14,10 @@ class StandInLayer:
     what `MoEModule` needs of `symmring.moe.gpu.MoE`, for tests without a GPU. ``ctx`` needs ``rank`` and
     ``world_size``; with several ranks only this rank's experts contribute (no exchange)."""
 
-    def __init__(self, ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, *, max_tokens, scoring="softmax",
-                 bias=None, routed_scaling_factor=1.0, n_group=1, topk_group=1, norm_topk_prob=True, **others):
-        from symmring.moe import routing
+    def __init__(self, ctx, experts, routing, *, max_tokens, **others):
         from symmring.moe.weights import expert_weights
-        routing.check_options(num_experts, topk, scoring, n_group=n_group, topk_group=topk_group,
-                              norm_topk_prob=norm_topk_prob)
+        num_experts, topk, hidden, inter = routing.num_experts, routing.topk, experts.hidden, experts.inter
+        w_gate, w_up, w_down = experts.w_gate, experts.w_up, experts.w_down
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.num_experts, self.hidden, self.inter, self.topk, self.max_tokens = num_experts, hidden, inter, topk, max_tokens
         self.num_local_experts = num_experts // self.world_size
@@ -30,9 +28,8 @@ class StandInLayer:
         self.refreshed = 0
         self.graphs_cleared = 0
         self.engine = SimpleNamespace(name="stand-in", weights=weights, refresh_weights=self._refresh)
-        self.scoring, self.routed_scaling_factor = scoring, float(routed_scaling_factor)
-        self.bias = None if bias is None else bias.float()
-        self.n_group, self.topk_group, self.norm_topk_prob = n_group, topk_group, norm_topk_prob
+        self.bias = None if routing.bias is None else routing.bias.float()
+        self.routing = routing if self.bias is None else routing.with_bias(self.bias)
         self.others = others
         self.calls = []  # (num_tokens, streaming) of every forward
         self.closed = False
@@ -50,9 +47,7 @@ class StandInLayer:
     def forward(self, x, logits=None, *, streaming=False):
         from symmring.moe import routing, torch_ref
         self.calls.append((int(x.shape[0]), streaming))
-        idx, weights = routing.route(logits, self.topk, self.scoring, bias=self.bias,
-                                     routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
-                                     topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
+        idx, weights = routing.route(logits, self.topk, **self.routing.route_kwargs())
         w = self.engine.weights
         y = torch_ref.experts_forward(x, idx, weights, w.w13, w.w_down, expert_offset=self.expert_begin)
         return y.to(x.dtype)

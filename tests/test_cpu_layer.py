@@ -11,6 +11,7 @@ import pytest
 
 from symmring import ConfigError, ExpertParallelMoE, MoEShapes, ProtocolTimeout, SymmringError, init
 from symmring.moe.reference import reference_moe
+from symmring.moe.config import RoutingConfig
 from symmring.ring import Ring
 
 SHAPES = MoEShapes(hidden=128, num_experts=4, num_topk=2)
@@ -165,13 +166,23 @@ def test_debug_catches_a_non_finite_output(layer, problem, monkeypatch):
     (dict(scoring="sigmoid_bias", n_group=2, num_topk=3), "topk=3: expected at most topk_group * num_experts"),
     (dict(norm_topk_prob=0), "norm_topk_prob=0: expected a bool"),
     (dict(scoring="sparsemax"), "scoring='sparsemax': expected one of"),
-    (dict(topk_method="sparsemax"), "topk_method='sparsemax': expected one of"),
-    (dict(scoring="sigmoid_bias", topk_method="softmax"), "scoring='sigmoid_bias' and topk_method='softmax'"),
-    (dict(scoring="sigmoid_bias", routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
 ])
-def test_bad_routing_options_rejected_before_any_collective(ctx, problem, monkeypatch, kwargs, message):
+def test_bad_routing_options_rejected_when_the_config_is_made(kwargs, message):
+    """The routing options are checked once, by `RoutingConfig` (the GPU layer's rule), before any layer."""
     kwargs = dict(kwargs)
-    shapes = MoEShapes(hidden=128, num_experts=4, num_topk=kwargs.pop("num_topk", 2))
+    with pytest.raises(ConfigError) as info:
+        RoutingConfig(4, kwargs.pop("num_topk", 2), **kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("routing, message", [
+    (lambda: RoutingConfig(4, 2, "sigmoid_bias", routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
+    (lambda: RoutingConfig(8, 2), "routing: num_experts=8, topk=2; expected the shapes' num_experts=4"),
+    (lambda: dict(scoring="softmax"), "expected a symmring.moe.config.RoutingConfig"),
+])
+def test_bad_routing_rejected_before_any_collective(ctx, problem, monkeypatch, routing, message):
+    shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
+    routing = routing()
     exchanged = []
     real_allgather = ctx.collectives.allgather
 
@@ -181,7 +192,7 @@ def test_bad_routing_options_rejected_before_any_collective(ctx, problem, monkey
 
     monkeypatch.setattr(ctx.collectives, "allgather", recording_allgather)
     with pytest.raises(ConfigError) as info:
-        ExpertParallelMoE(ctx, shapes, problem["wg"], problem["wu"], problem["wd"], **kwargs)
+        ExpertParallelMoE(ctx, shapes, problem["wg"], problem["wu"], problem["wd"], routing=routing)
     assert message in str(info.value)
     # The check ran before the first collective: the verdict exchange carried it, and nothing else ran.
     assert exchanged == [("ExpertParallelMoE: argument check", str(info.value))]
@@ -199,22 +210,24 @@ def grouped_problem():
 def test_group_limited_forward_matches_reference(ctx, grouped_problem, norm_topk_prob):
     p = grouped_problem
     shapes = MoEShapes(hidden=128, num_experts=16, num_topk=4)
-    routing = dict(bias=p["bias"], routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=norm_topk_prob)
+    options = dict(bias=p["bias"], routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=norm_topk_prob)
     weights = dict(w_gate=p["wg"], w_up=p["wu"], w_down=p["wd"])
     ref = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
-                        **routing)
+                        **options)
     plain = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
-                          **dict(routing, n_group=1, topk_group=1))
+                          **dict(options, n_group=1, topk_group=1))
     # The group limit decides here: most tokens get other experts than the plain top-4, from <= 2 groups.
     assert (np.sort(ref.topk_idx, 1) != np.sort(plain.topk_idx, 1)).any(1).mean() > 0.3
     assert max(len(set((row // 4).tolist())) for row in ref.topk_idx) <= 2
-    with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], scoring="sigmoid_bias", **routing) as layer:
-        assert (layer.scoring, layer.topk_method, layer.n_group, layer.topk_group, layer.norm_topk_prob) == \
-            ("sigmoid_bias", "sigmoid_bias", 4, 2, norm_topk_prob)
+    routing = RoutingConfig(16, 4, "sigmoid_bias", **options)
+    with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], routing=routing) as layer:
+        assert (layer.scoring, layer.n_group, layer.topk_group, layer.norm_topk_prob) == \
+            ("sigmoid_bias", 4, 2, norm_topk_prob)
+        assert layer.routing.key() == routing.key()
         y = layer.forward(p["x"], router_weight=p["router"])
         np.testing.assert_allclose(y, ref.y, rtol=1e-5, atol=1e-5 * float(np.abs(ref.y).max()))
         assert _bitwise(layer.forward(p["x"], router_weight=p["router"], streaming=True, tokens_per_slot=5), y)
-    # topk_method is the same option under its older name (and both names with one value are accepted).
-    for names in (dict(topk_method="sigmoid_bias"), dict(scoring="sigmoid_bias", topk_method="sigmoid_bias")):
-        with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], **names, **routing) as layer:
-            assert _bitwise(layer.forward(p["x"], router_weight=p["router"]), y)
+    # The routing options are the RoutingConfig only: the former keywords (and topk_method) are gone.
+    for old in (dict(topk_method="sigmoid_bias"), dict(scoring="sigmoid_bias")):
+        with pytest.raises(TypeError):
+            ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], **old)

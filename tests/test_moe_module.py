@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="MoEModule needs torch")
 import hf_models  # noqa: E402  (tests/ is on sys.path: pytest's rootdir insertion)
 
 from symmring.moe.integrations.module import MoEModule, STREAMING_CODES, layer_of, moe_op  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 SEED = 20261214
 HIDDEN, INTER, E = 256, 256, 16
@@ -31,7 +32,7 @@ def ctx_of(rank=0, world_size=1):
     return SimpleNamespace(rank=rank, world_size=world_size)
 
 
-def make_module(seed=SEED, world_size=1, rank=0, shared=False, **kwargs):
+def make_module(seed=SEED, world_size=1, rank=0, shared=False, routing=None, **kwargs):
     g = torch.Generator().manual_seed(seed)
     local = E // world_size
     w_gate, w_up = (torch.randn(local, INTER, HIDDEN, generator=g).bfloat16() / 16 for _ in range(2))
@@ -39,8 +40,9 @@ def make_module(seed=SEED, world_size=1, rank=0, shared=False, **kwargs):
     router = (torch.randn(E, HIDDEN, generator=g) / 8).bfloat16()
     shared_experts = torch.nn.Linear(HIDDEN, HIDDEN, bias=False).bfloat16().requires_grad_(False) if shared else None
     kwargs.setdefault("max_tokens", 64)
-    return MoEModule(ctx_of(rank, world_size), E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router,
-                     shared_experts=shared_experts, layer_factory=hf_models.StandInLayer, **kwargs)
+    return MoEModule(ctx_of(rank, world_size), Experts(w_gate, w_up, w_down), routing or RoutingConfig(E, 4),
+                     router_weight=router, shared_experts=shared_experts, layer_factory=hf_models.StandInLayer,
+                     **kwargs)
 
 
 def tokens(seed, *shape):
@@ -108,19 +110,24 @@ def test_bad_input_rejected(make_bad, match):
     (dict(router_dtype="float32"), "router_dtype='float32'"),
     (dict(shared_experts=lambda x: x), "shared_experts: expected a torch.nn.Module"),
     (dict(router_weight=torch.zeros(E, HIDDEN + 1)), "router_weight: expected a float tensor"),
+    (dict(routing=dict(num_experts=E, topk=4)), "routing=.*expected a symmring.moe.config.RoutingConfig"),
 ])
 def test_bad_module_arguments_rejected(kwargs, match):
     args = dict(router_weight=torch.zeros(E, HIDDEN), max_tokens=8, layer_factory=hf_models.StandInLayer)
+    routing = kwargs.pop("routing", RoutingConfig(E, 4))
     args.update(kwargs)
-    with pytest.raises(ConfigError, match=match):  # before the layer is built (its weights are None here)
-        MoEModule(ctx_of(), E, HIDDEN, INTER, 4, None, None, None, **args)
+    w = torch.zeros(E, INTER, HIDDEN)
+    with pytest.raises(ConfigError, match=match):  # before the layer is built (its weights are zeros here)
+        MoEModule(ctx_of(), Experts(w, w, w.transpose(1, 2)), routing, **args)
 
 
 def test_layer_kwargs_pass_through():
-    module = make_module(engine="builtin", num_slots=2, tokens_per_slot=32, scoring="sigmoid_bias",
-                         bias=torch.zeros(E), n_group=4, topk_group=2, routed_scaling_factor=2.5)
-    assert module.layer.others == dict(engine="builtin", num_slots=2, tokens_per_slot=32)
-    assert module.routing["n_group"] == 4 and module.routing["routed_scaling_factor"] == 2.5
+    schedule = ScheduleConfig(num_slots=2, tokens_per_slot=32)
+    routing = RoutingConfig(E, 4, "sigmoid_bias", bias=torch.zeros(E), n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5)
+    module = make_module(engine="builtin", schedule=schedule, routing=routing)
+    assert module.layer.others == dict(engine="builtin", schedule=schedule)
+    assert module.routing.n_group == 4 and module.routing.routed_scaling_factor == 2.5
 
 
 def test_buffers_are_the_layers_tensors_and_state_dict_round_trips():
@@ -256,7 +263,7 @@ def test_from_hf_takes_this_ranks_experts():
     assert module.shared_experts is block.shared_experts and module.streaming is True
     assert module.layer.expert_begin == 8 and module.router_dtype == torch.float32
     r = module.routing
-    assert (r["scoring"], r["n_group"], r["topk_group"], r["routed_scaling_factor"]) == ("sigmoid_bias", 4, 2, 2.5)
+    assert (r.scoring, r.n_group, r.topk_group, r.routed_scaling_factor) == ("sigmoid_bias", 4, 2, 2.5)
 
 
 def test_from_hf_rejects_what_it_cannot_run():
@@ -269,8 +276,8 @@ def test_from_hf_rejects_what_it_cannot_run():
         from_hf(torch.nn.Linear(4, 4), ctx_of(), **kw)
     with pytest.raises(ConfigError, match="16 experts, expected a multiple of world_size=3"):
         from_hf(block, ctx_of(world_size=3), **kw)
-    with pytest.raises(ConfigError, match="norm_topk_prob, scoring: set by the transformers block"):
-        from_hf(block, ctx_of(), scoring="softmax", norm_topk_prob=False, **kw)
+    with pytest.raises(ConfigError, match="routing: set by the transformers block"):
+        from_hf(block, ctx_of(), routing=RoutingConfig(16, 2), **kw)
     with pytest.raises(ConfigError, match="no supported MoE block"):
         replace_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), ctx_of(), **kw)
     with pytest.raises(ConfigError, match="streaming='sometimes'"):
@@ -381,10 +388,10 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
     from symmring.moe.integrations.module import default_layer_factory
     assert default_layer_factory(host_ctx) is HostLayer
     w_gate, w_up, w_down, router = _host_weights()
-    batch = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
-                      workspace=None)
-    streamed = MoEModule(host_ctx, E, HIDDEN, INTER, 4, w_gate, w_up, w_down, router_weight=router, max_tokens=64,
-                         streaming=True, tokens_per_slot=8)
+    batch = MoEModule(host_ctx, Experts(w_gate, w_up, w_down), RoutingConfig(E, 4), router_weight=router,
+                      max_tokens=64, workspace=None)
+    streamed = MoEModule(host_ctx, Experts(w_gate, w_up, w_down), RoutingConfig(E, 4), router_weight=router,
+                         max_tokens=64, schedule=ScheduleConfig(tokens_per_slot=8), streaming=True)
     assert isinstance(batch.layer, HostLayer) and batch.device == torch.device("cpu")
     x = tokens(SEED + 5, 3, 9)
     with torch.inference_mode():
@@ -397,10 +404,11 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(engine="builtin"), "engine: options of the GPU layer"),
-    (dict(expert_dtype="fp8", graph_cache=0), "expert_dtype, graph_cache: options of the GPU layer"),
+    (dict(expert_dtype="fp8", schedule=dict(graph_cache=0)),
+     "experts.expert_dtype, schedule.graph_cache: options of the GPU layer"),
     (dict(no_such_option=1), "no_such_option: unexpected argument"),
-    (dict(x_format="fp16"), "x_format='fp16'"),
-    (dict(tokens_per_slot=0), "tokens_per_slot=0"),
+    (dict(schedule=dict(x_format="fp16")), "x_format='fp16'"),
+    (dict(schedule=dict(tokens_per_slot=0)), "tokens_per_slot=0"),
     (dict(w_gate="float"), r"w_gate: expected a bf16 CPU tensor \[16, 256, 256\]"),
 ])
 def test_host_layer_bad_arguments(host_ctx, kwargs, match):
@@ -409,17 +417,19 @@ def test_host_layer_bad_arguments(host_ctx, kwargs, match):
     if kwargs.get("w_gate") == "float":
         kwargs = dict(w_gate=w_gate.float())
     args = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
-    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
-    with pytest.raises(ConfigError, match=match):
-        HostLayer(host_ctx, E, HIDDEN, INTER, 4, args["w_gate"], args["w_up"], args["w_down"], max_tokens=8, **kwargs)
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args or k == "expert_dtype"})
+    with pytest.raises(ConfigError, match=match):  # a bad config value is refused when it is made
+        if "schedule" in kwargs:
+            kwargs["schedule"] = ScheduleConfig(**kwargs["schedule"])
+        HostLayer(host_ctx, Experts(**args), RoutingConfig(E, 4), max_tokens=8, **kwargs)
 
 
 def test_host_layer_reloads_weights(host_ctx):
     """load_state_dict copies into the layer's bf16 tensors in place and the CPU layer re-derives its float
     operands: a module loaded with another module's state computes what that module computes, bitwise."""
     a_w, b_w = _host_weights(SEED), _host_weights(SEED + 1)
-    a = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *a_w[:3], router_weight=a_w[3], max_tokens=16)
-    b = MoEModule(host_ctx, E, HIDDEN, INTER, 4, *b_w[:3], router_weight=b_w[3], max_tokens=16)
+    a = MoEModule(host_ctx, Experts(*a_w[:3]), RoutingConfig(E, 4), router_weight=a_w[3], max_tokens=16)
+    b = MoEModule(host_ctx, Experts(*b_w[:3]), RoutingConfig(E, 4), router_weight=b_w[3], max_tokens=16)
     x = tokens(SEED + 6, 10)
     with torch.inference_mode():
         y_a, y_b = a(x), b(x)
@@ -437,8 +447,8 @@ def test_gpu_layer_and_bench_without_torch_name_the_extra(tmp_path):
     code = ("import sys; sys.modules['torch'] = None\n"
             "from symmring.moe.gpu import MoE\n"
             "from symmring.moe import MoEModule\n"
-            "for build in (lambda: MoE(None, 8, 128, 128, 2, None, None, None, max_tokens=8),\n"
-            "              lambda: MoEModule(None, 8, 128, 128, 2, None, None, None, router_weight=None, max_tokens=8)):\n"
+            "for build in (lambda: MoE(None, None, None, max_tokens=8),\n"
+            "              lambda: MoEModule(None, None, None, router_weight=None, max_tokens=8)):\n"
             "    try:\n"
             "        build()\n"
             "    except Exception as exc:\n"

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from symmring.bench.moe import SHAPES, layer_weights
     from symmring.context import init
     from symmring.moe.gpu import MoE
+    from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
     tokens = [int(t) for t in args.tokens.split(",") if t]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
             device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=0)
             max_tokens = max(tokens)
             def build_new():
-                return MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
+                return MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk),
+                           max_tokens=max_tokens)
 
             def build_old():
                 return PrevMoE(prev_ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
@@ -147,8 +149,8 @@ def main(argv=None) -> int:
                                                (3000, 256, 3, 2, "early"), (1000, 64, 16, 16, "conservative"))
         for n, T, S, W, ack in configs:
             x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-            new = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, tokens_per_slot=T,
-                      num_slots=S, expert_window=W, ack_policy=ack)
+            new = MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), max_tokens=n,
+                      schedule=ScheduleConfig(num_slots=S, tokens_per_slot=T, ack_policy=ack, expert_window=W))
             old = PrevStreamedMoE(prev_ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
                                   tokens_per_slot=T, num_slots=S, expert_window=W, ack_policy=ack)
             try:

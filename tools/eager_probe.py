@@ -30,11 +30,12 @@ def main() -> None:
     from symmring.bench.moe import SHAPES, layer_weights
     from symmring.context import init
     from symmring.moe.gpu import MoE
+    from symmring.moe.config import Experts, RoutingConfig
     ctx = init("nvshmem")
     hidden, inter, num_experts, topk = SHAPES[args.shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, args.shape, seed=0)
-    moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(args.tokens, 64),
-              engine="builtin", expert_dtype="fp8")
+    moe = MoE(ctx, Experts(w_gate, w_up, w_down, expert_dtype="fp8"), RoutingConfig(num_experts, topk),
+              max_tokens=max(args.tokens, 64), engine="builtin")
     x = torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     for _ in range(50):
         moe.forward(x, router_weight=router)

@@ -54,6 +54,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import lacks_cuda_torch, progress
+from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,10 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     layers = {}
     for engine in engines:
-        layers[engine] = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(tokens),
-                             engine=engine, expert_dtype="bf16" if engine == "torch" else "fp8", transport=transport)
+        layers[engine] = MoE(ctx,
+                             Experts(w_gate, w_up, w_down, expert_dtype="bf16" if engine == "torch" else "fp8"),
+                             RoutingConfig(num_experts, topk), max_tokens=max(tokens),
+                             schedule=ScheduleConfig(transport=transport), engine=engine)
     # The other fp8 engine on the same weights: each fp8 layer's pool is timed under both engines.
     twins = {}
     if "builtin" in layers and "deepgemm" in layers:

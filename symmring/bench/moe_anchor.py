@@ -55,6 +55,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import lacks_cuda_torch, progress
+from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -422,19 +423,17 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
                      tokens_per_slot: int) -> Dict[str, object]:
     from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = ANCHOR_SHAPES[shape]
-    common = dict(w_gate_scale=weights["gate_scale"], w_up_scale=weights["up_scale"],
-                  w_down_scale=weights["down_scale"], expert_dtype="fp8")
+    experts = Experts(weights["gate"], weights["up"], weights["down"], w_gate_scale=weights["gate_scale"],
+                      w_up_scale=weights["up_scale"], w_down_scale=weights["down_scale"], expert_dtype="fp8")
+    routing = RoutingConfig(num_experts, topk)
     layers = {}
     for engine in engines:
         if "batch" in modes:
-            layers[f"symmring {engine} batch"] = MoE(ctx, num_experts, hidden, inter, topk, weights["gate"],
-                                                     weights["up"], weights["down"], max_tokens=max_tokens,
-                                                     engine=engine, **common)
+            layers[f"symmring {engine} batch"] = MoE(ctx, experts, routing, max_tokens=max_tokens, engine=engine)
         if "streamed" in modes and max_tokens >= 2 * tokens_per_slot:
-            layers[f"symmring {engine} streamed"] = MoE(
-                ctx, num_experts, hidden, inter, topk, weights["gate"], weights["up"], weights["down"],
-                max_tokens=max_tokens, tokens_per_slot=tokens_per_slot,
-                num_slots=-(-max_tokens // tokens_per_slot), engine=engine, **common)
+            schedule = ScheduleConfig(num_slots=-(-max_tokens // tokens_per_slot), tokens_per_slot=tokens_per_slot)
+            layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
+                                                        schedule=schedule, engine=engine)
     return layers
 
 

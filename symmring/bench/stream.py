@@ -48,6 +48,7 @@ from . import lacks_cuda_torch, progress
 
 from ..moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
 from .moe import SHAPES, layer_weights
+from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, name, seed)
     max_tokens = max(tokens)
     xs = {n: torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen) for n in tokens}
-    batch = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens)
+    batch = MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), max_tokens=max_tokens)
     # Resolved layer arguments -> {size: the sweep entry (its rules "call"/"all")}; a layer measured once
     # per size even when several entries resolve to it (window 2 == "all" with 2 slots).
     plans: Dict = {}
@@ -107,8 +108,8 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
     try:
         for key, rules in plans.items():
             layer_cfg, sizes = dict(key), sorted(rules)
-            streamed = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max(sizes),
-                           **layer_cfg)
+            streamed = MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk),
+                           max_tokens=max(sizes), schedule=ScheduleConfig(**layer_cfg))
             graphs: Dict = {}
             try:
                 for n in sizes:
@@ -171,7 +172,8 @@ def timeline(ctx, shape: str, n: int, cfgs: List[Dict], png_path: str) -> List[D
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     panels = []
     for cfg in cfgs:
-        moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n, **cfg)
+        moe = MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), max_tokens=n,
+                  schedule=ScheduleConfig(**cfg))
         try:
             for _ in range(2):
                 moe.forward(x, router_weight=router, streaming=True)
@@ -231,8 +233,8 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
     x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
     chunks = -(-n // tokens_per_slot)
-    moe = MoE(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=n,
-              tokens_per_slot=tokens_per_slot, num_slots=chunks)
+    moe = MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), max_tokens=n,
+              schedule=ScheduleConfig(num_slots=chunks, tokens_per_slot=tokens_per_slot))
     plan = plans.make_plan([n] * ctx.world_size, ctx.rank, tokens_per_slot=tokens_per_slot, num_slots=chunks,
                            expert_window=1, streaming=True, two_streams=True, topk=topk, capacity=moe.capacity)
     blocks = ctx.world_size + 1

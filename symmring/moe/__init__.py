@@ -4,7 +4,8 @@
 * `from_hf`, `replace_moe_blocks` (`symmring.moe.integrations.hf`): build it from transformers MoE blocks.
 """
 
-_LAZY = {"MoEModule": "module", "moe_op": "module", "from_hf": "hf", "replace_moe_blocks": "hf"}
+_LAZY = {"MoEModule": "integrations.module", "moe_op": "integrations.module", "from_hf": "integrations.hf",
+         "replace_moe_blocks": "integrations.hf"}
 
 
 def __getattr__(name):

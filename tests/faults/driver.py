@@ -48,6 +48,7 @@ import numpy as np
 import symmring
 from symmring import protocol
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 #: How late the faulty rank starts (late) or how long its producer sleeps (stall): far beyond the bound.
 LATE_S = 20.0
@@ -134,8 +135,10 @@ def gpu_layer_subject(ctx):
     w_down = rng.standard_normal((E, GPU_HIDDEN, GPU_INTER)) / 12
     router = bf16(rng.standard_normal((E, GPU_HIDDEN)) / 16)
     n = GPU_LAYER_CHUNKS * TOKENS_PER_SLOT
-    layer = MoE(ctx, E, GPU_HIDDEN, GPU_INTER, TOPK, bf16(w_gate[lo:hi]), bf16(w_up[lo:hi]), bf16(w_down[lo:hi]),
-                max_tokens=n, num_slots=NUM_SLOTS, tokens_per_slot=TOKENS_PER_SLOT, x_format="bf16", engine="torch")
+    layer = MoE(ctx, Experts(bf16(w_gate[lo:hi]), bf16(w_up[lo:hi]), bf16(w_down[lo:hi])), RoutingConfig(E, TOPK),
+                max_tokens=n,
+                schedule=ScheduleConfig(num_slots=NUM_SLOTS, tokens_per_slot=TOKENS_PER_SLOT, x_format="bf16"),
+                engine="torch")
     x = bf16(np.random.default_rng(11 + ctx.rank).standard_normal((n, GPU_HIDDEN)))
 
     def call(stall: bool):

@@ -33,6 +33,7 @@ from symmring.moe import quant  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.torch_ref import TorchMoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -52,15 +53,15 @@ def device_of(ctx):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def build(ctx, weights, topk, max_tokens, x_format, **kwargs):
-    """The layer with this rank's slice of the global weights."""
+def build(ctx, weights, topk, max_tokens, x_format, **routing):
+    """The layer with this rank's slice of the global weights; ``routing``: `RoutingConfig`'s options."""
     w_gate, w_up, w_down, _ = weights
     E_local = NUM_EXPERTS // ctx.world_size
     lo, hi = ctx.rank * E_local, (ctx.rank + 1) * E_local
     dev = device_of(ctx)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, to_torch(w_gate[lo:hi], torch.bfloat16, dev),
-               to_torch(w_up[lo:hi], torch.bfloat16, dev), to_torch(w_down[lo:hi], torch.bfloat16, dev),
-               max_tokens=max(1, max_tokens), x_format=x_format, **kwargs)
+    experts = Experts(*(to_torch(w[lo:hi], torch.bfloat16, dev) for w in (w_gate, w_up, w_down)))
+    return MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, topk, **routing), max_tokens=max(1, max_tokens),
+               schedule=ScheduleConfig(x_format=x_format))
 
 
 def run_case(ctx, *, num_tokens, topk, x_format="fp8_e4m3", logits_fn=None, masked=False, calls=1,

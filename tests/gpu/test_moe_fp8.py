@@ -38,6 +38,7 @@ from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe import fp8_reference  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +68,9 @@ def local(ctx, a, num_experts=NUM_EXPERTS):
     return a[ctx.rank * e:(ctx.rank + 1) * e]
 
 
-def fp8_layer(ctx, q, engine, max_tokens, *, num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTER, topk=2, **kwargs):
+def fp8_layer(ctx, q, engine, max_tokens, *, num_experts=NUM_EXPERTS, topk=2, **schedule):
+    """The fp8 checkpoint ``q`` as this rank's experts (hidden and inter: the weights' shape); ``schedule``:
+    `ScheduleConfig`'s fields."""
     dev = device_of()
 
     def fp8(a):
@@ -77,9 +80,10 @@ def fp8_layer(ctx, q, engine, max_tokens, *, num_experts=NUM_EXPERTS, hidden=HID
     def f32(a):
         return to_torch(local(ctx, a, num_experts), torch.float32, dev)
 
-    return MoE(ctx, num_experts, hidden, inter, topk, fp8(q["gate"][0]), fp8(q["up"][0]), fp8(q["down"][0]),
-               w_gate_scale=f32(q["gate"][1]), w_up_scale=f32(q["up"][1]), w_down_scale=f32(q["down"][1]),
-               max_tokens=max(1, max_tokens), engine=engine, **kwargs)
+    experts = Experts(fp8(q["gate"][0]), fp8(q["up"][0]), fp8(q["down"][0]), w_gate_scale=f32(q["gate"][1]),
+                      w_up_scale=f32(q["up"][1]), w_down_scale=f32(q["down"][1]))
+    return MoE(ctx, experts, RoutingConfig(num_experts, topk), max_tokens=max(1, max_tokens),
+               schedule=ScheduleConfig(**schedule), engine=engine)
 
 
 def run(moe, x, logits, **kwargs):
@@ -126,9 +130,8 @@ def test_checkpoint_weights_equal_bf16_weights_quantised_by_the_layer(ctx, engin
     dev = device_of()
     n = 300
     from_ckpt = fp8_layer(ctx, q, engine, n)
-    from_bf16 = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                        for w in (w_gate, w_up, w_down)),
-                    max_tokens=n, expert_dtype="fp8", engine=engine)
+    from_bf16 = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down)),
+                                 expert_dtype="fp8"), RoutingConfig(NUM_EXPERTS, 2), max_tokens=n, engine=engine)
     problems = []
     try:
         a, b = from_ckpt.engine.weights, from_bf16.engine.weights
@@ -188,9 +191,8 @@ def test_vs_transformers_mixtral(ctx, engine):
     if block is None:
         pytest.skip("transformers' MixtralSparseMoeBlock is not importable here or has an unknown layout")
     n = 256
-    moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                 for w in (w_gate, w_up, w_down)),
-              max_tokens=n, expert_dtype="fp8", engine=engine)
+    moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down)),
+                           expert_dtype="fp8"), RoutingConfig(NUM_EXPERTS, 2), max_tokens=n, engine=engine)
     try:
         x = to_torch(make_tokens(SEED + 9 + ctx.rank, n, HIDDEN), torch.bfloat16, dev)
         y_ref, idx, weights = mixtral_forward(block, x)
@@ -227,7 +229,7 @@ def test_shape_classes(ctx, engine, hidden, inter, num_experts, topk):
         pytest.skip(f"{num_experts} experts do not split over {ctx.world_size} ranks")
     q, deq, _, _ = checkpoint(SEED + hidden + inter, num_experts, hidden, inter)
     n = 0 if ctx.rank == 1 else 77 + 31 * ctx.rank  # rank 1 (if any) has no tokens
-    moe = fp8_layer(ctx, q, engine, 200, num_experts=num_experts, hidden=hidden, inter=inter, topk=topk)
+    moe = fp8_layer(ctx, q, engine, 200, num_experts=num_experts, topk=topk)
     try:
         x = make_tokens(SEED + 11 + ctx.rank, n, hidden)
         logits = np.random.default_rng(SEED + 12 + ctx.rank).standard_normal((n, num_experts)).astype(np.float32)
@@ -249,6 +251,7 @@ def test_bad_weights_and_options_are_rejected(ctx):
         torch.float8_e4m3fn) for n in q}
     scale = {n: to_torch(local(ctx, q[n][1]), torch.float32, dev) for n in q}
     bf16 = [to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down)]
+    # (weights, Experts' other fields, the layer's other arguments with the schedule's fields)
     base = dict(w_gate_scale=scale["gate"], w_up_scale=scale["up"], w_down_scale=scale["down"])
     cases = {
         "missing scale": (list(fp8.values()), dict(base, w_down_scale=None)),
@@ -258,22 +261,25 @@ def test_bad_weights_and_options_are_rejected(ctx):
         "scales with bf16 weights": (bf16, base),
         "mixed weight dtypes": ([fp8["gate"], bf16[1], fp8["down"]], base),
         "weight shape": ([fp8["gate"][:, :128], fp8["up"], fp8["down"]], base),
-        "unknown engine": (bf16, dict(engine="cutlass")),
-        "engine vs expert_dtype": (bf16, dict(engine="torch", expert_dtype="fp8")),
+        "unknown engine": (bf16, {}, dict(engine="cutlass")),
+        "engine vs expert_dtype": (bf16, dict(expert_dtype="fp8"), dict(engine="torch")),
         "unknown expert_dtype": (bf16, dict(expert_dtype="int4")),
-        "fp8 experts with bf16 dispatch": (bf16, dict(expert_dtype="fp8", x_format="bf16")),
+        "fp8 experts with bf16 dispatch": (bf16, dict(expert_dtype="fp8"), dict(x_format="bf16")),
     }
     problems = []
-    for name, (weights, kwargs) in cases.items():
+    for name, (weights, fields, *layer) in cases.items():
+        layer = dict(layer[0]) if layer else {}
+        engine = layer.pop("engine", "auto")
         try:
-            MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *weights, max_tokens=16, **kwargs).close()
+            MoE(ctx, Experts(*weights, **fields), RoutingConfig(NUM_EXPERTS, 2), max_tokens=16,
+                schedule=ScheduleConfig(**layer), engine=engine).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
     try:  # inter not a multiple of 128 with fp8 experts
         w = make_weights(SEED, NUM_EXPERTS, HIDDEN, 136)[:3]
-        MoE(ctx, NUM_EXPERTS, HIDDEN, 136, 2, *(to_torch(local(ctx, a), torch.bfloat16, dev) for a in w),
-            max_tokens=16, expert_dtype="fp8").close()
+        MoE(ctx, Experts(*(to_torch(local(ctx, a), torch.bfloat16, dev) for a in w), expert_dtype="fp8"),
+            RoutingConfig(NUM_EXPERTS, 2), max_tokens=16).close()
         problems.append("inter=136: no ConfigError")
     except ConfigError:
         pass
@@ -287,8 +293,8 @@ def test_out_of_range_expert_id_is_named_and_the_next_call_works(ctx, engine):
     dev = device_of()
     n = 64
     if engine == "torch":
-        moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                     for w in (w_gate, w_up, w_down)), max_tokens=n)
+        moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down))),
+                  RoutingConfig(NUM_EXPERTS, 2), max_tokens=n)
     else:
         moe = fp8_layer(ctx, q, engine, n)
     problems = []
@@ -326,8 +332,8 @@ def test_fp8_pool_rows_take_half_the_bytes(ctx, engine):
     dev = device_of()
     n = 512
     fp8_moe = fp8_layer(ctx, q, engine, n)
-    bf16_moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(local(ctx, w), torch.bfloat16, dev)
-                                                      for w in (w_gate, w_up, w_down)), max_tokens=n)
+    bf16_moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down))),
+                   RoutingConfig(NUM_EXPERTS, 2), max_tokens=n)
     try:
         rows8 = fp8_moe._state.pool_x.numel() * fp8_moe._state.pool_x.element_size() / fp8_moe.capacity
         rows16 = bf16_moe._state.pool_x.numel() * bf16_moe._state.pool_x.element_size() / bf16_moe.capacity

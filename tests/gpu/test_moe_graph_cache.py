@@ -30,6 +30,7 @@ from moe_helpers import cuda_device as dev, fp8_engines, make_tokens, make_weigh
 
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -69,15 +70,16 @@ def _no_env_override(monkeypatch):
     monkeypatch.delenv("SYMMRING_GRAPH_CACHE", raising=False)
 
 
-def layer(ctx, engine, **kwargs):
+def layer(ctx, engine, **schedule):
     if engine != "torch":
         pytest.importorskip("triton", reason="the fp8 engines need Triton")
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                       for w in (w_gate, w_up, w_down)),
-               max_tokens=MAX_TOKENS, engine=engine, expert_dtype="bf16" if engine == "torch" else "fp8", **kwargs)
+    experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)),
+                      expert_dtype="bf16" if engine == "torch" else "fp8")
+    return MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=MAX_TOKENS,
+               schedule=ScheduleConfig(**schedule), engine=engine)
 
 
 def router_weight(seed):
@@ -315,10 +317,9 @@ def test_module_op_path_replays_and_matches(ctx):
     w_gate, w_up, w_down, router = make_weights(SEED + 51, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    module = MoEModule(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                               for w in (w_gate, w_up, w_down)),
-                       router_weight=to_torch(router, torch.bfloat16, dev()), max_tokens=MAX_TOKENS,
-                       engine="builtin", expert_dtype="fp8")
+    experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)), expert_dtype="fp8")
+    module = MoEModule(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK),
+                       router_weight=to_torch(router, torch.bfloat16, dev()), max_tokens=MAX_TOKENS, engine="builtin")
     problems = []
     try:
         with torch.inference_mode():

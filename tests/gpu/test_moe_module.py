@@ -44,11 +44,12 @@ import hf_models  # noqa: E402
 from moe_helpers import cuda_device as device_of, verdict  # noqa: E402
 
 from symmring.moe.integrations.hf import from_hf, replace_moe_blocks  # noqa: E402
+from symmring.moe.config import ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261214))
-ENGINES = {"torch": dict(engine="torch", x_format="bf16"), "builtin": dict(engine="builtin")}
+ENGINES = {"torch": dict(engine="torch", schedule=ScheduleConfig(x_format="bf16")), "builtin": dict(engine="builtin")}
 BLOCK_TOL = {"torch": 1e-2, "builtin": 8e-2}
 # Measured on the H200 (2026-12-01): bf16 logits up to 3.7e-2 (Qwen3-MoE; its blocks 3.2e-3), so 6e-2.
 LOGITS_TOL = {"torch": 6e-2, "builtin": 3.5e-1}
@@ -242,8 +243,8 @@ def test_state_dict_round_trip_and_no_second_copy(ctx, engine):
 def test_streaming_option_passes_through(ctx):
     """streaming=True with one expert window over the call is bitwise the batch module (MOE_STREAMED.md)."""
     batch, _ = _first_module(ctx, "qwen3_moe", "builtin")
-    streamed, _ = _first_module(ctx, "qwen3_moe", "builtin", streaming=True, num_slots=2,
-                                tokens_per_slot=MAX_TOKENS // 2, expert_window=2)
+    streamed, _ = _first_module(ctx, "qwen3_moe", "builtin", streaming=True, schedule=ScheduleConfig(
+        num_slots=2, tokens_per_slot=MAX_TOKENS // 2, expert_window=2))
     problems = []
     try:
         x = _tokens(SEED + 9 + ctx.rank, n=MAX_TOKENS)

@@ -23,6 +23,7 @@ torch = gpu_layer_torch()  # or the whole module skips, with the reason
 from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
 from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -45,10 +46,11 @@ def test_calls_on_alternating_streams_and_graph_replays_stay_ordered(ctx, case):
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
     n = 48
-    moe = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                      for w in (w_gate, w_up, w_down)),
-              max_tokens=n, num_slots=3, tokens_per_slot=16, engine=CASES[case]["engine"],
-              expert_dtype="fp8" if CASES[case]["engine"] == "builtin" else "bf16")
+    engine = CASES[case]["engine"]
+    experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)),
+                      expert_dtype="fp8" if engine == "builtin" else "bf16")
+    moe = MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=n,
+              schedule=ScheduleConfig(num_slots=3, tokens_per_slot=16), engine=engine)
     kwargs = CASES[case]["kwargs"]
     if kwargs.get("small_batch"):
         n = 16  # one chunk

@@ -33,6 +33,7 @@ from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch,
 from symmring.moe import routing  # noqa: E402
 from symmring.moe.gpu import stages
 from symmring.moe.reference import select_topk  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -166,9 +167,9 @@ def test_layer_routes_as_the_kernel(ctx, kernels, scoring):
         bias = (np.random.default_rng(SEED + 14).standard_normal(num_experts) * 0.1).astype(np.float32)
         options.update(bias=to_torch(bias, torch.float32, dev()), routed_scaling_factor=2.5, n_group=8,
                        topk_group=4)
-    moe = MoE(ctx, num_experts, hidden, 256, topk, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                     for w in (w_gate, w_up, w_down)),
-              max_tokens=32, engine="builtin", expert_dtype="fp8", **options)
+    moe = MoE(ctx, Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)),
+                           expert_dtype="fp8"), RoutingConfig(num_experts, topk, **options), max_tokens=32,
+              engine="builtin")
     router = to_torch(router, torch.bfloat16, dev())
     problems = []
     try:

@@ -29,6 +29,7 @@ from moe_helpers import (agree, cuda_device as dev, fp8_engines, make_tokens, ma
 
 from symmring.errors import ConfigError, ProtocolTimeout, ProtocolViolation  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,14 +40,15 @@ ENGINES = fp8_engines()
 
 
 
-def layer(ctx, engine, max_tokens, topk, hidden=HIDDEN, **kwargs):
-    """An fp8 layer with this rank's slice of seeded weights (quantised by the layer)."""
+def layer(ctx, engine, max_tokens, topk, hidden=HIDDEN, **schedule):
+    """An fp8 layer with this rank's slice of seeded weights (quantised by the layer); ``schedule``:
+    `ScheduleConfig`'s fields."""
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, hidden, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, hidden, INTER, topk, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                       for w in (w_gate, w_up, w_down)),
-               max_tokens=max_tokens, engine=engine, expert_dtype="fp8", **kwargs)
+    experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)), expert_dtype="fp8")
+    return MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, topk), max_tokens=max_tokens,
+               schedule=ScheduleConfig(**schedule), engine=engine)
 
 
 def routing(seed, n, topk, masked: bool):
@@ -215,8 +217,8 @@ def test_small_batch_rejections(ctx):
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    bf16 = MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *(to_torch(a[mine], torch.bfloat16, dev())
-                                                    for a in (w_gate, w_up, w_down)), max_tokens=8, engine="torch")
+    bf16 = MoE(ctx, Experts(*(to_torch(a[mine], torch.bfloat16, dev()) for a in (w_gate, w_up, w_down))),
+               RoutingConfig(NUM_EXPERTS, 2), max_tokens=8, engine="torch")
     try:
         x = to_torch(make_tokens(SEED, 8, HIDDEN), torch.bfloat16, dev())
         idx, w = routing(SEED, 8, 2, masked=False)

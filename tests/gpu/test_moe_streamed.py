@@ -44,6 +44,7 @@ from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.gpu.timeline import hidden_producer_fraction, overlap_fraction  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.protocol import AckPolicy  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -70,10 +71,11 @@ def local_weights(ctx, weights):
     return [to_torch(w[lo:hi], torch.bfloat16, device_of()) for w in weights[:3]]
 
 
-def build(ctx, weights, topk, max_tokens, **kwargs):
-    """A layer; without ring arguments it has the default ring (one slot of max_tokens: the batch path)."""
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, topk, *local_weights(ctx, weights), max_tokens=max(1, max_tokens),
-               **kwargs)
+def build(ctx, weights, topk, max_tokens, **schedule):
+    """A layer; ``schedule``: `ScheduleConfig`'s fields. Without ring fields it has the default ring (one slot of
+    max_tokens: the batch path)."""
+    return MoE(ctx, Experts(*local_weights(ctx, weights)), RoutingConfig(NUM_EXPERTS, topk),
+               max_tokens=max(1, max_tokens), schedule=ScheduleConfig(**schedule))
 
 
 def inputs(tseed, n, topk, *, logits_fn=None, masked=False):
@@ -357,8 +359,10 @@ def test_bad_arguments(ctx):
     }
     problems = []
     for name, kwargs in cases.items():
-        try:
-            MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, 2, *w, **kwargs).close()
+        try:  # the schedule's own check (ScheduleConfig) or the layer's (tokens_per_slot > max_tokens)
+            max_tokens = kwargs.pop("max_tokens")
+            MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 2), max_tokens=max_tokens,
+                schedule=ScheduleConfig(**kwargs)).close()
             problems.append(f"{name}: no ConfigError")
         except ConfigError:
             pass
@@ -471,8 +475,8 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
     lo, hi = ctx.rank * E_local, (ctx.rank + 1) * E_local
     w = [to_torch(a[lo:hi], torch.bfloat16, device_of()) for a in weights[:3]]
     n = 12 * 128
-    moe = MoE(ctx, NUM_EXPERTS, H, I, 8, *w, max_tokens=n, tokens_per_slot=128, num_slots=1,
-              ack_policy=ack_policy)
+    moe = MoE(ctx, Experts(*w), RoutingConfig(NUM_EXPERTS, 8), max_tokens=n,
+              schedule=ScheduleConfig(num_slots=1, tokens_per_slot=128, ack_policy=ack_policy))
     problems = []
     try:
         rng = np.random.default_rng(SEED + 62 + ctx.rank)

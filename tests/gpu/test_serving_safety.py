@@ -39,6 +39,7 @@ from symmring.errors import ProtocolAborted, ProtocolTimeout, ProtocolViolation,
 from symmring.moe.gpu import stages  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.gpu.policy import StreamPolicy  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -56,14 +57,14 @@ class ThresholdPolicy(StreamPolicy):
         return num_tokens >= self.threshold
 
 
-def layer(ctx, max_tokens, **kwargs):
+def layer(ctx, max_tokens, **schedule):
     """A bf16-expert layer (torch engine) with this rank's slice of seeded weights."""
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                       for w in (w_gate, w_up, w_down)),
-               max_tokens=max_tokens, engine="torch", **kwargs)
+    return MoE(ctx, Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down))),
+               RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=max_tokens, schedule=ScheduleConfig(**schedule),
+               engine="torch")
 
 
 def tokens(seed, n):

@@ -28,13 +28,15 @@ from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch,
 
 from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ.get("SYMMRING_TEST_SEED", 20261216))
 HIDDEN, INTER, NUM_EXPERTS, TOPK = 256, 256, 16, 4
 
-# name: (layer arguments, forward arguments). Every config runs on every transport of TRANSPORTS.
+# name: (layer arguments: engine, expert_dtype and the schedule's fields; forward arguments). Every config runs on
+# every transport of TRANSPORTS.
 CONFIGS = {
     "batch-bf16-experts-fp8-ring": (dict(engine="torch", expert_dtype="bf16", x_format="fp8_e4m3"), {}),
     "batch-bf16-ring": (dict(engine="torch", expert_dtype="bf16", x_format="bf16"), {}),
@@ -55,13 +57,14 @@ def mixed(world_size: int) -> str:
     return "rdma:" + ",".join(str(q) for q in range(1, world_size, 2))
 
 
-def layer(ctx, transport, **kwargs):
+def layer(ctx, transport, engine, expert_dtype, **schedule):
     w_gate, w_up, w_down, _ = make_weights(SEED, NUM_EXPERTS, HIDDEN, INTER)
     e = NUM_EXPERTS // ctx.world_size
     mine = slice(ctx.rank * e, (ctx.rank + 1) * e)
-    return MoE(ctx, NUM_EXPERTS, HIDDEN, INTER, TOPK, *(to_torch(w[mine], torch.bfloat16, dev())
-                                                       for w in (w_gate, w_up, w_down)),
-               max_tokens=64, transport=transport, **kwargs)
+    experts = Experts(*(to_torch(w[mine], torch.bfloat16, dev()) for w in (w_gate, w_up, w_down)),
+                      expert_dtype=expert_dtype)
+    return MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=64,
+               schedule=ScheduleConfig(transport=transport, **schedule), engine=engine)
 
 
 def routing(seed, n, masked: bool):

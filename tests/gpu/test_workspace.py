@@ -24,6 +24,7 @@ from symmring.moe.gpu import MoE  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.workspace import Workspace  # noqa: E402
 from symmring.moe.workspace_plan import REGIONS, plan  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +42,7 @@ def ctx(nvshmem_ctx):
     return nvshmem_ctx
 
 
-def build(ctx, workspace, shape, seed, max_tokens, **kwargs):
+def build(ctx, workspace, shape, seed, max_tokens, **schedule):
     """A layer of ``shape`` with this rank's experts of seeded global weights; returns it and the float32
     weights its reference uses (dequantised fp8 blocks for the fp8 engine)."""
     hidden, inter, topk, engine = shape
@@ -50,9 +51,9 @@ def build(ctx, workspace, shape, seed, max_tokens, **kwargs):
     lo, hi = ctx.rank * e, (ctx.rank + 1) * e
     dev = device_of()
     if engine == "torch":
-        moe = MoE(ctx, NUM_EXPERTS, hidden, inter, topk, *(to_torch(w[lo:hi], torch.bfloat16, dev)
-                                                          for w in (w_gate, w_up, w_down)),
-                  max_tokens=max_tokens, engine="torch", workspace=workspace, **kwargs)
+        moe = MoE(ctx, Experts(*(to_torch(w[lo:hi], torch.bfloat16, dev) for w in (w_gate, w_up, w_down))),
+                  RoutingConfig(NUM_EXPERTS, topk), max_tokens=max_tokens, schedule=ScheduleConfig(**schedule),
+                  engine="torch", workspace=workspace)
         return moe, (w_gate, w_up, w_down), None
     q = [fp8_reference.quantize_weight_blocks(w) for w in (w_gate, w_up, w_down)]
     deq = tuple(fp8_reference.dequantize_weight_blocks(*b) for b in q)
@@ -60,11 +61,10 @@ def build(ctx, workspace, shape, seed, max_tokens, **kwargs):
     def fp8(a):
         return torch.from_numpy(np.ascontiguousarray(a[lo:hi]).view(np.uint8)).to(dev).view(torch.float8_e4m3fn)
 
-    moe = MoE(ctx, NUM_EXPERTS, hidden, inter, topk, *(fp8(b[0]) for b in q),
-              w_gate_scale=to_torch(q[0][1][lo:hi], torch.float32, dev),
-              w_up_scale=to_torch(q[1][1][lo:hi], torch.float32, dev),
-              w_down_scale=to_torch(q[2][1][lo:hi], torch.float32, dev),
-              max_tokens=max_tokens, engine="builtin", workspace=workspace, **kwargs)
+    scales = (to_torch(b[1][lo:hi], torch.float32, dev) for b in q)
+    experts = Experts(*(fp8(b[0]) for b in q), *scales)
+    moe = MoE(ctx, experts, RoutingConfig(NUM_EXPERTS, topk), max_tokens=max_tokens,
+              schedule=ScheduleConfig(**schedule), engine="builtin", workspace=workspace)
     return moe, deq, "fp8"
 
 

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from symmring.errors import ConfigError
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.config import RoutingConfig
 from symmring.moe.reference import reference_moe
 from symmring.protocol import AckPolicy
 
@@ -138,7 +139,9 @@ def run_case(ctx, comm, case: Case, seed: int):
                         w_up=weights[1], w_down=weights[2], **routing, **options)
     shapes = MoEShapes(HIDDEN, NUM_EXPERTS, case.num_topk, x_format=case.x_format)
     errors = []
-    with ExpertParallelMoE(ctx, shapes, *shard_experts(*weights, rank, world), **options) as layer:
+    routing_config = RoutingConfig(NUM_EXPERTS, case.num_topk, options["topk_method"],
+                                   **{k: v for k, v in options.items() if k != "topk_method"})
+    with ExpertParallelMoE(ctx, shapes, *shard_experts(*weights, rank, world), routing=routing_config) as layer:
         mine = local_routing(routing, lo, hi)
         y_batch = layer.forward(x[lo:hi], ack_policy=case.ack_policy, **mine)
         pairs = [layer.last_stats.pairs_computed]

@@ -44,6 +44,7 @@ from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.integrations import tiny  # noqa: E402
 from symmring.moe.integrations.hf import replace_moe_blocks  # noqa: E402
 from symmring.moe.cpu.host_layer import HostLayer  # noqa: E402
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 NUM_EXPERTS = 24
 MAX_TOKENS = 128
@@ -95,10 +96,10 @@ def layer_routing(module, logits):
     other way (bf16 logits tie often) is not counted as an error of the experts."""
     from symmring.moe.reference import select_topk
     r = module.routing
-    bias = None if r["bias"] is None else r["bias"].float().numpy()
-    idx, weights = select_topk(logits.float().numpy(), module.topk, r["scoring"], bias=bias,
-                               routed_scaling_factor=r["routed_scaling_factor"], n_group=r["n_group"],
-                               topk_group=r["topk_group"], norm_topk_prob=r["norm_topk_prob"])
+    bias = None if r.bias is None else r.bias.float().numpy()
+    idx, weights = select_topk(logits.float().numpy(), module.topk, r.scoring, bias=bias,
+                               routed_scaling_factor=r.routed_scaling_factor, n_group=r.n_group,
+                               topk_group=r.topk_group, norm_topk_prob=r.norm_topk_prob)
     return torch.from_numpy(idx).long(), torch.from_numpy(weights)
 
 
@@ -138,7 +139,8 @@ def test_replaced_model_against_transformers(ctx, comm, seed, figure, outcome, c
             want = reference(ids).logits
         for hook in hooks:
             hook.remove()
-        replaced = replace_moe_blocks(model, ctx, max_tokens=MAX_TOKENS, x_format=x_format)
+        replaced = replace_moe_blocks(model, ctx, max_tokens=MAX_TOKENS,
+                                      schedule=ScheduleConfig(x_format=x_format))
         assert list(replaced) == list(blocks) and all(isinstance(m.layer, HostLayer) for m in replaced.values())
         assert all(m.device.type == "cpu" for m in replaced.values())
         errors = {"f64": 0.0, "block": 0.0}
@@ -226,7 +228,7 @@ def test_compiled_call_with_unused_result_still_runs_on_every_rank(ctx, comm, se
         w_down = (torch.randn(local, hidden, inter, generator=g) / 8).bfloat16()
         router = torch.randn(NUM_EXPERTS, hidden, generator=g) / 11
         from symmring.moe.integrations.module import MoEModule
-        module = MoEModule(ctx, NUM_EXPERTS, hidden, inter, 2, w_gate, w_up, w_down, router_weight=router,
+        module = MoEModule(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(NUM_EXPERTS, 2), router_weight=router,
                            max_tokens=32)
         if op == "symmring":
             def discard(x):

@@ -23,7 +23,8 @@ Example:
     >>> g = torch.Generator().manual_seed(0)
     >>> wg, wu = (torch.randn(4, 32, 128, generator=g).bfloat16() / 11 for _ in range(2))
     >>> wd = (torch.randn(4, 128, 32, generator=g) / 6).bfloat16()
-    >>> layer = HostLayer(ctx, 4, 128, 32, 2, wg, wu, wd, max_tokens=16)
+    >>> from symmring.moe.config import Experts, RoutingConfig
+    >>> layer = HostLayer(ctx, Experts(wg, wu, wd), RoutingConfig(num_experts=4, topk=2), max_tokens=16)
     >>> x = torch.randn(5, 128, generator=g).bfloat16()
     >>> y = layer.forward(x, logits=torch.randn(5, 4, generator=g))
     >>> y.shape, y.dtype
@@ -37,13 +38,16 @@ from types import SimpleNamespace
 from typing import Optional
 
 from ...errors import BackendError, ConfigError
+from ..config import Experts, RoutingConfig, ScheduleConfig
 from ..weights import ExpertWeights
 
 #: ``x_format`` values of the CPU layer's ring.
 X_FORMATS = ("bf16", "fp8_e4m3")
-#: The GPU layer's arguments that have no meaning on the CPU layer (refused, naming them).
-GPU_ONLY = ("engine", "expert_dtype", "expert_window", "single_stream", "policy", "w_gate_scale", "w_up_scale",
-            "w_down_scale", "small_batch_tokens", "transport", "graph_cache")
+#: The GPU layer's options that have no meaning on the CPU layer (refused, naming them, unless at their
+#: defaults): ``engine`` and the fields of `Experts` and `ScheduleConfig` listed here.
+GPU_ONLY = ("engine",) + tuple(f"experts.{name}" for name in ("expert_dtype", "w_gate_scale", "w_up_scale",
+                                                              "w_down_scale")) \
+    + tuple(f"schedule.{name}" for name in ScheduleConfig.GPU_ONLY)
 
 
 def _torch():
@@ -66,51 +70,57 @@ class HostLayer:
 
     Args:
         ctx: a context on the host backend (collective constructor: every rank builds its layer).
-        num_experts, hidden, inter, topk: the layer's sizes (``num_experts`` a multiple of the ranks).
-        w_gate, w_up: bf16 ``[E/R, inter, hidden]``, w_down: bf16 ``[E/R, hidden, inter]``: this rank's experts.
+        experts: a `symmring.moe.config.Experts`: ``w_gate``, ``w_up`` bf16 ``[E/R, inter, hidden]``,
+            ``w_down`` bf16 ``[E/R, hidden, inter]``: this rank's experts (``hidden``, ``inter`` from ``w_gate``).
+        routing: a `symmring.moe.config.RoutingConfig` (``num_experts`` a multiple of the ranks).
         max_tokens: most tokens per rank per call.
-        num_slots, tokens_per_slot, ack_policy: the streamed ring (``streaming=True`` calls); defaults 2, 64
-            (at most ``max_tokens``) and `symmring.AckPolicy.CONSERVATIVE`.
-        x_format: what the ring carries: ``"bf16"`` (default; lossless for bf16 activations) or ``"fp8_e4m3"``.
-        scoring, bias, routed_scaling_factor, n_group, topk_group, norm_topk_prob: the routing options
-            (`symmring.moe.routing.check_options`).
-        timeout_s: bound of every wait (default: the context's).
+        schedule: a `symmring.moe.config.ScheduleConfig`: ``num_slots``, ``tokens_per_slot``, ``ack_policy``
+            for the streamed ring (``streaming=True`` calls; defaults 2, 64 (at most ``max_tokens``) and
+            `symmring.AckPolicy.CONSERVATIVE`), ``x_format`` (what the ring carries: ``"bf16"``, the default
+            here, lossless for bf16 activations, or ``"fp8_e4m3"``) and ``timeout_s`` (default: the context's);
+            its GPU-only fields at their defaults.
+        engine: ``"auto"`` (the GPU layer's option; the CPU layer has one engine).
         workspace: passed to the CPU layer when given (the shared memory it borrows).
 
     Raises:
         ConfigError: a bad argument, or one of the GPU layer's arguments that have no meaning here
-            (`GPU_ONLY`: ``engine``, ``expert_dtype``, ...), before any collective work.
+            (`GPU_ONLY`: ``engine``, ``experts.expert_dtype``, ``schedule.graph_cache``, ...) set, before any
+            collective work.
         BackendError: the context is not on the host backend, or torch is missing.
     """
 
-    def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
-                 max_tokens: int, num_slots: int = 2, tokens_per_slot: Optional[int] = None, ack_policy=None,
-                 x_format: str = "bf16", scoring: str = "softmax", bias=None, routed_scaling_factor: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 timeout_s: Optional[float] = None, workspace=None, **gpu_only):
+    def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, max_tokens: int,
+                 schedule: Optional[ScheduleConfig] = None, engine: str = "auto", workspace=None, **unknown):
         torch = _torch()
-        from ... import protocol
         from .layer import ExpertParallelMoE, MoEShapes
+        if unknown:
+            raise ConfigError(f"{', '.join(sorted(unknown))}: unexpected argument(s) of the CPU MoE layer")
+        schedule = ScheduleConfig() if schedule is None else schedule
+        for name, value, cls in (("experts", experts, Experts), ("routing", routing, RoutingConfig),
+                                 ("schedule", schedule, ScheduleConfig)):
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name}={value!r}: expected a symmring.moe.config.{cls.__name__}")
+        gpu_only = (["engine"] if engine != "auto" else []) + [f"experts.{n}" for n in experts.gpu_only_set()] \
+            + [f"schedule.{n}" for n in schedule.gpu_only_set()]
         if gpu_only:
-            unknown = sorted(set(gpu_only) - set(GPU_ONLY))
-            if unknown:
-                raise ConfigError(f"{', '.join(unknown)}: unexpected argument(s) of the CPU MoE layer")
-            raise ConfigError(f"{', '.join(sorted(gpu_only))}: options of the GPU layer (symmring.moe.gpu.MoE); the "
-                              "CPU layer (host backend) computes in float32 and takes x_format, num_slots, "
-                              "tokens_per_slot, ack_policy, timeout_s and the routing options")
+            raise ConfigError(f"{', '.join(gpu_only)}: options of the GPU layer (symmring.moe.gpu.MoE); the "
+                              "CPU layer (host backend) computes in float32 and takes schedule.x_format, num_slots, "
+                              "tokens_per_slot, ack_policy, timeout_s and the routing")
         backend = getattr(ctx, "backend", None)
         if getattr(backend, "name", None) != "host":
             raise BackendError(f"ctx: expected a context on the host backend, got {getattr(backend, 'name', ctx)!r} "
                                "(symmring.moe.gpu.MoE is the layer of the nvshmem backend)")
+        self.routing, self.schedule = routing, schedule
         self.max_tokens = _positive_int("max_tokens", max_tokens)
-        self.num_slots = _positive_int("num_slots", num_slots)
-        self.tokens_per_slot = min(64, self.max_tokens) if tokens_per_slot is None else \
-            _positive_int("tokens_per_slot", tokens_per_slot)
-        self.ack_policy = protocol.AckPolicy.parse(ack_policy)
-        if x_format not in X_FORMATS:
-            raise ConfigError(f"x_format={x_format!r}: expected one of {list(X_FORMATS)}")
-        num_experts, hidden, inter, topk = (_positive_int(n, v) for n, v in (
-            ("num_experts", num_experts), ("hidden", hidden), ("inter", inter), ("topk", topk)))
+        self.num_slots = 2 if schedule.num_slots is None else schedule.num_slots
+        self.tokens_per_slot = min(64, self.max_tokens) if schedule.tokens_per_slot is None else \
+            schedule.tokens_per_slot
+        self.ack_policy = schedule.ack_policy
+        x_format = schedule.x_format or "bf16"
+        num_experts, topk = routing.num_experts, routing.topk
+        hidden, inter = (_positive_int(n, v) for n, v in (("hidden (w_gate.shape[2])", experts.hidden),
+                                                          ("inter (w_gate.shape[1])", experts.inter)))
+        w_gate, w_up, w_down, bias = experts.w_gate, experts.w_up, experts.w_down, routing.bias
         self.rank, self.world_size = ctx.rank, ctx.world_size
         if num_experts % self.world_size:
             raise ConfigError(f"num_experts={num_experts}: expected a multiple of the number of ranks {self.world_size}")
@@ -128,7 +138,7 @@ class HostLayer:
                                   f"on {getattr(w, 'device', '?')}")
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,):
-                raise ConfigError(f"bias: expected a float tensor [num_experts={num_experts}], got "
+                raise ConfigError(f"routing.bias: expected a float tensor [num_experts={num_experts}], got "
                                   f"{tuple(getattr(bias, 'shape', ())) or type(bias).__name__}")
             # float32, contiguous, on the CPU: the CPU layer reads it through a NumPy view of this memory,
             # so a load into it in place is what the next call routes with.
@@ -139,11 +149,11 @@ class HostLayer:
             self.engine = SimpleNamespace(name="host", weights=ExpertWeights("bf16", w13, w_down.detach().contiguous()
                                                                              .clone()),
                                           refresh_weights=self.refresh_weights)
-        self.scoring, self.routed_scaling_factor = scoring, float(routed_scaling_factor)
-        self.n_group, self.topk_group, self.norm_topk_prob = n_group, topk_group, norm_topk_prob
-        kwargs = dict(scoring=scoring, bias=bias, routed_scaling_factor=routed_scaling_factor, n_group=n_group,
-                      topk_group=topk_group, norm_topk_prob=norm_topk_prob, max_tokens_per_rank=self.max_tokens,
-                      timeout_s=timeout_s)
+        #: The routing this layer runs (``routing.bias``: its float32 copy, the module's buffer).
+        self.routing = routing if bias is None else routing.with_bias(bias)
+        self.scoring, self.routed_scaling_factor = routing.scoring, float(routing.routed_scaling_factor)
+        self.n_group, self.topk_group, self.norm_topk_prob = routing.n_group, routing.topk_group, routing.norm_topk_prob
+        kwargs = dict(routing=self.routing, max_tokens_per_rank=self.max_tokens, timeout_s=schedule.timeout_s)
         if workspace is not None:
             kwargs["workspace"] = workspace
         self.layer = ExpertParallelMoE(ctx, MoEShapes(hidden, num_experts, topk, x_format), *self._f32_weights(),

@@ -72,7 +72,7 @@ from ...protocol import AckPolicy
 from ...ring import Call, Ring
 from .. import quant
 from ..reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
-from ..routing import SCORINGS, check_options
+from ..config import RoutingConfig
 from ..workspace_plan import LayerShape
 
 log = logging.getLogger(__name__)
@@ -167,28 +167,6 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _resolve_scoring(scoring: Optional[str], topk_method: Optional[str]) -> str:
-    """The layer's routing function from ``scoring`` (the GPU layer's name) or ``topk_method`` (its older
-    alias on this layer); ``"softmax"`` when neither is given. Only the name is checked here; the scoring
-    itself is checked by `routing.check_options` with the other routing options.
-
-    Raises:
-        ConfigError: both given with different values (naming both), or an unknown ``topk_method``.
-
-    Example:
-        >>> _resolve_scoring(None, "sigmoid_bias"), _resolve_scoring("sigmoid_bias", "sigmoid_bias")
-        ('sigmoid_bias', 'sigmoid_bias')
-    """
-    if scoring is not None and topk_method is not None and scoring != topk_method:
-        raise ConfigError(f"scoring={scoring!r} and topk_method={topk_method!r}: topk_method is an alias of "
-                          "scoring; pass one of them (or the same value)")
-    if scoring is None and topk_method is not None:
-        if topk_method not in SCORINGS:
-            raise ConfigError(f"topk_method={topk_method!r}: expected one of {list(SCORINGS)}")
-        return topk_method
-    return "softmax" if scoring is None else scoring
-
-
 def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
     """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
     any rank failed."""
@@ -234,20 +212,12 @@ class ExpertParallelMoE(Closing):
             num_experts, num_topk, x_format, sf_group_size.
         w_gate, w_up: float32 ``[E/R, inter, hidden]``: this rank's experts (`local_experts`).
         w_down: float32 ``[E/R, hidden, inter]``.
-        scoring: ``"softmax"`` (Mixtral, Qwen-MoE) or ``"sigmoid_bias"`` (DeepSeek-V3), the GPU layer's
-            option of that name (see `reference.select_topk`, `symmring.moe.routing`); default softmax.
-        topk_method: the older name of ``scoring``, still accepted (giving both with different values is a
-            `ConfigError`).
-        bias: float32 ``[num_experts]`` selection bias of ``sigmoid_bias``.
-        routed_scaling_factor: factor on ``sigmoid_bias`` weights.
-        n_group, topk_group: DeepSeek-V3's group-limited top-k (``sigmoid_bias`` only): experts form
-            ``n_group`` groups of consecutive ids, a group scores the sum of its two largest
-            ``sigmoid(logit) + bias``, and only the ``topk_group`` best groups take part; ``n_group=1``
-            (the default): no groups.
-        norm_topk_prob: False: the chosen weights are not renormalised (Qwen3-MoE's variant: softmax
-            probabilities over all experts; ``sigmoid_bias``: the chosen scores times
-            ``routed_scaling_factor``). The routing options are checked by `routing.check_options`, the
-            GPU layer's rule, before any collective work.
+        routing: a `symmring.moe.config.RoutingConfig` (the GPU layer's value; its ``num_experts`` and
+            ``topk`` must be the shapes' ``num_experts`` and ``num_topk``): ``scoring`` ``"softmax"``
+            (Mixtral, Qwen-MoE) or ``"sigmoid_bias"`` (DeepSeek-V3; see `reference.select_topk`), ``bias``
+            (float32 ``[num_experts]``, ``sigmoid_bias`` only), ``routed_scaling_factor``, DeepSeek-V3's
+            group-limited top-k (``n_group``, ``topk_group``) and ``norm_topk_prob``. None (the default):
+            ``RoutingConfig(num_experts, num_topk)``, softmax.
         max_tokens_per_rank: capacity; a call with more tokens on any rank is a `ConfigError`. None
             grows the combine buffer on demand.
         timeout_s: bound of every wait; ``ctx.timeout_s`` when None.
@@ -276,9 +246,7 @@ class ExpertParallelMoE(Closing):
     """
 
     def __init__(self, ctx: Context, spec_or_shapes, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                 *, scoring: Optional[str] = None, topk_method: Optional[str] = None,
-                 bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
-                 topk_group: int = 1, norm_topk_prob: bool = True, max_tokens_per_rank: Optional[int] = None,
+                 *, routing: Optional[RoutingConfig] = None, max_tokens_per_rank: Optional[int] = None,
                  timeout_s: Optional[float] = None, workspace=None):
         if not isinstance(ctx, Context):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
@@ -289,25 +257,25 @@ class ExpertParallelMoE(Closing):
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
-        (w_gate, _), (w_up, _), (w_down, _), (bias, _) = (as_numpy(n, v) for n, v in (
-            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("bias", bias)))
-        routing = dict(bias=bias, routed_scaling_factor=routed_scaling_factor, n_group=n_group,
-                       topk_group=topk_group, norm_topk_prob=norm_topk_prob)
+        (w_gate, _), (w_up, _), (w_down, _) = (as_numpy(n, v) for n, v in (
+            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
         setup, error = _config_error(lambda: self._validate_setup(
-            spec_or_shapes, w_gate, w_up, w_down, scoring, topk_method, routing, max_tokens_per_rank, timeout_s))
+            spec_or_shapes, w_gate, w_up, w_down, routing, max_tokens_per_rank, timeout_s))
         _agree(ctx, error, "ExpertParallelMoE")
-        self.shapes, self.experts, self.inter, self.timeout_s, self.scoring = setup
+        self.shapes, self.experts, self.inter, self.timeout_s, routing, bias = setup
         # Every rank must agree on the shapes and the routing parameters, or the rings would differ.
-        params = (self.shapes, self.scoring, None if bias is None else bias.tobytes(), routed_scaling_factor,
-                  int(n_group), int(topk_group), norm_topk_prob, max_tokens_per_rank, self.inter)
+        params = (self.shapes, routing.scoring, None if bias is None else bias.tobytes(),
+                  routing.routed_scaling_factor, routing.n_group, routing.topk_group, routing.norm_topk_prob,
+                  max_tokens_per_rank, self.inter)
         others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange",
                                            timeout_s=self.timeout_s)
         mismatch = [r for r, p in enumerate(others) if p != params]
         _agree(ctx, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
                if mismatch else None, "ExpertParallelMoE", self.timeout_s)
-        self.bias = bias
-        self.routed_scaling_factor = routed_scaling_factor
-        self.n_group, self.topk_group, self.norm_topk_prob = int(n_group), int(topk_group), norm_topk_prob
+        #: The routing this layer runs (``routing.bias``: the NumPy view of the bias it was given).
+        self.routing = routing if bias is None else routing.with_bias(bias)
+        self.scoring, self.bias, self.routed_scaling_factor = routing.scoring, bias, routing.routed_scaling_factor
+        self.n_group, self.topk_group, self.norm_topk_prob = routing.n_group, routing.topk_group, routing.norm_topk_prob
         self.max_tokens_per_rank = max_tokens_per_rank
         # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
         self.set_expert_weights(w_gate, w_up, w_down)
@@ -323,7 +291,7 @@ class ExpertParallelMoE(Closing):
                  "x as %s, timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
                  self.shapes.num_experts, self.shapes.hidden, self.inter, self.shapes.num_topk, self.scoring,
                  f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "",
-                 "" if norm_topk_prob else ", norm_topk_prob=False", self.shapes.x_format, self.timeout_s,
+                 "" if self.norm_topk_prob else ", norm_topk_prob=False", self.shapes.x_format, self.timeout_s,
                  "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
 
     def set_expert_weights(self, w_gate, w_up, w_down) -> None:
@@ -343,30 +311,31 @@ class ExpertParallelMoE(Closing):
                              for i in range(len(self.experts))]
         self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
 
-    @property
-    def topk_method(self) -> str:
-        """The older name of `scoring` (what the constructor's ``topk_method`` alias set)."""
-        return self.scoring
-
     def _routing_options(self) -> dict:
         """The routing options `reference.route` takes, as this layer was built with them."""
         return dict(topk_method=self.scoring, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor,
                     n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
 
-    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, scoring, topk_method, routing,
-                        max_tokens_per_rank, timeout_s):
+    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, routing, max_tokens_per_rank, timeout_s):
         shapes = MoEShapes.of(spec_or_shapes)
         experts = local_experts(self.rank, self.world_size, shapes.num_experts)
         num_local, inter, _ = check_expert_weights(w_gate, w_up, w_down, hidden=shapes.hidden)
         if num_local != len(experts):
             raise ConfigError(f"w_gate.shape={w_gate.shape}: expected {len(experts)} local experts "
                               f"(num_experts={shapes.num_experts} over {self.world_size} ranks) in dimension 0")
-        scoring = _resolve_scoring(scoring, topk_method)
-        check_options(shapes.num_experts, shapes.num_topk, scoring, n_group=routing["n_group"],
-                      topk_group=routing["topk_group"], norm_topk_prob=routing["norm_topk_prob"])
+        if routing is None:
+            routing = RoutingConfig(shapes.num_experts, shapes.num_topk)
+        elif not isinstance(routing, RoutingConfig):
+            raise ConfigError(f"routing={routing!r}: expected a symmring.moe.config.RoutingConfig or None")
+        elif (routing.num_experts, routing.topk) != (shapes.num_experts, shapes.num_topk):
+            raise ConfigError(f"routing: num_experts={routing.num_experts}, topk={routing.topk}; expected the "
+                              f"shapes' num_experts={shapes.num_experts}, num_topk={shapes.num_topk}")
+        bias, _ = as_numpy("routing.bias", routing.bias)
         # Route zero tokens once: checks bias and routed_scaling_factor with select_topk's own rules.
         route(np.zeros((0, shapes.hidden), np.float32), shapes.num_topk, shapes.num_experts,
-              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=scoring, **routing)
+              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=routing.scoring, bias=bias,
+              routed_scaling_factor=routing.routed_scaling_factor, n_group=routing.n_group,
+              topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob)
         if max_tokens_per_rank is not None and (isinstance(max_tokens_per_rank, bool) or not isinstance(
                 max_tokens_per_rank, (int, np.integer)) or max_tokens_per_rank <= 0):
             raise ConfigError(f"max_tokens_per_rank={max_tokens_per_rank!r}: expected a positive int or None")
@@ -374,7 +343,7 @@ class ExpertParallelMoE(Closing):
             timeout_s = self.ctx.timeout_s
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        return shapes, experts, inter, float(timeout_s), scoring
+        return shapes, experts, inter, float(timeout_s), routing, bias
 
     # --- public -------------------------------------------------------------------------------------
 

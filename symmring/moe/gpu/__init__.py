@@ -3,6 +3,7 @@ workspace every layer borrows), `plan` (which chunks and windows a call runs), `
 kernel), `graph_cache` (eager calls replaying captured graphs), `policy` (the measured streaming policy) and
 `timeline` (the streamed schedule's device timestamps)."""
 
-from .layer import MoE, CapturedCall, SMALL_BATCH_TOKENS, STAGES, STREAMING_MODES
+from ..config import SMALL_BATCH_TOKENS
+from .layer import STAGES, STREAMING_MODES, CapturedCall, MoE
 
 __all__ = ["MoE", "CapturedCall", "SMALL_BATCH_TOKENS", "STAGES", "STREAMING_MODES"]

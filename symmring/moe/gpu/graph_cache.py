@@ -49,9 +49,10 @@ import numpy as np
 
 from ... import env
 from ...errors import ConfigError
+from ..config import GRAPH_CACHE_ENTRIES
 
 #: Default ``graph_cache``: graphs kept per layer.
-DEFAULT_ENTRIES = 12
+DEFAULT_ENTRIES = GRAPH_CACHE_ENTRIES  # `symmring.moe.config.ScheduleConfig.graph_cache`'s default
 #: The most tokens per rank of a call the cache serves (a graph's static output is ``[n, hidden]``).
 MAX_TOKENS = 256
 #: Keys remembered as seen once (so a key's second call captures), least recently seen dropped first.

@@ -56,8 +56,8 @@ usable again.
 
 Example:
     >>> ctx = symmring.init("nvshmem")  # doctest: +SKIP
-    >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,  # doctest: +SKIP
-    ...           max_tokens=4096, num_slots=4, tokens_per_slot=1024)
+    >>> moe = MoE(ctx, Experts(wg, wu, wd), RoutingConfig(num_experts=8, topk=2), max_tokens=4096,  # doctest: +SKIP
+    ...           schedule=ScheduleConfig(num_slots=4, tokens_per_slot=1024))  # wg: [4, 512, 1024] per rank of 2
     >>> y = moe.forward(x, router_weight=router)                  # batch-ready (x: [n, 1024] bf16)  # doctest: +SKIP
     >>> y = moe.forward(x, router_weight=router, streaming=True)  # the same call, 1024-token chunks  # doctest: +SKIP
     >>> moe.check_errors(); moe.close()  # doctest: +SKIP
@@ -78,6 +78,7 @@ from ...backends.base import DeviceBackend
 from ...closing import Closing
 from ...errors import BackendError, ConfigError, RingClosedError
 from .. import routing as routing_mod
+from ..config import Experts, RoutingConfig, ScheduleConfig
 from ..workspace_plan import spanned_rows
 from . import graph_cache as graph_cache_mod
 from . import plan as plans
@@ -92,8 +93,6 @@ FP8_GROUP_SIZE = 128
 STAGES = ("route", "layout", "dispatch", "experts", "combine")
 #: Values of ``forward(streaming=...)``.
 STREAMING_MODES = (False, True, "auto")
-#: Default ``small_batch_tokens``: the most tokens per rank a call may have for the small-batch schedule.
-SMALL_BATCH_TOKENS = 128
 #: Plans kept per layer (one per distinct (token counts, schedule); a serving loop sees few).
 MAX_CACHED_PLANS = 64
 
@@ -123,6 +122,17 @@ def _check_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_values(experts, routing, schedule):
+    """``(experts, routing, schedule)`` checked to be the config values (`symmring.moe.config`; each validated
+    itself when made); ``schedule=None`` is ``ScheduleConfig()``."""
+    schedule = ScheduleConfig() if schedule is None else schedule
+    for name, value, cls in (("experts", experts, Experts), ("routing", routing, RoutingConfig),
+                             ("schedule", schedule, ScheduleConfig)):
+        if not isinstance(value, cls):
+            raise ConfigError(f"{name}={value!r}: expected a symmring.moe.config.{cls.__name__}")
+    return experts, routing, schedule
+
+
 def _check_delays(name: str, delays) -> Dict[int, int]:
     if delays is None:
         return {}
@@ -139,51 +149,54 @@ class MoE(Closing):
 
     Args:
         ctx: a `symmring.context.Context` on a device backend (``nvshmem``).
-        num_experts: experts over all ranks; a multiple of ``ctx.world_size``.
-        hidden, inter: model and expert intermediate sizes (multiples of 128 for fp8, of 8 for bf16;
-            ``inter`` a multiple of 8).
-        topk: experts per token (``1 <= topk <= min(32, num_experts)``).
-        w_gate, w_up: this rank's experts, CUDA tensors ``[num_experts / world_size, inter, hidden]``
-            (``nn.Linear`` layout, Mixtral's ``w1``/``w3``); w_down: ``[num_experts / world_size, hidden,
-            inter]`` (``w2``): bf16, or fp8 e4m3 with block scales (the checkpoint layout,
-            `symmring.moe.weights`). Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
+        experts: this rank's experts, a `symmring.moe.config.Experts`: ``w_gate``, ``w_up`` CUDA tensors
+            ``[num_experts / world_size, inter, hidden]`` (``nn.Linear`` layout, Mixtral's ``w1``/``w3``),
+            ``w_down`` ``[num_experts / world_size, hidden, inter]`` (``w2``): bf16, or fp8 e4m3 with block
+            scales (``w_gate_scale``, ``w_up_scale``, ``w_down_scale``: float32 ``[E, ceil(inter / 128),
+            ceil(hidden / 128)]``, down ``[E, ceil(hidden / 128), ceil(inter / 128)]``, the dequantisation
+            multipliers, ``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8; `symmring.moe.weights`). ``hidden``
+            and ``inter`` are ``w_gate``'s shape (multiples of 128 for fp8 dispatch, of 8 for bf16; ``inter`` a
+            multiple of 8). ``experts.expert_dtype``: ``"bf16"`` or ``"fp8"`` experts (None: what ``engine``
+            needs, else the weights' own format); bf16 weights are quantised to 128x128-block fp8 once, fp8
+            ones dequantised for bf16. Copied once into the fused ``[E, 2 * inter, hidden]`` L1 weight.
+        routing: a `symmring.moe.config.RoutingConfig`: ``num_experts`` (a multiple of ``ctx.world_size``),
+            ``topk`` (at most ``min(32, num_experts)``), ``scoring`` (``"softmax"``, Mixtral;
+            ``"sigmoid_bias"``, DeepSeek-V3), ``bias`` (a float tensor on this device), ``routed_scaling_factor``,
+            ``n_group``, ``topk_group``, ``norm_topk_prob`` (as in `symmring.moe.routing.route`).
         max_tokens: most tokens per rank per call.
-        num_slots: slots of the ring (>= 1); the streamed producer runs up to ``num_slots - 1`` chunks ahead.
-        tokens_per_slot: tokens per chunk, the slot's capacity (at most ``max_tokens``). A batch call fits the
-            ring when it has at most ``num_slots * tokens_per_slot`` tokens per rank. Neither given: the
-            workspace's chunk (``max_tokens`` without a budget) and enough slots for ``max_tokens``; only
-            ``tokens_per_slot`` given: one slot.
-        ack_policy: `AckPolicy.CONSERVATIVE` (acknowledge a chunk after its window's combine signal, the
-            default) or ``EARLY`` (right after its pull), or their names (`AckPolicy.parse`).
-        expert_window: chunks per expert window of the streamed schedule (``1 <= W <= num_slots``).
-        x_format: dispatch format, ``"fp8_e4m3"`` (per-token, per-128-channel scales) or ``"bf16"``.
-        scoring: ``"softmax"`` (Mixtral) or ``"sigmoid_bias"`` (DeepSeek-V3); bias and
-            routed_scaling_factor: as in `symmring.moe.routing.route`.
-        n_group, topk_group, norm_topk_prob: DeepSeek-V3's group-limited top-k and the variant without
-            renormalisation (Qwen3-MoE's ``norm_topk_prob=False``), as in `symmring.moe.routing.route`.
-        single_stream: run the streamed schedule's producer and consumer on the caller's stream, in the
-            enqueue order (the serial schedule of PROTOCOL.md 9.1; for tests and as a fallback).
-        timeout_s: bound of every device wait (default: the context's).
-        policy: a `symmring.moe.gpu.policy.StreamPolicy` for ``streaming="auto"`` (default: the one measured on
-            an H200, `StreamPolicy.default`).
-        expert_dtype: ``"bf16"`` or ``"fp8"`` experts (None: what ``engine`` needs, else the weights' own
-            format); bf16 weights are quantised to 128x128-block fp8 once, fp8 ones dequantised for bf16.
+        schedule: a `symmring.moe.config.ScheduleConfig` (default ``ScheduleConfig()``):
+
+            * ``num_slots``: slots of the ring (>= 1); the streamed producer runs up to ``num_slots - 1``
+              chunks ahead. ``tokens_per_slot``: tokens per chunk, the slot's capacity (at most
+              ``max_tokens``). A batch call fits the ring when it has at most ``num_slots * tokens_per_slot``
+              tokens per rank. Neither given: the workspace's chunk (``max_tokens`` without a budget) and
+              enough slots for ``max_tokens``; only ``tokens_per_slot`` given: one slot.
+            * ``ack_policy``: `AckPolicy.CONSERVATIVE` (acknowledge a chunk after its window's combine
+              signal, the default) or ``EARLY`` (right after its pull), or their names (`AckPolicy.parse`).
+            * ``expert_window``: chunks per expert window of the streamed schedule (``1 <= W <= num_slots``).
+            * ``x_format``: dispatch format, ``"fp8_e4m3"`` (per-token, per-128-channel scales; the default
+              here) or ``"bf16"``.
+            * ``single_stream``: run the streamed schedule's producer and consumer on the caller's stream, in
+              the enqueue order (the serial schedule of PROTOCOL.md 9.1; for tests and as a fallback).
+            * ``timeout_s``: bound of every device wait (default: the context's).
+            * ``policy``: a `symmring.moe.gpu.policy.StreamPolicy` for ``streaming="auto"`` (default: the one
+              measured on an H200, `StreamPolicy.default`).
+            * ``small_batch_tokens``: batch calls of one chunk with at most this many tokens on every rank
+              run the small-batch schedule (fp8 dispatch and experts only; 0: never unless forced).
+            * ``transport``: how this PE reaches each peer (`symmring.transport`): ``"auto"`` (p2p where
+              ``nvshmem_ptr`` maps, rdma otherwise), ``"p2p"``, ``"rdma"`` (every peer: NVSHMEM gets into a
+              staging ring, puts of combine rows, remote atomics), ``"rdma:1,3"`` (those peers); None:
+              ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
+            * ``graph_cache``: CUDA graphs of calls kept for eager calls to replay
+              (`symmring.moe.gpu.graph_cache`; default 12, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
         engine: the experts' GEMMs (`symmring.moe.engines.ENGINES`): ``"torch"`` (bf16), ``"builtin"``
             (Triton fp8), ``"deepgemm"`` (fp8, optional), ``"auto"`` (DeepGEMM where it loads for fp8).
-        w_gate_scale, w_up_scale, w_down_scale: float32 block scales of fp8 e4m3 weights
-            (``[E, ceil(inter / 128), ceil(hidden / 128)]``, down ``[E, ceil(hidden / 128), ceil(inter /
-            128)]``: the dequantisation multipliers, ``weight_scale_inv`` in DeepSeek-V3 / Qwen3-FP8).
-        small_batch_tokens: batch calls of one chunk with at most this many tokens on every rank run the
-            small-batch schedule (fp8 dispatch and experts only; 0: never unless forced).
-        transport: how this PE reaches each peer (`symmring.transport`): ``"auto"`` (p2p where
-            ``nvshmem_ptr`` maps, rdma otherwise), ``"p2p"``, ``"rdma"`` (every peer: NVSHMEM gets into a
-            staging ring, puts of combine rows, remote atomics), ``"rdma:1,3"`` (those peers); None:
-            ``SYMMRING_TRANSPORT``, else ``"auto"``. The result per rank is ``layer.transports``.
-        graph_cache: CUDA graphs of calls kept for eager calls to replay (`symmring.moe.gpu.graph_cache`;
-            default 8, 0 disables; ``SYMMRING_GRAPH_CACHE`` overrides it).
         workspace: the `symmring.Workspace` whose ring, combine buffer, pool and output rows the layer borrows
             for each call (default: the context's own, ``ctx.workspace()``, shared by every layer). Its pool
             holds one window under uniform routing; a window with more rows runs in passes (PROTOCOL.md 9.1c).
+
+    Attributes ``routing`` and ``schedule`` are the values the layer runs with (``routing.bias``: the layer's
+    float32 copy of the bias).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -191,20 +204,12 @@ class MoE(Closing):
             ``transport="p2p"`` with a peer that has no P2P mapping (named).
 
     Example:
-        >>> moe = MoE(ctx, num_experts=8, hidden=1024, inter=512, topk=2, w_gate=wg, w_up=wu, w_down=wd,  # doctest: +SKIP
-        ...           max_tokens=1024)
+        >>> moe = MoE(ctx, Experts(wg, wu, wd), RoutingConfig(num_experts=8, topk=2), max_tokens=1024)  # doctest: +SKIP
         >>> y = moe.forward(x, logits=logits)  # doctest: +SKIP
     """
 
-    def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
-                 max_tokens: int, num_slots: Optional[int] = None, tokens_per_slot: Optional[int] = None, ack_policy=None,
-                 expert_window: int = 1, x_format: str = "fp8_e4m3", scoring: str = "softmax", bias=None,
-                 routed_scaling_factor: float = 1.0, single_stream: bool = False,
-                 timeout_s: Optional[float] = None, policy=None, expert_dtype: Optional[str] = None,
-                 engine: str = "auto", w_gate_scale=None, w_up_scale=None, w_down_scale=None,
-                 n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-                 small_batch_tokens: int = SMALL_BATCH_TOKENS, transport=None,
-                 graph_cache: int = graph_cache_mod.DEFAULT_ENTRIES, workspace=None):
+    def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, max_tokens: int,
+                 schedule: Optional[ScheduleConfig] = None, engine: str = "auto", workspace=None):
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
@@ -213,50 +218,45 @@ class MoE(Closing):
         ctx.check_open()
         self.ctx, self.backend = ctx, backend
         self.rank, self.world_size = ctx.rank, ctx.world_size
-        # --- every argument checked before any collective work -----------------------------------------
-        self.num_experts = _check_int("num_experts", num_experts)
-        self.hidden = _check_int("hidden", hidden)
-        self.inter = _check_int("inter", inter)
-        self.topk = _check_int("topk", topk)
+        # --- every argument checked before any collective work (the values validated themselves) ----------
+        experts, routing, schedule = _check_values(experts, routing, schedule)
+        self.routing, self.schedule = routing, schedule
+        num_experts, topk, x_format = routing.num_experts, routing.topk, schedule.x_format or "fp8_e4m3"
+        self.num_experts, self.topk = num_experts, topk
+        self.hidden = _check_int("hidden (w_gate.shape[2])", experts.hidden)
+        self.inter = _check_int("inter (w_gate.shape[1])", experts.inter)
+        hidden, inter = self.hidden, self.inter
         self.max_tokens = _check_int("max_tokens", max_tokens)
-        self.num_slots = None if num_slots is None else _check_int("num_slots", num_slots)
-        self.tokens_per_slot = None if tokens_per_slot is None else _check_int("tokens_per_slot", tokens_per_slot)
+        self.num_slots, self.tokens_per_slot = schedule.num_slots, schedule.tokens_per_slot
+        tokens_per_slot = self.tokens_per_slot
         if self.tokens_per_slot is not None and self.tokens_per_slot > self.max_tokens:
-            raise ConfigError(f"tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
-        self.ack_policy = protocol.AckPolicy.parse(ack_policy)
-        if self.num_slots is not None:
-            protocol.check_expert_window(expert_window, self.num_slots)
-        self.expert_window = int(expert_window)
+            raise ConfigError(f"schedule.tokens_per_slot={tokens_per_slot}: expected at most max_tokens={max_tokens}")
+        self.ack_policy = schedule.ack_policy
+        expert_window = self.expert_window = schedule.expert_window
         if self.num_experts % self.world_size:
             raise ConfigError(f"num_experts={num_experts}: expected a multiple of world_size={self.world_size} "
                               "(experts are split evenly)")
         if self.topk > min(stages.MAX_TOPK, self.num_experts):
             raise ConfigError(f"topk={topk}: expected at most min({stages.MAX_TOPK}, num_experts={num_experts})")
-        if x_format not in ("fp8_e4m3", "bf16"):
-            raise ConfigError(f"x_format={x_format!r}: expected 'fp8_e4m3' or 'bf16'")
         multiple = FP8_GROUP_SIZE if x_format == "fp8_e4m3" else 8
         if self.hidden % multiple:
-            raise ConfigError(f"hidden={hidden}: expected a multiple of {multiple} for x_format={x_format!r}")
+            raise ConfigError(f"hidden={hidden} (w_gate.shape[2]): expected a multiple of {multiple} for "
+                              f"x_format={x_format!r}")
         if self.inter % 8:
-            raise ConfigError(f"inter={inter}: expected a multiple of 8 (16-byte rows for the grouped GEMM)")
-        if scoring not in routing_mod.SCORINGS:
-            raise ConfigError(f"scoring={scoring!r}: expected one of {list(routing_mod.SCORINGS)}")
-        routing_mod.check_options(self.num_experts, self.topk, scoring, n_group=n_group, topk_group=topk_group,
-                                  norm_topk_prob=norm_topk_prob)
-        self.n_group, self.topk_group, self.norm_topk_prob = int(n_group), int(topk_group), norm_topk_prob
-        if not isinstance(single_stream, bool):
-            raise ConfigError(f"single_stream={single_stream!r}: expected a bool")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0):
-            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        self.small_batch_tokens = _check_int("small_batch_tokens", small_batch_tokens, 0)
+            raise ConfigError(f"inter={inter} (w_gate.shape[1]): expected a multiple of 8 (16-byte rows for the "
+                              "grouped GEMM)")
+        self.n_group, self.topk_group, self.norm_topk_prob = routing.n_group, routing.topk_group, routing.norm_topk_prob
+        scoring, bias, timeout_s = routing.scoring, routing.bias, schedule.timeout_s
+        single_stream, policy, transport = schedule.single_stream, schedule.policy, schedule.transport
+        expert_dtype = experts.expert_dtype
+        self.small_batch_tokens = schedule.small_batch_tokens
         transport_mod.request(transport, self.world_size)  # a ConfigError before any collective work
-        self._graphs = graph_cache_mod.GraphCache(graph_cache_mod.capacity(graph_cache))
+        self._graphs = graph_cache_mod.GraphCache(graph_cache_mod.capacity(schedule.graph_cache))
         self.num_local_experts = self.num_experts // self.world_size
         self.expert_begin = self.rank * self.num_local_experts
         self.x_format = x_format
         self.scoring = scoring
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.routed_scaling_factor = float(routing.routed_scaling_factor)
         self.single_stream = single_stream
         self.timeout_s = float(ctx.timeout_s if timeout_s is None else timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -268,15 +268,16 @@ class MoE(Closing):
         wanted = {"torch": "bf16", "builtin": "fp8", "deepgemm": "fp8"}.get(engine)
         if expert_dtype is not None and wanted is not None and expert_dtype != wanted:
             raise ConfigError(f"expert_dtype={expert_dtype!r} with engine={engine!r}: that engine runs {wanted} experts")
-        weights = expert_weights(w_gate, w_up, w_down, num_local_experts=E, hidden=H, inter=self.inter,
-                                 device=self.device, expert_dtype=expert_dtype or wanted, w_gate_scale=w_gate_scale,
-                                 w_up_scale=w_up_scale, w_down_scale=w_down_scale)
+        weights = expert_weights(experts.w_gate, experts.w_up, experts.w_down, num_local_experts=E, hidden=H,
+                                 inter=self.inter, device=self.device, expert_dtype=expert_dtype or wanted,
+                                 w_gate_scale=experts.w_gate_scale, w_up_scale=experts.w_up_scale,
+                                 w_down_scale=experts.w_down_scale)
         if weights.dtype == "fp8" and x_format != "fp8_e4m3":
             raise ConfigError(f"x_format={x_format!r}: fp8 experts read the fp8 dispatch rows as they are; "
                               "expected x_format='fp8_e4m3' (or expert_dtype='bf16')")
         self.bias = None
         if bias is not None:
-            self._check_tensor("bias", bias, None, (self.num_experts,))
+            self._check_tensor("routing.bias", bias, None, (self.num_experts,))
             self.bias = bias.float().contiguous()
         # The routing runs on the device (routing.device_router) within its limits, in every schedule, so
         # they all route alike; torch's `routing.route` past them.
@@ -284,12 +285,12 @@ class MoE(Closing):
         self._router_args = routing_mod.device_router(
             self.num_experts, self.scoring, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor,
             n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
-        from .policy import StreamPolicy
-        if policy is not None and not isinstance(policy, StreamPolicy):
-            raise ConfigError(f"policy={policy!r}: expected a StreamPolicy or None")
         self.policy = policy
         self.engine = make_engine(engine, weights)
         self.expert_dtype = weights.dtype
+        #: The routing this layer runs: ``routing`` with its bias as the layer's float32 copy (a state-dict
+        #: load into `bias` in place is what the next call routes with).
+        self.routing = routing if bias is None else routing.with_bias(self.bias)
 
         # --- memory: borrowed from the workspace (collective: attach and bind allocate on first use) ------
         from ..workspace import Workspace

@@ -44,7 +44,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ...errors import BackendError, ConfigError
-from .. import routing
+from ..config import Experts, RoutingConfig
 
 #: The transformers versions `from_hf` is tested with: the oldest that works (5.13.0: DeepSeek-V3's router
 #: holds ``top_k``, masked groups are ``-inf``) up to the next major version.
@@ -54,10 +54,9 @@ TRANSFORMERS_RANGE = ">=5.13,<6"
 #: transformers MoE block classes (matched by name on the class and its bases) -> family.
 BLOCK_CLASSES = {"MixtralSparseMoeBlock": "mixtral", "Qwen3MoeSparseMoeBlock": "qwen3_moe",
                  "DeepseekV3MoE": "deepseek_v3"}
-#: Layer arguments the block sets (passing them to `from_hf` is a ConfigError).
-SET_BY_BLOCK = ("num_experts", "hidden", "inter", "topk", "w_gate", "w_up", "w_down", "router_weight",
-                "router_dtype", "shared_experts", "scoring", "bias", "routed_scaling_factor", "n_group",
-                "topk_group", "norm_topk_prob", "w_gate_scale", "w_up_scale", "w_down_scale")
+#: Module arguments the block sets (passing them to `from_hf` is a ConfigError): the experts, the routing
+#: (a `symmring.moe.config.RoutingConfig`), the router and the shared experts.
+SET_BY_BLOCK = ("experts", "routing", "router_weight", "router_dtype", "shared_experts")
 
 
 def _torch():
@@ -137,8 +136,10 @@ def _tensor(block, path: str, ndim: int):
 
 
 def block_spec(block, world_size: int) -> dict:
-    """What `from_hf` builds from ``block``, validated with no device work: ``family``, the sizes, the
-    weight tensors (all experts), the routing options, ``router_dtype`` and ``shared_experts``.
+    """What `from_hf` builds from ``block``, validated with no device work: ``family``, ``hidden``,
+    ``inter``, the weight tensors (all experts: ``gate_up_proj``, ``down_proj``, ``router_weight``),
+    ``routing`` (the block's `symmring.moe.config.RoutingConfig`, its bias the block's tensor),
+    ``router_dtype`` and ``shared_experts``.
 
     Raises:
         ConfigError: not a supported block, an unexpected layout, dtype or activation, or a number of
@@ -178,7 +179,7 @@ def block_spec(block, world_size: int) -> dict:
                           "(rank r owns experts [r E/R, (r+1) E/R))")
     gate = block.gate
     topk = int(gate.top_k)
-    options = dict(scoring="softmax")
+    options = {}
     router_dtype, shared = None, None
     if family == "qwen3_moe":
         options["norm_topk_prob"] = bool(gate.norm_topk_prob)
@@ -191,10 +192,9 @@ def block_spec(block, world_size: int) -> dict:
         shared = getattr(block, "shared_experts", None)
         if not isinstance(shared, torch.nn.Module):
             raise ConfigError(f"block.shared_experts={shared!r}: expected the DeepSeek-V3 shared experts module")
-    routing.check_options(num_experts, topk, options["scoring"], n_group=options.get("n_group", 1),
-                          topk_group=options.get("topk_group", 1), norm_topk_prob=options.get("norm_topk_prob", True))
-    return dict(family=family, num_experts=num_experts, hidden=hidden, inter=inter, topk=topk, gate_up_proj=gate_up,
-                down_proj=down, router_weight=router, options=options, router_dtype=router_dtype, shared_experts=shared)
+    return dict(family=family, hidden=hidden, inter=inter, gate_up_proj=gate_up, down_proj=down,
+                router_weight=router, routing=RoutingConfig(num_experts, topk, **options), router_dtype=router_dtype,
+                shared_experts=shared)
 
 
 def _check_layer_kwargs(layer_kwargs: dict) -> None:
@@ -205,7 +205,7 @@ def _check_layer_kwargs(layer_kwargs: dict) -> None:
 
 
 def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, workspace=None,
-            **layer_kwargs):
+            expert_dtype: Optional[str] = None, **layer_kwargs):
     """A `symmring.moe.integrations.module.MoEModule` computing ``block`` with this rank's experts (module docstring).
 
     Args:
@@ -220,8 +220,10 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         layer_factory: builds the layer (default: by the backend, `symmring.moe.integrations.module.default_layer_factory`;
             tests pass a stand-in).
         workspace: passed to the layer when given (`symmring.moe.integrations.module.MoEModule`).
-        **layer_kwargs: the layer's other arguments (``engine``, ``expert_dtype``, ``x_format``, ``num_slots``,
-            ``tokens_per_slot``, ``expert_window``, ``ack_policy``, ...).
+        expert_dtype: the `symmring.moe.config.Experts` field of the experts `from_hf` makes from the block's
+            (None: what the engine needs, else bf16; ``"fp8"``: quantised once by the GPU layer).
+        **layer_kwargs: the layer's other arguments: ``schedule`` (a `symmring.moe.config.ScheduleConfig`:
+            ``x_format``, ``num_slots``, ``tokens_per_slot``, ``expert_window``, ``ack_policy``, ...), ``engine``.
 
     Returns:
         The module (``checkpoint_names="hf"``: its state under the block's names); ``block`` itself is left as
@@ -234,6 +236,8 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
 
     Example:
         >>> module = from_hf(model.model.layers[0].mlp, ctx, max_tokens=4096, engine="torch")  # doctest: +SKIP
+        >>> module.routing.scoring  # doctest: +SKIP
+        'softmax'
     """
     torch = _torch()
     check_transformers()
@@ -242,21 +246,20 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
     if device is None:
         on_host = getattr(getattr(ctx, "backend", None), "name", None) == "host"
         device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
-    E, I = spec["num_experts"], spec["inter"]
+    routing = spec["routing"]
+    E, I = routing.num_experts, spec["inter"]
     local = E // ctx.world_size
     begin = ctx.rank * local
-    options = dict(spec["options"])
     with torch.no_grad():
         gate_up = spec["gate_up_proj"][begin:begin + local]  # a view: only this rank's experts are copied
         w_gate, w_up = gate_up[:, :I].to(device), gate_up[:, I:].to(device)
         w_down = spec["down_proj"][begin:begin + local].to(device)
-        if "bias" in options:
-            options["bias"] = options["bias"].detach().to(device)
-    return _module_cls()(ctx, E, spec["hidden"], I, spec["topk"], w_gate, w_up, w_down,
-                         router_weight=spec["router_weight"], max_tokens=max_tokens,
-                         router_dtype=spec["router_dtype"], shared_experts=spec["shared_experts"],
-                         streaming=streaming, layer_factory=layer_factory, checkpoint_names="hf",
-                         workspace=workspace, **options, **layer_kwargs)
+        if routing.bias is not None:
+            routing = routing.with_bias(routing.bias.detach().to(device))
+    return _module_cls()(ctx, Experts(w_gate, w_up, w_down, expert_dtype=expert_dtype), routing, router_weight=spec["router_weight"],
+                         max_tokens=max_tokens, router_dtype=spec["router_dtype"],
+                         shared_experts=spec["shared_experts"], streaming=streaming, layer_factory=layer_factory,
+                         checkpoint_names="hf", workspace=workspace, **layer_kwargs)
 
 
 def _module_cls():
@@ -292,7 +295,7 @@ def replace_moe_blocks(model, ctx, **kwargs) -> Dict[str, object]:
                           f"{sorted(BLOCK_CLASSES)})")
     check_transformers()
     _check_layer_kwargs({k: v for k, v in kwargs.items() if k not in ("max_tokens", "streaming", "device",
-                                                                       "layer_factory", "workspace")})
+                                                                       "layer_factory", "workspace", "expert_dtype")})
     for name, block in found:
         try:
             block_spec(block, getattr(ctx, "world_size", None))

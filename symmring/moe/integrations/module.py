@@ -50,8 +50,8 @@ out) on the host backend; the module is the same class either way. ``forward(hid
   or the GPU layer's ``engine="torch"``); an fp8 engine refuses them with a `ConfigError`.
 
 Example:
-    >>> module = MoEModule(ctx, 16, 256, 256, 2, w_gate, w_up, w_down, router_weight=router,  # doctest: +SKIP
-    ...                    max_tokens=4096, streaming=False, engine="builtin")
+    >>> module = MoEModule(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(16, 2),  # doctest: +SKIP
+    ...                    router_weight=router, max_tokens=4096, streaming=False, engine="builtin")
     >>> with torch.inference_mode():  # doctest: +SKIP
     ...     y = module(hidden_states)                       # [batch, seq, 256] bf16
     ...     y = torch.compile(module, fullgraph=True)(hidden_states)
@@ -67,6 +67,7 @@ from typing import Tuple
 
 from ... import deps
 from ...errors import BackendError, ConfigError
+from ..config import Experts, RoutingConfig
 
 try:  # symmring imports without torch; this module needs it
     import torch
@@ -167,9 +168,10 @@ class MoEModule(_Base):
     """The MoE layer of the context's backend as an ``nn.Module`` (see the module docstring).
 
     Args:
-        ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens: as `symmring.moe.gpu.MoE`
-            (``w_*``: this rank's experts; rank ``r`` owns ``[r E/R, (r+1) E/R)``; on the GPU for the
-            nvshmem backend, on the CPU for the host backend).
+        ctx, experts, routing, max_tokens: as `symmring.moe.gpu.MoE` (``experts``: a
+            `symmring.moe.config.Experts` of this rank's experts, rank ``r`` owning ``[r E/R, (r+1) E/R)``, on
+            the GPU for the nvshmem backend, on the CPU for the host backend; ``routing``: a
+            `symmring.moe.config.RoutingConfig`).
         router_weight: ``[num_experts, hidden]`` float tensor (all experts: every rank routes its own tokens).
         router_dtype: dtype the router runs in (``None``: the router weight's; DeepSeek-V3: float32).
         shared_experts: an ``nn.Module`` added to the routed output (``y + shared_experts(x)``), or None.
@@ -180,24 +182,27 @@ class MoEModule(_Base):
             module docstring; what `symmring.moe.integrations.hf.from_hf` sets).
         workspace: the `symmring.Workspace` the layer borrows (None: the context's own, ``ctx.workspace()``, which
             every block of a model then shares).
-        **layer_kwargs: the layer's other arguments (routing: ``scoring``, ``bias``,
-            ``routed_scaling_factor``, ``n_group``, ``topk_group``, ``norm_topk_prob``; ``engine``,
-            ``expert_dtype``, ``x_format``, the ring's sizes, ...), passed through.
+        **layer_kwargs: the layer's other arguments (``schedule``: a `symmring.moe.config.ScheduleConfig`;
+            ``engine``), passed through.
 
     Raises:
         ConfigError: a bad argument of the module (before the layer is built) or of the layer.
         BackendError: torch is missing, or the context's backend has no layer.
     """
 
-    def __init__(self, ctx, num_experts: int, hidden: int, inter: int, topk: int, w_gate, w_up, w_down, *,
-                 router_weight, max_tokens: int, router_dtype=None, shared_experts=None, streaming=False,
-                 layer_factory=None, checkpoint_names: str = "layer", workspace=None, **layer_kwargs):
+    def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, router_weight, max_tokens: int,
+                 router_dtype=None, shared_experts=None, streaming=False, layer_factory=None,
+                 checkpoint_names: str = "layer", workspace=None, **layer_kwargs):
         torch = _require_torch()
         super().__init__()
         self.streaming = _check_streaming(streaming)
         if checkpoint_names not in CHECKPOINT_NAMES:
             raise ConfigError(f"checkpoint_names={checkpoint_names!r}: expected one of {list(CHECKPOINT_NAMES)}")
         self.checkpoint_names = checkpoint_names
+        for name, value, cls in (("experts", experts, Experts), ("routing", routing, RoutingConfig)):
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name}={value!r}: expected a symmring.moe.config.{cls.__name__}")
+        num_experts, hidden, inter, topk = routing.num_experts, experts.hidden, experts.inter, routing.topk
         if not isinstance(router_weight, torch.Tensor) or not router_weight.is_floating_point() \
                 or tuple(router_weight.shape) != (num_experts, hidden):
             raise ConfigError(f"router_weight: expected a float tensor [num_experts={num_experts}, hidden={hidden}], "
@@ -211,8 +216,7 @@ class MoEModule(_Base):
             layer_factory = default_layer_factory(ctx)
         if workspace is not None:  # forwarded only when given: layers without the argument still work
             layer_kwargs["workspace"] = workspace
-        layer = layer_factory(ctx, num_experts, hidden, inter, topk, w_gate, w_up, w_down, max_tokens=max_tokens,
-                              **layer_kwargs)
+        layer = layer_factory(ctx, experts, routing, max_tokens=max_tokens, **layer_kwargs)
         self.layer = layer
         self.num_experts, self.hidden, self.inter, self.topk = (int(v) for v in (num_experts, hidden, inter, topk))
         self.max_tokens = int(max_tokens)
@@ -269,7 +273,7 @@ class MoEModule(_Base):
         from .. import routing
         x = self._tokens(hidden_states)
         logits = self.router_logits(x)
-        idx, weights = routing.route(logits, self.topk, **self.routing)
+        idx, weights = routing.route(logits, self.topk, **self.routing.route_kwargs())
         return logits, idx, weights
 
     def forward(self, hidden_states):
@@ -288,18 +292,17 @@ class MoEModule(_Base):
     # --- configuration, state, teardown -----------------------------------------------------------------
 
     @property
-    def routing(self) -> dict:
-        """The layer's routing options (keyword arguments of `symmring.moe.routing.route`)."""
-        layer = self.layer
-        return dict(scoring=layer.scoring, bias=layer.bias, routed_scaling_factor=layer.routed_scaling_factor,
-                    n_group=layer.n_group, topk_group=layer.topk_group, norm_topk_prob=layer.norm_topk_prob)
+    def routing(self) -> RoutingConfig:
+        """The layer's routing (`symmring.moe.config.RoutingConfig`; its ``bias`` is the layer's, the module's
+        ``bias`` buffer)."""
+        return self.layer.routing
 
     def extra_repr(self) -> str:
         layer = self.layer
         begin = layer.expert_begin
         r = self.routing
-        options = f"{r['scoring']}" + (f", n_group={r['n_group']}, topk_group={r['topk_group']}" if r["n_group"] > 1
-                                       else "") + ("" if r["norm_topk_prob"] else ", norm_topk_prob=False")
+        options = f"{r.scoring}" + (f", n_group={r.n_group}, topk_group={r.topk_group}" if r.n_group > 1
+                                    else "") + ("" if r.norm_topk_prob else ", norm_topk_prob=False")
         return (f"experts [{begin}, {begin + layer.num_local_experts}) of {self.num_experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top-{self.topk} {options}, engine={layer.engine.name}, "
                 f"streaming={self.streaming!r}, max_tokens={self.max_tokens}")
