@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import routing as routing_mod
+from .weights import shape_dim
 
 #: ``x_format`` values (what the ring carries); None: the layer's default (GPU ``"fp8_e4m3"``, CPU ``"bf16"``).
 X_FORMATS = ("fp8_e4m3", "bf16")
@@ -252,17 +253,9 @@ class Experts:
             raise ConfigError(f"w_gate: expected a 3-D tensor [num_local_experts, inter, hidden], got "
                               f"{tuple(shape) if shape is not None else type(self.w_gate).__name__}")
 
-    @property
-    def num_local_experts(self) -> int:
-        return int(self.w_gate.shape[0])
-
-    @property
-    def inter(self) -> int:
-        return int(self.w_gate.shape[1])
-
-    @property
-    def hidden(self) -> int:
-        return int(self.w_gate.shape[2])
+    num_local_experts = shape_dim("w_gate", 0)
+    inter = shape_dim("w_gate", 1)
+    hidden = shape_dim("w_gate", 2)
 
     def gpu_only_set(self) -> list:
         """The GPU-only fields given (the fp8 scales, ``expert_dtype``), in order."""

@@ -42,6 +42,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+
+def shape_dim(tensor: str, axis: int) -> property:
+    """A read-only int property: dimension ``axis`` of the tensor attribute named ``tensor``."""
+    return property(lambda self: int(getattr(self, tensor).shape[axis]),
+                    doc=f"``{tensor}.shape[{axis}]``")
+
 @dataclass
 class ExpertWeights:
     """This rank's experts as one engine consumes them.
@@ -59,17 +65,9 @@ class ExpertWeights:
     w13_scale: Optional[object] = None
     w_down_scale: Optional[object] = None
 
-    @property
-    def num_local_experts(self) -> int:
-        return int(self.w13.shape[0])
-
-    @property
-    def inter(self) -> int:
-        return int(self.w_down.shape[2])
-
-    @property
-    def hidden(self) -> int:
-        return int(self.w_down.shape[1])
+    num_local_experts = shape_dim("w13", 0)
+    inter = shape_dim("w_down", 2)
+    hidden = shape_dim("w_down", 1)
 
     @property
     def nbytes(self) -> int:
