@@ -182,3 +182,12 @@ def test_block_spec_and_from_hf_give_the_routing_config_a_cpu_layer_takes(ctx):
                                  routed_scaling_factor=r.routed_scaling_factor, n_group=r.n_group,
                                  topk_group=r.topk_group, norm_topk_prob=r.norm_topk_prob)
         assert (np.sort(ref_idx, 1) == np.sort(idx.numpy(), 1)).mean() > 0.9
+
+
+def test_the_gpu_layer_names_where_a_flat_keyword_belongs():
+    # Before any device work (no context needed): the old flat keywords are a ConfigError naming their value.
+    from symmring.moe.gpu import MoE
+    with pytest.raises(ConfigError, match=r"scoring \(a field of RoutingConfig.*x_format \(a field of ScheduleConfig"):
+        MoE(None, None, None, max_tokens=8, x_format="bf16", scoring="softmax")
+    with pytest.raises(ConfigError, match=r"bogus \(not an argument of MoE\)"):
+        MoE(None, None, None, max_tokens=8, bogus=1)

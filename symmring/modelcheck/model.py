@@ -84,7 +84,7 @@ Successor = Tuple[Label, bytes, Optional[Tuple[str, str]]]
 
 
 def _window_stages(first: int, last: int, policy: AckPolicy) -> Tuple[Tuple, ...]:
-    """The stages of the GPU layer's consumer of the expert window ``[first, last]`` (moe/stages.py
+    """The stages of the GPU layer's consumer of the expert window ``[first, last]`` (moe/gpu/stages.py
     ``consume_window``), each done for every source before the next starts:
 
     ``("route", c)`` for each chunk: wait for its route, read it (count); then for each chunk

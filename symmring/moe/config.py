@@ -74,8 +74,9 @@ class RoutingConfig:
         num_experts: experts over all ranks (an int >= 1; the layers also need a multiple of the ranks).
         topk: experts per token, ``1 <= topk <= num_experts`` (the GPU layer: at most 32).
         scoring: ``"softmax"`` (Mixtral, Qwen-MoE) or ``"sigmoid_bias"`` (DeepSeek-V3).
-        bias: the ``[num_experts]`` selection bias of ``"sigmoid_bias"`` (a torch tensor, NumPy array or
-            sequence, kept as given: the layer copies it to its device and dtype); None: no bias.
+        bias: the ``[num_experts]`` selection bias of ``"sigmoid_bias"``, kept as given (the GPU layer and
+            `HostLayer` want a float torch tensor on their device and keep a float32 copy; the CPU layer
+            `ExpertParallelMoE` also takes a NumPy array or a sequence); None: no bias.
         routed_scaling_factor: factor on the ``"sigmoid_bias"`` weights.
         n_group, topk_group, norm_topk_prob: DeepSeek-V3's group-limited top-k and the variant without
             renormalisation (`symmring.moe.routing.check_options`).
@@ -264,3 +265,15 @@ class Experts:
 
 
 __all__ = ["RoutingConfig", "ScheduleConfig", "Experts", "X_FORMATS"]
+
+
+def misplaced(kwargs: dict, layer: str) -> ConfigError:
+    """The error for keyword arguments a layer does not take: for each, the value it belongs to, if any
+    (``x_format=`` is `ScheduleConfig`'s, ``scoring=`` is `RoutingConfig`'s, ...)."""
+    homes = []
+    for name in sorted(kwargs):
+        owner = next((cls.__name__ for cls in (RoutingConfig, ScheduleConfig, Experts)
+                      if name in {f.name for f in dataclasses.fields(cls)}), None)
+        homes.append(f"{name} (not an argument of {layer})" if owner is None else
+                     f"{name} (a field of {owner}: pass {owner}({name}=...))")
+    return ConfigError(f"{layer}: unexpected keyword argument(s): " + "; ".join(homes))

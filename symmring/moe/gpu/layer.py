@@ -78,7 +78,7 @@ from ...backends.base import DeviceBackend
 from ...closing import Closing
 from ...errors import BackendError, ConfigError, RingClosedError
 from .. import routing as routing_mod
-from ..config import Experts, RoutingConfig, ScheduleConfig
+from ..config import Experts, RoutingConfig, ScheduleConfig, misplaced
 from ..workspace_plan import spanned_rows
 from . import graph_cache as graph_cache_mod
 from . import plan as plans
@@ -195,8 +195,9 @@ class MoE(Closing):
             for each call (default: the context's own, ``ctx.workspace()``, shared by every layer). Its pool
             holds one window under uniform routing; a window with more rows runs in passes (PROTOCOL.md 9.1c).
 
-    Attributes ``routing`` and ``schedule`` are the values the layer runs with (``routing.bias``: the layer's
-    float32 copy of the bias).
+    Attribute ``routing`` is the routing the layer runs with (``routing.bias``: the layer's float32 copy of the
+    bias); ``schedule`` is the value given, whose ``None`` fields the layer resolved (``layer.x_format``,
+    ``layer.num_slots``, ``layer.tokens_per_slot``, ``layer.policy`` hold what it runs with).
 
     Raises:
         ConfigError: any bad argument, named, before any collective work.
@@ -209,7 +210,9 @@ class MoE(Closing):
     """
 
     def __init__(self, ctx, experts: Experts, routing: RoutingConfig, *, max_tokens: int,
-                 schedule: Optional[ScheduleConfig] = None, engine: str = "auto", workspace=None):
+                 schedule: Optional[ScheduleConfig] = None, engine: str = "auto", workspace=None, **unexpected):
+        if unexpected:  # e.g. a flat x_format=: name the value it belongs to
+            raise misplaced(unexpected, "MoE")
         torch = _torch()
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):

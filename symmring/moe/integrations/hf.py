@@ -201,7 +201,7 @@ def _check_layer_kwargs(layer_kwargs: dict) -> None:
     clash = sorted(set(layer_kwargs) & set(SET_BY_BLOCK))
     if clash:
         raise ConfigError(f"{', '.join(clash)}: set by the transformers block; expected only the layer's other "
-                          "arguments (engine, expert_dtype, x_format, num_slots, tokens_per_slot, ...)")
+                          "arguments (engine, schedule=ScheduleConfig(...), workspace)")
 
 
 def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_factory=None, workspace=None,
