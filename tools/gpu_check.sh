@@ -74,7 +74,7 @@ run_env() {
   "$PY" -c "import sys, cupy, torch, triton, mpi4py, nvshmem, numpy; from importlib import metadata as m; \
 print(sys.version.split()[0], 'cupy', cupy.__version__, 'torch', torch.__version__, 'triton', triton.__version__, \
 'mpi4py', mpi4py.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'nvidia-nvshmem', m.version('nvidia-nvshmem-cu13'))"
-  "$PY" -c "from symmring.moe import deepgemm; print('DeepGEMM:', deepgemm.deepgemm_status()[1])"
+  "$PY" -c "from symmring.moe.engines import deepgemm; print('DeepGEMM:', deepgemm.deepgemm_status()[1])"
   command -v nvidia-cuda-mps-control mpirun
 }
 
