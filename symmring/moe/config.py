@@ -45,7 +45,8 @@ SMALL_BATCH_TOKENS = 128
 GRAPH_CACHE_ENTRIES = 12
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int, when it is one (not a bool) and at least ``minimum``; else a ConfigError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"{name}={value!r}: expected an int >= {minimum}")
     return int(value)
@@ -99,8 +100,8 @@ class RoutingConfig:
     norm_topk_prob: bool = True
 
     def __post_init__(self):
-        _set(self, "num_experts", _check_int("num_experts", self.num_experts))
-        _set(self, "topk", _check_int("topk", self.topk))
+        _set(self, "num_experts", check_int("num_experts", self.num_experts))
+        _set(self, "topk", check_int("topk", self.topk))
         if self.scoring not in routing_mod.SCORINGS:
             raise ConfigError(f"scoring={self.scoring!r}: expected one of {list(routing_mod.SCORINGS)}")
         routing_mod.check_options(self.num_experts, self.topk, self.scoring, n_group=self.n_group,
@@ -193,9 +194,9 @@ class ScheduleConfig:
         from .gpu.graph_cache import check_entries
         from .gpu.policy import StreamPolicy
         if self.num_slots is not None:
-            _set(self, "num_slots", _check_int("num_slots", self.num_slots))
+            _set(self, "num_slots", check_int("num_slots", self.num_slots))
         if self.tokens_per_slot is not None:
-            _set(self, "tokens_per_slot", _check_int("tokens_per_slot", self.tokens_per_slot))
+            _set(self, "tokens_per_slot", check_int("tokens_per_slot", self.tokens_per_slot))
         _set(self, "ack_policy", protocol.AckPolicy.parse(self.ack_policy))
         if self.num_slots is not None:
             protocol.check_expert_window(self.expert_window, self.num_slots)
@@ -213,7 +214,7 @@ class ScheduleConfig:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         if self.policy is not None and not isinstance(self.policy, StreamPolicy):
             raise ConfigError(f"policy={self.policy!r}: expected a StreamPolicy or None")
-        _set(self, "small_batch_tokens", _check_int("small_batch_tokens", self.small_batch_tokens, 0))
+        _set(self, "small_batch_tokens", check_int("small_batch_tokens", self.small_batch_tokens, 0))
         if self.transport is not None:
             transport_mod.parse(self.transport)
         _set(self, "graph_cache", check_entries(self.graph_cache))
@@ -264,8 +265,6 @@ class Experts:
                 if getattr(self, name) is not None]
 
 
-__all__ = ["RoutingConfig", "ScheduleConfig", "Experts", "X_FORMATS"]
-
 
 def misplaced(kwargs: dict, layer: str) -> ConfigError:
     """The error for keyword arguments a layer does not take: for each, the value it belongs to, if any
@@ -277,3 +276,6 @@ def misplaced(kwargs: dict, layer: str) -> ConfigError:
         homes.append(f"{name} (not an argument of {layer})" if owner is None else
                      f"{name} (a field of {owner}: pass {owner}({name}=...))")
     return ConfigError(f"{layer}: unexpected keyword argument(s): " + "; ".join(homes))
+
+
+__all__ = ["RoutingConfig", "ScheduleConfig", "Experts", "X_FORMATS", "check_int", "misplaced"]

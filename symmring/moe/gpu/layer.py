@@ -78,7 +78,7 @@ from ...backends.base import DeviceBackend
 from ...closing import Closing
 from ...errors import BackendError, ConfigError, RingClosedError
 from .. import routing as routing_mod
-from ..config import Experts, RoutingConfig, ScheduleConfig, misplaced
+from ..config import Experts, RoutingConfig, ScheduleConfig, check_int, misplaced
 from ..workspace_plan import spanned_rows
 from . import graph_cache as graph_cache_mod
 from . import plan as plans
@@ -116,12 +116,6 @@ def _rows_like(t, rows: int):
     return _torch().empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{name}={value!r}: expected an int >= {minimum}")
-    return int(value)
-
-
 def _check_values(experts, routing, schedule):
     """``(experts, routing, schedule)`` checked to be the config values (`symmring.moe.config`; each validated
     itself when made); ``schedule=None`` is ``ScheduleConfig()``."""
@@ -139,8 +133,8 @@ def _check_delays(name: str, delays) -> Dict[int, int]:
     if not isinstance(delays, dict):
         raise ConfigError(f"{name}={delays!r}: expected a dict chunk_idx -> nanoseconds")
     for chunk, ns in delays.items():
-        _check_int(f"{name} chunk", chunk, 0)
-        _check_int(f"{name}[{chunk}]", ns, 0)
+        check_int(f"{name} chunk", chunk, 0)
+        check_int(f"{name}[{chunk}]", ns, 0)
     return {int(c): int(ns) for c, ns in delays.items()}
 
 
@@ -226,10 +220,10 @@ class MoE(Closing):
         self.routing, self.schedule = routing, schedule
         num_experts, topk, x_format = routing.num_experts, routing.topk, schedule.x_format or "fp8_e4m3"
         self.num_experts, self.topk = num_experts, topk
-        self.hidden = _check_int("hidden (w_gate.shape[2])", experts.hidden)
-        self.inter = _check_int("inter (w_gate.shape[1])", experts.inter)
+        self.hidden = check_int("hidden (w_gate.shape[2])", experts.hidden)
+        self.inter = check_int("inter (w_gate.shape[1])", experts.inter)
         hidden, inter = self.hidden, self.inter
-        self.max_tokens = _check_int("max_tokens", max_tokens)
+        self.max_tokens = check_int("max_tokens", max_tokens)
         self.num_slots, self.tokens_per_slot = schedule.num_slots, schedule.tokens_per_slot
         tokens_per_slot = self.tokens_per_slot
         if self.tokens_per_slot is not None and self.tokens_per_slot > self.max_tokens:
@@ -954,7 +948,7 @@ class MoE(Closing):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(_check_int("warmup", warmup, 0)):
+            for _ in range(check_int("warmup", warmup, 0)):
                 self.forward(x, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
@@ -1029,10 +1023,10 @@ class MoE(Closing):
         self._check_open()
         if name not in ("x", "x_sf", "topk_idx", "topk_weights"):
             raise ConfigError(f"name={name!r}: expected one of 'x', 'x_sf', 'topk_idx', 'topk_weights'")
-        slot = _check_int("slot", slot, 0)
+        slot = check_int("slot", slot, 0)
         if slot >= self.num_slots:
             raise ConfigError(f"slot={slot}: expected < num_slots={self.num_slots}")
-        num_tokens = _check_int("num_tokens", num_tokens, 0)
+        num_tokens = check_int("num_tokens", num_tokens, 0)
         if num_tokens > self.tokens_per_slot:
             raise ConfigError(f"num_tokens={num_tokens}: expected at most tokens_per_slot={self.tokens_per_slot}")
         region = self.ring.layout[name]
