@@ -1,12 +1,13 @@
-"""Small random transformers MoE models (`symmring.moe.integrations.tiny`, re-exported here) and a CPU stand-in of the GPU
-layer, shared by tests/test_moe_module.py (CPU), tests/mpi/test_moe_module_mpi.py and tests/gpu/test_moe_module.py.
+"""Small random transformers MoE models (`symmring.moe.integrations.tiny`, re-exported here) and a CPU stand-in
+of the GPU layer, shared by tests/test_moe_module.py (CPU), tests/mpi/test_moe_module_mpi.py and tests/gpu/test_moe_module.py.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from symmring.moe.integrations.tiny import DOWN_SCALE, FAMILIES, input_ids, moe_blocks, tiny_config, tiny_model  # noqa: F401
+from symmring.moe.integrations.tiny import (DOWN_SCALE, FAMILIES, input_ids, moe_blocks, tiny_config,  # noqa: F401
+                                            tiny_model)
 
 
 class StandInLayer:

@@ -19,8 +19,8 @@ import symmring
 from symmring import deps
 
 #: Modules whose examples need torch (CPU is enough).
-NEEDS_TORCH = {"symmring.moe.routing", "symmring.moe.torch_ref", "symmring.moe.weights", "symmring.moe.integrations.module",
-               "symmring.moe.cpu.host_layer"}
+NEEDS_TORCH = {"symmring.moe.routing", "symmring.moe.torch_ref", "symmring.moe.weights",
+               "symmring.moe.integrations.module", "symmring.moe.cpu.host_layer"}
 #: Modules whose examples compile device code (nvcc and the nvidia-nvshmem wheel, no GPU).
 NEEDS_NVCC = {"symmring.jit"}
 #: GPU examples not yet marked ``# doctest: +SKIP``; their files belong to the GPU layer's work. strict:

@@ -10,7 +10,8 @@ import pytest
 from symmring.bench import gemm_decode
 from symmring.bench.moe import SHAPES
 from symmring.moe.engines import triton_small
-from symmring.moe.engines.triton_small import DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config, tile_programs
+from symmring.moe.engines.triton_small import (DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config,
+                                               tile_programs)
 
 NUM_SMS = 132
 TOKENS = (1, 2, 4, 8, 16, 32, 64)

@@ -330,8 +330,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                        "comma-separated words")
     parser.add_argument("--no-deepgemm", action="store_true", help="skip DeepGEMM even when importable")
     parser.add_argument("--decode", action="store_true",
-                        help="instead: decode sizes (1..128 tokens), the small-group kernels (triton_small: fused L1, L2) "
-                             "vs grouped_gemm_fp8 + swiglu_quant_fp8 (and DeepGEMM) vs the weight-read time")
+                        help="instead: decode sizes (1..128 tokens), the small-group kernels (triton_small: fused L1, "
+                             "L2) vs grouped_gemm_fp8 + swiglu_quant_fp8 (and DeepGEMM) vs the weight-read time")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="instead: every triton_small configuration per shape and token count (fused L1, L2)")
     parser.add_argument("--tokens", default="", help="with --decode/--decode-sweep: comma-separated token counts")

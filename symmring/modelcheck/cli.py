@@ -39,7 +39,8 @@ def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
         >>> main(["--config", "1,1,2,3,2", "--mutant", "reset_forgotten"])  # doctest: +SKIP
         0
     """
-    parser = argparse.ArgumentParser(prog="python -m symmring.modelcheck", description=sys.modules[__package__].__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m symmring.modelcheck",
+                                     description=sys.modules[__package__].__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI-size configurations")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     parser.add_argument("--config", metavar="P,Q,S,N,C", help="check only this configuration")

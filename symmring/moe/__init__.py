@@ -1,6 +1,7 @@
 """MoE layers and their parts. The torch-facing names load on first use (symmring imports without torch):
 
-* `MoEModule` (`symmring.moe.integrations.module`): the GPU layer as a ``torch.nn.Module``, its forward a torch custom op;
+* `MoEModule` (`symmring.moe.integrations.module`): the GPU layer as a ``torch.nn.Module``, its forward a torch
+  custom op;
 * `from_hf`, `replace_moe_blocks` (`symmring.moe.integrations.hf`): build it from transformers MoE blocks.
 """
 

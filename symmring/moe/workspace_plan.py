@@ -146,8 +146,8 @@ def expert_arena(shape: LayerShape, rows: int) -> Dict[str, Tuple[int, int]]:
     sends ``out`` (its rdma puts are complete before its grid ends), and only then does the next pass's
     dispatch write the pool again. So only parts alive at one time must not overlap: (pool, h), (h, act)
     and (act, out). (The engine's small-group path fuses L1 with SwiGLU, so it reads the pool while it
-    writes its activations: those come from torch, `LayerShape.scratch_bytes`.) ``out`` and ``h`` start at 0, the pool follows ``h``, ``act`` follows both ``h`` and
-    ``out``. bf16 pools (the torch engine keeps its own ``h`` and activations): the pool and ``out`` at 0.
+    writes its activations: those come from torch, `LayerShape.scratch_bytes`.) ``out`` and ``h`` start
+    at 0, the pool follows ``h``, ``act`` follows both ``h`` and ``out``. bf16 pools (the torch engine keeps its own ``h`` and activations): the pool and ``out`` at 0.
 
     Example (DeepSeek-V3 at EP8, 4096 tokens per rank: 512 MiB instead of 1000 MiB side by side):
         >>> arena = expert_arena(LayerShape(7168, 2048, 256, 8), 32768)

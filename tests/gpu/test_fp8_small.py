@@ -213,7 +213,8 @@ def test_small_errors(device):
     with pytest.raises(ConfigError, match="split_k=3: more splits than K blocks"):
         triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
     with pytest.raises(ConfigError, match="split_k=3"):
-        triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(128, 16, split_k=3))
+        triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx,
+                                                         config=SmallConfig(128, 16, split_k=3))
     assert SmallConfig(128, 16, 4, 4).name == "n128t16w4s4" and SmallConfig(64, 16, split_k=2).name == "n64t16w4s4k2"
     empty = triton_small.grouped_gemm_fp8_small(a[:0], a_sf[:0], b, b_sf, m_idx[:0])
     assert tuple(empty.shape) == (0, 256)

@@ -1,4 +1,5 @@
-"""Optional DeepGEMM engine for the fp8 expert GEMMs: the same contract as `symmring.moe.engines.triton_large.grouped_gemm_fp8`.
+"""Optional DeepGEMM engine for the fp8 expert GEMMs: the same contract as
+`symmring.moe.engines.triton_large.grouped_gemm_fp8`.
 
 DeepGEMM (``deep_gemm``) is not a dependency: `deepgemm_status` says whether it can be used here and why
 not, and the layer falls back to the Triton engine. The build known to load next to torch 2.11 on the

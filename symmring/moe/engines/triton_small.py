@@ -14,8 +14,8 @@ time to read the touched experts' weights:
   the output's columns here; the epilogue stores them transposed back to ``out [M, N]`` rows (bf16).
 * `grouped_gemm_swiglu_quant_fp8_small`: L1 fused with SwiGLU and the 1x128 fp8 quantisation of L2's
   input. ``BLOCK_N = 128``: each program computes gate channels ``[n0, n0 + 128)`` and the matching up
-  channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]`` (`symmring.moe.engines.torch_bf16.fuse_gate_up`)
-  as two accumulators, so it owns exactly one 128-channel scale group of every row and needs nothing
+  channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]``
+  (`symmring.moe.engines.torch_bf16.fuse_gate_up`) as two accumulators, so it owns exactly one 128-channel scale group of every row and needs nothing
   from other programs. It writes L2's ``(q, q_sf)`` (scales MN-major, as ``swiglu_quant_fp8(sf_mn_major=True)``).
 
 Which tiles run

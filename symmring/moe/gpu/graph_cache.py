@@ -9,7 +9,8 @@ inputs, replays it and clones the static output (all on the current stream, no h
 
 * **Key**: everything that fixes the captured work: the plan's key (the call's token bucket, the
   schedule, small-batch, distinct experts; each rank's exact count is on the device, so one graph serves
-  every count up to its bucket on every rank: at most one graph per bucket, `symmring.moe.gpu.plan.token_bucket`), the routing kind, and for ``router_weight`` its data pointer
+  every count up to its bucket on every rank: at most one graph per bucket,
+  `symmring.moe.gpu.plan.token_bucket`), the routing kind, and for ``router_weight`` its data pointer
   and strides (the graph reads the router weight in place: another tensor is another key, one updated in
   place is read as it is at replay), for ``logits`` their dtype. ``x``, the logits and given
   ``topk_idx``/``topk_weights`` are copied into the graph's own static tensors.

@@ -1,4 +1,5 @@
-"""transformers MoE blocks to `symmring.moe.integrations.module.MoEModule`: Mixtral, Qwen3-MoE and DeepSeek-V3 (transformers 5.x).
+"""transformers MoE blocks to `symmring.moe.integrations.module.MoEModule`: Mixtral, Qwen3-MoE and DeepSeek-V3
+(transformers 5.x).
 
 The 5.x blocks share one expert layout, which is the layer's own: ``block.experts.gate_up_proj [E, 2I, H]``
 (gate rows, then up rows: the layer's fused ``w13``), ``block.experts.down_proj [E, H, I]`` and the router
@@ -217,8 +218,8 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         streaming: ``False``, ``True`` or ``"auto"``: the schedule of every call.
         device: where the layer's weights go (default: the CPU on the host backend, else the current CUDA
             device, the GPU layer's device).
-        layer_factory: builds the layer (default: by the backend, `symmring.moe.integrations.module.default_layer_factory`;
-            tests pass a stand-in).
+        layer_factory: builds the layer (default: by the backend,
+            `symmring.moe.integrations.module.default_layer_factory`; tests pass a stand-in).
         workspace: passed to the layer when given (`symmring.moe.integrations.module.MoEModule`).
         expert_dtype: the `symmring.moe.config.Experts` field of the experts `from_hf` makes from the block's
             (None: what the engine needs, else bf16; ``"fp8"``: quantised once by the GPU layer).
@@ -256,8 +257,8 @@ def from_hf(block, ctx, *, max_tokens: int, streaming=False, device=None, layer_
         w_down = spec["down_proj"][begin:begin + local].to(device)
         if routing.bias is not None:
             routing = routing.with_bias(routing.bias.detach().to(device))
-    return _module_cls()(ctx, Experts(w_gate, w_up, w_down, expert_dtype=expert_dtype), routing, router_weight=spec["router_weight"],
-                         max_tokens=max_tokens, router_dtype=spec["router_dtype"],
+    return _module_cls()(ctx, Experts(w_gate, w_up, w_down, expert_dtype=expert_dtype), routing,
+                         router_weight=spec["router_weight"], max_tokens=max_tokens, router_dtype=spec["router_dtype"],
                          shared_experts=spec["shared_experts"], streaming=streaming, layer_factory=layer_factory,
                          checkpoint_names="hf", workspace=workspace, **layer_kwargs)
 

@@ -17,8 +17,8 @@ out) on the host backend; the module is the same class either way. ``forward(hid
   ``state_dict()`` is this rank's experts in the engine's layout; ``load_state_dict`` copies into the
   layer's tensors in place (dtype and shape must match: a `ConfigError` otherwise; ``assign=True`` is
   refused) and then lets the engine re-derive what it keeps beside them
-  (`symmring.moe.engines.ExpertEngine.refresh_weights`) and drops the layer's cached graphs. ``.to()``/``.half()``/``.cuda()`` leave the
-  layer's tensors as they are (they live in the layer's fixed layout on its GPU); the router weight and
+  (`symmring.moe.engines.ExpertEngine.refresh_weights`) and drops the layer's cached graphs.
+  ``.to()``/``.half()``/``.cuda()`` leave the layer's tensors as they are (they live in the layer's fixed layout on its GPU); the router weight and
   the shared experts follow.
 * **Inference only.** The layer has no backward: a call with an input that requires grad while grad is
   enabled is a `ConfigError`; run under ``torch.no_grad()`` or ``torch.inference_mode()``.
