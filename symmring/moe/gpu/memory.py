@@ -215,6 +215,7 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
+            combine_tokens=max_tokens,
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
             call_tokens=self.call_tokens)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
