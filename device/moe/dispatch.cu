@@ -264,19 +264,23 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
 // contiguous run of experts, then a shared-memory scan over the threads' sums.
 // The plan's bounds of the window whose first chunk is chunk_idx: an expert with more than rows_per_expert
 // rows, or a total past window_rows (the rows its passes cover), records pool_overflow (bounds.cuh), which
-// aborts the ring: the pulls after this kernel then return at entry, so no row is dropped silently.
+// aborts the ring, and leaves an empty layout (every group empty, total 0): the pulls after this kernel
+// return at entry, so no row is dropped silently, and an engine that reads group_end (the torch engine)
+// computes no row past the pool.
 extern "C" __global__ void moe_dispatch_scan(const RingDescriptor* desc_ptr, int chunk_idx, const int* counts,
                                              int* begin, int* group_end, int* cursor, int* total,
                                              int num_local_experts, int align, int expert_begin, int window_rows,
                                              int rows_per_expert) {
     const RingDescriptor& d = *desc_ptr;
     extern __shared__ int partial[];  // [blockDim.x]
+    __shared__ int overflow;
     const int per_thread = (num_local_experts + blockDim.x - 1) / blockDim.x;
     const int first = threadIdx.x * per_thread;
     auto span = [align](int count) { return (count + align - 1) / align * align; };
     int sum = 0;
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += span(counts[e]);
     partial[threadIdx.x] = sum;
+    if (threadIdx.x == 0) overflow = 0;
     __syncthreads();
     // Hillis-Steele inclusive scan of the per-thread sums.
     for (int offset = 1; offset < blockDim.x; offset *= 2) {
@@ -285,20 +289,27 @@ extern "C" __global__ void moe_dispatch_scan(const RingDescriptor* desc_ptr, int
         partial[threadIdx.x] += add;
         __syncthreads();
     }
-    int running = partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
+    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
+        if (counts[e] > rows_per_expert) {
+            overflow = 1;
+            record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e], expert_begin + e);
+        }
+    }
+    const int rows = partial[blockDim.x - 1];
+    if (threadIdx.x == blockDim.x - 1 && rows > window_rows) {
+        overflow = 1;
+        record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, window_rows, rows);
+    }
+    __syncthreads();
+    const bool empty = overflow != 0;
+    int running = empty ? 0 : partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
         begin[e] = running;
         cursor[e] = running;
-        group_end[e] = running + counts[e];
-        running += span(counts[e]);
-        if (counts[e] > rows_per_expert)
-            record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e], expert_begin + e);
+        group_end[e] = running + (empty ? 0 : counts[e]);
+        running += empty ? 0 : span(counts[e]);
     }
-    if (threadIdx.x == blockDim.x - 1) {
-        total[0] = partial[threadIdx.x];
-        if (partial[threadIdx.x] > window_rows)
-            record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, window_rows, partial[threadIdx.x]);
-    }
+    if (threadIdx.x == blockDim.x - 1) total[0] = empty ? 0 : rows;
 }
 
 // One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes

@@ -180,6 +180,8 @@ class State:
     None: the plan's counts are exact.
     combine_tokens: the logical tokens every PE's combine rows hold (the workspace's ``max_tokens``): the
     combine sends no row whose token lies past them (device/moe/bounds.cuh).
+    bad_groups: int32 [2], where the fp8 engines' Triton GEMMs report pool rows naming no local expert
+    (`symmring.moe.engines.Pool.bad_groups`; `symmring.moe.gpu.MoE.check_errors` raises it), or None.
     """
 
     desc: object
@@ -217,6 +219,7 @@ class State:
     pass_group_end: object = None
     scratch: object = None
     call_tokens: object = None
+    bad_groups: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -235,7 +238,8 @@ class State:
             _torch_sub_clamp(self.group_end, pass_begin, rows, out=group_end)
         if self.pool_sf is None:
             return Pool(x=self.pool_x, group_end=group_end)
-        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
+        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices,
+                    bad_groups=self.bad_groups)
 
 
 def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
