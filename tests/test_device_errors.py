@@ -125,3 +125,17 @@ def test_ranks_aborted_by_a_pool_overflow_name_it():
     error = _kernels(rank=0)._device_error([0] * layout.ERROR_WORDS, word)
     assert isinstance(error, ProtocolAborted)
     assert (error.origin, error.origin_kind, error.origin_chunk) == (2, "pool_overflow", 4)
+
+
+def test_skipped_group_report_names_the_id_and_clears():
+    """The expert GEMMs' report of tiles skipped for a group id outside [-1, E) (`State.bad_groups`) becomes
+    a BackendError naming the id, and is cleared so the next check passes; nothing reported, no error."""
+    torch = pytest.importorskip("torch")
+    from symmring.errors import BackendError
+    from symmring.moe.gpu.layer import _skipped_groups
+    state = types.SimpleNamespace(bad_groups=torch.tensor([3, 11], dtype=torch.int32))
+    error = _skipped_groups(state, 2, 8)
+    assert isinstance(error, BackendError)
+    assert "rank 2:" in str(error) and "3 tile(s)" in str(error) and "naming group 11, outside [-1, 8)" in str(error)
+    assert state.bad_groups.tolist() == [0, 0] and _skipped_groups(state, 2, 8) is None
+    assert _skipped_groups(types.SimpleNamespace(bad_groups=None), 0, 8) is None  # a bf16 pool: no report

@@ -127,6 +127,20 @@ def _check_values(experts, routing, schedule):
     return experts, routing, schedule
 
 
+def _skipped_groups(state, rank: int, num_local_experts: int) -> Optional[BackendError]:
+    """The error of what the fp8 GEMMs reported in ``state.bad_groups`` (tiles skipped for a group id outside
+    ``[-1, E)``), the report then cleared; None when nothing was skipped (after a synchronisation)."""
+    if state.bad_groups is None:
+        return None
+    tiles, value = (int(v) for v in state.bad_groups.tolist())
+    if not tiles:
+        return None
+    state.bad_groups.zero_()
+    return BackendError(f"rank {rank}: the expert GEMMs skipped {tiles} tile(s) of pool rows naming group {value}, "
+                        f"outside [-1, {num_local_experts}) (stale or corrupt group ids); those rows were not "
+                        "computed and the call's output is not valid")
+
+
 def _check_delays(name: str, delays) -> Dict[int, int]:
     if delays is None:
         return {}
@@ -1054,24 +1068,13 @@ class MoE(Closing):
             torch.cuda.synchronize()
             raise ConfigError(f"topk_idx: expert id {value} of token {token} (k={k}) on rank {src} is outside "
                               f"[-1, num_experts={self.num_experts}); that entry contributed nothing")
-        self._check_bad_groups()
+        skipped = _skipped_groups(self._state, self.rank, self.num_local_experts)
+        if skipped is not None:
+            raise skipped
         if status & stages.STATUS_NO_PEER_MAPPING:
             raise BackendError(f"rank {self.rank}: a peer's ring slot was readable neither through a P2P mapping "
                                f"nor from the staging ring (transports {self.transports}): an rdma peer without "
                                "a staging ring")
-
-    def _check_bad_groups(self) -> None:
-        """Raise what the fp8 GEMMs reported in `State.bad_groups` (tiles skipped for a group id outside
-        ``[-1, E)``), clearing it (after check_errors' synchronisation)."""
-        report = self._state.bad_groups
-        if report is None:
-            return
-        tiles, value = (int(v) for v in report.tolist())
-        if tiles:
-            report.zero_()
-            raise BackendError(f"rank {self.rank}: the expert GEMMs skipped {tiles} tile(s) of pool rows naming group "
-                               f"{value}, outside [-1, {self.num_local_experts}) (stale or corrupt group ids); "
-                               "those rows were not computed and the call's output is not valid")
 
     def reset(self) -> None:
         """Collective: clear the workspace's rings, combine buffer and error state (after a ProtocolTimeout;
