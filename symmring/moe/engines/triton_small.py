@@ -113,9 +113,9 @@ Split-K (``split_k > 1``)
       after a synchronisation: no replay in flight), so captures and evictions leave the arenas as they found
       them; a graph captured outside one (``torch.cuda.graph`` around a call, by hand) keeps its slices for
       the process. An eager launch makes another arena only when none has half of one free (or this launch's
-      count) in one piece, and an arena that gets all its counters back is freed while another remains. Where
-      no arena has room (a capture before any eager split launch on the device) the launch takes its own
-      ``torch.zeros`` buffer inside the capture: correct, at the cost of one memset node in that graph
+      count) in one piece, and an arena that gets all its counters back is freed where another has half of one
+      free. Where no arena has room (a capture before any eager split launch on the device) the launch takes
+      its own ``torch.zeros`` buffer inside the capture: correct, at the cost of one memset node in that graph
       (logged once).
 
     ``split_k`` larger than the K blocks is a `ConfigError` (a split of no blocks would only add zeros);
