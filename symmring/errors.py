@@ -6,9 +6,9 @@ what, and who did not answer, so a stalled rank is identified rather than merely
 ``PeerTimeout`` is the same for a host collective (a barrier or an exchange of `symmring.collective`)
 that a rank did not reach in time; its subclass ``ProtocolAborted`` is a device wait that gave up because
 another rank recorded a device error first (it names that rank and its error). ``ProtocolViolation``
-(``StalePayload``, ``DoubleAck``) is a device check that found the protocol broken. ``BrokenStateError``
-is what a context, ring or layer raises after such a failure left the ranks in an unknown state, until it
-is re-initialised.
+(``StalePayload``, ``DoubleAck``, ``PoolOverflow``) is a device check that found the protocol broken.
+``BrokenStateError`` is what a context, ring or layer raises after such a failure left the ranks in an
+unknown state, until it is re-initialised.
 """
 
 from __future__ import annotations
@@ -174,6 +174,41 @@ class DoubleAck(ProtocolViolation):
         msg = (f"rank {rank}: acknowledged chunk {chunk} (slot {slot}) of rank {peer} twice: its bit "
                f"{expected:#x} was already set in rank {peer}'s mask word ({observed:#x} before the OR)")
         super().__init__("double_ack", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
+
+
+class PoolOverflow(ProtocolViolation):
+    """A MoE kernel found more rows than the call's plan bounded (or a row whose token lies past its owner's
+    combine rows) and wrote none of them past its buffer: the ranks planned different calls (a call refused on
+    one rank only, a stale slot), so the call's rows would not be right. The kernel aborted the ring on every
+    rank (device/moe/bounds.cuh); ``reset`` is the way back.
+
+    Attributes (beyond `ProtocolViolation`'s, where ``kind`` is ``"pool_overflow"``, ``expected`` the bound and
+    ``observed`` what was found):
+        bound: ``"window_rows"`` (the pool rows of the window's passes), ``"expert_rows"`` (the rows one
+            expert may hold) or ``"combine_token"`` (the tokens of every combine buffer).
+        expert: the global expert id of ``"expert_rows"``, else None.
+    """
+
+    BOUNDS = ("window_rows", "expert_rows", "combine_token")
+
+    def __init__(self, *, rank: int, peer: int, slot: int, chunk: int, expected: int, observed: int, what: int,
+                 advice: str = ""):
+        code, expert = what & 0xFF, what >> 8
+        self.bound = self.BOUNDS[code] if code < len(self.BOUNDS) else f"bound {code}"
+        self.expert = expert if self.bound == "expert_rows" else None
+        if self.bound == "combine_token":
+            found = (f"a row of chunk {chunk} names token {observed} of rank {peer}, outside the {expected} tokens "
+                     "of its combine rows")
+        elif self.bound == "expert_rows":
+            found = (f"expert {expert} holds {observed} rows of the window at chunk {chunk}, more than the "
+                     f"{expected} the call's plan bounded")
+        else:
+            found = (f"the window at chunk {chunk} holds {observed} pool rows, more than the {expected} the call's "
+                     "plan covers")
+        msg = (f"rank {rank}: pool overflow: {found} (the ranks planned different calls, or a slot was stale); "
+               "no row was written past its buffer and the call's output is not valid")
+        super().__init__("pool_overflow", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
                          expected=expected, observed=observed)
 
 

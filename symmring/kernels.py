@@ -35,11 +35,11 @@ import numpy as np
 from . import agreement, env, protocol
 from . import transport as transport_mod
 from .backends.base import DeviceBackend
-from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError,
-                     StalePayload, SymmringError)
+from .errors import (BackendError, ConfigError, DoubleAck, PoolOverflow, ProtocolAborted, ProtocolTimeout,
+                     RingClosedError, StalePayload, SymmringError)
 from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_DOUBLE_ACK, ERROR_KIND_NAMES, ERROR_KIND_NONE,
-                     ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS, RingLayout, RingSpec,
-                     unpack_abort)
+                     ERROR_KIND_POOL_OVERFLOW, ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS,
+                     RingLayout, RingSpec, unpack_abort)
 from .closing import Closing
 
 logger = logging.getLogger(__name__)
@@ -434,6 +434,8 @@ class RingKernels:
             ProtocolAborted: a wait (or kernel) of this PE gave up because another PE recorded an error
                 first; names that PE and its error.
             StalePayload, DoubleAck: a device detector found the protocol broken (`ProtocolViolation`).
+            PoolOverflow: a MoE kernel found more rows than its call's plan bounded and wrote none past its buffer
+                (`ProtocolViolation`; the ranks planned different calls).
 
         The error is also recorded with the context's collectives (`Collectives.record_fault`: until a
         collective completes on every rank, exiting aborts the job rather than waiting for a rank that may
@@ -478,6 +480,9 @@ class RingKernels:
         if kind == ERROR_KIND_DOUBLE_ACK:
             return DoubleAck(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
                              observed=observed & _U64, advice=RESET_ADVICE)
+        if kind == ERROR_KIND_POOL_OVERFLOW:  # bound and found are signed (a token below 0 is one)
+            return PoolOverflow(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected, observed=observed,
+                                what=missing & _U64, advice=RESET_ADVICE)
         missing_ranks = ()
         if kind == ERROR_KIND_REUSE and read_masks:
             W = self.layout.mask_words

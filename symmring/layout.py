@@ -49,9 +49,16 @@ META_COLUMNS = 4
 ERROR_WORDS = 8
 (ERROR_KIND_NONE, ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE, ERROR_KIND_ABORTED,
  ERROR_KIND_STALE_PAYLOAD, ERROR_KIND_DOUBLE_ACK) = range(8)
+#: A MoE kernel found more rows than its plan bounded (or a token past its owner's combine rows) and wrote
+#: none past its buffer (device/moe/bounds.cuh); the record's ``missing`` word says which bound (OVERFLOW_*).
+ERROR_KIND_POOL_OVERFLOW = 10
 ERROR_KIND_NAMES = {ERROR_KIND_ROUTE: "route_ready", ERROR_KIND_LAYOUT: "layout_ready",
                     ERROR_KIND_REUSE: "reuse", ERROR_KIND_COMBINE: "combine", ERROR_KIND_ABORTED: "aborted",
-                    ERROR_KIND_STALE_PAYLOAD: "stale_payload", ERROR_KIND_DOUBLE_ACK: "double_ack"}
+                    ERROR_KIND_STALE_PAYLOAD: "stale_payload", ERROR_KIND_DOUBLE_ACK: "double_ack",
+                    ERROR_KIND_POOL_OVERFLOW: "pool_overflow"}
+#: The bound a pool_overflow record names (the low byte of its ``missing`` word; device/moe/bounds.cuh
+#: OverflowBound): the window's rows, one expert's rows (its global id above the byte), a combine token.
+OVERFLOW_WINDOW_ROWS, OVERFLOW_EXPERT_ROWS, OVERFLOW_COMBINE_TOKEN = range(3)
 #: Kinds that are timeouts of a wait (the others are raised by detectors, or by an abort).
 ERROR_TIMEOUT_KINDS = (ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE)
 

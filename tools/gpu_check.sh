@@ -8,6 +8,7 @@
 #   tests     env compile kernels pe1 pe2 pe4         every GPU test on 1, 2 and 4 PEs (MPS): four calls' worth,
 #   kernels, tests1, tests2, tests4                   so also one preset per part (env compile kernels|peN)
 #   extra     env compile slow blocking blocking2     1000 graph replays; serialized kernels
+#   flat      env compile flat1                       10,000 cached calls: device memory flat (one PE)
 #   bench     env compile gemm moe                    the fp8 GEMM sweep and the layer benchmark
 #   stream    env compile stream stream_graph         streamed vs batch (eager, CUDA graphs)
 # stages:
@@ -17,7 +18,10 @@
 #             configuration they cover, several minutes), one PE
 #   pe1       pytest tests/gpu but those, one PE (-m "not slow")
 #   pe2, pe4  the same under python -m symmring.launch -n 2|4 --mps (one GPU shared under CUDA MPS)
-#   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager)
+#   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager), but
+#             test_moe_bounds.py's (the flat stages)
+#   flat1, flat3  tests/gpu/test_moe_bounds.py -m slow on 1 PE, or 3 under MPS: 10,000 cached calls through a
+#             2-graph cache, memory_allocated / split-K counters / workspace bytes flat ("[figure] bounds memory")
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
 #   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs: the two-stream ring kernels
 #   faults    tests/gpu/test_layer_faults.py: late/exiting/stalled PE jobs of 2 and 4 PEs (MPS), one process
@@ -89,6 +93,7 @@ for a in "${@:-tests}"; do
     tests1|tests2|tests4) steps+=(env compile "pe${a#tests}") ;;
     kernels) steps+=(env compile kernels1) ;;
     extra) steps+=(env compile slow blocking blocking2) ;;
+    flat) steps+=(env compile flat1) ;;
     bench) steps+=(env compile gemm moe) ;;
     stream) steps+=(env compile stream stream_graph) ;;
     *) steps+=("$a") ;;
@@ -105,7 +110,9 @@ for s in "${steps[@]}"; do
     pe1) stage pe1 480 "${PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe2) stage pe2 480 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe4) stage pe4 480 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
-    slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow ;;
+    slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow --ignore tests/gpu/test_moe_bounds.py ;;
+    flat1) stage flat1 540 "${PYTEST[@]}" --timeout 900 tests/gpu/test_moe_bounds.py -m slow ;;
+    flat3) stage flat3 540 "${LAUNCH[@]}" -n 3 -- "${MPI_PYTEST[@]}" --timeout 900 tests/gpu/test_moe_bounds.py -m slow ;;
     blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 120 "${PYTEST[@]}" -m "not slow" tests/gpu/test_kernels.py \
                 tests/gpu/test_moe_streamed.py tests/gpu/test_moe_fp8.py \
                 -k "two_streams or random_delays or schedules or token_counts or whole_window or graph_replay_matches" ;;

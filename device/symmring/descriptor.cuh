@@ -19,9 +19,11 @@ enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 
 // Timeouts (route, layout, reuse, combine); kErrorAborted: a wait of this PE gave up because another PE
 // raised the ring's abort word; kErrorStalePayload: a slot's meta row did not name the awaited chunk and
 // generation after its readiness was acquired; kErrorDoubleAck: this PE's acknowledgement bit was already
-// set in the owner's mask when it acknowledged.
+// set in the owner's mask when it acknowledged; kErrorPoolOverflow: a MoE kernel found more rows (or a
+// token further) than its plan bounded and wrote none past its buffer (device/moe/bounds.cuh).
 enum ErrorKind : int64_t { kErrorNone = 0, kErrorRoute = 1, kErrorLayout = 2, kErrorReuse = 3,
-                           kErrorCombine = 4, kErrorAborted = 5, kErrorStalePayload = 6, kErrorDoubleAck = 7 };
+                           kErrorCombine = 4, kErrorAborted = 5, kErrorStalePayload = 6, kErrorDoubleAck = 7,
+                           kErrorPoolOverflow = 10 };
 
 // The abort word (layout.ABORT_*): one uint64 per PE, 0 while the ring runs. A PE that records a device
 // error stores (1 << kAbortFlagShift) | kind << kAbortKindShift | origin << kAbortOriginShift |

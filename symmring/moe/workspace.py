@@ -161,15 +161,22 @@ class Workspace(Closing):
         if self._device is not None:
             # The layers attached so far get their views of the new memory; what addressed the old memory
             # goes: their cached graphs and plans now, graphs captured by hand at their replay (`epoch`).
-            for layer in self.layers():
-                layer.forget_workspace_memory()
-            import torch
-            torch.cuda.synchronize()  # no kernel of an earlier call still uses the memory freed below
+            self.release_memory()
             requests = self._device.requests
             self._device.close()
         self._device = DeviceMemory(self, self.plan)
         self.epoch += 1
         self._device.rebind(requests)
+
+    def release_memory(self) -> None:
+        """Before GPU memory of this workspace is freed or moves (`attach` makes it anew; `DeviceMemory` grows a
+        part of it): synchronise the device, so no queued call or graph replay still uses it, and drop what the
+        layers attached so far keep that addresses it (their cached graphs and plans). The caller then bumps
+        `epoch`, so a graph of `symmring.moe.gpu.MoE.capture` refuses to replay."""
+        for layer in self.layers():
+            layer.forget_workspace_memory()
+        import torch
+        torch.cuda.synchronize()
 
     @property
     def _bounded(self) -> bool:

@@ -127,6 +127,20 @@ def _check_values(experts, routing, schedule):
     return experts, routing, schedule
 
 
+def _skipped_groups(state, rank: int, num_local_experts: int) -> Optional[BackendError]:
+    """The error of what the fp8 GEMMs reported in ``state.bad_groups`` (tiles skipped for a group id outside
+    ``[-1, E)``), the report then cleared; None when nothing was skipped (after a synchronisation)."""
+    if state.bad_groups is None:
+        return None
+    tiles, value = (int(v) for v in state.bad_groups.tolist())
+    if not tiles:
+        return None
+    state.bad_groups.zero_()
+    return BackendError(f"rank {rank}: the expert GEMMs skipped {tiles} tile(s) of pool rows naming group {value}, "
+                        f"outside [-1, {num_local_experts}) (stale or corrupt group ids); those rows were not "
+                        "computed and the call's output is not valid")
+
+
 def _check_delays(name: str, delays) -> Dict[int, int]:
     if delays is None:
         return {}
@@ -302,7 +316,6 @@ class MoE(Closing):
         self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
                                       expert_format=self.engine.pool_format)
         self.workspace.attach(self.layer_shape, self.max_tokens)
-        self.workspace.register(self)
         ws_plan = self.workspace.plan
         if self.num_slots is None and self.tokens_per_slot is None:
             # The workspace's chunk (its windows are whole chunks), and a ring a batch call of max_tokens fits.
@@ -321,6 +334,8 @@ class MoE(Closing):
         self._bind_key = self.workspace.gpu.bind(self.layer_shape, num_slots=self.num_slots,
                                                  tokens_per_slot=self.tokens_per_slot, transport=transport,
                                                  timeout_s=self.timeout_s, align=align)
+        # Once bound: a later growth of the workspace's memory (`Workspace.release_memory`) reaches this layer.
+        self.workspace.register(self)
         self.spec = self.ring.spec
         #: How this PE reaches each rank ("self", "p2p", "rdma"; `symmring.transport`).
         self.transports = self.ring.transports
@@ -689,13 +704,14 @@ class MoE(Closing):
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         caller = torch.cuda.current_stream()
+        from ..engines import capture_scope
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            with capture_scope() as held, torch.cuda.graph(graph, pool=self._graph_pool):
                 y = torch.empty((rows, self.hidden), dtype=torch.bfloat16, device=self.device)
                 self._enqueue(plan, inputs[0], kind, static_source, y)
         finally:
             torch.cuda.set_stream(caller)  # a failed capture_end would leave the capture stream current
-        return graph_cache_mod.CachedGraph(graph, inputs, y)
+        return graph_cache_mod.CachedGraph(graph, inputs, y, held)
 
     def graph_cache_info(self) -> Dict[str, int]:
         """The cache of captured calls: ``entries``, ``capacity``, ``hits`` (eager calls that replayed),
@@ -953,9 +969,10 @@ class MoE(Closing):
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        from ..engines import capture_scope
+        with capture_scope() as held, torch.cuda.graph(graph):
             y = self.forward(x, **kwargs)
-        return CapturedCall(self, graph, int(x.shape[0])), y
+        return CapturedCall(self, graph, int(x.shape[0]), held), y
 
     def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool, List]:
         """Every rank's token count of this call, whether every rank routes with the layer's own router
@@ -1034,10 +1051,12 @@ class MoE(Closing):
                                  (num_tokens,) + tuple(region.slot_shape[1:]))
 
     def check_errors(self) -> None:
-        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `ConfigError`
+        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `PoolOverflow` (a
+        `ProtocolViolation`) if the device counted more rows than the call's plan bounded, `ConfigError`
         if a routed expert id was outside ``[-1, num_experts)`` (the entry was skipped; the record is cleared,
         so the next valid call works), or `BackendError` if a peer's slot could not be read (no mapping and no
-        staging ring: an internal inconsistency of the transports)."""
+        staging ring: an internal inconsistency of the transports) or the expert GEMMs skipped pool rows that
+        named no local expert (stale group ids; cleared like the expert id's record)."""
         self._check_open()
         self.ring.kernels.check_errors(synchronize=True)
         status = int(self._state.status.item())
@@ -1049,6 +1068,9 @@ class MoE(Closing):
             torch.cuda.synchronize()
             raise ConfigError(f"topk_idx: expert id {value} of token {token} (k={k}) on rank {src} is outside "
                               f"[-1, num_experts={self.num_experts}); that entry contributed nothing")
+        skipped = _skipped_groups(self._state, self.rank, self.num_local_experts)
+        if skipped is not None:
+            raise skipped
         if status & stages.STATUS_NO_PEER_MAPPING:
             raise BackendError(f"rank {self.rank}: a peer's ring slot was readable neither through a P2P mapping "
                                f"nor from the staging ring (transports {self.transports}): an rdma peer without "
@@ -1079,8 +1101,9 @@ class CapturedCall:
         graph: the ``torch.cuda.CUDAGraph``.
     """
 
-    def __init__(self, layer: MoE, graph, num_tokens: int):
+    def __init__(self, layer: MoE, graph, num_tokens: int, held=None):
         self.layer, self.graph, self.num_tokens = layer, graph, num_tokens
+        self.held = held  # what the engines' captured launches hold while the graph lives (`capture_scope`)
         self.epoch = layer.workspace.epoch  # the workspace memory this graph addresses
 
     def replay(self) -> None:

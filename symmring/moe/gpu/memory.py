@@ -157,14 +157,20 @@ class DeviceMemory:
 
     def _entry_rows(self, num_slots: int, tokens_per_slot: int, topk: int):
         """The entry map's view ``[num_slots, ranks, tokens_per_slot, topk]`` for a ring of that shape; a ring
-        larger than the plan's grows the map (local memory; the views of the bindings so far move with it)."""
+        larger than the plan's (a layer's own schedule) grows the map. Growing frees the old map, which queued
+        calls and the captured graphs of windows with passes address: the workspace first synchronises and
+        drops the layers' graphs (`Workspace.release_memory`), then the views of the bindings so far move to
+        the new map and the epoch moves on (graphs of `MoE.capture` refuse to replay), as when the workspace
+        makes its memory anew."""
         world = self.workspace.world_size
         words = entry_words(num_slots, world, tokens_per_slot, topk)
         if words > self.entry_rows.numel():
+            self.workspace.release_memory()
             self.entry_rows = _torch().empty(words, dtype=_torch().int32, device=self.device)
             for b in self._bindings.values():
                 s = b.state
                 s.entry_rows = self.entry_rows[: s.entry_rows.numel()].view(s.entry_rows.shape)
+            self.workspace.epoch += 1
         return self.entry_rows[:words].view(num_slots, world, tokens_per_slot, topk)
 
     def _make_binding(self, shape: LayerShape, num_slots: int, tokens_per_slot: int, transport, timeout_s: float,
@@ -215,6 +221,7 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
+            combine_tokens=max_tokens, bad_groups=torch.zeros(2, **i32) if fp8_pool else None,
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
             call_tokens=self.call_tokens)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -307,6 +314,8 @@ class DeviceMemory:
             s.counters.zero_()
             s.status.zero_()
             s.bad_id.zero_()
+            if s.bad_groups is not None:
+                s.bad_groups.zero_()
         self.m_indices.fill_(-1)  # a window cut short by a timeout leaves rows marked
         # The same stream as the fills above (torch's current one); the barrier synchronises the device.
         cupy.cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes, stream)
@@ -334,7 +343,8 @@ class DeviceMemory:
 
 def _dispatch_bytes(s: stages.State) -> int:
     return sum(t.numel() * t.element_size() for t in (s.counts, s.begin, s.group_end, s.cursor, s.total, s.status,
-                                                     s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end))
+                                                     s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end,
+                                                     s.bad_groups) if t is not None)
 
 
 class _Arena:

@@ -178,6 +178,10 @@ class State:
     replay): the producers and the reduce clamp the plan's token bounds to it on the device
     (device/moe/call_tokens.cuh), so a plan and a graph made for a token bucket serve any count up to it;
     None: the plan's counts are exact.
+    combine_tokens: the logical tokens every PE's combine rows hold (the workspace's ``max_tokens``): the
+    combine sends no row whose token lies past them (device/moe/bounds.cuh).
+    bad_groups: int32 [2], where the fp8 engines' Triton GEMMs report pool rows naming no local expert
+    (`symmring.moe.engines.Pool.bad_groups`; `symmring.moe.gpu.MoE.check_errors` raises it), or None.
     """
 
     desc: object
@@ -209,11 +213,13 @@ class State:
     combine_ready: np.uint64
     combine_rows: np.uint64
     stamps: object
+    combine_tokens: int
     entry_rows: object = None
     out_rows: object = None
     pass_group_end: object = None
     scratch: object = None
     call_tokens: object = None
+    bad_groups: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -232,7 +238,8 @@ class State:
             _torch_sub_clamp(self.group_end, pass_begin, rows, out=group_end)
         if self.pool_sf is None:
             return Pool(x=self.pool_x, group_end=group_end)
-        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
+        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices,
+                    bad_groups=self.bad_groups)
 
 
 def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
@@ -321,11 +328,14 @@ def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
             stream=stream, shared_mem=4 * s.num_local_experts)
 
 
-def scan(k: Kernels, s: State, stream) -> None:
+def scan(k: Kernels, s: State, stream, *, window: WindowStep) -> None:
     """Row offsets of every local expert's group (begin, group_end; groups aligned to ``s.align`` rows),
-    the rows spanned, and each expert's reservation cursor at its group's first row."""
-    k.scan((1,), (1024,), (_p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor), _p(s.total),
-                           np.int32(s.num_local_experts), np.int32(s.align)), stream=stream, shared_mem=4 * 1024)
+    the rows spanned, and each expert's reservation cursor at its group's first row; counts past ``window``'s
+    bounds (`WindowStep.rows_spanned`, `WindowStep.expert_rows_bound`) record pool_overflow."""
+    k.scan((1,), (1024,), (s.desc, np.int32(window.first), _p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor),
+                           _p(s.total), np.int32(s.num_local_experts), np.int32(s.align), np.int32(s.expert_begin),
+                           np.int32(window.rows_spanned), np.int32(window.expert_rows_bound)),
+           stream=stream, shared_mem=4 * 1024)
 
 
 def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep, pass_idx: int = 0) -> None:
@@ -367,7 +377,8 @@ def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pas
     rows = s.capacity if pass_rows is None else pass_rows
     k.combine_scatter((blocks(rows, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                       (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
-                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows)), stream=stream)
+                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows), np.int32(s.combine_tokens)),
+                      stream=stream)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
@@ -450,7 +461,8 @@ def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx
 def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool) -> None:
     """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, count, scan and pull in one
     grid of a block per token of all sources, at most `Kernels.spin_blocks` (each block a contiguous range of
-    tokens; every block counts every entry); ``ack_now``: EARLY."""
+    tokens; every block counts every entry); ``ack_now``: EARLY. Counts past the window's bounds (its
+    ``rows_bound`` pool rows, `WindowStep.expert_rows_bound`) record pool_overflow and place no row."""
     sf = s.pool_scales(window.rows_bound)
     shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
     k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
@@ -459,7 +471,8 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
               _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
               _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
               np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
-              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s)), stream=stream,
+              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s), np.int32(window.rows_bound),
+              np.int32(window.expert_rows_bound)), stream=stream,
              shared_mem=shared)
 
 
@@ -478,7 +491,7 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
             _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
             np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
             np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s), np.int32(end_call_chunks),
-            _counter(s, COUNTER_SEND))
+            _counter(s, COUNTER_SEND), np.int32(window.rows_bound), np.int32(s.combine_tokens))
     k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
@@ -543,7 +556,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "wait"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=False)
         count(k, s, stream, chunk=c)
-    scan(k, s, stream)
+    scan(k, s, stream, window=window)
     # rdma sources: the pull reads the staged layout (not staged yet with split waits) and routing (the
     # staging ring holds one chunk per source: a window of several chunks staged over it while counting).
     restage = (WAIT_LAYOUT if split_waits else 0) | (WAIT_ROUTE | WAIT_LAYOUT if len(window.chunks) > 1 else 0)
