@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 from . import protocol  # noqa: E402
 from .context import Context, finalize, init  # noqa: E402
-from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, DoubleAck,  # noqa: E402
-                     PeerTimeout, ProtocolAborted, ProtocolTimeout, ProtocolViolation, RingClosedError,
-                     StalePayload, SymmringError)
+from .errors import (BackendError, BrokenStateError, CallMismatch, CallRefused, CompileError,  # noqa: E402
+                     ConfigError, DoubleAck, PeerTimeout, ProtocolAborted, ProtocolTimeout, ProtocolViolation,
+                     RingClosedError, StalePayload, StepFailed, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.cpu.layer import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .moe.workspace import Workspace  # noqa: E402
@@ -27,4 +27,5 @@ __all__ = [
     "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes", "Workspace", "LayerShape",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
     "RingClosedError", "CompileError", "ProtocolAborted", "ProtocolViolation", "StalePayload", "DoubleAck",
+    "CallMismatch", "CallRefused", "StepFailed",
 ]
