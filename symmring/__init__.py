@@ -6,6 +6,11 @@ pulls ready chunks from every rank and acknowledges each slot with a per-rank bi
 ``docs/PROTOCOL.md``.
 
 Importing symmring has no side effects: nothing is initialised until `init()` is called.
+
+Threads: nothing here is thread-safe. A context, its workspaces, rings and layers belong to the thread that
+makes their calls: every call and collective is numbered in call order on each rank, and two threads would
+interleave them differently on each rank. `symmring.moe.gpu.MoE.async_error` (a read of pinned host memory,
+no device call, no collective) may be polled from another thread once every layer is built.
 """
 
 __version__ = "0.1.0"

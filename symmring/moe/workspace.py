@@ -226,6 +226,12 @@ class Workspace(Closing):
             return self.pool_rows_override
         return sys.maxsize  # CPU without a token bound: the pool grows to each chunk's arrivals
 
+    @property
+    def failed(self) -> bool:
+        """Whether a call or a step failed on this rank since the last `reset` (`failure`, or a step that a refused
+        call or an exception left, not yet raised at a step's entry)."""
+        return self.failure is not None or self._step_failure is not None
+
     def new_layer_id(self) -> int:
         """The id of a layer being built on this workspace: its place in construction order (every rank builds
         its layers in the same order; the layer's construction agreement checks it). The layer part of its calls'

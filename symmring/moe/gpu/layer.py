@@ -50,9 +50,13 @@ construction and a larger batch is a ConfigError before anything is enqueued.
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
 later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. Without
 a synchronisation (docs/PROTOCOL.md 10.2): the call's output is NaN, `MoE.async_error` returns the error
-latched in host memory, and the next `forward` raises it on every rank before enqueuing anything. With
-``SYMMRING_DEBUG=1`` every forward checks. After any device error, `MoE.reset` (collective) makes the layer
-usable again.
+latched in host memory, and the next `forward` outside a step, or the next `symmring.Workspace.step`, raises it
+on every rank before enqueuing anything; `CapturedCall.replay` raises this rank's. Every call carries its
+identity (call number and layer id, docs/PROTOCOL.md 3.2): in its exchange outside a step, in every meta row
+inside one, so ranks whose call sequences diverged raise `CallMismatch` instead of pairing calls; a call refused
+on one rank inside a step records ``peer_refused`` on its ring (`_refuse`). With ``SYMMRING_DEBUG=1`` every
+forward checks. After any device error, `MoE.reset` (collective: `symmring.Workspace.reset`) makes every layer
+of the workspace usable again.
 
 Example:
     >>> ctx = symmring.init("nvshmem")  # doctest: +SKIP
