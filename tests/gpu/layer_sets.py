@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moe_helpers import cuda_device as dev, to_torch
@@ -57,6 +58,25 @@ class GpuLayers(silent_rows.Adapter):
         delay = {0: int(stall_s * 1e9)} if stall_s else None  # this PE's consumer stalls past the bound
         y = self.call(layer, x, idx, weights, streaming=streaming, consumer_delay_ns=delay)
         return y.float().cpu().numpy()
+
+    def reference(self, layer, x, idx, weights):
+        """`silent_rows.reference_rows` in float64 torch on this GPU (plain torch ops, independent of the layer;
+        the NumPy one costs tens of ms per call, too slow for a soak of thousands of steps)."""
+        if not hasattr(self, "_w64"):
+            self._w64 = [tuple(torch.from_numpy(w).to(dev(), torch.float64) for w in (d.w_gate, d.w_up, d.w_down))
+                         for d in self.defs]
+        w_gate, w_up, w_down = self._w64[layer]
+        if x.shape[0] == 0:
+            return np.zeros((0, self.defs[layer].hidden))
+        x64 = torch.from_numpy(np.asarray(x, np.float64)).to(dev())
+        idx_t = torch.from_numpy(idx).to(dev(), torch.int64)
+        live = idx_t >= 0
+        e = idx_t.clamp(min=0)  # [n, K]
+        h = torch.einsum("nkih,nh->nki", w_gate[e], x64)
+        act = h / (1.0 + torch.exp(-h)) * torch.einsum("nkih,nh->nki", w_up[e], x64)
+        out = torch.einsum("nkhi,nki->nkh", w_down[e], act)
+        weights_t = torch.from_numpy(weights).to(dev(), torch.float64) * live
+        return (weights_t[:, :, None] * out).sum(1).cpu().numpy()
 
     def close(self):
         for layer in self.layers:

@@ -564,10 +564,15 @@ class MoE(Closing):
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
-                than the ring (nothing is enqueued); inside a step also more tokens than the step declared, or
-                given routing in a step declared ``own_router=True`` (`_step_counts`).
-            PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
-            BrokenStateError: an earlier host exchange of the context failed (re-initialise).
+                than the ring (nothing is enqueued): outside a step on every rank (the call's exchange carries
+                every rank's verdict); inside a step on this rank, also for more tokens than the step declared
+                or given routing in a step declared ``own_router=True``, and the call is refused (`_refuse`:
+                counted, ``peer_refused`` recorded on its ring, the step failed on every rank).
+            CallMismatch: outside a step, the ranks are at different calls or layers (on every rank, nothing
+                enqueued; until `reset`).
+            PeerTimeout: the ranks' token counts did not arrive within the host bound (a `ProtocolTimeout`).
+            BrokenStateError: an earlier host exchange of the context failed (re-initialise), or (on every rank,
+                outside a step) a step failed (`reset`).
             ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
                 (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
                 every rank and before anything is enqueued, until `reset`; with ``SYMMRING_DEBUG=1`` also a
