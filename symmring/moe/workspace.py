@@ -99,6 +99,31 @@ class Step:
         return token_bucket(max(self.counts), cap)
 
 
+def step_error(rank: int, entries, decode) -> Optional[BaseException]:
+    """The error every rank raises at a step's entry from the step's exchanged ``entries`` (each rank's count,
+    routing, latched device error words, calls made and failure text; the same list on every rank), or None:
+    a latched device error first (this rank's own, decoded from its words by ``decode``; else a
+    `ProtocolAborted` naming the first rank that latched one), then a `StepFailed` naming every rank that
+    reported a failed step, or that entered after another number of calls than this rank.
+
+    Example:
+        >>> entries = [(4, True, None, 7, None), (4, True, None, 7, "ConfigError left the step: x.shape")]
+        >>> print(step_error(0, entries, decode=None))  # doctest: +ELLIPSIS
+        rank 0: a model step failed on rank(s) [1] (rank 1: ConfigError left the step: x.shape); call reset()...
+        >>> step_error(1, [(4, True, None, 7, None)] * 2, decode=None) is None
+        True
+    """
+    from ..kernels import exchanged_error
+    latched = [e[2] for e in entries]
+    if any(words is not None for words in latched):
+        return exchanged_error(rank, latched, decode)
+    calls = entries[rank][3]
+    failures = {r: e[4] for r, e in enumerate(entries) if e[4]}
+    failures.update({r: f"entered the step after {e[3]} calls, rank {rank} after {calls}"
+                     for r, e in enumerate(entries) if e[3] != calls and r not in failures})
+    return StepFailed(rank, failures, RESET_ADVICE) if failures else None
+
+
 class Workspace(Closing):
     """The process's memory for MoE calls (see the module docstring). Nothing is allocated until a layer
     attaches (collectively).
@@ -137,9 +162,7 @@ class Workspace(Closing):
         self._layer_ids = 0  # layers built on it (their ids, in construction order)
         self._step_failure: Optional[str] = None  # this rank: what failed in a step (exchanged at the next entry)
         self.epoch = 0  # GPU: bumped each time the memory is made anew (a graph captured before cannot replay)
-        self._graph_epochs = weakref.WeakKeyDictionary()  # GPU: graph -> epoch it was captured at (`capture`)
-        self._raw_capture_epochs: set = set()  # GPU: epochs of layer calls captured into other CUDA graphs
-        self._capturing = 0  # GPU: inside `capture`
+        self._graphs = _GraphEpochs()  # GPU: the memory each captured graph addresses (`capture`, `replay`)
         self._layers: List["weakref.ref"] = []  # GPU layers attached (their views and graphs follow the memory)
         self.closed = False
         self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
@@ -307,7 +330,13 @@ class Workspace(Closing):
         mine = (num_tokens, own_router, latched, self.calls, self._failure_text())
         entries = [mine] if self.world_size == 1 else \
             self.ctx.collectives.allgather(mine, what="Workspace.step")
-        self._raise_step_errors(entries)
+        error = step_error(self.rank, entries, None if self._device is None else self._device.decode_latched)
+        if isinstance(error, StepFailed):
+            self.failure = error  # every rank: until reset
+        elif error is not None:
+            self.ctx.collectives.record_fault(error)  # a device error: exiting now aborts rather than hangs
+        if error is not None:
+            raise error
         self.active_step = Step(counts=tuple(int(e[0]) for e in entries), distinct=all(bool(e[1]) for e in entries))
         try:
             yield self.active_step
@@ -325,22 +354,6 @@ class Workspace(Closing):
         if isinstance(self.failure, StepFailed):  # already reported on every rank: not its whole text again
             return "a step failed earlier (no reset since)"
         return None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
-
-    def _raise_step_errors(self, entries) -> None:
-        """Raise on every rank what a step's exchanged ``entries`` (count, routing, latched words, calls, failure)
-        report: a latched device error, else a failed step, else ranks at different call counts."""
-        from ..kernels import exchanged_error
-        error = exchanged_error(self.rank, [e[2] for e in entries], self._device.decode_latched) \
-            if self._device is not None else None
-        if error is not None:
-            self.ctx.collectives.record_fault(error)  # as check_errors: exiting now aborts rather than hangs
-            raise error
-        failures = {r: e[4] for r, e in enumerate(entries) if e[4]}
-        failures.update({r: f"entered the step after {e[3]} calls, rank {self.rank} after {self.calls}"
-                         for r, e in enumerate(entries) if e[3] != self.calls and r not in failures})
-        if failures:
-            self.failure = StepFailed(self.rank, failures, RESET_ADVICE)  # every rank: until reset
-            raise self.failure
 
     def set_call_tokens(self, num_tokens: int) -> None:
         """GPU: this rank's token count for the next call or replay, enqueued on the current torch stream (a
@@ -366,20 +379,14 @@ class Workspace(Closing):
             >>> with ws.step(n, own_router=True), ws.capture(graph):               # doctest: +SKIP
             ...     y = model(x)
         """
-        torch = _torch()
-        self._capturing += 1
-        try:
-            with torch.cuda.graph(graph, **graph_kwargs):
+        with self._graphs.capturing(graph, self.epoch):
+            with _torch().cuda.graph(graph, **graph_kwargs):
                 yield graph
-        finally:
-            self._capturing -= 1
-        self._graph_epochs[graph] = self.epoch
 
     def note_capture(self) -> None:
         """A layer's call is being captured into a CUDA graph: outside `capture`, remember the memory's epoch (a
         graph `replay` cannot match to its capture is refused once the workspace grew after such a capture)."""
-        if not self._capturing:
-            self._raw_capture_epochs.add(self.epoch)
+        self._graphs.note_layer_call(self.epoch)
 
     def replay(self, graph, num_tokens: Optional[int] = None) -> None:
         """Replay a CUDA graph of layer calls (`capture`; `symmring.moe.gpu.CapturedCall.replay` uses it) on the
@@ -399,7 +406,7 @@ class Workspace(Closing):
         self.check_open()
         if self._device is None:
             raise ConfigError("Workspace.replay: a GPU workspace with a layer attached")
-        self._check_graph_epoch(graph)
+        self._graphs.check(graph, self.epoch)
         error = self._device.latched_error()
         if error is not None:
             raise error
@@ -409,19 +416,6 @@ class Workspace(Closing):
             self._device.begin_call(_token_count(num_tokens))
         graph.replay()
         self._device.end_of_call()
-
-    def _check_graph_epoch(self, graph) -> None:
-        epoch = self._graph_epochs.get(graph)
-        if epoch is None:  # captured outside `capture`: the epoch of its layers' calls, if no growth since any
-            if any(e != self.epoch for e in self._raw_capture_epochs):
-                raise ConfigError("Workspace.replay: this graph was not captured through Workspace.capture, and the "
-                                  "workspace grew (made its memory anew) after a layer call was captured outside "
-                                  "it: the graph may address freed memory; capture it again inside "
-                                  "Workspace.capture(graph)")
-            self._graph_epochs[graph] = epoch = self.epoch
-        if epoch != self.epoch:
-            raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
-                              "new); capture it again, or build every layer before capturing")
 
     # --- recovery -------------------------------------------------------------------------------------------
 
@@ -498,6 +492,45 @@ class Workspace(Closing):
         return (f"Workspace({self.device}, rank {self.rank}/{self.world_size}, max_tokens={self.max_tokens}, "
                 f"budget={self.budget}, shapes={len(self.shapes)}, calls={self.calls}"
                 f"{', closed' if self.closed else ''})")
+
+
+class _GraphEpochs:
+    """Which memory of a GPU workspace (its `Workspace.epoch`) each captured graph addresses: graphs of
+    `Workspace.capture` are registered when captured; a graph captured otherwise is registered at its first
+    `Workspace.replay`, unless the workspace grew since a layer call was captured outside `Workspace.capture`
+    (that graph may be one of them: refused)."""
+
+    def __init__(self):
+        self.epochs = weakref.WeakKeyDictionary()  # graph -> the epoch it addresses
+        self.raw_epochs: set = set()  # epochs at which a layer call was captured outside `capturing`
+        self.depth = 0  # inside `capturing`
+
+    @contextlib.contextmanager
+    def capturing(self, graph, epoch: int):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        self.epochs[graph] = epoch  # only a capture that completed
+
+    def note_layer_call(self, epoch: int) -> None:
+        if not self.depth:
+            self.raw_epochs.add(epoch)
+
+    def check(self, graph, epoch: int) -> None:
+        """Raise ConfigError unless ``graph`` addresses the memory of ``epoch`` (the workspace's current one)."""
+        captured = self.epochs.get(graph)
+        if captured is None:
+            if any(e != epoch for e in self.raw_epochs):
+                raise ConfigError("Workspace.replay: this graph was not captured through Workspace.capture, and the "
+                                  "workspace grew (made its memory anew) after a layer call was captured outside "
+                                  "it: the graph may address freed memory; capture it again inside "
+                                  "Workspace.capture(graph)")
+            self.epochs[graph] = captured = epoch
+        if captured != epoch:
+            raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
+                              "new); capture it again, or build every layer before capturing")
 
 
 class _HostMemory:
