@@ -27,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: silent_rows
 import silent_rows  # noqa: E402
 
-from symmring.errors import BrokenStateError, CallMismatch, StepFailed  # noqa: E402
+from symmring.errors import CallMismatch, StepFailed, SymmringError  # noqa: E402
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts  # noqa: E402
 from symmring.moe.workspace import Workspace  # noqa: E402
 
@@ -69,6 +69,16 @@ def need_ranks(comm, n: int = 2) -> None:
         pytest.skip(f"needs {n} or more ranks (mpiexec -n 3)")
 
 
+def on_layers(ctx, comm, seed, outcome, check, body) -> None:
+    """Run ``body(layers, problems)`` on a fresh `CpuLayers` (closed after), then the collective verdict."""
+    layers, problems = CpuLayers(ctx, seed), []
+    try:
+        outcome.run(body, layers, problems)
+    finally:
+        layers.close()
+    check(comm, not outcome.error and not problems, outcome.error + "; ".join(problems))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("second", [1, 2], ids=["same_ring", "other_ring"])
 def test_refused_call_in_a_step_raises_on_every_rank(ctx, comm, seed, outcome, check, figure, second):
@@ -88,19 +98,18 @@ def test_refused_call_in_a_step_raises_on_every_rank(ctx, comm, seed, outcome, c
 @pytest.mark.mpi
 def test_call_skipped_outside_a_step_raises_on_every_rank(ctx, comm, seed, outcome, check):
     need_ranks(comm)
-    layers = CpuLayers(ctx, seed)
-    rank, problems = comm.Get_rank(), []
+    rank = comm.Get_rank()
 
-    def call(li, step):
+    def call(layers, li, step):
         x, idx, w = silent_rows.step_inputs(seed, step, li, rank, 4, layers.defs[li], False)
         y = layers.forward(li, x, idx, w)
-        return silent_rows.wrong_rows(y, silent_rows.reference_rows(layers.defs[li], x, idx, w, "fp8_e4m3"), 1e-4)
+        return silent_rows.wrong_rows(y, layers.reference(li, x, idx, w), layers.rtol)
 
-    def body():
-        call(0, 0)  # every rank: layer A, agreed
+    def body(layers, problems):
+        call(layers, 0, 0)  # every rank: layer A, agreed
         # Rank 0 skips B and calls C; the others call B: the exchange names the layers, every rank raises.
         try:
-            call(2 if rank == 0 else 1, 1)
+            call(layers, 2 if rank == 0 else 1, 1)
             problems.append("a call of another layer than the other ranks' ran")
         except CallMismatch as exc:
             mine, theirs = (layers.layers[2], layers.layers[1]) if rank == 0 else (layers.layers[1], layers.layers[2])
@@ -108,7 +117,7 @@ def test_call_skipped_outside_a_step_raises_on_every_rank(ctx, comm, seed, outco
                     (mine.layer_id, theirs.layer_id, True):
                 problems.append(f"named {exc}")
         # Every rank calls C now: the same call number (a mismatched call counts nowhere), right rows.
-        if call(2, 2):
+        if call(layers, 2, 2):
             problems.append("wrong rows after the mismatch")
         # Rank 0 makes one call more (alone it cannot: any call is collective): emulate a rank whose count ran
         # ahead (a call the others never saw) -- every later call is refused on every rank until reset.
@@ -116,28 +125,23 @@ def test_call_skipped_outside_a_step_raises_on_every_rank(ctx, comm, seed, outco
             layers.ws.calls += 1
         for attempt in range(2):
             try:
-                call(0, 3 + attempt)
+                call(layers, 0, 3 + attempt)
                 problems.append(f"attempt {attempt}: a call at diverged counts ran")
             except CallMismatch:
                 pass
         layers.ws.reset()
-        if call(0, 5) or call(1, 6):
+        if call(layers, 0, 5) or call(layers, 1, 6):
             problems.append("wrong rows after reset")
 
-    try:
-        outcome.run(body)
-    finally:
-        layers.close()
-    check(comm, not outcome.error and not problems, outcome.error + "; ".join(problems))
+    on_layers(ctx, comm, seed, outcome, check, body)
 
 
 @pytest.mark.mpi
 def test_exception_leaving_a_step_fails_the_next_on_every_rank(ctx, comm, seed, outcome, check):
     need_ranks(comm)
-    layers = CpuLayers(ctx, seed)
-    rank, problems = comm.Get_rank(), []
+    rank = comm.Get_rank()
 
-    def body():
+    def body(layers, problems):
         try:
             with layers.ws.step(4, own_router=False):
                 x, idx, w = silent_rows.step_inputs(seed, 0, 0, rank, 4, layers.defs[0], False)
@@ -157,7 +161,7 @@ def test_exception_leaving_a_step_fails_the_next_on_every_rank(ctx, comm, seed, 
             x, idx, w = silent_rows.step_inputs(seed, 1, 1, rank, 4, layers.defs[1], False)
             layers.forward(1, x, idx, w)
             problems.append("a call ran on a failed workspace")
-        except (BrokenStateError, Exception) as exc:  # the failing rank's own; a ConfigError naming it elsewhere
+        except SymmringError as exc:  # the failing rank's own BrokenStateError; a ConfigError naming it elsewhere
             if "step failed" not in str(exc):
                 problems.append(f"refused with {type(exc).__name__}: {exc}")
         layers.ws.reset()
@@ -165,11 +169,7 @@ def test_exception_leaving_a_step_fails_the_next_on_every_rank(ctx, comm, seed, 
         if right.entry_raised or right.body_raised or right.wrong:
             problems.append(f"after reset: {right.errors[:2]}, {right.wrong} wrong rows")
 
-    try:
-        outcome.run(body)
-    finally:
-        layers.close()
-    check(comm, not outcome.error and not problems, outcome.error + "; ".join(problems))
+    on_layers(ctx, comm, seed, outcome, check, body)
 
 
 @pytest.mark.mpi
