@@ -175,10 +175,10 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
-    """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
-    any rank failed (`symmring.agreement.rejection`)."""
-    errors = ctx.collectives.allgather(error, what=f"{what}: argument check", timeout_s=timeout_s)
+def _agree(ctx: Context, error: Optional[str], what: str) -> None:
+    """Collective verdict on local validation (a bounded exchange, under the host bound): raise `ConfigError` on
+    every rank if any rank failed (`symmring.agreement.rejection`)."""
+    errors = ctx.collectives.allgather(error, what=f"{what}: argument check")
     rejected = agreement.rejection(errors, ctx.rank, what)
     if rejected is not None:
         raise rejected
