@@ -69,11 +69,11 @@ class Context(Closing):
         ``max_tokens``, ``budget``, ``tokens_per_slot``, ``pool_rows``); later calls return it, and giving
         arguments again once it exists is a `ConfigError`. Closed with the context. With ``collective=True``
         (the layers' constructors, which every rank calls) the ranks agree in a bounded exchange whether a
-        failed call left the workspace in an unknown state on any rank (`Workspace.failure`); if so every
+        failed call or step left the workspace in an unknown state on any rank (`Workspace.failed`); if so every
         rank closes it and makes a fresh one (the layers that borrowed it keep refusing calls)."""
         current = self._workspace
         if collective and current is not None and not current.closed:
-            failed = self.collectives.allgather(current.failure is not None, what="ctx.workspace: failed calls",
+            failed = self.collectives.allgather(current.failed, what="ctx.workspace: failed calls",
                                                 timeout_s=self.timeout_s)
             if any(failed):
                 current.close()  # on every rank alike: the next layer gets a fresh workspace

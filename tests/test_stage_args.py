@@ -71,15 +71,16 @@ def test_producer_arguments_match_its_kernel_with_and_without_logits():
     x = FakeTensor(0x300, (2, 2048), element_size=2)
     logits = FakeTensor(0x400, (2, 128), strides=(160, 1), element_size=2)
     want = kernel_params("moe_produce_chunk_fp8")
-    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router)
-    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router,
+    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7)
+    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7,
                          logits=(logits, routing.LOGITS_DTYPE_CODES["bfloat16"]))
     (_, plain), (_, routed) = k.launch.calls
     assert sizes_of(plain) == want and sizes_of(routed) == want
     assert int(plain[7]) == 0xE0 and int(routed[7]) == 0xE0  # the device word of the call's token count
-    assert int(plain[9]) == 0 and int(routed[9]) == 0x400  # logits: null (copy topk) vs the call's logits
-    assert (int(routed[10]), int(routed[11])) == (1, 160)   # bf16, row stride in elements
-    assert routed[12:] == router and plain[12:] == router   # the options in RouterOptions' order
+    assert int(plain[9]) == 7 and int(routed[9]) == 7  # the layer of the call identity in the meta row
+    assert int(plain[10]) == 0 and int(routed[10]) == 0x400  # logits: null (copy topk) vs the call's logits
+    assert (int(routed[11]), int(routed[12])) == (1, 160)   # bf16, row stride in elements
+    assert routed[13:] == router and plain[13:] == router   # the options in RouterOptions' order
 
 
 def test_routing_kernel_arguments_match_its_kernel():
@@ -199,7 +200,7 @@ def test_scan_and_fused_dispatch_carry_the_plans_bounds():
     assert (small.rows_spanned, small.expert_rows_bound) == (640, 8)
     stages.scan(k, s, None, window=passes)
     stages.scan(k, s, None, window=small)
-    stages.dispatch_fused(k, s, None, window=small, ack_now=True)
+    stages.dispatch_fused(k, s, None, window=small, ack_now=True, layer=5)
     (_, scan_passes), (_, scan_small) = calls
     want = kernel_params("moe_dispatch_scan", "moe/dispatch.cu")
     assert sizes_of(scan_passes) == want and sizes_of(scan_small) == want
@@ -207,4 +208,4 @@ def test_scan_and_fused_dispatch_carry_the_plans_bounds():
     assert [int(a) for a in scan_small[-3:]] == [4, 640, 8]
     (fn, fused), = k.launch.calls
     assert fn == "dispatch" and sizes_of(fused) == kernel_params("moe_dispatch_fused_fp8", "moe/dispatch.cu")
-    assert [int(a) for a in fused[-2:]] == [640, 8]
+    assert [int(a) for a in fused[-3:]] == [640, 8, 5]

@@ -140,11 +140,13 @@ enum WaitParts : int { kWaitRoute = 1, kWaitLayout = 2 };
 
 // Block r waits for source rank r's chunk: its route and/or layout generation (acquire; ONE deadline for both
 // parts, so a route that arrives late leaves the layout only the rest of the bound). With the
-// route part, thread 0 then copies the source's meta token_base into token_base[r] (the caller passes the
+// route part, thread 0 then checks the meta row (this chunk, generation and call of layer `layer`:
+// check_payload) and copies the source's meta token_base into token_base[r] (the caller passes the
 // chunk's row of a [window][num_ranks] array). With clear_counts, block 0 zeroes `counts`
 // [num_local_experts] for moe_dispatch_count.
 extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int parts, int* counts,
-                                             int num_local_experts, long long* token_base, int clear_counts) {
+                                             int num_local_experts, long long* token_base, int clear_counts,
+                                             int layer) {
     const RingDescriptor& d = *desc_ptr;
     if (blockIdx.x == 0 && clear_counts)
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
@@ -157,7 +159,8 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
         // acquire: pairs with the route publication of moe_produce_route on src_rank.
         if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute, deadline)) return;
         __shared__ int fresh;
-        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen);  // a stale slot: typed error
+        // A stale slot or another call's payload: a typed error, not data.
+        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen, expected_call(d, layer));
         __syncthreads();
         if (!fresh) return;
         if (threadIdx.x == 0) {
@@ -547,7 +550,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
                                                   int ack_now, unsigned int* counter, const RingDescriptor* stage,
-                                                  int pool_rows, int rows_per_expert) {
+                                                  int pool_rows, int rows_per_expert, int layer) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
@@ -571,6 +574,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     }
     const int slot = slot_of(chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, chunk_idx);
+    const uint64_t call_id = expected_call(d, layer);
     if (threadIdx.x == 0) failed = overflow = 0;
     for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
     __syncthreads();
@@ -580,10 +584,10 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         const int src = threadIdx.x;
         int valid = 0;
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
-        // hold this call's chunk (a stale payload is a typed error, not silent data).
+        // hold this call's chunk (a stale payload or another call's is a typed error, not silent data).
         const SourceSlot from = source_slot(d, stage, slot, src);
         if (!slot_reachable(from, status) || !poll_ready(d, chunk_idx, src, gen) ||
-            !check_payload(d, chunk_idx, src, gen)) {
+            !check_payload(d, chunk_idx, src, gen, call_id)) {
             failed = 1;
         } else {
             valid = num_valid_of(d, from);

@@ -31,6 +31,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -304,6 +305,11 @@ class NvshmemBackend(DeviceBackend):
         loaded = NvshmemModule(name, path, module)
         with quiet_nvshmem():
             self._nvshmem.cumodule_init(loaded.ptr)
+        # Every kernel resolved now, while nothing of ours spins: with lazy loading (CUDA_MODULE_LOADING=LAZY,
+        # CUDA's default, in effect when CUDA started before the GPU environment policy applied) a function
+        # loads at its first cuModuleGetFunction, which may wait for the running kernels (a spinning wait).
+        for kernel in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', source):
+            loaded.function(kernel)
         self._modules.append(loaded)
         return loaded
 

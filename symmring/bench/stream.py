@@ -265,7 +265,7 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
             start.record()
             for chunk in plan.chunks:
                 stages.produce_chunk(k, state, p_stream, chunk=chunk, x=x, route=route, topk_idx=idx,
-                                     topk_weights=weights)
+                                     topk_weights=weights, layer=moe.layer_id)
             end.record()
         end.synchronize()
         torch.cuda.synchronize()  # the probe ends by its bound

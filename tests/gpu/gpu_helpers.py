@@ -79,7 +79,7 @@ def chunk_data(spec: RingSpec, seed: int, src_rank: int, chunk: int, num_valid: 
     rng = np.random.default_rng([seed, src_rank, chunk])
     x_dtype = np.uint8 if spec.x_elem_bytes == 1 else np.uint16
     x = rng.integers(0, np.iinfo(x_dtype).max, size=(num_valid, spec.hidden), dtype=x_dtype, endpoint=True)
-    x_sf = rng.random((num_valid, spec.num_sf), dtype=np.float32)
+    x_sf = rng.random((num_valid, spec.num_sf), dtype=np.float32) + np.float32(2.0**-10)  # scales: > 0
     topk_idx = rng.integers(-1, spec.num_experts, size=(num_valid, spec.num_topk), dtype=np.int32)
     topk_weights = rng.random((num_valid, spec.num_topk), dtype=np.float32)
     return x, x_sf, topk_idx, topk_weights

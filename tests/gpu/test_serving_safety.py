@@ -34,7 +34,7 @@ import cupy  # noqa: E402
 
 from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
-from symmring import layout  # noqa: E402
+from symmring import layout, protocol  # noqa: E402
 from symmring.errors import ProtocolAborted, ProtocolTimeout, ProtocolViolation, StalePayload  # noqa: E402
 from symmring.moe.gpu import stages  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
@@ -235,11 +235,13 @@ def test_dispatch_wait_gives_both_parts_one_deadline(ctx):
         meta = ring.region("meta")
         meta[0, layout.META_PAYLOAD_GEN] = gen  # so check_payload accepts the route when it comes
         meta[0, layout.META_CHUNK_IDX] = 0
+        number = int(moe.workspace.gpu.call_number.item())  # this PE's next call (the device's call counter)
+        meta[0, layout.META_CALL_ID] = protocol.call_identity(number, moe.layer_id)
         cupy.cuda.runtime.deviceSynchronize()
         waiter, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
         start = time.monotonic()
         stages.wait(k, s, waiter, chunk=0, parts=stages.WAIT_ROUTE | stages.WAIT_LAYOUT, window_row=0,
-                    clear_counts=True)
+                    clear_counts=True, layer=moe.layer_id)
         time.sleep(0.9 * bound_s)
         with writer:  # the route, late but within the bound; the layout never
             moe.backend.signal_set(ring.alloc, route_offset, gen, 0)

@@ -296,6 +296,10 @@ def bad_inputs(ring, call, chunk: int, other_call) -> List:
             ("x_sf wrong shape", lambda: ring.write_layout(call, chunk, x, x_sf[:, :0])),
             ("x_sf float64", lambda: ring.write_layout(call, chunk, x, x_sf.astype(np.float64))),
         ]
+        for name, value in (("NaN", np.nan), ("infinite", np.inf), ("negative", -0.5), ("zero", 0.0)):
+            bad_sf = x_sf.copy()
+            bad_sf[-1, -1] = value  # one scale: every consumer would dequantise its group wrong
+            cases.append((f"x_sf {name}", lambda bad_sf=bad_sf: ring.write_layout(call, chunk, x, bad_sf)))
     else:
         cases.append(("x_sf given for bf16", lambda: ring.write_layout(call, chunk, x, np.ones((t, 1), np.float32))))
     if chunk + 1 < call.num_chunks:

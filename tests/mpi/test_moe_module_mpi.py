@@ -273,9 +273,10 @@ def _pure_op():
 
 def test_a_model_step_exchanges_once_for_every_layer(ctx, comm, seed, figure, outcome, check):
     """A forward of a replaced model inside `Workspace.step`: ONE exchange with the other ranks for its MoE
-    blocks once the step's ring exists (each call outside a step makes its own: the argument check, the counts
-    and the options), bitwise the logits of the forward without a step; a rank may bring fewer tokens than it
-    declared (the CPU layer makes a ring for the declared size on first use, collectively)."""
+    blocks once the step's ring exists (each call outside a step makes its own, which carries the argument
+    verdicts, the counts, the options and the call identity), bitwise the logits of the forward without a step;
+    a rank may bring fewer tokens than it declared (the CPU layer makes a ring for the declared size on first
+    use, collectively)."""
 
     def run():
         _, model = model_pair("deepseek_v3", seed)
