@@ -29,6 +29,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...layout import ALIGN, RingLayout, RingSpec, align_up
+from ..engines.triton_common import BAD_GROUP_WORDS
 from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, expert_arena, group_id_rows, pool_meta_bytes
 from . import stages, timeline
 
@@ -226,7 +227,7 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
-            combine_tokens=max_tokens, bad_groups=torch.zeros(2, **i32) if fp8_pool else None,
+            combine_tokens=max_tokens, bad_groups=torch.zeros(BAD_GROUP_WORDS, **i32) if fp8_pool else None,
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
             call_tokens=self.call_tokens)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
