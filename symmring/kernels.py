@@ -441,6 +441,16 @@ class RingKernels:
         _cupy().cuda.runtime.deviceSynchronize()
         return int(self._words("gen_base", 1, np.uint64)[0].get())
 
+    def call_number(self) -> int:
+        """The device-resident call number (synchronises the device): the ``number`` of the call identity
+        (`symmring.protocol.call_identity`) this ring's kernels write into, and expect in, the meta rows."""
+        cupy = _cupy()
+        cupy.cuda.runtime.deviceSynchronize()
+        word = np.zeros(1, np.uint64)  # the descriptor's call_ptr: the ring's own word or the workspace's
+        cupy.cuda.runtime.memcpy(word.ctypes.data, int(self.descriptor["call_ptr"]), 8,
+                                 cupy.cuda.runtime.memcpyDeviceToHost)
+        return int(word[0])
+
     def check_errors(self, *, synchronize: bool = True) -> None:
         """Raise the device error of this PE, if any (its first one), after synchronising the device.
 

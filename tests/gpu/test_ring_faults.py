@@ -49,7 +49,7 @@ def _run_call(ring, seed, num_chunks, *, split=None, two_streams=False):
     torch = pytest.importorskip("torch")
     k, spec = ring.kernels, ring.spec
     R, me, T = ring.backend.world_size, ring.backend.rank, spec.tokens_per_slot
-    base = k.gen_base()
+    base, call = k.gen_base(), protocol.call_identity(k.call_number(), 0)
     inputs = {c: _inputs(spec, seed, me, c, user_num_valid(me, c, T)) for c in range(num_chunks)}
     outputs = {(c, src): k.new_outputs() for c in range(num_chunks) for src in range(R)}  # ready now
     if two_streams:
@@ -74,7 +74,7 @@ def _run_call(ring, seed, num_chunks, *, split=None, two_streams=False):
     for (chunk, src), out in outputs.items():
         nv = user_num_valid(src, chunk, T)
         x, x_sf, idx, w = chunk_data(spec, seed, src, chunk, nv)
-        want_meta = np.array([chunk * T, nv, chunk, protocol.generation(base, chunk)])
+        want_meta = np.array([chunk * T, nv, chunk, protocol.generation(base, chunk), call], dtype=np.int64)
         pairs = [("x", out["x"].get()[:nv], x), ("topk_idx", out["topk_idx"].get()[:nv], idx),
                  ("topk_weights", out["topk_weights"].get()[:nv].view(np.uint32), w.view(np.uint32)),
                  ("meta", out["meta"].get(), want_meta)]
