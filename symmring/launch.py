@@ -65,9 +65,9 @@ from . import env
 PYTHON_NAMES = ("python", "python3")
 #: Prefixes of the variables an Open MPI launch forwards (``-x``), besides `symmring.env.GPU_ENV`.
 EXPORTED_PREFIXES = ("SYMMRING_", "NVSHMEM_", "CUDA_", "NCCL_", "TORCH_SYMM_MEM_", "PYTHON")
-#: Variables naming a process's rank within its node, by MPI launcher.
+#: Variables naming a process's rank within its node, by launcher (MPI's, torchrun's, then Slurm's).
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPIR_CVAR_LOCAL_RANK",
-                   "SLURM_LOCALID")
+                   "LOCAL_RANK", "SLURM_LOCALID")
 
 
 #: Exit status of a job stopped by ``--timeout`` (as coreutils ``timeout``).
@@ -539,8 +539,9 @@ class Mps:
 
 def node_local_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, str]]:
     """This process's rank on its node and the variable it came from, from the first of `LOCAL_RANK_VARS`
-    that holds a number (Open MPI's, MPICH/Hydra's, PMI's, then Slurm's ``SLURM_LOCALID``, which a batch
-    script's environment may carry into ranks started by mpirun); never a world rank. None without one.
+    that holds a number (Open MPI's, MPICH/Hydra's, PMI's, torchrun's ``LOCAL_RANK``, then Slurm's
+    ``SLURM_LOCALID``, which a batch script's environment may carry into ranks started by mpirun or
+    torchrun); never a world rank. None without one.
 
     Example:
         >>> node_local_rank({"PMI_RANK": "9", "MPI_LOCALRANKID": "1", "SLURM_LOCALID": "0"})

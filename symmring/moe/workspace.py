@@ -236,8 +236,7 @@ class Workspace(Closing):
         self.check_open()
         latched = None if self._device is None else self._device.latched()
         triples = [(num_tokens, own_router, latched)] if self.world_size == 1 else \
-            self.ctx.collectives.allgather((num_tokens, own_router, latched), what="Workspace.step",
-                                           timeout_s=self.ctx.timeout_s)
+            self.ctx.collectives.allgather((num_tokens, own_router, latched), what="Workspace.step")
         counts = tuple(int(c) for c, _, _ in triples)
         self.active_step = Step(counts=counts, distinct=all(bool(r) for _, r, _ in triples),
                                 latched=tuple(e for _, _, e in triples))

@@ -54,7 +54,7 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     if world == 1:
         pytest.skip("needs two ranks: one of them is late")
     late = world - 1
-    ctx = init("host", timeout_s=BOUND_S)
+    ctx = init("host", timeout_s=BOUND_S, host_timeout_s=BOUND_S)
     ctx.collectives.barrier(what="test: start")
     start_s = time.monotonic()
     if rank == late:
@@ -63,8 +63,9 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     try:
         ctx.collectives.barrier(what="test: the late barrier")
         if rank == late:
-            # It may find every value and miss the notice of the rank that gave up (still in flight): the
-            # others never send the next collective's values, so it learns it there at the latest.
+            # Over MPI it may find every value and miss the notice of the rank that gave up (still in
+            # flight): the others never send the next collective's values, so it learns it there at the
+            # latest. (Over the store it finds the notice in its own key of the late barrier.)
             ctx.collectives.barrier(what="test: the next barrier")
     except PeerTimeout as exc:
         error = exc
@@ -72,7 +73,7 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     unresolved = collective.unresolved_failure() is not None
     refused, closed = _after_failure(ctx)
     # Every rank joins the new context (the late one a little later): the job is consistent again.
-    fresh = init("host", timeout_s=30.0)
+    fresh = init("host", timeout_s=30.0, host_timeout_s=30.0)
     values = fresh.collectives.allgather(rank, what="test: after re-init")
     recovered = collective.unresolved_failure() is None
     fresh.close()
@@ -96,7 +97,7 @@ def test_ranks_in_different_collectives_are_reported(comm, check):
     world, rank = comm.Get_size(), comm.Get_rank()
     if world == 1:
         pytest.skip("needs two ranks in different collectives")
-    ctx = init("host", timeout_s=10.0)
+    ctx = init("host", timeout_s=10.0, host_timeout_s=10.0)
     start_s = time.monotonic()
     error = None
     try:
@@ -105,7 +106,7 @@ def test_ranks_in_different_collectives_are_reported(comm, check):
         error = exc
     elapsed_s = time.monotonic() - start_s
     refused, _ = _after_failure(ctx)
-    fresh = init("host", timeout_s=30.0)
+    fresh = init("host", timeout_s=30.0, host_timeout_s=30.0)
     fresh.collectives.barrier(what="test: after re-init")
     fresh.close()
     # Reported at once (not after the 10 s bound), naming both collectives.

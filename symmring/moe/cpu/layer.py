@@ -167,10 +167,10 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
-    """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
-    any rank failed."""
-    errors = ctx.collectives.allgather(error, what=f"{what}: argument check", timeout_s=timeout_s)
+def _agree(ctx: Context, error: Optional[str], what: str) -> None:
+    """Collective verdict on local validation (a bounded exchange, within the host bound): raise `ConfigError`
+    on every rank if any rank failed."""
+    errors = ctx.collectives.allgather(error, what=f"{what}: argument check")
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         mine = errors[ctx.rank]
@@ -267,11 +267,10 @@ class ExpertParallelMoE(Closing):
         params = (self.shapes, routing.scoring, None if bias is None else bias.tobytes(),
                   routing.routed_scaling_factor, routing.n_group, routing.topk_group, routing.norm_topk_prob,
                   max_tokens_per_rank, self.inter)
-        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange",
-                                           timeout_s=self.timeout_s)
+        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange")
         mismatch = [r for r, p in enumerate(others) if p != params]
         _agree(ctx, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
-               if mismatch else None, "ExpertParallelMoE", self.timeout_s)
+               if mismatch else None, "ExpertParallelMoE")
         #: The routing this layer runs (``routing.bias``: the NumPy view of the bias it was given).
         self.routing = routing if bias is None else routing.with_bias(bias)
         self.scoring, self.bias, self.routed_scaling_factor = routing.scoring, bias, routing.routed_scaling_factor
@@ -396,16 +395,15 @@ class ExpertParallelMoE(Closing):
             ack_policy, lookahead))
         step = self.workspace.active_step
         if step is None:
-            _agree(self.ctx, error, "forward", self.timeout_s)
+            _agree(self.ctx, error, "forward")
             route_rows, call_params = plan
             # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
-            gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts",
-                                                      timeout_s=self.timeout_s)
+            gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts")
             counts = [n for n, _ in gathered]
             mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
             _agree(self.ctx, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
                    f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
-                   if mismatch else None, "forward", self.timeout_s)
+                   if mismatch else None, "forward")
         else:
             # Inside a model step the step exchanged the counts once for every layer: no exchange here. The
             # arguments are checked on this rank alone (a rank that refuses its call leaves the others to a

@@ -297,7 +297,7 @@ class MoE(Closing):
         self._transport_request = transport_mod.request(transport, self.world_size)
         # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
         # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
-        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE")
         self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
         self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
                                       expert_format=self.engine.pool_format)
@@ -966,8 +966,7 @@ class MoE(Closing):
         latched = self._latch.latched()
         if self.world_size == 1:
             return [n], own_router, [latched]
-        triples = self.ctx.collectives.allgather((n, own_router, latched), what="MoE.forward: token counts",
-                                                 timeout_s=self.timeout_s)
+        triples = self.ctx.collectives.allgather((n, own_router, latched), what="MoE.forward: token counts")
         return [int(c) for c, _, _ in triples], all(bool(r) for _, r, _ in triples), [e for _, _, e in triples]
 
     def _raise_async_error(self, latched: List) -> None:
