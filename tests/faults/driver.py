@@ -1,7 +1,7 @@
 """One host-side fault in an MPI job, on the CPU layer, the Ring, the GPU layer or the device ring.
 
 Run on every rank: ``mpiexec -n 3 python tests/faults/driver.py SUBJECT FAULT OUTDIR`` with
-``SYMMRING_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m symmring.launch -n N --mps --``
+``SYMMRING_TIMEOUT_S`` and ``SYMMRING_HOST_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m symmring.launch -n N --mps --``
 (tests/test_faults.py and tests/gpu/test_layer_faults.py run it). The faulty rank is the last one; after a
 clean warm-up call and a barrier, every rank starts one more call, and the faulty rank instead
 
@@ -29,10 +29,15 @@ after the stalled chunk): a timed-out wait for acknowledgements (``reuse``) woul
 word that names the waiting PE, not the one it waited for.
 
 Every rank that gets an error writes ``OUTDIR/rank<r>.json`` (error type, text, the peer, origin and
-missing ranks it names, seconds from the start of the call), waits ``GRACE_S`` so that every other survivor
-reaches its own deadline before the first abort ends the job, then exits with status 3 -- which goes
-through symmring's abort at exit (the ranks are out of step), not through ``MPI_Finalize``, and runs no
-collective teardown (no ``nvshmem_free``/``nvshmem_finalize``, which would wait for the faulty rank).
+missing ranks it names, seconds from the start of the call) and exits with status 3 at once -- which goes
+through symmring's exit hook (the ranks are out of step): it marks this rank's exit, waits (bounded) until
+every other survivor has reported too, then ends the job (``MPI_Abort``; ``os._exit(1)`` under torchrun,
+whose agent then stops the other workers), not through ``MPI_Finalize``, and runs no collective teardown
+(no ``nvshmem_free``/``nvshmem_finalize``, which would wait for the faulty rank). The driver itself waits
+for nobody: that the other survivors still report is the exit hook's doing (`symmring.collective`).
+
+The same driver runs under torchrun (``torchrun --standalone --nproc-per-node 3 tests/faults/driver.py ...``):
+`symmring.init` joins torch.distributed's default group.
 """
 
 from __future__ import annotations
@@ -219,7 +224,6 @@ def main(subject: str, fault: str, outdir: str) -> int:
     if record["error"] is None:
         ctx.close()
         return 0
-    time.sleep(0.5 * ctx.timeout_s)  # GRACE_S: the other survivors reach their own deadlines first
     return 3
 
 

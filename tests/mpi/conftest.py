@@ -6,7 +6,7 @@ aborts all ranks if one dies, and so does torchrun's agent, instead of leaving t
 ``pytest`` run collects them too and runs them as a world of 1 (choice documented in docs/CPU_BACKEND.md:
 the one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py runs them with 2, 3
 and 4 ranks under mpiexec and 2 and 3 under torchrun). The tests never name the launcher: ``comm`` is a
-`rankworld.RankWorld` over whichever ranks `symmring.init` joined. Every test reaches one verdict on all
+`rankworld.RankWorld` (tests/rankworld.py) over whichever ranks `symmring.init` joined. Every test reaches one verdict on all
 ranks (`verdict`).
 """
 
@@ -39,8 +39,8 @@ def ctx():
 
 @pytest.fixture(scope="session")
 def comm(ctx):
-    """The ranks' verdict collectives (`rankworld.RankWorld`; a world of 1 under plain pytest)."""
-    world = RankWorld(ctx)
+    """The ranks' verdict collectives (`rankworld.RankWorld` (tests/rankworld.py); a world of 1 under plain pytest)."""
+    world = RankWorld.of(ctx)
     yield world
     world.close()
 
