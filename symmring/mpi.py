@@ -249,9 +249,8 @@ def load():
             return MPI
         variable, size = _launched_size()
         if variable is not None:
-            raise BackendError(f"this process is one of {size} ranks ({variable}={size}) but mpi4py cannot load "
-                               f"an MPI library ({_why_not}): {INSTALL_HINT}, or put your MPI's libmpi on "
-                               "LD_LIBRARY_PATH")
+            raise BackendError(f"this process is one of {size} ranks ({variable}={size}) but MPI cannot be loaded "
+                               f"({_why_not}): {INSTALL_HINT}, or put your MPI's libmpi on LD_LIBRARY_PATH")
         log.warning("no MPI library (%s): symmring runs as one process; for several ranks: %s",
                     _why_not, INSTALL_HINT)
         _loaded = STANDIN
