@@ -17,7 +17,7 @@ set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the
 launcher (``python -m symmring.launch``, also as ``launch/symmring-mpirun``) for every rank, and by the GPU
 scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them as ``export`` lines).
 The settings marked "one node only" (`EnvDefault.one_node_only`) apply only to a job known to run on one
-node: the nvshmem backend counts the job's nodes (an MPI shared-memory split) before NVSHMEM starts, and
+node: the nvshmem backend counts the job's nodes (every rank's host name) before NVSHMEM starts, and
 ``python -m symmring.launch`` knows them from its host list; across nodes NVSHMEM picks its own remote
 transport.
 

@@ -68,7 +68,12 @@ def run_once(launcher: str, fault: str, bound_s: float, subject: str = "layer") 
         output, _ = proc.communicate()
         status = None
     wall_s = time.monotonic() - start_s
-    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(outdir).glob("rank*.json")}
+    records = {}
+    for path in Path(outdir).glob("rank*.json"):
+        try:
+            records[int(path.stem[4:])] = json.loads(path.read_text())
+        except ValueError:  # cut off while writing (the job ended under it): not reported
+            pass
     shutil.rmtree(outdir, ignore_errors=True)
     return status, wall_s, records, output
 

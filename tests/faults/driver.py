@@ -220,7 +220,9 @@ def main(subject: str, fault: str, outdir: str) -> int:
                       typed=isinstance(exc, symmring.ProtocolTimeout))
     record["elapsed_s"] = round(time.monotonic() - start_s, 3)
     path = Path(outdir) / f"rank{rank}.json"
-    path.write_text(json.dumps(record))
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    partial.rename(path)  # whole or absent, even if the job ends under this rank
     if record["error"] is None:
         ctx.close()
         return 0
