@@ -4,7 +4,8 @@ Jobs started by ``mpirun``/``mpiexec`` join their ranks with mpi4py (the ``mpi``
 "symmring[mpi]"`` brings mpi4py and the ``mpich`` wheel; a system MPICH / Open MPI works too); jobs started by
 ``torchrun`` use torch.distributed instead (`symmring.world`) and need no MPI. mpi4py's wheels carry no MPI
 library: they load ``libmpi.so`` at ``from mpi4py import MPI``. Without mpi4py or a library, that import
-raises. A single process needs no MPI at all, so `load` then returns `STANDIN`: the part of mpi4py's API that symmring uses (``COMM_WORLD`` with
+raises. A single process needs no MPI at all, so `load` then returns `STANDIN`: the part of mpi4py's API that
+symmring uses (``COMM_WORLD`` with
 ``Get_rank``/``Get_size``/``allgather``/``allreduce``/``bcast``/``Barrier``/``Split_type``/``Iallgather``,
 shared-memory windows with ``Allocate_shared``/``Shared_query``/``Accumulate``/``Sync``/``Flush``, and the
 constants), for a world of exactly one rank. `symmring.backends.host.HostBackend` runs on it unchanged:

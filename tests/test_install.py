@@ -2,9 +2,10 @@
 into fresh venvs, then ``info`` and ``demo`` (and ``mpiexec -n 4 ... demo`` where an mpiexec exists); and
 ``pip install "symmring[cpu]"`` (torch, no MPI) under ``torchrun --nproc-per-node 3``.
 
-Each variant is installed from a copy of this source tree (not editable, so the wheel's contents are
-what runs) into a new ``python -m venv``, with pip's cache (a variant without torch takes a few seconds once
-the cache is warm; the ``cpu`` one unpacks torch's CPU wheel, about a minute). The commands run outside the source tree with a clean environment.
+Each variant is installed from a copy of this source tree (not editable, so the wheel's contents are what
+runs) into a new ``python -m venv``, with pip's cache (a variant without torch takes a few seconds once the
+cache is warm; the ``cpu`` one unpacks torch's CPU wheel, about a minute). The commands run outside the source
+tree with a clean environment.
 Without the ``mpi`` extra (no mpi4py) the core install runs as one process (`symmring.mpi`'s stand-in), or
 as many ranks as torchrun starts (torch.distributed's store and POSIX shared memory: no MPI at all).
 

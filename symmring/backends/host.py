@@ -164,8 +164,8 @@ class HostBackend(Backend):
 
     Args:
         world: an mpi4py intracommunicator (MPI windows), a torch.distributed ProcessGroup (``/dev/shm`` files
-            and libatomic: `symmring.backends.shm`), or None: ``MPI.COMM_WORLD`` (`symmring.mpi.load`'s world
-            of one when no MPI library is installed). All its ranks must share one node.
+            and libatomic: `symmring.backends.shm`), or None: the launcher's (`symmring.world.resolve`; a world
+            of one outside a launcher). All its ranks must share one node.
         collectives: the bounded collectives over ``world`` (the context's); None makes the backend its
             own, bounded by ``SYMMRING_HOST_TIMEOUT_S``.
 
@@ -188,9 +188,8 @@ class HostBackend(Backend):
     name = "host"
 
     def __init__(self, world=None, *, collectives: Optional[Collectives] = None):
-        from .. import mpi
-        from ..world import is_process_group
-        self.comm = mpi.load().COMM_WORLD if world is None else world
+        from ..world import is_process_group, resolve
+        self.comm = resolve(timeout_s=env.host_timeout_s()) if world is None else world
         self._owns_collectives = collectives is None
         self.collectives = Collectives(self.comm, env.host_timeout_s(), what="HostBackend") if collectives is None \
             else collectives

@@ -187,8 +187,8 @@ class NvshmemBackend(DeviceBackend):
     """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
 
     Args:
-        world: mpi4py communicator or torch.distributed ProcessGroup of the PEs (default ``MPI.COMM_WORLD``;
-            `symmring.mpi`'s world of one without an MPI library).
+        world: mpi4py communicator or torch.distributed ProcessGroup of the PEs (default: the launcher's,
+            `symmring.world.resolve`).
         device_id: CUDA device of this PE (default: the launcher's node-local rank -- torchrun's
             ``LOCAL_RANK``, MPI's -- else the rank's place among the PEs of its host, modulo the visible GPUs).
         collectives: the bounded host collectives over ``world`` (the context's); None makes the backend
@@ -286,8 +286,8 @@ class NvshmemBackend(DeviceBackend):
 
     @staticmethod
     def _default_comm():
-        from .. import mpi
-        return mpi.load().COMM_WORLD  # a world of one without an MPI library
+        from .. import world
+        return world.resolve(timeout_s=env.host_timeout_s())  # the launcher's ranks (symmring.world)
 
     def _unique_id(self, nvshmem_core):
         """NVSHMEM's unique id of this job: made on rank 0, sent to every rank in a bounded exchange of its

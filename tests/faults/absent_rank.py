@@ -49,7 +49,8 @@ def launcher_command(launcher: str) -> List[str]:
     return [mpiexec, "-n", str(NUM_RANKS), sys.executable]
 
 
-def run_once(launcher: str, fault: str, bound_s: float, subject: str = "layer") -> Tuple[int, float, Dict[int, dict], str]:
+def run_once(launcher: str, fault: str, bound_s: float,
+             subject: str = "layer") -> Tuple[Optional[int], float, Dict[int, dict], str]:
     """One job: (exit status, wall seconds, {rank: its record}, output)."""
     outdir = tempfile.mkdtemp(prefix=f"symmring-absent-{launcher}-{fault}-")
     cmd = launcher_command(launcher) + [str(DRIVER), subject, fault, outdir]

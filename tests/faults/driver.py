@@ -1,7 +1,8 @@
 """One host-side fault in an MPI job, on the CPU layer, the Ring, the GPU layer or the device ring.
 
 Run on every rank: ``mpiexec -n 3 python tests/faults/driver.py SUBJECT FAULT OUTDIR`` with
-``SYMMRING_TIMEOUT_S`` and ``SYMMRING_HOST_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m symmring.launch -n N --mps --``
+``SYMMRING_TIMEOUT_S`` and ``SYMMRING_HOST_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m
+symmring.launch -n N --mps --``
 (tests/test_faults.py and tests/gpu/test_layer_faults.py run it). The faulty rank is the last one; after a
 clean warm-up call and a barrier, every rank starts one more call, and the faulty rank instead
 

@@ -3,11 +3,11 @@
 These tests are ordinary pytest files: under ``mpiexec -n N python -m mpi4py -m pytest tests/mpi`` or
 ``torchrun --standalone --nproc-per-node N -m pytest tests/mpi`` every rank runs every test (``-m mpi4py``
 aborts all ranks if one dies, and so does torchrun's agent, instead of leaving them hanging), and a plain
-``pytest`` run collects them too and runs them as a world of 1 (choice documented in docs/CPU_BACKEND.md:
-the one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py runs them with 2, 3
-and 4 ranks under mpiexec and 2 and 3 under torchrun). The tests never name the launcher: ``comm`` is a
-`rankworld.RankWorld` (tests/rankworld.py) over whichever ranks `symmring.init` joined. Every test reaches one verdict on all
-ranks (`verdict`).
+``pytest`` run collects them too and runs them as a world of 1 (choice documented in docs/CPU_BACKEND.md: the
+one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py runs them with 2, 3 and 4
+ranks under mpiexec, tests/test_under_torchrun.py with 2 and 3 under torchrun). The tests never name the launcher: ``comm`` is a
+`rankworld.RankWorld` (tests/rankworld.py) over whichever ranks `symmring.init` joined. Every test reaches one
+verdict on all ranks (`verdict`).
 """
 
 from __future__ import annotations
