@@ -37,9 +37,11 @@ class Context(Closing):
         backend: the `symmring.backends.Backend` (host or nvshmem).
         rank, world_size, local_rank: this process's rank, the number of ranks, its rank on its node.
         device: human-readable device (``"cpu"`` or the GPU).
+        ranks: what `init` joined (`symmring.world`): an mpi4py communicator, a torch.distributed
+            ProcessGroup, or torchrun's workers (`symmring.world.StoreRanks`, when the program made no group).
         comm: the mpi4py communicator of the ranks (MPI's, or `symmring.mpi`'s stand-in for a process alone),
-            or None when the ranks are a torch.distributed ``group``.
-        group: the torch.distributed ProcessGroup of the ranks, or None when they are an MPI ``comm``.
+            or None under torch.distributed.
+        group: the torch.distributed ProcessGroup of the ranks, or None (MPI, or torchrun without a group).
         collectives: the bounded host collectives over them (`symmring.collective.Collectives`): every
             barrier and exchange of the rings and layers goes through them, whichever the launcher.
         timeout_s: bound of every protocol wait (host-driven and on the device), in seconds.
@@ -55,6 +57,7 @@ class Context(Closing):
         self.collectives = collectives if collectives is not None else backend.collectives
         self.timeout_s = timeout_s
         self.host_timeout_s = self.collectives.timeout_s
+        self.ranks = self.collectives.parent
         self.rank = backend.rank
         self.world_size = backend.world_size
         self.local_rank = backend.local_rank
@@ -168,8 +171,8 @@ def init(backend: str = "auto", *, comm=None, group=None, timeout_s: Optional[fl
         group: torch.distributed ProcessGroup of the ranks (every member calls ``init``; a subgroup works:
             each group its own context, memory and layers).
         With neither, the launcher's world (`symmring.world.resolve`): torch.distributed's default group when
-        it is initialised, ``MPI.COMM_WORLD`` under mpirun, the default group under torchrun (initialised
-        here, gloo), else a world of one.
+        it is initialised, ``MPI.COMM_WORLD`` under mpirun, torchrun's workers over its store under torchrun
+        (no ProcessGroup needed), else a world of one.
         timeout_s: bound of every protocol wait; ``SYMMRING_TIMEOUT_S`` (default 60 s) when None.
         host_timeout_s: bound of every host collective between ranks (setup, allocation, the layers'
             per-call exchanges, teardown): how late a rank may come to one; ``SYMMRING_HOST_TIMEOUT_S``
@@ -200,7 +203,7 @@ def init(backend: str = "auto", *, comm=None, group=None, timeout_s: Optional[fl
     from . import world
     ranks = world.resolve(comm, group, timeout_s=host_timeout_s)
     group = ranks if world.is_process_group(ranks) else None
-    comm = None if group is not None else ranks
+    comm = None if world.is_torch_ranks(ranks) else ranks
     # First: every rank is here (bounded), so the backend's blocking setup cannot wait for a late one.
     collectives = Collectives(ranks, host_timeout_s, what="symmring.init")
     if name == "host":

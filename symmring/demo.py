@@ -118,7 +118,7 @@ class Reporter:
     over the demo's ranks, on a channel of its own: whichever launcher started them (mpirun, torchrun)."""
 
     def __init__(self, ranks, chan):
-        self.ranks = ranks  # the mpi4py communicator or torch.distributed group (`symmring.world.resolve`)
+        self.ranks = ranks  # what symmring.init joins (`symmring.world.resolve`)
         self.chan = chan
         self.rank, self.size = chan.rank, chan.world_size
 
@@ -307,7 +307,7 @@ def _backend_reason(requested: str) -> str:
 
 def world_reporter() -> Optional[Reporter]:
     """The demo's first step (``demo`` and ``demo --model``): its ranks (`symmring.world.resolve`: MPI's world
-    under mpirun, torch.distributed's default group under torchrun, else one process) and a `Reporter` on
+    under mpirun, torchrun's workers under torchrun, else one process) and a `Reporter` on
     them, or None after the launcher's rank 0 printed ``demo: FAIL`` (e.g. no MPI library under a multi-rank
     MPI launch; exit 1)."""
     from . import env, world
@@ -327,9 +327,8 @@ def start(backend: str, report: Reporter) -> Optional[Tuple[object, Reporter, st
     from . import world
     from .context import init
     reason = _backend_reason(backend)
-    group = report.ranks if world.is_process_group(report.ranks) else None
     try:
-        ctx = init(backend, comm=None if group is not None else report.ranks, group=group)
+        ctx = init(backend, **world.init_kwargs(report.ranks))
     except SymmringError as exc:
         report.say(f"demo: FAIL could not initialise the {backend} backend: {exc}")
         return None
@@ -367,7 +366,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return model_main(args)
     if args.x_format is None:
         args.x_format = "fp8_e4m3"
-    from . import __version__
+    from . import __version__, world
     from .context import init
     report = world_reporter()
     if report is None:
@@ -394,9 +393,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             backends_used.append("nvshmem")
             results.append(run_gpu(ctx, args, prob, report))
             report.say("and the same problem on the CPU layer (backend host):")
-            comm, group = ctx.comm, ctx.group
+            ranks = ctx.ranks
             ctx.close()
-            ctx = init("host", comm=comm, group=group)
+            ctx = init("host", **world.init_kwargs(ranks))
         report.say(f"CPU layer (backend {ctx.backend.name}, {memory_of(ctx)}):")
         backends_used.append(ctx.backend.name)
         results.append(run_cpu(ctx, args, prob, report))

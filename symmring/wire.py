@@ -9,7 +9,7 @@ small messages, and every one of its operations returns at once (no blocking rec
   duplicate of the communicator (``Idup``, itself bounded), one tag per collective (its sequence number),
   polled with ``improbe``; a rank that gives up sends a notice to every other rank (tag 0), which they
   find at their next poll; exit marks on tag 1.
-* `StoreWire` (a ``torch.distributed`` ProcessGroup, under ``torchrun`` or any torch job): keys in the
+* `StoreWire` (a ``torch.distributed`` ProcessGroup, or torchrun's workers without one): keys in the
   group's c10d store (torchrun's ``TCPStore``, which lives in its agent, not in a rank). Rank ``r``'s
   message of collective ``s`` is the key ``symmring/<group>/<channel>/<s>/<r>``, written once with
   ``compare_set`` and polled with ``check`` (one round trip each); once collective ``s`` completed on a rank,
@@ -247,22 +247,20 @@ _store_channels: Dict[str, "itertools.count"] = {}
 
 
 class StoreWire(Wire):
-    """Keys in the c10d store of a torch.distributed ProcessGroup (see the module docstring).
+    """Keys in the c10d store of torch.distributed ranks (see the module docstring).
 
     Args:
-        group: the ProcessGroup (this process must be a member).
-        store: the store to use; the group's (`symmring.world.group_store`) when None.
+        ranks: a ProcessGroup (this process must be a member), or torchrun's workers
+            (`symmring.world.StoreRanks`).
     """
 
     kind = "torch"
 
-    def __init__(self, group, *, store=None):
+    def __init__(self, ranks):
         from . import world
-        self.rank, self.world_size = world.group_rank(group), world.group_size(group)
-        name = world.group_name(group)
+        self._store, self.rank, self.world_size, name = world.store_of(ranks)
         serial = next(_store_channels.setdefault(name, itertools.count(1)))
         self.prefix = f"symmring/{name}/{serial}"
-        self._store = world.group_store(group) if store is None else store
 
     def _key(self, sequence, rank) -> str:
         return f"{self.prefix}/{sequence}/{rank}"
@@ -348,14 +346,14 @@ class StoreWire(Wire):
 
 
 def open_wire(world) -> Optional[Wire]:
-    """The wire of ``world``: an mpi4py communicator (`MpiWire`), a torch.distributed ProcessGroup
-    (`StoreWire`), or None for a world of one rank (no wire: every collective is this rank's own value).
+    """The wire of ``world``: an mpi4py communicator (`MpiWire`), a torch.distributed ProcessGroup or torchrun's
+    `symmring.world.StoreRanks` (`StoreWire`), or None for a world of one rank (no wire: every collective is this rank's own value).
     Call its `Wire.join` before the first collective."""
     if world is None:
         return None
     from . import world as worlds
-    if worlds.is_process_group(world):
-        return StoreWire(world) if worlds.group_size(world) > 1 else None
+    if worlds.is_torch_ranks(world):
+        return StoreWire(world) if worlds.store_of(world)[2] > 1 else None
     if world.Get_size() == 1:
         return None
     return MpiWire(world)

@@ -1,13 +1,15 @@
-"""Which ranks a context joins: an mpi4py communicator, a torch.distributed ProcessGroup, or a process alone.
+"""Which ranks a context joins: an mpi4py communicator, a torch.distributed ProcessGroup, torchrun's workers, or a
+process alone.
 
 `symmring.init` takes ``comm=`` (mpi4py) or ``group=`` (torch.distributed); given neither, `resolve` picks
 the world the process was started in, in this order:
 
 1. ``torch.distributed`` is initialised in this process: its default group (the program chose it);
 2. an MPI launcher started it (``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``): MPI's ``COMM_WORLD``;
-3. ``torchrun`` started it (``TORCHELASTIC_RUN_ID``, or ``WORLD_SIZE`` with ``MASTER_ADDR``): the default
-   group, which symmring initialises then (gloo, from the launcher's ``env://`` variables, bounded by the
-   host bound; only the group's store is used: `symmring.wire`);
+3. ``torchrun`` started it (``TORCHELASTIC_RUN_ID``, or ``WORLD_SIZE`` with ``MASTER_ADDR``): its workers as
+   `StoreRanks` -- the store of torchrun's rendezvous (``torch.distributed.rendezvous("env://")``: torchrun's
+   ``TCPStore``, in its agent), this worker's ``RANK`` and the ``WORLD_SIZE``; no ProcessGroup is made (no
+   gloo connections between the workers: symmring's collectives need only the store, `symmring.wire`);
 4. neither: a process alone (MPI's ``COMM_WORLD`` of one, or `symmring.mpi`'s stand-in without an MPI
    library).
 
@@ -28,11 +30,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import sys
-from typing import Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .errors import BackendError, ConfigError, PeerTimeout
 
@@ -112,14 +115,32 @@ def group_store(group):
     return c10d._get_default_store()  # pragma: no cover - torch < 2.4
 
 
-def init_default_group(timeout_s: float) -> None:
-    """Initialise torch.distributed's default group from torchrun's variables (gloo; only its store is
-    used), bounded by ``timeout_s``.
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoreRanks:
+    """Ranks that share a c10d store but no ProcessGroup: torchrun's workers when the program did not initialise
+    torch.distributed. What symmring's collectives need of a group (`symmring.wire.StoreWire`): the store,
+    this rank, the number of ranks, and a name every rank gives it."""
+
+    store: Any
+    rank: int
+    world_size: int
+    name: str = "torchrun"
+
+
+_torchrun: Optional[StoreRanks] = None
+
+
+def torchrun_ranks(timeout_s: float) -> StoreRanks:
+    """torchrun's workers as `StoreRanks`, from its ``env://`` variables (one rendezvous per process: later
+    calls return the same), bounded by ``timeout_s``.
 
     Raises:
-        PeerTimeout: not every rank joined within the bound (which ones is unknown at this point).
-        BackendError: torch.distributed is not available.
+        PeerTimeout: not every worker reached the store within the bound (which ones is unknown here).
+        BackendError: torch.distributed is not available, or the rendezvous failed otherwise.
     """
+    global _torchrun
+    if _torchrun is not None:
+        return _torchrun
     try:
         dist = _dist()
     except ImportError as exc:
@@ -128,26 +149,47 @@ def init_default_group(timeout_s: float) -> None:
         raise BackendError("this process was started by torchrun but this torch has no torch.distributed")
     _, size = launcher_world()
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
     except Exception as exc:  # noqa: BLE001 - DistStoreError / RuntimeError of a rendezvous that timed out
         if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            raise PeerTimeout("symmring.init: torch.distributed.init_process_group", rank=launcher_rank(),
-                              world_size=size, missing_ranks=(), timeout_s=timeout_s) from exc
-        raise BackendError(f"torch.distributed.init_process_group('gloo') failed: {exc}") from exc
-    log.info("symmring: initialised torch.distributed's default group (gloo) of %d ranks from torchrun's "
-             "environment", dist.get_world_size())
+            raise PeerTimeout("symmring.init: torchrun's rendezvous", rank=launcher_rank(), world_size=size,
+                              missing_ranks=(), timeout_s=timeout_s) from exc
+        raise BackendError(f"torchrun's rendezvous (env://) failed: {type(exc).__name__}: {exc}") from exc
+    _torchrun = StoreRanks(store, int(rank), int(world_size))
+    log.info("symmring: rank %d of torchrun's %d workers (its store; no ProcessGroup)", rank, world_size)
+    return _torchrun
+
+
+def is_torch_ranks(obj) -> bool:
+    """Whether ``obj`` is ranks of torch.distributed: a ProcessGroup, or `StoreRanks`."""
+    return isinstance(obj, StoreRanks) or is_process_group(obj)
+
+
+def store_of(ranks) -> Tuple[Any, int, int, str]:
+    """``(store, rank, world_size, name)`` of a ProcessGroup or `StoreRanks`."""
+    if isinstance(ranks, StoreRanks):
+        return ranks.store, ranks.rank, ranks.world_size, ranks.name
+    return group_store(ranks), group_rank(ranks), group_size(ranks), group_name(ranks)
+
+
+def init_kwargs(ranks) -> Dict[str, Any]:
+    """The arguments that make `symmring.init` join ``ranks`` again (``comm=``, ``group=``, or none for
+    torchrun's `StoreRanks`, which `resolve` finds again)."""
+    if isinstance(ranks, StoreRanks):
+        return {}
+    return {"group": ranks} if is_process_group(ranks) else {"comm": ranks}
 
 
 # --- the world of a context -------------------------------------------------------------------------------
 
 def resolve(comm=None, group=None, *, timeout_s: float):
     """The world ``symmring.init`` joins: ``comm`` (mpi4py) or ``group`` (ProcessGroup) as given, else the
-    launcher's (the module docstring), initialising torch.distributed under torchrun.
+    launcher's (the module docstring): torchrun's workers as `StoreRanks`.
 
     Raises:
         ConfigError: both ``comm`` and ``group``; ``group`` not a ProcessGroup, or this process not in it.
         BackendError: a world of one under a launcher of several ranks; no MPI library under an MPI launcher.
-        PeerTimeout: torchrun's ranks did not all join within ``timeout_s``.
+        PeerTimeout: torchrun's workers did not all reach its store within ``timeout_s``.
     """
     if comm is not None and group is not None:
         raise ConfigError("comm= and group=: give one of them (an mpi4py communicator or a torch.distributed "
@@ -157,8 +199,7 @@ def resolve(comm=None, group=None, *, timeout_s: float):
         if torch_initialized():
             group = _dist().group.WORLD
         elif launcher == "torchrun" and size > 1:
-            init_default_group(timeout_s)
-            group = _dist().group.WORLD
+            return torchrun_ranks(timeout_s)
     if group is not None:
         if not is_process_group(group):
             raise ConfigError(f"group={group!r}: expected a torch.distributed ProcessGroup")
@@ -182,5 +223,6 @@ def local_rank(hosts, rank: int) -> int:
     return sum(1 for r in range(rank) if hosts[r] == hosts[rank])
 
 
-__all__ = ["launcher_world", "launcher_rank", "resolve", "torch_initialized", "is_process_group", "group_rank",
-           "group_size", "group_name", "group_store", "init_default_group", "local_rank"]
+__all__ = ["launcher_world", "launcher_rank", "resolve", "StoreRanks", "torchrun_ranks", "torch_initialized",
+           "is_process_group", "is_torch_ranks", "store_of", "init_kwargs", "group_rank", "group_size", "group_name",
+           "group_store", "local_rank"]

@@ -17,8 +17,9 @@ _REDUCE = {SUM: sum, MAX: max, MIN: min}
 
 
 class RankWorld:
-    """Verdict collectives over ``ranks`` (an mpi4py communicator, a torch.distributed group, or None for a
-    process alone), bounded by ``timeout_s`` (collective constructor). `of` makes one over a context's ranks."""
+    """Verdict collectives over ``ranks`` (an mpi4py communicator, torch.distributed ranks, or None for a
+    process alone: what `symmring.init` joined, ``ctx.ranks``), bounded by ``timeout_s`` (collective
+    constructor). `of` makes one over a context's ranks."""
 
     def __init__(self, ranks, timeout_s: float):
         self.chan = Collectives(ranks, timeout_s, what="tests: verdict channel")
@@ -28,7 +29,7 @@ class RankWorld:
     @classmethod
     def of(cls, ctx) -> "RankWorld":
         """Verdict collectives over the ranks of the `symmring.Context` ``ctx``."""
-        return cls(ctx.group if ctx.group is not None else ctx.comm, ctx.host_timeout_s)
+        return cls(ctx.ranks, ctx.host_timeout_s)
 
     def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
         return self.chan.rank

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,10 +84,11 @@ def driver_run(tmp_path_factory, kind: str, num_ranks: int, groups: int, seed: i
         outdir = tmp_path_factory.mktemp(f"subgroups-{kind}-{num_ranks}-{groups}-{seed}")
         cmd = launcher(kind, num_ranks) + [str(DRIVER), str(outdir), "--groups", str(groups), "--seed", str(seed)]
         returncode, output = run_bounded(cmd, env=job_env(), timeout_s=DRIVER_TIMEOUT_S)
-        lines = [line for line in output.splitlines() if line.startswith("subgroups:")]
-        assert returncode == 0 and len(lines) == num_ranks and all(line.endswith(": ok") for line in lines), \
-            f"{' '.join(cmd)}: exit {returncode}\n{output[-8000:]}"
-        print("\n".join(sorted(lines)))
+        verdicts = re.findall(r"(subgroups: group \d+ rank \d+/\d+ [^\n]*?\): (?:ok|FAIL))", output)  # lines may interleave
+        files = list(outdir.glob("g*_r*.npz"))
+        assert returncode == 0 and len(files) == num_ranks and len(verdicts) == num_ranks and \
+            all(v.endswith(": ok") for v in verdicts), f"{' '.join(cmd)}: exit {returncode}\n{output[-8000:]}"
+        print("\n".join(sorted(verdicts)))
         _runs[key] = outdir
     return _runs[key]
 

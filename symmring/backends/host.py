@@ -163,8 +163,9 @@ class HostBackend(Backend):
     """Symmetric memory and 64-bit signals for CPU ranks of one node.
 
     Args:
-        world: an mpi4py intracommunicator (MPI windows), a torch.distributed ProcessGroup (``/dev/shm`` files
-            and libatomic: `symmring.backends.shm`), or None: the launcher's (`symmring.world.resolve`; a world
+        world: an mpi4py intracommunicator (MPI windows), torch.distributed ranks -- a ProcessGroup or
+            torchrun's `symmring.world.StoreRanks` -- (``/dev/shm`` files and libatomic:
+            `symmring.backends.shm`), or None: the launcher's (`symmring.world.resolve`; a world
             of one outside a launcher). All its ranks must share one node.
         collectives: the bounded collectives over ``world`` (the context's); None makes the backend its
             own, bounded by ``SYMMRING_HOST_TIMEOUT_S``.
@@ -188,14 +189,14 @@ class HostBackend(Backend):
     name = "host"
 
     def __init__(self, world=None, *, collectives: Optional[Collectives] = None):
-        from ..world import is_process_group, resolve
+        from ..world import is_torch_ranks, resolve
         self.comm = resolve(timeout_s=env.host_timeout_s()) if world is None else world
         self._owns_collectives = collectives is None
         self.collectives = Collectives(self.comm, env.host_timeout_s(), what="HostBackend") if collectives is None \
             else collectives
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.collectives.barrier(what="host backend: init")
-        if is_process_group(self.comm):
+        if is_torch_ranks(self.comm):
             self.memory = self._shared_files()
         else:
             self.memory = MpiWindows(self.comm, self.collectives)

@@ -17,6 +17,7 @@ it runs alone on the GPU machine, like tests/gpu/test_layer_faults.py (same skip
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,9 +61,10 @@ def job(launcher: str, num_ranks: int, groups: int, seed: int) -> Path:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"HUNG: {' '.join(cmd)}; output:\n{output[-8000:]}", pytrace=False)
-    lines = sorted(line for line in output.splitlines() if line.startswith("subgroups:"))
-    print("\n" + "\n".join(lines))
-    assert proc.returncode == 0 and len(lines) == num_ranks and all(line.endswith(": ok") for line in lines), \
+    verdicts = sorted(re.findall(r"(subgroups: group \d+ rank \d+/\d+ [^\n]*?\): (?:ok|FAIL))", output))
+    print("\n" + "\n".join(verdicts))  # (the PEs' lines may interleave in the output)
+    assert proc.returncode == 0 and len(list(outdir.glob("g*_r*.npz"))) == num_ranks and \
+        len(verdicts) == num_ranks and all(v.endswith(": ok") for v in verdicts), \
         f"{' '.join(cmd)}: exit {proc.returncode}\n{output[-8000:]}"
     _runs[key] = outdir
     return outdir

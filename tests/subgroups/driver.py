@@ -5,8 +5,8 @@ Run on every rank of a job (mpiexec, torchrun, or ``python -m symmring.launch [-
     python tests/subgroups/driver.py OUTDIR [--groups G] [--seed S] [--backend host|nvshmem]
 
 The job's ranks split into ``G`` groups of consecutive ranks (``{0, 1}`` and ``{2, 3}`` for 4 ranks and
-``--groups 2``): a torch.distributed subgroup per group (``new_group``) under torchrun, an MPI
-``comm.Split`` under mpiexec, and ``symmring.init(group=...)`` / ``init(comm=...)`` on each. Group ``g`` runs
+``--groups 2``): a torch.distributed subgroup per group (``new_group``, after the driver initialised the
+default group with gloo) under torchrun, an MPI ``comm.Split`` under mpiexec, and ``symmring.init(group=...)`` / ``init(comm=...)`` on each. Group ``g`` runs
 the seeded workload of seed ``S + g``, which depends only on the seed and the group's size: two layers of
 different shapes on the context's workspace, layer A batch-ready, layer B streamed, then one
 `symmring.Workspace.step` with both (uneven token counts, zero included). Every rank writes its outputs to
@@ -39,14 +39,16 @@ TOKENS_PER_SLOT, NUM_SLOTS = 8, 2
 
 def split(num_groups: int):
     """This rank's group: ``(group index, the ranks to pass to init as comm= or group=)``."""
-    from symmring.env import host_timeout_s
-    ranks = worlds.resolve(timeout_s=host_timeout_s())
-    if worlds.is_process_group(ranks):
+    if worlds.launcher_world()[0] == "torchrun":
         import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # subgroups need the default group (new_group)
         size, rank = dist.get_world_size(), dist.get_rank()
         per = size // num_groups
         groups = [dist.new_group(list(range(g * per, (g + 1) * per))) for g in range(num_groups)]  # every rank
         return rank // per, dict(group=groups[rank // per])
+    from symmring.env import host_timeout_s
+    ranks = worlds.resolve(timeout_s=host_timeout_s())
     size, rank = ranks.Get_size(), ranks.Get_rank()
     per = size // num_groups
     return rank // per, dict(comm=ranks.Split(color=rank // per, key=rank))
