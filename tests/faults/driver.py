@@ -52,12 +52,16 @@ from pathlib import Path
 import numpy as np
 
 import symmring
+import symmring.world
 from symmring import protocol
+from symmring.collective import Collectives
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
 from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 #: How late the faulty rank starts (late) or how long its producer sleeps (stall): far beyond the bound.
 LATE_S = 20.0
+#: The bound of the ranks' start (before the context: imports, torchrun starting its workers).
+STARTUP_S = 120.0
 #: Chunks of the call and tokens per chunk; slots of the ring.
 NUM_CHUNKS, TOKENS_PER_SLOT, NUM_SLOTS = 8, 4, 2
 HIDDEN, INTER, NUM_EXPERTS, TOPK = 64, 16, 6, 2
@@ -194,6 +198,11 @@ def main(subject: str, fault: str, outdir: str) -> int:
     gpu = subject in ("gpu-layer", "ring-gpu")
     if subject == "gpu-layer":
         import torch  # noqa: F401 - imported first, so the nvshmem backend puts torch on the PE's device
+    # Every rank started (imports done) before the context's collectives, whose bound is the short one under
+    # test: torchrun starts its workers one by one, and on a loaded machine one may come seconds after another.
+    started = Collectives(symmring.world.resolve(timeout_s=STARTUP_S), STARTUP_S, what="driver: all started")
+    started.barrier(what="driver: all started")
+    started.close()
     ctx = symmring.init("nvshmem" if gpu else "host")
     rank, faulty = ctx.rank, ctx.world_size - 1
     make = {"layer": layer_subject, "ring": ring_subject, "gpu-layer": gpu_layer_subject,
