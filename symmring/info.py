@@ -117,7 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher, size = world.launcher_world()
     lines.append("launcher: " + {
         "mpi": f"an MPI launcher, {size} ranks (symmring.init joins MPI's COMM_WORLD)",
-        "torchrun": f"torchrun, {size} ranks (symmring.init joins torch.distributed's default group)",
+        "torchrun": f"torchrun, {size} ranks (symmring.init joins them over torchrun's store, or torch.distributed's "
+                    "default group when the program initialised it)",
         None: "none (one process)"}[launcher])
     try:
         MPI = mpi.load()
