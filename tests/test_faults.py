@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from test_under_mpi import find_mpiexec, run_bounded
-from test_under_torchrun import torchrun
+from test_under_mpi import run_bounded
+from test_under_torchrun import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "faults" / "driver.py"
@@ -56,21 +55,9 @@ CASES = [
 ]
 
 
-def _launcher(kind: str, extra=()):
-    if kind == "torchrun":
-        cmd = torchrun(NUM_RANKS)
-        if cmd is None:
-            pytest.skip('no torch, so no torchrun (pip install "symmring[cpu]")')
-        return cmd
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
-    return [mpiexec, *extra, "-n", str(NUM_RANKS), sys.executable]
-
-
 def _run(subject: str, fault: str, extra=(), kind: str = "mpiexec"):
     outdir = tempfile.mkdtemp(prefix=f"symmring-fault-{kind}-{subject}-{fault}-")
-    cmd = _launcher(kind, extra) + [str(DRIVER), subject, fault, outdir]
+    cmd = launcher(kind, NUM_RANKS, extra) + [str(DRIVER), subject, fault, outdir]
     env = dict(os.environ, SYMMRING_TIMEOUT_S=str(BOUND_S), SYMMRING_HOST_TIMEOUT_S=str(BOUND_S),
                PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

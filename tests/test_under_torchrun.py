@@ -40,9 +40,9 @@ def torchrun(num_ranks: int):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}"]
 
 
-def launcher(kind: str, num_ranks: int):
-    """The command prefix of ``kind`` (``"torchrun"`` or ``"mpiexec"``) for ``num_ranks`` ranks; skips the test
-    when it is not installed."""
+def launcher(kind: str, num_ranks: int, extra=()):
+    """The command prefix of ``kind`` (``"torchrun"`` or ``"mpiexec"``, with its ``extra`` arguments) that starts
+    ``num_ranks`` ranks of this interpreter; skips the test when it is not installed."""
     if kind == "torchrun":
         cmd = torchrun(num_ranks)
         if cmd is None:
@@ -51,7 +51,7 @@ def launcher(kind: str, num_ranks: int):
     mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
-    return [mpiexec, "-n", str(num_ranks), sys.executable]
+    return [mpiexec, *extra, "-n", str(num_ranks), sys.executable]
 
 
 def job_env(**extra) -> dict:
@@ -94,7 +94,8 @@ def driver_run(tmp_path_factory, kind: str, num_ranks: int, groups: int, seed: i
 
 
 def differing(a: Path, b: Path) -> list:
-    """The outputs of two ranks' files that differ in any bit (or in shape, or are missing)."""
+    """The outputs of two ranks' files that differ in any bit (or in shape, or are missing); tests/gpu uses it
+    too."""
     left, right = np.load(a), np.load(b)
     if set(left) != set(right) or not left.files:
         return [f"outputs {sorted(left)} vs {sorted(right)}"]

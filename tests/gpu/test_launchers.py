@@ -24,9 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from test_layer_faults import _skip_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU twin of these comparisons
+from test_under_torchrun import differing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "subgroups" / "driver.py"
@@ -68,14 +70,6 @@ def job(launcher: str, num_ranks: int, groups: int, seed: int) -> Path:
         f"{' '.join(cmd)}: exit {proc.returncode}\n{output[-8000:]}"
     _runs[key] = outdir
     return outdir
-
-
-def differing(a: Path, b: Path) -> list:
-    left, right = np.load(a), np.load(b)
-    if set(left) != set(right) or not left.files:
-        return [f"outputs {sorted(left)} vs {sorted(right)}"]
-    return [k for k in left if left[k].shape != right[k].shape or
-            not np.array_equal(left[k].view(np.uint32), right[k].view(np.uint32))]
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
