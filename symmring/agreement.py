@@ -54,8 +54,9 @@ def check_same(values: Sequence[Mapping[str, Any]], *, what: str) -> None:
 
 
 def exchange_and_check(collectives, fields: Mapping[str, Any], *, what: str, timeout_s=None) -> None:
-    """Collective: gather every rank's ``fields`` (bounded, `Collectives.allgather`) and `check_same` them.
-    Every rank gets the same list, so every rank raises the same ConfigError."""
+    """Collective: gather every rank's ``fields`` (bounded, `Collectives.allgather`: the host bound unless
+    ``timeout_s``) and `check_same` them. Every rank gets the same list, so every rank raises the same
+    ConfigError."""
     check_same(collectives.allgather(dict(fields), what=f"{what}: agreement", timeout_s=timeout_s), what=what)
 
 

@@ -174,8 +174,7 @@ class DeviceRing(Closing):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
         # Once, before the allocation: a rank with another spec is a ConfigError naming it, on every rank.
-        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec",
-                                     timeout_s=float(timeout_s))
+        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec")
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)

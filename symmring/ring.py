@@ -182,7 +182,7 @@ class Ring(Closing):
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         # Every rank must lay the ring out identically, or offsets disagree between ranks.
-        specs = ctx.collectives.allgather(spec, what="Ring: spec exchange", timeout_s=timeout_s)
+        specs = ctx.collectives.allgather(spec, what="Ring: spec exchange")
         odd_ranks = [r for r, other in enumerate(specs) if other != specs[0]]
         if odd_ranks:
             raise ConfigError(f"spec={spec} on rank {ctx.rank}: ranks {odd_ranks} passed a RingSpec different "

@@ -114,7 +114,7 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
             try:
                 for n in sizes:
                     reps = repeats if n <= 4096 else max(3, repeats // 2)
-                    ctx.comm.Barrier()
+                    ctx.collectives.barrier(what="bench: timing")
                     fns = [_call(batch, xs[n], router, graphs, use_graph, streaming=False),
                            _call(streamed, xs[n], router, graphs, use_graph, streaming=True)]
                     t_batch, t_stream = _interleaved(fns, reps)

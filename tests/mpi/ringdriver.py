@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rankworld import MIN, SUM
 from symmring import protocol
 from symmring.protocol import AckPolicy
 
@@ -80,10 +81,9 @@ class Stats:
     first_mismatch: str = ""
 
     def reduce(self, comm) -> "Stats":
-        from mpi4py import MPI
-        total = Stats(**{f.name: comm.allreduce(getattr(self, f.name), op=MPI.SUM)
+        total = Stats(**{f.name: comm.allreduce(getattr(self, f.name), op=SUM)
                          for f in dataclasses.fields(self) if f.name not in ("min_uses_per_slot", "first_mismatch")})
-        total.min_uses_per_slot = comm.allreduce(self.min_uses_per_slot, op=MPI.MIN)
+        total.min_uses_per_slot = comm.allreduce(self.min_uses_per_slot, op=MIN)
         total.first_mismatch = next((m for m in comm.allgather(self.first_mismatch) if m), "")
         return total
 

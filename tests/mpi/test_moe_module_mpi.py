@@ -44,7 +44,8 @@ from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.integrations import tiny  # noqa: E402
 from symmring.moe.integrations.hf import replace_moe_blocks  # noqa: E402
 from symmring.moe.cpu.host_layer import HostLayer  # noqa: E402
-from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
+from rankworld import MAX  # noqa: E402
 
 NUM_EXPERTS = 24
 MAX_TOKENS = 128
@@ -115,8 +116,7 @@ def untied(block, x):
 
 
 def gather_max(comm, value: float) -> float:
-    from mpi4py import MPI
-    return comm.allreduce(value, op=MPI.MAX)
+    return comm.allreduce(value, op=MAX)
 
 
 # bf16 dispatch for every family; fp8 dispatch (the same ring, x quantised) for DeepSeek-V3 only, which keeps

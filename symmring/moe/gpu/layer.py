@@ -319,7 +319,7 @@ class MoE(Closing):
         # Once, before any allocation: a rank built with other sizes or schedule options (or another layer id: a
         # rank that built another number of layers before) is a ConfigError naming it and the field, on every
         # rank (the ring's spec is checked again by DeviceRing).
-        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE")
         self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
                                       expert_format=self.engine.pool_format)
         self.workspace.attach(self.layer_shape, self.max_tokens)

@@ -246,7 +246,7 @@ class DeviceMemory:
         # rdma sources are read from a staging ring of one slot per source rank (symmetric: a get's local
         # buffer must be on every NVSHMEM transport), so every PE allocates it when any PE has an rdma peer.
         any_rdma = transport_mod.RDMA in ring.transports
-        wanted = self.workspace.ctx.collectives.allgather(any_rdma, what="Workspace: transports", timeout_s=timeout_s)
+        wanted = self.workspace.ctx.collectives.allgather(any_rdma, what="Workspace: transports")
         stage_alloc, stage_desc = None, None
         if any(wanted):
             layout = RingLayout(dataclasses.replace(spec, num_slots=self.workspace.world_size),
