@@ -36,6 +36,12 @@ class BackendError(SymmringError, RuntimeError):
     """A backend could not be initialised or used (no GPU, no NVSHMEM, MPI not usable, ...)."""
 
 
+class KernelArgsMismatch(BackendError):
+    """The host's layout of a kernel's argument struct (`symmring.moe.gpu.kernel_args`) differs from the device
+    header's (``device/moe/args.cuh``) as the device compiler lays it out: found when the layer's kernels load,
+    before any of them runs; the message names each struct and field that differs."""
+
+
 class RingClosedError(SymmringError, RuntimeError):
     """A ring (or a context) was used after ``close()``/``finalize()``."""
 
