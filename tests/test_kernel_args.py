@@ -152,17 +152,17 @@ def test_kernel_args_fixed_once_and_set_per_call_by_name():
     args = KernelArgs(STRUCTS["DispatchScanArgs"], per_call=("chunk_idx", "window_rows", "rows_per_expert"),
                       desc=1, counts=2, begin=3, group_end=4, cursor=5, total=6, num_local_experts=7, align=128,
                       expert_begin=9)
-    (param,) = args(chunk_idx=4, window_rows=1024, rows_per_expert=96)
+    (param,) = args.set(chunk_idx=4, window_rows=1024, rows_per_expert=96)
     record = param.view(STRUCTS["DispatchScanArgs"])[0]
     assert record.tolist() == (1, 4, 2, 3, 4, 5, 6, 7, 128, 9, 1024, 96)
-    args(chunk_idx=5, window_rows=10, rows_per_expert=2)
+    args.set(chunk_idx=5, window_rows=10, rows_per_expert=2)
     assert param.view(STRUCTS["DispatchScanArgs"])[0].tolist()[-2:] == (10, 2)  # the same record, rewritten
-    with pytest.raises(TypeError, match="a call sets"):
-        args(chunk_idx=5, window_rows=10)  # a field left from the last call would be stale
-    with pytest.raises(TypeError, match="a call sets"):
-        args(chunk_idx=5, window_rows=10, rows_per_expert=2, align=1)  # a fixed field
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'rows_per_expert'"):
+        args.set(chunk_idx=5, window_rows=10)  # a field left from the last call would be stale
+    with pytest.raises(TypeError, match="unexpected keyword argument 'align'"):
+        args.set(chunk_idx=5, window_rows=10, rows_per_expert=2, align=1)  # a fixed field
     with pytest.raises(ValueError):
-        args(chunk_idx=2**31, window_rows=10, rows_per_expert=2)  # does not fit int32
+        args.set(chunk_idx=2**31, window_rows=10, rows_per_expert=2)  # does not fit int32
 
 
 def test_kernel_args_cover_every_field_once():
@@ -175,10 +175,12 @@ def test_kernel_args_cover_every_field_once():
     pull = dict(desc=1, cursor=2, pool_x=3, row_src=4, row_weight=5, expert_begin=6, num_local_experts=7, status=8,
                 stage=9)
     with pytest.raises(TypeError, match="must each be fixed or per call"):  # a struct field half covered
-        KernelArgs(STRUCTS["DispatchPullArgs"], per_call=("chunk_idx", "pass.entry_rows"), **pull)
-    args = KernelArgs(STRUCTS["DispatchPullArgs"], per_call=("chunk_idx", "pass.entry_rows", "pass.pass_begin",
-                                                             "pass.pass_rows"), **pull)
-    (param,) = args(chunk_idx=3, **{"pass.entry_rows": 0x40, "pass.pass_begin": 256, "pass.pass_rows": 12})
+        KernelArgs(STRUCTS["DispatchPullArgs"], per_call=("chunk_idx", "pass__entry_rows"), **pull)
+    with pytest.raises(TypeError, match="not an identifier"):  # a Python keyword: its fields one by one
+        KernelArgs(STRUCTS["DispatchPullArgs"], per_call=("chunk_idx", "pass"), **pull)
+    args = KernelArgs(STRUCTS["DispatchPullArgs"], per_call=("chunk_idx", "pass__entry_rows", "pass__pass_begin",
+                                                             "pass__pass_rows"), **pull)
+    (param,) = args.set(chunk_idx=3, pass__entry_rows=0x40, pass__pass_begin=256, pass__pass_rows=12)
     assert param.view(STRUCTS["DispatchPullArgs"])[0]["pass"].tolist() == (0x40, 256, 12)
 
 
@@ -187,7 +189,13 @@ def test_a_struct_field_takes_a_record_of_its_own_struct():
     router["num_experts"], router["routed_scaling_factor"] = 64, 2.5
     args = KernelArgs(STRUCTS["RouteTopkArgs"], per_call=("router",), logits=1, logits_dtype=0, logits_stride=2,
                       num_tokens=3, topk_idx=4, topk_weights=5)
-    (param,) = args(router=router)
+    (param,) = args.set(router=router)
     assert param.view(STRUCTS["RouteTopkArgs"])[0]["router"].tobytes() == router.tobytes()
     with pytest.raises(TypeError, match="expected a record"):
-        args(router=np.zeros((), STRUCTS["PassRows"]))
+        args.set(router=np.zeros((), STRUCTS["PassRows"]))
+    # A struct field, then one of its own fields, in that order.
+    args = KernelArgs(STRUCTS["RouteTopkArgs"], per_call=("router", "router__topk"), logits=1, logits_dtype=0,
+                      logits_stride=2, num_tokens=3, topk_idx=4, topk_weights=5)
+    (param,) = args.set(router=router, router__topk=6)
+    got = param.view(STRUCTS["RouteTopkArgs"])[0]["router"]
+    assert (got["topk"], got["num_experts"], router["topk"]) == (6, 64, 0)

@@ -141,7 +141,7 @@ def check(k, s, want):
 
 
 def _value(record, name):
-    outer, _, inner = name.partition(".")
+    outer, _, inner = name.partition("__")
     value = record[outer][inner] if inner else record[outer]
     return value.item() if isinstance(value, np.generic) else value
 
@@ -224,15 +224,15 @@ def test_pull_carries_the_pass_and_the_entry_map():
     block = 3 * 64 * 8 * 4  # one chunk's [ranks][tokens][k] int32
     bf16 = fake_state(pool_sf=None, m_indices=None)
     stages.pull(k, bf16, None, chunk=6, window=WINDOW, pass_idx=2)
-    assert check(k, bf16, {"chunk_idx": 6, "pass.entry_rows": BUFFERS["entry_rows"] + block,
-                           "pass.pass_begin": 512, "pass.pass_rows": 12})[0] == "moe_dispatch_pull"
+    assert check(k, bf16, {"chunk_idx": 6, "pass__entry_rows": BUFFERS["entry_rows"] + block,
+                           "pass__pass_begin": 512, "pass__pass_rows": 12})[0] == "moe_dispatch_pull"
     fp8 = fake_state()
     stages.pull(k, fp8, None, chunk=5, window=WINDOW, pass_idx=0)
-    kernel, _ = check(k, fp8, {"chunk_idx": 5, "pass.entry_rows": BUFFERS["entry_rows"], "pass.pass_begin": 0,
-                               "pass.pass_rows": 256, "sf_row_stride": 1, "sf_col_stride": 256})
+    kernel, _ = check(k, fp8, {"chunk_idx": 5, "pass__entry_rows": BUFFERS["entry_rows"], "pass__pass_begin": 0,
+                               "pass__pass_rows": 256, "sf_row_stride": 1, "sf_col_stride": 256})
     assert kernel == "moe_dispatch_pull_fp8"
     stages.pull(k, fp8, None, chunk=3, window=ONE_PASS)
-    check(k, fp8, {"chunk_idx": 3, "pass.entry_rows": 0, "pass.pass_begin": 0, "pass.pass_rows": 640,
+    check(k, fp8, {"chunk_idx": 3, "pass__entry_rows": 0, "pass__pass_begin": 0, "pass__pass_rows": 640,
                    "sf_row_stride": 1, "sf_col_stride": 640})
 
 

@@ -17,7 +17,7 @@ views of the record's bytes.
 
 Example:
     >>> args = KernelArgs(STRUCTS["ChunkArgs"], per_call=("chunk_idx",), desc=0xD000)
-    >>> (param,) = args(chunk_idx=3)
+    >>> (param,) = args.set(chunk_idx=3)
     >>> param.shape, param.dtype.itemsize, int(args.record["chunk_idx"]), hex(int(args.record["desc"]))
     ((1,), 16, 3, '0xd000')
 """
@@ -25,7 +25,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterable, List, Tuple
+import keyword
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -146,64 +147,77 @@ class KernelArgs:
 
     Args:
         dtype: the struct's dtype (`STRUCTS`).
-        per_call: the fields each call sets (every one, every call); the others are ``fixed``.
+        per_call: the fields each call sets (every one, every call), in the order they are set; ``outer__inner``
+            names field ``inner`` of struct field ``outer`` (``router`` then ``router__topk``: the struct, then one
+            of its own fields).
         **fixed: the value of every other field (pointer fields: `address` values; a struct field: a record of
             its dtype).
 
-    Calling it with exactly the ``per_call`` fields sets them, in the order given (so ``router`` then
-    ``router.topk`` sets a struct field and then one of its own), and returns the launch's argument tuple: the
-    record as a one-element array (CuPy and `symmring.pdl` pass its bytes by value). The record is reused by the
-    next call, so launch before setting it again (a launch copies its parameters).
+    `set` (keyword arguments: exactly the ``per_call`` fields) sets them and returns the launch's argument tuple:
+    the record as a one-element array (CuPy and `symmring.pdl` pass its bytes by value). The record is reused by
+    the next `set`, so launch before setting it again (a launch copies its parameters). `set` is a function made
+    for these fields, writing each through a typed view of the record's bytes: a tenth of a loop over NumPy
+    field assignments, a launch's host cost.
 
     Raises:
-        TypeError: ``fixed`` and ``per_call`` do not cover the struct's fields exactly once; a call sets other
-            fields than ``per_call``.
+        TypeError: ``fixed`` and ``per_call`` do not cover the struct's fields exactly once; `set` given other
+            fields than ``per_call`` (Python's own message for a missing or unknown keyword argument), or a
+            struct field a record of another struct.
         OverflowError / ValueError: a value does not fit its field.
     """
 
-    __slots__ = ("dtype", "record", "param", "_per_call", "_views")
+    __slots__ = ("dtype", "record", "param", "set")
 
-    def __init__(self, dtype: np.dtype, per_call: Iterable[str] = (), **fixed):
-        per_call = frozenset(per_call)
+    def __init__(self, dtype: np.dtype, per_call: Sequence[str] = (), **fixed):
         leaves = _leaves(dtype)
-
-        def covered(names):
-            return [leaf for name in names for leaf in leaves if leaf == name or leaf.startswith(name + ".")]
-
-        fixed_leaves, call_leaves = covered(fixed), set(covered(per_call))
-        if sorted(fixed_leaves + sorted(call_leaves)) != sorted(leaves):
+        call_leaves = {leaf for name in per_call for leaf in _covered(leaves, name)}
+        fixed_leaves = [leaf for name in fixed for leaf in _covered(leaves, name)]
+        if sorted(fixed_leaves + sorted(call_leaves)) != sorted(leaves) or len(set(per_call)) != len(per_call):
             raise TypeError(f"KernelArgs: fields {leaves} must each be fixed or per call, once; got fixed "
-                            f"{sorted(fixed)} and per call {sorted(per_call)}")
+                            f"{sorted(fixed)} and per call {list(per_call)}")
         self.dtype = dtype
         self.record = np.zeros((), dtype)
         #: The record's bytes as the launch's argument (a view: setting a field changes it).
         self.param = self.record.reshape(1).view(np.dtype((np.void, dtype.itemsize)))
         for name, value in fixed.items():
             self.record[name] = value
-        self._per_call = per_call
-        # Fields are set through views of the record's bytes: typed for a scalar (a tenth of a NumPy field
-        # assignment), raw bytes for a struct (given as a record of its dtype). "outer.inner" names a field of a
-        # struct field.
-        raw = memoryview(self.record.reshape(1).view(np.uint8))
-        self._views = {}
-        for name in per_call:
-            field, offset = _field(dtype, name)
-            fmt = _FORMATS.get(field.str[1:])
-            view = raw[offset: offset + field.itemsize]
-            self._views[name] = (view.cast(fmt), None) if fmt is not None else (view, field)
+        self.set = _setter(self.record, (self.param,), per_call)
 
-    def __call__(self, **values) -> tuple:
-        if values.keys() != self._per_call:
-            raise TypeError(f"KernelArgs: a call sets {sorted(self._per_call)}; got {sorted(values)}")
-        for name, value in values.items():
-            view, struct = self._views[name]
-            if struct is None:
-                view[0] = value
-            elif getattr(value, "dtype", None) == struct:
-                view[:] = value.tobytes()
-            else:
-                raise TypeError(f"KernelArgs: {name}={value!r}: expected a record of {struct}")
-        return (self.param,)
+
+def _covered(leaves: List[str], name: str) -> List[str]:
+    """The scalar fields (`_leaves`) a field name sets: itself, or every field of a struct field."""
+    dotted = name.replace("__", ".")
+    return [leaf for leaf in leaves if leaf == dotted or leaf.startswith(dotted + ".")]
+
+
+def _setter(record: np.ndarray, result: tuple, names: Sequence[str]):
+    """A function of keyword arguments ``names`` that writes each into ``record`` (in that order) and returns
+    ``result``: the fields' views of the record's bytes bound in its namespace, so a call is a few stores."""
+    raw = memoryview(record.reshape(1).view(np.uint8))
+    namespace = {"_result": result, "_struct_bytes": _struct_bytes}
+    body = []
+    for i, name in enumerate(names):
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise TypeError(f"KernelArgs: {name!r} cannot be set per call: not an identifier (a struct field's "
+                            "field is outer__inner)")
+        field, offset = _field(record.dtype, name.replace("__", "."))
+        view = raw[offset: offset + field.itemsize]
+        fmt = _FORMATS.get(field.str[1:])
+        if fmt is not None:
+            namespace[f"_v{i}"] = view.cast(fmt)
+            body.append(f"    _v{i}[0] = {name}")
+        else:  # a struct field: the bytes of a record of its dtype
+            namespace[f"_v{i}"], namespace[f"_d{i}"] = view, field
+            body.append(f"    _v{i}[:] = _struct_bytes({name}, _d{i}, {name!r})")
+    params = f"*, {', '.join(names)}" if names else ""
+    exec(f"def set({params}):\n" + "\n".join(body + ["    return _result"]), namespace)  # noqa: S102
+    return namespace["set"]
+
+
+def _struct_bytes(value, dtype: np.dtype, name: str) -> bytes:
+    if getattr(value, "dtype", None) != dtype:
+        raise TypeError(f"KernelArgs: {name}={value!r}: expected a record of {dtype}")
+    return value.tobytes()
 
 
 def _leaves(dtype: np.dtype, prefix: str = "") -> List[str]:
@@ -229,7 +243,7 @@ def _field(dtype: np.dtype, name: str) -> Tuple[np.dtype, int]:
 
 def pack(dtype: np.dtype, **values) -> tuple:
     """A launch's argument tuple from every field of ``dtype`` by name (a new record; `KernelArgs` reuses one)."""
-    return KernelArgs(dtype, **values)()
+    return KernelArgs(dtype, **values).set()
 
 
 def layout_source(structs: Dict[str, np.dtype] = STRUCTS) -> str:

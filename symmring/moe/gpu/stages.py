@@ -246,21 +246,21 @@ def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
 
 
 class LaunchArgs:
-    """Every launcher's argument record (`kernel_args.KernelArgs`) for one `State`: the fields the State fixes (its
-    buffers' addresses, the expert range, the grid-handshake words) filled once, when its first kernel is
-    launched (`_args`); each launcher sets the rest per call."""
+    """Every launcher's argument record for one `State`, as its `kernel_args.KernelArgs.set`: the fields the State
+    fixes (its buffers' addresses, the expert range, the grid-handshake words) filled once, when its first kernel
+    is launched (`_args`); each launcher sets the rest per call."""
 
     def __init__(self, s: "State"):
         structs, address = kernel_args.STRUCTS, kernel_args.address
 
-        def record(struct: str, per_call: str, **fixed) -> kernel_args.KernelArgs:
-            return kernel_args.KernelArgs(structs[struct], per_call.split(), desc=address(s.desc), **fixed)
+        def record(struct: str, per_call: str, **fixed):
+            return kernel_args.KernelArgs(structs[struct], per_call.split(), desc=address(s.desc), **fixed).set
 
         call_tokens = address(s.call_tokens)
         experts = dict(expert_begin=s.expert_begin, num_local_experts=s.num_local_experts)
         pool = dict(row_src=address(s.row_src), row_weight=address(s.row_weight), status=address(s.status),
                     stage=address(s.stage), **experts)
-        passes = "pass.entry_rows pass.pass_begin pass.pass_rows"
+        passes = "pass__entry_rows pass__pass_begin pass__pass_rows"
         # Producer.
         self.wait_slot = record("ChunkArgs", "chunk_idx")
         self.produce_route = record("ProduceRouteArgs", "chunk_idx topk_idx topk_weights num_valid layer",
@@ -295,8 +295,8 @@ class LaunchArgs:
         # Schedule.
         self.end_call = record("EndCallArgs", "num_chunks")
         self.refuse_call = record("RefuseCallArgs", "layer")
-        self.stamp = kernel_args.KernelArgs(structs["StampArgs"], ("idx",), stamps=address(s.stamps))
-        self.sleep = kernel_args.KernelArgs(structs["SleepArgs"], ("duration_ns",))
+        self.stamp = kernel_args.KernelArgs(structs["StampArgs"], ("idx",), stamps=address(s.stamps)).set
+        self.sleep = kernel_args.KernelArgs(structs["SleepArgs"], ("duration_ns",)).set
 
     def _combine(self, s: "State", record) -> None:
         address = kernel_args.address
@@ -431,7 +431,7 @@ def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep, pass_i
     entry_rows = 0
     if len(window.passes) > 1:  # this chunk's [R][T][K] block of the map
         entry_rows = s.entry_rows.data_ptr() + (chunk - window.first) * s.entry_rows[0].nbytes
-    passes = {"pass.entry_rows": entry_rows, "pass.pass_begin": pass_begin, "pass.pass_rows": rows}
+    passes = dict(pass__entry_rows=entry_rows, pass__pass_begin=pass_begin, pass__pass_rows=rows)
     if s.pool_sf is None:
         k.pull(grid, (THREADS_PER_BLOCK,), _args(s).pull(chunk_idx=chunk, **passes), stream=stream)
         return
@@ -529,7 +529,7 @@ def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, t
 
 
 #: The routing kernel's fields, every one set per call (its router's topk after the router).
-ROUTE_TOPK_FIELDS = kernel_args.STRUCTS["RouteTopkArgs"].names + ("router.topk",)
+ROUTE_TOPK_FIELDS = kernel_args.STRUCTS["RouteTopkArgs"].names + ("router__topk",)
 
 
 def route_topk(k: Kernels, stream, *, logits, router, topk: int, topk_idx, topk_weights) -> None:
@@ -542,11 +542,11 @@ def route_topk(k: Kernels, stream, *, logits, router, topk: int, topk_idx, topk_
         return
     args = getattr(k, "route_args", None)  # no State here: the kernels keep the record
     if args is None:
-        args = k.route_args = kernel_args.KernelArgs(kernel_args.STRUCTS["RouteTopkArgs"], ROUTE_TOPK_FIELDS)
+        args = k.route_args = kernel_args.KernelArgs(kernel_args.STRUCTS["RouteTopkArgs"], ROUTE_TOPK_FIELDS).set
     k.route_topk((blocks(n, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                  args(logits=tensor.data_ptr(), logits_dtype=code, logits_stride=tensor.stride(0), num_tokens=n,
                       topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), router=router,
-                      **{"router.topk": topk}),
+                      router__topk=topk),
                  stream=stream)
 
 
