@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from struct_probe import compile_structs, parse_structs, struct_mismatches
-from symmring import jit
-from symmring.errors import BackendError, KernelArgsMismatch
+from symmring.errors import KernelArgsMismatch
+from test_device_compile import _toolchain_missing
 from symmring.moe.gpu import kernel_args
 from symmring.moe.gpu.kernel_args import STRUCTS, KernelArgs
 
@@ -111,15 +111,6 @@ def test_the_check_catches_dtype_edits(compiled):
 
 
 # --- the load-time check, with nvcc --------------------------------------------------------------------
-
-def _toolchain_missing():
-    try:
-        jit.nvcc_path()
-        jit.nvshmem_paths()
-    except BackendError as exc:
-        return str(exc)
-    return None
-
 
 needs_nvcc = pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")
 
