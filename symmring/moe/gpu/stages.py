@@ -248,7 +248,8 @@ def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
 class LaunchArgs:
     """Every launcher's argument record for one `State`, as its `kernel_args.KernelArgs.set`: the fields the State
     fixes (its buffers' addresses, the expert range, the grid-handshake words) filled once, when its first kernel
-    is launched (`_args`); each launcher sets the rest per call."""
+    is launched (`_args`); each launcher sets the rest per call. ``State.entry_rows`` is not fixed here: the
+    workspace moves it when the entry map grows (`symmring.moe.gpu.memory`), so `pull` reads it per call."""
 
     def __init__(self, s: "State"):
         structs, address = kernel_args.STRUCTS, kernel_args.address
