@@ -35,7 +35,8 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, SymmringError
+from .demo_run import Reporter, fail, start, world_reporter
+from .errors import SymmringError
 from .moe.config import Experts, RoutingConfig, ScheduleConfig
 
 log = logging.getLogger(__name__)
@@ -111,42 +112,6 @@ def make_problem(args, world_size: int, rank: int) -> Problem:
         options.update(bias=(rng.standard_normal(E) * 0.1).astype(np.float32), routed_scaling_factor=2.5)
     start = sum(counts[:rank])
     return Problem(counts, x, w_gate, w_up, w_down, router_weight, options, slice(start, start + counts[rank]))
-
-
-class Reporter:
-    """Rank 0 prints; every rank logs. Its reductions are bounded exchanges (`symmring.collective.Collectives`)
-    over the demo's ranks, on a channel of its own: whichever launcher started them (mpirun, torchrun)."""
-
-    def __init__(self, ranks, chan):
-        self.ranks = ranks  # what symmring.init joins (`symmring.world.resolve`)
-        self.chan = chan
-        self.rank, self.size = chan.rank, chan.world_size
-
-    def say(self, line: str) -> None:
-        log.debug(line)
-        if self.rank == 0:
-            print(line, flush=True)
-
-    def allgather(self, value):
-        return self.chan.allgather(value, what="demo: report")
-
-    def all_ok(self, ok: bool) -> bool:
-        return all(self.allgather(bool(ok)))
-
-    def max(self, value: float) -> float:
-        return max(float(v) for v in self.allgather(float(value)))
-
-    def sum(self, value: int) -> int:
-        return sum(int(v) for v in self.allgather(int(value)))
-
-    def fsum(self, value: float) -> float:
-        return math.fsum(float(v) for v in self.allgather(float(value)))
-
-    def barrier(self) -> None:
-        self.chan.barrier(what="demo: barrier")
-
-    def close(self) -> None:
-        self.chan.close()
 
 
 def _timed_calls(fn: Callable[[], np.ndarray], report: Reporter, repeats: int,
@@ -298,61 +263,10 @@ def _yes(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
-def _backend_reason(requested: str) -> str:
-    from .info import auto_backend
-    if requested != "auto":
-        return f"--backend {requested}"
-    return auto_backend()[1]
-
-
-def world_reporter() -> Optional[Reporter]:
-    """The demo's first step (``demo`` and ``demo --model``): its ranks (`symmring.world.resolve`: MPI's world
-    under mpirun, torchrun's workers under torchrun, else one process) and a `Reporter` on
-    them, or None after the launcher's rank 0 printed ``demo: FAIL`` (e.g. no MPI library under a multi-rank
-    MPI launch; exit 1)."""
-    from . import env, world
-    from .collective import Collectives
-    try:
-        ranks = world.resolve(timeout_s=env.host_timeout_s())
-        return Reporter(ranks, Collectives(ranks, env.host_timeout_s(), what="demo: start"))
-    except SymmringError as exc:
-        if world.launcher_rank() == 0:
-            print(f"demo: FAIL {exc}", flush=True)
-        return None
-
-
-def start(backend: str, report: Reporter) -> Optional[Tuple[object, Reporter, str]]:
-    """Initialise the ``--backend`` on the report's ranks (``demo`` and ``demo --model``): (the context, the
-    `Reporter`, why that backend), or None after ``demo: FAIL`` on ``report`` (exit 1)."""
-    from . import world
-    from .context import init
-    reason = _backend_reason(backend)
-    try:
-        ctx = init(backend, **world.init_kwargs(report.ranks))
-    except SymmringError as exc:
-        report.say(f"demo: FAIL could not initialise the {backend} backend: {exc}")
-        return None
-    return ctx, report, reason
-
-
 def memory_of(ctx) -> str:
     """What the CPU backend's symmetric memory is, in words."""
     from . import mpi
     return "process memory, no MPI library" if mpi.is_standin(ctx.comm) else ctx.backend.memory.name
-
-
-def fail(ctx, report, exc) -> int:
-    """The demo's end after a symmring error in its run (``demo`` and ``demo --model``): the ``demo: FAIL`` line,
-    the context closed, and the exit status (2 for a bad configuration, which every rank raises; else 1)."""
-    if isinstance(exc, ConfigError):
-        report.say(f"demo: FAIL bad configuration: {exc}")
-        status = 2
-    else:
-        log.error("rank %d: %s", ctx.rank, exc)
-        report.say(f"demo: FAIL {type(exc).__name__}: {exc}")
-        status = 1
-    ctx.close()
-    return status
 
 
 def main(argv: Optional[List[str]] = None) -> int:

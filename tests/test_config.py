@@ -109,8 +109,8 @@ def test_schedule_config_defaults_and_frozen():
     assert (s.num_slots, s.tokens_per_slot, s.ack_policy, s.expert_window, s.x_format) == \
         (None, None, AckPolicy.CONSERVATIVE, 1, None)
     assert s.gpu_only_set() == []
-    from symmring.moe.gpu.graph_cache import DEFAULT_ENTRIES
-    assert s.graph_cache == DEFAULT_ENTRIES
+    from symmring.moe.config import GRAPH_CACHE_ENTRIES
+    assert s.graph_cache == GRAPH_CACHE_ENTRIES
     t = ScheduleConfig(num_slots=np.int64(3), ack_policy="early", expert_window=3, graph_cache=0, transport="rdma:1")
     assert type(t.num_slots) is int and t.ack_policy is AckPolicy.EARLY
     assert t.gpu_only_set() == ["expert_window", "transport", "graph_cache"]

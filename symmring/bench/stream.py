@@ -42,8 +42,6 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-import numpy as np
-
 from . import lacks_cuda_torch, progress
 
 from ..moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
@@ -227,7 +225,7 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     (``moe_spin_probe``), interleaved."""
     import torch
     from ..moe.gpu import plan as plans
-    from ..moe.gpu import stages
+    from ..moe.gpu import kernel_args, stages
     from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
@@ -255,7 +253,8 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if spin:  # spin well past the producer's work; nobody ever sets the word
-            probe((blocks,), (32,), (np.uint64(word.data_ptr()), np.uint64(1), np.uint64(200_000_000)),
+            probe((blocks,), (32,), kernel_args.pack(kernel_args.STRUCTS["SpinProbeArgs"], word=word.data_ptr(),
+                                                     until=1, duration_ns=200_000_000),
                   stream=moe._stream(spinner.cuda_stream))
         p_stream = moe._stream(producer.cuda_stream)
         with torch.cuda.stream(producer):

@@ -41,7 +41,7 @@ from .weights import shape_dim
 X_FORMATS = ("fp8_e4m3", "bf16")
 #: Default ``small_batch_tokens``: the most tokens per rank a call may have for the small-batch schedule.
 SMALL_BATCH_TOKENS = 128
-#: Default ``graph_cache``: CUDA graphs kept per GPU layer (`symmring.moe.gpu.graph_cache.DEFAULT_ENTRIES`).
+#: Default ``graph_cache``: CUDA graphs kept per GPU layer (`symmring.moe.gpu.graph_cache`).
 GRAPH_CACHE_ENTRIES = 12
 
 

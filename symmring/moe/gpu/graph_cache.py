@@ -29,9 +29,9 @@ inputs, replays it and clones the static output (all on the current stream, no h
   share memory with another graph's, which is safe because calls never overlap (each call waits for the
   previous one's end) and the static output is cloned before the call ends.
 
-The capacity is the layer's ``graph_cache`` argument (default `DEFAULT_ENTRIES`; 0 disables), overridden
-by ``SYMMRING_GRAPH_CACHE``; ``forward(graph_cache=False)`` skips the cache for one call. `MoE.reset`,
-`MoE.close` and `MoE.clear_graph_cache` drop every graph.
+The capacity is the layer's ``graph_cache`` argument (default `symmring.moe.config.GRAPH_CACHE_ENTRIES`; 0
+disables), overridden by ``SYMMRING_GRAPH_CACHE``; ``forward(graph_cache=False)`` skips the cache for one call.
+`MoE.reset`, `MoE.close` and `MoE.clear_graph_cache` drop every graph.
 
 Example:
     >>> cache = GraphCache(2)
@@ -50,10 +50,7 @@ import numpy as np
 
 from ... import env
 from ...errors import ConfigError
-from ..config import GRAPH_CACHE_ENTRIES
 
-#: Default ``graph_cache``: graphs kept per layer.
-DEFAULT_ENTRIES = GRAPH_CACHE_ENTRIES  # `symmring.moe.config.ScheduleConfig.graph_cache`'s default
 #: The most tokens per rank of a call the cache serves (a graph's static output is ``[n, hidden]``).
 MAX_TOKENS = 256
 #: Keys remembered as seen once (so a key's second call captures), least recently seen dropped first.
