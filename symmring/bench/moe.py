@@ -244,12 +244,12 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
                 for _ in range(reps):
                     events: List = []
-                    moe.forward(x, router_weight=router, stage_events=events)
+                    moe.debug.forward(x, router_weight=router, stage_events=events)
                     events[-1][1].synchronize()
                     for s, ms in _stage_ms(events).items():
                         stage_runs[s].append(ms)
                 stages = {s: statistics.median(v) for s, v in stage_runs.items()}
-                counts = moe._state.counts
+                counts = moe.executor.state.counts
                 num_rows = int(counts.sum().item())
                 touched = int((counts > 0).sum().item())
                 gemm_flops = 2.0 * num_rows * 3 * hidden * inter
@@ -269,8 +269,8 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     # its row marks are rebuilt for the timing and cleared again after).
                     window = moe.last_plan.windows[0]
                     window_rows, bound = window.rows_bound, window.rows_per_expert
-                    pool = moe._state.pool(window_rows)
-                    _mark_rows(moe._state, True)
+                    pool = moe.executor.state.pool(window_rows)
+                    _mark_rows(moe.executor.state, True)
                     own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows, bound), reps))
                     row["engine_step_ms"] = own
                     row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
@@ -280,7 +280,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                         dg_ms = other if engine == "builtin" else own
                         bi_ms = own if engine == "builtin" else other
                         row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms
-                    _mark_rows(moe._state, False)
+                    _mark_rows(moe.executor.state, False)
                 if graphs:
                     try:
                         graph, _ = moe.capture(x, router_weight=router)
@@ -337,7 +337,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
 @contextlib.contextmanager
 def _plain_launches(moe):
     """``moe`` with its programmatic dependent launches off (`symmring.pdl`), restored after."""
-    launcher = moe._kernels.launch
+    launcher = moe.executor.kernels.launch
     was = launcher.enabled
     launcher.enabled = False
     try:

@@ -10,7 +10,7 @@ clean warm-up call and a barrier, every rank starts one more call, and the fault
 * ``hard-exit``: calls ``os._exit(0)`` instead (the process vanishes without finalizing MPI);
 * ``stall``: stops publishing part-way through the call, at chunk ``STALL_CHUNK`` (2): its producer sleeps
   ``LATE_S`` there (on the host for ``layer``, ``ring`` and ``ring-gpu``; on the device for ``gpu-layer``,
-  through ``forward(producer_delay_ns=...)``: the host has enqueued the whole call).
+  through ``debug.forward(producer_delay_ns=...)``: the host has enqueued the whole call).
 
 SUBJECT is
 
@@ -143,8 +143,8 @@ def gpu_layer_subject(ctx):
 
     def call(stall: bool):
         # stall: the producer spins LATE_S on the device before chunk STALL_CHUNK (the host enqueued it all).
-        delays = {STALL_CHUNK: int(LATE_S * 1e9)} if stall else None
-        layer.forward(x, router_weight=router, streaming=True, producer_delay_ns=delays)
+        hook = dict(producer_delay_ns={STALL_CHUNK: int(LATE_S * 1e9)}) if stall else {}
+        (layer.debug.forward if hook else layer.forward)(x, router_weight=router, streaming=True, **hook)
         torch.cuda.synchronize()  # bounded: every device wait ends within the bound (or at an abort)
         layer.check_errors()
     return call
