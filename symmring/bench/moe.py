@@ -55,15 +55,13 @@ from typing import Dict, List, Optional
 
 from . import lacks_cuda_torch, progress
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
+from ..moe.workspace_plan import PRESETS
 
 logger = logging.getLogger(__name__)
 
-#: name: (hidden, inter, num_experts, topk)
-SHAPES = {
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "mixtral": (4096, 14336, 8, 2),
-}
+#: name: (hidden, inter, num_experts, topk): the model presets (`symmring.moe.workspace_plan.PRESETS`, the names of
+#: ``plan --preset`` and ``demo --model``).
+SHAPES = {name: (p["hidden"], p["inter"], p["num_experts"], p["topk"]) for name, p in PRESETS.items()}
 DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The decode target: graph latency <= DECODE_SLOPE x the fp8 weight-read limit + DECODE_OFFSET_MS.

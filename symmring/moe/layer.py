@@ -14,6 +14,25 @@ collective, with exactly one routing source; ``streaming``: False (batch-ready),
 ring) or ``"auto"``. Options one implementation has and the other has not are named where refused (the CPU
 layer refuses the GPU-only fields of `ScheduleConfig` and `Experts`). Test hooks live apart, on
 ``layer.debug`` (`symmring.moe.debug`).
+
+Example:
+    >>> import numpy as np, symmring
+    >>> ctx = symmring.init("host")
+    >>> rng = np.random.default_rng(0)
+    >>> wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
+    >>> wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
+    >>> layer = MoE(ctx, Experts(wg, wu, wd), RoutingConfig(num_experts=4, topk=2), max_tokens=16)
+    >>> type(layer).__name__, isinstance(layer, MoE)
+    ('ExpertParallelMoE', True)
+    >>> y = layer.forward(rng.standard_normal((10, 128), dtype=np.float32),
+    ...                   router_weight=rng.standard_normal((4, 128), dtype=np.float32))
+    >>> y.shape
+    (10, 128)
+    >>> MoE(ctx, Experts(wg, wu, wd), RoutingConfig(4, 2), max_tokens=16, x_format="bf16")
+    Traceback (most recent call last):
+    ...
+    symmring.errors.ConfigError: MoE: unexpected keyword argument(s): x_format (a field of ScheduleConfig: pass ScheduleConfig(x_format=...))
+    >>> layer.close(); ctx.close()
 """
 
 from __future__ import annotations
@@ -93,6 +112,12 @@ class MoE(Closing):
     """
 
     def __new__(cls, ctx=None, *args, **kwargs):
+        if len(args) > 2:  # ctx, experts, routing; everything else by keyword
+            raise ConfigError(f"{cls.__name__}: {len(args) + 1} positional arguments: expected (ctx, experts, routing, "
+                              "*, max_tokens, schedule=None, engine='auto', workspace=None), the values of "
+                              "symmring.moe.config (the former ExpertParallelMoE(ctx, MoEShapes(...), w_gate, w_up, "
+                              "w_down, ...) is MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), "
+                              "max_tokens=..., schedule=ScheduleConfig(x_format=...)))")
         if cls is MoE:
             cls = implementation(ctx)
         return super().__new__(cls)
