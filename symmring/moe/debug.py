@@ -16,10 +16,10 @@ call cannot honour is a `ConfigError` on every rank. The GPU layer never serves 
 Example:
     >>> Hooks(producer_delay_ns={0: 1000}).checked(True, "gpu").producer_delay_ns
     {0: 1000}
-    >>> Hooks(timeline=True).checked(False, "gpu")
+    >>> Hooks(timeline=True).checked(False, "gpu")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    symmring.errors.ConfigError: timeline/producer_delay_ns/consumer_delay_ns: only for the streamed schedule (streaming=True)
+    symmring.errors.ConfigError: timeline/producer_delay_ns/consumer_delay_ns: only for the streamed schedule ...
 """
 
 from __future__ import annotations

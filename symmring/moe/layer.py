@@ -28,10 +28,10 @@ Example:
     ...                   router_weight=rng.standard_normal((4, 128), dtype=np.float32))
     >>> y.shape
     (10, 128)
-    >>> MoE(ctx, Experts(wg, wu, wd), RoutingConfig(4, 2), max_tokens=16, x_format="bf16")
+    >>> MoE(ctx, Experts(wg, wu, wd), RoutingConfig(4, 2), max_tokens=16, x_format="bf16")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    symmring.errors.ConfigError: MoE: unexpected keyword argument(s): x_format (a field of ScheduleConfig: pass ScheduleConfig(x_format=...))
+    symmring.errors.ConfigError: MoE: unexpected keyword argument(s): x_format (a field of ScheduleConfig: ...)
     >>> layer.close(); ctx.close()
 """
 
@@ -116,8 +116,8 @@ class MoE(Closing):
             raise ConfigError(f"{cls.__name__}: {len(args) + 1} positional arguments: expected (ctx, experts, routing, "
                               "*, max_tokens, schedule=None, engine='auto', workspace=None), the values of "
                               "symmring.moe.config (the former ExpertParallelMoE(ctx, MoEShapes(...), w_gate, w_up, "
-                              "w_down, ...) is MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, topk), "
-                              "max_tokens=..., schedule=ScheduleConfig(x_format=...)))")
+                              "w_down, ...) is MoE(ctx, Experts(w_gate, w_up, w_down), RoutingConfig(num_experts, "
+                              "topk), max_tokens=..., schedule=ScheduleConfig(x_format=...)))")
         if cls is MoE:
             cls = implementation(ctx)
         return super().__new__(cls)

@@ -204,7 +204,8 @@ def test_repeated_calls_reuse_rings(ctx, comm, seed, outcome, check, figure):
     fp8 = dict(x_format="fp8_e4m3")  # the reference's
     schedules = [ScheduleConfig(tokens_per_slot=5, num_slots=2, **fp8),
                  ScheduleConfig(tokens_per_slot=5, num_slots=2, ack_policy=AckPolicy.EARLY, **fp8),
-                 ScheduleConfig(tokens_per_slot=4, num_slots=3, **fp8), ScheduleConfig(tokens_per_slot=1, num_slots=2, **fp8)]
+                 ScheduleConfig(tokens_per_slot=4, num_slots=3, **fp8),
+                 ScheduleConfig(tokens_per_slot=1, num_slots=2, **fp8)]
     runs = [
         (0, slice(lo, lo + half), {}, {}),  # a small batch first: the batch ring is regrown by the next call
         (0, full, {}, {}),
@@ -289,7 +290,8 @@ def test_bad_input_rejected_on_every_rank_and_layer_stays_usable(ctx, comm, seed
         expect_config_error(ctx, comm, outcome, check, lambda: layer.debug.forward(
             mine, router_weight=router, streaming=True, lookahead=2), "lookahead")
         expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(
-            mine, router_weight=router, streaming=True, tokens_per_slot=4), "tokens_per_slot (a field of ScheduleConfig")
+            mine, router_weight=router, streaming=True, tokens_per_slot=4),
+            "tokens_per_slot (a field of ScheduleConfig")
         expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(
             mine, router_weight=router, logits=np.zeros((hi - lo, NUM_EXPERTS), np.float32)), "exactly one")
         # The layer and its rings are still usable, and still right.

@@ -150,45 +150,46 @@ class HostExecutor:
     def _debug_check(self, ring: Ring, call: Call, combine_base: int, y: np.ndarray) -> None:
         """``SYMMRING_DEBUG=1``: the shared state a finished call must leave behind (module docstring)."""
         backend, alloc, lay = self.ctx.backend, ring.allocation, ring.layout
+        rank, timeout_s = self.spec.rank, self.spec.timeout_s
         num_chunks, num_slots = call.num_chunks, ring.spec.num_slots
-        base = backend.read_word(alloc, lay["gen_base"].offset, self.spec.rank)
+        base = backend.read_word(alloc, lay["gen_base"].offset, rank)
         if base != protocol.next_base(call.base, num_chunks):
-            raise SymmringError(f"SYMMRING_DEBUG: rank {self.spec.rank}: gen_base is {base} after a call of {num_chunks} "
+            raise SymmringError(f"SYMMRING_DEBUG: rank {rank}: gen_base is {base} after a call of {num_chunks} "
                                 f"chunks from base {call.base}, expected {protocol.next_base(call.base, num_chunks)}")
         for chunk in range(max(0, num_chunks - num_slots), num_chunks):  # the last use of each slot
             slot, gen = protocol.slot_of(chunk, num_slots), protocol.generation(call.base, chunk)
-            words = {kind: backend.read_word(alloc, lay[kind].slot_offset(slot), self.spec.rank)
+            words = {kind: backend.read_word(alloc, lay[kind].slot_offset(slot), rank)
                      for kind in ("route_ready", "layout_ready")}
             meta = ring.meta(slot)
             if words != {"route_ready": gen, "layout_ready": gen} or int(meta[META_PAYLOAD_GEN]) != gen \
                     or int(meta[META_CHUNK_IDX]) != chunk:
-                raise SymmringError(f"SYMMRING_DEBUG: rank {self.spec.rank}: slot {slot} holds ready words {words} and "
+                raise SymmringError(f"SYMMRING_DEBUG: rank {rank}: slot {slot} holds ready words {words} and "
                                     f"metadata {meta.tolist()}, expected generation {gen} of chunk {chunk}")
         required = protocol.full_mask(self.spec.world_size)
-        deadline = time.monotonic() + self.spec.timeout_s
+        deadline = time.monotonic() + timeout_s
         for slot in range(num_slots):
             for word_idx, want in enumerate(required):
                 offset = lay["ack_mask"].slot_offset(slot) + word_idx * _WORD_BYTES
                 # Acquire (pairs with each consumer's fence before its atomic_or in Ring.ack): every consumer
                 # acknowledges this call's chunks without waiting for this rank, so they must all arrive.
-                ok, observed = backend.wait_until(alloc, offset, self.spec.rank, "eq", want,
+                ok, observed = backend.wait_until(alloc, offset, rank, "eq", want,
                                                   max(deadline - time.monotonic(), 1e-6))
                 if not ok:
-                    mask = [backend.read_word(alloc, lay["ack_mask"].slot_offset(slot) + w * _WORD_BYTES, self.spec.rank)
+                    mask = [backend.read_word(alloc, lay["ack_mask"].slot_offset(slot) + w * _WORD_BYTES, rank)
                             for w in range(len(required))]
-                    raise ProtocolTimeout("reuse", rank=self.spec.rank, peer=self.spec.rank, slot=slot, chunk=num_chunks - 1,
+                    raise ProtocolTimeout("reuse", rank=rank, peer=rank, slot=slot, chunk=num_chunks - 1,
                                           expected=want, observed=observed,
-                                          missing_ranks=protocol.missing_ranks(mask, required), timeout_s=self.spec.timeout_s)
+                                          missing_ranks=protocol.missing_ranks(mask, required), timeout_s=timeout_s)
         if num_chunks:
             last = protocol.generation(combine_base, num_chunks - 1)
             behind = [q for q in range(self.spec.world_size)
-                      if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.spec.rank) < last]
+                      if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, rank) < last]
             if behind:
-                raise SymmringError(f"SYMMRING_DEBUG: rank {self.spec.rank}: combine signals of consumer(s) {behind} are "
+                raise SymmringError(f"SYMMRING_DEBUG: rank {rank}: combine signals of consumer(s) {behind} are "
                                     f"below the call's last generation {last}")
         bad = np.nonzero(~np.isfinite(y).all(axis=1))[0]
         if bad.size:
-            raise SymmringError(f"SYMMRING_DEBUG: rank {self.spec.rank}: output rows {bad[:8].tolist()} (of {bad.size}) "
+            raise SymmringError(f"SYMMRING_DEBUG: rank {rank}: output rows {bad[:8].tolist()} (of {bad.size}) "
                                 "are not finite")
 
     def _chunk_rows(self, ring: Ring, chunk: int, num_tokens: int) -> slice:
@@ -295,16 +296,16 @@ class HostExecutor:
 
     def _reduce(self, ring: Ring, call: Call, chunk: int, own_route, combine_gen: int, y: np.ndarray) -> None:
         """Wait for every consumer's combine of this rank's ``chunk``, then reduce over k into ``y``."""
-        backend = self.ctx.backend
+        backend, rank, combine = self.ctx.backend, self.spec.rank, self.workspace.host.combine
         deadline = time.monotonic() + self.spec.timeout_s
         for consumer in range(self.spec.world_size):
             # Acquire: pairs with the fence before the consumer's signal_set in _consume.
-            ok, observed = backend.wait_until(self.workspace.host.combine, consumer * _WORD_BYTES, self.spec.rank, "ge", combine_gen,
+            ok, observed = backend.wait_until(combine, consumer * _WORD_BYTES, rank, "ge", combine_gen,
                                               max(deadline - time.monotonic(), 1e-6))
             if not ok:
                 missing = [q for q in range(self.spec.world_size)
-                           if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.spec.rank) < combine_gen]
-                error = ProtocolTimeout("combine", rank=self.spec.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
+                           if backend.read_word(combine, q * _WORD_BYTES, rank) < combine_gen]
+                error = ProtocolTimeout("combine", rank=rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
                                         expected=combine_gen, observed=observed, missing_ranks=missing,
                                         timeout_s=self.spec.timeout_s)
                 self.ctx.collectives.record_fault(error)  # a peer may be stalled or gone (see Ring)
@@ -313,7 +314,6 @@ class HostExecutor:
         rows = self._chunk_rows(ring, chunk, y.shape[0])
         if rows.stop > rows.start:
             y[rows] = combine_rows(self._combine_out(self.spec.rank)[rows], topk_idx, topk_weights)
-
 
 
 __all__ = ["HostExecutor", "HostEngine", "ForwardStats", "as_float32"]

@@ -22,12 +22,13 @@ Data flow of one chunk ``c`` (generation ``g`` of the ring, combine generation `
                  [CONSERVATIVE: ack(c, r) for every r]
     owner r      wait combine_gen[q] >= cg for every q (acquire); y[rows] = sum_k w * out, k in order
 
-The **batch-ready** path (the default, and ``streaming="auto"``: the CPU layer has no measured policy) is
-one chunk holding the whole batch in a 1-slot ring sized to the largest token count over the ranks (agreed
-in the call's exchange). The **streamed** path moves ``tokens_per_slot``-token chunks through a
-``num_slots`` ring (the schedule's; defaults 64, at most ``max_tokens``, and 2) in `protocol.enqueue_order`
-(the producer runs ``num_slots - 1`` chunks ahead; ``layer.debug.forward(..., lookahead=...)`` fewer); every rank runs the same chunk count, so ranks with fewer (or zero)
-tokens still publish zero-token chunks and every consumer still acknowledges them.
+The **batch-ready** path (the default, and ``streaming="auto"``: the CPU layer has no measured policy) is one
+chunk holding the whole batch in a 1-slot ring sized to the largest token count over the ranks (agreed in the
+call's exchange). The **streamed** path moves ``tokens_per_slot``-token chunks through a ``num_slots`` ring
+(the schedule's; defaults 64, at most ``max_tokens``, and 2) in `protocol.enqueue_order` (the producer runs
+``num_slots - 1`` chunks ahead; ``layer.debug.forward(..., lookahead=...)`` fewer); every rank runs the same
+chunk count, so ranks with fewer (or zero) tokens still publish zero-token chunks and every consumer still
+acknowledges them.
 
 The combine buffer is a separate symmetric allocation: ``combine_gen`` (one 64-bit word per consumer
 rank) then ``out`` float32 ``[capacity, K, H]`` indexed by the owner's logical token row. Its generations
@@ -254,8 +255,8 @@ class ExpertParallelMoE(base.MoE):
         self.workspace.attach(self.layer_shape, spec.max_tokens)
         self.executor = HostExecutor(ctx, spec, self.workspace, self.layer_shape, self.engine)
         self.debug = Debug(self.forward, self)
-        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, ring %d x "
-                 "%d tokens, timeout %g s%s", spec.rank, spec.world_size, spec.expert_begin,
+        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, "
+                 "ring %d x %d tokens, timeout %g s%s", spec.rank, spec.world_size, spec.expert_begin,
                  spec.expert_begin + spec.num_local_experts, spec.num_experts, spec.hidden, spec.inter, spec.topk,
                  routing.scoring, spec.x_format, spec.num_slots, spec.tokens_per_slot, spec.timeout_s,
                  "; SYMMRING_DEBUG checks after every call" if env.debug() else "")

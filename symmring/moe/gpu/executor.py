@@ -357,7 +357,8 @@ class Executor:
                                         (num_tokens,) + tuple(region.slot_shape[1:]))
 
     def check_errors(self) -> None:
-        """Synchronise; raise the device error records of this layer's ring and state (`symmring.moe.gpu.MoE.check_errors`)."""
+        """Synchronise; raise the device error records of this layer's ring and state
+        (`symmring.moe.gpu.GpuMoE.check_errors`)."""
         spec = self.spec
         self.ring.kernels.check_errors(synchronize=True)
         state = self.state

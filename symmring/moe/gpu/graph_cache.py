@@ -4,8 +4,9 @@ An eager call pays the host launch cost of every kernel and torch op it runs (0.
 call of the small-batch schedule on an H200, against 0.09-1.8 ms for a replay of the same call; with the
 cache an eager call took 1.03-1.52x the replay at 1-32 tokens on 1 PE).
 So the layer's executor (`symmring.moe.gpu.executor`) keeps, per distinct call, a CUDA graph of it
-(`symmring.moe.gpu.MoE.capture`'s capture, on a side stream) and an eager call that finds its graph only copies its inputs into the graph's static
-inputs, replays it and clones the static output (all on the current stream, no host synchronisation):
+(`symmring.moe.gpu.MoE.capture`'s capture, on a side stream) and an eager call that finds its graph only
+copies its inputs into the graph's static inputs, replays it and clones the static output (all on the
+current stream, no host synchronisation):
 
 * **Key**: everything that fixes the captured work: the plan's key (the call's token bucket, the
   schedule, small-batch, distinct experts; each rank's exact count is on the device, so one graph serves
@@ -18,8 +19,9 @@ inputs, replays it and clones the static output (all on the current stream, no h
   captures (after a device synchronisation) and replays, later calls replay. Only calls of at most
   `MAX_TOKENS` tokens on every rank, with contiguous ``x`` (and logits), and never while the caller's
   stream is capturing (a graph the caller captures around the layer then holds the plain kernels), nor
-  with test hooks (``layer.debug.forward``, `symmring.moe.debug`). The ranks' keys agree on the bucket through the token-count
-  exchange of the call, or of the model step (`symmring.Workspace.step`: one for every layer of the step).
+  with test hooks (``layer.debug.forward``, `symmring.moe.debug`). The ranks' keys agree on the bucket
+  through the token-count exchange of the call, or of the model step (`symmring.Workspace.step`: one for
+  every layer of the step).
 * **Ranks need not agree** on replaying: a replay runs exactly the kernels an eager call launches (the
   generations come from the device-resident generation base), and capturing is no collective, so one
   rank replaying while another launches (a router weight that moved on one rank only) is still one call.

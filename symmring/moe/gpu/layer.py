@@ -267,7 +267,8 @@ class GpuMoE(base.MoE):
         n = 0 if refusal is not None else int(x.shape[0])
         counts, distinct, latched = self._agree_call(step, n, kind, streaming, small_batch, refusal)
         # Every rank got the same list: every rank raises, nothing enqueued.
-        calls.raise_latched(spec.rank, latched, workspace.gpu.decode_latched, getattr(self.backend, "collectives", None))
+        calls.raise_latched(spec.rank, latched, workspace.gpu.decode_latched,
+                            getattr(self.backend, "collectives", None))
         # Every rank plans for the same token bucket; this rank's exact count goes to the device.
         plan = self.last_plan = self.planner.plan(counts, streaming, small_batch, distinct)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged

@@ -30,8 +30,9 @@ class Router:
         self.routing, self.topk = routing, routing.topk
         self.on_device = routing_mod.device_routing_applies(routing.num_experts, routing.topk, routing.n_group)
         self.args = routing_mod.device_router(
-            routing.num_experts, routing.scoring, bias=routing.bias, routed_scaling_factor=routing.routed_scaling_factor,
-            n_group=routing.n_group, topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob)
+            routing.num_experts, routing.scoring, bias=routing.bias,
+            routed_scaling_factor=routing.routed_scaling_factor, n_group=routing.n_group,
+            topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob)
         self._torch_options = routing.route_kwargs()
 
     @staticmethod

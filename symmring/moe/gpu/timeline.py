@@ -2,9 +2,8 @@
 
 With ``layer.debug.forward(..., timeline=True)`` (`symmring.moe.debug`) the layer stamps the start and end of
 every stage with the device's nanosecond clock (``moe_stamp``, a one-thread kernel between the stages on each
-stream): producer stages
-per chunk, consumer stages per expert window (stamped at the window's first chunk). "wait" stages are
-spins (the producer for its slot, the consumer for the first chunk's route readiness), not work.
+stream): producer stages per chunk, consumer stages per expert window (stamped at the window's first chunk).
+"wait" stages are spins (the producer for its slot, the consumer for the first chunk's route readiness), not work.
 `records` turns the stamps into dicts, `overlap_fraction` and `hidden_producer_fraction` into the figures
 ``bench stream`` reports.
 """
