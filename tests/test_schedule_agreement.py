@@ -48,7 +48,7 @@ def make_spec(rank, world_size, **fields):
                 max_tokens=4096, num_slots=1, tokens_per_slot=4096, ack_policy=protocol.AckPolicy.CONSERVATIVE,
                 x_format="fp8_e4m3", timeout_s=1.0, routing=(), layer_id=3, expert_window=1, batch_window=1,
                 small_batch_tokens=128, small_batch_capable=True, expert_dtype="fp8", pool_format="fp8",
-                transport="auto", align=128, engine="builtin", single_stream=False, graph_cache=0)
+                transport_request="('auto', 'default')", transport=None, align=128, engine="builtin", single_stream=False, graph_cache=0)
     base.update(fields)
     return GpuSpec(**base)
 

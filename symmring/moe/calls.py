@@ -78,15 +78,17 @@ def inside_step(step, *, rank: int, num_tokens: int, given: bool, max_tokens: in
     return refusal
 
 
-def raise_latched(rank: int, latched: List, decode, collectives=None) -> None:
+def raise_latched(rank: int, latched: List, decode, backend=None) -> None:
     """Raise the device error latched by an earlier call of this rank (its own record, named, decoded by
     ``decode`` from the words it sent), or else by another rank (`ProtocolAborted` naming it): ``latched`` is the
     exchanged list, the same on every rank, so every rank raises in the same call (the GPU layer; the latch stays
-    set until ``reset``). ``collectives``: told of the fault first, so exiting aborts the job instead of hanging."""
+    set until ``reset``). ``backend``: its collectives are told of the fault first, so exiting aborts the job
+    instead of hanging."""
     from ..kernels import exchanged_error
     error = exchanged_error(rank, latched, decode)
     if error is None:
         return
+    collectives = getattr(backend, "collectives", None)
     if collectives is not None:
         collectives.record_fault(error)
     raise error

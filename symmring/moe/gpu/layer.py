@@ -97,6 +97,7 @@ from .inputs import check_logits, check_tensor, check_x, routing_source, torch_m
 from .plan import STREAMING_MODES, Planner
 from .router import Router
 from .spec import check_gpu_sizes, resolve
+from .stages import THREADS_PER_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,7 @@ class GpuMoE(base.MoE):
         n = 0 if refusal is not None else int(x.shape[0])
         counts, distinct, latched = self._agree_call(step, n, kind, streaming, small_batch, refusal)
         # Every rank got the same list: every rank raises, nothing enqueued.
-        calls.raise_latched(spec.rank, latched, workspace.gpu.decode_latched,
-                            getattr(self.backend, "collectives", None))
+        calls.raise_latched(spec.rank, latched, workspace.gpu.decode_latched, self.backend)
         # Every rank plans for the same token bucket; this rank's exact count goes to the device.
         plan = self.last_plan = self.planner.plan(counts, streaming, small_batch, distinct)
         if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
@@ -301,8 +301,8 @@ class GpuMoE(base.MoE):
             raise ConfigError(f"graph_cache={graph_cache!r}: expected a bool")
         if small_batch and not spec.small_batch_capable:
             raise ConfigError("small_batch=True: the small-batch schedule needs fp8 dispatch and fp8 experts and at "
-                              f"most 256 ranks (this layer: x_format={spec.x_format!r}, engine {spec.engine!r}, "
-                              f"{spec.world_size} ranks)")
+                              f"most {THREADS_PER_BLOCK} ranks (this layer: x_format={spec.x_format!r}, engine "
+                              f"{spec.engine!r}, {spec.world_size} ranks)")
         hooks = self.executor.hooks
         if hooks is not None:
             self.executor.hooks = hooks.checked(streaming, "gpu")

@@ -11,6 +11,7 @@ the layer attaches.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from ... import protocol
 from ... import transport as transport_mod
@@ -34,13 +35,17 @@ class GpuSpec(LayerSpec):
             schedule (where `small_batch_capable`).
         small_batch_capable: fp8 dispatch, fp8 experts and few enough ranks for the small-batch schedule.
         expert_dtype, pool_format: what the experts run (``"bf16"``/``"fp8"``) and the rows dispatch writes.
-        transport: the transport request (`symmring.transport.request`, as a string).
+        transport_request: the transport request and where it came from (`symmring.transport.request`, as a
+            string): whether a ring of the workspace is shared depends on it too (`DeviceMemory` keys).
+        transport: ``schedule.transport`` as given (what the workspace's rings are bound with; None: the
+            ``SYMMRING_TRANSPORT`` variable, else ``"auto"``).
         align: every expert group starts at a multiple of this many pool rows (the engine's).
         engine: the engine's name.
         single_stream: the streamed schedule on the caller's stream.
         graph_cache: graphs kept for eager calls (``SYMMRING_GRAPH_CACHE`` applied).
 
-    The last four are this rank's own (a rank may replay, or run another engine of the same format).
+    The last five are this rank's own (a rank may replay, or run another engine of the same format; the transport
+    is agreed through ``transport_request``).
     """
 
     expert_window: int
@@ -49,7 +54,8 @@ class GpuSpec(LayerSpec):
     small_batch_capable: bool
     expert_dtype: str
     pool_format: str
-    transport: str
+    transport_request: str
+    transport: Optional[str] = dataclasses.field(metadata=LOCAL)
     align: int = dataclasses.field(metadata=LOCAL)
     engine: str = dataclasses.field(metadata=LOCAL)
     single_stream: bool = dataclasses.field(metadata=LOCAL)
@@ -120,8 +126,8 @@ def resolve(ctx, experts: Experts, routing: RoutingConfig, schedule: ScheduleCon
         # The small-batch schedule's fused dispatch waits for source r on thread r of every block.
         small_batch_capable=x_format == "fp8_e4m3" and engine.pool_format == "fp8" and world <= THREADS_PER_BLOCK,
         expert_dtype=weights.dtype, pool_format=engine.pool_format,
-        transport=str(transport_mod.request(schedule.transport, world)), align=engine.align_m, engine=engine.name,
-        single_stream=schedule.single_stream, graph_cache=graph_cache)
+        transport_request=str(transport_mod.request(schedule.transport, world)), transport=schedule.transport,
+        align=engine.align_m, engine=engine.name, single_stream=schedule.single_stream, graph_cache=graph_cache)
 
 
 __all__ = ["GpuSpec", "check_gpu_sizes", "resolve", "FP8_GROUP_SIZE"]
