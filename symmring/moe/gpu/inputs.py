@@ -22,12 +22,18 @@ def torch_module():
     return torch
 
 
+def this_device():
+    """The torch device of this PE's GPU (the current CUDA device: the backend made it current)."""
+    torch = torch_module()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def check_tensor(name: str, t, dtype, shape, device) -> None:
     """Raise ConfigError unless ``t`` is a torch tensor on ``device`` of ``dtype`` (None: any) and ``shape``."""
     torch = torch_module()
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{name}: expected a torch tensor, got {type(t).__name__}")
-    if not t.is_cuda or t.device != device:
+    if t.device != device:
         raise ConfigError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     if dtype is not None and t.dtype != dtype:
         raise ConfigError(f"{name}.dtype={t.dtype}: expected {dtype}")
@@ -84,4 +90,4 @@ def routing_source(x, spec, device, router_weight, logits, topk_idx, topk_weight
     return "logits", logits
 
 
-__all__ = ["check_tensor", "check_x", "check_logits", "routing_source", "torch_module"]
+__all__ = ["check_tensor", "check_x", "check_logits", "routing_source", "this_device", "torch_module"]

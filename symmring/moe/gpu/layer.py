@@ -93,7 +93,7 @@ from ..workspace_plan import LayerShape
 from . import graph_cache as graph_cache_mod
 from . import plan as plans
 from .executor import Executor
-from .inputs import check_logits, check_tensor, check_x, routing_source, torch_module
+from .inputs import check_logits, check_tensor, check_x, routing_source, this_device, torch_module
 from .plan import STREAMING_MODES, Planner
 from .router import Router
 from .spec import check_gpu_sizes, resolve
@@ -143,14 +143,14 @@ class GpuMoE(base.MoE):
                  workspace=None, **unexpected):
         if unexpected:  # e.g. a flat x_format=: name the value it belongs to
             raise misplaced(unexpected, "MoE")
-        torch = torch_module()
+        torch_module()  # a BackendError naming the extra, before anything else
         backend = getattr(ctx, "backend", None)
         if not isinstance(backend, DeviceBackend):
             raise BackendError(f"ctx: expected a context on a device backend ('nvshmem'), got "
                                f"{getattr(backend, 'name', ctx)!r}")
         ctx.check_open()
         self.ctx, self.backend, self.closed = ctx, backend, False
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = this_device()
         self.workspace = borrow_workspace(ctx, workspace)
         spec, error = None, None
         try:
