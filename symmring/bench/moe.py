@@ -55,15 +55,13 @@ from typing import Dict, List, Optional
 
 from . import lacks_cuda_torch, progress, timed_ms
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
+from ..moe.workspace_plan import PRESETS
 
 logger = logging.getLogger(__name__)
 
-#: name: (hidden, inter, num_experts, topk)
-SHAPES = {
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "mixtral": (4096, 14336, 8, 2),
-}
+#: name: (hidden, inter, num_experts, topk): the model presets (`symmring.moe.workspace_plan.PRESETS`, the names of
+#: ``plan --preset`` and ``demo --model``).
+SHAPES = {name: (p["hidden"], p["inter"], p["num_experts"], p["topk"]) for name, p in PRESETS.items()}
 DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The decode target: graph latency <= DECODE_SLOPE x the fp8 weight-read limit + DECODE_OFFSET_MS.
@@ -228,12 +226,12 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
                 for _ in range(reps):
                     events: List = []
-                    moe.forward(x, router_weight=router, stage_events=events)
+                    moe.debug.forward(x, router_weight=router, stage_events=events)
                     events[-1][1].synchronize()
                     for s, ms in _stage_ms(events).items():
                         stage_runs[s].append(ms)
                 stages = {s: statistics.median(v) for s, v in stage_runs.items()}
-                counts = moe._state.counts
+                counts = moe.executor.state.counts
                 num_rows = int(counts.sum().item())
                 touched = int((counts > 0).sum().item())
                 gemm_flops = 2.0 * num_rows * 3 * hidden * inter
@@ -253,8 +251,8 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     # its row marks are rebuilt for the timing and cleared again after).
                     window = moe.last_plan.windows[0]
                     window_rows, bound = window.rows_bound, window.rows_per_expert
-                    pool = moe._state.pool(window_rows)
-                    _mark_rows(moe._state, True)
+                    pool = moe.executor.state.pool(window_rows)
+                    _mark_rows(moe.executor.state, True)
                     own = statistics.median(timed_ms(lambda: moe.engine.forward(pool, window_rows, bound), reps))
                     row["engine_step_ms"] = own
                     row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
@@ -264,7 +262,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                         dg_ms = other if engine == "builtin" else own
                         bi_ms = own if engine == "builtin" else other
                         row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms
-                    _mark_rows(moe._state, False)
+                    _mark_rows(moe.executor.state, False)
                 if graphs:
                     try:
                         graph, _ = moe.capture(x, router_weight=router)
@@ -321,7 +319,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
 @contextlib.contextmanager
 def _plain_launches(moe):
     """``moe`` with its programmatic dependent launches off (`symmring.pdl`), restored after."""
-    launcher = moe._kernels.launch
+    launcher = moe.executor.kernels.launch
     was = launcher.enabled
     launcher.enabled = False
     try:

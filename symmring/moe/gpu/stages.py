@@ -11,7 +11,8 @@ fields a `State` fixes, the launcher sets the call's own; `symmring.moe.gpu.kern
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
   (``dispatch.cu``) and `combine_fused` (``combine.cu``).
 
-Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.gpu.plan.Plan`):
+Sequences (what `symmring.moe.gpu.executor.Executor` enqueues for each item of a `symmring.moe.gpu.plan.Plan`;
+they get the call's tensors, the router and the hooks as data, and call nothing of the layer):
 
 * `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
@@ -35,7 +36,7 @@ captured graph keeps it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -586,12 +587,12 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
 
 # --- the sequences ----------------------------------------------------------------------------------------
 
-def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: Optional[Callable], topk_idx,
+def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, router, kind: str, source, topk_idx,
                   topk_weights, layer: int, delay_ns: int = 0, stamps: bool = False) -> None:
     """Produce ``chunk`` (streamed schedule) on ``stream``, which must be the current torch stream too:
-    wait for the slot on one block, route the chunk's rows (``route(rows)`` enqueues the router into
-    ``topk_idx``/``topk_weights``, the call's ``[n, K]`` buffers; None when they were given), then the
-    route and layout kernels."""
+    wait for the slot on one block, route the chunk's rows (``router``, a `symmring.moe.gpu.router.Router`, routes
+    them from the call's source ``kind``/``source`` into ``topk_idx``/``topk_weights``, the call's ``[n, K]``
+    buffers; None when they were given), then the route and layout kernels."""
     if delay_ns:
         sleep(k, s, stream, ns=delay_ns)
     if stamps:
@@ -600,8 +601,9 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
     if stamps:
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "wait"), end=True)
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "route"), end=False)
-    if chunk.num_valid and route is not None:
-        route(slice(chunk.token_base, chunk.token_base + chunk.num_valid))
+    if chunk.num_valid and router is not None:
+        router.route_rows(k, stream, x, kind, source, slice(chunk.token_base, chunk.token_base + chunk.num_valid),
+                          (topk_idx, topk_weights))
     row_bytes = s.topk * 4
     produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=topk_idx.data_ptr() + chunk.token_base * row_bytes,
                   topk_weights_ptr=topk_weights.data_ptr() + chunk.token_base * row_bytes, layer=layer)
@@ -615,9 +617,8 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
 
 def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: ExpertEngine,
                    ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y, layer: int,
-                   end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False,
-                   mark: Optional[Callable[[str], None]] = None,
-                   acked: Optional[Callable[[int], None]] = None) -> None:
+                   end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False, marks=None,
+                   acked: Optional[Dict[int, object]] = None) -> None:
     """Consume the expert window on ``stream`` (the current torch stream too: the engine runs there).
 
     Args:
@@ -627,9 +628,10 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         topk_idx, topk_weights: the owner's ``[n, K]`` routing of the call (the reduce reads it here).
         layer: the call identity's layer the waits check in every source's meta row.
         end_call_chunks: > 0 ends the call in the reduce (the last window of a single-stream schedule).
-        delay_ns, stamps: tests and the timeline; mark: called with "dispatch", "experts" and "combine"
-            after each part (per-stage timing); acked: EARLY, called with each chunk right after its
-            acknowledgement is enqueued (the layer orders the producer of the slot's next use there).
+        delay_ns, stamps: tests and the timeline; marks: a `symmring.moe.debug.Hooks` whose ``mark`` records
+            "dispatch", "experts" and "combine" after each part (per-stage timing), or None; acked: EARLY, a
+            torch event per chunk, recorded on the current stream right after the chunk's acknowledgement is
+            enqueued (the producer of the slot's next use waits for it), or None.
     """
     early = ack_policy == protocol.AckPolicy.EARLY
     if delay_ns:
@@ -664,17 +666,17 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
             if early and pass_idx == last_pass:  # this PE's last read of every source's slot (meta snapshotted)
                 ack(k, s, stream, chunk=c)
                 if acked is not None:
-                    acked(c)
-        if mark is not None and pass_idx == last_pass:
-            mark("dispatch")
+                    acked[c].record()
+        if marks is not None and pass_idx == last_pass:
+            marks.mark("dispatch")
         if stamps and pass_idx == 0:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
         out = outbound(s, engine.forward(s.pool(rows, pass_begin, len(window.passes)), rows,
                                          rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows),
                                          scratch=s.scratch))
-        if mark is not None and pass_idx == last_pass:
-            mark("experts")
+        if marks is not None and pass_idx == last_pass:
+            marks.mark("experts")
         if stamps and pass_idx == last_pass:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
@@ -683,35 +685,35 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     combine_wait(k, s, stream, chunk=window.last)
     combine_reduce(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
                    end_call_chunks=end_call_chunks)
-    if mark is not None:
-        mark("combine")
+    if marks is not None:
+        marks.mark("combine")
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=True)
 
 
 def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
-                     router: tuple, layer: int, mark: Optional[Callable[[str], None]] = None, logits=None) -> None:
+                     router: tuple, layer: int, marks=None, logits=None) -> None:
     """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too):
     produce (routing ``logits`` into ``topk_idx``/``topk_weights`` with ``router`` when given, as
     `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
-    ``mark``: as for `consume_window`, with "layout" after the producer."""
+    ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
-    if mark is not None:
-        mark("layout")
+    if marks is not None:
+        marks.mark("layout")
     # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).
     stage(k, s, stream, chunk=window.first, parts=WAIT_ROUTE | WAIT_LAYOUT, wait=True)
     dispatch_fused(k, s, stream, window=window, ack_now=early, layer=layer)
-    if mark is not None:
-        mark("dispatch")
+    if marks is not None:
+        marks.mark("dispatch")
     out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
                                      rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
                                      scratch=s.scratch))
-    if mark is not None:
-        mark("experts")
+    if marks is not None:
+        marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
                   topk_weights=topk_weights, y=y, end_call_chunks=num_chunks)
-    if mark is not None:
-        mark("combine")
+    if marks is not None:
+        marks.mark("combine")
