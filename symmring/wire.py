@@ -154,7 +154,10 @@ class MpiWire(Wire):
         from mpi4py import MPI
         self._MPI = MPI
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
-        self._tag_span = int(comm.Get_attr(MPI.TAG_UB)) - _FIRST_TAG
+        # MPI attaches TAG_UB to COMM_WORLD only (Open MPI gives a split communicator none); it holds for all
+        # communicators, and the standard guarantees at least 32767.
+        tag_ub = comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+        self._tag_span = int(tag_ub) - _FIRST_TAG
         self._sends: Dict[int, list] = {}  # sequence -> (dest, request) of this rank's message
         self._pending: List = []  # notices and exit marks: never waited for (a rank gone never takes them)
         self._exits: Dict[int, List[int]] = {}

@@ -35,6 +35,34 @@ def test_exchanges_in_rank_order(ctx, comm, check):
     check(comm, ok, f"allgather gave {values}, agree gave {all_true}, {not_all}")
 
 
+
+class _NoTagUb:
+    """A communicator as Open MPI hands out from ``Split``: no ``TAG_UB`` attribute (MPI attaches it to
+    COMM_WORLD only; MPICH copies it, so this proxy stands in for Open MPI here)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def Get_attr(self, keyval):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+@pytest.mark.mpi
+def test_a_split_communicator_without_tag_ub_exchanges(comm, check):
+    """Seen on the GPU machine (Open MPI): ``init(comm=COMM_WORLD.Split(...))`` failed with a TypeError from
+    ``int(comm.Get_attr(MPI.TAG_UB))``; the wire takes COMM_WORLD's bound instead."""
+    if comm.kind != "mpi" or comm.Get_size() < 2:
+        pytest.skip("an MPI communicator of two or more ranks (mpiexec)")
+    from mpi4py import MPI
+    split = MPI.COMM_WORLD.Split(color=0, key=comm.Get_rank())
+    chan = collective.Collectives(_NoTagUb(split), 10.0, what="test: join")
+    values = chan.allgather(comm.Get_rank(), what="test: allgather on a split communicator")
+    chan.close()
+    check(comm, values == list(range(comm.Get_size())), f"allgather gave {values}")
+
 def _after_failure(ctx):
     """What a broken context does: refuses work, closes without collectives."""
     refused = []
