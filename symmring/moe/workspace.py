@@ -395,7 +395,8 @@ class Workspace(Closing):
     @contextlib.contextmanager
     def capture(self, graph, **graph_kwargs):
         """Capture the layers' calls made inside the block into ``graph`` (a ``torch.cuda.CUDAGraph``;
-        ``graph_kwargs``: ``torch.cuda.graph``'s ``pool``, ``stream``, ...), registered with the workspace memory
+        ``graph_kwargs``: ``torch.cuda.graph``'s ``pool``, ``stream``, ...; ``capture_error_mode`` defaults to
+        ``"thread_local"``, `symmring.moe.gpu.graph_cache.CAPTURE_ERROR_MODE`), registered with the workspace memory
         it addresses, so `replay` refuses it once the workspace grew. Every rank captures the same calls.
 
         Example:
@@ -403,6 +404,8 @@ class Workspace(Closing):
             >>> with ws.step(n, own_router=True), ws.capture(graph):               # doctest: +SKIP
             ...     y = model(x)
         """
+        from .gpu.graph_cache import CAPTURE_ERROR_MODE
+        graph_kwargs.setdefault("capture_error_mode", CAPTURE_ERROR_MODE)
         with self._graphs.capturing(graph, self.epoch):
             with _torch().cuda.graph(graph, **graph_kwargs):
                 yield graph

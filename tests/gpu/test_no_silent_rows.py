@@ -165,7 +165,9 @@ def test_replay_refuses_a_raw_graph_captured_before_the_workspace_grew(ctx):
         graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
         for graph in graphs:
             with ws.step(n, own_router=False):
-                with torch.cuda.graph(graph):  # a raw capture, not Workspace.capture
+                # A raw capture, not Workspace.capture; thread_local as symmring's own captures (graph_cache.
+                # CAPTURE_ERROR_MODE: in global mode another thread's CUDA call invalidated it on some PEs).
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     small.layers[0].forward(x, topk_idx=idx, topk_weights=w)
         ws.set_call_tokens(n)
         ws.replay(graphs[0])  # the memory it addresses is current; graphs[1] is never replayed before the growth

@@ -303,7 +303,8 @@ class Executor:
         graph = torch.cuda.CUDAGraph()
         caller = torch.cuda.current_stream()
         try:
-            with capture_scope() as held, torch.cuda.graph(graph, pool=self.memory.graph_pool):
+            with capture_scope() as held, torch.cuda.graph(
+                    graph, pool=self.memory.graph_pool, capture_error_mode=graph_cache_mod.CAPTURE_ERROR_MODE):
                 y = torch.empty((rows, self.spec.hidden), dtype=torch.bfloat16, device=self.device)
                 self.enqueue(plan, inputs[0], kind, static_source, y)
         finally:

@@ -61,6 +61,13 @@ SEEN_KEYS = 64
 #: What `GraphCache.decide` answers.
 ACTIONS = ("eager", "capture", "replay")
 
+#: ``torch.cuda.graph``'s ``capture_error_mode`` of every capture symmring makes (this cache's, and
+#: `symmring.Workspace.capture`'s by default): another thread's unsafe CUDA call during a global-mode capture
+#: invalidates it. Seen at 2 and 3 PEs under MPS (mpirun): a capture failed on some PEs now and then
+#: ("operation failed due to a previous error during capture"), never at one PE, never the same test twice;
+#: this thread's own calls are the capture's, so ``thread_local`` loses no check of them.
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 def check_entries(value) -> int:
     """``graph_cache`` validated: an int >= 0.
