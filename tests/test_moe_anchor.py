@@ -144,8 +144,19 @@ def test_load_error_names_the_tool(monkeypatch):
 
 def test_driver_scripts_parse():
     for script in ("tools/megamoe/run_anchor.sh", "tools/megamoe/build.sh", "tools/megamoe/prepare_src.sh",
-                   "tools/megamoe/fetch_wheels.sh"):
+                   "tools/megamoe/fetch_wheels.sh", "tools/megamoe/check_patch.sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+def test_patch_src_refuses_another_tree(tmp_path):
+    """build.sh must stop, not compile an unpatched tree, when the DeepGEMM source is not the one patched."""
+    (tmp_path / "csrc" / "jit").mkdir(parents=True)
+    (tmp_path / "csrc" / "jit" / "include_parser.hpp").write_text("#include <regex>\n")
+    (tmp_path / "csrc" / "jit" / "compiler.hpp").write_text("#include <regex>\n")
+    run = subprocess.run([sys.executable, str(ROOT / "tools/megamoe/patch_src.py"), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "not the DeepGEMM tree this patch is for" in run.stderr
 
 
 def test_megamoe_on_gpu():

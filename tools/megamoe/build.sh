@@ -10,6 +10,12 @@
 #   _C.cpython-312-x86_64-linux-gnu.so   that host code + tools/megamoe/megamoe_bind.cpp, built against
 #                           torch 2.11.0+cu130 (optional: without it, or when it does not import, this
 #                           script compiles it here, about two minutes on one core)
+# The tree is compiled as tools/megamoe/patch_src.py leaves it: std::regex taken out of DeepGEMM's JIT host code
+# (include_parser.hpp, compiler.hpp) for plain scans with the same matches. A _C compiled on the H200 from the
+# unpatched tree (g++ 13.3) segfaulted at the first MegaMoE call inside std::regex in IncludeParser, and
+# -Wl,-Bsymbolic and -static-libstdc++ did not change that; the patch takes the crash site away whatever made
+# <regex> fail there (it was not stack depth: the parser over every deep_gemm header needs < 32 KiB).
+# MEGAMOE_SEGV_BACKTRACE=1 at run time prints the native frames of a crash inside _C (megamoe_bind.cpp).
 # Why not the sgl-deep-gemm 0.2.5 wheel: its _C.so was built against torch 2.14 (eight libtorch symbols
 # missing in 2.11, c10::TensorImpl's fields 8 bytes further on, DispatchKey::CUDA one value lower), and its
 # source (October 2026) is in no stored snapshot of sgl-project/DeepGEMM; PR 323's tree is the newest stored
@@ -23,6 +29,7 @@ SO=_C.cpython-312-x86_64-linux-gnu.so
 SRC=/tmp/megamoe-src
 rm -rf "$SRC" && tar -xJf .megamoe/megamoe-src.tar.xz -C /tmp || exit 4
 cat "$SRC/SOURCE"
+"$PY" tools/megamoe/patch_src.py "$SRC" || exit 4
 PKG="$SITE/megamoe_dg"
 rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$SRC/include" "$PKG/" && cp tools/megamoe/megamoe_dg_init.py "$PKG/__init__.py" || exit 5
 check() { PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import megamoe_dg as m; \

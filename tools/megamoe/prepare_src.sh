@@ -7,7 +7,8 @@
 #   cutlass f3fde58 and include/ of fmt 553ec11 (that tree's submodule pins).
 # With BUILD=1 and TORCH_DIR (torch 2.11.0+cu130's torch/ folder, unpacked from its wheel), PYINC (Python 3.12's
 # include dir) and NVINC (a folder with cublas/cusparse/cusolver/nvrtc headers, e.g. nvidia/cu13/include of
-# the nvidia-* wheels) it also builds .megamoe/_C.cpython-312-x86_64-linux-gnu.so (g++, about two minutes).
+# the nvidia-* wheels) it also builds .megamoe/_C.cpython-312-x86_64-linux-gnu.so (g++, about two minutes) on
+# the tree as tools/megamoe/patch_src.py leaves it (the tarball itself stays upstream's source), as build.sh does.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 DG=$1 CUT=$2 FMT=$3
@@ -28,6 +29,7 @@ TXT
 mkdir -p .megamoe
 tar -cJf .megamoe/megamoe-src.tar.xz -C "$tmp" megamoe-src
 if [[ "${BUILD:-0}" == 1 ]]; then
+  python3 tools/megamoe/patch_src.py "$src"
   g++ -std=c++17 -O2 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations -D_GLIBCXX_USE_CXX11_ABI=1 \
     -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I"$TORCH_DIR/include" \
     -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$PYINC" -I/usr/local/cuda/include -I/usr/local/cuda/include/cccl \
