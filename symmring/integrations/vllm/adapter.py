@@ -208,7 +208,8 @@ class GivenRoutingLayer:
         num_experts, topk: the layer's global expert count and experts per token.
         max_tokens: most tokens per rank per call (vLLM's ``max_num_batched_tokens``).
         workspace: the `symmring.Workspace` it borrows (default: the context's).
-        schedule: a `ScheduleConfig` (default: the layer's defaults).
+        schedule: a `ScheduleConfig` (default: the layer's defaults, and on GPUs bf16 dispatch for bf16 experts:
+            the tokens cross the ring as vLLM's bf16 path has them; fp8 experts read fp8 dispatch rows).
 
     Raises:
         ConfigError: a bad argument (the layers' own checks, named).
@@ -229,6 +230,8 @@ class GivenRoutingLayer:
             self.workspace = self.layer.layer.workspace
         else:
             from ...moe.gpu.layer import MoE
+            if schedule is None and experts.w_gate_scale is None:
+                schedule = ScheduleConfig(x_format="bf16")  # a bf16 model's tokens cross the ring as they are
             self.layer = MoE(ctx, experts, routing, max_tokens=max_tokens, schedule=schedule, workspace=workspace)
             self.workspace = self.layer.workspace
         self.max_tokens = max_tokens

@@ -90,9 +90,10 @@ def _backend_name() -> str:
 _PROCESS: dict = {}
 
 
-def process_workspace(parallel: FusedMoEParallelConfig, max_tokens: int):
+def process_workspace(parallel: FusedMoEParallelConfig, max_tokens: int, group=None):
     """This process's symmring workspace on vLLM's EP group, made by the first MoE layer (collective over
     the group, as vLLM builds every layer on every rank), sized for ``max_tokens`` tokens per rank per call.
+    ``group``: the torch.distributed group of the EP ranks (default: vLLM's, ``get_ep_group().cpu_group``).
 
     Raises:
         ConfigError: several EP ranks while ``symmring.init`` takes no process group yet (issue #36), or a
@@ -107,9 +108,11 @@ def process_workspace(parallel: FusedMoEParallelConfig, max_tokens: int):
             from ... import mpi
             MPI = mpi.load()
             ctx = symmring.init(backend, comm=getattr(MPI, "COMM_SELF", MPI.COMM_WORLD))  # a world of its own
-        elif "group" in inspect.signature(symmring.init).parameters:  # TODO(#36): symmring.init(group=...)
-            from vllm.distributed import get_ep_group
-            ctx = symmring.init(backend, group=get_ep_group().cpu_group)
+        elif "group" in inspect.signature(symmring.init).parameters:  # symmring.init(group=...): issue #36
+            if group is None:
+                from vllm.distributed import get_ep_group
+                group = get_ep_group().cpu_group
+            ctx = symmring.init(backend, group=group)
         else:
             raise ConfigError(f"vLLM EP group of {parallel.ep_size} ranks: symmring joins it through "
                               "symmring.init(group=...) (issue #36, torch.distributed groups), not in this version")

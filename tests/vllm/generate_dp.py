@@ -1,0 +1,56 @@
+"""tests/vllm/generate.py's greedy prompts over vLLM data-parallel ranks with expert parallelism (CPU): vLLM's
+offline data-parallel launch, one process per DP rank (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, a local master port),
+each rank generating its share of the prompts; prints one ``RESULT`` JSON line with every prompt's tokens and
+candidates, in the prompts' order (what tests/vllm/test_vllm_e2e.py's comparison reads).
+
+    SYMMRING_VLLM=1 python tests/vllm/generate_dp.py MODEL_DIR 2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from multiprocessing import Process, Queue
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generate import MAX_TOKENS, PROMPTS  # noqa: E402
+
+
+def rank_main(rank: int, size: int, port: int, path: str, queue: Queue) -> None:
+    os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
+                      VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=128, enforce_eager=True, kv_cache_memory_bytes=64 << 20, seed=0,
+              enable_expert_parallel=True)
+    mine = list(range(rank, len(PROMPTS), size))
+    # A rank with no prompt of its own still steps with the others (vLLM runs dummy batches on idle DP ranks).
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[i]) for i in mine],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=2))
+    queue.put([(i, list(o.outputs[0].token_ids),
+                [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda c: -c[1])[:2]
+                 for step in o.outputs[0].logprobs]) for i, o in zip(mine, outs)])
+
+
+def main(path: str, size: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue: Queue = Queue()
+    procs = [Process(target=rank_main, args=(r, size, port, path, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    rows = sorted(row for _ in procs for row in queue.get(timeout=400))
+    for p in procs:
+        p.join(timeout=60)
+    print("RESULT " + json.dumps(dict(tokens=[r[1] for r in rows], top2=[r[2] for r in rows])), flush=True)
+    sys.exit(max(abs(p.exitcode or 0) for p in procs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
