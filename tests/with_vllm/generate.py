@@ -3,7 +3,7 @@ line: greedy tokens with each step's two best candidates, and the logprob of eve
 (teacher forcing: both runs score the same tokens, so a near-tie in the greedy choice cannot hide a
 difference).
 
-    python tests/vllm/generate.py MODEL_DIR
+    python tests/with_vllm/generate.py MODEL_DIR
 
 vLLM's MoE layers run symmring when ``SYMMRING_VLLM=1`` (the plugin entry point), vLLM's own experts otherwise.
 """

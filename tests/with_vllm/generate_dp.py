@@ -1,9 +1,9 @@
-"""tests/vllm/generate.py's greedy prompts over vLLM data-parallel ranks with expert parallelism (CPU): vLLM's
+"""tests/with_vllm/generate.py's greedy prompts over vLLM data-parallel ranks with expert parallelism (CPU): vLLM's
 offline data-parallel launch, one process per DP rank (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, a local master port),
 each rank generating its share of the prompts; prints one ``RESULT`` JSON line with every prompt's tokens and
-candidates, in the prompts' order (what tests/vllm/test_vllm_e2e.py's comparison reads).
+candidates, in the prompts' order (what tests/with_vllm/test_vllm_e2e.py's comparison reads).
 
-    SYMMRING_VLLM=1 python tests/vllm/generate_dp.py MODEL_DIR 2
+    SYMMRING_VLLM=1 python tests/with_vllm/generate_dp.py MODEL_DIR 2
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Two ranks of expert parallelism (CPU) with symmring's experts class in vLLM: written to run once symmring joins
 a torch.distributed group (``symmring.init(group=...)``, issue #36); skipped, naming why, until then.
 
-* kernel level (tests/vllm/ep2_worker.py under ``torchrun --nproc-per-node 2``): each rank's rows from
+* kernel level (tests/with_vllm/ep2_worker.py under ``torchrun --nproc-per-node 2``): each rank's rows from
   `SymmringExperts` over the two ranks equal vLLM's own unquantized path (one rank, every expert) on the same
   inputs within bf16 tolerance; fp8 blocks against the dequantised weights; no host exchange per call.
 * end to end: vLLM's CPU build does not run data-parallel expert parallelism itself (0.32: its
   allgather/reduce-scatter all2all calls ``all_gatherv``, which the CPU communicator does not implement; vLLM's
   offline DP launch, one process per DP rank with ``VLLM_DP_RANK``/``VLLM_DP_SIZE``, gets that far), so a
-  two-rank ``LLM`` with symmring's experts is compared with vLLM at one rank (tests/vllm/generate_dp.py).
+  two-rank ``LLM`` with symmring's experts is compared with vLLM at one rank (tests/with_vllm/generate_dp.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (made from a config, no download), with vLLM's own experts and with symmring's (``SYMMRING_VLLM=1``: the
 installed plugin entry point, loaded by vLLM in its engine and worker processes).
 
-Each run is a process of its own (tests/vllm/generate.py). What must agree:
+Each run is a process of its own (tests/with_vllm/generate.py). What must agree:
 
 * the log of the symmring run names every MoE layer as run by symmring (the plugin selected it);
 * teacher forcing: both runs score the same fixed token sequences; the tokens' logprobs agree within
