@@ -72,3 +72,32 @@ def test_given_routing_layer_matches_the_definition(ctx, dtype):
     # No host exchange per call where the workspace takes the counts; until then one per call (several PEs).
     expected = 0 if ctx.world_size == 1 or adapter.accepts_given_counts(layer.workspace) else 3
     assert counter.count == expected, counter.what
+
+
+@collective
+def test_a_call_captured_in_a_graph_replays_its_own_count(ctx):
+    """As vLLM captures its model: a call captured into a CUDA graph, replayed after an eager call of other
+    counts left another count on the device, gives the eager output of its own counts (bitwise)."""
+    counts = counts_of(ctx.world_size)
+    others = [max(1, c // 2) for c in counts]
+    problem = make_problem(20261207, counts, num_experts=NUM_EXPERTS, hidden=HIDDEN, inter=INTER, topk=TOPK)
+    device = cuda_device()
+    w13, w2, _, _ = problem.local(ctx.rank, ctx.world_size, device)
+    layer = adapter.GivenRoutingLayer(ctx, adapter.experts_from_vllm(w13, w2), num_experts=NUM_EXPERTS, topk=TOPK,
+                                      max_tokens=64)
+    rank = ctx.rank
+    x, ids, w = (t.to(device) for t in (problem.x[rank], problem.topk_ids[rank], problem.topk_weights[rank]))
+    mine = others[rank]
+    try:
+        eager = layer(x, ids, w, counts)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(x, ids, w, counts)
+        layer(x[:mine], ids[:mine], w[:mine], others)  # the device's count is now this call's
+        graph.replay()
+        torch.cuda.synchronize()
+        layer.layer.check_errors()
+    finally:
+        layer.close()
+    assert torch.equal(captured, eager)

@@ -17,8 +17,10 @@ What vLLM hands an experts class, and what symmring makes of it:
   a MoE layer is its DP rank, so those are the counts of every EP rank. `GivenRoutingLayer` hands them to the
   workspace's step (`given_step`) instead of exchanging them again.
 * CUDA graphs (`capture_buckets`): vLLM captures one graph per batch size in ``cudagraph_capture_sizes`` and
-  pads a step up to the next; each size lands in one of symmring's token buckets
-  (`symmring.moe.gpu.plan.token_bucket`), and every size of one bucket shares that bucket's plan.
+  pads a step up to the next (on every DP rank); each size lands in one of symmring's token buckets
+  (`symmring.moe.gpu.plan.token_bucket`), and every size of one bucket shares that bucket's plan. A call
+  captured into vLLM's graph writes its own token count into the graph (`GivenRoutingLayer`), since vLLM
+  replays it without symmring.
 
 Example:
     >>> import torch
@@ -274,6 +276,11 @@ class GivenRoutingLayer:
             if self.on_host:
                 y = self.layer.layer.forward(x.float(), topk_idx=ids, topk_weights=weights)
                 return y.to(torch.bfloat16)
+            if torch.cuda.is_current_stream_capturing():
+                # vLLM captures the call into its own graph and replays it without symmring: the graph itself
+                # writes this rank's count (a step's graph would read the count set before each replay). vLLM
+                # pads every replay, on every DP rank, to the size it captured, so that count is the replay's.
+                self.workspace.gpu.record_call_tokens(n)
             return self.layer.forward(x, topk_idx=ids, topk_weights=weights)
 
     def close(self) -> None:
