@@ -2,7 +2,8 @@
 (made from a config, no download), with vLLM's own experts and with symmring's (``SYMMRING_VLLM=1``: the
 installed plugin entry point, loaded by vLLM in its engine and worker processes).
 
-Each run is a process of its own (tests/with_vllm/generate.py). What must agree:
+Each run is a process of its own (tests/with_vllm/generate.py); the Qwen3-MoE runs put vLLM's engine core and
+worker in processes of their own too, as a server does. What must agree:
 
 * the log of the symmring run names every MoE layer as run by symmring (the plugin selected it);
 * teacher forcing: both runs score the same fixed token sequences; the tokens' logprobs agree within
@@ -32,7 +33,7 @@ ROOT = HERE.parents[1]
 #: Bound of one generation run (import, model build, generation) on a loaded 2-core machine.
 RUN_TIMEOUT_S = 420
 #: Largest difference of one token's logprob between the runs (nats), and of their mean.
-SCORE_ATOL, SCORE_MEAN_ATOL = 0.5, 0.01
+SCORE_ATOL, SCORE_MEAN_ATOL = 0.25, 0.01
 #: Two greedy candidates closer than this (nats) are a near-tie.
 TIE = 0.02
 #: MoE layers of the tiny models (DeepSeek-V3: one dense layer first, then these).
@@ -55,11 +56,14 @@ def save_model(family: str, path: Path) -> None:
         (path / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def generate(path: Path, *, symmring: bool) -> tuple:
+def generate(path: Path, *, symmring: bool, processes: bool = False) -> tuple:
+    """One run's result and log. ``processes``: vLLM's engine core and worker in processes of their own, as a
+    server runs them (the plugin then loads in each); else in the run's process. Compare runs of one mode
+    only: the mode alone moves vLLM's own logprobs by a few hundredths (its CPU worker sets other thread
+    counts)."""
     env = dict(os.environ, SYMMRING_VLLM="1" if symmring else "0", SYMMRING_LOG_LEVEL="INFO",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if processes else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    # symmring's run: vLLM's engine core and worker in processes of their own, as a server runs them.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if symmring else "0"
     proc = subprocess.run([sys.executable, str(HERE / "generate.py"), str(path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = proc.stdout + proc.stderr
@@ -94,10 +98,10 @@ def compared_steps(reference: dict, candidate: dict) -> int:
     return compared
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
-def test_greedy_generation_equals_vllm_experts(models, family):
-    reference, _ = generate(models[family], symmring=False)
-    candidate, log = generate(models[family], symmring=True)
+@pytest.mark.parametrize("family, processes", [("deepseek_v3", False), ("qwen3_moe", True)])
+def test_greedy_generation_equals_vllm_experts(models, family, processes):
+    reference, _ = generate(models[family], symmring=False, processes=processes)
+    candidate, log = generate(models[family], symmring=True, processes=processes)
     layers = [line for line in log.splitlines() if "on EP rank 0 of 1" in line and "symmring:" in line]
     assert len(layers) == MOE_LAYERS, log[-4000:]
     diffs = [abs(a - b) for want, got in zip(reference["scores"], candidate["scores"]) for a, b in zip(want, got)]
