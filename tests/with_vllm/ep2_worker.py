@@ -1,4 +1,4 @@
-"""One rank of the two-rank test of symmring's experts class on vLLM's modular kernel (tests/with_vllm/test_vllm_ep2.py),
+"""One rank of the two-rank test of symmring's experts class on vLLM's modular kernel (test_vllm_ep2.py here),
 started by ``torchrun --nproc-per-node 2``: the EP group is the torch.distributed world (gloo), as vLLM's is
 over its data-parallel ranks; needs ``symmring.init(group=...)`` (issue #36).
 
