@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,24 @@ def save_model(family: str, path: Path) -> None:
         (path / "config.json").write_text(json.dumps(config, indent=1))
 
 
+def run_in_session(cmd, env):
+    """``(stdout, stdout + stderr, exit status)`` of ``cmd`` run in a session of its own, whose every process is
+    ended when it returns or passes `RUN_TIMEOUT_S`: vLLM's engine core process can outlive the script."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}: no result within {RUN_TIMEOUT_S} s:\n{(stdout + stderr)[-6000:]}")
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left of the session (an engine core that did not exit)
+    except ProcessLookupError:
+        pass
+    return stdout, stdout + stderr, proc.returncode
+
+
 def generate(path: Path, *, symmring: bool, processes: bool = False) -> tuple:
     """One run's result and log. ``processes``: vLLM's engine core and worker in processes of their own, as a
     server runs them (the plugin then loads in each); else in the run's process. Compare runs of one mode
@@ -64,11 +83,9 @@ def generate(path: Path, *, symmring: bool, processes: bool = False) -> tuple:
     env = dict(os.environ, SYMMRING_VLLM="1" if symmring else "0", SYMMRING_LOG_LEVEL="INFO",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if processes else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, str(HERE / "generate.py"), str(path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, output[-6000:]
+    stdout, output, returncode = run_in_session([sys.executable, str(HERE / "generate.py"), str(path)], env)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, output[-6000:]
     return json.loads(lines[-1][len("RESULT "):]), output
 
 

@@ -55,14 +55,13 @@ def test_two_ranks_equal_vllm_unquantized_with_no_host_exchange():
 
 
 def test_two_rank_generation_equals_one_rank_vllm(tmp_path):
-    from test_vllm_e2e import compared_steps, generate, save_model
+    from test_vllm_e2e import compared_steps, generate, run_in_session, save_model
     path = tmp_path / "qwen3_moe"
     save_model("qwen3_moe", path)
     reference, _ = generate(path, symmring=False)
     env = dict(os.environ, SYMMRING_VLLM="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(HERE / "generate_dp.py"), str(path), "2"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-6000:]
+    stdout, output, returncode = run_in_session([sys.executable, str(HERE / "generate_dp.py"), str(path), "2"], env)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, output[-6000:]
     candidate = json.loads(lines[-1][len("RESULT "):])
     assert compared_steps(reference, candidate) >= sum(len(t) for t in reference["tokens"]) // 3
