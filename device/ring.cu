@@ -87,11 +87,12 @@ __device__ __forceinline__ bool compare(uint64_t v, int cmp, uint64_t value) {
 //   counter: a zeroed device word private to this (slot, parts) pair (kernels.py owns them).
 //   generation_override: 0 in normal use. Non-zero publishes that generation instead of the one read
 //          from gen_base: only for tests that show why generations must not be baked into a graph.
+//   layer: the layer of the call identity the meta row carries (expected_call; 0 for a ring of one kind of call).
 extern "C" __global__ void symmring_produce(const RingDescriptor* desc_ptr, int chunk_idx, const void* x,
                                             const float* x_sf, const int32_t* topk_idx,
                                             const float* topk_weights, long long token_base, int num_valid,
                                             int flags, unsigned int* counter,
-                                            unsigned long long generation_override) {
+                                            unsigned long long generation_override, int layer) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const uint64_t gen = generation_override ? generation_override : expected_generation(d, chunk_idx);
@@ -116,7 +117,7 @@ extern "C" __global__ void symmring_produce(const RingDescriptor* desc_ptr, int 
         const uint64_t topk_bytes = uint64_t(num_valid) * d.num_topk * sizeof(int32_t);
         copy_bytes(topk_idx_of(d, slot), topk_idx, topk_bytes, thread_idx, num_threads);
         copy_bytes(topk_weights_of(d, slot), topk_weights, topk_bytes, thread_idx, num_threads);
-        if (thread_idx == 0) write_meta(d, chunk_idx, token_base, num_valid, gen);
+        if (thread_idx == 0) write_meta(d, chunk_idx, token_base, num_valid, gen, expected_call(d, layer));
     }
     grid_publish(d, chunk_idx, gen, counter, (flags & kProduceAcquire) != 0, (flags & kProduceRoute) != 0,
                  (flags & kProduceLayout) != 0);
@@ -142,19 +143,22 @@ extern "C" __global__ void symmring_publish(const RingDescriptor* desc_ptr, int 
 }
 
 // Wait for chunk `chunk_idx` of `src_rank`, pull its valid rows over NVLink into local buffers and
-// (kConsumeAck) acknowledge it. out_meta receives the slot's 4 metadata words. Buffers hold
-// tokens_per_slot rows; only num_valid rows are written.
+// (kConsumeAck) acknowledge it. out_meta receives the slot's kMetaColumns metadata words. Buffers hold
+// tokens_per_slot rows; only num_valid rows are written. `layer`: the layer of the call identity the slot
+// must carry (as symmring_produce's).
 extern "C" __global__ void symmring_consume(const RingDescriptor* desc_ptr, int chunk_idx, int src_rank,
                                             void* out_x, float* out_x_sf, int32_t* out_topk_idx,
                                             float* out_topk_weights, long long* out_meta, int flags,
-                                            unsigned int* counter, unsigned long long generation_override) {
+                                            unsigned int* counter, unsigned long long generation_override,
+                                            int layer) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const uint64_t gen = generation_override ? generation_override : expected_generation(d, chunk_idx);
     const int slot = slot_of(chunk_idx, d.num_slots);
     if (!wait_ready(d, chunk_idx, src_rank, gen)) return;
     __shared__ int payload_ok;
-    if (threadIdx.x == 0) payload_ok = check_payload(d, chunk_idx, src_rank, gen);  // after wait_ready's acquire
+    // After wait_ready's acquire: this chunk, generation and call.
+    if (threadIdx.x == 0) payload_ok = check_payload(d, chunk_idx, src_rank, gen, expected_call(d, layer));
     __syncthreads();
     if (!payload_ok) return;
 
@@ -189,7 +193,8 @@ extern "C" __global__ void symmring_ack(const RingDescriptor* desc_ptr, int chun
     ack(d, chunk_idx, src_rank);
 }
 
-// End of a call of `num_chunks` chunks: advance the device-resident generation base (graph-safe).
+// End of a call of `num_chunks` chunks: advance the device-resident generation base and the call number
+// (graph-safe).
 extern "C" __global__ void symmring_end_call(const RingDescriptor* desc_ptr, int num_chunks) {
     if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
 }

@@ -6,15 +6,20 @@ pulls ready chunks from every rank and acknowledges each slot with a per-rank bi
 ``docs/PROTOCOL.md``.
 
 Importing symmring has no side effects: nothing is initialised until `init()` is called.
+
+Threads: nothing here is thread-safe. A context, its workspaces, rings and layers belong to the thread that
+makes their calls: every call and collective is numbered in call order on each rank, and two threads would
+interleave them differently on each rank. `symmring.moe.gpu.MoE.async_error` (a read of pinned host memory,
+no device call, no collective) may be polled from another thread once every layer is built.
 """
 
 __version__ = "0.1.0"
 
 from . import protocol  # noqa: E402
 from .context import Context, finalize, init  # noqa: E402
-from .errors import (BackendError, BrokenStateError, CompileError, ConfigError, DoubleAck,  # noqa: E402
-                     PeerTimeout, ProtocolAborted, ProtocolTimeout, ProtocolViolation, RingClosedError,
-                     StalePayload, SymmringError)
+from .errors import (BackendError, BrokenStateError, CallMismatch, CallRefused, CompileError,  # noqa: E402
+                     ConfigError, DoubleAck, PeerTimeout, PoolOverflow, ProtocolAborted, ProtocolTimeout,
+                     ProtocolViolation, RingClosedError, StalePayload, StepFailed, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
 from .moe.cpu.layer import ExpertParallelMoE, MoEShapes  # noqa: E402
 from .moe.workspace import Workspace  # noqa: E402
@@ -27,4 +32,5 @@ __all__ = [
     "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes", "Workspace", "LayerShape",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
     "RingClosedError", "CompileError", "ProtocolAborted", "ProtocolViolation", "StalePayload", "DoubleAck",
+    "PoolOverflow", "CallMismatch", "CallRefused", "StepFailed",
 ]

@@ -17,7 +17,8 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
 5. prints what it did and the timings (rank 0), and ends with ``demo: PASS ...`` (exit 0) or
    ``demo: FAIL ...`` (exit 1; 2 for bad arguments).
 
-Run: ``python -m symmring demo`` or ``mpiexec -n 4 python -m symmring demo``.
+Run: ``python -m symmring demo``, ``mpiexec -n 4 python -m symmring demo`` or
+``torchrun --nproc-per-node 4 -m symmring demo``.
 
 ``--model mixtral|qwen3-moe|deepseek-v3`` runs a transformers model instead (`symmring.demo_model`).
 """
@@ -113,30 +114,39 @@ def make_problem(args, world_size: int, rank: int) -> Problem:
 
 
 class Reporter:
-    """Rank 0 prints; every rank logs."""
+    """Rank 0 prints; every rank logs. Its reductions are bounded exchanges (`symmring.collective.Collectives`)
+    over the demo's ranks, on a channel of its own: whichever launcher started them (mpirun, torchrun)."""
 
-    def __init__(self, comm):
-        from . import mpi
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self._MPI = mpi.namespace_of(comm)
+    def __init__(self, ranks, chan):
+        self.ranks = ranks  # what symmring.init joins (`symmring.world.resolve`)
+        self.chan = chan
+        self.rank, self.size = chan.rank, chan.world_size
 
     def say(self, line: str) -> None:
         log.debug(line)
         if self.rank == 0:
             print(line, flush=True)
 
+    def allgather(self, value):
+        return self.chan.allgather(value, what="demo: report")
+
     def all_ok(self, ok: bool) -> bool:
-        return bool(self.comm.allreduce(int(bool(ok)), op=self._MPI.MIN))
+        return all(self.allgather(bool(ok)))
 
     def max(self, value: float) -> float:
-        return float(self.comm.allreduce(float(value), op=self._MPI.MAX))
+        return max(float(v) for v in self.allgather(float(value)))
 
     def sum(self, value: int) -> int:
-        return int(self.comm.allreduce(int(value), op=self._MPI.SUM))
+        return sum(int(v) for v in self.allgather(int(value)))
 
     def fsum(self, value: float) -> float:
-        return float(self.comm.allreduce(float(value), op=self._MPI.SUM))
+        return math.fsum(float(v) for v in self.allgather(float(value)))
+
+    def barrier(self) -> None:
+        self.chan.barrier(what="demo: barrier")
+
+    def close(self) -> None:
+        self.chan.close()
 
 
 def _timed_calls(fn: Callable[[], np.ndarray], report: Reporter, repeats: int,
@@ -147,7 +157,7 @@ def _timed_calls(fn: Callable[[], np.ndarray], report: Reporter, repeats: int,
     sync()
     times_s = []
     for _ in range(repeats):
-        report.comm.Barrier()
+        report.barrier()
         start_s = time.perf_counter()
         outputs.append(fn())
         sync()
@@ -296,28 +306,39 @@ def _backend_reason(requested: str) -> str:
 
 
 def world_reporter() -> Optional[Reporter]:
-    """The demo's first step (``demo`` and ``demo --model``): a `Reporter` on MPI's world communicator, or None
-    after rank 0 of the launch printed ``demo: FAIL`` (no MPI library under a multi-rank launch; exit 1)."""
-    from . import mpi
+    """The demo's first step (``demo`` and ``demo --model``): its ranks (`symmring.world.resolve`: MPI's world
+    under mpirun, torchrun's workers under torchrun, else one process) and a `Reporter` on
+    them, or None after the launcher's rank 0 printed ``demo: FAIL`` (e.g. no MPI library under a multi-rank
+    MPI launch; exit 1)."""
+    from . import env, world
+    from .collective import Collectives
     try:
-        return Reporter(mpi.load().COMM_WORLD)
-    except SymmringError as exc:  # no MPI library under a multi-rank launch
-        if mpi.launcher_rank() == 0:
+        ranks = world.resolve(timeout_s=env.host_timeout_s())
+        return Reporter(ranks, Collectives(ranks, env.host_timeout_s(), what="demo: start"))
+    except SymmringError as exc:
+        if world.launcher_rank() == 0:
             print(f"demo: FAIL {exc}", flush=True)
         return None
 
 
 def start(backend: str, report: Reporter) -> Optional[Tuple[object, Reporter, str]]:
-    """Initialise the ``--backend`` (``demo`` and ``demo --model``): (the context, a `Reporter` on its
-    communicator, why that backend), or None after ``demo: FAIL`` on ``report`` (exit 1)."""
+    """Initialise the ``--backend`` on the report's ranks (``demo`` and ``demo --model``): (the context, the
+    `Reporter`, why that backend), or None after ``demo: FAIL`` on ``report`` (exit 1)."""
+    from . import world
     from .context import init
     reason = _backend_reason(backend)
     try:
-        ctx = init(backend)
+        ctx = init(backend, **world.init_kwargs(report.ranks))
     except SymmringError as exc:
         report.say(f"demo: FAIL could not initialise the {backend} backend: {exc}")
         return None
-    return ctx, Reporter(ctx.comm), reason
+    return ctx, report, reason
+
+
+def memory_of(ctx) -> str:
+    """What the CPU backend's symmetric memory is, in words."""
+    from . import mpi
+    return "process memory, no MPI library" if mpi.is_standin(ctx.comm) else ctx.backend.memory.name
 
 
 def fail(ctx, report, exc) -> int:
@@ -345,7 +366,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return model_main(args)
     if args.x_format is None:
         args.x_format = "fp8_e4m3"
-    from . import __version__
+    from . import __version__, world
     from .context import init
     report = world_reporter()
     if report is None:
@@ -372,20 +393,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             backends_used.append("nvshmem")
             results.append(run_gpu(ctx, args, prob, report))
             report.say("and the same problem on the CPU layer (backend host):")
-            comm = ctx.comm
+            ranks = ctx.ranks
             ctx.close()
-            ctx = init("host", comm=comm)
-        from . import mpi
-        memory = "process memory, no MPI library" if mpi.is_standin(ctx.comm) else "MPI shared memory"
-        report.say(f"CPU layer (backend {ctx.backend.name}, {memory}):")
+            ctx = init("host", **world.init_kwargs(ranks))
+        report.say(f"CPU layer (backend {ctx.backend.name}, {memory_of(ctx)}):")
         backends_used.append(ctx.backend.name)
         results.append(run_cpu(ctx, args, prob, report))
     except SymmringError as exc:
         return fail(ctx, report, exc)
     passed = all(ok for ok, _ in results)
     ctx.close()
+    report.close()
     verdict = "PASS" if passed else "FAIL"
-    report.say(f"demo: {verdict} backend={'+'.join(backends_used)} ranks={report.comm.Get_size()} "
-               f"tokens={args.tokens * report.comm.Get_size()}: " + "; ".join(s for _, s in results))
+    report.say(f"demo: {verdict} backend={'+'.join(backends_used)} ranks={report.size} "
+               f"tokens={args.tokens * report.size}: " + "; ".join(s for _, s in results))
     return 0 if passed else 1
 

@@ -17,7 +17,8 @@ On every rank (the same seed everywhere) the demo
 4. prints one line per rank (rank 0) and ends with ``demo: PASS ...`` (exit 0) or ``demo: FAIL ...`` (1; 2 for
    bad arguments).
 
-Run: ``mpiexec -n 2 python -m symmring demo --model deepseek-v3``.
+Run: ``mpiexec -n 2 python -m symmring demo --model deepseek-v3`` or
+``torchrun --nproc-per-node 2 -m symmring demo --model deepseek-v3``.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def main(args) -> int:
         elapsed_s = time.perf_counter() - start_s
     except SymmringError as exc:
         return fail(ctx, report, exc)
-    rows = ctx.comm.gather((ctx.rank, int(per_token.numel()), float(per_token.median()), float(per_token.max()),
-                            whole, top1, elapsed_s), root=0)
-    tokens = ctx.comm.allgather(per_token.cpu().tolist())
+    rows = report.allgather((ctx.rank, int(per_token.numel()), float(per_token.median()), float(per_token.max()),
+                             whole, top1, elapsed_s))
+    tokens = report.allgather(per_token.cpu().tolist())
     all_tokens = torch.tensor([e for rank_errors in tokens for e in rank_errors], dtype=torch.float64)
     median = float(all_tokens.median())
     worst_whole = report.max(whole)
@@ -109,6 +110,7 @@ def main(args) -> int:
     for module in replaced.values():
         module.close()
     ctx.close()
+    report.close()
     passed = median <= MEDIAN_TOL[x_format] and worst_whole <= WHOLE_TOL[x_format]
     report.say(f"demo: {'PASS' if passed else 'FAIL'} model={args.model} backend={ctx.backend.name} "
                f"ranks={ctx.world_size} tokens={int(all_tokens.numel())} x={x_format}: logits rel err per token "

@@ -12,8 +12,10 @@ brings it, so a missing one is reported in one line instead of a traceback.
 | ``triton`` | ``triton`` (comes with torch's Linux CUDA wheels) | ``gpu`` |
 | ``deep_gemm`` | ``tokenspeed-deepgemm`` | ``deepgemm`` |
 | ``pytest`` | ``pytest`` | ``test`` |
+| ``mpi4py`` | ``mpi4py`` (and ``mpich``: an MPI library and ``mpiexec``) | ``mpi`` |
 
-An MPI library (for ``mpiexec`` and several ranks) comes with the ``mpi`` extra; see `symmring.mpi`.
+MPI (for jobs started by ``mpiexec``) comes with the ``mpi`` extra; see `symmring.mpi`. Jobs started by
+``torchrun`` need none (`symmring.world`).
 
 Example:
     >>> installed("numpy"), installed("nvidia.no_such_module")
@@ -41,6 +43,7 @@ OPTIONAL: Dict[str, Tuple[str, str]] = {
     "triton": ("triton", "gpu"),
     "deep_gemm": ("tokenspeed-deepgemm", "deepgemm"),
     "pytest": ("pytest", "test"),
+    "mpi4py": ("mpi4py", "mpi"),
 }
 
 

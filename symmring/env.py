@@ -3,7 +3,8 @@
 | variable | meaning | default |
 |---|---|---|
 | ``SYMMRING_BACKEND`` | ``auto``, ``host`` (CPU, MPI shared memory) or ``nvshmem`` (GPU) | ``auto`` |
-| ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait, in seconds | ``60`` |
+| ``SYMMRING_TIMEOUT_S`` | bound of every protocol wait (host and device), in seconds | ``60`` |
+| ``SYMMRING_HOST_TIMEOUT_S`` | bound of every host collective between ranks (`symmring.collective`: setup, allocation, the layers' per-call exchanges, teardown), in seconds: how late a rank may come to an exchange (a first call's compile, loading weights, a long prefill) before every rank raises `PeerTimeout` | ``1800`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.cpu.layer`) | ``0`` |
 | ``SYMMRING_GRAPH_CACHE`` | entries of the GPU layer's cache of captured calls (`symmring.moe.gpu.graph_cache`): an int >= 0 that overrides every layer's ``graph_cache`` argument; ``0`` switches eager calls' graph replays off | unset (the argument: ``12``) |
@@ -17,7 +18,7 @@ set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the
 launcher (``python -m symmring.launch``, also as ``launch/symmring-mpirun``) for every rank, and by the GPU
 scripts under ``tools/`` (``python -m symmring.launch --print-env`` prints them as ``export`` lines).
 The settings marked "one node only" (`EnvDefault.one_node_only`) apply only to a job known to run on one
-node: the nvshmem backend counts the job's nodes (an MPI shared-memory split) before NVSHMEM starts, and
+node: the nvshmem backend counts the job's nodes (every rank's host name) before NVSHMEM starts, and
 ``python -m symmring.launch`` knows them from its host list; across nodes NVSHMEM picks its own remote
 transport.
 
@@ -42,20 +43,36 @@ from typing import Dict, Iterable, List, MutableMapping, NamedTuple, Optional
 from .errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 60.0
+#: The host collectives' default bound: vLLM's for DeepEP's host waits (``VLLM_DEEPEP_TIMEOUT_SECS``), for the
+#: same reason -- ranks reach a layer's first exchange after loading weights and compiling at their own pace
+#: (symmring's device modules, a cold cache: 10-60 s each; the Triton experts' first call; minutes of weight
+#: loading on a large model). A rank that died is the launcher's to report (torchrun stops the job when a
+#: worker fails; mpiexec when a rank exits without finalizing); this bound only names a rank that is alive
+#: but never comes.
+DEFAULT_HOST_TIMEOUT_S = 1800.0
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a positive number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{name}={raw!r}: expected a positive number of seconds")
+    return value
 
 
 def timeout_s() -> float:
     """The bound of every protocol wait (``SYMMRING_TIMEOUT_S``), validated."""
-    raw = os.environ.get("SYMMRING_TIMEOUT_S")
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"SYMMRING_TIMEOUT_S={raw!r}: expected a positive number of seconds") from None
-    if not value > 0:
-        raise ConfigError(f"SYMMRING_TIMEOUT_S={raw!r}: expected a positive number of seconds")
-    return value
+    return _seconds("SYMMRING_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+
+
+def host_timeout_s() -> float:
+    """The bound of every host collective (``SYMMRING_HOST_TIMEOUT_S``), validated."""
+    return _seconds("SYMMRING_HOST_TIMEOUT_S", DEFAULT_HOST_TIMEOUT_S)
 
 
 def backend_name() -> str:

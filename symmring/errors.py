@@ -6,9 +6,12 @@ what, and who did not answer, so a stalled rank is identified rather than merely
 ``PeerTimeout`` is the same for a host collective (a barrier or an exchange of `symmring.collective`)
 that a rank did not reach in time; its subclass ``ProtocolAborted`` is a device wait that gave up because
 another rank recorded a device error first (it names that rank and its error). ``ProtocolViolation``
-(``StalePayload``, ``DoubleAck``) is a device check that found the protocol broken. ``BrokenStateError``
-is what a context, ring or layer raises after such a failure left the ranks in an unknown state, until it
-is re-initialised.
+(``StalePayload``, ``DoubleAck``, ``PoolOverflow``, ``CallMismatch``, ``CallRefused``) is a check that found the protocol
+broken: ``CallMismatch`` names ranks whose call sequences diverged (another call's or another layer's
+payload where this call's was due), found in the token-count exchange or, inside a model step, by the
+consumer on the device. ``BrokenStateError`` is what a context, ring or layer raises after such a failure
+left the ranks in an unknown state, until it is re-initialised (or, for a workspace, reset); its subclass
+``StepFailed`` is what every rank raises when a model step failed on some rank.
 """
 
 from __future__ import annotations
@@ -177,6 +180,79 @@ class DoubleAck(ProtocolViolation):
                          expected=expected, observed=observed)
 
 
+class PoolOverflow(ProtocolViolation):
+    """A MoE kernel found more rows than the call's plan bounded (or a row whose token lies past its owner's
+    combine rows) and wrote none of them past its buffer: the ranks planned different calls (a call refused on
+    one rank only, a stale slot), so the call's rows would not be right. The kernel aborted the ring on every
+    rank (device/moe/bounds.cuh); ``reset`` is the way back.
+
+    Attributes (beyond `ProtocolViolation`'s, where ``kind`` is ``"pool_overflow"``, ``expected`` the bound and
+    ``observed`` what was found):
+        bound: ``"window_rows"`` (the pool rows of the window's passes), ``"expert_rows"`` (the rows one
+            expert may hold) or ``"combine_token"`` (the tokens of every combine buffer).
+        expert: the global expert id of ``"expert_rows"``, else None.
+    """
+
+    BOUNDS = ("window_rows", "expert_rows", "combine_token")
+
+    def __init__(self, *, rank: int, peer: int, slot: int, chunk: int, expected: int, observed: int, what: int,
+                 advice: str = ""):
+        code, expert = what & 0xFF, what >> 8
+        self.bound = self.BOUNDS[code] if code < len(self.BOUNDS) else f"bound {code}"
+        self.expert = expert if self.bound == "expert_rows" else None
+        if self.bound == "combine_token":
+            found = (f"a row of chunk {chunk} names token {observed} of rank {peer}, outside the {expected} tokens "
+                     "of its combine rows")
+        elif self.bound == "expert_rows":
+            found = (f"expert {expert} holds {observed} rows of the window at chunk {chunk}, more than the "
+                     f"{expected} the call's plan bounded")
+        else:
+            found = (f"the window at chunk {chunk} holds {observed} pool rows, more than the {expected} the call's "
+                     "plan covers")
+        msg = (f"rank {rank}: pool overflow: {found} (the ranks planned different calls, or a slot was stale); "
+               "no row was written past its buffer and the call's output is not valid")
+        super().__init__("pool_overflow", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
+
+
+class CallMismatch(ProtocolViolation):
+    """Ranks whose call sequences diverged: where this rank expected its call number ``expected_call`` of layer
+    ``expected_layer``, rank ``peer`` was at call ``observed_call`` of layer ``observed_layer`` (a rank refused
+    or skipped a call the others made, or called another layer). Found in the token-count exchange (before
+    anything is enqueued; ``slot``/``chunk`` None) or, inside a model step, by a consumer on the device from
+    the slot's meta row (the payload was not used; every rank's output of the call is NaN and the error is
+    raised on every rank at the next step, `symmring.Workspace.step`). ``expected``/``observed`` hold the
+    raw identities (`symmring.protocol.call_identity`)."""
+
+    def __init__(self, *, rank: int, peer: int, expected: int, observed: int, slot: Optional[int] = None,
+                 chunk: Optional[int] = None, where: str = "", advice: str = ""):
+        from .protocol import split_call_identity
+        self.expected_call, self.expected_layer = split_call_identity(expected)
+        self.observed_call, self.observed_layer = split_call_identity(observed)
+        at = f" in rank {peer}'s slot {slot} (chunk {chunk})" if slot is not None else ""
+        msg = (f"rank {rank}: call mismatch{at}{where}: this rank is at call #{self.expected_call} of layer "
+               f"{self.expected_layer}, rank {peer} at call #{self.observed_call} of layer {self.observed_layer} "
+               "(the ranks' call sequences diverged: a rank refused, skipped or reordered a call); no row of it "
+               "was used")
+        super().__init__("call_mismatch", _with_advice(msg, advice), rank=rank, peer=peer, slot=slot, chunk=chunk,
+                         expected=expected, observed=observed)
+
+
+class CallRefused(ProtocolViolation):
+    """This rank refused a call inside a model step (its arguments failed a check the other ranks could not see:
+    the `ConfigError` it raised then): it recorded the refusal on the layer's ring, which aborts the call on every
+    other rank (their `ProtocolAborted` names it), so no rank pairs this call with another. ``expected``: the
+    refused call's identity (`symmring.protocol.call_identity`)."""
+
+    def __init__(self, *, rank: int, expected: int, advice: str = ""):
+        from .protocol import split_call_identity
+        self.call, self.layer = split_call_identity(expected)
+        msg = (f"rank {rank}: refused its call #{self.call} of layer {self.layer} inside a step (its arguments "
+               "failed a check; the ConfigError was raised there) and stopped the ring on every rank")
+        super().__init__("peer_refused", _with_advice(msg, advice), rank=rank, peer=rank, slot=0, chunk=0,
+                         expected=expected, observed=0)
+
+
 class PeerTimeout(ProtocolTimeout):
     """A bounded host collective (`symmring.collective`) did not complete: a rank is late, stalled or gone.
 
@@ -229,3 +305,20 @@ class BrokenStateError(SymmringError, RuntimeError):
     def __init__(self, message: str, cause: Optional[BaseException] = None):
         self.cause = cause
         super().__init__(message)
+
+
+class StepFailed(BrokenStateError):
+    """A model step (`symmring.Workspace.step`) failed on some rank -- an exception left it, or a call inside it
+    was refused -- so the ranks' calls of that step may not have paired; raised on every rank at the entry of
+    the next step (its exchange carries every rank's failure), and at every later entry until
+    `symmring.Workspace.reset` (collective).
+
+    Attributes:
+        failures: ``{rank: what failed there}`` for every rank that reported a failure.
+    """
+
+    def __init__(self, rank: int, failures: dict, advice: str = ""):
+        self.failures = dict(failures)
+        what = "; ".join(f"rank {r}: {text}" for r, text in sorted(self.failures.items()))
+        super().__init__(_with_advice(f"rank {rank}: a model step failed on rank(s) {sorted(self.failures)} "
+                                      f"({what})", advice))

@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         prog="python -m symmring info",
         description="Print versions, the backend 'auto' would pick and why, the GPUs, and the SYMMRING_*, "
                     "NVSHMEM_* and GPU environment settings. Initialises nothing (no NVSHMEM; GPU facts come "
-                    "from CuPy or nvidia-smi). Under mpiexec only rank 0 prints.")
+                    "from CuPy or nvidia-smi). Under mpiexec or torchrun only rank 0 prints.")
     try:
         parser.parse_args(argv)
     except SystemExit as exc:
@@ -112,11 +112,18 @@ def main(argv: Optional[List[str]] = None) -> int:
              f"platform: {platform.platform()}, {os.cpu_count()} CPUs",
              f"numpy: {numpy.__version__}",
              f"ml_dtypes: {_module_version('ml_dtypes')}"]
-    from . import mpi
-    rank = mpi.launcher_rank()  # under mpiexec only rank 0 prints
+    from . import mpi, world
+    rank = world.launcher_rank()  # under mpiexec or torchrun only rank 0 prints
+    launcher, size = world.launcher_world()
+    lines.append("launcher: " + {
+        "mpi": f"an MPI launcher, {size} ranks (symmring.init joins MPI's COMM_WORLD)",
+        "torchrun": f"torchrun, {size} ranks (symmring.init joins them over torchrun's store, or torch.distributed's "
+                    "default group when the program initialised it)",
+        None: "none (one process)"}[launcher])
     try:
         MPI = mpi.load()
-        rank = MPI.COMM_WORLD.Get_rank()
+        if launcher == "mpi":
+            rank = MPI.COMM_WORLD.Get_rank()
         if mpi.is_standin(MPI):
             lines.append(f"mpi4py: {_module_version('mpi4py')}; MPI library: none ({mpi.unavailable_reason()}); "
                          f"one process only; for mpiexec and several ranks: {mpi.INSTALL_HINT}")

@@ -191,36 +191,32 @@ def read_source(filename: str) -> str:
 COMPILE_WAIT_S = 600.0
 
 
-def compile_on_node(source: str, *, name: str, cc: int, local_comm=None,
+def compile_on_node(source: str, *, name: str, cc: int, local_rank: int = 0,
                     extra_options: Sequence[str] = (), collectives=None) -> Path:
-    """`compile_cubin` once per node: local rank 0 of ``local_comm`` compiles, the others wait at a barrier
-    and then find the cubin in the cache (a cache hit). Returns the cubin's path.
+    """`compile_cubin` once per node: local rank 0 compiles, the others wait at a bounded verdict and then
+    find the cubin in the cache (a cache hit). Returns the cubin's path.
 
     Args:
         source, name, cc, extra_options: as for `compile_cubin`.
-        local_comm: the ranks of this node (mpi4py), or None for a process alone.
+        local_rank: this process's place among the ranks of its node (`symmring.world.local_rank`).
         collectives: the context's bounded collectives (`symmring.collective.Collectives`, every rank of the
-            job calls this at the same point): the barrier is then their bounded verdict, within the larger
-            of their bound and `COMPILE_WAIT_S` (a rank that never comes is named in a `PeerTimeout`);
-            without them a plain ``allreduce`` over ``local_comm``, which waits for ever.
+            job calls this at the same point): the wait is their verdict, within the larger of their bound and
+            `COMPILE_WAIT_S` (a rank that never comes is named in a `PeerTimeout`). Without them (a process
+            alone) this process compiles (the cache's atomic writes make concurrent compiles safe).
 
     Raises:
         CompileError, BackendError: as for `compile_cubin` (on every local rank when rank 0 failed).
-        PeerTimeout: with ``collectives``, a rank did not reach the barrier within the bound.
+        PeerTimeout: with ``collectives``, a rank did not reach the verdict within the bound.
     """
-    bounded = collectives is not None and collectives.world_size > 1  # every rank of the job takes part
-    if bounded or (local_comm is not None and local_comm.Get_size() > 1):
+    if collectives is not None and collectives.world_size > 1:  # every rank of the job takes part
         error = None
-        if local_comm is None or local_comm.Get_rank() == 0:
+        if local_rank == 0:
             try:
                 compile_cubin(source, name=name, cc=cc, extra_options=extra_options)
-            except Exception as exc:  # the others must still leave the barrier
+            except Exception as exc:  # the others must still leave the verdict
                 error = exc
-        if bounded:
-            failed = not collectives.agree(error is None, what=f"jit: {name} compiled on local rank 0",
-                                           timeout_s=max(collectives.timeout_s, COMPILE_WAIT_S))
-        else:
-            failed = local_comm.allreduce(1 if error else 0)
+        failed = not collectives.agree(error is None, what=f"jit: {name} compiled on local rank 0",
+                                       timeout_s=max(collectives.timeout_s, COMPILE_WAIT_S))
         if error is not None:
             raise error
         if failed:

@@ -28,16 +28,17 @@ import ctypes
 import dataclasses
 import logging
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import agreement, env, protocol
 from . import transport as transport_mod
 from .backends.base import DeviceBackend
-from .errors import (BackendError, ConfigError, DoubleAck, ProtocolAborted, ProtocolTimeout, RingClosedError,
-                     StalePayload, SymmringError)
-from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_DOUBLE_ACK, ERROR_KIND_NAMES, ERROR_KIND_NONE,
+from .errors import (BackendError, CallMismatch, CallRefused, ConfigError, DoubleAck, PoolOverflow,
+                     ProtocolAborted, ProtocolTimeout, RingClosedError, StalePayload, SymmringError)
+from .layout import (ABORT_CHUNK_MAX, ERROR_KIND_ABORTED, ERROR_KIND_CALL_MISMATCH, ERROR_KIND_DOUBLE_ACK,
+                     ERROR_KIND_NAMES, ERROR_KIND_NONE, ERROR_KIND_PEER_REFUSED, ERROR_KIND_POOL_OVERFLOW,
                      ERROR_KIND_REUSE, ERROR_KIND_STALE_PAYLOAD, ERROR_WORDS, META_COLUMNS, RingLayout, RingSpec,
                      unpack_abort)
 from .closing import Closing
@@ -145,6 +146,9 @@ class DeviceRing(Closing):
         transport: how this PE reaches each peer (`symmring.transport`: ``"auto"``, ``"p2p"``, ``"rdma"``,
             ``"rdma:1,3"``; None: ``SYMMRING_TRANSPORT``, else ``"auto"``); the result per rank is
             ``ring.transports``.
+        call_address: this PE's device address of the uint64 call counter the ring's call identities come
+            from (`symmring.protocol.call_identity`; a workspace passes its one word, which all its rings
+            share); None: the ring's own ``call`` word. `reset` zeroes only the ring's own.
 
     Raises:
         ConfigError: bad backend, spec, timeout or transport.
@@ -159,7 +163,8 @@ class DeviceRing(Closing):
         >>> k.check_errors(); ring.close()  # doctest: +SKIP
     """
 
-    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None, transport=None):
+    def __init__(self, backend, spec: RingSpec, *, timeout_s: Optional[float] = None, transport=None,
+                 call_address: Optional[int] = None):
         if not isinstance(backend, DeviceBackend):
             raise ConfigError(f"backend={backend!r}: expected a DeviceBackend (the nvshmem backend)")
         if not isinstance(spec, RingSpec):
@@ -169,8 +174,7 @@ class DeviceRing(Closing):
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         transport_mod.request(transport, backend.world_size)  # a bad request fails before the allocation
         # Once, before the allocation: a rank with another spec is a ConfigError naming it, on every rank.
-        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec",
-                                     timeout_s=float(timeout_s))
+        agreement.exchange_and_check(backend.collectives, dataclasses.asdict(spec), what="DeviceRing spec")
         self.backend = backend
         self.spec = spec
         self.timeout_s = float(timeout_s)
@@ -179,7 +183,8 @@ class DeviceRing(Closing):
         self.closed = False
         self._init_words()
         try:
-            self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s, transport=transport)
+            self.kernels = RingKernels(backend, self.layout, self.alloc, timeout_s=self.timeout_s, transport=transport,
+                                       call_address=call_address)
         except BackendError:  # every rank (the transport is agreed collectively): give the heap back together
             backend.free(self.alloc)
             raise
@@ -238,9 +243,11 @@ class RingKernels:
         layout: the ring's `RingLayout`; alloc: its allocation (``alloc.ptr`` is this PE's address).
         timeout_s: bound of every device wait.
         transport: as for `DeviceRing` (`symmring.transport`); the result is ``transports``.
+        call_address: as for `DeviceRing`.
     """
 
-    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float, transport=None):
+    def __init__(self, backend, layout: RingLayout, alloc, *, timeout_s: float, transport=None,
+                 call_address: Optional[int] = None):
         cupy = _cupy()
         self.backend = backend
         self.layout = layout
@@ -254,7 +261,8 @@ class RingKernels:
         self._rdma_mask = cupy.asarray(transport_mod.rdma_mask(self.transports))
         any_rdma = transport_mod.RDMA in self.transports
         desc = layout.descriptor(alloc.ptr, rank=backend.rank, timeout_ns=int(self.timeout_s * 1e9),
-                                 rdma_mask_address=int(self._rdma_mask.data.ptr) if any_rdma else 0)
+                                 rdma_mask_address=int(self._rdma_mask.data.ptr) if any_rdma else 0,
+                                 call_address=call_address)
         self.descriptor = desc
         self.desc = cupy.asarray(np.frombuffer(desc.tobytes(), dtype=np.uint8))
         S, R = self.spec.num_slots, backend.world_size
@@ -293,7 +301,8 @@ class RingKernels:
 
     def new_outputs(self) -> Dict[str, object]:
         """Receive buffers for one chunk: ``x`` [T, H], ``x_sf`` [T, num_sf], ``topk_idx`` [T, K],
-        ``topk_weights`` [T, K], ``meta`` [4] int64 (token_base, num_valid, chunk_idx, generation).
+        ``topk_weights`` [T, K], ``meta`` [`META_COLUMNS`] int64 (token_base, num_valid, chunk_idx, generation,
+        call identity).
 
         Zero-filled and complete on return (synchronised), so any stream may use them at once."""
         cupy = _cupy()
@@ -310,7 +319,7 @@ class RingKernels:
 
     def produce(self, chunk: int, *, x=None, x_sf=None, topk_idx=None, topk_weights=None, token_base: int = 0,
                 num_valid: int, parts: str = "both", acquire: bool = True, stream=None,
-                num_blocks: Optional[int] = None, generation_override: int = 0) -> None:
+                num_blocks: Optional[int] = None, generation_override: int = 0, layer: int = 0) -> None:
         """Copy chunk ``chunk`` from device tensors into this PE's slot and publish it (enqueued).
 
         Args:
@@ -327,12 +336,15 @@ class RingKernels:
                 part acquired the slot and may have reset the mask already).
             stream: where to enqueue (see `as_stream`); num_blocks: grid size (default by size).
             generation_override: tests only; publishes that generation instead of the device one.
+            layer: the layer of the call identity the meta row carries (`symmring.protocol.call_identity`, with
+                the device's call number); consumers pass the same (0 for a ring of one kind of call).
 
         Raises:
             ConfigError: bad chunk, counts, parts, shapes, dtypes or non-device tensors (nothing enqueued).
         """
         s = self.spec
         chunk = _check_index("chunk", chunk)
+        layer = _check_index("layer", layer, 1 << protocol.CALL_LAYER_BITS)
         num_valid = _check_index("num_valid", num_valid, s.tokens_per_slot + 1)
         token_base = _check_index("token_base", token_base)
         if parts not in _PARTS:
@@ -356,7 +368,7 @@ class RingKernels:
         self._fn("symmring_produce")(
             (grid,), (THREADS_PER_BLOCK,),
             (self.desc, np.int32(chunk), args_x, args_sf, args_idx, args_w, np.int64(token_base),
-             np.int32(num_valid), np.int32(flags), counter, np.uint64(generation_override)),
+             np.int32(num_valid), np.int32(flags), counter, np.uint64(generation_override), np.int32(layer)),
             stream=as_stream(stream))
 
     def acquire(self, chunk: int, *, stream=None) -> None:
@@ -375,9 +387,11 @@ class RingKernels:
     # --- consumer -------------------------------------------------------------------------------------
 
     def consume(self, chunk: int, src_rank: int, out: Dict[str, object], *, ack: bool = True, stream=None,
-                num_blocks: Optional[int] = None, generation_override: int = 0) -> None:
+                num_blocks: Optional[int] = None, generation_override: int = 0, layer: int = 0) -> None:
         """Enqueue: wait for ``src_rank``'s chunk, pull its valid rows into ``out`` (`new_outputs`), and
-        (``ack``) acknowledge it. ``out["meta"]`` receives token_base, num_valid, chunk_idx, generation.
+        (``ack``) acknowledge it. ``out["meta"]`` receives token_base, num_valid, chunk_idx, generation and
+        call identity. The slot must hold this chunk's generation and this PE's call of ``layer`` (the
+        producer's ``layer``): else a `StalePayload` or `CallMismatch` record, and nothing is pulled.
         Like every launcher here it only orders against ``stream``: buffers written on another stream
         must be made ready for it by the caller (event or synchronisation).
 
@@ -386,6 +400,7 @@ class RingKernels:
         s = self.spec
         chunk = _check_index("chunk", chunk)
         src_rank = _check_index("src_rank", src_rank, self.backend.world_size)
+        layer = _check_index("layer", layer, 1 << protocol.CALL_LAYER_BITS)
         if not isinstance(out, dict):
             raise ConfigError(f"out={type(out).__name__}: expected the dict of new_outputs()")
         bufs = (as_device_array("out['x']", out.get("x"), self._x_dtype, (s.tokens_per_slot, s.hidden), bits=True),
@@ -400,7 +415,7 @@ class RingKernels:
         self._fn("symmring_consume")(
             (grid,), (THREADS_PER_BLOCK,),
             (self.desc, np.int32(chunk), np.int32(src_rank), *bufs, np.int32(CONSUME_ACK if ack else 0), counter,
-             np.uint64(generation_override)), stream=as_stream(stream))
+             np.uint64(generation_override), np.int32(layer)), stream=as_stream(stream))
 
     def ack(self, chunk: int, src_rank: int, *, stream=None) -> None:
         """Enqueue this PE's acknowledgement of ``src_rank``'s chunk (after its last use of the data)."""
@@ -410,8 +425,8 @@ class RingKernels:
                                  stream=as_stream(stream))
 
     def end_call(self, num_chunks: int, *, stream=None) -> None:
-        """Enqueue the end of a call: gen_base += num_chunks on the device (once per call, after every
-        producer and consumer of the call in stream order)."""
+        """Enqueue the end of a call: gen_base += num_chunks and the call number += 1 on the device (once per
+        call, after every producer and consumer of the call in stream order)."""
         num_chunks = _check_index("num_chunks", num_chunks)
         self._fn("symmring_end_call")((1,), (32,), (self.desc, np.int32(num_chunks)), stream=as_stream(stream))
 
@@ -425,6 +440,16 @@ class RingKernels:
         _cupy().cuda.runtime.deviceSynchronize()
         return int(self._words("gen_base", 1, np.uint64)[0].get())
 
+    def call_number(self) -> int:
+        """The device-resident call number (synchronises the device): the ``number`` of the call identity
+        (`symmring.protocol.call_identity`) this ring's kernels write into, and expect in, the meta rows."""
+        cupy = _cupy()
+        cupy.cuda.runtime.deviceSynchronize()
+        word = np.zeros(1, np.uint64)  # the descriptor's call_ptr: the ring's own word or the workspace's
+        cupy.cuda.runtime.memcpy(word.ctypes.data, int(self.descriptor["call_ptr"]), 8,
+                                 cupy.cuda.runtime.memcpyDeviceToHost)
+        return int(word[0])
+
     def check_errors(self, *, synchronize: bool = True) -> None:
         """Raise the device error of this PE, if any (its first one), after synchronising the device.
 
@@ -433,7 +458,10 @@ class RingKernels:
                 ``reuse`` or ``combine``: who waited for whom, on which slot and chunk, expected and observed).
             ProtocolAborted: a wait (or kernel) of this PE gave up because another PE recorded an error
                 first; names that PE and its error.
-            StalePayload, DoubleAck: a device detector found the protocol broken (`ProtocolViolation`).
+            StalePayload, DoubleAck, CallMismatch: a device detector found the protocol broken
+                (`ProtocolViolation`); CallRefused: this PE refused a call inside a step.
+            PoolOverflow: a MoE kernel found more rows than its call's plan bounded and wrote none past its buffer
+                (`ProtocolViolation`; the ranks planned different calls).
 
         The error is also recorded with the context's collectives (`Collectives.record_fault`: until a
         collective completes on every rank, exiting aborts the job rather than waiting for a rank that may
@@ -478,6 +506,14 @@ class RingKernels:
         if kind == ERROR_KIND_DOUBLE_ACK:
             return DoubleAck(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
                              observed=observed & _U64, advice=RESET_ADVICE)
+        if kind == ERROR_KIND_POOL_OVERFLOW:  # bound and found are signed (a token below 0 is one)
+            return PoolOverflow(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected, observed=observed,
+                                what=missing & _U64, advice=RESET_ADVICE)
+        if kind == ERROR_KIND_CALL_MISMATCH:
+            return CallMismatch(rank=rank, peer=peer, slot=slot, chunk=chunk, expected=expected & _U64,
+                                observed=observed & _U64, advice=RESET_ADVICE)
+        if kind == ERROR_KIND_PEER_REFUSED:
+            return CallRefused(rank=rank, expected=expected & _U64, advice=RESET_ADVICE)
         missing_ranks = ()
         if kind == ERROR_KIND_REUSE and read_masks:
             W = self.layout.mask_words
@@ -574,9 +610,11 @@ class AsyncErrorLatch:
     def error(self) -> Optional[SymmringError]:
         """This PE's latched device error as the named exception (not raised), or None."""
         words = self.latched()
-        if words is None:
-            return None
-        return self.kernels._device_error(words[:ERROR_WORDS], words[LATCH_ABORT] & _U64, read_masks=False)
+        return None if words is None else self.error_of(words)
+
+    def error_of(self, words: Sequence[int]) -> SymmringError:
+        """The named exception of latched ``words`` (`latched`'s list, e.g. as exchanged with the other ranks)."""
+        return self.kernels._device_error(list(words[:ERROR_WORDS]), words[LATCH_ABORT] & _U64, read_masks=False)
 
     def clear(self) -> None:
         """Forget the latched error: only once no kernel can latch again (after the collective reset)."""
@@ -590,6 +628,27 @@ class AsyncErrorLatch:
             self.words = None
             runtime.freeHost(self._ptr)
             self._ptr = 0
+
+
+def exchanged_error(rank: int, latched: Sequence[Optional[Sequence[int]]],
+                    decode: Callable[[Sequence[int]], SymmringError]) -> Optional[SymmringError]:
+    """The error rank ``rank`` raises for every rank's latched words ``latched`` (exchanged: the same list on every
+    rank, so every rank raises, or none): its own, decoded from the words it sent (``decode``:
+    `AsyncErrorLatch.error_of`; never re-read from its latch, which a reset may have cleared since), where it
+    latched one; else a `ProtocolAborted` naming the first other rank that did (`peer_async_error`). None when no
+    rank latched anything.
+
+    Example:
+        >>> from symmring import layout
+        >>> words = [layout.ERROR_KIND_REUSE, 0, 2, 0, 1, 7, 3, 4, 0]
+        >>> exchanged_error(0, [words, None], decode=lambda w: RuntimeError(f"own kind {w[0]}"))
+        RuntimeError('own kind 3')
+        >>> exchanged_error(1, [None, None], decode=None) is None
+        True
+    """
+    if latched[rank] is not None:
+        return decode(latched[rank])
+    return peer_async_error(rank, latched)
 
 
 def peer_async_error(rank: int, latched: Sequence[Optional[Sequence[int]]]) -> Optional[ProtocolAborted]:

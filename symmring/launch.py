@@ -26,8 +26,10 @@ What it does around ``mpirun -n N cmd ...``:
 * works with Open MPI's ``mpirun`` (adds ``--oversubscribe``, ``--allow-run-as-root`` when run as root,
   and ``-x VAR`` for every exported variable: `symmring.env.GPU_ENV` and ``SYMMRING_*``, ``NVSHMEM_*``,
   ``CUDA_*``, ``NCCL_*``, ``TORCH_SYMM_MEM_*``, ``PYTHON*``, ``PATH``, ``LD_LIBRARY_PATH``), with
-  MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich`` wheel's, which forwards the environment itself), and with
-  Slurm's ``srun`` (``--srun``).
+  MPICH/Hydra's ``mpiexec`` (e.g. the ``mpich`` wheel's, which forwards the environment itself), with
+  Slurm's ``srun`` (``--srun``), and with torchrun on this node (``--torchrun``: ``python -m
+  torch.distributed.run --standalone --nproc-per-node N --no-python``; its workers inherit the
+  environment; symmring's context then joins torch.distributed's default group, no MPI needed).
 
 The MPI launcher is ``--mpirun PATH``, else ``$SYMMRING_MPIRUN``, else the ``mpiexec`` next to this
 Python (a venv with the ``mpich`` wheel), else ``mpirun``/``mpiexec`` on ``PATH``. The exit status is
@@ -41,6 +43,7 @@ behind symmring's own bounds (``SYMMRING_TIMEOUT_S``), for whatever else a job m
 Example::
 
     python -m symmring.launch -n 2 --mps -- python -m mpi4py -m pytest tests/gpu -q
+    python -m symmring.launch -n 2 --mps --torchrun -- python -m pytest tests/gpu -q
     python -m symmring.launch --hosts node1:8,node2:8 --dry-run -- python -m mpi4py serve.py
 """
 
@@ -65,9 +68,9 @@ from . import env
 PYTHON_NAMES = ("python", "python3")
 #: Prefixes of the variables an Open MPI launch forwards (``-x``), besides `symmring.env.GPU_ENV`.
 EXPORTED_PREFIXES = ("SYMMRING_", "NVSHMEM_", "CUDA_", "NCCL_", "TORCH_SYMM_MEM_", "PYTHON")
-#: Variables naming a process's rank within its node, by MPI launcher.
+#: Variables naming a process's rank within its node, by launcher (MPI's, torchrun's, then Slurm's).
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPIR_CVAR_LOCAL_RANK",
-                   "SLURM_LOCALID")
+                   "LOCAL_RANK", "SLURM_LOCALID")
 
 
 #: Exit status of a job stopped by ``--timeout`` (as coreutils ``timeout``).
@@ -463,6 +466,9 @@ def launcher_command(job: Job, exported: Sequence[str], cmd: Sequence[str]) -> L
             args += ["-hosts", host_list]
         if rpn is not None:
             args += ["-ppn", str(rpn)]
+    elif job.launcher == "torchrun":
+        # --no-python: the rank shim is the worker's program; --standalone: a free rendezvous port of its own.
+        args = [*job.program.split(), "--standalone", f"--nproc-per-node={job.num_ranks}", "--no-python"]
     elif job.launcher == "srun":
         args = [job.program, f"--ntasks={job.num_ranks}"]
         if job.num_nodes is not None and (job.hosts or rpn is not None):
@@ -473,7 +479,7 @@ def launcher_command(job: Job, exported: Sequence[str], cmd: Sequence[str]) -> L
             args.append("--nodelist=" + ",".join(h.name for h in job.hosts[:job.num_nodes]))
         args += ["--distribution=block", "--kill-on-bad-exit=1", "--export=ALL"]
     else:
-        raise LaunchError(f"launcher {job.launcher!r}: expected openmpi, mpich or srun")
+        raise LaunchError(f"launcher {job.launcher!r}: expected openmpi, mpich, srun or torchrun")
     return args + list(job.extra) + shim + list(cmd)
 
 
@@ -481,6 +487,15 @@ def mpirun_command(mpirun: str, flavor: str, num_ranks: int, exported: Sequence[
                    extra: Sequence[str] = ()) -> List[str]:
     """`launcher_command` of a job on this node only (``num_ranks`` ranks, no host list)."""
     return launcher_command(Job(flavor, mpirun, num_ranks, extra=list(extra)), exported, cmd)
+
+
+def find_torchrun() -> str:
+    """torchrun as this Python runs it (``python -m torch.distributed.run``). Raises LaunchError without torch."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        raise LaunchError("--torchrun: torch is not installed in this Python (pip install \"symmring[cpu]\" or "
+                          "\"symmring[gpu]\")")
+    return f"{sys.executable} -m torch.distributed.run"
 
 
 def find_srun(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -539,8 +554,9 @@ class Mps:
 
 def node_local_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, str]]:
     """This process's rank on its node and the variable it came from, from the first of `LOCAL_RANK_VARS`
-    that holds a number (Open MPI's, MPICH/Hydra's, PMI's, then Slurm's ``SLURM_LOCALID``, which a batch
-    script's environment may carry into ranks started by mpirun); never a world rank. None without one.
+    that holds a number (Open MPI's, MPICH/Hydra's, PMI's, torchrun's ``LOCAL_RANK``, then Slurm's
+    ``SLURM_LOCALID``, which a batch script's environment may carry into ranks started by mpirun or
+    torchrun); never a world rank. None without one.
 
     Example:
         >>> node_local_rank({"PMI_RANK": "9", "MPI_LOCALRANKID": "1", "SLURM_LOCALID": "0"})
@@ -610,6 +626,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m symmring.launch", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="python -m symmring.launch -n N [-N K] [--hosts H:K,... | --hostfile F] [--srun] [--mps]\n"
               "       [--mpirun PATH] [--mpirun-arg ARG] [--timeout S] [--dry-run] -- cmd ...\n"
+              "       python -m symmring.launch -n N --torchrun [--mps] [--timeout S] -- cmd ...\n"
               "       python -m symmring.launch --print-env",
         description="Start a symmring job: N MPI ranks, each pinned to GPU local_rank % num_gpus of its node\n"
                     "(local rank from the launcher's variables, never the world rank), with the GPU\n"
@@ -633,6 +650,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(MPICH) lines; passed as is to the launcher that reads its syntax, as a host list otherwise")
     parser.add_argument("--srun", action="store_true", help="start the ranks with Slurm's srun (inside an "
                         "allocation) instead of an MPI launcher")
+    parser.add_argument("--torchrun", action="store_true", help="start the ranks with torchrun on this node "
+                        "(python -m torch.distributed.run --standalone --no-python) instead of an MPI launcher: "
+                        "symmring joins torch.distributed's default group")
     parser.add_argument("--print-env", action="store_true",
                         help="print the GPU environment of a job on one node as bash `export` lines (user-set "
                              "values kept) and exit")
@@ -653,8 +673,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cmd = rank_command(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
     if not cmd:
         parser.error("missing the command: python -m symmring.launch -n N [--mps] -- cmd ...")
-    if args.srun and args.mpirun:
-        parser.error("--srun and --mpirun: give one of them")
+    if sum(map(bool, (args.srun, args.mpirun, args.torchrun))) > 1:
+        parser.error("--srun, --mpirun and --torchrun: give one of them")
+    if args.torchrun and (args.hosts or args.hostfile or args.ranks_per_node or args.mpirun_arg):
+        parser.error("--torchrun starts the ranks on this node only: no --hosts/--hostfile/-N/--mpirun-arg")
     for flag, value in (("-n", args.num_ranks), ("-N", args.ranks_per_node)):
         if value is not None and value <= 0:
             parser.error(f"{flag} {value}: expected a positive number of ranks")
@@ -662,11 +684,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timeout_s = job_timeout_s(args.timeout)
         if args.srun:
             launcher, program = "srun", find_srun()
+        elif args.torchrun:
+            launcher, program = "torchrun", find_torchrun()
         else:
             program = find_mpirun(args.mpirun)
             launcher = mpi_flavor(program)
         job = plan_job(launcher, program, args.num_ranks, ranks_per_node=args.ranks_per_node, hosts=args.hosts,
                        hostfile=args.hostfile, extra=args.mpirun_arg)
+        if launcher == "torchrun":  # --standalone: every worker on this node
+            job.num_nodes, job.nodes_from = 1, "torchrun --standalone: this node"
         if args.mps and not job.on_this_node:
             where = (f"may span nodes ({job.nodes_from})" if job.num_nodes is None else
                      f"run on {job.num_nodes} nodes ({job.nodes_from})" if job.num_nodes > 1 else

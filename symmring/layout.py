@@ -14,9 +14,10 @@ read with 16-byte vector loads and described to the TMA engine)::
     layout_ready  uint64 [S]            generation whose x/x_sf are published
     ack_mask      uint64 [S, W]         consumer acknowledgement bits of the current generation
     gen_base      uint64 [1]            device-resident generation base (advanced once per call)
+    call          uint64 [1]            call counter: the number of every call's identity (advanced with gen_base)
     error         int64  [8]            error record written by a device wait that timed out (or a detector)
     abort         uint64 [1]            abort word: raised by another PE that recorded an error (0: running)
-    meta          int64  [S, 4]         token_base, num_valid, chunk_idx, payload generation
+    meta          int64  [S, 5]         token_base, num_valid, chunk_idx, payload generation, call identity
     x             fp8/bf16 [S, T, H]    activations (fp8 e4m3 stored as uint8, bf16 as uint16)
     x_sf          float32 [S, T, H/G]   per-token, per-G-channel scales (fp8 only; empty for bf16)
     topk_idx      int32  [S, T, K]      expert of each (token, k); -1 = masked
@@ -26,7 +27,7 @@ read with 16-byte vector loads and described to the TMA engine)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -39,9 +40,10 @@ ALIGN = 128
 #: ``x_format`` values and their element sizes; the codes are ``RingDescriptor::x_format``.
 X_FORMATS = {"fp8_e4m3": (0, 1), "bf16": (1, 2)}
 
-#: Columns of the per-slot metadata rows.
-META_TOKEN_BASE, META_NUM_VALID, META_CHUNK_IDX, META_PAYLOAD_GEN = range(4)
-META_COLUMNS = 4
+#: Columns of the per-slot metadata rows. ``META_CALL_ID``: the identity of the call that wrote the slot
+#: (`symmring.protocol.call_identity`: its call number and layer), which a consumer compares with its own.
+META_TOKEN_BASE, META_NUM_VALID, META_CHUNK_IDX, META_PAYLOAD_GEN, META_CALL_ID = range(5)
+META_COLUMNS = 5
 
 #: Words of the device error record (``ErrorWord`` in descriptor.cuh), and their count.
 (ERROR_WORD_KIND, ERROR_WORD_RANK, ERROR_WORD_PEER, ERROR_WORD_SLOT, ERROR_WORD_CHUNK, ERROR_WORD_EXPECTED,
@@ -49,9 +51,20 @@ META_COLUMNS = 4
 ERROR_WORDS = 8
 (ERROR_KIND_NONE, ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE, ERROR_KIND_ABORTED,
  ERROR_KIND_STALE_PAYLOAD, ERROR_KIND_DOUBLE_ACK) = range(8)
+#: A consumer found another call's identity in a source's meta row (the ranks' call sequences diverged), and
+#: a rank refused its call inside a step (its arguments failed a check no other rank could see).
+ERROR_KIND_CALL_MISMATCH, ERROR_KIND_PEER_REFUSED = 8, 9
+#: A MoE kernel found more rows than its plan bounded (or a token past its owner's combine rows) and wrote
+#: none past its buffer (device/moe/bounds.cuh); the record's ``missing`` word says which bound (OVERFLOW_*).
+ERROR_KIND_POOL_OVERFLOW = 10
 ERROR_KIND_NAMES = {ERROR_KIND_ROUTE: "route_ready", ERROR_KIND_LAYOUT: "layout_ready",
                     ERROR_KIND_REUSE: "reuse", ERROR_KIND_COMBINE: "combine", ERROR_KIND_ABORTED: "aborted",
-                    ERROR_KIND_STALE_PAYLOAD: "stale_payload", ERROR_KIND_DOUBLE_ACK: "double_ack"}
+                    ERROR_KIND_STALE_PAYLOAD: "stale_payload", ERROR_KIND_DOUBLE_ACK: "double_ack",
+                    ERROR_KIND_CALL_MISMATCH: "call_mismatch", ERROR_KIND_PEER_REFUSED: "peer_refused",
+                    ERROR_KIND_POOL_OVERFLOW: "pool_overflow"}
+#: The bound a pool_overflow record names (the low byte of its ``missing`` word; device/moe/bounds.cuh
+#: OverflowBound): the window's rows, one expert's rows (its global id above the byte), a combine token.
+OVERFLOW_WINDOW_ROWS, OVERFLOW_EXPERT_ROWS, OVERFLOW_COMBINE_TOKEN = range(3)
 #: Kinds that are timeouts of a wait (the others are raised by detectors, or by an abort).
 ERROR_TIMEOUT_KINDS = (ERROR_KIND_ROUTE, ERROR_KIND_LAYOUT, ERROR_KIND_REUSE, ERROR_KIND_COMBINE)
 
@@ -208,6 +221,7 @@ class RingLayout:
             ("layout_ready", np.uint64, (), True),
             ("ack_mask", np.uint64, (self.mask_words,), True),
             ("gen_base", np.uint64, (1,), False),
+            ("call", np.uint64, (1,), False),
             ("error", np.int64, (ERROR_WORDS,), False),
             ("abort", np.uint64, (1,), False),
             ("meta", np.int64, (META_COLUMNS,), True),
@@ -238,7 +252,7 @@ class RingLayout:
         return f"RingLayout({self.spec}, num_ranks={self.num_ranks}, nbytes={self.nbytes})"
 
     def descriptor(self, base_address: int = 0, *, rank: int = 0, timeout_ns: int = 0,
-                   rdma_mask_address: int = 0) -> np.ndarray:
+                   rdma_mask_address: int = 0, call_address: Optional[int] = None) -> np.ndarray:
         """The device-visible descriptor (a 0-d array of `DESCRIPTOR_DTYPE`).
 
         Pointers are ``base_address + region offset``: the local address of each region; a device reads
@@ -246,14 +260,18 @@ class RingLayout:
         one-sided operations for the peers whose bit is set in the ``mask_words`` uint64 words at
         ``rdma_mask_address`` (`symmring.transport.rdma_mask`; 0: every peer p2p). The expected generation
         of chunk ``c`` is ``*gen_base_ptr + c + 1``: read from device memory, never baked into a launch.
+        ``call_address``: the call counter the identities come from (`symmring.protocol.call_identity`; a
+        workspace's one word that all its rings share), else the ring's own ``call`` region.
         """
         if not 0 <= rank < self.num_ranks:
             raise ConfigError(f"rank={rank}: expected 0 <= rank < num_ranks={self.num_ranks}")
         spec = self.spec
         d = np.zeros((), dtype=DESCRIPTOR_DTYPE)
         for name in ("x", "x_sf", "topk_idx", "topk_weights", "meta", "route_ready", "layout_ready",
-                     "ack_mask", "gen_base", "error", "abort"):
+                     "ack_mask", "gen_base", "call", "error", "abort"):
             d[f"{name}_ptr"] = base_address + self.regions[name].offset
+        if call_address is not None:
+            d["call_ptr"] = call_address
         d["rdma_mask_ptr"] = rdma_mask_address
         d["x_slot_stride"] = self.regions["x"].slot_stride
         d["x_sf_slot_stride"] = self.regions["x_sf"].slot_stride
@@ -280,6 +298,7 @@ DESCRIPTOR_DTYPE = np.dtype([
     ("layout_ready_ptr", np.uint64),
     ("ack_mask_ptr", np.uint64),
     ("gen_base_ptr", np.uint64),
+    ("call_ptr", np.uint64),
     ("error_ptr", np.uint64),
     ("abort_ptr", np.uint64),
     ("rdma_mask_ptr", np.uint64),

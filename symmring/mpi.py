@@ -1,9 +1,11 @@
-"""mpi4py's ``MPI``, or a world of one process when no MPI library can be loaded.
+"""mpi4py's ``MPI``, or a world of one process when mpi4py or an MPI library cannot be loaded.
 
-symmring joins its ranks with mpi4py, a hard dependency. mpi4py's wheels carry no MPI library: they
-load ``libmpi.so`` at ``from mpi4py import MPI`` (the ``mpich`` wheel of ``pip install "symmring[mpi]"``,
-or a system MPICH / Open MPI). Without one, that import raises. A single process needs no MPI at all,
-so `load` then returns `STANDIN`: the part of mpi4py's API that symmring uses (``COMM_WORLD`` with
+Jobs started by ``mpirun``/``mpiexec`` join their ranks with mpi4py (the ``mpi`` extra: ``pip install
+"symmring[mpi]"`` brings mpi4py and the ``mpich`` wheel; a system MPICH / Open MPI works too); jobs started by
+``torchrun`` use torch.distributed instead (`symmring.world`) and need no MPI. mpi4py's wheels carry no MPI
+library: they load ``libmpi.so`` at ``from mpi4py import MPI``. Without mpi4py or a library, that import
+raises. A single process needs no MPI at all, so `load` then returns `STANDIN`: the part of mpi4py's API that
+symmring uses (``COMM_WORLD`` with
 ``Get_rank``/``Get_size``/``allgather``/``allreduce``/``bcast``/``Barrier``/``Split_type``/``Iallgather``,
 shared-memory windows with ``Allocate_shared``/``Shared_query``/``Accumulate``/``Sync``/``Flush``, and the
 constants), for a world of exactly one rank. `symmring.backends.host.HostBackend` runs on it unchanged:
@@ -248,9 +250,8 @@ def load():
             return MPI
         variable, size = _launched_size()
         if variable is not None:
-            raise BackendError(f"this process is one of {size} ranks ({variable}={size}) but mpi4py cannot load "
-                               f"an MPI library ({_why_not}): {INSTALL_HINT}, or put your MPI's libmpi on "
-                               "LD_LIBRARY_PATH")
+            raise BackendError(f"this process is one of {size} ranks ({variable}={size}) but MPI cannot be loaded "
+                               f"({_why_not}): {INSTALL_HINT}, or put your MPI's libmpi on LD_LIBRARY_PATH")
         log.warning("no MPI library (%s): symmring runs as one process; for several ranks: %s",
                     _why_not, INSTALL_HINT)
         _loaded = STANDIN

@@ -52,6 +52,17 @@ Two acknowledgement policies (`AckPolicy`) choose *when* a consumer acknowledges
 * ``EARLY``: right after its last read of slot memory (payload and metadata), so the owner can refill
   the slot while experts still compute.
 
+Call identities (which call a slot's payload belongs to)
+--------------------------------------------------------
+A generation says which use of a slot is awaited, not which call: two ranks whose call sequences diverged
+(one rank refused a call the others ran, and went on with the next layer's) publish the same generations
+on a shared ring. So every published chunk also carries its call's *identity* in the slot's meta row:
+``call_identity(number, layer)``, the rank's call number (a counter every rank advances once per call:
+the device-resident ``call`` word, advanced at the end of a call with the generation base, or the host's
+count) and the layer (an id every rank agreed on when the layer was built). A consumer compares it with
+its own call's identity after acquiring readiness; a mismatch is a named error (``call_mismatch``), never
+data.
+
 Progress: the enqueue order rule
 --------------------------------
 Producers wait for acknowledgements; consumers wait for publications. Every serial execution of the host
@@ -90,6 +101,10 @@ GEN_NONE = 0
 RANKS_PER_MASK_WORD = 64
 #: Largest generation a 64-bit signal word holds.
 GEN_MAX = (1 << 64) - 1
+#: Low bits of a call identity that hold the layer id (the bits above: the call number, `call_identity`).
+CALL_LAYER_BITS = 16
+#: Bits of the call number in an identity (an identity fits a non-negative int64 meta word).
+CALL_NUMBER_BITS = 63 - CALL_LAYER_BITS
 
 
 class AckPolicy(enum.IntEnum):
@@ -197,6 +212,26 @@ def _fit_word(gen: int) -> int:
     if gen > GEN_MAX:
         raise OverflowError(f"generation {gen} does not fit a 64-bit signal word")
     return gen
+
+
+def call_identity(number: int, layer: int) -> int:
+    """The identity a call writes into every meta row it publishes and its consumers expect: the call
+    ``number`` (modulo ``2**CALL_NUMBER_BITS``) above the ``layer`` id (modulo ``2**CALL_LAYER_BITS``).
+
+    Example:
+        >>> call_identity(3, 2), split_call_identity(call_identity(3, 2))
+        (196610, (3, 2))
+    """
+    _check_nonneg("number", number)
+    _check_nonneg("layer", layer)
+    number %= 1 << CALL_NUMBER_BITS
+    return number << CALL_LAYER_BITS | layer % (1 << CALL_LAYER_BITS)
+
+
+def split_call_identity(identity: int) -> Tuple[int, int]:
+    """``(call number, layer)`` of an identity (`call_identity`), for messages."""
+    identity = int(identity) & ((1 << 64) - 1)
+    return identity >> CALL_LAYER_BITS, identity & ((1 << CALL_LAYER_BITS) - 1)
 
 
 def is_ready(route_gen: int, layout_gen: int, expected: int) -> bool:

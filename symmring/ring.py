@@ -8,6 +8,7 @@ shared memory) and on NVSHMEM; it never branches on the backend.
 One call moves chunks ``0 .. num_chunks-1``::
 
     call = ring.begin_call(num_chunks)          # generation base read from the ring's gen_base word
+                                                # (call_id=: the call's identity, protocol.call_identity)
     # producer of chunk c (this rank owns the slot)
     ring.acquire_slot(call, c)                  # wait: every rank acknowledged the slot's previous use
     ring.write_route(call, c, topk_idx, topk_weights, token_base, num_valid)
@@ -17,7 +18,11 @@ One call moves chunks ``0 .. num_chunks-1``::
     ring.wait_ready(call, c, src)               # both ready generations == call.generation(c)
     view = ring.read(call, c, src)              # copies of the valid rows
     ring.ack(call, c, src)                      # after the last read of src's slot
-    ring.end_call(call)                         # gen_base += num_chunks
+    ring.end_call(call)                         # gen_base += num_chunks, the ring's call count += 1
+
+Every meta row carries its call's identity (`symmring.protocol.call_identity`), and `read` (and the CPU layer)
+refuses a slot whose identity is not the reader's own call's (`CallMismatch`): ranks whose call sequences
+diverged get a named error, never another call's rows.
 
 A rank that runs its producer at most ``num_slots - 1`` chunks ahead of its consumer never deadlocks
 (`protocol.enqueue_order`). Every wait is bounded by the ring's ``timeout_s`` and raises
@@ -40,7 +45,7 @@ from . import protocol
 from . import transport as transport_mod
 from .closing import Closing
 from .context import Context
-from .errors import ConfigError, ProtocolTimeout, RingClosedError, SymmringError
+from .errors import CallMismatch, ConfigError, ProtocolTimeout, RingClosedError, StalePayload, SymmringError
 from .layout import RingLayout, RingSpec
 from .protocol import AckPolicy
 
@@ -65,17 +70,19 @@ class ChunkView(NamedTuple):
 
 
 class Call:
-    """One MoE invocation on a ring: chunks ``0 .. num_chunks-1`` with generations ``base + c + 1``.
+    """One MoE invocation on a ring: chunks ``0 .. num_chunks-1`` with generations ``base + c + 1``, and the
+    identity ``call_id`` (`symmring.protocol.call_identity`) its meta rows carry.
 
     Made by `Ring.begin_call`; tracks which protocol steps this rank took, so an out-of-order step (a
     write before `Ring.acquire_slot`, a read before `Ring.wait_ready`, a read after `Ring.ack`) is a
     `ConfigError` instead of a silent data race.
     """
 
-    def __init__(self, ring: "Ring", base: int, num_chunks: int):
+    def __init__(self, ring: "Ring", base: int, num_chunks: int, call_id: int = 0):
         self.ring = ring
         self.base = base
         self.num_chunks = num_chunks
+        self.call_id = call_id
         self.ended = False
         self._acquired: Set[int] = set()
         self._route_written: Set[int] = set()
@@ -175,7 +182,7 @@ class Ring(Closing):
         elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
         # Every rank must lay the ring out identically, or offsets disagree between ranks.
-        specs = ctx.collectives.allgather(spec, what="Ring: spec exchange", timeout_s=timeout_s)
+        specs = ctx.collectives.allgather(spec, what="Ring: spec exchange")
         odd_ranks = [r for r, other in enumerate(specs) if other != specs[0]]
         if odd_ranks:
             raise ConfigError(f"spec={spec} on rank {ctx.rank}: ranks {odd_ranks} passed a RingSpec different "
@@ -241,7 +248,8 @@ class Ring(Closing):
         return self._view("topk_weights", slot, rank)
 
     def meta(self, slot: int, rank: Optional[int] = None):
-        """Zero-copy ``[4]`` int64 view: token_base, num_valid, chunk_idx, payload generation."""
+        """Zero-copy ``[META_COLUMNS]`` int64 view: token_base, num_valid, chunk_idx, payload generation, call
+        identity."""
         return self._view("meta", slot, rank)
 
     # --- word offsets ---------------------------------------------------------------------------------
@@ -258,17 +266,26 @@ class Ring(Closing):
 
     # --- calls ----------------------------------------------------------------------------------------
 
-    def begin_call(self, num_chunks: int) -> Call:
+    def begin_call(self, num_chunks: int, *, call_id: Optional[int] = None) -> Call:
         """Start a call of ``num_chunks`` chunks (the same count on every rank).
 
         Reads the generation base from this rank's gen_base word. One call at a time per ring.
 
+        Args:
+            call_id: the call's identity (`symmring.protocol.call_identity`: the caller's call number and layer,
+                the same on every rank), written into every meta row it publishes and expected in every one it
+                reads; None: the ring's own call count (its ``call`` word) with layer 0.
+
         Raises:
-            ConfigError: bad ``num_chunks``, or a call of this ring is still open.
+            ConfigError: bad ``num_chunks`` or ``call_id``, or a call of this ring is still open.
             RingClosedError: the ring is closed.
         """
         self._check_open()
         num_chunks = _int_arg("num_chunks", num_chunks, 0)
+        if call_id is None:
+            call_id = protocol.call_identity(self._backend.read_word(self._alloc, self.layout["call"].offset,
+                                                                     self.rank), 0)
+        call_id = _int_arg("call_id", call_id, 0, (1 << 63) - 1)
         if self._open_call is not None:
             raise ConfigError(f"begin_call: {self._open_call!r} is still open; call end_call() first")
         base = self._backend.read_word(self._alloc, self.layout["gen_base"].offset, self.rank)
@@ -277,7 +294,7 @@ class Ring(Closing):
                 protocol.generation(base, num_chunks - 1)
             except OverflowError as exc:
                 raise ConfigError(f"num_chunks={num_chunks}: {exc}") from None
-        call = Call(self, base, num_chunks)
+        call = Call(self, base, num_chunks, call_id)
         self._open_call = call
         return call
 
@@ -290,8 +307,9 @@ class Ring(Closing):
             # Allowed (a call abandoned after a ProtocolTimeout), but peers never get these chunks.
             log.warning("rank %d: end_call with chunks %s not fully published", self.rank, unpublished[:8])
         new_base = protocol.next_base(call.base, call.num_chunks)
-        # Only this rank reads its gen_base word, so a relaxed store suffices (no pairing).
+        # Only this rank reads its gen_base and call words, so relaxed stores suffice (no pairing).
         self._backend.signal_set(self._alloc, self.layout["gen_base"].offset, new_base, self.rank)
+        self._backend.signal_add(self._alloc, self.layout["call"].offset, 1, self.rank)
         call.ended = True
         self._open_call = None
 
@@ -366,6 +384,7 @@ class Ring(Closing):
         meta[_layout.META_NUM_VALID] = num_valid
         meta[_layout.META_CHUNK_IDX] = chunk
         meta[_layout.META_PAYLOAD_GEN] = call.generation(chunk)
+        meta[_layout.META_CALL_ID] = call.call_id
         call._route_written.add(chunk)
 
     def write_layout(self, call: Call, chunk: int, x, x_sf=None) -> None:
@@ -377,7 +396,7 @@ class Ring(Closing):
         Args:
             x: ``[n, H]``: uint8 or ``ml_dtypes.float8_e4m3fn`` for fp8 rings, uint16 or
                 ``ml_dtypes.bfloat16`` for bf16 rings (stored as bits).
-            x_sf: ``[n, num_sf]`` float32 scales; required for fp8, None for bf16.
+            x_sf: ``[n, num_sf]`` float32 scales, finite and > 0; required for fp8, None for bf16.
 
         Raises:
             ConfigError: bad shapes or dtypes, missing/extra scales, or the slot was not acquired or its
@@ -399,6 +418,7 @@ class Ring(Closing):
                 raise ConfigError(f"x_sf=None: expected [{num_rows}, {spec.num_sf}] float32 scales for "
                                   f"x_format={spec.x_format!r}")
             _check_array("x_sf", x_sf, (num_rows, spec.num_sf), "", ("float32",))
+            _check_scales(x_sf)
         elif x_sf is not None and tuple(getattr(x_sf, "shape", (None,))) != (num_rows, 0):
             raise ConfigError(f"x_sf: expected None for x_format={spec.x_format!r} (no scales)")
         self.x(slot)[:num_rows] = x if dtype == bits_dtype else x.view(bits_dtype)
@@ -468,24 +488,44 @@ class Ring(Closing):
         Raises:
             ConfigError: bad arguments, or `wait_ready` has not returned for this chunk and rank (or it
                 was acknowledged already).
-            SymmringError: the slot's metadata is not the awaited chunk's (a protocol violation).
+            StalePayload, CallMismatch, SymmringError: the slot's metadata is not the awaited chunk's
+                (`check_meta`).
         """
         slot, src_rank = self._check_src(call, chunk, src_rank)
         if (chunk, src_rank) not in call._ready:
             raise ConfigError(f"read: chunk {chunk} of rank {src_rank} is not ready; call wait_ready first "
                               "(and read before ack)")
-        meta = self.meta(slot, src_rank)
-        token_base, num_valid, meta_chunk, meta_gen = (int(meta[i]) for i in range(_layout.META_COLUMNS))
-        expected = call.generation(chunk)
-        if meta_gen != expected or meta_chunk != chunk or not 0 <= num_valid <= self.spec.tokens_per_slot:
-            raise SymmringError(f"rank {self.rank}: slot {slot} of rank {src_rank} holds metadata of chunk "
-                                f"{meta_chunk} generation {meta_gen} (num_valid {num_valid}), expected chunk "
-                                f"{chunk} generation {expected}: the slot was overwritten while in use")
+        token_base, num_valid = self.check_meta(call, chunk, src_rank)
         return ChunkView(x=self.x(slot, src_rank)[:num_valid].copy(),
                          x_sf=self.x_sf(slot, src_rank)[:num_valid].copy(),
                          topk_idx=self.topk_idx(slot, src_rank)[:num_valid].copy(),
                          topk_weights=self.topk_weights(slot, src_rank)[:num_valid].copy(),
                          token_base=token_base, num_valid=num_valid)
+
+    def check_meta(self, call: Call, chunk: int, src_rank: int) -> Tuple[int, int]:
+        """``(token_base, num_valid)`` of ``src_rank``'s slot of ``chunk``, after `wait_ready` returned for it,
+        once its meta row was checked to name this chunk, its generation and this call's identity.
+
+        Raises:
+            StalePayload: another chunk or generation (the slot was overwritten while in use).
+            CallMismatch: another call's identity (the ranks' call sequences diverged: a rank refused or skipped
+                a call, or called another layer); nothing of the slot may be used.
+            SymmringError: a row count outside ``[0, tokens_per_slot]``.
+        """
+        slot = call.slot(chunk)
+        meta = self.meta(slot, src_rank)
+        token_base, num_valid, meta_chunk, meta_gen, meta_call = (int(meta[i]) for i in range(_layout.META_COLUMNS))
+        expected = call.generation(chunk)
+        if meta_gen != expected or meta_chunk != chunk:
+            raise StalePayload(rank=self.rank, peer=src_rank, slot=slot, chunk=chunk, expected=expected,
+                               observed=meta_gen, observed_chunk=meta_chunk)
+        if meta_call != call.call_id:
+            raise CallMismatch(rank=self.rank, peer=src_rank, slot=slot, chunk=chunk, expected=call.call_id,
+                               observed=meta_call)
+        if not 0 <= num_valid <= self.spec.tokens_per_slot:
+            raise SymmringError(f"rank {self.rank}: slot {slot} of rank {src_rank} holds num_valid {num_valid}, "
+                                f"outside [0, tokens_per_slot={self.spec.tokens_per_slot}]")
+        return token_base, num_valid
 
     def ack(self, call: Call, chunk: int, src_rank: int) -> None:
         """Acknowledge ``src_rank``'s ``chunk``: fence after the last read, then OR this rank's bit there.
@@ -505,6 +545,19 @@ class Ring(Closing):
         call._acked.add((chunk, src_rank))
 
     # --- lifetime -------------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Put this rank's copy of the ring back to its first state: every word, meta row and payload zeroed (the
+        generation base and call count too), the masks full (every slot free), no call open. Local stores only:
+        the caller makes it collective (`symmring.Workspace.reset`: a barrier before, so no rank still uses the
+        ring, and one after, so none uses it before every rank cleared it)."""
+        self._check_open()
+        self._backend.view(self._alloc, self.rank, 0, np.uint8, (self.layout.nbytes,))[:] = 0
+        masks = self._backend.view(self._alloc, self.rank, self.layout["ack_mask"].offset, np.uint64,
+                                   (self.spec.num_slots, self.layout.mask_words))
+        for word_idx, required in enumerate(self._required_mask):
+            masks[:, word_idx] = required
+        self._open_call = None
 
     def close(self) -> None:
         """Collective: free the ring's symmetric memory (the backend's free waits, bounded, until no rank
@@ -545,6 +598,18 @@ class Ring(Closing):
             raise ConfigError(f"call={call!r}: expected a Call made by this ring's begin_call()")
         if call.ended:
             raise ConfigError(f"call={call!r}: already ended (end_call)")
+
+
+def _check_scales(x_sf) -> None:
+    """fp8 scales are dequantisation multipliers: finite and > 0 (`symmring.moe.quant` never makes another),
+    else a ConfigError naming the first bad one (a NaN or negative scale would turn every row it scales into
+    wrong values on every consumer)."""
+    values = np.asarray(x_sf.get() if hasattr(x_sf, "get") else x_sf)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ConfigError(f"x_sf[{row}, {col}]={values[row, col]!r}: expected finite scales > 0 "
+                          f"({int(bad.sum())} of {values.size} are not)")
 
 
 def _join_words(words) -> int:

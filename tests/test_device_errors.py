@@ -90,3 +90,52 @@ def test_timeout_keeps_its_fields_and_says_reset():
     assert type(error) is ProtocolTimeout and (error.kind, error.peer, error.slot, error.chunk) == \
         ("route_ready", 3, 1, 5)
     assert "timed out after 2 s" in str(error) and "call reset()" in str(error)
+
+
+@pytest.mark.parametrize("what, bound, expert, parts", [
+    (layout.OVERFLOW_WINDOW_ROWS, "window_rows", None, ("the window at chunk 4 holds 900 pool rows", "than the 768")),
+    (layout.OVERFLOW_EXPERT_ROWS | 37 << 8, "expert_rows", 37, ("expert 37 holds 900 rows", "than the 768")),
+    (layout.OVERFLOW_COMBINE_TOKEN, "combine_token", None, ("names token 900 of rank 2", "the 768 tokens")),
+])
+def test_pool_overflow_names_the_bound_found_and_reset(what, bound, expert, parts):
+    """A pool_overflow record (device/moe/bounds.cuh: expected = the plan's bound, observed = what the device
+    counted, missing = which bound, the expert id above its low byte) is a PoolOverflow naming both."""
+    from symmring.errors import PoolOverflow
+    record = [layout.ERROR_KIND_POOL_OVERFLOW, 1, 2, 0, 4, 768, 900, what]
+    error = _kernels()._device_error(record, 0)
+    assert isinstance(error, PoolOverflow) and isinstance(error, ProtocolViolation)
+    assert (error.kind, error.rank, error.chunk, error.expected, error.observed, error.bound, error.expert) == \
+        ("pool_overflow", 1, 4, 768, 900, bound, expert)
+    text = str(error)
+    for part in ("rank 1:", "pool overflow", *parts, "no row was written past its buffer", "call reset()"):
+        assert part in text, (part, text)
+
+
+def test_pool_overflow_of_a_token_below_zero_keeps_its_sign():
+    from symmring.errors import PoolOverflow
+    record = [layout.ERROR_KIND_POOL_OVERFLOW, 0, 1, 0, 2, 512, -3, layout.OVERFLOW_COMBINE_TOKEN]
+    error = _kernels()._device_error(record, 0)
+    assert isinstance(error, PoolOverflow) and error.observed == -3 and "names token -3 of rank 1" in str(error)
+
+
+def test_ranks_aborted_by_a_pool_overflow_name_it():
+    """The other ranks' waits give up on the abort word: their ProtocolAborted names the overflowing rank and
+    pool_overflow (what every rank then raises; the origin's own error is the PoolOverflow)."""
+    word = pack_abort(2, layout.ERROR_KIND_POOL_OVERFLOW, 2, 4)
+    error = _kernels(rank=0)._device_error([0] * layout.ERROR_WORDS, word)
+    assert isinstance(error, ProtocolAborted)
+    assert (error.origin, error.origin_kind, error.origin_chunk) == (2, "pool_overflow", 4)
+
+
+def test_skipped_group_report_names_the_id_and_clears():
+    """The expert GEMMs' report of tiles skipped for a group id outside [-1, E) (`State.bad_groups`) becomes
+    a BackendError naming the id, and is cleared so the next check passes; nothing reported, no error."""
+    torch = pytest.importorskip("torch")
+    from symmring.errors import BackendError
+    from symmring.moe.gpu.layer import _skipped_groups
+    state = types.SimpleNamespace(bad_groups=torch.tensor([3, 11], dtype=torch.int32))
+    error = _skipped_groups(state, 2, 8)
+    assert isinstance(error, BackendError)
+    assert "rank 2:" in str(error) and "3 tile(s)" in str(error) and "naming group 11, outside [-1, 8)" in str(error)
+    assert state.bad_groups.tolist() == [0, 0] and _skipped_groups(state, 2, 8) is None
+    assert _skipped_groups(types.SimpleNamespace(bad_groups=None), 0, 8) is None  # a bf16 pool: no report

@@ -97,8 +97,8 @@ def test_decode_tables_show_the_split():
 def test_split_counters_cache():
     """The counter cache's bookkeeping (CPU tensors): eager launches get their stream's buffer, grown as
     needed and zero at creation; captured launches get disjoint, 128-byte aligned slices of the arena an
-    eager launch stocked, never handed out twice; with no room, a fresh zeroed buffer; the next eager launch
-    restocks. (The kernel keeping them zero: tests/gpu/test_fp8_small.py.)"""
+    eager launch stocked; with no room, a fresh zeroed buffer; an eager launch then adds an arena, and the
+    first is kept while a graph holds its slices. (The kernel keeping them zero: tests/gpu/test_fp8_small.py.)"""
     torch = pytest.importorskip("torch")
     cpu = torch.device("cpu")
     cache = triton_small._SplitCounters()
@@ -107,17 +107,67 @@ def test_split_counters_cache():
     assert first.numel() >= 100 and not first.any() and cache.get(torch, cpu, 50) is first
     grown = cache.get(torch, cpu, 5000)
     assert grown.numel() >= 5000 and grown is not first and not grown.any()
-    arena = cache._arenas["cpu"][0]
+    arena = cache._arenas["cpu"][0].tensor
     slices = [cache._for_capture(torch, cpu, n) for n in (1, 33, 100, 7)]
     starts = [(s.data_ptr() - arena.data_ptr()) // 4 for s in slices]
     assert starts == [0, 32, 96, 224] and [s.numel() for s in slices] == [1, 33, 100, 7]
     assert all(s.data_ptr() % 16 == 0 and not s.any() for s in slices)
-    while cache._arenas["cpu"][1] + 1000 <= arena.numel():
+    while cache._arenas["cpu"][0].largest() >= 1024:
         cache._for_capture(torch, cpu, 1000)
     spare = cache._for_capture(torch, cpu, 1000)  # the arena is out of room: a buffer of its own
     assert spare.numel() == 1000 and not spare.any()
     assert not (arena.data_ptr() <= spare.data_ptr() < arena.data_ptr() + 4 * arena.numel())
     cache.get(torch, cpu, 10)  # an eager launch restocks; the old arena is kept (graphs address it)
-    assert cache._arenas["cpu"][0] is not arena and cache._arenas["cpu"][1] == 0
+    assert [a.tensor for a in cache._arenas["cpu"]][0] is arena and len(cache._arenas["cpu"]) == 2
     kept = {b.data_ptr() for b in cache.buffers()}
     assert arena.data_ptr() in kept and grown.data_ptr() in kept and first.data_ptr() not in kept
+
+
+def test_counter_arena_gives_back_and_merges():
+    """An arena's free ranges: first fit, and a range given back merges with its neighbours, so slices taken
+    and given back in any order leave it whole again."""
+    torch = pytest.importorskip("torch")
+    arena = triton_small._CounterArena(torch.zeros(256, dtype=torch.int32))
+    a, b, c = arena.take(64), arena.take(32), arena.take(96)
+    assert (a, b, c) == (0, 64, 96) and arena.free == [(192, 64)] and arena.take(65) is None
+    arena.give(b, 32)
+    assert arena.free == [(64, 32), (192, 64)] and arena.take(48) == 192  # first fit: the 32 are too few
+    arena.give(a, 64)
+    assert arena.free == [(0, 96), (240, 16)]
+    arena.give(c, 96)
+    arena.give(192, 48)
+    assert arena.idle() and arena.largest() == 256
+
+
+def test_captures_and_evictions_leave_the_counters_flat():
+    """Graph-cache churn (a capture takes slices inside `capture_counters`; its graph, and so its lease, is
+    dropped later; eager launches in between): after 1,000 and after 10,000 captures the arenas hold the same
+    counters (one arena), every slice back. Without the leases' return the arenas grew by one per
+    ``ARENA / 2`` counters captured."""
+    torch = pytest.importorskip("torch")
+    import random
+    cpu = torch.device("cpu")
+    cache = triton_small._SplitCounters()
+    rng = random.Random(7)
+    live = []  # the leases of the graphs a small cache keeps (at most 3)
+
+    def counters():
+        return sum(b.numel() for b in cache.buffers()), len(cache._arenas["cpu"])
+
+    figures = {}
+    for call in range(1, 10_001):
+        cache.get(torch, cpu, rng.randint(1, 600))  # the eager launch of a key's first call
+        with cache.lease() as lease:
+            for _ in range(2):  # the fused L1 and L2 of one captured call
+                cache._for_capture(torch, cpu, rng.randint(1, 900))
+        assert lease.slices
+        live.append(lease)
+        if len(live) > 3:
+            live.pop(0)  # evicted: the lease goes with its graph (garbage collected here)
+        if call in (1_000, 10_000):
+            figures[call] = counters()
+    assert figures[1_000] == figures[10_000] and figures[10_000][1] == 1, figures
+    for lease in live:
+        lease.release()
+    lease.release()  # idempotent
+    assert all(a.idle() for a in cache._arenas["cpu"])

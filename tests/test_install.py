@@ -1,11 +1,13 @@
 """The lighter installs the README lists work: ``pip install symmring`` and ``pip install "symmring[mpi]"``
-into fresh venvs, then ``info`` and ``demo`` (and ``mpiexec -n 4 ... demo`` where an mpiexec exists).
+into fresh venvs, then ``info`` and ``demo`` (and ``mpiexec -n 4 ... demo`` where an mpiexec exists); and
+``pip install "symmring[cpu]"`` (torch, no MPI) under ``torchrun --nproc-per-node 3``.
 
-Each variant is installed from a copy of this source tree (not editable, so the wheel's contents are
-what runs) into a new ``python -m venv``, with pip's cache (no torch is involved: a variant takes a few
-seconds once the cache is warm). The commands run outside the source tree with a clean environment.
-Without the ``mpi`` extra and without a system MPI the core install runs as one process
-(`symmring.mpi`'s stand-in); with a system MPI it uses that.
+Each variant is installed from a copy of this source tree (not editable, so the wheel's contents are what
+runs) into a new ``python -m venv``, with pip's cache (a variant without torch takes a few seconds once the
+cache is warm; the ``cpu`` one unpacks torch's CPU wheel, about a minute). The commands run outside the source
+tree with a clean environment.
+Without the ``mpi`` extra (no mpi4py) the core install runs as one process (`symmring.mpi`'s stand-in), or
+as many ranks as torchrun starts (torch.distributed's store and POSIX shared memory: no MPI at all).
 
 Marked ``install`` (``-m "not install"`` deselects it); the README's test command runs it, so CI does.
 """
@@ -103,7 +105,7 @@ def core_venv(source) -> Path:
 
 
 def test_core_install_runs_info_and_demo(core_venv, tmp_path):
-    """``pip install symmring``: no mpich wheel; one process needs no MPI library."""
+    """``pip install symmring``: no mpi4py, no mpich wheel; one process needs no MPI library."""
     venv = core_venv
     info = _run(venv, tmp_path, ["-m", "symmring", "info"])
     mpi_line = next(line for line in info.stdout.splitlines() if line.startswith("mpi4py:"))
@@ -136,3 +138,15 @@ def test_mpi_install_runs_info_and_demo_also_on_4_ranks(source, tmp_path):
     mpiexec = venv / "bin" / "mpiexec"
     assert mpiexec.is_file(), "the mpich wheel installs mpiexec into the venv"
     _check_variant(venv, tmp_path, str(mpiexec))
+
+
+def test_cpu_install_under_torchrun_needs_no_mpi(source, tmp_path):
+    """``pip install "symmring[cpu]"`` (torch's CPU build, no MPI of any kind): ``torchrun --nproc-per-node 3 -m
+    symmring demo`` is one job of 3 ranks (torch.distributed's store, POSIX shared memory), not three of one."""
+    venv = _install(source, tmp_path, "cpu")
+    no_mpi = _run(venv, tmp_path, ["-c", "import importlib.util as u; print(u.find_spec('mpi4py') is None)"])
+    assert no_mpi.stdout.strip() == "True", no_mpi.stdout + no_mpi.stderr
+    run = _run(venv, tmp_path, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", *DEMO])
+    passes = [line for line in run.stdout.splitlines() if line.startswith("demo: PASS")]
+    assert run.returncode == 0 and len(passes) == 1 and passes[0].startswith("demo: PASS backend=host ranks=3 "), \
+        run.stdout + run.stderr

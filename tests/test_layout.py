@@ -101,7 +101,8 @@ def test_regions_aligned_disjoint_and_covered():
         expected_slot_shapes = {
             "route_ready": ((), np.uint64, S), "layout_ready": ((), np.uint64, S),
             "ack_mask": ((protocol.mask_words(num_ranks),), np.uint64, S),
-            "gen_base": ((1,), np.uint64, 1), "error": ((layout.ERROR_WORDS,), np.int64, 1),
+            "gen_base": ((1,), np.uint64, 1), "call": ((1,), np.uint64, 1),
+            "error": ((layout.ERROR_WORDS,), np.int64, 1),
             "abort": ((1,), np.uint64, 1),
             "meta": ((layout.META_COLUMNS,), np.int64, S),
             "x": ((T, H), np.uint8 if spec.x_format == "fp8_e4m3" else np.uint16, S),

@@ -33,7 +33,7 @@ def _clean_env(**extra):
 def test_standin_primitives_match_the_host_backend_contract():
     """Set/add (wrapping at 2**64)/or/read on words of the stand-in window, bounded waits, one rank."""
     backend = HostBackend(STANDIN.COMM_WORLD)
-    assert (backend.rank, backend.world_size, backend._MPI) == (0, 1, STANDIN)
+    assert (backend.rank, backend.world_size, backend.memory._MPI) == (0, 1, STANDIN)
     alloc = backend.alloc(256)
     assert backend.view(alloc, 0, 0, np.uint8, (256,)).ctypes.data % 64 == 0
     backend.signal_set(alloc, 8, 2**64 - 1, 0)

@@ -94,3 +94,68 @@ def test_own_rows_clamps_this_ranks_bounds_to_its_tensors():
     assert [w.num_valid for w in clamped.windows.values()] == [40]
     assert clamped.windows[0].source_tokens == plan.windows[0].source_tokens == 128
     assert own_rows(plan, 64) is plan and [c.num_valid for c in own_rows(plan, 0).chunks] == [0, 0]
+
+
+def _device_counts(plan, window, rank_tokens, routing, expert_begin, num_local, align):
+    """What the device counts for ``window`` on the rank owning experts ``[expert_begin, +num_local)``: each
+    local expert's rows and the window's aligned total (moe_dispatch_scan)."""
+    counts = [0] * num_local
+    for r, idx in enumerate(routing):
+        for c in window.chunks:
+            lo = c * KW_BOUNDS["tokens_per_slot"]
+            for token in range(lo, min(rank_tokens[r], lo + KW_BOUNDS["tokens_per_slot"])):
+                for e in idx[token]:
+                    if expert_begin <= e < expert_begin + num_local:
+                        counts[e - expert_begin] += 1
+    return counts, sum(-(-n // align) * align for n in counts)
+
+
+KW_BOUNDS = dict(tokens_per_slot=16, num_slots=4, expert_window=2, two_streams=False, topk=3)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("align, capacity", [(1, 24), (1, 4096), (128, 512), (128, 8192)])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_plan_bounds_hold_for_every_routing_of_its_counts(streaming, align, capacity, distinct):
+    """The bounds the device checks (device/moe/bounds.cuh: `WindowStep.rows_spanned`, `expert_rows_bound`)
+    never trip on a call that keeps to its plan: random counts up to each rank's planned tokens, random
+    routing (distinct experts per token, or with repeats and masked entries), every window on every rank."""
+    import random
+    rng = random.Random(align * 7 + capacity + distinct + 2 * streaming)
+    world, experts = 3, 12
+    num_local = experts // world
+    for _ in range(40):
+        planned = [rng.randint(0, 64) for _ in range(world)]
+        if not any(planned):
+            continue
+        bucket = [max(planned)] * world  # every rank plans the same bucket (the layer's)
+        tokens = [rng.randint(0, n) for n in planned]
+        routing = []
+        for n in tokens:
+            if distinct:
+                routing.append([rng.sample(range(experts), 3) for _ in range(n)])
+            else:
+                routing.append([[rng.choice(list(range(experts)) + [-1]) for _ in range(3)] for _ in range(n)])
+        for rank in range(world):
+            plan = make_plan(bucket, rank, streaming=streaming, capacity=capacity, align=align,
+                             num_groups=num_local, distinct_experts=distinct, **KW_BOUNDS)
+            for window in plan.windows.values():
+                counts, total = _device_counts(plan, window, tokens, routing, rank * num_local, num_local, align)
+                assert total <= window.rows_spanned, (bucket, tokens, window)
+                assert max(counts) <= window.expert_rows_bound, (bucket, tokens, window)
+                assert window.rows_spanned >= window.rows_bound and window.expert_rows_bound >= 1
+
+
+def test_plan_bounds_trip_on_a_call_past_its_plan():
+    """The same bounds on a plan made for fewer tokens than a peer brings (a rank that planned another bucket):
+    the device's counts exceed them (the kernels then record pool_overflow)."""
+    small = make_plan([1, 1], 0, streaming=False, capacity=4096, align=128, num_groups=4, distinct_experts=True,
+                      **KW_BOUNDS)
+    (window,) = small.windows.values()
+    routing = [[[0, 1, 2]], [[0, 1, 2]] * 16]  # rank 1 sends 16 tokens, all to experts 0-2
+    counts, total = _device_counts(small, window, [1, 16], routing, 0, 4, 128)
+    assert max(counts) > window.expert_rows_bound == 2 and total <= window.rows_spanned
+    flat = make_plan([1, 1], 0, streaming=False, capacity=4096, align=1, num_groups=4, **KW_BOUNDS)
+    (window,) = flat.windows.values()
+    counts, total = _device_counts(flat, window, [1, 16], routing, 0, 4, 1)
+    assert total > window.rows_spanned == 6

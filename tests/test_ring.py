@@ -50,7 +50,7 @@ def random_chunk(rng, spec, num_valid, typed=False):
     else:
         x = rng.integers(0, 1 << 16, (num_valid, spec.hidden), dtype=np.uint16)
         typed_x = x.view(ml_dtypes.bfloat16)
-    x_sf = rng.standard_normal((num_valid, spec.num_sf)).astype(np.float32)
+    x_sf = rng.uniform(2.0**-10, 4.0, (num_valid, spec.num_sf)).astype(np.float32)  # scales: finite, > 0
     idx = rng.integers(-1, spec.num_experts, (num_valid, spec.num_topk)).astype(np.int32)
     weights = rng.random((num_valid, spec.num_topk), dtype=np.float32)
     return dict(x=x, x_in=typed_x if typed else x, x_sf=x_sf, idx=idx, weights=weights)
@@ -105,7 +105,7 @@ def test_round_trip_bitwise(ring, typed):
         slot = call.slot(chunk)
         assert_bitwise(ring.x(slot)[:num_valid], data["x"], "ring.x view")
         assert_bitwise(ring.topk_idx(slot, 0)[:num_valid], data["idx"], "ring.topk_idx view")
-        assert list(ring.meta(slot)) == [token_base, num_valid, chunk, call.generation(chunk)]
+        assert list(ring.meta(slot)) == [token_base, num_valid, chunk, call.generation(chunk), call.call_id]
         assert_chunk(consume(ring, call, chunk), data, token_base, spec)
     ring.end_call(call)
 

@@ -131,3 +131,19 @@ def test_benchmark_tables_format_without_a_gpu():
     assert "0.95" in stream.format_rows(rows)
     assert "1024 x 4 slots, window 4, early" in stream.format_policy(table)
     assert "batch" in stream.format_policy(stream.policy_table([rows[1]]))
+
+
+def test_the_policy_tells_once_per_entry_not_per_token_count():
+    """Issue 33, item 8: `StreamPolicy.streams` logs a ring it cannot run once per table entry and layer ring; it
+    kept one record per distinct token count before (a serving loop sees thousands: memory grew per count)."""
+    from types import SimpleNamespace
+    rows = [dict(row("m", 1024, 0.8, T=512), hidden=256, inter=512, num_experts=8, topk=2, world_size=1),
+            dict(row("m", 8192, 0.8, T=2048), hidden=256, inter=512, num_experts=8, topk=2, world_size=1)]
+    policy = StreamPolicy.from_rows(rows)
+    layer = SimpleNamespace(hidden=256, inter=512, num_experts=8, topk=2, world_size=1, num_slots=2,
+                            tokens_per_slot=256, expert_window=1)  # no measured chunk fits this ring: batch
+    assert not any(policy.streams(layer, n) for n in range(600, 20000, 7))
+    assert len(policy._told) == 2, policy._told  # the two entries, whatever the counts
+    stranger = SimpleNamespace(**{**vars(layer), "hidden": 128})  # no measurement: one record for the shape
+    assert not any(policy.streams(stranger, n) for n in range(1, 3000, 3))
+    assert len(policy._told) == 3

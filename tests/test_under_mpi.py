@@ -1,8 +1,8 @@
 """Run the multi-process tests (tests/mpi) under mpiexec with 2, 3 and 4 ranks, from a plain pytest run.
 
 Each case runs ``mpiexec -n N python -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider -m "not slow"``
-in a subprocess with a hard timeout and a short ``SYMMRING_TIMEOUT_S`` (a protocol bug becomes a quick
-ProtocolTimeout, not a hang), shows the output on failure and requires exit code 0 (pytest's 5, "no tests
+in a subprocess with a hard timeout and short ``SYMMRING_TIMEOUT_S`` and ``SYMMRING_HOST_TIMEOUT_S`` (a
+protocol bug becomes a quick ProtocolTimeout or PeerTimeout, not a hang), shows the output on failure and requires exit code 0 (pytest's 5, "no tests
 collected", is a failure too). ``-m mpi4py`` makes one rank's crash abort all ranks.
 
 mpiexec is looked up next to ``sys.executable`` first (the mpich wheel installs it into the venv), then on
@@ -60,7 +60,8 @@ def test_mpi_suite(num_ranks):
     cmd = [mpiexec, "-n", str(num_ranks), sys.executable, "-m", "mpi4py", "-m", "pytest", "tests/mpi", "-q",
            "-p", "no:cacheprovider", "-m", "not slow"]
     # The ranks print their figure lines (collected below; -s shows them) and append them to the figure log.
-    env = dict(os.environ, SYMMRING_TIMEOUT_S=PROTOCOL_TIMEOUT_S, PYTHONUNBUFFERED="1", SYMMRING_FIGURES_SHOW="1")
+    env = dict(os.environ, SYMMRING_TIMEOUT_S=PROTOCOL_TIMEOUT_S, SYMMRING_HOST_TIMEOUT_S=PROTOCOL_TIMEOUT_S,
+               PYTHONUNBUFFERED="1", SYMMRING_FIGURES_SHOW="1")
     env.pop("PYTEST_ADDOPTS", None)
     returncode, output = run_bounded(cmd, env=env, timeout_s=RUN_TIMEOUT_S)
     figures = [line for line in output.splitlines() if "[figure]" in line]

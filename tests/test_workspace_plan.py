@@ -143,7 +143,11 @@ def test_dispatch_words_follow_the_layers_arrays():
     from symmring.moe import workspace_plan
     from symmring.moe.gpu import stages
     from symmring.moe.gpu import timeline
+    from symmring.moe.engines import triton_common
     assert workspace_plan._STAMPS_PER_CHUNK == timeline.num_stamps(1)
     assert workspace_plan._FIXED_WORDS == 2 + stages.NUM_COUNTERS + stages.BAD_ID_WORDS
+    assert workspace_plan._FP8_WORDS == triton_common.BAD_GROUP_WORDS
     shape = LayerShape(256, 128, 16, 2)
-    assert workspace_plan.dispatch_words_bytes(shape, 2, 3, 100, 40) == 4 * (5 * 8 + 11) + 8 * 3 * 2 + 8 * 14 * 3
+    assert workspace_plan.dispatch_words_bytes(shape, 2, 3, 100, 40) == 4 * (5 * 8 + 13) + 8 * 3 * 2 + 8 * 14 * 3
+    bf16 = LayerShape(256, 128, 16, 2, expert_format="bf16")
+    assert workspace_plan.dispatch_words_bytes(bf16, 2, 3, 100, 40) == 4 * (5 * 8 + 11) + 8 * 3 * 2 + 8 * 14 * 3

@@ -41,8 +41,9 @@ class PrevBackend:
             setattr(self, attr, getattr(backend, attr))
 
     def load_module(self, source, *, name, extra_options=()):
+        # local_comm=None: each PE compiles (the cache's writes are atomic); the new backend has no MPI split.
         module = self._jit.load_module(source, name=f"prev_{name}", cc=self._b.compute_capability,
-                                       local_comm=self._b._local_comm, extra_options=extra_options)
+                                       local_comm=None, extra_options=extra_options)
         self._modules.append(module)
         return module
 

@@ -8,8 +8,10 @@
 #   tests     env compile kernels pe1 pe2 pe4         every GPU test on 1, 2 and 4 PEs (MPS): four calls' worth,
 #   kernels, tests1, tests2, tests4                   so also one preset per part (env compile kernels|peN)
 #   extra     env compile slow blocking blocking2     1000 graph replays; serialized kernels
+#   flat      env compile flat1                       10,000 cached calls: device memory flat (one PE)
 #   bench     env compile gemm moe                    the fp8 GEMM sweep and the layer benchmark
 #   stream    env compile stream stream_graph         streamed vs batch (eager, CUDA graphs)
+#   torch     env compile torchrun2 torchrun3 launchers   the ranks under torchrun (issue 36)
 # stages:
 #   env       GPU, driver, nvcc, packages; nvshmem4py from .whl/ into /tmp/site when missing
 #   compile   python -m symmring.jit: every device/ module and tests/gpu/user_kernels.cu (sm_90)
@@ -17,7 +19,14 @@
 #             configuration they cover, several minutes), one PE
 #   pe1       pytest tests/gpu but those, one PE (-m "not slow")
 #   pe2, pe4  the same under python -m symmring.launch -n 2|4 --mps (one GPU shared under CUDA MPS)
-#   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager)
+#   slow      the -m slow tests (1000 graph replays with fresh inputs, each bitwise equal to eager), but
+#             test_moe_bounds.py's (the flat stages)
+#   flat1, flat3  tests/gpu/test_moe_bounds.py -m slow on 1 PE, or 3 under MPS: 10,000 cached calls through a
+#             2-graph cache, memory_allocated / split-K counters / workspace bytes flat ("[figure] bounds memory")
+#   torchrun2, torchrun3   the workspace, device-count, serving-safety and modules-before-calls tests under
+#             python -m symmring.launch -n 2|3 --mps --torchrun (the PEs a torch.distributed group)
+#   launchers tests/gpu/test_launchers.py, one process (it starts the jobs): mpirun vs torchrun bitwise on 2
+#             and 3 PEs; two groups of a 4-PE torchrun job vs 2-PE jobs
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
 #   blocking2 CUDA_LAUNCH_BLOCKING=1 with 2 PEs: the two-stream ring kernels
 #   faults    tests/gpu/test_layer_faults.py: late/exiting/stalled PE jobs of 2 and 4 PEs (MPS), one process
@@ -33,7 +42,8 @@
 # (symmring's cubins, Triton's and DeepGEMM's JIT) live under $CACHE (default /tmp/symmring-gpu-cache); with
 # CACHE_TGZ=path a tarball of them is restored before and written after, so a later call skips the
 # compiles. Each stage runs under its own `timeout`; a hung wait becomes a ProtocolTimeout after
-# SYMMRING_TIMEOUT_S (10 s here).
+# SYMMRING_TIMEOUT_S (10 s here), a hung host collective a PeerTimeout after SYMMRING_HOST_TIMEOUT_S (300 s
+# here: a PE's first Triton compile may keep the others waiting in the next exchange for minutes).
 set -uo pipefail
 # OUT, PY, the GPU environment (symmring.env.GPU_ENV), PYTHONPATH, SYMMRING_CACHE_DIR, install_nvshmem4py.
 CACHE="${CACHE:-/tmp/symmring-gpu-cache}"
@@ -41,6 +51,7 @@ export SYMMRING_CACHE_DIR="${SYMMRING_CACHE_DIR:-$CACHE/symmring}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$CACHE/triton}" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-$CACHE/deep_gemm}"
 source "$(dirname "$0")/gpu_common.sh"
 export SYMMRING_TIMEOUT_S="${SYMMRING_TIMEOUT_S:-10}"
+export SYMMRING_HOST_TIMEOUT_S="${SYMMRING_HOST_TIMEOUT_S:-300}"
 LOG="$OUT/gpu_check.log"
 install_nvshmem4py
 if [[ -n "${CACHE_TGZ:-}" && -f "$CACHE_TGZ" ]]; then tar -xzf "$CACHE_TGZ" -C / 2>/dev/null || true; fi
@@ -89,12 +100,16 @@ for a in "${@:-tests}"; do
     tests1|tests2|tests4) steps+=(env compile "pe${a#tests}") ;;
     kernels) steps+=(env compile kernels1) ;;
     extra) steps+=(env compile slow blocking blocking2) ;;
+    flat) steps+=(env compile flat1) ;;
     bench) steps+=(env compile gemm moe) ;;
     stream) steps+=(env compile stream stream_graph) ;;
+    torch) steps+=(env compile torchrun2 torchrun3 launchers) ;;
     *) steps+=("$a") ;;
   esac
 done
 KERNEL_ONLY=(--ignore tests/gpu/test_fp8_kernels.py --ignore tests/gpu/test_fp8_small.py)
+TORCHRUN_FILES=(tests/gpu/test_modules_before_calls.py tests/gpu/test_workspace.py tests/gpu/test_device_counts.py
+                tests/gpu/test_serving_safety.py)
 STREAM=(--tokens 1024,4096,16384 --tokens-per-slot 1024,2048,4096 --num-slots 2,call --windows 1,all --repeats 10)
 for s in "${steps[@]}"; do
   case "$s" in
@@ -105,7 +120,12 @@ for s in "${steps[@]}"; do
     pe1) stage pe1 480 "${PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe2) stage pe2 480 "${LAUNCH[@]}" -n 2 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
     pe4) stage pe4 480 "${LAUNCH[@]}" -n 4 -- "${MPI_PYTEST[@]}" tests/gpu -m "not slow" "${KERNEL_ONLY[@]}" ;;
-    slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow ;;
+    slow) stage slow 200 "${PYTEST[@]}" tests/gpu -m slow --ignore tests/gpu/test_moe_bounds.py ;;
+    flat1) stage flat1 540 "${PYTEST[@]}" --timeout 900 tests/gpu/test_moe_bounds.py -m slow ;;
+    flat3) stage flat3 540 "${LAUNCH[@]}" -n 3 -- "${MPI_PYTEST[@]}" --timeout 900 tests/gpu/test_moe_bounds.py -m slow ;;
+    torchrun2|torchrun3) stage "$s" 480 "${LAUNCH[@]}" --torchrun -n "${s#torchrun}" -- "${PYTEST[@]}" --maxfail 8 \
+                           "${TORCHRUN_FILES[@]}" -m "not slow" ;;
+    launchers) stage launchers 580 "${PYTEST[@]}" --timeout 560 tests/gpu/test_launchers.py ;;
     blocking) CUDA_LAUNCH_BLOCKING=1 stage blocking 120 "${PYTEST[@]}" -m "not slow" tests/gpu/test_kernels.py \
                 tests/gpu/test_moe_streamed.py tests/gpu/test_moe_fp8.py \
                 -k "two_streams or random_delays or schedules or token_counts or whole_window or graph_replay_matches" ;;

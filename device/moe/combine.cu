@@ -35,15 +35,24 @@
 //
 // Reuse of the combine buffer: a rank writes into an owner's buffer for call n+1 only after it saw the
 // owner's call-n+1 publication, which the owner enqueues after its call-n reduce (stream order).
+//
+// Bounds (device/moe/bounds.cuh): a row's logical token (the owner's snapshot token_base + the chunk-local
+// token, both from the owner's slot) must lie in [0, combine_tokens), the rows every PE's combine buffer holds
+// (the workspace's max_tokens); the fused combine's rows, found from the dispatch's counts, lie below
+// pool_rows. A row past either is not sent: pool_overflow is recorded (it aborts the ring).
 #include <stdint.h>
 
 #include <cuda_bf16.h>
 
+#include <moe/bounds.cuh>
 #include <moe/call_tokens.cuh>
 #include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::kOverflowCombineToken;
+using symmring_moe::kOverflowWindowRows;
+using symmring_moe::record_overflow;
 using symmring_moe::warp_inclusive_sum;
 
 namespace {
@@ -62,10 +71,12 @@ constexpr int kScatterLoadsInFlight = 4;
 // end and the signal that follows it (signal_owners: moe_combine_signal; moe_combine_fused quiets the same way
 // before each scatter item's arrival). A fence would only order delivery of this thread's later operations to
 // the same PE, and the signal is another thread's (and, in moe_combine_signal, another kernel's). The branch is
-// per row (warp-uniform).
+// per row (warp-uniform). A row whose logical token lies outside [0, combine_tokens) is not sent
+// (pool_overflow, bounds.cuh).
 __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv_bfloat16* pool_out,
                                              const int4* row_src, int num_rows, const long long* token_base,
-                                             int window_begin, int* m_indices, __nv_bfloat16* combine_rows) {
+                                             int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
+                                             int combine_tokens) {
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
@@ -75,6 +86,10 @@ __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv
         if (m_indices != nullptr && m_indices[row] < 0) continue;  // padding (the whole warp skips it)
         const int4 src = row_src[row];
         const int64_t token = token_base[int64_t(src.w - window_begin) * d.num_ranks + src.x] + src.y;
+        if (token < 0 || token >= combine_tokens) {  // warp-uniform
+            if (lane == 0) record_overflow(d, kOverflowCombineToken, src.x, src.w, combine_tokens, token);
+            continue;
+        }
         const int64_t offset = (token * d.num_topk + src.z) * d.hidden;
         const __nv_bfloat16* from_row = pool_out + int64_t(row) * d.hidden;
         __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
@@ -230,12 +245,12 @@ __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __n
 extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
                                                const int4* row_src, const int* total, const long long* token_base,
                                                int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
-                                               int pass_begin, int pass_rows) {
+                                               int pass_begin, int pass_rows, int combine_tokens) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     const int live = total[0] - pass_begin;
     scatter_rows(d, pool_out, row_src, live < 0 ? 0 : (live > pass_rows ? pass_rows : live), token_base,
-                 window_begin, m_indices, combine_rows);
+                 window_begin, m_indices, combine_rows, combine_tokens);
 }
 
 // One block, after moe_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that this
@@ -301,7 +316,8 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, co
 // run later and find it set. Only the peers' signals can hold step 3, bounded by the ring's timeout. The grid is
 // at most stages.Kernels.spin_blocks all the same: the PEs sharing a GPU under MPS leave the kernels they wait
 // for free SMs (docs/PROTOCOL.md 9.2).
-// token_base: the chunk's row of the dispatch's [window][num_ranks] snapshot. Dynamic shared memory:
+// token_base: the chunk's row of the dispatch's [window][num_ranks] snapshot. pool_rows: the window's rows (the
+// dispatch's bound); combine_tokens: the tokens of every combine buffer (bounds.cuh). Dynamic shared memory:
 // num_ranks pointers and int64 bases, then (2 * num_local_experts + 1) ints. counters: two zeroed device words,
 // the items' arrivals then the tickets, each reset by the launch's last arrival or last draw (a block that
 // returns at entry on a pending error leaves them set: MoE.reset() zeroes them, the one recovery path).
@@ -312,7 +328,7 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                                              int ack_now, const int32_t* topk_idx, const float* topk_weights,
                                              __nv_bfloat16* y, long long y_row_stride, int token_begin,
                                              int num_valid, const int* call_tokens, int end_call_chunks,
-                                             unsigned int* counters) {
+                                             unsigned int* counters, int pool_rows, int combine_tokens) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
@@ -368,13 +384,21 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
     const int64_t num_vecs = int64_t(live_before[E]) * vecs_per_row;
     const int64_t num_threads = int64_t(num_items) * blockDim.x;
-    auto row_of_live = [&](int i) {
+    auto row_of_live = [&](int i) {  // -1 (and pool_overflow) past the pool: the dispatch checked it already
         int lo = 0, hi = E - 1;  // the last e with live_before[e] <= i
         while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
             if (live_before[mid] <= i) lo = mid; else hi = mid - 1;
         }
-        return group_begin[lo] + i - live_before[lo];
+        const int row = group_begin[lo] + i - live_before[lo];
+        if (row >= 0 && row < pool_rows) return row;
+        record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, pool_rows, row);
+        return -1;
+    };
+    auto token_ok = [&](int64_t token, const int4& src) {  // the owner's combine rows hold it
+        if (token >= 0 && token < combine_tokens) return true;
+        record_overflow(d, kOverflowCombineToken, src.x, chunk_idx, combine_tokens, token);
+        return false;
     };
     for (int item = ticket; item < num_items; item = ticket) {
         for (int64_t i0 = int64_t(item) * blockDim.x + threadIdx.x; i0 < num_vecs;
@@ -396,7 +420,7 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                 const int64_t v = (i0 + u * num_threads) % vecs_per_row;
                 const int64_t token = owner_base[src[u].x] + src[u].y;
                 __nv_bfloat16* owner = owner_rows[src[u].x];
-                if (owner != nullptr)
+                if (owner != nullptr && token_ok(token, src[u]))
                     reinterpret_cast<int4*>(owner + (token * d.num_topk + src[u].z) * d.hidden)[v] = raw[u];
                 if (v == 0) m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
             }
@@ -409,9 +433,11 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
             bool put_any = false;
             for (int i = item * warps_per_block + warp; i < live_before[E]; i += num_items * warps_per_block) {
                 const int row = row_of_live(i);  // warp-uniform
+                if (row < 0) continue;
                 const int4 src = row_src[row];
                 if (owner_rows[src.x] != nullptr) continue;
                 const int64_t token = owner_base[src.x] + src.y;
+                if (!token_ok(token, src)) continue;
                 nvshmemx_putmem_nbi_warp(combine_rows + (token * d.num_topk + src.z) * d.hidden,
                                          pool_out + int64_t(row) * d.hidden,
                                          size_t(d.hidden) * sizeof(__nv_bfloat16), src.x);

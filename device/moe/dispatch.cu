@@ -17,7 +17,7 @@
 //   moe_dispatch_count  count the (token, k) entries of every source routed to each local expert.
 //   moe_dispatch_scan   one block: exclusive scan -> row offsets (each group aligned to `align` rows), group
 //                       ends for torch._grouped_mm (int32), the rows spanned; starts each reservation cursor
-//                       at its group.
+//                       at its group; checks the counts against the plan's bounds (below).
 //   moe_dispatch_pull   one warp per (source rank, token): reserve one pool row per local expert of the
 //                       token (atomic cursor: rows of an expert come in no fixed order, which changes
 //                       no result since every row is computed independently and combine reduces in
@@ -43,16 +43,27 @@
 // routing overflows the pool or is truncated. The host launches a routing-independent bound of passes; a
 // pass past the window's rows pulls, computes and scatters nothing.
 // Expert ids outside [0, num_experts) (the mask -1) are skipped.
+//
+// Bounds (device/moe/bounds.cuh): the host's bound of passes, the pool rows and the rows any one expert holds
+// come from its plan of the call. Counts beyond them (ranks that planned different calls, a stale slot) are a
+// pool_overflow error, recorded before any row is placed (moe_dispatch_scan, moe_dispatch_fused_fp8), which
+// aborts the ring on every PE; every row index is also checked against its pass's rows where it is written.
+// A pull that finds an error pending puts its pass's group ids back to -1 (clear_group_ids), so the engine
+// after it computes nothing from rows a failed call left marked.
 #include <stdint.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/bounds.cuh>
 #include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::kOverflowExpertRows;
+using symmring_moe::kOverflowWindowRows;
 using symmring_moe::lanes_below;
+using symmring_moe::record_overflow;
 using symmring_moe::warp_inclusive_sum;
 
 namespace {
@@ -110,6 +121,18 @@ __device__ __forceinline__ void flag_bad_id(const RingDescriptor& d, int chunk_i
     bad_id[kBadIdK] = static_cast<int>(entry % d.num_topk);
 }
 
+// Grid-stride over every thread of the grid (any shape): the group ids of pool rows [0, rows) back to -1
+// (padding; nothing with m_indices null). For a dispatch that returns at entry because an error is pending:
+// the combine scatter that puts a window's ids back returned at entry too, and the engine after this pass
+// reads its rows' ids, which must then name no group (every engine skips padding rows), least of all a
+// group of another shape with more experts (the ids are shared by every fp8 shape of the workspace).
+__device__ __forceinline__ void clear_group_ids(int* m_indices, int rows) {
+    if (m_indices == nullptr) return;
+    const int64_t block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+    const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
+    for (int64_t i = block * blockDim.x + threadIdx.x; i < rows; i += threads) m_indices[i] = -1;
+}
+
 }  // namespace
 
 // Parts of a chunk moe_dispatch_wait waits for (stages.WAIT_*).
@@ -117,11 +140,13 @@ enum WaitParts : int { kWaitRoute = 1, kWaitLayout = 2 };
 
 // Block r waits for source rank r's chunk: its route and/or layout generation (acquire; ONE deadline for both
 // parts, so a route that arrives late leaves the layout only the rest of the bound). With the
-// route part, thread 0 then copies the source's meta token_base into token_base[r] (the caller passes the
+// route part, thread 0 then checks the meta row (this chunk, generation and call of layer `layer`:
+// check_payload) and copies the source's meta token_base into token_base[r] (the caller passes the
 // chunk's row of a [window][num_ranks] array). With clear_counts, block 0 zeroes `counts`
 // [num_local_experts] for moe_dispatch_count.
 extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int parts, int* counts,
-                                             int num_local_experts, long long* token_base, int clear_counts) {
+                                             int num_local_experts, long long* token_base, int clear_counts,
+                                             int layer) {
     const RingDescriptor& d = *desc_ptr;
     if (blockIdx.x == 0 && clear_counts)
         for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
@@ -134,7 +159,8 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
         // acquire: pairs with the route publication of moe_produce_route on src_rank.
         if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute, deadline)) return;
         __shared__ int fresh;
-        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen);  // a stale slot: typed error
+        // A stale slot or another call's payload: a typed error, not data.
+        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen, expected_call(d, layer));
         __syncthreads();
         if (!fresh) return;
         if (threadIdx.x == 0) {
@@ -239,15 +265,25 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
 // the cumulative ends torch._grouped_mm takes as `offs`); total[0] = the rows spanned, padding included;
 // cursor[e] = begin[e] (moe_dispatch_pull* reserve rows from it). Blocked scan: each thread sums a
 // contiguous run of experts, then a shared-memory scan over the threads' sums.
-extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int* group_end, int* cursor,
-                                             int* total, int num_local_experts, int align) {
+// The plan's bounds of the window whose first chunk is chunk_idx: an expert with more than rows_per_expert
+// rows, or a total past window_rows (the rows its passes cover), records pool_overflow (bounds.cuh), which
+// aborts the ring, and leaves an empty layout (every group empty, total 0): the pulls after this kernel
+// return at entry, so no row is dropped silently, and an engine that reads group_end (the torch engine)
+// computes no row past the pool.
+extern "C" __global__ void moe_dispatch_scan(const RingDescriptor* desc_ptr, int chunk_idx, const int* counts,
+                                             int* begin, int* group_end, int* cursor, int* total,
+                                             int num_local_experts, int align, int expert_begin, int window_rows,
+                                             int rows_per_expert) {
+    const RingDescriptor& d = *desc_ptr;
     extern __shared__ int partial[];  // [blockDim.x]
+    __shared__ int overflow;
     const int per_thread = (num_local_experts + blockDim.x - 1) / blockDim.x;
     const int first = threadIdx.x * per_thread;
     auto span = [align](int count) { return (count + align - 1) / align * align; };
     int sum = 0;
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += span(counts[e]);
     partial[threadIdx.x] = sum;
+    if (threadIdx.x == 0) overflow = 0;
     __syncthreads();
     // Hillis-Steele inclusive scan of the per-thread sums.
     for (int offset = 1; offset < blockDim.x; offset *= 2) {
@@ -256,14 +292,27 @@ extern "C" __global__ void moe_dispatch_scan(const int* counts, int* begin, int*
         partial[threadIdx.x] += add;
         __syncthreads();
     }
-    int running = partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
+    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
+        if (counts[e] > rows_per_expert) {
+            overflow = 1;
+            record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e], expert_begin + e);
+        }
+    }
+    const int rows = partial[blockDim.x - 1];
+    if (threadIdx.x == blockDim.x - 1 && rows > window_rows) {
+        overflow = 1;
+        record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, window_rows, rows);
+    }
+    __syncthreads();
+    const bool empty = overflow != 0;
+    int running = empty ? 0 : partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
     for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
         begin[e] = running;
         cursor[e] = running;
-        group_end[e] = running + counts[e];
-        running += span(counts[e]);
+        group_end[e] = running + (empty ? 0 : counts[e]);
+        running += empty ? 0 : span(counts[e]);
     }
-    if (threadIdx.x == blockDim.x - 1) total[0] = partial[threadIdx.x];
+    if (threadIdx.x == blockDim.x - 1) total[0] = empty ? 0 : rows;
 }
 
 // One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
@@ -348,7 +397,8 @@ __device__ __forceinline__ int reserve_row(const RingDescriptor& d, const int32_
 }
 
 // The body of moe_dispatch_pull and moe_dispatch_pull_fp8 (source rank blockIdx.y of chunk chunk_idx; nothing
-// when an error is pending or the slot is unreachable): one warp per valid token (grid-stride) reserves the
+// but clear_group_ids when an error is pending, nothing when the slot is unreachable): one warp per valid
+// token (grid-stride) reserves the
 // token's pool rows (reserve_row; m_indices null: not recorded) and, when it got any, the whole warp calls
 // copy_token(from, token, row, rows_mask, hidden, fp8, lane) to copy the token's row into them (lane k holds
 // `row`, the pool row of entry k or -1; rows_mask: the lanes with one; hidden and fp8, whether the ring's rows
@@ -358,7 +408,10 @@ __device__ __forceinline__ void pull_tokens(const RingDescriptor& d, int chunk_i
                                             float* row_weight, int* m_indices, int expert_begin,
                                             int num_local_experts, int* status, const RingDescriptor* stage,
                                             const PassRows& pass, CopyToken copy_token) {
-    if (error_pending(d)) return;
+    if (error_pending(d)) {
+        clear_group_ids(m_indices, pass.pass_rows);
+        return;
+    }
     const int src_rank = blockIdx.y;
     const int slot = slot_of(chunk_idx, d.num_slots);
     const SourceSlot from = source_slot(d, stage, slot, src_rank);
@@ -470,13 +523,17 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr,
 //   2. Every block counts every entry per local expert, and separately the entries of tokens before its range.
 //   3. Warp 0 scans the counts (groups aligned to `align` rows): block 0 writes counts, begin, group_end and
 //      total (as moe_dispatch_count and _scan would); every block starts its cursor of expert e at begin[e] +
-//      (entries of e before its range).
+//      (entries of e before its range). Every block checks the plan's bounds (pool_rows: the window's rows
+//      the engine and the scale layout cover; rows_per_expert): past them, block 0 records pool_overflow
+//      (bounds.cuh; it aborts the ring) and every block returns before placing any row (each block derives
+//      the same counts).
 //   4. Per pass of up to kPassEntries entries of its range: warp 0 gives each local entry its row in flat
 //      order (__match_any_sync ranks the entries of one expert within 32 entries), so rows land in a fixed
 //      order; all threads record row_src / row_weight / m_indices and copy the fp8 rows (16-byte vectors,
 //      kLoadsInFlight loads per thread before the stores) and scales into every row, as moe_dispatch_pull_fp8.
 // Every block waits on peers' producers, so the grid is at most stages.Kernels.spin_blocks (PROTOCOL.md 9.2).
-// counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise).
+// counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise). With an
+// error pending at entry the grid only puts the group ids of rows [0, pool_rows) back to -1 (clear_group_ids).
 namespace {
 
 // Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
@@ -492,7 +549,8 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                                                   long long sf_row_stride, long long sf_col_stride, int* m_indices,
                                                   int4* row_src, float* row_weight, int expert_begin,
                                                   int num_local_experts, int align, int* status, int* bad_id,
-                                                  int ack_now, unsigned int* counter, const RingDescriptor* stage) {
+                                                  int ack_now, unsigned int* counter, const RingDescriptor* stage,
+                                                  int pool_rows, int rows_per_expert, int layer) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
     const RingDescriptor& d = *desc_ptr;
@@ -509,10 +567,15 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     __shared__ int entry_local[kPassEntries];          // the pass's entries: local expert or -1
     __shared__ int entry_row[kPassEntries];            // ... and their pool rows (-1: not local)
     __shared__ int failed;
-    if (error_pending(d)) return;
+    __shared__ int overflow;  // the counts exceed the plan's bounds: no row is placed
+    if (error_pending(d)) {
+        clear_group_ids(m_indices, pool_rows);
+        return;
+    }
     const int slot = slot_of(chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, chunk_idx);
-    if (threadIdx.x == 0) failed = 0;
+    const uint64_t call_id = expected_call(d, layer);
+    if (threadIdx.x == 0) failed = overflow = 0;
     for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
     __syncthreads();
 
@@ -521,10 +584,10 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         const int src = threadIdx.x;
         int valid = 0;
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
-        // hold this call's chunk (a stale payload is a typed error, not silent data).
+        // hold this call's chunk (a stale payload or another call's is a typed error, not silent data).
         const SourceSlot from = source_slot(d, stage, slot, src);
         if (!slot_reachable(from, status) || !poll_ready(d, chunk_idx, src, gen) ||
-            !check_payload(d, chunk_idx, src, gen)) {
+            !check_payload(d, chunk_idx, src, gen, call_id)) {
             failed = 1;
         } else {
             valid = num_valid_of(d, from);
@@ -600,10 +663,21 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                 }
                 cursor[e] += running;
                 running += span(counts[e]);
+                if (counts[e] > rows_per_expert) {
+                    overflow = 1;
+                    if (blockIdx.x == 0)
+                        record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e],
+                                        expert_begin + e);
+                }
+            }
+            if (lane == 31 && inclusive > pool_rows) {
+                overflow = 1;
+                if (blockIdx.x == 0) record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, pool_rows, inclusive);
             }
             if (blockIdx.x == 0 && lane == 31) total[0] = inclusive;
         }
         __syncthreads();
+        if (overflow) return;  // every block saw the same counts: none places a row
     }
 
     // 4. This block's range, kPassEntries entries (whole tokens) per pass.
@@ -632,6 +706,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                 if (local >= 0) row = cursor[local] + __popc(same & lanes_below());
                 __syncwarp();  // every lane read its expert's cursor before the highest lane moves it
                 if (local >= 0 && (same >> threadIdx.x) == 1u) cursor[local] += __popc(same);
+                if (row >= pool_rows) row = -1;  // within the checked total; the bound of every write below
                 if (j < pass_entries) entry_row[j] = row;
                 __syncwarp();
             }

@@ -60,9 +60,11 @@ __device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float 
 }
 
 // Grid-stride: copy the chunk's topk_idx / topk_weights ([num_valid, K], contiguous) into its slot; block 0
-// writes the metadata row. Part of the route payload (published by the caller's grid_publish).
+// writes the metadata row (with the call's identity `call_id`). Part of the route payload (published by the
+// caller's grid_publish).
 __device__ __forceinline__ void write_route(const RingDescriptor& d, int chunk_idx, const int32_t* topk_idx,
-                                            const float* topk_weights, int num_valid, uint64_t gen) {
+                                            const float* topk_weights, int num_valid, uint64_t gen,
+                                            uint64_t call_id) {
     const int slot = slot_of(chunk_idx, d.num_slots);
     int32_t* dst_idx = topk_idx_of(d, slot);
     float* dst_weights = topk_weights_of(d, slot);
@@ -73,7 +75,7 @@ __device__ __forceinline__ void write_route(const RingDescriptor& d, int chunk_i
         dst_weights[i] = topk_weights[i];
     }
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen);
+        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid, gen, call_id);
 }
 
 // One warp step of the fp8 quantisation (all 32 lanes call it, the shuffles need them): the channels
@@ -152,7 +154,7 @@ __device__ __forceinline__ RouteEntry route_first(const ProducerRoute& r) {
 }
 
 __device__ __forceinline__ void route_rest(const RingDescriptor& d, int chunk_idx, const ProducerRoute& r,
-                                           RouteEntry first, uint64_t gen) {
+                                           RouteEntry first, uint64_t gen, uint64_t call_id) {
     const int slot = slot_of(chunk_idx, d.num_slots);
     const int lane = threadIdx.x % 32;
     int32_t* slot_idx = topk_idx_of(d, slot);
@@ -167,7 +169,7 @@ __device__ __forceinline__ void route_rest(const RingDescriptor& d, int chunk_id
         store_route(r.options, entry, slot_idx + at, slot_weights + at, lane);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), r.num_valid, gen);
+        write_meta(d, chunk_idx, chunk_token_base(chunk_idx, d.tokens_per_slot), r.num_valid, gen, call_id);
 }
 
 // The lane's 16-byte load for quantize_step_fp8 (zeros past the row).
@@ -304,17 +306,19 @@ extern "C" __global__ void moe_wait_slot(const RingDescriptor* desc_ptr, int chu
 
 // Route of chunk `chunk_idx`: acquire the slot (all blocks wait for the previous use's
 // acknowledgements; the last block resets the mask), copy topk_idx/topk_weights ([num_valid, K],
-// contiguous) and the metadata row, then the last block publishes route readiness.
+// contiguous) and the metadata row (this PE's call of layer `layer`: expected_call), then the last block
+// publishes route readiness.
 // counter: a zeroed device word private to this kernel (reset by the last block).
 extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int chunk_idx,
                                              const int32_t* topk_idx, const float* topk_weights,
-                                             int num_valid, const int* call_tokens, unsigned int* counter) {
+                                             int num_valid, const int* call_tokens, unsigned int* counter,
+                                             int layer) {
     const RingDescriptor& d = *desc_ptr;
     if (error_pending(d)) return;
     num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
-    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
+    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen, expected_call(d, layer));
     // Every block saw the mask complete before arriving: the last one resets it, then publishes.
     grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/false);
 }
@@ -347,11 +351,12 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
 // logits null: topk_idx / topk_weights hold the chunk's routing, copied. logits not null: the router's
 // logits of the chunk's tokens (logits_dtype: moe/router.cuh LogitsDtype), routed here with the options that
 // follow (RouterOptions, in order) into the slot AND into topk_idx / topk_weights, which the combine reads.
+// layer: the call identity's layer (as moe_produce_route).
 extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
                                                  int32_t* topk_idx, float* topk_weights,
                                                  const __nv_bfloat16* x, long long x_row_stride, int num_valid,
-                                                 const int* call_tokens, unsigned int* counter, const void* logits,
-                                                 int logits_dtype,
+                                                 const int* call_tokens, unsigned int* counter, int layer,
+                                                 const void* logits, int logits_dtype,
                                                  long long logits_stride, const float* bias,
                                                  float routed_scaling_factor, int scoring, int num_experts,
                                                  int n_group, int topk_group, int norm_topk_prob) {
@@ -370,10 +375,11 @@ extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr,
     const RouteEntry first = logits != nullptr ? route_first(route) : RouteEntry{-1, 0.0f};
     if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
     const uint64_t gen = expected_generation(d, chunk_idx);
+    const uint64_t call_id = expected_call(d, layer);
     if (logits != nullptr)
-        route_rest(d, chunk_idx, route, first, gen);
+        route_rest(d, chunk_idx, route, first, gen, call_id);
     else
-        write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen);
+        write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen, call_id);
     write_layout_fp8_sliced(d, chunk_idx, x, x_row_stride, num_valid, first_raw);
     grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
 }

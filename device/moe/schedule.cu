@@ -2,8 +2,12 @@
 // test and benchmark hooks.
 //
 //   moe_end_call     one thread, after every kernel of the call on every stream (a two-stream schedule
-//                    joins the streams first): generation base + num_chunks (device-resident, so graph
-//                    replays stay fresh).
+//                    joins the streams first): generation base + num_chunks and call number + 1
+//                    (device-resident, so graph replays stay fresh).
+//   moe_refuse_call  one thread: a call refused on this PE inside a step (its arguments failed a host check no
+//                    other rank could see): record kErrorPeerRefused on the layer's ring, which raises every
+//                    other PE's abort word (their waits of the call end at once, their outputs are NaN), and
+//                    count the call, so this PE's later calls keep their numbers.
 //   moe_stamp        one thread: stamps[idx] = %globaltimer (the timeline of `bench stream`).
 //   moe_sleep        one thread: spin for a given number of ns (tests: a deliberately slow producer or
 //                    consumer).
@@ -17,6 +21,14 @@ using namespace symmring;
 
 extern "C" __global__ void moe_end_call(const RingDescriptor* desc_ptr, int num_chunks) {
     if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
+}
+
+// expected: the refused call's identity (call_identity of this PE's call number and the layer), for the record.
+extern "C" __global__ void moe_refuse_call(const RingDescriptor* desc_ptr, int layer) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const RingDescriptor& d = *desc_ptr;
+    record_error(d, kErrorPeerRefused, d.rank, 0, 0, expected_call(d, layer), 0, 0);
+    advance_call_number(d);
 }
 
 // Runs when the stream's previous kernel ended.

@@ -9,9 +9,10 @@ namespace symmring {
 // Values of RingDescriptor::x_format (layout.X_FORMATS).
 enum XFormat : int32_t { kXFormatFp8E4M3 = 0, kXFormatBf16 = 1 };
 
-// Columns of the per-slot metadata rows (layout.META_*).
+// Columns of the per-slot metadata rows (layout.META_*). kMetaCallId: the identity of the call that wrote the
+// slot (call_identity in protocol.cuh: call number and layer), compared by every consumer with its own.
 enum MetaColumn : int32_t { kMetaTokenBase = 0, kMetaNumValid = 1, kMetaChunkIdx = 2, kMetaPayloadGen = 3,
-                            kMetaColumns = 4 };
+                            kMetaCallId = 4, kMetaColumns = 5 };
 
 // Device error record (layout.ERROR_*): words and kinds.
 enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 3, kErrChunk = 4,
@@ -19,9 +20,14 @@ enum ErrorWord : int32_t { kErrKind = 0, kErrRank = 1, kErrPeer = 2, kErrSlot = 
 // Timeouts (route, layout, reuse, combine); kErrorAborted: a wait of this PE gave up because another PE
 // raised the ring's abort word; kErrorStalePayload: a slot's meta row did not name the awaited chunk and
 // generation after its readiness was acquired; kErrorDoubleAck: this PE's acknowledgement bit was already
-// set in the owner's mask when it acknowledged.
+// set in the owner's mask when it acknowledged; kErrorCallMismatch: a slot's meta row named another call
+// (number or layer) than the consumer's own, the ranks' call sequences diverged; kErrorPeerRefused: this PE
+// refused its call inside a step (the host found its arguments bad where no other rank could see them);
+// kErrorPoolOverflow: a MoE kernel found more rows (or a token further) than its plan bounded and wrote
+// none past its buffer (device/moe/bounds.cuh).
 enum ErrorKind : int64_t { kErrorNone = 0, kErrorRoute = 1, kErrorLayout = 2, kErrorReuse = 3,
-                           kErrorCombine = 4, kErrorAborted = 5, kErrorStalePayload = 6, kErrorDoubleAck = 7 };
+                           kErrorCombine = 4, kErrorAborted = 5, kErrorStalePayload = 6, kErrorDoubleAck = 7,
+                           kErrorCallMismatch = 8, kErrorPeerRefused = 9, kErrorPoolOverflow = 10 };
 
 // The abort word (layout.ABORT_*): one uint64 per PE, 0 while the ring runs. A PE that records a device
 // error stores (1 << kAbortFlagShift) | kind << kAbortKindShift | origin << kAbortOriginShift |
@@ -42,6 +48,8 @@ struct RingDescriptor {
     uint64_t layout_ready_ptr;  // [S] uint64 generation signals
     uint64_t ack_mask_ptr;      // [S][mask_words] uint64 acknowledgement bits
     uint64_t gen_base_ptr;      // [1] uint64: expected generation of chunk c is *gen_base_ptr + c + 1
+    uint64_t call_ptr;          // [1] uint64 call counter: the number of this PE's current call (call_identity);
+                                // the ring's own word, or a word every ring of a workspace shares
     uint64_t error_ptr;         // [kErrorWords] int64 error record
     uint64_t abort_ptr;         // [1] uint64 abort word (AbortWord), written by other PEs
     uint64_t rdma_mask_ptr;     // [mask_words] uint64, local memory (not symmetric): bit q % 64 of word

@@ -24,11 +24,16 @@
 // ld.acquire.sys (system scope); a volatile poll followed by __threadfence() (gpu scope) is not one.
 //
 // Detectors (each records a typed error and aborts the ring on every PE, timeout.cuh): check_payload after
-// the acquire of readiness (kErrorStalePayload), ack (kErrorDoubleAck); every wait gives up when another
-// PE aborted (kErrorAborted). The host's reset (collective) is the one way back.
+// the acquire of readiness (kErrorStalePayload: another chunk or generation; kErrorCallMismatch: another
+// call's identity), ack (kErrorDoubleAck); every wait gives up when another PE aborted (kErrorAborted). The
+// host's reset (collective) is the one way back.
 //
 // Generations come from the device-resident gen_base word (RingDescriptor::gen_base_ptr), never from a
-// kernel argument, so a CUDA Graph replay computes fresh generations; end_call() advances the word.
+// kernel argument, so a CUDA Graph replay computes fresh generations; end_call() advances the word. The call
+// identity (call_identity: the number in the call word RingDescriptor::call_ptr, also advanced by end_call,
+// and the layer, a kernel argument constant for a layer) goes into every meta row a producer writes, and a
+// consumer compares it with its own: ranks whose call sequences diverged (the same generations, another
+// layer's or another call's payload) get a named error instead of rows.
 //
 // Usage from a user kernel (every function here is called by ALL threads of a block unless noted):
 //
@@ -56,12 +61,19 @@ namespace symmring {
 
 constexpr uint64_t kGenNone = 0;           // protocol.GEN_NONE: no chunk carries it
 constexpr int kRanksPerMaskWord = 64;      // protocol.RANKS_PER_MASK_WORD
+constexpr int kCallLayerBits = 16;         // protocol.CALL_LAYER_BITS
+constexpr int kCallNumberBits = 63 - kCallLayerBits;  // protocol.CALL_NUMBER_BITS
 
 __device__ __forceinline__ uint64_t generation(uint64_t base, int chunk_idx) {
     return base + static_cast<uint64_t>(chunk_idx) + 1;
 }
 __device__ __forceinline__ uint64_t next_base(uint64_t base, int num_chunks) {
     return base + static_cast<uint64_t>(num_chunks);
+}
+// protocol.call_identity: the call number (modulo 2^kCallNumberBits) above the layer (modulo 2^kCallLayerBits).
+__device__ __forceinline__ uint64_t call_identity(uint64_t number, int layer) {
+    return ((number & ((1ull << kCallNumberBits) - 1)) << kCallLayerBits) |
+           (static_cast<uint64_t>(layer) & ((1ull << kCallLayerBits) - 1));
 }
 __device__ __forceinline__ int slot_of(int chunk_idx, int num_slots) { return chunk_idx % num_slots; }
 __device__ __forceinline__ int64_t chunk_token_base(int chunk_idx, int tokens_per_slot) {
@@ -181,10 +193,26 @@ __device__ __forceinline__ uint64_t load_gen_base(const RingDescriptor& d) {
 __device__ __forceinline__ uint64_t expected_generation(const RingDescriptor& d, int chunk_idx) {
     return generation(load_gen_base(d), chunk_idx);
 }
-// One thread: advance the generation base after a call of `num_chunks` chunks (the end-of-call kernel).
+// This PE's call number (RingDescriptor::call_ptr): written only by end_call() (and a refused call) on this
+// PE, ordered by the stream (or graph), like the generation base.
+__device__ __forceinline__ uint64_t load_call_number(const RingDescriptor& d) {
+    return ld_relaxed_sys(reinterpret_cast<const uint64_t*>(d.call_ptr));
+}
+// The identity of this PE's current call of layer `layer` (what its producers write and its consumers expect).
+__device__ __forceinline__ uint64_t expected_call(const RingDescriptor& d, int layer) {
+    return call_identity(load_call_number(d), layer);
+}
+// One thread: count one more call of this PE (a call's end; a call refused inside a step).
+__device__ __forceinline__ void advance_call_number(const RingDescriptor& d) {
+    auto* word = reinterpret_cast<uint64_t*>(d.call_ptr);
+    st_relaxed_sys(word, ld_relaxed_sys(word) + 1);
+}
+// One thread: advance the generation base after a call of `num_chunks` chunks, and the call number (the
+// end-of-call kernel; the last kernel of the call that reads either).
 __device__ __forceinline__ void end_call(const RingDescriptor& d, int num_chunks) {
     auto* word = reinterpret_cast<uint64_t*>(d.gen_base_ptr);
     st_relaxed_sys(word, next_base(ld_relaxed_sys(word), num_chunks));
+    advance_call_number(d);
 }
 
 // --- producer side ------------------------------------------------------------------------------------
@@ -287,14 +315,21 @@ __device__ __forceinline__ void publish_layout(const RingDescriptor& d, int chun
     if (threadIdx.x == 0) signal_generation(d, layout_ready_word(d, slot_of(chunk_idx, d.num_slots)), gen);
 }
 
-// One thread: write the slot's metadata row (part of the route payload).
+// One thread: write the slot's metadata row (part of the route payload); `call_id`: this call's identity
+// (expected_call(d, layer)).
 __device__ __forceinline__ void write_meta(const RingDescriptor& d, int chunk_idx, int64_t token_base,
-                                           int num_valid, uint64_t gen) {
+                                           int num_valid, uint64_t gen, uint64_t call_id) {
     int64_t* meta = meta_of(d, slot_of(chunk_idx, d.num_slots));
     meta[kMetaTokenBase] = token_base;
     meta[kMetaNumValid] = num_valid;
     meta[kMetaChunkIdx] = chunk_idx;
     meta[kMetaPayloadGen] = static_cast<int64_t>(gen);
+    meta[kMetaCallId] = static_cast<int64_t>(call_id);
+}
+// write_meta of layer 0 (a ring of one kind of call: user kernels, symmring_produce without a layer).
+__device__ __forceinline__ void write_meta(const RingDescriptor& d, int chunk_idx, int64_t token_base,
+                                           int num_valid, uint64_t gen) {
+    write_meta(d, chunk_idx, token_base, num_valid, gen, expected_call(d, 0));
 }
 
 // --- consumer side ------------------------------------------------------------------------------------
@@ -369,26 +404,42 @@ __device__ inline bool wait_published(const RingDescriptor& d, int chunk_idx, in
 // One thread, after the acquire of `src_rank`'s route readiness of chunk `chunk_idx` at generation
 // `expected_gen` (wait_ready or wait_published(route) returned true; in another thread of the block, with
 // the __syncthreads that ends those waits in between): whether the slot's meta row names that chunk and
-// generation (kMetaChunkIdx, kMetaPayloadGen, written by write_meta before the route publication). On a
-// mismatch (a slot overwritten while in use, or ranks whose call sequences diverged) it records
-// kErrorStalePayload (peer = src_rank, expected = expected_gen, observed = the payload generation found,
-// missing = the chunk index found), aborts the ring, and returns false: do not use the payload.
-__device__ inline bool check_payload(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected_gen) {
+// generation (kMetaChunkIdx, kMetaPayloadGen) and this PE's call (kMetaCallId == `expected_id`, this PE's
+// expected_call(d, layer)), all written by write_meta before the route publication. On another chunk or
+// generation (a slot overwritten while in use) it records kErrorStalePayload (peer = src_rank, expected =
+// expected_gen, observed = the payload generation found, missing = the chunk index found); on another call
+// (the ranks' call sequences diverged: the same generations from another layer's or another call's
+// publication) kErrorCallMismatch (expected = expected_id, observed = the identity found); either aborts the
+// ring and returns false: do not use the payload. One more word read than the generation check alone.
+__device__ inline bool check_payload(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected_gen,
+                                     uint64_t expected_id) {
     const int slot = slot_of(chunk_idx, d.num_slots);
     int64_t* meta_local = meta_of(d, slot);
     const int64_t* meta = peer_ptr(d, meta_local, src_rank);
-    int64_t gen, idx;
+    int64_t gen, idx, id;
     if (meta != nullptr) {
         gen = static_cast<int64_t>(ld_relaxed_sys(reinterpret_cast<const uint64_t*>(meta + kMetaPayloadGen)));
         idx = static_cast<int64_t>(ld_relaxed_sys(reinterpret_cast<const uint64_t*>(meta + kMetaChunkIdx)));
+        id = static_cast<int64_t>(ld_relaxed_sys(reinterpret_cast<const uint64_t*>(meta + kMetaCallId)));
     } else {
         gen = nvshmem_int64_g(meta_local + kMetaPayloadGen, src_rank);
         idx = nvshmem_int64_g(meta_local + kMetaChunkIdx, src_rank);
+        id = nvshmem_int64_g(meta_local + kMetaCallId, src_rank);
     }
-    if (static_cast<uint64_t>(gen) == expected_gen && idx == chunk_idx) return true;
-    record_error(d, kErrorStalePayload, src_rank, slot, chunk_idx, expected_gen, static_cast<uint64_t>(gen),
-                 static_cast<uint64_t>(idx));
-    return false;
+    if (static_cast<uint64_t>(gen) != expected_gen || idx != chunk_idx) {
+        record_error(d, kErrorStalePayload, src_rank, slot, chunk_idx, expected_gen, static_cast<uint64_t>(gen),
+                     static_cast<uint64_t>(idx));
+        return false;
+    }
+    if (static_cast<uint64_t>(id) != expected_id) {
+        record_error(d, kErrorCallMismatch, src_rank, slot, chunk_idx, expected_id, static_cast<uint64_t>(id), 0);
+        return false;
+    }
+    return true;
+}
+// check_payload of layer 0 (the write_meta overload without an identity).
+__device__ inline bool check_payload(const RingDescriptor& d, int chunk_idx, int src_rank, uint64_t expected_gen) {
+    return check_payload(d, chunk_idx, src_rank, expected_gen, expected_call(d, 0));
 }
 
 // Block-level: acknowledge `src_rank`'s slot of chunk `chunk_idx` after this PE's last read of it

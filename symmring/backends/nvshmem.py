@@ -2,15 +2,17 @@
 
 `NvshmemBackend` implements `symmring.backends.base.DeviceBackend` through nvshmem4py:
 
-* the CUDA runtime is initialised on the PE's device first, then NVSHMEM: ``emulated_mpi`` under mpirun
-  (rank 0 makes a unique id and broadcasts it over mpi4py; works with Open MPI and MPICH alike) or
-  ``uid`` in a single process;
+* the CUDA runtime is initialised on the PE's device first, then NVSHMEM from a unique id
+  (``initializer_method="uid"``): rank 0 makes it and sends it to every rank in a bounded exchange of the
+  context's collectives, over MPI (mpirun) or a torch.distributed group (torchrun, a subgroup: one NVSHMEM
+  job per group), as DeepEP does over its group; NVSHMEM's own MPI bootstrap is never used (the wheel's
+  plugin is built for Open MPI only);
 * one GPU per local rank, or several PEs on one GPU when a node has more ranks than GPUs (logged;
   kernels of different PEs then run concurrently only under CUDA MPS -- see `symmring.launch`);
 * the GPU environment policy of `symmring.env.GPU_ENV` (``NVSHMEM_DISABLE_NVLS=1``,
   ``CUDA_MODULE_LOADING=EAGER``, ...) is applied unless the user set the variables, before the first
-  CUDA call; ``NVSHMEM_REMOTE_TRANSPORT=none`` only once the job's nodes are counted (an MPI
-  shared-memory split, before NVSHMEM init) and there is one: across nodes NVSHMEM picks its remote
+  CUDA call; ``NVSHMEM_REMOTE_TRANSPORT=none`` only once the job's nodes are counted (every rank's host
+  name, before NVSHMEM init) and there is one: across nodes NVSHMEM picks its remote
   transport, and the backend logs which (`node_env`);
 * nvshmem4py's own prints are kept out of the user's output;
 * allocations come from the symmetric heap (``nvshmem_malloc``); `view` gives zero-copy CuPy arrays of
@@ -31,6 +33,8 @@ import contextlib
 import io
 import logging
 import os
+import re
+import socket
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -39,6 +43,8 @@ import numpy as np
 from .. import deps, env
 from ..collective import Collectives
 from ..errors import BackendError, BrokenStateError, ConfigError, PeerTimeout, RingClosedError
+from ..launch import node_local_rank
+from ..world import local_rank
 from .base import CMP, DeviceBackend, LoadedModule, SymmetricAllocation
 
 logger = logging.getLogger(__name__)
@@ -76,7 +82,7 @@ def gpu_available() -> bool:
 
 
 def count_nodes(local_rank: int, collectives: Collectives) -> int:
-    """The job's number of nodes: the ranks whose node-local rank (MPI shared-memory split) is 0.
+    """The job's number of nodes: the ranks whose node-local rank (`symmring.world.local_rank`) is 0.
     Collective over ``collectives`` (bounded)."""
     return sum(1 for leader in collectives.allgather(local_rank == 0, what="nvshmem backend: node count")
                if leader)
@@ -182,11 +188,12 @@ class NvshmemBackend(DeviceBackend):
     """Symmetric memory and 64-bit signals over GPU PEs (NVSHMEM through nvshmem4py).
 
     Args:
-        comm: mpi4py communicator of the job (default ``MPI.COMM_WORLD``; `symmring.mpi`'s world of one
-            without an MPI library).
-        device_id: CUDA device of this PE (default: local rank modulo the visible GPUs).
-        collectives: the bounded host collectives over ``comm`` (the context's); None makes the backend
-            its own, bounded by ``SYMMRING_TIMEOUT_S``.
+        world: mpi4py communicator or torch.distributed ProcessGroup of the PEs (default: the launcher's,
+            `symmring.world.resolve`).
+        device_id: CUDA device of this PE (default: the launcher's node-local rank -- torchrun's
+            ``LOCAL_RANK``, MPI's -- else the rank's place among the PEs of its host, modulo the visible GPUs).
+        collectives: the bounded host collectives over ``world`` (the context's); None makes the backend
+            its own, bounded by ``SYMMRING_HOST_TIMEOUT_S``.
 
     Raises:
         BackendError: CuPy, nvshmem4py, the nvidia-nvshmem wheel or a GPU is missing, or NVSHMEM failed
@@ -202,32 +209,29 @@ class NvshmemBackend(DeviceBackend):
 
     name = "nvshmem"
 
-    def __init__(self, comm=None, *, device_id: Optional[int] = None, collectives: Optional[Collectives] = None):
+    def __init__(self, world=None, *, device_id: Optional[int] = None, collectives: Optional[Collectives] = None):
         if not gpu_available():
             raise BackendError("the nvshmem backend needs a CUDA GPU, CuPy (cupy-cuda13x), nvshmem4py-cu13 and "
                                "nvidia-nvshmem-cu13; use backend='host' on machines without them")
         import cupy
         self._cupy = cupy
-        self.comm = comm if comm is not None else self._default_comm()
-        self.rank = self.comm.Get_rank() if self.comm is not None else 0
-        self.world_size = self.comm.Get_size() if self.comm is not None else 1
+        self.comm = world if world is not None else self._default_comm()
         self._owns_collectives = collectives is None
-        self.collectives = Collectives(self.comm, env.timeout_s(), what="NvshmemBackend") if collectives is None \
+        self.collectives = Collectives(self.comm, env.host_timeout_s(), what="NvshmemBackend") if collectives is None \
             else collectives
-        # Split_type and NVSHMEM's init block until every PE calls them: start them only once all are here.
+        self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        # NVSHMEM's init blocks until every PE calls it: start it only once all are here.
         self.collectives.barrier(what="nvshmem backend: init")
-        self._local_comm = None
-        if self.comm is not None and self.world_size > 1:
-            from mpi4py import MPI
-            self._local_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        # The node's own rank (MPI's shared-memory split), never the world rank: it picks the GPU.
-        self.local_rank = self._local_comm.Get_rank() if self._local_comm is not None else 0
-        local_size = self._local_comm.Get_size() if self._local_comm is not None else 1
-        self.num_nodes = count_nodes(self.local_rank, self.collectives) if self.world_size > 1 else 1
-
+        # The node's own ranks (every rank's host name), never the world rank; the launcher's node-local rank
+        # (LOCAL_RANK, MPI's) picks the GPU, so PEs of several groups of one job spread like the job's ranks.
+        hosts = self.collectives.allgather(socket.gethostname(), what="nvshmem backend: hosts")
+        self.local_rank = local_rank(hosts, self.rank)
+        local_size = hosts.count(hosts[self.rank])
+        self.num_nodes = len(set(hosts))
         num_gpus = cupy.cuda.runtime.getDeviceCount()
         if device_id is None:
-            device_id = self.local_rank % num_gpus
+            launcher = node_local_rank()
+            device_id = (launcher[0] if launcher is not None else self.local_rank) % num_gpus
         if not isinstance(device_id, int) or not 0 <= device_id < num_gpus:
             raise ConfigError(f"device_id={device_id!r}: expected an int in [0, {num_gpus}) (visible GPUs)")
         self.device_id = device_id
@@ -260,18 +264,19 @@ class NvshmemBackend(DeviceBackend):
                 logging.getLogger("nvshmem").setLevel(logging.WARNING)
                 dev = _cuda_core_device(device_id)
                 dev.set_current()
-                if self.world_size > 1:
-                    nvshmem_core.init(device=dev, mpi_comm=self.comm, initializer_method="emulated_mpi")
-                else:
-                    uid = nvshmem_core.get_unique_id()
-                    nvshmem_core.init(device=dev, uid=uid, rank=0, nranks=1, initializer_method="uid")
+            uid = self._unique_id(nvshmem_core)
+            with quiet_nvshmem():
+                nvshmem_core.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size,
+                                  initializer_method="uid")
+        except (PeerTimeout, BrokenStateError):
+            raise
         except Exception as exc:
             raise BackendError(f"NVSHMEM initialisation failed on rank {self.rank} ({self.device}): {exc}") from exc
         self._nvshmem = nvshmem_bindings
         self._nvshmem_core = nvshmem_core
         if nvshmem_bindings.my_pe() != self.rank or nvshmem_bindings.n_pes() != self.world_size:
             raise BackendError(f"NVSHMEM PE {nvshmem_bindings.my_pe()}/{nvshmem_bindings.n_pes()} does not match "
-                               f"MPI rank {self.rank}/{self.world_size}")
+                               f"rank {self.rank}/{self.world_size}")
         self._modules: List[NvshmemModule] = []
         self._library: Dict[str, NvshmemModule] = {}
         self._allocs: Dict[int, NvshmemAllocation] = {}
@@ -282,8 +287,21 @@ class NvshmemBackend(DeviceBackend):
 
     @staticmethod
     def _default_comm():
-        from .. import mpi
-        return mpi.load().COMM_WORLD  # a world of one without an MPI library
+        from .. import world
+        return world.resolve(timeout_s=env.host_timeout_s())  # the launcher's ranks (symmring.world)
+
+    def _unique_id(self, nvshmem_core):
+        """NVSHMEM's unique id of this job: made on rank 0, sent to every rank in a bounded exchange of its
+        bytes (over MPI or the torch group alike: one NVSHMEM job per communicator or group). Once the
+        exchange completed every rank is there, so NVSHMEM's own (blocking) bootstrap starts with all."""
+        import numpy as np
+        uid = nvshmem_core.get_unique_id(empty=self.rank != 0)
+        raw = uid._data.view(np.uint8)
+        root = self.collectives.allgather(raw.tobytes() if self.rank == 0 else None,
+                                          what="nvshmem backend: unique id")[0]
+        if self.rank != 0:
+            raw[:] = np.frombuffer(root, dtype=np.uint8)
+        return uid
 
     # --- device code ----------------------------------------------------------------------------------
 
@@ -296,7 +314,7 @@ class NvshmemBackend(DeviceBackend):
         self._check_open()
         from .. import jit
         os.environ.setdefault("CUPY_CACHE_DIR", str(env.cache_dir() / "cupy"))
-        path = jit.compile_on_node(source, name=name, cc=self.compute_capability, local_comm=self._local_comm,
+        path = jit.compile_on_node(source, name=name, cc=self.compute_capability, local_rank=self.local_rank,
                                    extra_options=extra_options, collectives=self.collectives)
         # cupy.cuda.function.Module: the CUmodule itself (ptr), loaded eagerly, so cumodule_init can see it.
         module = self._cupy.cuda.function.Module()
@@ -304,6 +322,11 @@ class NvshmemBackend(DeviceBackend):
         loaded = NvshmemModule(name, path, module)
         with quiet_nvshmem():
             self._nvshmem.cumodule_init(loaded.ptr)
+        # Every kernel resolved now, while nothing of ours spins: with lazy loading (CUDA_MODULE_LOADING=LAZY,
+        # CUDA's default, in effect when CUDA started before the GPU environment policy applied) a function
+        # loads at its first cuModuleGetFunction, which may wait for the running kernels (a spinning wait).
+        for kernel in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', source):
+            loaded.function(kernel)
         self._modules.append(loaded)
         return loaded
 
@@ -502,16 +525,13 @@ class NvshmemBackend(DeviceBackend):
         self._finalized = True
         with quiet_nvshmem():
             self._nvshmem_core.finalize()
-        if self._local_comm is not None:
-            self._local_comm.Free()
-            self._local_comm = None
         if self._owns_collectives:
             self.collectives.close()
 
     def _drop(self) -> None:
         """Finalize without any collective call (after broken collectives): the allocations are dropped,
         nvshmem_free and nvshmem_finalize never run (each waits for every PE), NVSHMEM goes with the process
-        (which aborts the MPI job at exit: `symmring.collective`)."""
+        (which ends the job at exit: `symmring.collective`)."""
         self._finalized = True
         for alloc in self._allocs.values():
             alloc.freed = True

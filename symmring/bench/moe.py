@@ -228,7 +228,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
             if plain is not None:
                 torch_ms = statistics.median(_timed(lambda: plain.forward(x, router_weight=router), reps))
             for engine, moe in layers.items():
-                ctx.comm.Barrier()
+                ctx.collectives.barrier(what="bench: timing")
                 hits = moe.graph_cache_info()["hits"]
                 layer_ms = statistics.median(_timed(lambda: moe.forward(x, router_weight=router), reps))
                 moe.check_errors()
@@ -236,7 +236,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 eager_cached = moe.graph_cache_info()["hits"] - hits >= reps
                 eager_nocache_ms = None
                 if eager_cached:  # the same calls launched kernel by kernel, side by side
-                    ctx.comm.Barrier()
+                    ctx.collectives.barrier(what="bench: timing")
                     eager_nocache_ms = statistics.median(
                         _timed(lambda: moe.forward(x, router_weight=router, graph_cache=False), reps))
                     moe.check_errors()
@@ -294,7 +294,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                         logger.warning("%s %s n=%d: graph capture failed: %s", name, engine, n, exc)
                 row["small_batch"] = bool(moe.last_plan.small_batch)
                 if row["small_batch"]:  # the general schedule on the same inputs, side by side
-                    ctx.comm.Barrier()
+                    ctx.collectives.barrier(what="bench: timing")
                     row["general_ms"] = statistics.median(
                         _timed(lambda: moe.forward(x, router_weight=router, small_batch=False), reps))
                     if graphs:

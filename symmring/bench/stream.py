@@ -114,7 +114,7 @@ def bench_shape(ctx, name: str, tokens: List[int], configs: List[Dict], repeats:
             try:
                 for n in sizes:
                     reps = repeats if n <= 4096 else max(3, repeats // 2)
-                    ctx.comm.Barrier()
+                    ctx.collectives.barrier(what="bench: timing")
                     fns = [_call(batch, xs[n], router, graphs, use_graph, streaming=False),
                            _call(streamed, xs[n], router, graphs, use_graph, streaming=True)]
                     t_batch, t_stream = _interleaved(fns, reps)
@@ -265,7 +265,7 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
             start.record()
             for chunk in plan.chunks:
                 stages.produce_chunk(k, state, p_stream, chunk=chunk, x=x, route=route, topk_idx=idx,
-                                     topk_weights=weights)
+                                     topk_weights=weights, layer=moe.layer_id)
             end.record()
         end.synchronize()
         torch.cuda.synchronize()  # the probe ends by its bound

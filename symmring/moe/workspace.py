@@ -18,6 +18,23 @@ layer first, then capture, as a server does. On CPUs the rings and the combine b
 within a call (collectively). Layers of different shapes share the pool and combine bytes; each distinct
 shape has its ring (layers of one shape share it, and its generations keep growing across their calls).
 
+Calls are agreed, not assumed: every call of a layer carries an identity every rank must share
+(`symmring.protocol.call_identity`: the workspace's call number and the layer's id, given in construction order
+and agreed when the layer is built). Outside a `step` the call's exchange carries it (a `CallMismatch` on every
+rank before anything is enqueued); inside one every slot's meta row carries it and the consumer checks it (a
+named device error, every output NaN, raised on every rank at the next step's entry). A call refused on one
+rank inside a step (its arguments failed a check only it could see) still counts as a call there and stops
+the others' (`symmring.errors.CallRefused`), and a step that a refusal or an exception left is raised on every
+rank at the next step's entry (`symmring.errors.StepFailed`): no rank returns rows paired with another
+call's. `reset` (collective) is the way back from any of these.
+
+Serving (GPU): ``with ws.step(n):`` raises, on every rank, any device error latched on any rank and any step
+that failed; inside it ``ws.set_call_tokens(n)`` then ``ws.replay(graph)`` replays a graph captured over a
+step (`capture`), ordered after the last call and checked against the latch without a synchronisation.
+
+Thread safety: none. A workspace, its layers and its context belong to one thread (the one that makes the
+calls; every call is collective in call order, which two threads would interleave differently on each rank).
+
 Example:
     >>> import symmring
     >>> ctx = symmring.init("host")
@@ -39,9 +56,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..closing import Closing
-from ..errors import BrokenStateError, ConfigError, RingClosedError
+from ..errors import BrokenStateError, ConfigError, RingClosedError, StepFailed
 from ..layout import ALIGN, RingSpec, align_up
-from ..protocol import AckPolicy
+from ..protocol import AckPolicy, call_identity
 from .workspace_plan import REGIONS, LayerShape, WorkspacePlan, plan
 
 log = logging.getLogger(__name__)
@@ -51,6 +68,11 @@ MAX_HOST_RINGS = 8
 _WORD_BYTES = 8
 
 
+def _torch():
+    import torch
+    return torch
+
+
 def _token_count(value) -> int:
     """``value`` as a token count (an int >= 0), else a ConfigError naming ``num_tokens``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -58,20 +80,48 @@ def _token_count(value) -> int:
     return int(value)
 
 
+#: What a rank is told to do after a failed step or a diverged call (every error of `Workspace.step` names it).
+RESET_ADVICE = "call reset() on every rank (collective: Workspace.reset, or a layer's reset) before the next step"
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What a `Workspace.step` exchanged: every rank's ``counts``, whether every rank routes with its layers'
-    own routers (``distinct``), and every rank's latched device error words (None where none)."""
+    """What a `Workspace.step` exchanged: every rank's ``counts`` and whether every rank routes with its layers'
+    own routers (``distinct``). (Every rank's latched device errors were exchanged too, and raised at entry.)"""
 
     counts: Tuple[int, ...]
     distinct: bool
-    latched: Tuple
 
     def bucket(self, cap: int) -> int:
         """The token bucket of the step's largest count, at most ``cap`` (`symmring.moe.gpu.plan.token_bucket`); a GPU
         layer also keeps it within its ring's whole chunks (`symmring.moe.gpu.MoE._bucket`)."""
         from .gpu.plan import token_bucket
         return token_bucket(max(self.counts), cap)
+
+
+def step_error(rank: int, entries, decode) -> Optional[BaseException]:
+    """The error every rank raises at a step's entry from the step's exchanged ``entries`` (each rank's count,
+    routing, latched device error words, calls made and failure text; the same list on every rank), or None:
+    a latched device error first (this rank's own, decoded from its words by ``decode``; else a
+    `ProtocolAborted` naming the first rank that latched one), then a `StepFailed` naming every rank that
+    reported a failed step, or that entered after another number of calls than this rank.
+
+    Example:
+        >>> entries = [(4, True, None, 7, None), (4, True, None, 7, "ConfigError left the step: x.shape")]
+        >>> print(step_error(0, entries, decode=None))  # doctest: +ELLIPSIS
+        rank 0: a model step failed on rank(s) [1] (rank 1: ConfigError left the step: x.shape); call reset()...
+        >>> step_error(1, [(4, True, None, 7, None)] * 2, decode=None) is None
+        True
+    """
+    from ..kernels import exchanged_error
+    latched = [e[2] for e in entries]
+    if any(words is not None for words in latched):
+        return exchanged_error(rank, latched, decode)
+    calls = entries[rank][3]
+    failures = {r: e[4] for r, e in enumerate(entries) if e[4]}
+    failures.update({r: f"entered the step after {e[3]} calls, rank {rank} after {calls}"
+                     for r, e in enumerate(entries) if e[3] != calls and r not in failures})
+    return StepFailed(rank, failures, RESET_ADVICE) if failures else None
 
 
 class Workspace(Closing):
@@ -106,8 +156,13 @@ class Workspace(Closing):
         self.pool_rows_override = None if pool_rows is None else int(pool_rows)
         self.shapes: Tuple[LayerShape, ...] = ()
         self.plan: Optional[WorkspacePlan] = None
-        self.calls = 0  # calls made on it
+        # Calls of its layers (refused ones too), the same on every rank: the number of every call's identity
+        # (`call_identity`); `reset` zeroes it.
+        self.calls = 0
+        self._layer_ids = 0  # layers built on it (their ids, in construction order)
+        self._step_failure: Optional[str] = None  # this rank: what failed in a step (exchanged at the next entry)
         self.epoch = 0  # GPU: bumped each time the memory is made anew (a graph captured before cannot replay)
+        self._graphs = _GraphEpochs()  # GPU: the memory each captured graph addresses (`capture`, `replay`)
         self._layers: List["weakref.ref"] = []  # GPU layers attached (their views and graphs follow the memory)
         self.closed = False
         self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
@@ -161,15 +216,22 @@ class Workspace(Closing):
         if self._device is not None:
             # The layers attached so far get their views of the new memory; what addressed the old memory
             # goes: their cached graphs and plans now, graphs captured by hand at their replay (`epoch`).
-            for layer in self.layers():
-                layer.forget_workspace_memory()
-            import torch
-            torch.cuda.synchronize()  # no kernel of an earlier call still uses the memory freed below
+            self.release_memory()
             requests = self._device.requests
             self._device.close()
         self._device = DeviceMemory(self, self.plan)
         self.epoch += 1
         self._device.rebind(requests)
+
+    def release_memory(self) -> None:
+        """Before GPU memory of this workspace is freed or moves (`attach` makes it anew; `DeviceMemory` grows a
+        part of it): synchronise the device, so no queued call or graph replay still uses it, and drop what the
+        layers attached so far keep that addresses it (their cached graphs and plans). The caller then bumps
+        `epoch`, so a graph of `symmring.moe.gpu.MoE.capture` refuses to replay."""
+        for layer in self.layers():
+            layer.forget_workspace_memory()
+        import torch
+        torch.cuda.synchronize()
 
     @property
     def _bounded(self) -> bool:
@@ -194,9 +256,34 @@ class Workspace(Closing):
             return self.pool_rows_override
         return sys.maxsize  # CPU without a token bound: the pool grows to each chunk's arrivals
 
+    @property
+    def failed(self) -> bool:
+        """Whether a call or a step failed on this rank since the last `reset` (`failure`, or a step that a refused
+        call or an exception left, not yet raised at a step's entry)."""
+        return self.failure is not None or self._step_failure is not None
+
+    def new_layer_id(self) -> int:
+        """The id of a layer being built on this workspace: its place in construction order (every rank builds
+        its layers in the same order; the layer's construction agreement checks it). The layer part of its calls'
+        identities (`call_identity`)."""
+        layer_id, self._layer_ids = self._layer_ids, self._layer_ids + 1
+        return layer_id
+
+    def call_identity(self, layer_id: int) -> int:
+        """The identity of the next call, a call of layer ``layer_id`` (`call_identity` of `calls`)."""
+        return call_identity(self.calls, layer_id)
+
     def begin_call(self) -> None:
         """A layer starts a call on this workspace (counted in `calls`)."""
         self.check_open()
+        self.calls += 1
+
+    def refuse_call(self, layer_id: int, error: BaseException) -> None:
+        """This rank refused a call of layer ``layer_id`` inside a step (its arguments failed a check no other rank
+        could see): it still counts as a call here, so this rank's later calls keep their numbers, and the step is
+        marked failed (raised on every rank at the next step's entry, `step`)."""
+        if self._step_failure is None:
+            self._step_failure = f"refused call #{self.calls} of layer {layer_id}: {error}"
         self.calls += 1
 
     # --- model steps ----------------------------------------------------------------------------------------
@@ -204,15 +291,23 @@ class Workspace(Closing):
     @contextlib.contextmanager
     def step(self, num_tokens: int, *, own_router: bool = True):
         """One model step (a forward of every layer) with ONE bounded host exchange for all its MoE calls:
-        every rank's token count, whether every rank routes with the layers' own routers, and every rank's
-        latched device error (as vLLM exchanges its data-parallel token counts once per step). Collective:
-        every rank enters the step. Inside it the GPU layers' `forward` exchanges nothing: every rank plans
-        its calls for the same token bucket (`symmring.moe.gpu.plan.token_bucket` of the largest count), and
-        each rank's exact count goes to the device.
+        every rank's token count, whether every rank routes with the layers' own routers, every rank's latched
+        device error, call count and step failure (as vLLM exchanges its data-parallel token counts once per
+        step). Collective: every rank enters the step. Inside it the GPU layers' `forward` exchanges nothing:
+        every rank plans its calls for the same token bucket (`symmring.moe.gpu.plan.token_bucket` of the largest
+        count), and each rank's exact count goes to the device; each call's identity travels in the ring's meta
+        rows instead (module docstring).
+
+        At entry every rank raises the same kind of error when any rank has one to report, so a serving loop
+        learns of it on every rank in the same step: a device error latched on any rank (this rank's own, named;
+        `ProtocolAborted` naming the first rank that latched one elsewhere), or a failed step (`StepFailed`: an
+        exception left an earlier step on some rank, a call inside it was refused there, or the ranks entered
+        after different numbers of calls). Both stay until `reset`. An exception that leaves the step marks it
+        failed on this rank.
 
         Args:
             num_tokens: this rank's tokens in every MoE call of the step (a call may have fewer; more is a
-                `ConfigError`).
+                `ConfigError`, and refuses that call, `refuse_call`).
             own_router: every call of the step routes with the layer's router (``router_weight`` or
                 ``logits``: distinct experts per token, a tighter bound for the engines); False when some
                 call passes ``topk_idx``.
@@ -222,6 +317,8 @@ class Workspace(Closing):
 
         Raises:
             ConfigError: a bad argument, or a step inside a step (before any exchange).
+            ProtocolTimeout, ProtocolViolation (their subclasses): a device error latched on any rank.
+            StepFailed: an earlier step failed on some rank.
             PeerTimeout, BrokenStateError: as the context's exchanges.
 
         Example:
@@ -233,18 +330,37 @@ class Workspace(Closing):
             raise ConfigError(f"own_router={own_router!r}: expected a bool")
         if self.active_step is not None:
             raise ConfigError("Workspace.step: a step is already open (steps do not nest)")
-        self.check_open()
+        self.ctx.check_open()
+        if self.closed:
+            raise RingClosedError("this workspace was closed (its layers can no longer run)")
         latched = None if self._device is None else self._device.latched()
-        triples = [(num_tokens, own_router, latched)] if self.world_size == 1 else \
-            self.ctx.collectives.allgather((num_tokens, own_router, latched), what="Workspace.step",
-                                           timeout_s=self.ctx.timeout_s)
-        counts = tuple(int(c) for c, _, _ in triples)
-        self.active_step = Step(counts=counts, distinct=all(bool(r) for _, r, _ in triples),
-                                latched=tuple(e for _, _, e in triples))
+        mine = (num_tokens, own_router, latched, self.calls, self._failure_text())
+        entries = [mine] if self.world_size == 1 else \
+            self.ctx.collectives.allgather(mine, what="Workspace.step")
+        error = step_error(self.rank, entries, None if self._device is None else self._device.decode_latched)
+        if isinstance(error, StepFailed):
+            self.failure = error  # every rank: until reset
+        elif error is not None:
+            self.ctx.collectives.record_fault(error)  # a device error: exiting now aborts rather than hangs
+        if error is not None:
+            raise error
+        self.active_step = Step(counts=tuple(int(e[0]) for e in entries), distinct=all(bool(e[1]) for e in entries))
         try:
             yield self.active_step
+        except BaseException as exc:
+            if self._step_failure is None:
+                self._step_failure = f"{type(exc).__name__} left the step: {exc}"
+            raise
         finally:
             self.active_step = None
+
+    def _failure_text(self) -> Optional[str]:
+        """What this rank reports at a step's entry: a failed step, or the workspace's failure, or None."""
+        if self._step_failure is not None:
+            return self._step_failure
+        if isinstance(self.failure, StepFailed):  # already reported on every rank: not its whole text again
+            return "a step failed earlier (no reset since)"
+        return None if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
 
     def set_call_tokens(self, num_tokens: int) -> None:
         """GPU: this rank's token count for the next call or replay, enqueued on the current torch stream (a
@@ -256,6 +372,80 @@ class Workspace(Closing):
         if self._device is None:
             raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
         self._device.begin_call(num_tokens)
+
+    # --- captured steps (GPU) -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self, graph, **graph_kwargs):
+        """Capture the layers' calls made inside the block into ``graph`` (a ``torch.cuda.CUDAGraph``;
+        ``graph_kwargs``: ``torch.cuda.graph``'s ``pool``, ``stream``, ...), registered with the workspace memory
+        it addresses, so `replay` refuses it once the workspace grew. Every rank captures the same calls.
+
+        Example:
+            >>> graph = torch.cuda.CUDAGraph()                                     # doctest: +SKIP
+            >>> with ws.step(n, own_router=True), ws.capture(graph):               # doctest: +SKIP
+            ...     y = model(x)
+        """
+        with self._graphs.capturing(graph, self.epoch):
+            with _torch().cuda.graph(graph, **graph_kwargs):
+                yield graph
+
+    def note_capture(self) -> None:
+        """A layer's call is being captured into a CUDA graph: outside `capture`, remember the memory's epoch (a
+        graph `replay` cannot match to its capture is refused once the workspace grew after such a capture)."""
+        self._graphs.note_layer_call(self.epoch)
+
+    def replay(self, graph, num_tokens: Optional[int] = None) -> None:
+        """Replay a CUDA graph of layer calls (`capture`; `symmring.moe.gpu.CapturedCall.replay` uses it) on the
+        current torch stream, as a call: after the last call of any layer (and with this rank's ``num_tokens``
+        set on the device first, `set_call_tokens`, when given), then marking its end, so the next eager call on
+        any stream comes after it. No synchronisation and no exchange: a device error already latched on this
+        rank is raised (a poll of host memory, as `symmring.moe.gpu.MoE.async_error`), before anything is
+        enqueued; a replay that meets a new one returns NaN rows, and the next `step` raises it on every rank.
+
+        Raises:
+            ConfigError: the workspace made its memory anew since the capture (a larger layer was built; capture
+                again), or a graph of unknown capture after such a growth (capture it through `capture`), or a
+                bad ``num_tokens``.
+            ProtocolTimeout, ProtocolViolation (subclasses): this rank's latched device error (until `reset`).
+            BrokenStateError: a failed step (until `reset`), or the context is broken.
+        """
+        self.check_open()
+        if self._device is None:
+            raise ConfigError("Workspace.replay: a GPU workspace with a layer attached")
+        self._graphs.check(graph, self.epoch)
+        error = self._device.latched_error()
+        if error is not None:
+            raise error
+        if num_tokens is None:
+            self._device.after_last_call()
+        else:
+            self._device.begin_call(_token_count(num_tokens))
+        graph.replay()
+        self._device.end_of_call()
+
+    # --- recovery -------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Collective: put every ring, the combine buffer, the error state and the call count back to their first
+        state, on every rank (after any device error, a failed step or diverged calls; every layer on the
+        workspace is usable again, and GPU graphs captured before stay valid). Works inside a step too (its later
+        calls count from 0, as on every rank).
+
+        Raises:
+            PeerTimeout: a rank did not reach the reset within the bound.
+            RingClosedError: the workspace or its context is closed.
+        """
+        self.ctx.check_open()
+        if self.closed:
+            raise RingClosedError("this workspace was closed (its layers can no longer run)")
+        if self._device is not None:
+            self._device.reset()
+        else:
+            self._host.reset()
+        self.failure = None
+        self._step_failure = None
+        self.calls = 0
 
     # --- host (CPU) memory ------------------------------------------------------------------------------
 
@@ -309,6 +499,45 @@ class Workspace(Closing):
         return (f"Workspace({self.device}, rank {self.rank}/{self.world_size}, max_tokens={self.max_tokens}, "
                 f"budget={self.budget}, shapes={len(self.shapes)}, calls={self.calls}"
                 f"{', closed' if self.closed else ''})")
+
+
+class _GraphEpochs:
+    """Which memory of a GPU workspace (its `Workspace.epoch`) each captured graph addresses: graphs of
+    `Workspace.capture` are registered when captured; a graph captured otherwise is registered at its first
+    `Workspace.replay`, unless the workspace grew since a layer call was captured outside `Workspace.capture`
+    (that graph may be one of them: refused)."""
+
+    def __init__(self):
+        self.epochs = weakref.WeakKeyDictionary()  # graph -> the epoch it addresses
+        self.raw_epochs: set = set()  # epochs at which a layer call was captured outside `capturing`
+        self.depth = 0  # inside `capturing`
+
+    @contextlib.contextmanager
+    def capturing(self, graph, epoch: int):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+        self.epochs[graph] = epoch  # only a capture that completed
+
+    def note_layer_call(self, epoch: int) -> None:
+        if not self.depth:
+            self.raw_epochs.add(epoch)
+
+    def check(self, graph, epoch: int) -> None:
+        """Raise ConfigError unless ``graph`` addresses the memory of ``epoch`` (the workspace's current one)."""
+        captured = self.epochs.get(graph)
+        if captured is None:
+            if any(e != epoch for e in self.raw_epochs):
+                raise ConfigError("Workspace.replay: this graph was not captured through Workspace.capture, and the "
+                                  "workspace grew (made its memory anew) after a layer call was captured outside "
+                                  "it: the graph may address freed memory; capture it again inside "
+                                  "Workspace.capture(graph)")
+            self.epochs[graph] = captured = epoch
+        if captured != epoch:
+            raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
+                              "new); capture it again, or build every layer before capturing")
 
 
 class _HostMemory:
@@ -365,6 +594,18 @@ class _HostMemory:
         if self.pool.size < rows * hidden:
             self.pool = np.empty(rows * hidden, np.float32)
         return self.pool[: rows * hidden].reshape(rows, hidden)
+
+    def reset(self) -> None:
+        """Collective: every ring and the combine ready words back to their first state (`symmring.ring.Ring.clear`,
+        local stores only, between two bounded barriers: no rank is inside a call while another clears)."""
+        backend = self.ctx.backend
+        backend.barrier(what="Workspace.reset: every rank out of its calls")
+        for ring in self.rings.values():
+            ring.clear()
+        if self.combine is not None:
+            backend.view(self.combine, self.ctx.rank, 0, np.uint64, (self.ctx.world_size,))[:] = 0
+        self.combine_base = 0
+        backend.barrier(what="Workspace.reset: rings cleared")  # its fences order the stores before any use
 
     def memory(self) -> Dict[str, int]:
         return {"ring": sum(ring.allocation.nbytes for ring in self.rings.values()),

@@ -60,9 +60,11 @@ SMALL_GROUP_ROWS = 64
 #: fp8 scale group (channels per scale).
 SF_GROUP = 128
 #: int32 arrays of one word per local expert a layer shape's dispatch keeps (counts, begin, group_end, cursor,
-#: the pass's group ends) and its fixed int32 words (total, status, 5 grid counters, 4 bad-id words).
+#: the pass's group ends) and its fixed int32 words (total, status, 5 grid counters, 4 bad-id words); an fp8 pool's
+#: shape also keeps the grouped GEMMs' report of skipped group ids (2 int32 words, `stages.State.bad_groups`).
 _EXPERT_ARRAYS = 5
 _FIXED_WORDS = 11
+_FP8_WORDS = 2
 #: int64 timeline stamps per chunk (symmring.moe.gpu.timeline.num_stamps: 2 per stage, 7 stages).
 _STAMPS_PER_CHUNK = 14
 
@@ -288,7 +290,8 @@ def dispatch_words_bytes(shape: LayerShape, world_size: int, num_slots: int, max
     fixed words, the window's token bases [slots][ranks] and the timeline stamps)."""
     local = max(1, shape.num_experts // world_size)
     max_chunks = -(-max_tokens // tokens_per_slot)
-    return 4 * (_EXPERT_ARRAYS * local + _FIXED_WORDS) + 8 * max(1, num_slots) * world_size \
+    fixed = _FIXED_WORDS + (_FP8_WORDS if shape.expert_format == "fp8" else 0)
+    return 4 * (_EXPERT_ARRAYS * local + fixed) + 8 * max(1, num_slots) * world_size \
         + 8 * _STAMPS_PER_CHUNK * max_chunks
 
 

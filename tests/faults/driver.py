@@ -1,7 +1,8 @@
 """One host-side fault in an MPI job, on the CPU layer, the Ring, the GPU layer or the device ring.
 
 Run on every rank: ``mpiexec -n 3 python tests/faults/driver.py SUBJECT FAULT OUTDIR`` with
-``SYMMRING_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m symmring.launch -n N --mps --``
+``SYMMRING_TIMEOUT_S`` and ``SYMMRING_HOST_TIMEOUT_S`` set (the bound); the GPU subjects under ``python -m
+symmring.launch -n N --mps --``
 (tests/test_faults.py and tests/gpu/test_layer_faults.py run it). The faulty rank is the last one; after a
 clean warm-up call and a barrier, every rank starts one more call, and the faulty rank instead
 
@@ -29,10 +30,15 @@ after the stalled chunk): a timed-out wait for acknowledgements (``reuse``) woul
 word that names the waiting PE, not the one it waited for.
 
 Every rank that gets an error writes ``OUTDIR/rank<r>.json`` (error type, text, the peer, origin and
-missing ranks it names, seconds from the start of the call), waits ``GRACE_S`` so that every other survivor
-reaches its own deadline before the first abort ends the job, then exits with status 3 -- which goes
-through symmring's abort at exit (the ranks are out of step), not through ``MPI_Finalize``, and runs no
-collective teardown (no ``nvshmem_free``/``nvshmem_finalize``, which would wait for the faulty rank).
+missing ranks it names, seconds from the start of the call) and exits with status 3 at once -- which goes
+through symmring's exit hook (the ranks are out of step): it marks this rank's exit, waits (bounded) until
+every other survivor has reported too, then ends the job (``MPI_Abort``; ``os._exit(1)`` under torchrun,
+whose agent then stops the other workers), not through ``MPI_Finalize``, and runs no collective teardown
+(no ``nvshmem_free``/``nvshmem_finalize``, which would wait for the faulty rank). The driver itself waits
+for nobody: that the other survivors still report is the exit hook's doing (`symmring.collective`).
+
+The same driver runs under torchrun (``torchrun --standalone --nproc-per-node 3 tests/faults/driver.py ...``):
+`symmring.init` joins torch.distributed's default group.
 """
 
 from __future__ import annotations
@@ -46,12 +52,16 @@ from pathlib import Path
 import numpy as np
 
 import symmring
+import symmring.world
 from symmring import protocol
+from symmring.collective import Collectives
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
 from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 #: How late the faulty rank starts (late) or how long its producer sleeps (stall): far beyond the bound.
 LATE_S = 20.0
+#: The bound of the ranks' start (before the context: imports, torchrun starting its workers).
+STARTUP_S = 120.0
 #: Chunks of the call and tokens per chunk; slots of the ring.
 NUM_CHUNKS, TOKENS_PER_SLOT, NUM_SLOTS = 8, 4, 2
 HIDDEN, INTER, NUM_EXPERTS, TOPK = 64, 16, 6, 2
@@ -188,6 +198,11 @@ def main(subject: str, fault: str, outdir: str) -> int:
     gpu = subject in ("gpu-layer", "ring-gpu")
     if subject == "gpu-layer":
         import torch  # noqa: F401 - imported first, so the nvshmem backend puts torch on the PE's device
+    # Every rank started (imports done) before the context's collectives, whose bound is the short one under
+    # test: torchrun starts its workers one by one, and on a loaded machine one may come seconds after another.
+    started = Collectives(symmring.world.resolve(timeout_s=STARTUP_S), STARTUP_S, what="driver: all started")
+    started.barrier(what="driver: all started")
+    started.close()
     ctx = symmring.init("nvshmem" if gpu else "host")
     rank, faulty = ctx.rank, ctx.world_size - 1
     make = {"layer": layer_subject, "ring": ring_subject, "gpu-layer": gpu_layer_subject,
@@ -215,11 +230,12 @@ def main(subject: str, fault: str, outdir: str) -> int:
                       typed=isinstance(exc, symmring.ProtocolTimeout))
     record["elapsed_s"] = round(time.monotonic() - start_s, 3)
     path = Path(outdir) / f"rank{rank}.json"
-    path.write_text(json.dumps(record))
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    partial.rename(path)  # whole or absent, even if the job ends under this rank
     if record["error"] is None:
         ctx.close()
         return 0
-    time.sleep(0.5 * ctx.timeout_s)  # GRACE_S: the other survivors reach their own deadlines first
     return 3
 
 

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
 
-from symmring import protocol
-from symmring.kernels import DeviceRing
-from symmring.layout import RingSpec
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: rankworld
+from rankworld import MIN, SUM, RankWorld  # noqa: E402
+
+from symmring import protocol  # noqa: E402
+from symmring.kernels import DeviceRing  # noqa: E402
+from symmring.layout import RingSpec  # noqa: E402
+
+_worlds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def ranks(ctx=None) -> RankWorld:
+    """The verdict collectives over the ranks of ``ctx`` (the current context when None; a process alone
+    without one), whichever launcher started them: made on first use, which every rank reaches at the same
+    point of the same test (they run the same tests in the same order)."""
+    from symmring.context import current
+    ctx = current() if ctx is None else ctx
+    if ctx is None:
+        return RankWorld(None, 60.0)
+    if ctx not in _worlds:
+        _worlds[ctx] = RankWorld.of(ctx)
+    return _worlds[ctx]
 
 
 def collective(test):
@@ -27,7 +47,7 @@ def collective(test):
             test(*args, **kwargs)
         except Exception as exc:  # pytest's skip/fail outcomes are BaseException and pass through
             error = exc
-        reports = MPI.COMM_WORLD.allgather(None if error is None else f"{type(error).__name__}: {error}")
+        reports = ranks().allgather(None if error is None else f"{type(error).__name__}: {error}")
         failed = {rank: report for rank, report in enumerate(reports) if report is not None}
         if failed:
             raise AssertionError(f"failed on ranks {sorted(failed)}: " +
@@ -55,12 +75,12 @@ def errors_of(kernels) -> Optional[str]:
 
 def all_ok(flag: bool) -> bool:
     """The same verdict on every rank: True only if ``flag`` holds on all of them."""
-    return bool(MPI.COMM_WORLD.allreduce(1 if flag else 0, op=MPI.MIN))
+    return bool(ranks().allreduce(1 if flag else 0, op=MIN))
 
 
 def total(value: int) -> int:
     """Sum of ``value`` over the ranks."""
-    return int(MPI.COMM_WORLD.allreduce(int(value), op=MPI.SUM))
+    return int(ranks().allreduce(int(value), op=SUM))
 
 
 def user_num_valid(rank: int, chunk: int, tokens_per_slot: int) -> int:
@@ -79,7 +99,7 @@ def chunk_data(spec: RingSpec, seed: int, src_rank: int, chunk: int, num_valid: 
     rng = np.random.default_rng([seed, src_rank, chunk])
     x_dtype = np.uint8 if spec.x_elem_bytes == 1 else np.uint16
     x = rng.integers(0, np.iinfo(x_dtype).max, size=(num_valid, spec.hidden), dtype=x_dtype, endpoint=True)
-    x_sf = rng.random((num_valid, spec.num_sf), dtype=np.float32)
+    x_sf = rng.random((num_valid, spec.num_sf), dtype=np.float32) + np.float32(2.0**-10)  # scales: > 0
     topk_idx = rng.integers(-1, spec.num_experts, size=(num_valid, spec.num_topk), dtype=np.int32)
     topk_weights = rng.random((num_valid, spec.num_topk), dtype=np.float32)
     return x, x_sf, topk_idx, topk_weights

@@ -73,18 +73,20 @@ def rel_error(y, y_ref) -> float:
 
 
 def agree(comm, ok: bool, message: str) -> Tuple[bool, str]:
-    """Every rank's verdict: all passed, and the messages of the ranks that did not (rank-tagged)."""
+    """Every rank's verdict over ``comm`` (`gpu_helpers.ranks`): all passed, and the messages of the ranks that
+    did not (rank-tagged)."""
     if comm is None or comm.Get_size() == 1:
         return ok, message
-    from mpi4py import MPI
-    all_ok = bool(comm.allreduce(1 if ok else 0, op=MPI.MIN))
+    from rankworld import MIN
+    all_ok = bool(comm.allreduce(1 if ok else 0, op=MIN))
     messages = comm.allgather(None if ok else f"rank {comm.Get_rank()}: {message}")
     return all_ok, "; ".join(m for m in messages if m)
 
 
 def verdict(ctx, ok: bool, message: str) -> None:
     """Assert on every rank that every rank passed (`agree`), naming the ranks that did not."""
-    all_ok, messages = agree(ctx.comm, ok, message)
+    from gpu_helpers import ranks
+    all_ok, messages = agree(ranks(ctx), ok, message)
     assert all_ok, messages
 
 

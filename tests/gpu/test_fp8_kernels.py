@@ -231,6 +231,36 @@ def test_grouped_gemm_default_config_strided_scales_and_errors(device):
     assert tuple(empty.shape) == (0, 256)
 
 
+@pytest.mark.parametrize("bad", [-5, 7], ids=["below-padding", "past-G"])
+@pytest.mark.parametrize("config", INTERPRETER_CONFIGS[:2], ids=lambda c: c.name)
+def test_grouped_gemm_skips_and_reports_bad_group_ids(bad, config, device):
+    """Rows whose group id lies outside [-1, G) (stale or corrupt ids; G = 4 here) are skipped: their tiles
+    read no weights and write nothing (the rows keep the sentinel), every other row is bitwise what the clean
+    layout gives, and ``bad_groups`` counts the skipped tiles and keeps the first id; without ``bad_groups``
+    they are skipped all the same."""
+    problem = make_gemm_problem([130, 0, 64, 256], 256, 384, 1024)
+    a, a_sf, b, b_sf, m_indices = [to_torch(v, device) for v in problem]
+    clean = triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, config=config)
+    corrupt = problem[4].copy()
+    hit = corrupt == 2
+    corrupt[hit] = bad
+    report = torch.zeros(2, dtype=torch.int32, device=device)
+    for given in (report, None):
+        out = torch.full_like(clean, SENTINEL)
+        triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, to_torch(corrupt, device), out=out, config=config,
+                                      bad_groups=given)
+        got = to_numpy(out).astype(np.float32)
+        assert np.all(got[hit] == SENTINEL), f"{config.name}: a row of group {bad} was written"
+        keep = torch.from_numpy(~hit & (problem[4] >= 0)).to(device)
+        assert torch.equal(out[keep], clean[keep]), f"{config.name}: a good row changed"
+    starts = np.arange(0, len(corrupt), config.block_m)
+    tiles = int(hit[starts].sum()) * -(-256 // config.block_n)
+    assert tiles > 0 and report.tolist() == [tiles, bad], (report.tolist(), tiles)
+    with pytest.raises(ConfigError, match="bad_groups"):
+        triton_large.grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, bad_groups=torch.zeros(1, dtype=torch.int32,
+                                                                                           device=device))
+
+
 def _reference_activation(h):
     """The activation formula evaluated outside the kernel: torch float32 ops on the GPU (CUDA's expf,
     each step one rounding), NumPy's float32 under the interpreter (whose tl.exp is NumPy's)."""

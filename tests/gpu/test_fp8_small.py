@@ -107,6 +107,49 @@ def test_small_gemm_bound_and_default_config(device):
     assert torch.equal(out[:16], a[:16]) and bool((out[16:20].float() == SENTINEL).all())
 
 
+def _tiles_with(mask, block_t, tiles_per_block, n_tiles, split_k):
+    """Programs of a small kernel whose tile's first row lies in ``mask`` (each reads the group there)."""
+    firsts = [blk * 128 + sub * block_t for blk in range(-(-len(mask) // 128)) for sub in range(tiles_per_block)]
+    return sum(bool(mask[r]) for r in firsts if r < len(mask)) * n_tiles * split_k
+
+
+@pytest.mark.parametrize("bad", [-5, 9], ids=["below-padding", "past-G"])
+@pytest.mark.parametrize("config", [INTERPRETER_CONFIGS[0], INTERPRETER_CONFIGS[3]], ids=lambda c: c.name)
+def test_small_kernels_skip_and_report_bad_group_ids(bad, config, device):
+    """Both small kernels skip the tiles whose first row names a group outside [-1, G) (G = 5 here): no weight
+    read past ``b``, the rows keep what they held, every other row is bitwise the clean layout's, and
+    ``bad_groups`` counts every skipped program (each split of a tile reads the group) and keeps the id."""
+    rows, N, K, total = [1, 0, 17, 3, 64], 256, 256, 1024
+    problem = make_gemm_problem(rows, N, K, total)
+    a, a_sf, b, b_sf, m_indices = _args(problem, device)
+    corrupt = problem[4].copy()
+    hit = corrupt == 2
+    corrupt[hit] = bad
+    bad_m = to_torch(corrupt, device)
+    keep = torch.from_numpy(~hit & (problem[4] >= 0)).to(device)
+    per_block = 128 // config.block_t
+    clean = triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, config=config)
+    report = torch.zeros(2, dtype=torch.int32, device=device)
+    out = torch.full_like(clean, SENTINEL)
+    triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, bad_m, out=out, config=config, bad_groups=report)
+    assert np.all(to_numpy(out).astype(np.float32)[hit] == SENTINEL), f"{config.name}: a row of group {bad} written"
+    assert torch.equal(out[keep], clean[keep]), f"{config.name}: a good row changed"
+    want = _tiles_with(hit, config.block_t, per_block, -(-N // config.block_n), config.split_k)
+    assert want > 0 and report.tolist() == [want, bad], (report.tolist(), want)
+    inter = N // 2
+    q_clean, sf_clean = triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_indices,
+                                                                         config=dataclasses.replace(config, block_n=128))
+    report.zero_()
+    q, sf = triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, bad_m, bad_groups=report,
+                                                             config=dataclasses.replace(config, block_n=128))
+    assert torch.equal(q[keep].view(torch.uint8), q_clean[keep].view(torch.uint8)) and torch.equal(sf[keep],
+                                                                                                     sf_clean[keep])
+    want = _tiles_with(hit, config.block_t, per_block, -(-inter // 128), config.split_k)
+    assert report.tolist() == [want, bad], (report.tolist(), want)
+    _sync(device)
+    _counters_zero("after skipped split tiles")
+
+
 def _fused_problem(rows, inter, K, total, seed=7):
     a_q, a_sf, b_q, b_sf, m_indices = make_gemm_problem(rows, 2 * inter, K, total, seed=seed)
     return a_q, a_sf, b_q, b_sf, m_indices

@@ -39,7 +39,7 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative, t
     ring = DeviceRing(backend, spec, timeout_s=20.0, transport=transport)
     try:
         k = ring.kernels
-        base = k.gen_base()
+        base, call = k.gen_base(), protocol.call_identity(k.call_number(), 0)
         producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
         rng = np.random.default_rng([seed, me, 99])
         inputs = {}
@@ -75,7 +75,8 @@ def _run_two_streams(backend, spec, seed, *, num_chunks, delays, conservative, t
             nv = user_num_valid(src, chunk, spec.tokens_per_slot)
             x, x_sf, idx, w = chunk_data(spec, seed, src, chunk, nv)
             meta = out["meta"].get()
-            want_meta = np.array([chunk * spec.tokens_per_slot, nv, chunk, protocol.generation(base, chunk)])
+            want_meta = np.array([chunk * spec.tokens_per_slot, nv, chunk, protocol.generation(base, chunk),
+                                  call], dtype=np.int64)
             for name, got, want in (("x", out["x"].get()[:nv], x), ("topk_idx", out["topk_idx"].get()[:nv], idx),
                                     ("topk_weights", out["topk_weights"].get()[:nv].view(np.uint32),
                                      w.view(np.uint32)), ("meta", meta, want_meta)) + (

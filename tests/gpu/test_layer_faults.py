@@ -9,7 +9,9 @@ survivors' reports (it did not wait for the faulty rank); the launcher's ``--tim
 
 Cases (about 20-30 s a job: NVSHMEM init, the JIT cache, a warm-up call): 2 PEs, the GPU layer
 (`symmring.moe.gpu.MoE`) with every fault (late, exit, hard-exit, stall) and the device ring
-(`symmring.kernels.DeviceRing`) late and stalled; 4 PEs, the GPU layer late and stalled. ``hard-exit``
+(`symmring.kernels.DeviceRing`) late and stalled; 4 PEs, the GPU layer late and stalled; and under torchrun
+(``symmring.launch --torchrun``: the PEs a torch.distributed group) 2 PEs, the GPU layer late, hard-exit and
+stalled. ``SYMMRING_HOST_TIMEOUT_S`` is the bound too (the token-count exchange's). ``hard-exit``
 (``os._exit``: no ``MPI_Finalize``) runs under MPICH with ``-disable-auto-cleanup`` (by default mpiexec kills
 every rank at once: tests/test_faults.py shows it) and is skipped under another MPI.
 
@@ -50,8 +52,10 @@ JOB_TIMEOUT_S = 240
 #: Exit status of symmring.launch past --timeout.
 TIMEOUT_STATUS = 124
 
-CASES = [(2, "gpu-layer", fault) for fault in ("late", "exit", "hard-exit", "stall")] + \
-        [(2, "ring-gpu", "late"), (2, "ring-gpu", "stall"), (4, "gpu-layer", "late"), (4, "gpu-layer", "stall")]
+CASES = [(2, "gpu-layer", fault, "mpi") for fault in ("late", "exit", "hard-exit", "stall")] + \
+        [(2, "ring-gpu", "late", "mpi"), (2, "ring-gpu", "stall", "mpi"), (4, "gpu-layer", "late", "mpi"),
+         (4, "gpu-layer", "stall", "mpi")] + \
+        [(2, "gpu-layer", fault, "torchrun") for fault in ("late", "hard-exit", "stall")]
 
 pytestmark = pytest.mark.gpu
 
@@ -60,13 +64,13 @@ def _skip_reason():
     """Why these jobs cannot run from this process, or None. Initialises no CUDA here: a process that
     initialises CUDA before the jobs' MPS daemon starts is not an MPS client."""
     try:
-        from symmring import context, deps, launch, mpi
+        from symmring import context, deps, launch, world
         from symmring.backends.nvshmem import GPU_MODULES
     except Exception as exc:  # pragma: no cover - symmring itself is importable in CI
         return f"symmring.backends.nvshmem is not importable: {exc}"
-    if mpi._launched_size()[1] > 1:
-        return ("started as one of several MPI ranks: this file launches jobs of its own; run it alone "
-                "(python -m pytest tests/gpu/test_layer_faults.py)")
+    if world.launcher_world()[1] > 1:
+        return ("started as one of several ranks (mpiexec or torchrun): this file launches jobs of its own; run it "
+                "alone (python -m pytest tests/gpu/test_layer_faults.py)")
     missing = [deps.OPTIONAL[m][0] for m in GPU_MODULES if not deps.installed(m)]
     if missing:
         return f"needs {', '.join(missing)} (pip install \"symmring[gpu]\")"
@@ -99,14 +103,17 @@ def _mpi_flavor() -> str:
     return launch.mpi_flavor(launch.find_mpirun())
 
 
-def _run(num_ranks: int, subject: str, fault: str):
-    """One job; returns (exit status, wall seconds, {rank: record}, {rank: seconds from the rank's report
-    to the end of the job}, output)."""
+def _run(num_ranks: int, subject: str, fault: str, launcher: str = "mpi"):
+    """One job (``launcher``: ``"mpi"`` or ``"torchrun"``); returns (exit status, wall seconds, {rank: record},
+    {rank: seconds from the rank's report to the end of the job}, output)."""
     outdir = tempfile.mkdtemp(prefix=f"symmring-gpu-fault-{num_ranks}-{subject}-{fault}-")
-    extra = ["--mpirun-arg=-disable-auto-cleanup"] if fault == "hard-exit" else []
+    if launcher == "torchrun":  # a worker that exits 0 leaves the others running: no flag needed
+        extra = ["--torchrun"]
+    else:
+        extra = ["--mpirun-arg=-disable-auto-cleanup"] if fault == "hard-exit" else []
     cmd = [sys.executable, "-m", "symmring.launch", "-n", str(num_ranks), "--mps", "--timeout", str(JOB_TIMEOUT_S),
            *extra, "--", "python", str(DRIVER), subject, fault, outdir]
-    env = dict(os.environ, SYMMRING_TIMEOUT_S=str(BOUND_S), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, SYMMRING_TIMEOUT_S=str(BOUND_S), SYMMRING_HOST_TIMEOUT_S=str(BOUND_S), PYTHONUNBUFFERED="1")
     env.pop("SYMMRING_JOB_TIMEOUT_S", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     start_s = time.monotonic()
@@ -158,16 +165,17 @@ def names_rank(rec: dict, rank: int) -> bool:
         rank in (rec.get("missing_ranks") or [])
 
 
-@pytest.mark.parametrize("num_ranks, subject, fault", CASES, ids=[f"{n}pe-{s}-{f}" for n, s, f in CASES])
-def test_survivors_name_the_faulty_rank_within_the_bound(capsys, num_ranks, subject, fault):
+@pytest.mark.parametrize("num_ranks, subject, fault, launcher", CASES,
+                         ids=[f"{n}pe-{s}-{f}" + ("-torchrun" if how == "torchrun" else "") for n, s, f, how in CASES])
+def test_survivors_name_the_faulty_rank_within_the_bound(capsys, num_ranks, subject, fault, launcher):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    if fault == "hard-exit" and _mpi_flavor() != "mpich":
+    if fault == "hard-exit" and launcher == "mpi" and _mpi_flavor() != "mpich":
         pytest.skip("hard-exit needs MPICH's mpiexec -disable-auto-cleanup (another MPI kills every rank at once)")
-    case = f"{num_ranks}pe-{subject}-{fault}"
+    case = f"{num_ranks}pe-{subject}-{fault}" + ("-torchrun" if launcher == "torchrun" else "")
     faulty = num_ranks - 1
-    rc, wall_s, records, before_end, output = _run(num_ranks, subject, fault)
+    rc, wall_s, records, before_end, output = _run(num_ranks, subject, fault, launcher)
     _report(capsys, case, rc, wall_s, records, before_end, faulty)
     problems = []
     if rc == TIMEOUT_STATUS:

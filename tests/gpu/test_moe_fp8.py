@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from moe_helpers import gpu_layer_torch  # noqa: E402
+from gpu_helpers import ranks  # noqa: E402
 
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
@@ -116,8 +117,8 @@ def test_fp8_experts_vs_reference(ctx, engine, num_tokens, topk):
     finally:
         moe.close()
     if ctx.world_size > 1:
-        err_sq, ref_sq = ctx.comm.allreduce(err_sq), ctx.comm.allreduce(ref_sq)
-        finite = bool(ctx.comm.allreduce(int(finite)) == ctx.world_size)
+        err_sq, ref_sq = ranks(ctx).allreduce(err_sq), ranks(ctx).allreduce(ref_sq)
+        finite = bool(ranks(ctx).allreduce(int(finite)) == ctx.world_size)
     err = (err_sq / ref_sq) ** 0.5
     message = f"{engine} n={num_tokens} top-{topk}: relative error {err:.3e} (<= {REL_TOL})"
     print(f"[figure] fp8 vs float64 reference: {message}")
@@ -315,7 +316,7 @@ def test_out_of_range_expert_id_is_named_and_the_next_call_works(ctx, engine):
         except ConfigError as exc:
             if "1000000" not in str(exc) or "token 17" not in str(exc):
                 problems.append(f"message does not name the id and token: {exc}")
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         y = moe.forward(x, topk_idx=idx, topk_weights=w)
         moe.check_errors()  # the record was cleared: the valid call raises nothing
         if not torch.equal(y.view(torch.int16), y_before.view(torch.int16)):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from moe_helpers import gpu_layer_torch  # noqa: E402
+from gpu_helpers import ranks  # noqa: E402
 
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
@@ -361,11 +362,11 @@ def test_small_batch_completes_beside_a_kernel_holding_the_sms(ctx):
     timeout, bitwise the general schedule. The fused combine's grid (`stages.spin_blocks`: 66 blocks on an H200)
     is then far from resident at once; before its blocks took the scatter from a ticket counter, the resident
     ones waited for the arrival of blocks that could not start and the call timed out (docs/PROTOCOL.md 9.2)."""
-    one_pe_per_gpu, _ = agree(ctx.comm, ctx.backend.pes_per_gpu == 1, "")
+    one_pe_per_gpu, _ = agree(ranks(ctx), ctx.backend.pes_per_gpu == 1, "")
     if not one_pe_per_gpu:
         pytest.skip("several PEs share a GPU: each one's holding kernel would starve the others")
     holder = SmHolder(FREE_SMS)
-    fits, _ = agree(ctx.comm, holder.unfit is None, "")
+    fits, _ = agree(ranks(ctx), holder.unfit is None, "")
     if not fits:
         pytest.skip(f"this GPU cannot be held SM by SM: {holder.unfit}")
     n, topk = 128, 8  # the largest small batch: the fused combine's grid is spin_blocks
@@ -427,7 +428,7 @@ def test_small_batch_completes_beside_a_kernel_holding_the_sms(ctx):
         except (ProtocolTimeout, ProtocolViolation) as exc:
             failed = True
             problems.append(f"{type(exc).__name__}: {exc}")
-        none_failed, _ = agree(ctx.comm, not failed, "")
+        none_failed, _ = agree(ranks(ctx), not failed, "")
         if not none_failed:
             moe.reset()  # collective, on every rank alike: the next tests find the workspace clean
     finally:

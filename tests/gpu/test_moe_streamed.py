@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from moe_helpers import gpu_layer_torch  # noqa: E402
+from gpu_helpers import ranks  # noqa: E402
 
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 
@@ -154,7 +155,7 @@ def run_case(ctx, *, num_tokens, topk, tokens_per_slot=64, num_slots=3, ack_poli
 
 
 def verdict(ctx, ok, message):
-    all_ok, messages = agree(ctx.comm, ok, message)
+    all_ok, messages = agree(ranks(ctx), ok, message)
     assert all_ok, messages
 
 
@@ -323,7 +324,7 @@ def test_stalled_rank_times_out_then_recovers(ctx):
                 problems.append(f"one PE: a late own producer timed out: {exc}")
             if str(exc) == "":
                 problems.append("ProtocolTimeout without a message")
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         moe.reset()
         # New inputs (issue 24, item 6): the reset layer must give BITWISE what a fresh layer gives, so rows
         # left over from the aborted call (combine rows, pool marks, counters) cannot hide behind a tolerance.
@@ -489,7 +490,7 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
         records = moe.timeline_records(relative=False)
         experts_end = [stage(records, "consumer", "experts", c)["end_ns"] for c in range(12)]
         latest_experts_end = experts_end if ctx.world_size == 1 else [
-            max(ends) for ends in zip(*ctx.comm.allgather(experts_end))]
+            max(ends) for ends in zip(*ranks(ctx).allgather(experts_end))]
         early_frees = [c for c in range(1, 12) if stage(records, "producer", "wait", c)["end_ns"]
                        < latest_experts_end[c - 1]]
         if ack_policy == AckPolicy.CONSERVATIVE:  # this rank's own acknowledgement comes after its experts

@@ -49,7 +49,7 @@ def _run_call(ring, seed, num_chunks, *, split=None, two_streams=False):
     torch = pytest.importorskip("torch")
     k, spec = ring.kernels, ring.spec
     R, me, T = ring.backend.world_size, ring.backend.rank, spec.tokens_per_slot
-    base = k.gen_base()
+    base, call = k.gen_base(), protocol.call_identity(k.call_number(), 0)
     inputs = {c: _inputs(spec, seed, me, c, user_num_valid(me, c, T)) for c in range(num_chunks)}
     outputs = {(c, src): k.new_outputs() for c in range(num_chunks) for src in range(R)}  # ready now
     if two_streams:
@@ -74,7 +74,7 @@ def _run_call(ring, seed, num_chunks, *, split=None, two_streams=False):
     for (chunk, src), out in outputs.items():
         nv = user_num_valid(src, chunk, T)
         x, x_sf, idx, w = chunk_data(spec, seed, src, chunk, nv)
-        want_meta = np.array([chunk * T, nv, chunk, protocol.generation(base, chunk)])
+        want_meta = np.array([chunk * T, nv, chunk, protocol.generation(base, chunk), call], dtype=np.int64)
         pairs = [("x", out["x"].get()[:nv], x), ("topk_idx", out["topk_idx"].get()[:nv], idx),
                  ("topk_weights", out["topk_weights"].get()[:nv].view(np.uint32), w.view(np.uint32)),
                  ("meta", out["meta"].get(), want_meta)]
@@ -176,18 +176,21 @@ def test_double_ack_is_named_and_ring_recovers(backend, seed):
 # --- abort ----------------------------------------------------------------------------------------------
 
 @collective
-def test_abort_word_ends_a_running_wait_at_once(backend, seed):
-    # Every PE waits for its own chunk 0, which it never produces (8 s bound), then raises its own abort
-    # word from the host while the wait spins, as another PE's record_error would: the wait ends at its next
-    # check and records kErrorAborted naming the (pretended) origin and its error.
+def test_abort_word_ends_a_running_wait_at_once(backend, user_module, seed):
+    # Every PE waits for its own chunk 0, which it never produces (8 s bound), and its own abort word is raised
+    # 0.2 s later, as another PE's record_error would: the wait ends at its next check and records
+    # kErrorAborted naming the (pretended) origin and its error.
     #
-    # The host write is the backend's signal_set: a one-thread kernel of the ring module (loaded with the
-    # ring) taking the word as an argument, on a second non-blocking stream. An earlier version stored it
-    # through CuPy (`region("abort")[...] = word`): CuPy's first fill kernel of that dtype is compiled and
-    # its module loaded at that moment, and loading a module may wait for the device's running kernels
-    # (CUDA's programming guide, lazy loading: "loading kernels might require context synchronization"), so
-    # on the H200 the write ran only after the wait hit its bound. `write_s` (the host time of the launch)
-    # tells that case apart if it ever comes back.
+    # The store is a one-thread kernel of the test's user module (user_store_after: it spins 0.2 s on the device,
+    # then stores), launched BEFORE the wait. The version before issue 33 launched the store from the host 0.2 s
+    # AFTER the wait started (the backend's signal_set, on a second stream), which needs the GPU to start a new
+    # kernel while the wait spins, and CUDA promises no such concurrency: two streams of one process may share a
+    # hardware queue (CUDA_DEVICE_MAX_CONNECTIONS, the MPS server's channels), and a function used for the first
+    # time may wait for the running kernels before it loads (lazy loading, as CuPy's fill kernel of an earlier
+    # version did). Either holds the store behind the wait until its bound: the wait then times out instead of
+    # aborting (1 run in 4 on an H100). Launched first, the store runs whatever the GPU does: beside the wait
+    # (which it ends at once, `error.waited` set), or before it (the wait's kernel returns at entry on the raised
+    # word, `error.waited` None); never after the bound.
     R, me = backend.world_size, backend.rank
     spec = small_spec("bf16", tokens_per_slot=8)
     timeout_s = 8.0
@@ -199,12 +202,12 @@ def test_abort_word_ends_a_running_wait_at_once(backend, seed):
         out = k.new_outputs()
         word = layout.pack_abort(origin, layout.ERROR_KIND_COMBINE, me, 5)
         waiter, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+        store = user_module.function("user_store_after")
+        cupy.cuda.runtime.deviceSynchronize()
         start = time.monotonic()
+        store((1,), (32,), (np.uint64(ring.alloc.ptr + ring.layout["abort"].offset), np.uint64(word),
+                            np.uint64(200_000_000)), stream=writer)
         k.consume(0, me, out, stream=waiter)
-        time.sleep(0.2)
-        with writer:
-            backend.signal_set(ring.alloc, ring.layout["abort"].offset, word, me)
-        write_s = time.monotonic() - start - 0.2
         cupy.cuda.runtime.deviceSynchronize()
         elapsed = time.monotonic() - start
         error = device_error(k)
@@ -219,8 +222,7 @@ def test_abort_word_ends_a_running_wait_at_once(backend, seed):
     if error.waited is not None:  # the wait itself gave up (not a kernel returning at entry)
         assert (error.slot, error.chunk, error.expected) == (0, 0, gen), str(error)
     assert f"rank {origin}" in str(error) and "call reset()" in str(error), str(error)
-    assert elapsed < 4.0, (f"the wait took {elapsed:.1f} s after the abort (bound {timeout_s} s; the host write's "
-                           f"launch took {write_s:.2f} s)")
+    assert elapsed < 4.0, f"the wait took {elapsed:.1f} s after the abort was stored (bound {timeout_s} s)"
     assert ok, detail
 
 

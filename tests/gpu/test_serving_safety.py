@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from moe_helpers import gpu_layer_torch  # noqa: E402
+from gpu_helpers import ranks  # noqa: E402
 
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 
@@ -34,7 +35,7 @@ import cupy  # noqa: E402
 
 from moe_helpers import cuda_device as dev, make_tokens, make_weights, to_torch, verdict  # noqa: E402
 
-from symmring import layout  # noqa: E402
+from symmring import layout, protocol  # noqa: E402
 from symmring.errors import ProtocolAborted, ProtocolTimeout, ProtocolViolation, StalePayload  # noqa: E402
 from symmring.moe.gpu import stages  # noqa: E402
 from symmring.moe.gpu import MoE  # noqa: E402
@@ -123,7 +124,7 @@ def test_async_error_poisons_then_raises_on_every_pe(ctx, fault):
         x, logits = tokens(SEED + 100 + me, n)
         y0 = moe.forward(x, logits=logits).clone()
         moe.check_errors()
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         # The fault, between two calls.
         if fault == "double_ack" and me == R - 1:
             moe.ring.kernels.ack(0, 0)  # rank 0's slot 0 mask already holds this rank's bit: DoubleAck
@@ -131,7 +132,7 @@ def test_async_error_poisons_then_raises_on_every_pe(ctx, fault):
             word = layout.pack_abort((me + 1) % R, layout.ERROR_KIND_COMBINE, me, 5)
             moe.backend.signal_set(moe.ring.alloc, moe.ring.layout["abort"].offset, word, me)
         torch.cuda.synchronize()
-        ctx.comm.Barrier()  # every PE's error pending (the double ack aborted the others)
+        ranks(ctx).Barrier()  # every PE's error pending (the double ack aborted the others)
         start = time.monotonic()
         y_a = moe.forward(x, logits=logits)  # enqueued after the fault: NaN, not garbage
         torch.cuda.synchronize()
@@ -141,7 +142,7 @@ def test_async_error_poisons_then_raises_on_every_pe(ctx, fault):
         polled = moe.async_error()
         if polled is None:
             problems.append("async_error() is None after a poisoned call")
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         try:
             moe.forward(x, logits=logits)
             problems.append("the next forward did not raise")
@@ -151,7 +152,7 @@ def test_async_error_poisons_then_raises_on_every_pe(ctx, fault):
                 problems.append(f"expected ProtocolAborted naming rank {R - 1}: {exc!r}")
             if fault == "abort" and not (isinstance(exc, ProtocolAborted) and exc.origin == (me + 1) % R):
                 problems.append(f"expected ProtocolAborted naming rank {(me + 1) % R}: {exc!r}")
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         moe.reset()
         if moe.async_error() is not None:
             problems.append("async_error() still set after reset")
@@ -186,7 +187,7 @@ def test_stale_payload_on_the_moe_path_is_detected(ctx):
             for name in ("route_ready", "layout_ready"):
                 moe.backend.signal_set(moe.ring.alloc, moe.ring.layout[name].slot_offset(0), gen, me)
             torch.cuda.synchronize()
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         start = time.monotonic()
         delay = {0: 2_000_000_000} if me == culprit else None
         y = moe.forward(x, logits=logits, streaming=True, producer_delay_ns=delay)
@@ -209,7 +210,7 @@ def test_stale_payload_on_the_moe_path_is_detected(ctx):
             line = f"{seconds:.2f} s: {exc}"
             if me != culprit:  # the culprit itself may time out on the others' combine signals
                 problems.append(f"{type(exc).__name__}: {exc}")
-        ctx.comm.Barrier()
+        ranks(ctx).Barrier()
         moe.reset()
     finally:
         moe.close()
@@ -235,11 +236,13 @@ def test_dispatch_wait_gives_both_parts_one_deadline(ctx):
         meta = ring.region("meta")
         meta[0, layout.META_PAYLOAD_GEN] = gen  # so check_payload accepts the route when it comes
         meta[0, layout.META_CHUNK_IDX] = 0
+        number = int(moe.workspace.gpu.call_number.item())  # this PE's next call (the device's call counter)
+        meta[0, layout.META_CALL_ID] = protocol.call_identity(number, moe.layer_id)
         cupy.cuda.runtime.deviceSynchronize()
         waiter, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
         start = time.monotonic()
         stages.wait(k, s, waiter, chunk=0, parts=stages.WAIT_ROUTE | stages.WAIT_LAYOUT, window_row=0,
-                    clear_counts=True)
+                    clear_counts=True, layer=moe.layer_id)
         time.sleep(0.9 * bound_s)
         with writer:  # the route, late but within the bound; the layout never
             moe.backend.signal_set(ring.alloc, route_offset, gen, 0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from moe_helpers import gpu_layer_torch  # noqa: E402
+from gpu_helpers import ranks  # noqa: E402
 
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the built-in fp8 engine needs Triton")
@@ -99,8 +100,8 @@ def agreed_error(ctx, parts):
     ref_sq = sum(p[1] for p in parts)
     finite = all(p[2] for p in parts)
     if ctx.world_size > 1:
-        err_sq, ref_sq = ctx.comm.allreduce(err_sq), ctx.comm.allreduce(ref_sq)
-        finite = bool(ctx.comm.allreduce(int(finite)) == ctx.world_size)
+        err_sq, ref_sq = ranks(ctx).allreduce(err_sq), ranks(ctx).allreduce(ref_sq)
+        finite = bool(ranks(ctx).allreduce(int(finite)) == ctx.world_size)
     return (err_sq / max(ref_sq, 1e-30)) ** 0.5, finite
 
 

@@ -181,3 +181,13 @@ extern "C" __global__ void user_check(const RingDescriptor* desc_ptr, int chunk,
     if (bad) atomicAdd(stats + 0, static_cast<unsigned long long>(bad));
     if (threadIdx.x == 0) atomicAdd(stats + 1, 1ull);
 }
+
+// One thread: spin `delay_ns` nanoseconds (%globaltimer), then SET this PE's copy of the symmetric word `word` to
+// `value` (as another PE's raise_abort would store into this PE's abort word). Launched BEFORE the wait it must
+// end, so the store never needs a launch while that wait spins (test_abort_word_ends_a_running_wait_at_once).
+extern "C" __global__ void user_store_after(uint64_t* word, unsigned long long value, unsigned long long delay_ns) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const uint64_t start = globaltimer_ns();
+    while (globaltimer_ns() - start < delay_ns) __nanosleep(1000);
+    nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, nvshmem_my_pe());
+}

@@ -1,10 +1,13 @@
 """Fixtures of the multi-process ring tests.
 
-These tests are ordinary pytest files: under ``mpiexec -n N python -m mpi4py -m pytest tests/mpi`` every
-rank runs every test (``-m mpi4py`` aborts all ranks if one dies instead of leaving them hanging), and a
-plain ``pytest`` run collects them too and runs them as a world of 1 (choice documented in
-docs/CPU_BACKEND.md: the one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py
-runs them with 2, 3 and 4 ranks). Every test reaches one verdict on all ranks (`verdict`).
+These tests are ordinary pytest files: under ``mpiexec -n N python -m mpi4py -m pytest tests/mpi`` or
+``torchrun --standalone --nproc-per-node N -m pytest tests/mpi`` every rank runs every test (``-m mpi4py``
+aborts all ranks if one dies, and so does torchrun's agent, instead of leaving them hanging), and a plain
+``pytest`` run collects them too and runs them as a world of 1 (choice documented in docs/CPU_BACKEND.md: the
+one-rank run keeps them importable and correct everywhere; tests/test_under_mpi.py runs them with 2, 3 and 4
+ranks under mpiexec, tests/test_under_torchrun.py with 2 and 3 under torchrun). The tests never name the launcher: ``comm`` is a
+`rankworld.RankWorld` (tests/rankworld.py) over whichever ranks `symmring.init` joined. Every test reaches one
+verdict on all ranks (`verdict`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: figures
 import figures  # noqa: E402
+from rankworld import MIN, RankWorld  # noqa: E402
 
-from symmring.context import init
+from symmring.context import init  # noqa: E402
 
 #: Base seed; ``SYMMRING_TEST_SEED`` changes it (every test derives its own streams from it).
 DEFAULT_SEED = 20261129
@@ -35,8 +39,10 @@ def ctx():
 
 @pytest.fixture(scope="session")
 def comm(ctx):
-    """The mpi4py communicator of the ranks (COMM_WORLD; a world of 1 under plain pytest)."""
-    return ctx.comm
+    """The ranks' verdict collectives (`rankworld.RankWorld` (tests/rankworld.py); a world of 1 under plain pytest)."""
+    world = RankWorld.of(ctx)
+    yield world
+    world.close()
 
 
 @pytest.fixture
@@ -79,8 +85,7 @@ def outcome():
 
 def verdict(comm, ok: bool, message: str = "") -> None:
     """Collective assert: fails on every rank if it failed on any, showing each failing rank's message."""
-    from mpi4py import MPI
-    all_ok = comm.allreduce(int(bool(ok)), op=MPI.MIN)
+    all_ok = comm.allreduce(int(bool(ok)), op=MIN)
     messages = comm.allgather("" if ok else (message or "failed"))
     if not all_ok:
         detail = "\n".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from rankworld import MIN, SUM
 from symmring import protocol
 from symmring.protocol import AckPolicy
 
@@ -80,10 +81,9 @@ class Stats:
     first_mismatch: str = ""
 
     def reduce(self, comm) -> "Stats":
-        from mpi4py import MPI
-        total = Stats(**{f.name: comm.allreduce(getattr(self, f.name), op=MPI.SUM)
+        total = Stats(**{f.name: comm.allreduce(getattr(self, f.name), op=SUM)
                          for f in dataclasses.fields(self) if f.name not in ("min_uses_per_slot", "first_mismatch")})
-        total.min_uses_per_slot = comm.allreduce(self.min_uses_per_slot, op=MPI.MIN)
+        total.min_uses_per_slot = comm.allreduce(self.min_uses_per_slot, op=MIN)
         total.first_mismatch = next((m for m in comm.allgather(self.first_mismatch) if m), "")
         return total
 
@@ -296,6 +296,10 @@ def bad_inputs(ring, call, chunk: int, other_call) -> List:
             ("x_sf wrong shape", lambda: ring.write_layout(call, chunk, x, x_sf[:, :0])),
             ("x_sf float64", lambda: ring.write_layout(call, chunk, x, x_sf.astype(np.float64))),
         ]
+        for name, value in (("NaN", np.nan), ("infinite", np.inf), ("negative", -0.5), ("zero", 0.0)):
+            bad_sf = x_sf.copy()
+            bad_sf[-1, -1] = value  # one scale: every consumer would dequantise its group wrong
+            cases.append((f"x_sf {name}", lambda bad_sf=bad_sf: ring.write_layout(call, chunk, x, bad_sf)))
     else:
         cases.append(("x_sf given for bf16", lambda: ring.write_layout(call, chunk, x, np.ones((t, 1), np.float32))))
     if chunk + 1 < call.num_chunks:

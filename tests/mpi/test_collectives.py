@@ -54,7 +54,7 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     if world == 1:
         pytest.skip("needs two ranks: one of them is late")
     late = world - 1
-    ctx = init("host", timeout_s=BOUND_S)
+    ctx = init("host", timeout_s=BOUND_S, host_timeout_s=BOUND_S)
     ctx.collectives.barrier(what="test: start")
     start_s = time.monotonic()
     if rank == late:
@@ -63,8 +63,9 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     try:
         ctx.collectives.barrier(what="test: the late barrier")
         if rank == late:
-            # It may find every value and miss the notice of the rank that gave up (still in flight): the
-            # others never send the next collective's values, so it learns it there at the latest.
+            # Over MPI it may find every value and miss the notice of the rank that gave up (still in
+            # flight): the others never send the next collective's values, so it learns it there at the
+            # latest. (Over the store it finds the notice in its own key of the late barrier.)
             ctx.collectives.barrier(what="test: the next barrier")
     except PeerTimeout as exc:
         error = exc
@@ -72,7 +73,7 @@ def test_late_rank_named_everywhere_then_reinit_recovers(comm, check, figure):
     unresolved = collective.unresolved_failure() is not None
     refused, closed = _after_failure(ctx)
     # Every rank joins the new context (the late one a little later): the job is consistent again.
-    fresh = init("host", timeout_s=30.0)
+    fresh = init("host", timeout_s=30.0, host_timeout_s=30.0)
     values = fresh.collectives.allgather(rank, what="test: after re-init")
     recovered = collective.unresolved_failure() is None
     fresh.close()
@@ -96,7 +97,7 @@ def test_ranks_in_different_collectives_are_reported(comm, check):
     world, rank = comm.Get_size(), comm.Get_rank()
     if world == 1:
         pytest.skip("needs two ranks in different collectives")
-    ctx = init("host", timeout_s=10.0)
+    ctx = init("host", timeout_s=10.0, host_timeout_s=10.0)
     start_s = time.monotonic()
     error = None
     try:
@@ -105,10 +106,52 @@ def test_ranks_in_different_collectives_are_reported(comm, check):
         error = exc
     elapsed_s = time.monotonic() - start_s
     refused, _ = _after_failure(ctx)
-    fresh = init("host", timeout_s=30.0)
+    fresh = init("host", timeout_s=30.0, host_timeout_s=30.0)
     fresh.collectives.barrier(what="test: after re-init")
     fresh.close()
     # Reported at once (not after the 10 s bound), naming both collectives.
     ok = (error is not None and "different collectives" in str(error) and elapsed_s < 5.0
           and refused == ["barrier", "Ring", "check_open"] and collective.unresolved_failure() is None)
     check(comm, ok, f"got {error!r} after {elapsed_s:.2f} s; refused={refused}")
+
+
+@pytest.mark.mpi
+def test_late_beyond_the_protocol_bound_within_the_host_bound(comm, check, figure):
+    """A rank late to a layer's exchange by more than the protocol bound (a first call's compile, a long
+    prefill) but within the host bound: the others wait for it (issue 33 item 6); the call completes on every
+    rank with the right rows, and the context stays usable."""
+    import numpy as np
+
+    from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+    from symmring.moe.reference import reference_moe
+    world, rank = comm.Get_size(), comm.Get_rank()
+    protocol_s, late_s = 0.5, 1.5
+    ctx = init("host", timeout_s=protocol_s, host_timeout_s=30.0)
+    rng = np.random.default_rng(5)
+    E, H, I, K, n = 6 * world, 128, 16, 2, 5
+    w = [rng.standard_normal(s).astype(np.float32) / 4 for s in ((E, I, H), (E, I, H), (E, H, I))]
+    router = rng.standard_normal((E, H)).astype(np.float32)
+    x = rng.standard_normal((n * world, H)).astype(np.float32)
+    error, y, waited_s = None, None, float("nan")
+    layer = ExpertParallelMoE(ctx, MoEShapes(H, E, K), *shard_experts(*w, rank, world))
+    try:
+        layer.forward(x[rank * n:(rank + 1) * n], router_weight=router)  # warm: every rank in step
+        if rank == world - 1:
+            time.sleep(late_s)
+        start_s = time.monotonic()
+        y = layer.forward(x[rank * n:(rank + 1) * n], router_weight=router)
+        waited_s = time.monotonic() - start_s
+        ctx.collectives.barrier(what="test: after the late call")
+    except Exception as exc:  # noqa: BLE001 - the verdict says which
+        error = exc
+    finally:
+        layer.close()
+    ref = reference_moe(x, w_gate=w[0], w_up=w[1], w_down=w[2], num_topk=K, router_weight=router).y
+    right = y is not None and np.allclose(y, ref[rank * n:(rank + 1) * n], rtol=1e-5, atol=1e-5)
+    broken = ctx.broken
+    ok = error is None and right and not broken and collective.unresolved_failure() is None
+    if rank == 0 and world > 1:
+        figure(f"[figure] a rank {late_s:g} s late (protocol bound {protocol_s:g} s, host bound 30 s): rank 0 waited "
+               f"{waited_s:.2f} s, outputs right: {right}")
+    ctx.close()
+    check(comm, ok, f"error={error!r}, right rows={right}, broken={broken}")

@@ -19,7 +19,7 @@ from typing import Callable, List
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from rankworld import MAX, MIN, SUM
 
 from symmring.errors import ConfigError
 from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
@@ -156,7 +156,7 @@ def run_case(ctx, comm, case: Case, seed: int):
     # Invariant 4: each live (token, k) of every rank is computed exactly once, on some rank.
     live = int(np.count_nonzero(ref.topk_idx != -1))
     for path, n in zip(("batch", "streamed"), pairs):
-        total = comm.allreduce(n, op=MPI.SUM)
+        total = comm.allreduce(n, op=SUM)
         if total != live:
             errors.append(f"{path}: {total} (token, k) pairs computed over all ranks, expected {live}")
     if case.routing == "skewed" and counts[rank]:
@@ -173,10 +173,10 @@ def run_case(ctx, comm, case: Case, seed: int):
 def test_streamed_equals_batch_and_reference(ctx, comm, seed, outcome, check, figure, case):
     start_s = time.monotonic()
     result = outcome.run(run_case, ctx, comm, case, seed) or {}
-    elapsed_s = comm.allreduce(time.monotonic() - start_s, op=MPI.MAX)
+    elapsed_s = comm.allreduce(time.monotonic() - start_s, op=MAX)
     errors = ([outcome.error] if outcome.error else []) + result.get("errors", [])
-    diff = comm.allreduce(result.get("diff", math.inf), op=MPI.MAX)
-    bitwise = comm.allreduce(int(result.get("bitwise", False)), op=MPI.MIN)
+    diff = comm.allreduce(result.get("diff", math.inf), op=MAX)
+    bitwise = comm.allreduce(int(result.get("bitwise", False)), op=MIN)
     figure(f"moe_ep[{case.name}]: ranks={comm.Get_size()} tokens={result.get('counts')} "
            f"chunks={result.get('num_chunks')} K={case.num_topk} {case.x_format} {case.method} "
            f"slots={case.num_slots}x{case.tokens_per_slot} {case.ack_policy.name}: streamed==batch bitwise "
@@ -235,7 +235,7 @@ def expect_config_error(ctx, comm, outcome, check, fn, match: str) -> None:
     exc = outcome.exception
     outcome.exception, outcome.error = None, ""
     ok = isinstance(exc, ConfigError)
-    found = comm.allreduce(int(ok and match in str(exc)), op=MPI.MAX)
+    found = comm.allreduce(int(ok and match in str(exc)), op=MAX)
     check(comm, ok and found, f"expected ConfigError mentioning {match!r} on every rank, got {exc!r}")
 
 

@@ -44,7 +44,8 @@ from symmring.errors import ConfigError  # noqa: E402
 from symmring.moe.integrations import tiny  # noqa: E402
 from symmring.moe.integrations.hf import replace_moe_blocks  # noqa: E402
 from symmring.moe.cpu.host_layer import HostLayer  # noqa: E402
-from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
+from rankworld import MAX  # noqa: E402
 
 NUM_EXPERTS = 24
 MAX_TOKENS = 128
@@ -115,8 +116,7 @@ def untied(block, x):
 
 
 def gather_max(comm, value: float) -> float:
-    from mpi4py import MPI
-    return comm.allreduce(value, op=MPI.MAX)
+    return comm.allreduce(value, op=MAX)
 
 
 # bf16 dispatch for every family; fp8 dispatch (the same ring, x quantised) for DeepSeek-V3 only, which keeps
@@ -273,9 +273,10 @@ def _pure_op():
 
 def test_a_model_step_exchanges_once_for_every_layer(ctx, comm, seed, figure, outcome, check):
     """A forward of a replaced model inside `Workspace.step`: ONE exchange with the other ranks for its MoE
-    blocks once the step's ring exists (each call outside a step makes its own: the argument check, the counts
-    and the options), bitwise the logits of the forward without a step; a rank may bring fewer tokens than it
-    declared (the CPU layer makes a ring for the declared size on first use, collectively)."""
+    blocks once the step's ring exists (each call outside a step makes its own, which carries the argument
+    verdicts, the counts, the options and the call identity), bitwise the logits of the forward without a step;
+    a rank may bring fewer tokens than it declared (the CPU layer makes a ring for the declared size on first
+    use, collectively)."""
 
     def run():
         _, model = model_pair("deepseek_v3", seed)

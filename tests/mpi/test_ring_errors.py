@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from rankworld import MAX, SUM
 from ringdriver import Stats, Workload, bad_inputs, consume, own_bytes, produce, run_workload
 
 from symmring import ConfigError, ProtocolTimeout, RingSpec
@@ -92,8 +92,8 @@ def test_stalled_rank_is_named_within_timeout(ctx, comm, seed, outcome, check, f
     exc = outcome.exception
     named = isinstance(exc, ProtocolTimeout) and (exc.peer == stalled or stalled in exc.missing_ranks)
     in_time = isinstance(exc, ProtocolTimeout) and STALL_TIMEOUT_S <= time_to_error_s <= STALL_TIMEOUT_S + STALL_SLACK_S
-    max_time_s = comm.allreduce(time_to_error_s, op=MPI.MAX)
-    num_named = comm.allreduce(int(named), op=MPI.SUM)
+    max_time_s = comm.allreduce(time_to_error_s, op=MAX)
+    num_named = comm.allreduce(int(named), op=SUM)
     figure(f"[figure] stall: ranks={world_size} stalled_rank={stalled} stall_chunk={stall_chunk} "
            f"timeout_s={STALL_TIMEOUT_S} errors_naming_it={num_named}/{world_size} "
            f"max_time_to_error_s={max_time_s:.2f} mismatches_before={comm.allreduce(stats.mismatches)}")

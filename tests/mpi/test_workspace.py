@@ -176,8 +176,8 @@ def test_a_step_exchanges_once_for_every_layer(ctx, comm, check):
     if workspace.active_step is not None:
         errors.append("the step stayed open")
     with workspace.step(0, own_router=rank != 0) as step:
-        if step.distinct or step.bucket(64) != 0 or step.latched != (None,) * world:
-            errors.append(f"declared routing {step.distinct}, bucket {step.bucket(64)}, latched {step.latched}")
+        if step.distinct or step.bucket(64) != 0:
+            errors.append(f"declared routing {step.distinct}, bucket {step.bucket(64)}")
     for bad, what in (({"num_tokens": -1}, "num_tokens"), ({"num_tokens": 1, "own_router": 1}, "own_router")):
         with pytest.raises(ConfigError, match=what):
             with workspace.step(**bad):

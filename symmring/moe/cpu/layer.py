@@ -37,7 +37,14 @@ of a token does not depend on which chunk, pool or batch it was computed in.
 
 Every argument is validated on every rank and the verdicts are exchanged (`ConfigError` on all ranks,
 naming the rank and the argument) before any shared memory is touched, so a rejected call leaves the
-rings usable and no rank waits for a rank that gave up. Every exchange is a bounded collective of the
+rings usable and no rank waits for a rank that gave up. Every call carries its identity
+(`symmring.protocol.call_identity`: the workspace's call number and the layer's id, agreed at construction):
+exchanged with the token counts outside a model step (ranks whose call sequences diverged get a
+`CallMismatch` on every rank before any ring work), and inside one written into every meta row and checked
+by every consumer (`Ring.check_meta`), so no rank ever reads another call's rows. A call refused inside a
+step (its arguments failed on this rank alone) counts as a call there (`symmring.Workspace.refuse_call`):
+the other ranks' calls then fail by the identity check or a bounded timeout, and every rank raises at the
+next step's entry. Every exchange is a bounded collective of the
 context (`symmring.collective`): a late or vanished rank is a `PeerTimeout` naming it within
 ``timeout_s``; a wait that expires inside a call leaves the layer refusing further calls
 (`BrokenStateError`) until it is closed and rebuilt.
@@ -66,8 +73,9 @@ import numpy as np
 from ... import env, protocol
 from ...closing import Closing
 from ...context import Context
+from ... import agreement
 from ...errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
-from ...layout import META_CHUNK_IDX, META_NUM_VALID, META_PAYLOAD_GEN, META_TOKEN_BASE, RingSpec
+from ...layout import META_CHUNK_IDX, META_PAYLOAD_GEN, RingSpec
 from ...protocol import AckPolicy
 from ...ring import Call, Ring
 from .. import quant
@@ -167,17 +175,13 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _agree(ctx: Context, error: Optional[str], what: str, timeout_s: Optional[float] = None) -> None:
-    """Collective verdict on local validation (a bounded exchange): raise `ConfigError` on every rank if
-    any rank failed."""
-    errors = ctx.collectives.allgather(error, what=f"{what}: argument check", timeout_s=timeout_s)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        mine = errors[ctx.rank]
-        if mine:
-            raise ConfigError(mine)
-        raise ConfigError(f"{what}: rejected by rank(s) {[r for r, _ in bad]}: " + "; ".join(
-            f"rank {r}: {e}" for r, e in bad))
+def _agree(ctx: Context, error: Optional[str], what: str) -> None:
+    """Collective verdict on local validation (a bounded exchange, under the host bound): raise `ConfigError` on
+    every rank if any rank failed (`symmring.agreement.rejection`)."""
+    errors = ctx.collectives.allgather(error, what=f"{what}: argument check")
+    rejected = agreement.rejection(errors, ctx.rank, what)
+    if rejected is not None:
+        raise rejected
 
 
 def _config_error(fn: Callable[[], object]) -> Tuple[object, Optional[str]]:
@@ -263,15 +267,18 @@ class ExpertParallelMoE(Closing):
             spec_or_shapes, w_gate, w_up, w_down, routing, max_tokens_per_rank, timeout_s))
         _agree(ctx, error, "ExpertParallelMoE")
         self.shapes, self.experts, self.inter, self.timeout_s, routing, bias = setup
-        # Every rank must agree on the shapes and the routing parameters, or the rings would differ.
+        self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
+        #: This layer's id on its workspace (construction order): the layer part of its calls' identities.
+        self.layer_id = self.workspace.new_layer_id()
+        # Every rank must agree on the shapes and the routing parameters, or the rings would differ, and on the
+        # layer's id, or no call of it would pair.
         params = (self.shapes, routing.scoring, None if bias is None else bias.tobytes(),
                   routing.routed_scaling_factor, routing.n_group, routing.topk_group, routing.norm_topk_prob,
-                  max_tokens_per_rank, self.inter)
-        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange",
-                                           timeout_s=self.timeout_s)
+                  max_tokens_per_rank, self.inter, self.layer_id)
+        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange")
         mismatch = [r for r, p in enumerate(others) if p != params]
-        _agree(ctx, f"rank {self.rank}: shapes/routing parameters differ from rank(s) {mismatch}"
-               if mismatch else None, "ExpertParallelMoE", self.timeout_s)
+        _agree(ctx, f"rank {self.rank}: shapes/routing parameters or layer id differ from rank(s) {mismatch}"
+               if mismatch else None, "ExpertParallelMoE")
         #: The routing this layer runs (``routing.bias``: the NumPy view of the bias it was given).
         self.routing = routing if bias is None else routing.with_bias(bias)
         self.scoring, self.bias, self.routed_scaling_factor = routing.scoring, bias, routing.routed_scaling_factor
@@ -280,12 +287,10 @@ class ExpertParallelMoE(Closing):
         # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
         self.set_expert_weights(w_gate, w_up, w_down)
         # Rings, combine buffer (and its generation base) and pool: borrowed from the workspace per call.
-        self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
         self.layer_shape = LayerShape(self.shapes.hidden, self.inter, self.shapes.num_experts, self.shapes.num_topk,
                                       x_format=self.shapes.x_format, expert_format="bf16")
         self.workspace.attach(self.layer_shape, max_tokens_per_rank)
         self.closed = False
-        self._failure: Optional[BaseException] = None  # a wait that expired inside a call (state unknown)
         self.last_stats = ForwardStats()
         log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s%s%s, "
                  "x as %s, timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
@@ -378,45 +383,37 @@ class ExpertParallelMoE(Closing):
                 ``ack_policy``/``lookahead``.
                 Inside a `symmring.Workspace.step` the call exchanges nothing (the step exchanged every
                 rank's count once): its arguments are checked on this rank only, more tokens than the
-                step declared is a ConfigError, and the ranks' call options are not cross-checked.
+                step declared is a ConfigError, and the ranks' call options are not cross-checked; a call
+                refused so still counts as a call and fails the step (`symmring.Workspace.refuse_call`).
+            CallMismatch: the ranks' call sequences diverged (outside a step, on every rank before any ring
+                work; inside one, from a slot's meta row: no row of the other call is used).
             ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks);
-                the layer then refuses further calls (`BrokenStateError`) until it is closed and rebuilt.
-            PeerTimeout: a rank did not reach one of the call's exchanges within ``timeout_s`` (named);
-                the context is then broken.
-            BrokenStateError: an earlier call failed part-way, or the context is broken.
+                the workspace then refuses further calls (`BrokenStateError`) until `symmring.Workspace.reset`
+                (collective).
+            PeerTimeout: a rank did not reach the call's exchange within the context's bound (named); the
+                context is then broken.
+            BrokenStateError: an earlier call failed part-way on some rank (on every rank, outside a step), or
+                the context is broken.
             RingClosedError: the layer or its context is closed.
         """
-        self._check_open()
+        self._check_closed()
         start_s = time.perf_counter()
-        (x, torch_in), (router_weight, _), (logits, _), (topk_idx, _), (topk_weights, _) = (
-            as_numpy(n, v) for n, v in (("x", x), ("router_weight", router_weight), ("logits", logits),
-                                        ("topk_idx", topk_idx), ("topk_weights", topk_weights)))
-        plan, error = _config_error(lambda: self._validate_call(
-            x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot, num_slots,
-            ack_policy, lookahead))
-        step = self.workspace.active_step
-        if step is None:
-            _agree(self.ctx, error, "forward", self.timeout_s)
-            route_rows, call_params = plan
-            # Agree on the token counts and on the call's parameters (all ranks run the same chunk sequence).
-            gathered = self.ctx.collectives.allgather((x.shape[0], call_params), what="forward: token counts",
-                                                      timeout_s=self.timeout_s)
-            counts = [n for n, _ in gathered]
-            mismatch = [r for r, (_, p) in enumerate(gathered) if p != call_params]
-            _agree(self.ctx, f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
-                   f"lookahead)={call_params}, ranks {mismatch} differ; expected the same on all ranks"
-                   if mismatch else None, "forward", self.timeout_s)
+        ws = self.workspace
+        x, torch_in, route_rows, call_params, refusal = x, False, None, None, None
+        try:
+            ws.check_open()  # a workspace left unknown by a failed call or step: refused like a bad argument
+            (x, torch_in), (router_weight, _), (logits, _), (topk_idx, _), (topk_weights, _) = (
+                as_numpy(n, v) for n, v in (("x", x), ("router_weight", router_weight), ("logits", logits),
+                                            ("topk_idx", topk_idx), ("topk_weights", topk_weights)))
+            route_rows, call_params = self._validate_call(x, router_weight, logits, topk_idx, topk_weights, streaming,
+                                                          tokens_per_slot, num_slots, ack_policy, lookahead)
+        except (ConfigError, BrokenStateError) as exc:
+            refusal = exc
+        num_tokens = 0 if refusal is not None else x.shape[0]
+        if ws.active_step is None:
+            counts = self._agreed_counts(refusal, num_tokens, call_params)
         else:
-            # Inside a model step the step exchanged the counts once for every layer: no exchange here. The
-            # arguments are checked on this rank alone (a rank that refuses its call leaves the others to a
-            # bounded ProtocolTimeout), and the ranks must pass the same call options (not cross-checked).
-            if error:
-                raise ConfigError(error)
-            route_rows, call_params = plan
-            if x.shape[0] > step.counts[self.rank]:
-                raise ConfigError(f"x.shape[0]={x.shape[0]}: more tokens than this step declared "
-                                  f"({step.counts[self.rank]}; Workspace.step(num_tokens))")
-            counts = list(step.counts)  # a rank may bring fewer: its last chunks are zero-token chunks
+            counts = self._step_counts(ws.active_step, refusal, num_tokens)
         over = [r for r, n in enumerate(counts) if self.max_tokens_per_rank is not None
                 and n > self.max_tokens_per_rank]
         if over:
@@ -430,7 +427,7 @@ class ExpertParallelMoE(Closing):
             # Batch-ready: one slot whose single chunk is the whole batch (at least one row, even when
             # every rank has zero tokens: the chunk is still published and acknowledged).
             num_slots, tokens_per_slot, num_chunks, lookahead = 1, max(1, max_tokens), 1, 0
-        ws = self.workspace
+        call_id = ws.call_identity(self.layer_id)
         ws.begin_call()
         ring = ws.host.ring(self.shapes.ring_spec(num_slots, tokens_per_slot), ack_policy, self.timeout_s,
                             exact=streaming)
@@ -439,11 +436,11 @@ class ExpertParallelMoE(Closing):
         self.last_stats = ForwardStats(streaming=streaming, num_chunks=num_chunks, num_slots=num_slots,
                                        tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
         try:
-            y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead)
+            y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead, call_id)
         except SymmringError as exc:
-            # The call stopped part-way (a wait expired): the ranks' rings and combine counters now
-            # disagree, so no later call may run on them (nor on any layer of this workspace).
-            self._failure = exc
+            # The call stopped part-way (a wait expired, another call's payload): the ranks' rings and combine
+            # counters now disagree, so no later call may run on them (nor on any layer of this workspace)
+            # until the workspace's reset (collective).
             ws.failure = exc
             raise
         self.last_stats.elapsed_s = time.perf_counter() - start_s
@@ -453,6 +450,40 @@ class ExpertParallelMoE(Closing):
         return y
 
     __call__ = forward
+
+    def _agreed_counts(self, refusal: Optional[BaseException], num_tokens: int, call_params) -> list:
+        """Every rank's token count of a call outside a model step, from ONE bounded exchange that also carries
+        every rank's argument verdict (a refusal: this rank's own error where it refused, a `ConfigError` naming
+        the refusing ranks elsewhere), its call parameters (which must agree) and its call identity (a
+        `CallMismatch` on every rank where they differ): every rank raises or none does, before any ring work."""
+        ws = self.workspace
+        mine = (None if refusal is None else str(refusal), num_tokens, call_params, ws.call_identity(self.layer_id))
+        gathered = self.ctx.collectives.allgather(mine, what="forward: token counts")
+        rejected = agreement.rejection([g[0] for g in gathered], self.rank, "forward")
+        if rejected is not None:
+            raise refusal if refusal is not None else rejected
+        mismatch = agreement.call_mismatch([g[3] for g in gathered], self.rank, "ExpertParallelMoE.forward")
+        if mismatch is not None:
+            raise mismatch
+        differ = [r for r, g in enumerate(gathered) if g[2] != call_params]
+        if differ:
+            raise ConfigError(f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
+                              f"lookahead)={call_params}, ranks {differ} differ; expected the same on all ranks")
+        return [g[1] for g in gathered]
+
+    def _step_counts(self, step, refusal: Optional[BaseException], num_tokens: int) -> list:
+        """Every rank's token count of a call inside a model step: the step's (no exchange). The arguments were
+        checked on this rank alone: a refused call (or more tokens than this rank declared) still counts as a
+        call here and fails the step (`symmring.Workspace.refuse_call`), and the other ranks' calls fail by
+        the identity check or a bounded timeout. The ranks must pass the same call options (not
+        cross-checked)."""
+        if refusal is None and num_tokens > step.counts[self.rank]:
+            refusal = ConfigError(f"x.shape[0]={num_tokens}: more tokens than this step declared "
+                                  f"({step.counts[self.rank]}; Workspace.step(num_tokens))")
+        if refusal is not None:
+            self.workspace.refuse_call(self.layer_id, refusal)
+            raise refusal
+        return list(step.counts)  # a rank may bring fewer: its last chunks are zero-token chunks
 
     def close(self) -> None:
         """Idempotent: the layer refuses further calls. Its memory is the workspace's (`Workspace.close`)."""
@@ -513,11 +544,12 @@ class ExpertParallelMoE(Closing):
     # --- the protocol ---------------------------------------------------------------------------------
 
     def _run(self, ring: Ring, num_chunks: int, x: np.ndarray, route_rows, ack_policy: AckPolicy,
-             lookahead: int) -> np.ndarray:
-        """Every chunk of one call, in the host enqueue order (producer ``lookahead`` chunks ahead)."""
+             lookahead: int, call_id: int) -> np.ndarray:
+        """Every chunk of one call (identity ``call_id``), in the host enqueue order (producer ``lookahead``
+        chunks ahead)."""
         y = np.zeros((x.shape[0], self.shapes.hidden), np.float32)
         own_routes: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
-        call = ring.begin_call(num_chunks)
+        call = ring.begin_call(num_chunks, call_id=call_id)
         host = self.workspace.host
         combine_base = host.combine_base
         for step, chunk in protocol.enqueue_order(num_chunks, ring.spec.num_slots, lookahead):
@@ -602,12 +634,7 @@ class ExpertParallelMoE(Closing):
         and its expert (row-major order).
         """
         slot = call.slot(chunk)
-        meta = ring.meta(slot, src_rank)
-        token_base, num_valid = int(meta[META_TOKEN_BASE]), int(meta[META_NUM_VALID])
-        if int(meta[META_PAYLOAD_GEN]) != call.generation(chunk) or int(meta[META_CHUNK_IDX]) != chunk \
-                or not 0 <= num_valid <= ring.spec.tokens_per_slot:
-            raise SymmringError(f"rank {self.rank}: slot {slot} of rank {src_rank} holds metadata "
-                                f"{meta.tolist()}, expected chunk {chunk} generation {call.generation(chunk)}")
+        token_base, num_valid = ring.check_meta(call, chunk, src_rank)  # this chunk, generation and call
         topk_idx = np.array(ring.topk_idx(slot, src_rank)[:num_valid])
         local = (topk_idx >= self.experts.start) & (topk_idx < self.experts.stop)
         rows, ks = np.nonzero(local)
@@ -711,13 +738,9 @@ class ExpertParallelMoE(Closing):
         if rows.stop > rows.start:
             y[rows] = combine_rows(self._combine_out(self.rank)[rows], topk_idx, topk_weights)
 
-    def _check_open(self) -> None:
+    def _check_closed(self) -> None:
         if self.closed:
             raise RingClosedError(f"{self!r} was closed")
-        if self._failure is not None:
-            raise BrokenStateError(f"rank {self.rank}: {self!r} is in an unknown state after an earlier call "
-                                   f"failed ({type(self._failure).__name__}: {self._failure}); close it "
-                                   "(collective) and build a new layer", self._failure)
         self.ctx.check_open()
 
 

@@ -7,7 +7,8 @@ rows out), and the engines that implement it:
   DeepGEMM's, `symmring.moe.engines.deepgemm`);
 * ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
 
-`make_engine` picks one (the layer's ``engine=`` argument).
+`make_engine` picks one (the layer's ``engine=`` argument); `capture_scope` wraps the capture of a CUDA graph
+that runs one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,23 @@ from .seam import ExpertEngine, Pool, Scratch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "ExpertEngine", "Pool", "Scratch", "make_engine"]
+__all__ = ["ENGINES", "ExpertEngine", "Pool", "Scratch", "capture_scope", "make_engine"]
 
 #: Values of the layer's ``engine`` argument.
 ENGINES = ("auto", "deepgemm", "builtin", "torch")
+
+
+def capture_scope():
+    """A context manager around the capture of a CUDA graph whose work includes an engine's: it yields what the
+    engines' captured launches hold for the graph's life (`triton_small.capture_counters`: the split-K
+    counters' slices), which is given back when that object is dropped. Keep it exactly as long as the graph.
+
+    Example:
+        >>> with capture_scope() as held, torch.cuda.graph(graph):  # doctest: +SKIP
+        ...     y = engine.forward(pool, rows)
+    """
+    from . import triton_small  # no Triton import: the kernels load on first launch
+    return triton_small.capture_counters()
 
 
 def make_engine(engine: str, weights: ExpertWeights) -> ExpertEngine:

@@ -78,17 +78,23 @@ class Fp8Experts(ExpertEngine):
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):
         m_indices = pool.m_indices[:num_rows]
+        # The Triton GEMMs skip tiles naming no local expert and report them in pool.bad_groups; DeepGEMM's
+        # cannot (the layer's dispatch leaves no such id in the rows it hands over).
+        check = dict(bad_groups=pool.bad_groups)
         if rows_per_expert is not None and rows_per_expert <= self.small_rows:
             from . import triton_small
             bound = min(rows_per_expert, num_rows)
             # Its activations come from torch, not `scratch`: the fused L1 writes them while other programs
             # still read the pool, which the workspace's activations may share bytes with (expert_arena).
             act, act_sf = triton_small.grouped_gemm_swiglu_quant_fp8_small(
-                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound)
+                pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices, rows_per_group=bound,
+                **check)
             return triton_small.grouped_gemm_fp8_small(act, act_sf, self._w_down, self._w_down_scale, m_indices, out,
-                                                    rows_per_group=bound)
+                                                    rows_per_group=bound, **check)
+        if self.name == "deepgemm":
+            check = {}
         h = self._gemm(pool.x[:num_rows], pool.x_sf[:num_rows], self._w13, self._w13_scale, m_indices,
-                       None if scratch is None else scratch.h[:num_rows])
+                       None if scratch is None else scratch.h[:num_rows], **check)
         act, act_sf = self._swiglu_quant(h, m_indices, sf_mn_major=True,
                                          q_out=None if scratch is None else scratch.act[:num_rows])
-        return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices, out)
+        return self._gemm(act, act_sf, self._w_down, self._w_down_scale, m_indices, out, **check)

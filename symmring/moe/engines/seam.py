@@ -42,12 +42,16 @@ class Pool:
         group_end: int32 ``[E]``: cumulative row end of each local expert's group (``torch._grouped_mm``'s
             ``offs``); with an alignment > 1, the end of its aligned block.
         m_indices: int32 ``[capacity]``: the local expert of each row, -1 for padding (aligned pools), or None.
+        bad_groups: int32 ``[2]`` where an engine whose GEMMs read ``m_indices`` reports rows naming no local
+            expert (outside ``[-1, E)``: skipped, never computed; `symmring.moe.engines.triton_common.BAD_GROUP_WORDS`),
+            or None.
     """
 
     x: object
     group_end: object
     x_sf: Optional[object] = None
     m_indices: Optional[object] = None
+    bad_groups: Optional[object] = None
 
 
 @dataclass

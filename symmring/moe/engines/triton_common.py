@@ -1,8 +1,9 @@
 """What the built-in Triton kernels share (`triton_large`: the grouped GEMM and SwiGLU for large groups;
 `triton_small`: the swap-AB kernels for tiny ones): the layout's constants, loading Triton on first use
 (`bind`: the kernels are plain functions whose module globals ``tl`` and the jitted helpers are set then,
-so symmring imports without Triton), the two device helpers both kernels inline (the SwiGLU +
-quantisation of a tile, the GEMMs' program id and argument assumptions) and the host checks of devices and TMA views.
+so symmring imports without Triton), the device helpers both kernels inline (the SwiGLU + quantisation of a
+tile, the GEMMs' program id and argument assumptions, a tile's group with its bound) and the host checks of
+devices, TMA views and the bad-group report.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ tl: Any = None
 libdevice: Any = None
 
 #: What `load` returns: the modules and the jitted helpers.
-Triton = collections.namedtuple("Triton", "torch triton tl TensorDescriptor swiglu_quant_rows gemm_program")
+Triton = collections.namedtuple("Triton", "torch triton tl TensorDescriptor swiglu_quant_rows gemm_program tile_group")
+#: Words of a grouped GEMM's ``bad_groups`` report (int32, zero when nothing was skipped): the tiles skipped
+#: because their first row named a group outside ``[-1, G)``, and the first such id.
+BAD_GROUP_TILES, BAD_GROUP_ID = 0, 1
+BAD_GROUP_WORDS = 2
 
 
 def interpreting() -> bool:
@@ -79,6 +84,20 @@ def _gemm_program(M, N, K, stride_am, stride_asm, stride_ask, stride_bg, stride_
     return pid
 
 
+def _tile_group(m_indices_ptr, row, G, bad_groups_ptr, REPORT: tl.constexpr):
+    """The group of a GEMM tile whose first row is ``row`` (groups start at multiples of `ALIGN_M`, so that
+    row names the tile's group), or -1 when the tile computes nothing: padding, or an id outside ``[-1, G)``,
+    which would index weights past ``b`` (stale or corrupt ids). Such a tile is skipped and, with REPORT,
+    counted in ``bad_groups`` (`BAD_GROUP_TILES` += 1; `BAD_GROUP_ID`: the first id, never 0 for a bad one)."""
+    group = tl.load(m_indices_ptr + row)
+    if (group < -1) | (group >= G):
+        if REPORT:  # words BAD_GROUP_TILES (0) and BAD_GROUP_ID (1): no module globals in a Triton function
+            tl.atomic_add(bad_groups_ptr, 1)
+            tl.atomic_cas(bad_groups_ptr + 1, 0, group)
+        group = -1
+    return group
+
+
 # --- loading -----------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -98,14 +117,16 @@ def load() -> Triton:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # Triton < 3.4: pointer loads only
         TensorDescriptor = None
-    return Triton(torch, triton, _tl, TensorDescriptor, triton.jit(_swiglu_quant_rows), triton.jit(_gemm_program))
+    return Triton(torch, triton, _tl, TensorDescriptor, triton.jit(_swiglu_quant_rows), triton.jit(_gemm_program),
+                  triton.jit(_tile_group))
 
 
 def bind(namespace: dict) -> Triton:
     """`load`, and set ``tl`` and the jitted helpers in a kernel module's ``namespace`` (its ``globals()``),
     where its kernels look them up when Triton compiles them."""
     t = load()
-    namespace.update(tl=t.tl, swiglu_quant_rows=t.swiglu_quant_rows, gemm_program=t.gemm_program)
+    namespace.update(tl=t.tl, swiglu_quant_rows=t.swiglu_quant_rows, gemm_program=t.gemm_program,
+                     tile_group=t.tile_group)
     return t
 
 
@@ -126,6 +147,19 @@ def check_device(tensors, names) -> None:
         if (major, minor) < (8, 9):
             raise BackendError(f"device {device} has compute capability {major}.{minor}: fp8 tensor-core "
                                f"dots need 8.9 or newer (9.0, Hopper, is the target)")
+
+
+def check_bad_groups(bad_groups, device) -> None:
+    """``bad_groups`` of a grouped GEMM: None, or a contiguous int32 tensor of at least `BAD_GROUP_WORDS` on
+    ``device`` (the kernel adds to it: zero it to start counting)."""
+    if bad_groups is None:
+        return
+    import torch
+    if (not isinstance(bad_groups, torch.Tensor) or bad_groups.dtype != torch.int32 or bad_groups.dim() != 1
+            or bad_groups.numel() < BAD_GROUP_WORDS or bad_groups.stride(0) != 1 or bad_groups.device != device):
+        raise ConfigError(f"bad_groups: expected None or a contiguous int32 tensor of >= {BAD_GROUP_WORDS} words on "
+                          f"{device}, got {getattr(bad_groups, 'dtype', type(bad_groups).__name__)} "
+                          f"{tuple(getattr(bad_groups, 'shape', ()))}")
 
 
 def _ceil_div(x: int, y: int) -> int:

@@ -73,7 +73,8 @@ from typing import List, Optional, Tuple
 
 from ...errors import ConfigError
 from . import triton_common
-from .triton_common import ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, check_device, interpreting, tma_ok
+from .triton_common import (ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, check_bad_groups, check_device, interpreting,
+                            tma_ok)
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ FP8_E4M3_MAX = 448.0
 SWIGLU_BLOCK_ROWS = 32
 
 # Set by _triton() on first use (`triton_common.bind`): the kernels below resolve them from this module's globals.
-tl = swiglu_quant_rows = gemm_program = None
+tl = swiglu_quant_rows = gemm_program = tile_group = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +190,13 @@ def default_config(M: int, N: int, K: int, G: int, num_sms: int = NUM_SMS_HOPPER
 # --- the kernels (plain functions; _triton() wraps them in triton.jit on first use) -----------------------
 
 def _grouped_gemm_fp8_kernel(
-        a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, out_ptr, out_desc, m_indices_ptr,
-        M, N, K,
+        a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, out_ptr, out_desc, m_indices_ptr, bad_groups_ptr,
+        M, N, K, G,
         stride_am, stride_asm, stride_ask,
         stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
         stride_om,
         BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, TWO_HALVES: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_STAGES: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr,
+        NUM_STAGES: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, REPORT: tl.constexpr,
 ):
     BLOCK_KK: tl.constexpr = 128
     BLOCK_N: tl.constexpr = SUB_N * (1 + TWO_HALVES)
@@ -216,7 +217,8 @@ def _grouped_gemm_fp8_kernel(
 
     # Groups start at multiples of ALIGN_M >= BLOCK_M, so the first row names the tile's group; a padding
     # row there means the whole tile is padding (the end of a group's last block, or past the last group).
-    group = tl.load(m_indices_ptr + off_m)
+    # An id outside [-1, G) is skipped too (and reported: tile_group).
+    group = tile_group(m_indices_ptr, off_m, G, bad_groups_ptr, REPORT)
     if group < 0:
         return
 
@@ -320,7 +322,8 @@ def _triton():
     # not matter for speed, and specialising on them would compile one more variant per pattern (the pool
     # bound M varies; K / 128 is 56 for DeepSeek-V3, 16 for Qwen3; MN-major a_sf has stride 1 along M).
     gemm = t.triton.jit(_grouped_gemm_fp8_kernel,
-                        do_not_specialize=["M", "stride_asm", "stride_ask", "stride_bsg", "stride_bsn", "stride_bsk"])
+                        do_not_specialize=["M", "G", "stride_asm", "stride_ask", "stride_bsg", "stride_bsn",
+                                           "stride_bsk"])
     swiglu = t.triton.jit(_swiglu_quant_fp8_kernel, do_not_specialize=["M", "stride_sfm", "stride_sfk"])
     return t.torch, t.triton, gemm, swiglu, t.TensorDescriptor
 
@@ -415,7 +418,8 @@ def check_contiguous_layout(m_indices, num_groups: int, align: int = ALIGN_M) ->
                           f"(it starts a second time at row {row})")
 
 
-def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[GemmConfig] = None):
+def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[GemmConfig] = None, *,
+                     bad_groups=None):
     """Block-scaled fp8 grouped GEMM of the contiguous layout (Triton; DeepGEMM's
     ``m_grouped_fp8_gemm_nt_contiguous`` contract).
 
@@ -428,9 +432,12 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
         b: float8_e4m3fn ``[G, N, K]``, K-contiguous.
         b_sf: float32 ``[G, ceil(N / 128), K // 128]``, any strides.
         m_indices: contiguous int32 ``[M]``: each row's group, -1 for padding; groups start at multiples of
-            `ALIGN_M` (not checked here: `check_contiguous_layout` does, with a device sync).
+            `ALIGN_M` (not checked here: `check_contiguous_layout` does, with a device sync). A tile whose
+            first row names a group outside ``[-1, G)`` is skipped (never reads past ``b``).
         out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
         config: a `GemmConfig`; `default_config` when None.
+        bad_groups: optional int32 ``[>= 2]`` on the device: the tiles skipped for such an id are added to
+            word 0 and the first id is stored in word 1 (`triton_common.BAD_GROUP_WORDS`; zero it first).
 
     Returns:
         ``out``. Rows of tiles that start with a padding row are left as they were (undefined when
@@ -445,6 +452,7 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     """
     torch, triton, gemm_kernel, _, TensorDescriptor = _triton()
     M, N, K, G = check_gemm_args(a, a_sf, b, b_sf, m_indices, out)
+    check_bad_groups(bad_groups, a.device)
     if config is None:
         config = default_config(M, N, K, G)
     elif not isinstance(config, GemmConfig):
@@ -473,12 +481,13 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     grid = (ceil_div(M, config.block_m) * ceil_div(N, config.block_n),)
     gemm_kernel[grid](
         a, a_desc, a_sf, b, b_desc, b_sf, out, out_desc, m_indices,
-        M, N, K,
+        m_indices if bad_groups is None else bad_groups,  # not touched without REPORT
+        M, N, K, G,
         a.stride(0), a_sf.stride(0), a_sf.stride(1),
         b.stride(0), b.stride(1), b_sf.stride(0), b_sf.stride(1), b_sf.stride(2),
         out.stride(0),
         BLOCK_M=config.block_m, SUB_N=sub_n, TWO_HALVES=two_halves, GROUP_M=config.group_m,
-        NUM_STAGES=config.num_stages, TMA_LOAD=tma_load, TMA_STORE=tma_store,
+        NUM_STAGES=config.num_stages, TMA_LOAD=tma_load, TMA_STORE=tma_store, REPORT=bad_groups is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -103,15 +103,20 @@ Split-K (``split_k > 1``)
     * an eager launch uses the buffer of the stream it is enqueued on (per device and stream, grown as
       needed): launches on one stream run one after the other, each finds the counters as the previous
       left them, zero; launches on different streams, which may overlap, never share a buffer;
-    * a launch being captured into a CUDA graph gets counters no other launch ever gets: a slice of the
-      device's capture arena (``2**16`` counters made zero by an earlier eager launch, outside any capture
-      (``torch.cuda.graph`` synchronises before it captures), and kept for the process, since graphs
-      address them; an eager launch makes a fresh arena once half of one is handed out). A graph's replays
-      on any stream thus share counters with nothing but themselves (replaying one graph concurrently with
-      itself is unsupported anyway: its intermediates are shared too). Where no arena
-      has room (a capture before any eager split launch on the device, or > 32 Ki counters captured since
-      the last eager one) the launch takes its own ``torch.zeros`` buffer inside the capture: correct, at
-      the cost of one memset node in that graph (logged once).
+    * a launch being captured into a CUDA graph gets counters no other live graph holds: a slice of one of
+      the device's capture arenas (``2**16`` counters each, made zero by an eager launch, outside any capture:
+      ``torch.cuda.graph`` synchronises before it captures). A graph's replays on any stream thus share
+      counters with nothing but themselves (replaying one graph concurrently with itself is unsupported
+      anyway: its intermediates are shared too). The slices go back to their arena with the graph: a capture
+      inside `capture_counters` (what `symmring.moe.gpu.MoE` does for every graph it captures) records them
+      in the lease it yields, kept with the graph and given back when it is dropped (the layer drops a graph
+      after a synchronisation: no replay in flight), so captures and evictions leave the arenas as they found
+      them; a graph captured outside one (``torch.cuda.graph`` around a call, by hand) keeps its slices for
+      the process. An eager launch makes another arena only when none has half of one free (or this launch's
+      count) in one piece, and an arena that gets all its counters back is freed where another has half of one
+      free. Where no arena has room (a capture before any eager split launch on the device) the launch takes
+      its own ``torch.zeros`` buffer inside the capture: correct, at the cost of one memset node in that graph
+      (logged once).
 
     ``split_k`` larger than the K blocks is a `ConfigError` (a split of no blocks would only add zeros);
     the default rule never asks for it. ``split_k = 1`` launches the kernel exactly as before split-K
@@ -124,11 +129,14 @@ their large-group GEMM is (`symmring.moe.engines.fp8.Fp8Experts`).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
 import functools
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import ConfigError
 from . import triton_common, triton_large
@@ -148,7 +156,7 @@ MIN_SPLIT_K_BLOCKS = 4
 SWEEP_SPLIT_K = (2, 4)
 
 # Set by _jit() on first use (`triton_common.bind`): the kernel resolves them from this module's globals.
-tl = swiglu_quant_rows = gemm_program = None
+tl = swiglu_quant_rows = gemm_program = tile_group = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,12 +304,12 @@ def configs(fused: bool = False) -> List[SmallConfig]:
 
 def _small_gemm_fp8_kernel(
         a_ptr, a_desc, a_sf_ptr, b_ptr, b_desc, b_sf_ptr, m_indices_ptr, out_ptr, q_sf_ptr, partial_ptr, counter_ptr,
-        M, N_OUT, NB, K, tiles_per_block,
+        bad_groups_ptr, M, N_OUT, NB, K, G, tiles_per_block,
         stride_am, stride_asm, stride_ask,
         stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
         stride_om, stride_sfm, stride_sfk,
         BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_LOAD: tl.constexpr,
-        SWIGLU: tl.constexpr, ACCURATE_EXP: tl.constexpr, SPLIT_K: tl.constexpr,
+        SWIGLU: tl.constexpr, ACCURATE_EXP: tl.constexpr, SPLIT_K: tl.constexpr, REPORT: tl.constexpr,
 ):
     # SWIGLU: b is w13 [G, NB = 2 * N_OUT, K]; out is q (fp8 [M, N_OUT]) and q_sf its scales.
     # Else: b is [G, NB = N_OUT, K] and out bf16 [M, N_OUT].
@@ -321,8 +329,9 @@ def _small_gemm_fp8_kernel(
     off_t = blk * 128 + sub * BLOCK_T
     if off_t >= M:
         return
-    # Groups start at multiples of 128 and BLOCK_T divides 128: the first row names the tile's group.
-    group = tl.load(m_indices_ptr + off_t)
+    # Groups start at multiples of 128 and BLOCK_T divides 128: the first row names the tile's group (an id
+    # outside [-1, G) is skipped like padding, and reported: tile_group). Every split of a tile sees the same.
+    group = tile_group(m_indices_ptr, off_t, G, bad_groups_ptr, REPORT)
     if group < 0:
         return
     off_n = pid_n * BLOCK_N
@@ -427,27 +436,80 @@ def _jit():
     missing)."""
     t = triton_common.bind(globals())
     kernel = t.triton.jit(_small_gemm_fp8_kernel,
-                          do_not_specialize=["M", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
+                          do_not_specialize=["M", "G", "tiles_per_block", "stride_asm", "stride_ask", "stride_bsg",
                                              "stride_bsn", "stride_bsk", "stride_sfm", "stride_sfk"])
     return t.torch, kernel, t.TensorDescriptor
 
 
+class _CounterArena:
+    """One zeroed int32 tensor of capture counters and the ranges of it not handed out (host bookkeeping:
+    first fit; a range given back merges with its free neighbours)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.free: List[Tuple[int, int]] = [(0, tensor.numel())]  # (first, count), sorted, never adjacent
+
+    def largest(self) -> int:
+        """The most counters one slice of it can have now."""
+        return max((n for _, n in self.free), default=0)
+
+    def idle(self) -> bool:
+        """Whether no slice of it is handed out."""
+        return self.free == [(0, self.tensor.numel())]
+
+    def take(self, num: int) -> Optional[int]:
+        """The first counter of ``num`` consecutive ones now handed out, or None where no range holds them."""
+        for i, (first, n) in enumerate(self.free):
+            if n >= num:
+                if n == num:
+                    del self.free[i]
+                else:
+                    self.free[i] = (first + num, n - num)
+                return first
+        return None
+
+    def give(self, first: int, num: int) -> None:
+        """Take back ``num`` counters from ``first`` (zero again: each launch leaves its counters zero)."""
+        i = bisect.bisect(self.free, (first, num))
+        if i < len(self.free) and first + num == self.free[i][0]:  # merge with the next range
+            num += self.free.pop(i)[1]
+        if i and self.free[i - 1][0] + self.free[i - 1][1] == first:  # ... and with the one before
+            first, num = self.free[i - 1][0], self.free[i - 1][1] + num
+            del self.free[i - 1]
+            i -= 1
+        self.free.insert(i, (first, num))
+
+
+class CounterLease:
+    """The capture-arena slices the split-K launches captured inside one `capture_counters` took: given back
+    to their arenas by `release` or when the lease is garbage collected. Keep it exactly as long as the graph
+    captured with it, and drop both only when no replay of the graph is in flight."""
+
+    def __init__(self, owner: "_SplitCounters"):
+        self.slices: List[Tuple[_CounterArena, int, int]] = []  # (arena, first counter, counters)
+        self._release = weakref.finalize(self, owner.give_back, self.slices)
+
+    def release(self) -> None:
+        """Give the slices back now (idempotent)."""
+        self._release()
+
+
 class _SplitCounters:
     """The split-K launches' arrival counters (int32, one per output tile; zero between launches): per device
-    and stream for eager launches, slices of a capture arena handed out once for captured ones (module
-    notes, "Split-K")."""
+    and stream for eager launches, slices of capture arenas for captured ones, given back through a
+    `CounterLease` (module notes, "Split-K")."""
 
-    #: Counters of one capture arena; a fresh arena is made when less than half of one is left.
+    #: Counters of one capture arena; another is made when none has half of one free in one range.
     ARENA = 1 << 16
     #: Slices start at multiples of 32 counters (128 bytes): the pointer keeps the 16-byte alignment the
     #: kernel was specialised on (no new compile inside a capture), and launches do not share a line.
     SLICE_ALIGN = 32
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a lease's finalizer may run inside a locked call (garbage collection)
         self._streams: Dict[Tuple[str, int], Any] = {}  # (device, stream handle) -> int32 zeros
-        self._arenas: Dict[str, List] = {}  # device -> [int32 zeros, first counter not handed out]
-        self._kept: List[Any] = []  # every arena made: graphs captured with its slices address them
+        self._arenas: Dict[str, List[_CounterArena]] = {}  # device -> its capture arenas
+        self._leases = threading.local()  # .open: the leases of this thread's captures, innermost last
         self._warned = False
 
     def get(self, torch, device, num: int):
@@ -464,33 +526,76 @@ class _SplitCounters:
                 # they are ordered before any later use of its memory on this stream.
                 size = max(num, 2 * buf.numel() if buf is not None else 0, 1024)
                 buf = self._streams[key] = torch.zeros(size, dtype=torch.int32, device=device)
-            arena = self._arenas.get(str(device))
-            if arena is None or arena[0].numel() - arena[1] < max(self.ARENA // 2, num):
-                # Room for this launch's captures to come (twice it: the next eager launch keeps this one).
-                made = torch.zeros(max(self.ARENA, 2 * num), dtype=torch.int32, device=device)
-                self._kept.append(made)
-                self._arenas[str(device)] = [made, 0]
+            arenas = self._arenas.setdefault(str(device), [])
+            want = max(self.ARENA // 2, self._aligned(num))
+            if not any(a.largest() >= want for a in arenas):
+                # Room for the captures to come (twice this launch's count: the next eager launch keeps this).
+                arenas.append(_CounterArena(torch.zeros(max(self.ARENA, 2 * self._aligned(num)), dtype=torch.int32,
+                                                        device=device)))
             return buf
 
+    def _aligned(self, num: int) -> int:
+        return ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN
+
     def _for_capture(self, torch, device, num: int):
-        arena = self._arenas.get(str(device))
-        if arena is not None and arena[0].numel() - arena[1] >= num:
-            first = arena[1]
-            arena[1] = min(arena[0].numel(), first + ceil_div(num, self.SLICE_ALIGN) * self.SLICE_ALIGN)
-            return arena[0][first:first + num]
+        size = self._aligned(num)
+        for arena in self._arenas.get(str(device), []):
+            first = arena.take(size)
+            if first is not None:
+                open_leases = getattr(self._leases, "open", None)
+                if open_leases:
+                    open_leases[-1].slices.append((arena, first, size))
+                return arena.tensor[first:first + num]
         if not self._warned:
             self._warned = True
             logger.info("triton_small: a split-K launch captured with no zeroed counters left (no eager split "
-                        "launch on %s since the arena filled): its graph zeroes its own (one memset per replay)",
-                        device)
+                        "launch on %s before it): its graph zeroes its own (one memset per replay)", device)
         return torch.zeros(num, dtype=torch.int32, device=device)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[CounterLease]:
+        """The lease of the captures in the block (`capture_counters`)."""
+        lease = CounterLease(self)
+        with self._lock:
+            if not hasattr(self._leases, "open"):
+                self._leases.open = []
+            self._leases.open.append(lease)
+        try:
+            yield lease
+        finally:
+            self._leases.open.remove(lease)
+
+    def give_back(self, slices: List[Tuple[_CounterArena, int, int]]) -> None:
+        """A lease's slices back to their arenas; an arena left idle is freed where another one has half of
+        one free (the next eager launch would not make a new one)."""
+        with self._lock:
+            for arena, first, size in slices:
+                arena.give(first, size)
+            slices.clear()
+            for arenas in self._arenas.values():
+                for arena in [a for a in arenas if a.idle()]:
+                    if any(b is not arena and b.largest() >= self.ARENA // 2 for b in arenas):
+                        arenas.remove(arena)
 
     def buffers(self) -> List[Any]:
         with self._lock:
-            return list(self._streams.values()) + list(self._kept)
+            return list(self._streams.values()) + [a.tensor for arenas in self._arenas.values() for a in arenas]
 
 
 _split_counters = _SplitCounters()
+
+
+def capture_counters():
+    """A context manager around the capture of a CUDA graph: the capture-arena slices that the split-K
+    launches captured in the block take are recorded in the `CounterLease` it yields, and given back when the
+    lease is released or garbage collected. Keep the lease as long as the graph (module notes, "Split-K").
+
+    Example:
+        >>> with capture_counters() as lease, torch.cuda.graph(graph):  # doctest: +SKIP
+        ...     out = grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, config=SmallConfig(split_k=2))
+        >>> kept = (graph, lease)  # doctest: +SKIP
+    """
+    return _split_counters.lease()
 
 
 def split_counter_buffers() -> List[Any]:
@@ -514,7 +619,7 @@ def _check_rows_per_group(rows_per_group) -> Optional[int]:
     return rows_per_group
 
 
-def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_group, config, swiglu):
+def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_group, config, swiglu, bad_groups):
     torch, kernel, tensor_descriptor = _jit()
     NB = b.shape[1]
     tiles_per_block = ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), config.block_t)
@@ -537,12 +642,13 @@ def _launch(a, a_sf, b, b_sf, m_indices, out, q_sf, *, M, n_out, K, G, rows_per_
         counters = _split_counters.get(torch, a.device, tiles)
     kernel[grid](
         a, a_desc, a_sf, b, b_desc, b_sf, m_indices, out, q_sf if q_sf is not None else a_sf, partial, counters,
-        M, n_out, NB, K, tiles_per_block,
+        m_indices if bad_groups is None else bad_groups,  # not touched without REPORT
+        M, n_out, NB, K, G, tiles_per_block,
         a.stride(0), a_sf.stride(0), a_sf.stride(1),
         b.stride(0), b.stride(1), b_sf.stride(0), b_sf.stride(1), b_sf.stride(2),
         out.stride(0), q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         BLOCK_N=config.block_n, BLOCK_T=config.block_t, NUM_STAGES=config.num_stages, TMA_LOAD=tma_load,
-        SWIGLU=swiglu, ACCURATE_EXP=not interpreting(), SPLIT_K=config.split_k,
+        SWIGLU=swiglu, ACCURATE_EXP=not interpreting(), SPLIT_K=config.split_k, REPORT=bad_groups is not None,
         # No FMA contraction: the promotion's fma is explicit, every other step its own rounding, so the
         # fused and the unfused kernels do the same arithmetic (and swiglu_quant_fp8's).
         enable_fp_fusion=False, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -563,7 +669,7 @@ def _resolve_config(config, M, N, K, G, rows_per_group, fused) -> SmallConfig:
 
 
 def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_group: Optional[int] = None,
-                           config: Optional[SmallConfig] = None):
+                           config: Optional[SmallConfig] = None, bad_groups=None):
     """Block-scaled fp8 grouped GEMM of the contiguous layout for small groups (swap-AB tiles, Triton).
 
     The contract of `triton_large.grouped_gemm_fp8` (``out[r] = a[r] @ b[g]^T`` block-scaled, float32
@@ -577,6 +683,8 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
             rows than the bound has rows past it left unwritten: the bound must hold.
         config: a `SmallConfig`; `small_config` when None. Its ``split_k`` (at most ``K / 128``) splits K
             over that many programs per tile, reduced in a fixed order (module notes).
+        bad_groups: as `triton_large.grouped_gemm_fp8`'s (tiles whose group lies outside ``[-1, G)`` are
+            skipped whether or not it is given).
 
     Returns:
         ``out`` (rows with ``m_indices == -1`` as they were).
@@ -590,18 +698,19 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
     """
     torch = triton_common.load().torch
     M, N, K, G = check_gemm_args(a, a_sf, b, b_sf, m_indices, out)
+    triton_common.check_bad_groups(bad_groups, a.device)
     rows_per_group = _check_rows_per_group(rows_per_group)
     config = _resolve_config(config, M, N, K, G, rows_per_group, fused=False)
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
     if M:
         _launch(a, a_sf, b, b_sf, m_indices, out, None, M=M, n_out=N, K=K, G=G, rows_per_group=rows_per_group,
-                config=config, swiglu=False)
+                config=config, swiglu=False, bad_groups=bad_groups)
     return out
 
 
 def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows_per_group: Optional[int] = None,
-                                        config: Optional[SmallConfig] = None):
+                                        config: Optional[SmallConfig] = None, bad_groups=None):
     """L1 of small groups fused with SwiGLU and the 1x128 fp8 quantisation: L2's input in one kernel.
 
     Bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a, a_sf, b13, b13_sf, m_indices, config=config),
@@ -611,7 +720,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
         a, a_sf, m_indices: as `grouped_gemm_fp8_small`.
         b13, b13_sf: the fused L1 weight ``[G, 2 * I, K]`` (gate rows then up rows, ``I % 128 == 0``) and its
             block scales ``[G, 2 * I / 128, K / 128]``.
-        rows_per_group: as `grouped_gemm_fp8_small`.
+        rows_per_group, bad_groups: as `grouped_gemm_fp8_small`.
         config: a `SmallConfig` with ``block_n == 128``; `small_config(..., fused=True)` when None.
 
     Returns:
@@ -627,6 +736,7 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     """
     torch = triton_common.load().torch
     M, two_i, K, G = check_gemm_args(a, a_sf, b13, b13_sf, m_indices)
+    triton_common.check_bad_groups(bad_groups, a.device)
     if two_i % 256:
         raise ConfigError(f"b13.shape={tuple(b13.shape)}: expected [G, 2 * I, K] with I a multiple of 128 "
                           f"(gate rows then up rows)")
@@ -637,6 +747,6 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
     q_sf = triton_large.act_scales_empty(M, inter // 128, a.device, mn_major=True)
     if M:
         _launch(a, a_sf, b13, b13_sf, m_indices, q, q_sf, M=M, n_out=inter, K=K, G=G,
-                rows_per_group=rows_per_group, config=config, swiglu=True)
+                rows_per_group=rows_per_group, config=config, swiglu=True, bad_groups=bad_groups)
     return q, q_sf
 

@@ -165,13 +165,14 @@ class GraphCache:
 
 
 class CachedGraph:
-    """One captured call: the graph, its static inputs (in the order `replay` takes the new values) and its
-    static output."""
+    """One captured call: the graph, its static inputs (in the order `replay` takes the new values), its
+    static output and what the engines' launches in it hold while it lives (`symmring.moe.engines.capture_scope`:
+    given back when this entry is dropped, after the synchronisation that precedes every eviction)."""
 
-    __slots__ = ("graph", "inputs", "output")
+    __slots__ = ("graph", "inputs", "output", "held")
 
-    def __init__(self, graph, inputs: Sequence, output):
-        self.graph, self.inputs, self.output = graph, tuple(inputs), output
+    def __init__(self, graph, inputs: Sequence, output, held=None):
+        self.graph, self.inputs, self.output, self.held = graph, tuple(inputs), output, held
 
     def replay(self, values: Sequence):
         """Copy ``values`` into the first rows of the static inputs (a graph captured for a token bucket holds

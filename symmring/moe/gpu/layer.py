@@ -50,9 +50,13 @@ construction and a larger batch is a ConfigError before anything is enqueued.
 Errors: a device wait that times out (``SYMMRING_TIMEOUT_S``) writes the ring's error record and every
 later kernel returns at once; `MoE.check_errors` (which synchronises) raises the `ProtocolTimeout`. Without
 a synchronisation (docs/PROTOCOL.md 10.2): the call's output is NaN, `MoE.async_error` returns the error
-latched in host memory, and the next `forward` raises it on every rank before enqueuing anything. With
-``SYMMRING_DEBUG=1`` every forward checks. After any device error, `MoE.reset` (collective) makes the layer
-usable again.
+latched in host memory, and the next `forward` outside a step, or the next `symmring.Workspace.step`, raises it
+on every rank before enqueuing anything; `CapturedCall.replay` raises this rank's. Every call carries its
+identity (call number and layer id, docs/PROTOCOL.md 3.2): in its exchange outside a step, in every meta row
+inside one, so ranks whose call sequences diverged raise `CallMismatch` instead of pairing calls; a call refused
+on one rank inside a step records ``peer_refused`` on its ring (`_refuse`). With ``SYMMRING_DEBUG=1`` every
+forward checks. After any device error, `MoE.reset` (collective: `symmring.Workspace.reset`) makes every layer
+of the workspace usable again.
 
 Example:
     >>> ctx = symmring.init("nvshmem")  # doctest: +SKIP
@@ -76,7 +80,7 @@ from ... import agreement, env, protocol
 from ... import transport as transport_mod
 from ...backends.base import DeviceBackend
 from ...closing import Closing
-from ...errors import BackendError, ConfigError, RingClosedError
+from ...errors import BackendError, BrokenStateError, ConfigError, RingClosedError
 from .. import routing as routing_mod
 from ..config import Experts, RoutingConfig, ScheduleConfig, check_int, misplaced
 from ..workspace_plan import spanned_rows
@@ -125,6 +129,20 @@ def _check_values(experts, routing, schedule):
         if not isinstance(value, cls):
             raise ConfigError(f"{name}={value!r}: expected a symmring.moe.config.{cls.__name__}")
     return experts, routing, schedule
+
+
+def _skipped_groups(state, rank: int, num_local_experts: int) -> Optional[BackendError]:
+    """The error of what the fp8 GEMMs reported in ``state.bad_groups`` (tiles skipped for a group id outside
+    ``[-1, E)``), the report then cleared; None when nothing was skipped (after a synchronisation)."""
+    if state.bad_groups is None:
+        return None
+    tiles, value = (int(v) for v in state.bad_groups.tolist())
+    if not tiles:
+        return None
+    state.bad_groups.zero_()
+    return BackendError(f"rank {rank}: the expert GEMMs skipped {tiles} tile(s) of pool rows naming group {value}, "
+                        f"outside [-1, {num_local_experts}) (stale or corrupt group ids); those rows were not "
+                        "computed and the call's output is not valid")
 
 
 def _check_delays(name: str, delays) -> Dict[int, int]:
@@ -295,14 +313,16 @@ class MoE(Closing):
         if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
             raise ConfigError(f"workspace={workspace!r}: expected a symmring.Workspace of this context")
         self._transport_request = transport_mod.request(transport, self.world_size)
-        # Once, before any allocation: a rank built with other sizes or schedule options is a ConfigError
-        # naming it and the field, on every rank (the ring's spec is checked again by DeviceRing).
-        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE", timeout_s=self.timeout_s)
         self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
+        #: This layer's id on its workspace (construction order): the layer part of its calls' identities.
+        self.layer_id = self.workspace.new_layer_id()
+        # Once, before any allocation: a rank built with other sizes or schedule options (or another layer id: a
+        # rank that built another number of layers before) is a ConfigError naming it and the field, on every
+        # rank (the ring's spec is checked again by DeviceRing).
+        agreement.exchange_and_check(ctx.collectives, self._agreed_fields(), what="MoE")
         self.layer_shape = LayerShape(H, self.inter, self.num_experts, K, x_format=x_format,
                                       expert_format=self.engine.pool_format)
         self.workspace.attach(self.layer_shape, self.max_tokens)
-        self.workspace.register(self)
         ws_plan = self.workspace.plan
         if self.num_slots is None and self.tokens_per_slot is None:
             # The workspace's chunk (its windows are whole chunks), and a ring a batch call of max_tokens fits.
@@ -321,6 +341,8 @@ class MoE(Closing):
         self._bind_key = self.workspace.gpu.bind(self.layer_shape, num_slots=self.num_slots,
                                                  tokens_per_slot=self.tokens_per_slot, transport=transport,
                                                  timeout_s=self.timeout_s, align=align)
+        # Once bound: a later growth of the workspace's memory (`Workspace.release_memory`) reaches this layer.
+        self.workspace.register(self)
         self.spec = self.ring.spec
         #: How this PE reaches each rank ("self", "p2p", "rdma"; `symmring.transport`).
         self.transports = self.ring.transports
@@ -347,7 +369,7 @@ class MoE(Closing):
                     expert_window=self.expert_window, small_batch_tokens=self.small_batch_tokens,
                     small_batch_capable=self._small_batch_capable(), timeout_s=self.timeout_s,
                     # Whether a ring of the workspace is shared depends on these too (memory.DeviceMemory keys).
-                    transport=str(self._transport_request))
+                    transport=str(self._transport_request), layer_id=self.layer_id)
 
     # --- what the layer borrows from its workspace (the same objects for every layer of a shape) ------------
 
@@ -382,8 +404,6 @@ class MoE(Closing):
     _producer_stream = view("workspace.gpu.producer_stream")
     _consumer_stream = view("workspace.gpu.consumer_stream")
 
-    # One end-of-call event per workspace: every layer's call comes after the previous call of any layer.
-    _call_done = view("workspace.gpu.call_done", writable=True)
     _graph_pool = view("workspace.gpu.graph_pool", writable=True)
 
     def memory(self) -> Dict[str, int]:
@@ -428,9 +448,17 @@ class MoE(Closing):
         return x
 
     def _check_open(self) -> None:
+        self._check_closed()
+        self.workspace.check_open()  # its memory: a closed workspace is a RingClosedError (the context's too)
+
+    def _check_closed(self) -> None:
+        """RingClosedError when this layer, its workspace or its context is closed (not the workspace's failure:
+        `forward` sends that to the other ranks as a refusal)."""
         if self.closed:
             raise RingClosedError("this MoE layer was closed")
-        self.workspace.check_open()  # its memory: a closed workspace is a RingClosedError (the context's too)
+        self.workspace.ctx.check_open()
+        if self.workspace.closed:
+            raise RingClosedError("this workspace was closed (its layers can no longer run)")
 
     def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights) -> Tuple:
         """Validate the routing source (nothing enqueued): ``("given", (topk_idx, topk_weights))``,
@@ -551,19 +579,75 @@ class MoE(Closing):
 
         Raises:
             ConfigError: bad shapes, dtypes, devices, routing sources or options, or a batch call larger
-                than the ring (nothing is enqueued); inside a step also more tokens than the step declared, or
-                given routing in a step declared ``own_router=True`` (`_step_counts`).
-            PeerTimeout: the ranks' token counts did not arrive within the timeout (host; a `ProtocolTimeout`).
-            BrokenStateError: an earlier host exchange of the context failed (re-initialise).
+                than the ring (nothing is enqueued): outside a step on every rank (the call's exchange carries
+                every rank's verdict); inside a step on this rank, also for more tokens than the step declared
+                or given routing in a step declared ``own_router=True``, and the call is refused (`_refuse`:
+                counted, ``peer_refused`` recorded on its ring, the step failed on every rank).
+            CallMismatch: outside a step, the ranks are at different calls or layers (on every rank, nothing
+                enqueued; until `reset`).
+            PeerTimeout: the ranks' token counts did not arrive within the host bound (a `ProtocolTimeout`).
+            BrokenStateError: an earlier host exchange of the context failed (re-initialise), or (on every rank,
+                outside a step) a step failed (`reset`).
             ProtocolTimeout, ProtocolViolation: a device error of an earlier call, latched on any rank
                 (`async_error`; its subclass `ProtocolAborted` on the ranks where another rank latched it), on
                 every rank and before anything is enqueued, until `reset`; with ``SYMMRING_DEBUG=1`` also a
                 device error of this call.
         """
         torch = _torch()
-        self._check_open()
+        self._check_closed()
+        step = self.workspace.active_step
+        kind, refusal = None, None
+        try:
+            self.workspace.check_open()  # a failed step or call: refused like a bad argument (every rank hears)
+            x, kind, source, delays, consumer_delays = self._check_call(
+                x, router_weight, logits, topk_idx, topk_weights, streaming, small_batch, stage_events, timeline,
+                producer_delay_ns, consumer_delay_ns, graph_cache)
+        except (ConfigError, BrokenStateError) as exc:
+            refusal = exc
+        n = 0 if refusal is not None else int(x.shape[0])
+        if step is None:
+            counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given", refusal=refusal)
+        else:  # the step exchanged the counts once for every layer: nothing to exchange here
+            counts, distinct, latched = self._step_counts(step, n, kind, refusal)
+        self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
+        # Every rank plans for the same token bucket; this rank's exact count goes to the device (_begin_call).
+        bucket = [self._bucket(max(counts))] * self.world_size
+        stream_it, small = self._schedule(streaming, counts, small_batch, bucket)
+        plan = self._plan(bucket, stream_it, small, distinct)
+        self.last_plan = plan
+        if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
+            return torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        y = None
+        if graph_cache and not capturing and stage_events is None and not timeline and not delays \
+                and not consumer_delays:
+            y = self._cached_call(plan, distinct, x, kind, source)
+        if y is None:
+            y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
+            if not capturing:
+                self._begin_call(n)
+            else:
+                self.workspace.note_capture()  # Workspace.replay refuses a graph of old memory
+                if step is None:  # a graph captured outside a step replays this count (it fixed the bucket too)
+                    self.workspace.gpu.record_call_tokens(n)
+                # else: a step's graph reads the count set before each replay (Workspace.set_call_tokens)
+            self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
+            if not capturing:
+                self._end_of_call()
+        if env.debug():
+            self.check_errors()
+        return y
+
+    __call__ = forward
+
+    def _check_call(self, x, router_weight, logits, topk_idx, topk_weights, streaming, small_batch, stage_events,
+                    timeline, producer_delay_ns, consumer_delay_ns, graph_cache) -> Tuple:
+        """`forward`'s arguments checked on this rank (nothing enqueued, nothing exchanged):
+        ``(x, kind, source, delays, consumer_delays)``, ``x`` with 16-byte aligned rows.
+
+        Raises:
+            ConfigError: the first bad argument, named."""
         x = self._check_input(x)
-        n = int(x.shape[0])
         if not isinstance(streaming, bool) and streaming != "auto":
             raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_MODES)}")
         if not isinstance(timeline, bool):
@@ -585,39 +669,7 @@ class MoE(Closing):
                               f"most {stages.THREADS_PER_BLOCK} ranks (this layer: x_format={self.x_format!r}, engine "
                               f"{self.engine.name!r}, {self.world_size} ranks)")
         kind, source = self._routing_source(x, router_weight, logits, topk_idx, topk_weights)
-        step = self.workspace.active_step
-        if step is None:
-            counts, distinct, latched = self._all_token_counts(n, own_router=kind != "given")
-        else:  # the step exchanged the counts once for every layer: nothing to exchange here
-            counts, distinct, latched = self._step_counts(step, n, kind)
-        self._raise_async_error(latched)  # every rank got the same list: every rank raises, nothing enqueued
-        # Every rank plans for the same token bucket; this rank's exact count goes to the device (_begin_call).
-        bucket = [self._bucket(max(counts))] * self.world_size
-        stream_it, small = self._schedule(streaming, counts, small_batch, bucket)
-        plan = self._plan(bucket, stream_it, small, distinct)
-        self.last_plan = plan
-        if plan.num_chunks == 0:  # every rank has zero tokens: no chunk, generation base unchanged
-            return torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
-        capturing = torch.cuda.is_current_stream_capturing()
-        y = None
-        if graph_cache and not capturing and stage_events is None and not timeline and not delays \
-                and not consumer_delays:
-            y = self._cached_call(plan, distinct, x, kind, source)
-        if y is None:
-            y = torch.empty((n, self.hidden), dtype=torch.bfloat16, device=self.device)
-            if not capturing:
-                self._begin_call(n)
-            elif step is None:  # a graph captured outside a step replays this count (it fixed the bucket too)
-                self.workspace.gpu.record_call_tokens(n)
-            # else: a step's graph reads the count set before each replay (Workspace.set_call_tokens)
-            self._enqueue(plan, x, kind, source, y, stage_events, timeline, delays, consumer_delays)
-            if not capturing:
-                self._end_of_call()
-        if env.debug():
-            self.check_errors()
-        return y
-
-    __call__ = forward
+        return x, kind, source, delays, consumer_delays
 
     def _enqueue(self, plan: plans.Plan, x, kind: str, source, y, stage_events: Optional[List] = None,
                  stamps: bool = False, delays: Optional[Dict[int, int]] = None,
@@ -689,13 +741,14 @@ class MoE(Closing):
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         caller = torch.cuda.current_stream()
+        from ..engines import capture_scope
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            with capture_scope() as held, torch.cuda.graph(graph, pool=self._graph_pool):
                 y = torch.empty((rows, self.hidden), dtype=torch.bfloat16, device=self.device)
                 self._enqueue(plan, inputs[0], kind, static_source, y)
         finally:
             torch.cuda.set_stream(caller)  # a failed capture_end would leave the capture stream current
-        return graph_cache_mod.CachedGraph(graph, inputs, y)
+        return graph_cache_mod.CachedGraph(graph, inputs, y, held)
 
     def graph_cache_info(self) -> Dict[str, int]:
         """The cache of captured calls: ``entries``, ``capacity``, ``hits`` (eager calls that replayed),
@@ -729,25 +782,44 @@ class MoE(Closing):
         chunks = -(-most // self.tokens_per_slot) * self.tokens_per_slot  # never more chunks than the count's
         return plans.token_bucket(most, min(cap, chunks))
 
-    def _step_counts(self, step, n: int, kind: str) -> Tuple[List[int], bool, List]:
-        """``(counts, distinct, latched)`` of a call inside `Workspace.step` (no exchange): the step's.
+    def _step_counts(self, step, n: int, kind: Optional[str], refusal: Optional[BaseException]
+                     ) -> Tuple[List[int], bool, List]:
+        """``(counts, distinct, latched)`` of a call inside `Workspace.step` (no exchange): the step's (its
+        latched errors were raised at its entry). The call is then counted.
 
         Raises:
-            ConfigError: on every rank, a declared count over ``max_tokens``; on this rank only (the others
-                then time out, bounded), more tokens than this rank declared or ``topk_idx`` in a step
-                declared ``own_router=True``."""
-        if n > step.counts[self.rank]:
-            raise ConfigError(f"x.shape[0]={n}: more tokens than this step declared ({step.counts[self.rank]}; "
-                              "Workspace.step(num_tokens))")
-        if kind == "given" and step.distinct:
-            raise ConfigError("topk_idx/topk_weights: this step was declared with own_router=True (every call "
-                              "routes with the layer's router); open it with own_router=False")
+            ConfigError: on every rank, a declared count over ``max_tokens``; on this rank only ``refusal`` (its
+                arguments), more tokens than this rank declared, or ``topk_idx`` in a step declared
+                ``own_router=True``: the call is refused (`_refuse`), so no rank pairs it with another."""
         if max(step.counts) > self.max_tokens:  # every rank sees the same counts: every rank refuses
             raise ConfigError(f"Workspace.step: ranks declared {list(step.counts)} tokens, over this layer's "
                               f"max_tokens={self.max_tokens}")
-        # Only the exchanged errors: every rank raises in the same call. An error latched during the step
-        # poisons that rank's later outputs (NaN) and is raised on every rank at the next step's first call.
-        return list(step.counts), step.distinct and kind != "given", list(step.latched)
+        if refusal is None and n > step.counts[self.rank]:
+            refusal = ConfigError(f"x.shape[0]={n}: more tokens than this step declared ({step.counts[self.rank]}; "
+                                  "Workspace.step(num_tokens))")
+        if refusal is None and kind == "given" and step.distinct:
+            refusal = ConfigError("topk_idx/topk_weights: this step was declared with own_router=True (every call "
+                                  "routes with the layer's router); open it with own_router=False")
+        if refusal is not None:
+            self._refuse(refusal)
+        self.workspace.begin_call()
+        return list(step.counts), step.distinct and kind != "given", [None] * self.world_size
+
+    def _refuse(self, error: BaseException) -> None:
+        """Raise ``error``, this rank's refusal of a call inside a step, after telling every rank: the call is
+        counted (`Workspace.refuse_call`: the step is failed and raised everywhere at the next entry) and, unless
+        a graph is being captured, ``moe_refuse_call`` records the refusal on the layer's ring after the last
+        call (every other PE's wait of this call ends at once, aborted; their outputs are NaN) and the latch
+        follows it, as after any call."""
+        self.workspace.refuse_call(self.layer_id, error)
+        torch = _torch()
+        if not torch.cuda.is_current_stream_capturing():
+            stream = torch.cuda.current_stream()
+            self.workspace.gpu.after_last_call()
+            stages.refuse_call(self._kernels, self._state, self._stream(stream.cuda_stream), layer=self.layer_id)
+            self._latch.enqueue(stream.cuda_stream)
+            self._end_of_call()
+        raise error
 
     def _begin_call(self, num_tokens: int) -> None:
         """Order this call after the previous one (of any layer), then set this rank's token count on the device
@@ -755,10 +827,7 @@ class MoE(Closing):
         self.workspace.gpu.begin_call(num_tokens)
 
     def _end_of_call(self) -> None:
-        # One event, re-recorded: a wait already enqueued keeps the record it saw (cudaStreamWaitEvent).
-        if self._call_done is None:
-            self._call_done = _torch().cuda.Event()
-        self._call_done.record()
+        self.workspace.gpu.end_of_call()
 
     def _schedule(self, streaming, counts: List[int], small_batch: Optional[bool],
                   bucket: Optional[List[int]] = None) -> Tuple[bool, bool]:
@@ -834,13 +903,14 @@ class MoE(Closing):
             stages.small_batch_call(k, s, stream, chunk=plan.chunks[0], window=plan.windows[0], engine=self.engine,
                                     ack_policy=self.ack_policy, x=x, topk_idx=idx, topk_weights=weights, y=y,
                                     num_chunks=plan.num_chunks, mark=mark if events is not None else None,
-                                    logits=logits, router=self._router_args)
+                                    logits=logits, router=self._router_args, layer=self.layer_id)
             return
         idx, weights = source if kind == "given" else self._route(x, kind, source)
         row_bytes = self.topk * 4
         for chunk in plan.chunks:
             stages.produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=idx.data_ptr() + chunk.token_base * row_bytes,
-                                 topk_weights_ptr=weights.data_ptr() + chunk.token_base * row_bytes)
+                                 topk_weights_ptr=weights.data_ptr() + chunk.token_base * row_bytes,
+                                 layer=self.layer_id)
         mark("route")
         for chunk in plan.chunks:
             stages.produce_layout(k, s, stream, chunk=chunk, x=x)
@@ -849,7 +919,7 @@ class MoE(Closing):
         for first, window in plan.windows.items():
             last = first == plan.last_window
             stages.consume_window(k, s, stream, window=window, engine=self.engine, ack_policy=self.ack_policy,
-                                  split_waits=False, topk_idx=idx, topk_weights=weights, y=y,
+                                  split_waits=False, topk_idx=idx, topk_weights=weights, y=y, layer=self.layer_id,
                                   end_call_chunks=plan.num_chunks if last else 0,
                                   mark=mark if events is not None and last else None)
 
@@ -902,13 +972,15 @@ class MoE(Closing):
             if item == "produce":
                 with torch.cuda.stream(producer):
                     stages.produce_chunk(k, s, p_stream, chunk=plan.chunks[first], x=x, route=route, topk_idx=idx,
-                                         topk_weights=weights, delay_ns=delays.get(first, 0), stamps=stamps)
+                                         topk_weights=weights, layer=self.layer_id, delay_ns=delays.get(first, 0),
+                                         stamps=stamps)
             else:
                 end_here = not plan.two_streams and first == last_window
                 with torch.cuda.stream(consumer):
                     stages.consume_window(k, s, c_stream, window=plan.windows[first], engine=self.engine,
                                           ack_policy=self.ack_policy, split_waits=True, topk_idx=idx,
-                                          topk_weights=weights, y=y, end_call_chunks=plan.num_chunks if end_here else 0,
+                                          topk_weights=weights, y=y, layer=self.layer_id,
+                                          end_call_chunks=plan.num_chunks if end_here else 0,
                                           delay_ns=consumer_delays.get(first, 0), stamps=stamps,
                                           acked=record_ack if early and plan.two_streams else None)
             if entry in done:
@@ -932,15 +1004,16 @@ class MoE(Closing):
         Returns:
             ``(call, y)``: a `CapturedCall` (``call.replay()``; ``call.graph`` is the ``torch.cuda.CUDAGraph``)
             and its static output tensor. ``call.replay()`` on any stream runs after the layer's previous
-            call, eager or replayed, as `forward` does; a bare ``call.graph.replay()`` leaves that order to the
-            caller (one stream keeps it).
+            call, eager or replayed, as `forward` does, and raises a latched device error; a bare
+            ``call.graph.replay()`` does neither (it leaves the order to the caller, and the next eager call on
+            another stream may overlap it): replay through ``call.replay()`` or `symmring.Workspace.replay`.
 
         Raises:
             ConfigError: as `forward`.
 
         Example:
-            >>> graph, y = moe.capture(x, router_weight=router, streaming=True)  # doctest: +SKIP
-            >>> x.copy_(next_batch); graph.replay(); use(y)  # doctest: +SKIP
+            >>> call, y = moe.capture(x, router_weight=router, streaming=True)  # doctest: +SKIP
+            >>> x.copy_(next_batch); call.replay(); use(y)  # doctest: +SKIP
         """
         torch = _torch()
         kwargs = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -953,47 +1026,66 @@ class MoE(Closing):
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        from ..engines import capture_scope
+        # registered: a replay after the workspace grew is refused; the engines' captured launches hold
+        # their counters while the graph lives
+        with capture_scope() as held, self.workspace.capture(graph):
             y = self.forward(x, **kwargs)
-        return CapturedCall(self, graph, int(x.shape[0])), y
+        return CapturedCall(self, graph, int(x.shape[0]), held), y
 
-    def _all_token_counts(self, n: int, own_router: bool) -> Tuple[List[int], bool, List]:
+    def _all_token_counts(self, n: int, own_router: bool, refusal: Optional[BaseException] = None
+                          ) -> Tuple[List[int], bool, List]:
         """Every rank's token count of this call, whether every rank routes with the layer's own router
         (distinct experts per token, so no expert gets more rows than there are tokens), and every rank's
-        latched device error (`AsyncErrorLatch.latched`: None where none): a bounded exchange of the context
-        (`PeerTimeout` naming the late ranks; the context then refuses further calls until it is
-        re-initialised)."""
-        latched = self._latch.latched()
+        latched device error (`AsyncErrorLatch.latched`: None where none), from ONE bounded exchange of the
+        context (`PeerTimeout` naming the late ranks; the context then refuses further calls until it is
+        re-initialised) that also carries every rank's argument verdict and call identity, so every rank raises,
+        or none does, before anything is enqueued: a refusal (``refusal``: this rank's own error; a `ConfigError`
+        naming the refusing ranks elsewhere, `symmring.agreement.rejection`), then ranks whose call sequences
+        diverged (`CallMismatch`, `symmring.agreement.call_mismatch`). The call is then counted."""
+        ws = self.workspace
+        mine = (n, own_router, ws.gpu.latched(), ws.call_identity(self.layer_id),
+                None if refusal is None else str(refusal))
+        entries = self._exchange_counts(mine)
+        rejected = agreement.rejection([e[4] for e in entries], self.rank, "MoE.forward")
+        if rejected is not None:
+            raise refusal if refusal is not None else rejected
+        mismatch = agreement.call_mismatch([e[3] for e in entries], self.rank, "MoE.forward")
+        if mismatch is not None:
+            raise mismatch
+        latched = [e[2] for e in entries]
+        if all(words is None for words in latched):
+            ws.begin_call()
+        return [int(e[0]) for e in entries], all(bool(e[1]) for e in entries), latched
+
+    def _exchange_counts(self, mine: Tuple) -> List[Tuple]:
+        """Every rank's ``mine`` (`_all_token_counts`), in rank order: the context's bounded exchange, under its
+        own (host) bound."""
         if self.world_size == 1:
-            return [n], own_router, [latched]
-        triples = self.ctx.collectives.allgather((n, own_router, latched), what="MoE.forward: token counts",
-                                                 timeout_s=self.timeout_s)
-        return [int(c) for c, _, _ in triples], all(bool(r) for _, r, _ in triples), [e for _, _, e in triples]
+            return [mine]
+        return self.ctx.collectives.allgather(mine, what="MoE.forward: token counts")
 
     def _raise_async_error(self, latched: List) -> None:
-        """Raise the device error latched by an earlier call of this rank (its own record, named), or else by
-        another rank (`ProtocolAborted` naming it): ``latched`` is the exchanged list, the same on every rank,
-        so every rank raises in the same call. The latch stays set until `reset`."""
-        if all(words is None for words in latched):
-            return
-        from ...kernels import peer_async_error
-        error = None
-        if latched[self.rank] is not None:  # this ring's latch, or (a step's exchange) another ring's of this PE
-            error = self._latch.error() or next((e.latch.error() for e in self.workspace.gpu.rings()
-                                                  if e.latch.latched() is not None), None)
+        """Raise the device error latched by an earlier call of this rank (its own record, named, decoded from the
+        words it sent), or else by another rank (`ProtocolAborted` naming it): ``latched`` is the exchanged list,
+        the same on every rank, so every rank raises in the same call (`symmring.kernels.exchanged_error`). The
+        latch stays set until `reset`."""
+        from ...kernels import exchanged_error
+        error = exchanged_error(self.rank, latched, self.workspace.gpu.decode_latched)
         if error is None:
-            error = peer_async_error(self.rank, latched)
+            return
         collectives = getattr(self.backend, "collectives", None)
         if collectives is not None:
             collectives.record_fault(error)  # as check_errors: exiting now aborts the job instead of hanging
         raise error
 
     def async_error(self):
-        """This rank's device error latched by an earlier call (`symmring.kernels.AsyncErrorLatch`), as the named
-        exception (returned, not raised), or None: a poll of host memory, no synchronisation and no collective
-        (NCCL's ``ncclCommGetAsyncError``). A call still running on the device may latch one later."""
+        """This rank's device error latched by an earlier call of any layer on the workspace
+        (`symmring.kernels.AsyncErrorLatch`), as the named exception (returned, not raised), or None: a poll of
+        host memory, no synchronisation and no collective (NCCL's ``ncclCommGetAsyncError``). A call still
+        running on the device may latch one later."""
         self._check_open()
-        return self._latch.error()
+        return self.workspace.gpu.latched_error()
 
     def _stream(self, handle: int):
         """CuPy's view of a torch stream (cached: one object per stream handle)."""
@@ -1034,10 +1126,12 @@ class MoE(Closing):
                                  (num_tokens,) + tuple(region.slot_shape[1:]))
 
     def check_errors(self) -> None:
-        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `ConfigError`
+        """Synchronise the device; raise `ProtocolTimeout` if a wait of this rank timed out, `PoolOverflow` (a
+        `ProtocolViolation`) if the device counted more rows than the call's plan bounded, `ConfigError`
         if a routed expert id was outside ``[-1, num_experts)`` (the entry was skipped; the record is cleared,
         so the next valid call works), or `BackendError` if a peer's slot could not be read (no mapping and no
-        staging ring: an internal inconsistency of the transports)."""
+        staging ring: an internal inconsistency of the transports) or the expert GEMMs skipped pool rows that
+        named no local expert (stale group ids; cleared like the expert id's record)."""
         self._check_open()
         self.ring.kernels.check_errors(synchronize=True)
         status = int(self._state.status.item())
@@ -1049,18 +1143,22 @@ class MoE(Closing):
             torch.cuda.synchronize()
             raise ConfigError(f"topk_idx: expert id {value} of token {token} (k={k}) on rank {src} is outside "
                               f"[-1, num_experts={self.num_experts}); that entry contributed nothing")
+        skipped = _skipped_groups(self._state, self.rank, self.num_local_experts)
+        if skipped is not None:
+            raise skipped
         if status & stages.STATUS_NO_PEER_MAPPING:
             raise BackendError(f"rank {self.rank}: a peer's ring slot was readable neither through a P2P mapping "
                                f"nor from the staging ring (transports {self.transports}): an rdma peer without "
                                "a staging ring")
 
     def reset(self) -> None:
-        """Collective: clear the workspace's rings, combine buffer and error state (after a ProtocolTimeout;
-        every layer on the workspace is usable again), and drop this layer's cached graphs (the other layers'
-        graphs stay valid: the reset restores the state they were captured against)."""
-        self._check_open()
+        """Collective: `symmring.Workspace.reset` (its rings, combine buffer, error state, failed steps and call
+        count back to their first state, after any device error, failed step or diverged call: every layer on the
+        workspace is usable again), and drop this layer's cached graphs (the other layers' graphs stay valid:
+        the reset restores the state they were captured against)."""
+        self._check_closed()
         self.clear_graph_cache()
-        self.workspace.gpu.reset()
+        self.workspace.reset()
 
     def close(self) -> None:
         """Idempotent: drop the cached graphs; the layer refuses further calls. Its memory is the workspace's
@@ -1079,21 +1177,19 @@ class CapturedCall:
         graph: the ``torch.cuda.CUDAGraph``.
     """
 
-    def __init__(self, layer: MoE, graph, num_tokens: int):
+    def __init__(self, layer: MoE, graph, num_tokens: int, held=None):
         self.layer, self.graph, self.num_tokens = layer, graph, num_tokens
-        self.epoch = layer.workspace.epoch  # the workspace memory this graph addresses
+        self.held = held  # what the engines' captured launches hold while the graph lives (`capture_scope`)
 
     def replay(self) -> None:
-        """Replay on the current stream, after the layer's previous call (no host synchronisation). A replay
-        has no token-count exchange, so it does not raise a device error latched by an earlier call: after one
-        its output is NaN, and `MoE.async_error` (a poll of host memory) names the error.
+        """Replay on the current stream, after the last call of any layer, and mark its end so the next call
+        (eager or replayed, any stream) comes after it (`symmring.Workspace.replay`). No host synchronisation
+        and no exchange: a device error already latched on this rank is raised (a poll of host memory) before
+        anything is enqueued; a replay that meets one on the device returns NaN rows, and the next
+        `symmring.Workspace.step` (or `forward` outside one) raises it on every rank.
 
         Raises:
-            ConfigError: the workspace made its memory anew since the capture (a larger layer was built)."""
-        self.layer._check_open()
-        if self.layer.workspace.epoch != self.epoch:
-            raise ConfigError("this graph was captured before its workspace grew for a larger layer (its memory is "
-                              "new); capture it again, or build every layer before capturing")
-        self.layer._begin_call(self.num_tokens)
-        self.graph.replay()
-        self.layer._end_of_call()
+            ConfigError: the workspace made its memory anew since the capture (a larger layer was built).
+            ProtocolTimeout, ProtocolViolation (subclasses): this rank's latched device error (until `reset`)."""
+        self.layer._check_closed()
+        self.layer.workspace.replay(self.graph, num_tokens=self.num_tokens)

@@ -3,9 +3,11 @@
 `DeviceMemory` allocates the workspace's regions once (`symmring.moe.workspace_plan`): the combine buffer and
 the experts' region (pool rows, L1 output, activations and L2 output rows, placed by lifetime:
 `symmring.moe.workspace_plan.expert_arena`) in the symmetric heap, the pool rows' sources, weights and group
-ids and the window's entry map as flat device buffers, the owner's routing rows, the call's token count,
-and the streams, the graph memory pool and the end-of-call event that every layer's calls share (calls of
-all layers are ordered one after another on it). `DeviceMemory.bind`
+ids and the window's entry map as flat device buffers, the owner's routing rows, the call's token count, the
+call counter every ring's call identities come from (`symmring.protocol.call_identity`: advanced once per call
+of any layer, so ranks whose call sequences diverged are told apart on the device), and the streams, the graph
+memory pool and the end-of-call event that every layer's calls share (calls of all layers are ordered one
+after another on it). `DeviceMemory.bind`
 gives a layer shape its view of them: a ring (one per distinct ring spec and transport request: layers
 of one shape share it and its generations keep growing across their calls), its staging ring for rdma
 peers, and a `symmring.moe.gpu.stages.State` over the shared bytes sized for that shape.
@@ -27,6 +29,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...layout import ALIGN, RingLayout, RingSpec, align_up
+from ..engines.triton_common import BAD_GROUP_WORDS
 from ..workspace_plan import LayerShape, WorkspacePlan, entry_words, expert_arena, group_id_rows, pool_meta_bytes
 from . import stages, timeline
 
@@ -108,6 +111,9 @@ class DeviceMemory:
         self.routing_bytes = torch.empty(max(r["routing"], 16), dtype=torch.uint8, device=self.device)
         # This rank's token count of the current call (every layer's kernels clamp their bucket's bounds to it).
         self.call_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # This PE's call number (uint64; every ring's descriptor points at it: RingDescriptor::call_ptr), advanced
+        # by each call's end-of-call kernel and by a call refused inside a step; zeroed by `reset`.
+        self.call_number = torch.zeros(1, dtype=torch.int64, device=self.device)
         # What that word holds while only `begin_call` writes it (every layer of a decode step sets the same count:
         # one fill per step, not per layer); None once a captured graph writes it too (`record_call_tokens`).
         self._call_tokens_holds: Optional[int] = 0
@@ -157,14 +163,20 @@ class DeviceMemory:
 
     def _entry_rows(self, num_slots: int, tokens_per_slot: int, topk: int):
         """The entry map's view ``[num_slots, ranks, tokens_per_slot, topk]`` for a ring of that shape; a ring
-        larger than the plan's grows the map (local memory; the views of the bindings so far move with it)."""
+        larger than the plan's (a layer's own schedule) grows the map. Growing frees the old map, which queued
+        calls and the captured graphs of windows with passes address: the workspace first synchronises and
+        drops the layers' graphs (`Workspace.release_memory`), then the views of the bindings so far move to
+        the new map and the epoch moves on (graphs of `MoE.capture` refuse to replay), as when the workspace
+        makes its memory anew."""
         world = self.workspace.world_size
         words = entry_words(num_slots, world, tokens_per_slot, topk)
         if words > self.entry_rows.numel():
+            self.workspace.release_memory()
             self.entry_rows = _torch().empty(words, dtype=_torch().int32, device=self.device)
             for b in self._bindings.values():
                 s = b.state
                 s.entry_rows = self.entry_rows[: s.entry_rows.numel()].view(s.entry_rows.shape)
+            self.workspace.epoch += 1
         return self.entry_rows[:words].view(num_slots, world, tokens_per_slot, topk)
 
     def _make_binding(self, shape: LayerShape, num_slots: int, tokens_per_slot: int, transport, timeout_s: float,
@@ -215,6 +227,7 @@ class DeviceMemory:
             combine_ready=np.uint64(self.backend.address(ready_alloc, rank, 0)),
             combine_rows=np.uint64(self.backend.address(self.combine_alloc, rank, 0)),
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
+            combine_tokens=max_tokens, bad_groups=torch.zeros(BAD_GROUP_WORDS, **i32) if fp8_pool else None,
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
             call_tokens=self.call_tokens)
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -228,11 +241,12 @@ class DeviceMemory:
             return found
         from ... import transport as transport_mod
         from ...kernels import DeviceRing
-        ring = DeviceRing(self.backend, spec, timeout_s=timeout_s, transport=transport)
+        ring = DeviceRing(self.backend, spec, timeout_s=timeout_s, transport=transport,
+                          call_address=self.call_number.data_ptr())
         # rdma sources are read from a staging ring of one slot per source rank (symmetric: a get's local
         # buffer must be on every NVSHMEM transport), so every PE allocates it when any PE has an rdma peer.
         any_rdma = transport_mod.RDMA in ring.transports
-        wanted = self.workspace.ctx.collectives.allgather(any_rdma, what="Workspace: transports", timeout_s=timeout_s)
+        wanted = self.workspace.ctx.collectives.allgather(any_rdma, what="Workspace: transports")
         stage_alloc, stage_desc = None, None
         if any(wanted):
             layout = RingLayout(dataclasses.replace(spec, num_slots=self.workspace.world_size),
@@ -249,13 +263,24 @@ class DeviceMemory:
                                      AsyncErrorLatch(ring.kernels))  # device errors, seen without a sync
         return self._rings[key]
 
-    def begin_call(self, num_tokens: int) -> None:
-        """Order the next call (or replay) after the end of the last call of any layer (`call_done`: its
-        generation base advance), whatever stream either was issued on, so no call publishes a stale generation;
-        then set its token count on the device (a call's producers and its reduce read one count). On the
-        current torch stream."""
+    def after_last_call(self) -> None:
+        """Order what the current torch stream does next after the end of the last call of any layer
+        (`call_done`: its generation base and call number advance), whatever stream that call was issued on."""
         if self.call_done is not None:
             _torch().cuda.current_stream().wait_event(self.call_done)
+
+    def end_of_call(self) -> None:
+        """Mark the end of a call (or replay) on the current torch stream: the next one waits for it
+        (`after_last_call`). One event, re-recorded: a wait already enqueued keeps the record it saw."""
+        if self.call_done is None:
+            self.call_done = _torch().cuda.Event()
+        self.call_done.record()
+
+    def begin_call(self, num_tokens: int) -> None:
+        """Order the next call (or replay) after the end of the last call of any layer (`after_last_call`), so no
+        call publishes a stale generation or call number; then set its token count on the device (a call's
+        producers and its reduce read one count). On the current torch stream."""
+        self.after_last_call()
         if num_tokens != self._call_tokens_holds:  # a fill is a kernel on the call's critical path: skip a no-op
             self.call_tokens.fill_(num_tokens)
             if self._call_tokens_holds is not None:
@@ -278,6 +303,18 @@ class DeviceMemory:
             if words is not None:
                 return words
         return None
+
+    def decode_latched(self, words):
+        """The named error of latched ``words`` of this PE (`latched`; exchanged, so perhaps older than the latch
+        now holds): decoded by the ring whose latch holds them, else by any (only its timeout is named)."""
+        entries = list(self._rings.values())
+        entry = next((e for e in entries if e.latch.latched() == list(words)), entries[0])
+        return entry.latch.error_of(words)
+
+    def latched_error(self):
+        """This PE's first latched device error as the named exception (not raised), or None: host memory only."""
+        words = self.latched()
+        return None if words is None else self.decode_latched(words)
 
     # --- accounting, reset, teardown ----------------------------------------------------------------------
 
@@ -307,7 +344,10 @@ class DeviceMemory:
             s.counters.zero_()
             s.status.zero_()
             s.bad_id.zero_()
+            if s.bad_groups is not None:
+                s.bad_groups.zero_()
         self.m_indices.fill_(-1)  # a window cut short by a timeout leaves rows marked
+        self.call_number.zero_()  # every PE's calls count from 0 again
         # The same stream as the fills above (torch's current one); the barrier synchronises the device.
         cupy.cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes, stream)
         self.call_done = None
@@ -334,7 +374,8 @@ class DeviceMemory:
 
 def _dispatch_bytes(s: stages.State) -> int:
     return sum(t.numel() * t.element_size() for t in (s.counts, s.begin, s.group_end, s.cursor, s.total, s.status,
-                                                     s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end))
+                                                     s.counters, s.bad_id, s.token_base, s.stamps, s.pass_group_end,
+                                                     s.bad_groups) if t is not None)
 
 
 class _Arena:

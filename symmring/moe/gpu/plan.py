@@ -105,6 +105,22 @@ class WindowStep:
     def chunks(self) -> range:
         return range(self.first, self.last + 1)
 
+    @property
+    def rows_spanned(self) -> int:
+        """The window rows its passes cover (where the last one ends): the device's count of the window's
+        rows may not exceed it (device/moe/bounds.cuh)."""
+        if not self.passes:
+            return self.rows_bound
+        first, rows = self.passes[-1]
+        return first + rows
+
+    @property
+    def expert_rows_bound(self) -> int:
+        """The most rows one local expert may hold in the window by this plan (the device checks it; the
+        engines' small-group kernels trust it): ``rows_per_expert`` where it is below ``rows_bound`` (the
+        window's tokens or entries), else `rows_spanned` (``rows_per_expert`` was cut to the pool there)."""
+        return self.rows_per_expert if self.rows_per_expert < self.rows_bound else self.rows_spanned
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -130,15 +130,20 @@ class StreamPolicy:
         if shape is None:
             self._tell(("shape", tuple(dims.values())), "streaming='auto': no measurement for %s: batch", dims)
             return False
-        choice = self.choose(shape, num_tokens)
+        entry = self._entry(shape, num_tokens)
+        choice = resolve(entry["choice"], num_tokens)
         if choice is None:
             return False
         runnable = (choice["tokens_per_slot"] == layer.tokens_per_slot and choice["num_slots"] <= layer.num_slots
                     and choice["expert_window"] == layer.expert_window)
         if not runnable:
-            self._tell(("ring", shape, num_tokens), "streaming='auto': %s at %d tokens streams best with %s; this "
-                       "layer's ring is %d x %d tokens, window %d: batch", shape, num_tokens, choice,
-                       layer.num_slots, layer.tokens_per_slot, layer.expert_window)
+            # Once per table entry and layer ring (a bounded set), not per token count: a serving loop asks about
+            # every count it sees.
+            self._tell(("ring", shape, entry["tokens_per_rank"], layer.num_slots, layer.tokens_per_slot,
+                        layer.expert_window),
+                       "streaming='auto': %s at %d tokens (and other counts of its measurement, %d tokens) streams "
+                       "best with %s; this layer's ring is %d x %d tokens, window %d: batch", shape, num_tokens,
+                       entry["tokens_per_rank"], choice, layer.num_slots, layer.tokens_per_slot, layer.expert_window)
         return runnable
 
     def _tell(self, key: Tuple, message: str, *args) -> None:
@@ -153,11 +158,15 @@ class StreamPolicy:
     def choose(self, shape: str, num_tokens: int) -> Optional[Dict]:
         """The streamed schedule (``tokens_per_slot``, ``num_slots``, ``expert_window``, ``ack_policy``: the
         layer's ring and options) for ``num_tokens`` tokens per rank, or None for the batch path."""
+        return resolve(self._entry(shape, num_tokens)["choice"], num_tokens)
+
+    def _entry(self, shape: str, num_tokens: int) -> Dict:
+        """The table entry a call of ``num_tokens`` tokens per rank of ``shape`` uses: the largest measured size
+        at or below it (the smallest one below every size)."""
         if shape not in self._by_shape:
             raise ConfigError(f"shape={shape!r}: not in the policy table (has {self.shape_names()})")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ConfigError(f"num_tokens={num_tokens!r}: expected a non-negative int")
         entries = self._by_shape[shape]
         sizes = [e["tokens_per_rank"] for e in entries]
-        i = max(0, bisect.bisect_right(sizes, num_tokens) - 1)
-        return resolve(entries[i]["choice"], num_tokens)
+        return entries[max(0, bisect.bisect_right(sizes, num_tokens) - 1)]

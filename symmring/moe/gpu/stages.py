@@ -5,7 +5,7 @@ Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every a
 * producer (``producer.cu``): `wait_slot`, `produce_route`, `produce_layout`;
 * dispatch (``dispatch.cu``): `wait`, `stage` (rdma sources only), `count`, `scan`, `pull`, `ack`;
 * combine (``combine.cu``): `combine_scatter`, `combine_signal`, `combine_wait`, `combine_reduce`;
-* schedule (``schedule.cu``): `end_call`, `stamp`, `sleep`;
+* schedule (``schedule.cu``): `end_call`, `refuse_call`, `stamp`, `sleep`;
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
   (``dispatch.cu``) and `combine_fused` (``combine.cu``).
 
@@ -24,7 +24,10 @@ The acknowledgement policy is applied in these sequences and nowhere else: EARLY
 right after its pull (its last read of slot memory), CONSERVATIVE with the window's combine signal.
 
 The kernels' launch geometry (grid sizes from the ring's shape and a chunk's valid tokens) is computed
-here too, so the layer holds no kernel arguments of its own.
+here too, so the layer holds no kernel arguments of its own. ``layer`` (the producers' and the waiting
+consumers' argument) is the layer id of the call identity every meta row carries and every consumer checks
+(`symmring.protocol.call_identity`; the number is the device's call counter): constant for a layer, so a
+captured graph keeps it.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class Kernels:
         self.combine_wait = combine.function("moe_combine_wait")
         self.combine_reduce = combine.function("moe_combine_reduce")
         self.end_call = schedule.function("moe_end_call")
+        self.refuse_call = schedule.function("moe_refuse_call")
         self.stamp = schedule.function("moe_stamp")
         self.sleep = schedule.function("moe_sleep")
         self.produce_chunk_fp8 = producer.function("moe_produce_chunk_fp8")
@@ -178,6 +182,10 @@ class State:
     replay): the producers and the reduce clamp the plan's token bounds to it on the device
     (device/moe/call_tokens.cuh), so a plan and a graph made for a token bucket serve any count up to it;
     None: the plan's counts are exact.
+    combine_tokens: the logical tokens every PE's combine rows hold (the workspace's ``max_tokens``): the
+    combine sends no row whose token lies past them (device/moe/bounds.cuh).
+    bad_groups: int32 [2], where the fp8 engines' Triton GEMMs report pool rows naming no local expert
+    (`symmring.moe.engines.Pool.bad_groups`; `symmring.moe.gpu.MoE.check_errors` raises it), or None.
     """
 
     desc: object
@@ -209,11 +217,13 @@ class State:
     combine_ready: np.uint64
     combine_rows: np.uint64
     stamps: object
+    combine_tokens: int
     entry_rows: object = None
     out_rows: object = None
     pass_group_end: object = None
     scratch: object = None
     call_tokens: object = None
+    bad_groups: object = None
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -232,7 +242,8 @@ class State:
             _torch_sub_clamp(self.group_end, pass_begin, rows, out=group_end)
         if self.pool_sf is None:
             return Pool(x=self.pool_x, group_end=group_end)
-        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices)
+        return Pool(x=self.pool_x, group_end=group_end, x_sf=self.pool_scales(rows), m_indices=self.m_indices,
+                    bad_groups=self.bad_groups)
 
 
 def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
@@ -249,13 +260,14 @@ def wait_slot(k: Kernels, s: State, stream, *, chunk: int) -> None:
 
 
 def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_ptr: int,
-                  topk_weights_ptr: int) -> None:
+                  topk_weights_ptr: int, layer: int) -> None:
     """Acquire the slot, copy ``num_valid`` rows of topk (contiguous ``[n, K]`` at the pointers) and the
-    meta row into it, publish route readiness."""
+    meta row (the call identity of ``layer``) into it, publish route readiness."""
     grid = blocks(chunk.num_valid * s.topk, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS)
     k.produce_route((grid,), (THREADS_PER_BLOCK,),
                     (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx_ptr), np.uint64(topk_weights_ptr),
-                     np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE)), stream=stream)
+                     np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE), np.int32(layer)),
+                    stream=stream)
 
 
 def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None:
@@ -271,13 +283,16 @@ def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None
         np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_LAYOUT)), stream=stream)
 
 
-def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool) -> None:
+def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool,
+         layer: int) -> None:
     """Block r waits for source rank r's ``parts`` (`WAIT_ROUTE` | `WAIT_LAYOUT`) of ``chunk``; the route
-    part snapshots each source's token base into row ``window_row`` of ``token_base``; ``clear_counts``
-    zeroes the expert counts (a window's first chunk)."""
+    part checks the meta row (this chunk, generation and call of ``layer``) and snapshots each source's token
+    base into row ``window_row`` of ``token_base``; ``clear_counts`` zeroes the expert counts (a window's
+    first chunk)."""
     token_base = np.uint64(s.token_base.data_ptr() + window_row * s.num_ranks * 8)
     k.wait((s.num_ranks,), (32,), (s.desc, np.int32(chunk), np.int32(parts), _p(s.counts),
-                                   np.int32(s.num_local_experts), token_base, np.int32(clear_counts)),
+                                   np.int32(s.num_local_experts), token_base, np.int32(clear_counts),
+                                   np.int32(layer)),
            stream=stream)
 
 
@@ -321,11 +336,14 @@ def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
             stream=stream, shared_mem=4 * s.num_local_experts)
 
 
-def scan(k: Kernels, s: State, stream) -> None:
+def scan(k: Kernels, s: State, stream, *, window: WindowStep) -> None:
     """Row offsets of every local expert's group (begin, group_end; groups aligned to ``s.align`` rows),
-    the rows spanned, and each expert's reservation cursor at its group's first row."""
-    k.scan((1,), (1024,), (_p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor), _p(s.total),
-                           np.int32(s.num_local_experts), np.int32(s.align)), stream=stream, shared_mem=4 * 1024)
+    the rows spanned, and each expert's reservation cursor at its group's first row; counts past ``window``'s
+    bounds (`WindowStep.rows_spanned`, `WindowStep.expert_rows_bound`) record pool_overflow."""
+    k.scan((1,), (1024,), (s.desc, np.int32(window.first), _p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor),
+                           _p(s.total), np.int32(s.num_local_experts), np.int32(s.align), np.int32(s.expert_begin),
+                           np.int32(window.rows_spanned), np.int32(window.expert_rows_bound)),
+           stream=stream, shared_mem=4 * 1024)
 
 
 def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep, pass_idx: int = 0) -> None:
@@ -367,7 +385,8 @@ def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pas
     rows = s.capacity if pass_rows is None else pass_rows
     k.combine_scatter((blocks(rows, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                       (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
-                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows)), stream=stream)
+                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows), np.int32(s.combine_tokens)),
+                      stream=stream)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
@@ -394,8 +413,15 @@ def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx
 
 
 def end_call(k: Kernels, s: State, stream, *, num_chunks: int) -> None:
-    """Advance the device-resident generation base by the call's chunks (after every kernel of the call)."""
+    """Advance the device-resident generation base by the call's chunks and the call number by one (after every
+    kernel of the call)."""
     k.end_call((1,), (32,), (s.desc, np.int32(num_chunks)), stream=stream)
+
+
+def refuse_call(k: Kernels, s: State, stream, *, layer: int) -> None:
+    """This PE refused its call of ``layer`` inside a step: record the refusal on the ring (every other PE's wait
+    of the call ends at once, aborted) and count the call (device/moe/schedule.cu moe_refuse_call)."""
+    k.refuse_call((1,), (32,), (s.desc, np.int32(layer)), stream=stream)
 
 
 def stamp(k: Kernels, s: State, stream, *, chunk: int, stage, end: bool) -> None:
@@ -409,7 +435,7 @@ def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
 
 
 def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, router: tuple,
-                  logits=None) -> None:
+                  layer: int, logits=None) -> None:
     """The small-batch producer (fp8 rings): acquire the slot, write route and the fp8 layout of ``x``, publish
     both, in one grid (a warp per 256 channels of a token, a warp per token's route; at most
     `Kernels.spin_blocks` blocks, which all wait for the slot). ``logits`` None: the route is
@@ -429,8 +455,8 @@ def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, t
              (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
               np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-              np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE)) + source + tuple(router),
-             stream=stream)
+              np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE), np.int32(layer)) + source
+             + tuple(router), stream=stream)
 
 
 def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx, topk_weights) -> None:
@@ -447,10 +473,12 @@ def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx
                   _p(topk_weights)) + scalars[:4] + (np.int32(topk),) + scalars[4:], stream=stream)
 
 
-def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool) -> None:
-    """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, count, scan and pull in one
-    grid of a block per token of all sources, at most `Kernels.spin_blocks` (each block a contiguous range of
-    tokens; every block counts every entry); ``ack_now``: EARLY."""
+def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool, layer: int) -> None:
+    """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, check the meta rows (the
+    call of ``layer``), count, scan and pull in one grid of a block per token of all sources, at most
+    `Kernels.spin_blocks` (each block a contiguous range of tokens; every block counts every entry);
+    ``ack_now``: EARLY. Counts past the window's bounds (its ``rows_bound`` pool rows,
+    `WindowStep.expert_rows_bound`) record pool_overflow and place no row."""
     sf = s.pool_scales(window.rows_bound)
     shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
     k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
@@ -459,7 +487,8 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
               _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
               _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
               np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
-              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s)), stream=stream,
+              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s), np.int32(window.rows_bound),
+              np.int32(window.expert_rows_bound), np.int32(layer)), stream=stream,
              shared_mem=shared)
 
 
@@ -478,14 +507,14 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
             _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
             np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
             np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s), np.int32(end_call_chunks),
-            _counter(s, COUNTER_SEND))
+            _counter(s, COUNTER_SEND), np.int32(window.rows_bound), np.int32(s.combine_tokens))
     k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------
 
 def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: Optional[Callable], topk_idx,
-                  topk_weights, delay_ns: int = 0, stamps: bool = False) -> None:
+                  topk_weights, layer: int, delay_ns: int = 0, stamps: bool = False) -> None:
     """Produce ``chunk`` (streamed schedule) on ``stream``, which must be the current torch stream too:
     wait for the slot on one block, route the chunk's rows (``route(rows)`` enqueues the router into
     ``topk_idx``/``topk_weights``, the call's ``[n, K]`` buffers; None when they were given), then the
@@ -502,7 +531,7 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
         route(slice(chunk.token_base, chunk.token_base + chunk.num_valid))
     row_bytes = s.topk * 4
     produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=topk_idx.data_ptr() + chunk.token_base * row_bytes,
-                  topk_weights_ptr=topk_weights.data_ptr() + chunk.token_base * row_bytes)
+                  topk_weights_ptr=topk_weights.data_ptr() + chunk.token_base * row_bytes, layer=layer)
     if stamps:
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "route"), end=True)
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "layout"), end=False)
@@ -512,7 +541,7 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
 
 
 def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: ExpertEngine,
-                   ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y,
+                   ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y, layer: int,
                    end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False,
                    mark: Optional[Callable[[str], None]] = None,
                    acked: Optional[Callable[[int], None]] = None) -> None:
@@ -523,6 +552,7 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
             streamed schedule, so counting overlaps the producer's layout); False waits for both at once
             (the batch schedule, whose producers all ran before).
         topk_idx, topk_weights: the owner's ``[n, K]`` routing of the call (the reduce reads it here).
+        layer: the call identity's layer the waits check in every source's meta row.
         end_call_chunks: > 0 ends the call in the reduce (the last window of a single-stream schedule).
         delay_ns, stamps: tests and the timeline; mark: called with "dispatch", "experts" and "combine"
             after each part (per-stage timing); acked: EARLY, called with each chunk right after its
@@ -537,13 +567,14 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     for c in window.chunks:
         # Route readiness alone lets the consumer count (and reserve pool rows across the window's chunks)
         # while the producer still writes the layout.
-        wait(k, s, stream, chunk=c, parts=first_parts, window_row=c - window.first, clear_counts=c == window.first)
+        wait(k, s, stream, chunk=c, parts=first_parts, window_row=c - window.first, clear_counts=c == window.first,
+             layer=layer)
         stage(k, s, stream, chunk=c, parts=first_parts)  # rdma sources: count reads the staged routing
         if stamps and c == window.first:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "wait"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=False)
         count(k, s, stream, chunk=c)
-    scan(k, s, stream)
+    scan(k, s, stream, window=window)
     # rdma sources: the pull reads the staged layout (not staged yet with split waits) and routing (the
     # staging ring holds one chunk per source: a window of several chunks staged over it while counting).
     restage = (WAIT_LAYOUT if split_waits else 0) | (WAIT_ROUTE | WAIT_LAYOUT if len(window.chunks) > 1 else 0)
@@ -553,7 +584,8 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         # scatters the entries of its rows; every pass reads the slots again, so EARLY waits for the last.
         for c in window.chunks:
             if split_waits and pass_idx == 0:
-                wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False)
+                wait(k, s, stream, chunk=c, parts=WAIT_LAYOUT, window_row=c - window.first, clear_counts=False,
+                     layer=layer)
             stage(k, s, stream, chunk=c, parts=restage if pass_idx == 0 or len(window.chunks) > 1 else 0)
             pull(k, s, stream, chunk=c, window=window, pass_idx=pass_idx)
             if early and pass_idx == last_pass:  # this PE's last read of every source's slot (meta snapshotted)
@@ -586,19 +618,19 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
 
 def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
-                     router: tuple, mark: Optional[Callable[[str], None]] = None, logits=None) -> None:
+                     router: tuple, layer: int, mark: Optional[Callable[[str], None]] = None, logits=None) -> None:
     """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too):
     produce (routing ``logits`` into ``topk_idx``/``topk_weights`` with ``router`` when given, as
     `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
     ``mark``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
-                  router=router)
+                  router=router, layer=layer)
     if mark is not None:
         mark("layout")
     # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).
     stage(k, s, stream, chunk=window.first, parts=WAIT_ROUTE | WAIT_LAYOUT, wait=True)
-    dispatch_fused(k, s, stream, window=window, ack_now=early)
+    dispatch_fused(k, s, stream, window=window, ack_now=early, layer=layer)
     if mark is not None:
         mark("dispatch")
     out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
