@@ -10,11 +10,14 @@ own references.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import List, Optional
 
 import torch
 
+from symmring.errors import SymmringError
 from symmring.moe.weights import quantize_blocks
+from exchanges import ExchangeCounter  # noqa: F401 - the vLLM tests' counter of host exchanges
 
 
 @dataclasses.dataclass
@@ -87,26 +90,64 @@ def reference(problem: Problem, rank: int) -> torch.Tensor:
     return y
 
 
-class ExchangeCounter:
-    """Counts the bounded host exchanges of a context (`symmring.collective.Collectives.allgather`, which
-    ``barrier`` and ``agree`` use too) while installed: ``with ExchangeCounter(ctx) as counter: ...``."""
+def steps_problem(seed: int, counts: List[List[int]], **shape) -> Problem:
+    """One layer's problem over several model steps: ``counts[step][rank]`` tokens; rank r's tokens of step s are
+    the problem's ``x[s * world + r]`` (one set of weights for every step). ``shape``: `make_problem`'s."""
+    return make_problem(seed, [c for step in counts for c in step], **shape)
 
-    def __init__(self, ctx):
-        self.collectives = ctx.collectives
-        self.count = 0
-        self.what: List[str] = []
 
-    def __enter__(self):
-        original = self.collectives.allgather
+#: Faults `fault_step` injects on one rank's call of the step's first layer.
+FAULTS = ("refused", "skipped", "stall")
 
-        def counted(value, *, what, timeout_s=None):
-            self.count += 1
-            self.what.append(what)
-            return original(value, what=what, timeout_s=timeout_s)
 
-        self.collectives.allgather = counted
-        return self
+def fault_step(layers, problems: List[Problem], step: int, counts, *, rank: int, world: int, fault=None,
+               culprit: int = -1, stall_s: float = 0.0, device="cpu") -> dict:
+    """One vLLM model step on this rank: each of ``layers`` (`GivenRoutingLayer`) called in turn on its problem's
+    rows of ``step`` (`steps_problem`), every rank's ``counts`` given. ``fault`` (None, or one of `FAULTS`) hits
+    ``culprit``'s call of the first layer: ``refused`` (x of another hidden size: a check only that rank can
+    see, inside its step), ``skipped`` (its model skips the layer: its call sequence runs one call behind the
+    others'), ``stall`` (its host sleeps ``stall_s`` first). Returns what happened here: the errors raised
+    (named), the wrong rows of the calls that returned (NaN included), and of those the finite ones."""
+    record = dict(errors=[], wrong=0, finite_wrong=0)
+    for li, layer in enumerate(layers):
+        p, i = problems[li], step * world + rank
+        x, ids, w = (t.to(device) for t in (p.x[i], p.topk_ids[i], p.topk_weights[i]))
+        hit = li == 0 and rank == culprit
+        if hit and fault == "skipped":
+            continue
+        if hit and fault == "refused":
+            x = x[:, :-8].contiguous()
+        if hit and fault == "stall":
+            time.sleep(stall_s)
+        try:
+            y = layer(x, ids, w, counts).float().cpu()  # a server that reads its rows (synchronised)
+        except SymmringError as exc:  # a server that logs the error and goes on with its next call
+            record["errors"].append(f"step {step} layer {li}: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        want = reference(p, i)
+        if not want.numel():
+            continue
+        bad = ~torch.isclose(y, want, atol=2e-2 + 2e-2 * want.abs().max().item(), rtol=0).all(dim=1)
+        record["wrong"] += int(bad.sum())
+        record["finite_wrong"] += int((bad & torch.isfinite(y).all(dim=1)).sum())
+    return record
 
-    def __exit__(self, *exc):
-        del self.collectives.allgather  # the instance attribute: the class's method again
-        return False
+
+def fault_verdict(records: List[dict], after: dict) -> List[str]:
+    """The problems of one rank's `fault_step` records of steps 0 (clean), 1 (the fault) and 2 (clean), and
+    ``after``, the step after a reset: the clean step right, an error raised in the fault's step or the next, no
+    finite wrong rows from a call that did not raise, no wrong rows without an error within two steps, the step
+    after reset right."""
+    found = []
+    if records[0]["errors"] or records[0]["wrong"]:
+        found.append(f"the clean step 0 failed: {records[0]}")
+    if not (records[1]["errors"] or records[2]["errors"]):
+        found.append("no error raised in the fault's step or the next")
+    for s, rec in enumerate(records):
+        if rec["finite_wrong"]:
+            found.append(f"step {s}: {rec['finite_wrong']} finite wrong rows from calls that did not raise")
+        if rec["wrong"] and not (rec["errors"] or (s + 1 < len(records) and records[s + 1]["errors"])):
+            found.append(f"step {s}: {rec['wrong']} wrong rows and no error within two steps")
+    if after["errors"] or after["wrong"]:
+        found.append(f"the step after reset: {after}")
+    return found

@@ -15,12 +15,13 @@ What vLLM hands an experts class, and what symmring makes of it:
 * token counts (`step_counts`): vLLM exchanges every data-parallel rank's token count once per model step
   (``get_forward_context().dp_metadata.num_tokens_across_dp_cpu``); with tensor parallelism 1 the EP rank of
   a MoE layer is its DP rank, so those are the counts of every EP rank. `GivenRoutingLayer` hands them to the
-  workspace's step (`given_step`) instead of exchanging them again.
+  workspace's step (`given_step`: ``Workspace.step(counts=...)``), which exchanges nothing: a vLLM step adds no
+  host exchange to vLLM's own.
 * CUDA graphs (`capture_buckets`): vLLM captures one graph per batch size in ``cudagraph_capture_sizes`` and
   pads a step up to the next (on every DP rank); each size lands in one of symmring's token buckets
   (`symmring.moe.gpu.plan.token_bucket`), and every size of one bucket shares that bucket's plan. A call
-  captured into vLLM's graph writes its own token count into the graph (`GivenRoutingLayer`), since vLLM
-  replays it without symmring.
+  captured into vLLM's graph writes its own token count into the graph (`GivenRoutingLayer`:
+  ``Workspace.set_call_tokens`` while capturing), since vLLM replays it without symmring.
 
 Example:
     >>> import torch
@@ -36,8 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -163,23 +162,15 @@ def capture_buckets(capture_sizes: Iterable[int], max_tokens: int) -> Dict[int, 
     return table
 
 
-def accepts_given_counts(workspace) -> bool:
-    """Whether ``workspace.step`` takes every rank's counts from the caller (``counts=``)."""
-    return "counts" in inspect.signature(workspace.step).parameters
-
-
-@contextlib.contextmanager
 def given_step(workspace, num_tokens: int, counts: Sequence[int]):
-    """The workspace step of one call of ``num_tokens`` tokens on this rank, whose every rank's token count
-    the caller gives (vLLM's).
-
-    With ``Workspace.step(num_tokens, counts=...)`` the step exchanges nothing. A workspace whose ``step``
-    does not take counts yet exchanges nothing at one rank either; at several it makes its one bounded
-    exchange of the given counts, and they must agree.
+    """The workspace step of one call of ``num_tokens`` tokens on this rank, whose every rank's token count the
+    caller gives (vLLM's): ``Workspace.step(counts[rank], counts=counts)``, which exchanges nothing. Its entry
+    raises this rank's own latched device error or failed step; another rank's reaches this rank in the call
+    (`symmring.moe.workspace`, "Given counts").
 
     Raises:
-        ConfigError: counts of another length than the ranks, ``num_tokens`` over this rank's count, the
-            exchanged counts differ from the given ones (named), or what ``Workspace.step`` raises.
+        ConfigError: counts of another length than the ranks, or ``num_tokens`` over this rank's count (named),
+            before the step; what ``Workspace.step`` raises at its entry.
     """
     counts = tuple(check_int("counts", c, 0) for c in counts)
     rank = workspace.rank
@@ -188,14 +179,7 @@ def given_step(workspace, num_tokens: int, counts: Sequence[int]):
     if num_tokens > counts[rank]:
         raise ConfigError(f"hidden_states: {num_tokens} tokens, more than this rank's count {counts[rank]} "
                           f"(counts={list(counts)})")
-    if accepts_given_counts(workspace):
-        with workspace.step(counts[rank], counts=counts, own_router=False) as step:
-            yield step
-        return
-    with workspace.step(counts[rank], own_router=False) as step:
-        if tuple(step.counts) != counts:
-            raise ConfigError(f"counts={list(counts)}: the ranks declared {list(step.counts)} to the step")
-        yield step
+    return workspace.step(counts[rank], counts=counts, own_router=False)
 
 
 class GivenRoutingLayer:
@@ -239,9 +223,6 @@ class GivenRoutingLayer:
         self.max_tokens = max_tokens
         if self.on_host:
             self._warm_up(experts.hidden)
-        if not accepts_given_counts(self.workspace) and ctx.world_size > 1:
-            log.warning("symmring: Workspace.step takes no counts yet: each MoE call makes one bounded exchange "
-                        "of the token counts vLLM already exchanged")
 
     def _warm_up(self, hidden: int) -> None:
         """One call of ``max_tokens`` zero tokens on every rank (collective): the CPU layer makes its ring and
@@ -256,11 +237,14 @@ class GivenRoutingLayer:
     def __call__(self, x, topk_ids, topk_weights, counts: Sequence[int]):
         """bf16 ``x [n, hidden]``, ``topk_ids`` (any int dtype, global expert ids) and ``topk_weights`` (any
         float dtype) ``[n, topk]``, every EP rank's token count -> bf16 ``[n, hidden]``: the weighted sum of
-        each token's experts (collective over the EP group; no host exchange where the workspace takes
-        the counts).
+        each token's experts (collective over the EP group; no host exchange: `given_step`).
 
         Raises:
             ConfigError: a bad tensor, or counts that do not hold this rank's tokens (named).
+            ProtocolTimeout, ProtocolViolation (subclasses), StepFailed: this rank's latched device error or failed
+                step, at the step's entry; on the CPU layer also another rank's fault met in this call
+                (`CallMismatch`, a `ProtocolTimeout` naming the rank that published nothing). A GPU call that
+                meets another rank's fault returns NaN rows and raises at the next call's entry (`given_step`).
         """
         torch = _torch()
         n = int(x.shape[0]) if hasattr(x, "shape") else -1
@@ -277,10 +261,10 @@ class GivenRoutingLayer:
                 y = self.layer.layer.forward(x.float(), topk_idx=ids, topk_weights=weights)
                 return y.to(torch.bfloat16)
             if torch.cuda.is_current_stream_capturing():
-                # vLLM captures the call into its own graph and replays it without symmring: the graph itself
-                # writes this rank's count (a step's graph would read the count set before each replay). vLLM
-                # pads every replay, on every DP rank, to the size it captured, so that count is the replay's.
-                self.workspace.gpu.record_call_tokens(n)
+                # vLLM captures the call into its own graph and replays it without symmring: set while capturing,
+                # the count is written into the graph (each replay sets it). vLLM pads every replay, on every DP
+                # rank, to the size it captured, so that count is the replay's.
+                self.workspace.set_call_tokens(n)
             return self.layer.forward(x, topk_idx=ids, topk_weights=weights)
 
     def close(self) -> None:
@@ -288,5 +272,4 @@ class GivenRoutingLayer:
         self.layer.close()
 
 
-__all__ = ["experts_from_vllm", "step_counts", "capture_buckets", "accepts_given_counts", "given_step",
-           "GivenRoutingLayer"]
+__all__ = ["experts_from_vllm", "step_counts", "capture_buckets", "given_step", "GivenRoutingLayer"]

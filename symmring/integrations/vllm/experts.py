@@ -14,13 +14,13 @@ and sequence parallel MoE size 1), without EPLB, on a CPU (the host backend) or 
 
 Each vLLM process makes one symmring context over its EP group and one `symmring.Workspace` sized from vLLM's
 ``max_num_batched_tokens`` (`process_workspace`), when the first MoE layer's weights are processed: at model
-load, before vLLM profiles or captures graphs. One EP rank runs in a world of its own; several need
-``symmring.init(group=...)`` over vLLM's EP group (issue #36), and refuse with that reason until it exists.
+load, before vLLM profiles or captures graphs: ``symmring.init(backend, group=get_ep_group().cpu_group)``.
+Each call takes vLLM's data-parallel token counts of the step (``dp_metadata.num_tokens_across_dp_cpu``) as
+given (`symmring.Workspace.step` with ``counts=``): a vLLM step adds no host exchange.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import List, Optional
 
@@ -90,32 +90,39 @@ def _backend_name() -> str:
 _PROCESS: dict = {}
 
 
+def _ep_cpu_group():
+    """vLLM's EP group as a torch.distributed group of CPU tensors (gloo), or None where vLLM built no groups
+    (an experts class made outside vLLM's engine, as the kernel tests do)."""
+    from vllm.distributed import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_ep_group().cpu_group
+
+
 def process_workspace(parallel: FusedMoEParallelConfig, max_tokens: int, group=None):
     """This process's symmring workspace on vLLM's EP group, made by the first MoE layer (collective over
     the group, as vLLM builds every layer on every rank), sized for ``max_tokens`` tokens per rank per call.
-    ``group``: the torch.distributed group of the EP ranks (default: vLLM's, ``get_ep_group().cpu_group``).
+    The context is ``symmring.init(backend, group=...)`` over ``group`` (default: vLLM's EP group,
+    ``get_ep_group().cpu_group``; its c10d store carries symmring's few host collectives: setup, allocation,
+    teardown; none per step). One EP rank outside vLLM's engine (no groups) runs in a world of its own.
 
     Raises:
-        ConfigError: several EP ranks while ``symmring.init`` takes no process group yet (issue #36), or a
-            context whose rank is not this process's EP rank.
+        ConfigError: several EP ranks and no group (vLLM's groups not initialised), or a context whose rank or
+            size is not this process's EP rank and size.
     """
     import symmring
     from ...moe.workspace import Workspace
     ctx = _PROCESS.get("ctx")
     if ctx is None or ctx.closed:
-        backend = _backend_name()
-        if parallel.ep_size == 1:
+        group = _ep_cpu_group() if group is None else group
+        if group is not None:
+            ctx = symmring.init(_backend_name(), group=group)
+        elif parallel.ep_size == 1:
             from ... import mpi
-            MPI = mpi.load()
-            ctx = symmring.init(backend, comm=getattr(MPI, "COMM_SELF", MPI.COMM_WORLD))  # a world of its own
-        elif "group" in inspect.signature(symmring.init).parameters:  # symmring.init(group=...): issue #36
-            if group is None:
-                from vllm.distributed import get_ep_group
-                group = get_ep_group().cpu_group
-            ctx = symmring.init(backend, group=group)
+            ctx = symmring.init(_backend_name(), comm=mpi.load().COMM_SELF)  # a world of its own
         else:
-            raise ConfigError(f"vLLM EP group of {parallel.ep_size} ranks: symmring joins it through "
-                              "symmring.init(group=...) (issue #36, torch.distributed groups), not in this version")
+            raise ConfigError(f"vLLM EP group of {parallel.ep_size} ranks: vLLM's process groups are not "
+                              "initialised; pass group= (the torch.distributed group of the EP ranks)")
         if ctx.rank != parallel.ep_rank or ctx.world_size != parallel.ep_size:
             raise ConfigError(f"symmring rank {ctx.rank} of {ctx.world_size} on vLLM EP rank {parallel.ep_rank} of "
                               f"{parallel.ep_size}: expected the same ranks")
