@@ -1,6 +1,7 @@
 """One rank of the two-rank test of symmring's experts class on vLLM's modular kernel (test_vllm_ep2.py here),
 started by ``torchrun --nproc-per-node 2``: the EP group is the torch.distributed world (gloo), as vLLM's is
-over its data-parallel ranks; needs ``symmring.init(group=...)`` (issue #36).
+over its data-parallel ranks (``symmring.init(group=...)``: the CPU backend's memory in /dev/shm, its few host
+collectives over the group's c10d store).
 
 Each rank runs its own tokens through `SymmringExperts` (its half of the experts, vLLM's data-parallel token
 counts in the forward context) and compares its rows with vLLM's own unquantized CPU path at one rank with
@@ -24,7 +25,6 @@ from vllm.forward_context import DPMetadata, ForwardContext, override_forward_co
 from vllm.model_executor.layers.fused_moe.config import (FusedMoEParallelConfig, FusedMoEQuantConfig,  # noqa: E402
                                                          fp8_w8a8_moe_quant_config)
 
-from symmring.integrations.vllm import adapter  # noqa: E402
 from symmring.integrations.vllm import experts as sx  # noqa: E402
 from symmring.moe.weights import dequantize_blocks  # noqa: E402
 from test_vllm_kernel import layer_of, moe_config, run, symmring_kernel, vllm_unquantized  # noqa: E402
@@ -57,8 +57,8 @@ def case(rank: int, world: int, fp8: bool) -> dict:
     ref_kernel, ref_layer = vllm_unquantized(moe_config(NUM_EXPERTS, HIDDEN, INTER, TOPK), full13, full2)
     want = run(ref_kernel, ref_layer, *args).float()
     err = max((g.float() - want).abs().max().item() for g in got)
-    return dict(fp8=fp8, max_error=err, scale=want.abs().max().item(), exchanges=counter.count,
-                given_counts=adapter.accepts_given_counts(kernel.fused_experts.layer.workspace))
+    return dict(fp8=fp8, max_error=err, scale=want.abs().max().item(), exchanges=counter.count, calls=len(got),
+                counts=counts)
 
 
 def main() -> None:

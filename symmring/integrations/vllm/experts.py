@@ -131,6 +131,13 @@ def process_workspace(parallel: FusedMoEParallelConfig, max_tokens: int, group=N
     return _PROCESS["workspace"]
 
 
+def made_workspace():
+    """This process's symmring workspace once its first MoE layer made it (`process_workspace`), else None: to
+    read its calls (``.calls``), count its context's host exchanges, or `symmring.Workspace.reset` it."""
+    ctx = _PROCESS.get("ctx")
+    return None if ctx is None or ctx.closed else _PROCESS["workspace"]
+
+
 class SymmringExperts(mk.FusedMoEExpertsModular):
     """symmring's layer behind vLLM's modular kernel (module docstring); pair it with
     ``PassThroughPrepareAndFinalize`` (`make_kernel`)."""
@@ -235,4 +242,5 @@ def make_kernel(moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig) -
     return mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), SymmringExperts(moe_config, quant_config))
 
 
-__all__ = ["SymmringExperts", "SCHEMES", "make_kernel", "parallel_refusals", "refusals", "process_workspace"]
+__all__ = ["SymmringExperts", "SCHEMES", "make_kernel", "parallel_refusals", "refusals", "process_workspace",
+           "made_workspace"]
