@@ -141,3 +141,24 @@ def test_given_routing_layer_names_bad_calls(host_ctx):
             layer(x, ids, w, counts=[4, 4])
     finally:
         layer.close()
+
+
+def test_a_step_takes_vllms_counts_as_they_come(host_ctx):
+    """`Workspace.step(counts=...)` takes vLLM's ``num_tokens_across_dp_cpu`` (an int tensor) as it is, and names
+    counts that do not fit (one rank here)."""
+    from symmring.moe.workspace import Workspace
+    ws = Workspace(host_ctx)
+    try:
+        with ws.step(5, own_router=False, counts=torch.tensor([5], dtype=torch.int32)) as step:
+            assert step.counts == (5,) and not step.distinct
+        with pytest.raises(ConfigError, match="not num_tokens=4"):
+            with ws.step(4, counts=[5]):
+                pass
+        with pytest.raises(ConfigError, match="one token count per rank"):
+            with ws.step(5, counts=[5, 5]):
+                pass
+        with pytest.raises(ConfigError, match="expected an int"):
+            with ws.step(5, counts=torch.tensor([5.0])):
+                pass
+    finally:
+        ws.close()

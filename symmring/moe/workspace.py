@@ -144,12 +144,14 @@ def given_entries(mine: tuple, counts, rank: int, world_size: int) -> list:
     given counts a rank raises only what it knows itself (module docstring, "Given counts").
 
     Raises:
-        ConfigError: ``counts`` not one int >= 0 per rank, or ``counts[rank]`` not this rank's ``num_tokens``.
+        ConfigError: ``counts`` (ints, or an int array or tensor) not one int >= 0 per rank, or ``counts[rank]``
+            not this rank's ``num_tokens``.
 
     Example:
         >>> given_entries((3, False, None, 5, None), (3, 0), rank=0, world_size=2)
         [(3, False, None, 5, None), (0, False, None, 5, None)]
     """
+    counts = counts.tolist() if hasattr(counts, "tolist") else counts  # vLLM's are a CPU tensor
     if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or len(counts) != world_size:
         raise ConfigError(f"counts={counts!r}: expected one token count per rank ({world_size})")
     counts = [_token_count(c) for c in counts]
