@@ -9,8 +9,11 @@ Importing symmring has no side effects: nothing is initialised until `init()` is
 
 Threads: nothing here is thread-safe. A context, its workspaces, rings and layers belong to the thread that
 makes their calls: every call and collective is numbered in call order on each rank, and two threads would
-interleave them differently on each rank. `symmring.moe.gpu.MoE.async_error` (a read of pinned host memory,
+interleave them differently on each rank. `symmring.moe.gpu.GpuMoE.async_error` (a read of pinned host memory,
 no device call, no collective) may be polled from another thread once every layer is built.
+
+The MoE layer is `MoE` (``symmring.MoE(ctx, Experts(...), RoutingConfig(...), max_tokens=...)``): the GPU layer on
+the nvshmem backend, the CPU layer (`ExpertParallelMoE`) on the host backend, chosen from the context.
 """
 
 __version__ = "0.1.0"
@@ -21,7 +24,9 @@ from .errors import (BackendError, BrokenStateError, CallMismatch, CallRefused, 
                      ConfigError, DoubleAck, PeerTimeout, PoolOverflow, ProtocolAborted, ProtocolTimeout,
                      ProtocolViolation, RingClosedError, StalePayload, StepFailed, SymmringError)
 from .layout import RingLayout, RingSpec  # noqa: E402
-from .moe.cpu.layer import ExpertParallelMoE, MoEShapes  # noqa: E402
+from .moe.config import Experts, RoutingConfig, ScheduleConfig  # noqa: E402
+from .moe.cpu.layer import ExpertParallelMoE, MoEShapes, local_experts, shard_experts  # noqa: E402
+from .moe.layer import MoE  # noqa: E402
 from .moe.workspace import Workspace  # noqa: E402
 from .moe.workspace_plan import LayerShape  # noqa: E402
 from .protocol import AckPolicy  # noqa: E402
@@ -29,7 +34,8 @@ from .ring import Call, ChunkView, Ring  # noqa: E402
 
 __all__ = [
     "__version__", "protocol", "init", "finalize", "Context", "Ring", "Call", "ChunkView", "AckPolicy",
-    "RingSpec", "RingLayout", "ExpertParallelMoE", "MoEShapes", "Workspace", "LayerShape",
+    "RingSpec", "RingLayout", "MoE", "Experts", "RoutingConfig", "ScheduleConfig", "ExpertParallelMoE", "MoEShapes",
+    "shard_experts", "local_experts", "Workspace", "LayerShape",
     "SymmringError", "ConfigError", "BackendError", "ProtocolTimeout", "PeerTimeout", "BrokenStateError",
     "RingClosedError", "CompileError", "ProtocolAborted", "ProtocolViolation", "StalePayload", "DoubleAck",
     "PoolOverflow", "CallMismatch", "CallRefused", "StepFailed",

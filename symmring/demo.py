@@ -5,13 +5,14 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
 
 1. initialises symmring (``--backend auto``: the GPU backend when a GPU, CuPy and nvshmem4py are usable,
    else the CPU backend) and says which backend it got and why;
-2. on the GPU backend, runs the GPU layer (`symmring.moe.gpu.MoE`, bf16 experts; a ring of
+2. on the GPU backend, runs the GPU layer (`symmring.MoE` there: `symmring.moe.gpu.GpuMoE`, bf16 experts; a ring of
    ``--tokens-per-slot`` slots, one per chunk, and one expert window over the call) against the reference
    (relative error <= 1e-2): batch-ready (``streaming=False``), streamed (``streaming=True``: the chunks
    pipeline; its expert GEMMs see the batch path's groups) and ``streaming="auto"`` (what the measured
    policy picks), and checks streamed == batch **bitwise**; then, on the CPU backend, step 3 as well;
-3. runs the expert-parallel layer (`symmring.moe.cpu.layer`) on the CPU backend batch-ready (one
-   chunk of the whole batch) and streamed (``--tokens-per-slot`` chunks through a ``--num-slots`` ring);
+3. runs the layer on the CPU backend (`symmring.MoE` there: `symmring.moe.cpu.layer.ExpertParallelMoE`)
+   batch-ready (one chunk of the whole batch) and streamed (``--tokens-per-slot`` chunks through a
+   ``--num-slots`` ring), with CONSERVATIVE and with EARLY acknowledgements;
 4. checks streamed == batch **bitwise**, both against `symmring.moe.reference.reference_moe` of the
    global problem (rtol 1e-5, atol 1e-5 of the largest output), and reruns bitwise identical;
 5. prints what it did and the timings (rank 0), and ends with ``demo: PASS ...`` (exit 0) or
@@ -20,7 +21,9 @@ On seeded data (the same global problem on every rank: each rank holds ``--token
 Run: ``python -m symmring demo``, ``mpiexec -n 4 python -m symmring demo`` or
 ``torchrun --nproc-per-node 4 -m symmring demo``.
 
-``--model mixtral|qwen3-moe|deepseek-v3`` runs a transformers model instead (`symmring.demo_model`).
+``--model mixtral|qwen3-30b-a3b|deepseek-v3`` runs a tiny transformers model of that family instead
+(`symmring.demo_model`; the names of ``python -m symmring plan --preset``, `symmring.moe.workspace_plan.PRESETS`;
+``qwen3-moe`` is the former name of ``qwen3-30b-a3b``).
 """
 
 from __future__ import annotations
@@ -35,11 +38,16 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, SymmringError
+from .demo_run import Reporter, fail, start, world_reporter
+from .errors import SymmringError
 from .moe.config import Experts, RoutingConfig, ScheduleConfig
+from .moe.workspace_plan import PRESET_ALIASES, PRESETS
 
 log = logging.getLogger(__name__)
 
+#: ``--model`` values: the model presets' names (`symmring.moe.workspace_plan.PRESETS`, as ``plan --preset``)
+#: and their former names.
+MODELS = tuple(sorted(PRESETS)) + tuple(sorted(PRESET_ALIASES))
 #: Tolerances of the checks (float32 arithmetic on the CPU; bf16 experts on the GPU).
 CPU_RTOL = 1e-5
 GPU_REL_TOL = 1e-2
@@ -61,11 +69,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto (GPU when usable, else CPU), host (CPU) or nvshmem (GPU)")
     p.add_argument("--x-format", default=None, choices=("fp8_e4m3", "bf16"),
                    help="what the ring carries (default fp8_e4m3 with 128-channel scales; with --model: bf16)")
-    p.add_argument("--topk-method", default="softmax", choices=("softmax", "sigmoid_bias"),
-                   help="router: softmax (Mixtral) or sigmoid_bias (DeepSeek-V3)")
+    p.add_argument("--scoring", "--topk-method", dest="scoring", default="softmax",
+                   choices=("softmax", "sigmoid_bias"),
+                   help="router scoring (RoutingConfig's): softmax (Mixtral) or sigmoid_bias (DeepSeek-V3); "
+                        "--topk-method is its former name")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per path after one warm-up (default 2)")
-    p.add_argument("--model", default=None, choices=("mixtral", "qwen3-moe", "deepseek-v3"),
-                   help="instead: a tiny random transformers model of this family (built locally, no download) "
+    p.add_argument("--model", default=None, choices=MODELS,
+                   help="instead: a tiny random transformers model of this family (the names of plan --preset; "
+                        "qwen3-moe: qwen3-30b-a3b's former name; built locally, no download) "
                         "with its MoE blocks replaced by symmring's, its logits against the unreplaced model's "
                         "(needs torch and transformers: the cpu/gpu and hf extras)")
     p.add_argument("--seq", type=int, default=24, help="with --model: tokens per sequence, 2 sequences per rank "
@@ -83,7 +94,7 @@ class Problem:
     w_up: np.ndarray
     w_down: np.ndarray
     router_weight: np.ndarray
-    options: dict  # topk_method, bias, routed_scaling_factor
+    options: dict  # scoring, bias, routed_scaling_factor
     rows: slice
 
     @property
@@ -106,47 +117,11 @@ def make_problem(args, world_size: int, rank: int) -> Problem:
     w_up = bf16_exact(rng.standard_normal((E, I, H)) / math.sqrt(H))
     w_down = bf16_exact(rng.standard_normal((E, H, I)) / math.sqrt(I))
     router_weight = bf16_exact(rng.standard_normal((E, H)) / math.sqrt(H))
-    options = dict(topk_method=args.topk_method)
-    if args.topk_method == "sigmoid_bias":
+    options = dict(scoring=args.scoring)
+    if args.scoring == "sigmoid_bias":
         options.update(bias=(rng.standard_normal(E) * 0.1).astype(np.float32), routed_scaling_factor=2.5)
     start = sum(counts[:rank])
     return Problem(counts, x, w_gate, w_up, w_down, router_weight, options, slice(start, start + counts[rank]))
-
-
-class Reporter:
-    """Rank 0 prints; every rank logs. Its reductions are bounded exchanges (`symmring.collective.Collectives`)
-    over the demo's ranks, on a channel of its own: whichever launcher started them (mpirun, torchrun)."""
-
-    def __init__(self, ranks, chan):
-        self.ranks = ranks  # what symmring.init joins (`symmring.world.resolve`)
-        self.chan = chan
-        self.rank, self.size = chan.rank, chan.world_size
-
-    def say(self, line: str) -> None:
-        log.debug(line)
-        if self.rank == 0:
-            print(line, flush=True)
-
-    def allgather(self, value):
-        return self.chan.allgather(value, what="demo: report")
-
-    def all_ok(self, ok: bool) -> bool:
-        return all(self.allgather(bool(ok)))
-
-    def max(self, value: float) -> float:
-        return max(float(v) for v in self.allgather(float(value)))
-
-    def sum(self, value: int) -> int:
-        return sum(int(v) for v in self.allgather(int(value)))
-
-    def fsum(self, value: float) -> float:
-        return math.fsum(float(v) for v in self.allgather(float(value)))
-
-    def barrier(self) -> None:
-        self.chan.barrier(what="demo: barrier")
-
-    def close(self) -> None:
-        self.chan.close()
 
 
 def _timed_calls(fn: Callable[[], np.ndarray], report: Reporter, repeats: int,
@@ -171,33 +146,32 @@ def _bit_differences(a: np.ndarray, b: np.ndarray) -> int:
 
 def run_cpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     """Batch and streamed on the CPU layer; returns ``(passed, summary)`` (the same on every rank)."""
-    from .moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+    from .moe.cpu.layer import shard_experts
+    from .moe.layer import MoE
     from .moe.reference import reference_moe
-    from .protocol import AckPolicy
-    shapes = MoEShapes(args.hidden, args.experts, args.topk, x_format=args.x_format)
     start_s = time.perf_counter()
     ref = reference_moe(prob.x, w_gate=prob.w_gate, w_up=prob.w_up, w_down=prob.w_down, num_topk=args.topk,
                         router_weight=prob.router_weight, x_format=args.x_format, **prob.options)
     ref_s = report.max(time.perf_counter() - start_s)
     y_ref = ref.y[prob.rows]
     results = {}
-    options = {k: v for k, v in prob.options.items() if k != "topk_method"}
-    routing = RoutingConfig(shapes.num_experts, shapes.num_topk, prob.options["topk_method"], **options)
-    with ExpertParallelMoE(ctx, shapes, *shard_experts(prob.w_gate, prob.w_up, prob.w_down, ctx.rank,
-                                                       ctx.world_size), routing=routing) as layer:
-        paths = {
-            "batch": dict(),
-            "streamed": dict(streaming=True, tokens_per_slot=args.tokens_per_slot, num_slots=args.num_slots),
-        }
-        for name, kwargs in paths.items():
+    experts = Experts(*shard_experts(prob.w_gate, prob.w_up, prob.w_down, ctx.rank, ctx.world_size))
+    routing = RoutingConfig(args.experts, args.topk, **prob.options)
+    max_tokens = max(1, max(prob.counts))
+
+    def layer(ack: str):
+        return MoE(ctx, experts, routing, max_tokens=max_tokens, schedule=ScheduleConfig(
+            x_format=args.x_format, tokens_per_slot=min(args.tokens_per_slot, max_tokens), num_slots=args.num_slots,
+            ack_policy=ack))
+
+    with layer("conservative") as conservative, layer("early") as early:
+        for name, streaming in (("batch", False), ("streamed", True)):
             outputs, seconds = _timed_calls(
-                lambda: layer.forward(prob.x_local, router_weight=prob.router_weight,
-                                      ack_policy=AckPolicy.CONSERVATIVE, **kwargs), report, args.repeats)
-            stats = layer.last_stats
-            results[name] = (outputs, seconds, stats)
+                lambda: conservative.forward(prob.x_local, router_weight=prob.router_weight, streaming=streaming),
+                report, args.repeats)
+            results[name] = (outputs, seconds, conservative.last_stats)
         # EARLY acknowledgement must not change a single bit either.
-        y_early = layer.forward(prob.x_local, router_weight=prob.router_weight, ack_policy=AckPolicy.EARLY,
-                                **paths["streamed"])
+        y_early = early.forward(prob.x_local, router_weight=prob.router_weight, streaming=True)
     y_batch, y_stream = results["batch"][0][0], results["streamed"][0][0]
     num_elements = report.sum(y_batch.size)
     for name, (outputs, seconds, stats) in results.items():
@@ -234,8 +208,8 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     """The GPU layer's batch-ready path against the reference (bf16 experts: relative error)."""
     import torch
 
-    from .moe import gpu
     from .moe.cpu.layer import local_experts
+    from .moe.layer import MoE
     from .moe.reference import reference_moe, router_logits
     device = torch.device("cuda", torch.cuda.current_device())
 
@@ -244,8 +218,8 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
 
     experts = local_experts(ctx.rank, ctx.world_size, args.experts)
     local = slice(experts.start, experts.stop)
-    options = dict(scoring=args.topk_method)
-    if args.topk_method == "sigmoid_bias":
+    options = dict(scoring=args.scoring)
+    if args.scoring == "sigmoid_bias":
         options.update(bias=on_gpu(prob.options["bias"], torch.float32),
                        routed_scaling_factor=prob.options["routed_scaling_factor"])
     # float32 logits from the reference's router, so the GPU and the reference pick the same experts.
@@ -261,9 +235,9 @@ def run_gpu(ctx, args, prob: Problem, report: Reporter) -> Tuple[bool, str]:
     logits_gpu = on_gpu(logits[prob.rows], torch.float32)
     y_ref = ref.y[prob.rows]
     results = {}
-    moe = gpu.MoE(ctx, Experts(*weights), RoutingConfig(args.experts, args.topk, **options), max_tokens=max_tokens,
-                  schedule=ScheduleConfig(num_slots=slots, tokens_per_slot=T, ack_policy="early", expert_window=slots,
-                                          x_format=args.x_format))
+    moe = MoE(ctx, Experts(*weights), RoutingConfig(args.experts, args.topk, **options), max_tokens=max_tokens,
+              schedule=ScheduleConfig(num_slots=slots, tokens_per_slot=T, ack_policy="early", expert_window=slots,
+                                      x_format=args.x_format))
     try:
         for name, streaming in (("batch", False), ("streamed", True), ("auto", "auto")):
             outputs, seconds = _timed_calls(lambda: moe.forward(x_gpu, logits=logits_gpu, streaming=streaming),
@@ -298,61 +272,10 @@ def _yes(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
-def _backend_reason(requested: str) -> str:
-    from .info import auto_backend
-    if requested != "auto":
-        return f"--backend {requested}"
-    return auto_backend()[1]
-
-
-def world_reporter() -> Optional[Reporter]:
-    """The demo's first step (``demo`` and ``demo --model``): its ranks (`symmring.world.resolve`: MPI's world
-    under mpirun, torchrun's workers under torchrun, else one process) and a `Reporter` on
-    them, or None after the launcher's rank 0 printed ``demo: FAIL`` (e.g. no MPI library under a multi-rank
-    MPI launch; exit 1)."""
-    from . import env, world
-    from .collective import Collectives
-    try:
-        ranks = world.resolve(timeout_s=env.host_timeout_s())
-        return Reporter(ranks, Collectives(ranks, env.host_timeout_s(), what="demo: start"))
-    except SymmringError as exc:
-        if world.launcher_rank() == 0:
-            print(f"demo: FAIL {exc}", flush=True)
-        return None
-
-
-def start(backend: str, report: Reporter) -> Optional[Tuple[object, Reporter, str]]:
-    """Initialise the ``--backend`` on the report's ranks (``demo`` and ``demo --model``): (the context, the
-    `Reporter`, why that backend), or None after ``demo: FAIL`` on ``report`` (exit 1)."""
-    from . import world
-    from .context import init
-    reason = _backend_reason(backend)
-    try:
-        ctx = init(backend, **world.init_kwargs(report.ranks))
-    except SymmringError as exc:
-        report.say(f"demo: FAIL could not initialise the {backend} backend: {exc}")
-        return None
-    return ctx, report, reason
-
-
 def memory_of(ctx) -> str:
     """What the CPU backend's symmetric memory is, in words."""
     from . import mpi
     return "process memory, no MPI library" if mpi.is_standin(ctx.comm) else ctx.backend.memory.name
-
-
-def fail(ctx, report, exc) -> int:
-    """The demo's end after a symmring error in its run (``demo`` and ``demo --model``): the ``demo: FAIL`` line,
-    the context closed, and the exit status (2 for a bad configuration, which every rank raises; else 1)."""
-    if isinstance(exc, ConfigError):
-        report.say(f"demo: FAIL bad configuration: {exc}")
-        status = 2
-    else:
-        log.error("rank %d: %s", ctx.rank, exc)
-        report.say(f"demo: FAIL {type(exc).__name__}: {exc}")
-        status = 1
-    ctx.close()
-    return status
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -383,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report.say(f"symmring {__version__} demo: {ctx.world_size} rank(s), backend {ctx.backend.name} "
                f"({reason}) on {ctx.device}")
     report.say(f"problem: {args.tokens} tokens/rank x hidden {args.hidden}, {args.experts} experts "
-               f"({args.experts // max(ctx.world_size, 1)}/rank), top-{args.topk} {args.topk_method}, inter "
+               f"({args.experts // max(ctx.world_size, 1)}/rank), top-{args.topk} {args.scoring}, inter "
                f"{args.inter}, x as {args.x_format}, seed {args.seed}")
     results: List[Tuple[bool, str]] = []
     backends_used: List[str] = []

@@ -50,7 +50,7 @@ def main(args) -> int:
     """Run the model demo with the demo's parsed ``args``; returns 0 (PASS), 1 (FAIL) or 2 (bad arguments)."""
     import torch
     from . import __version__
-    from .demo import fail, start, world_reporter
+    from .demo_run import fail, start, world_reporter
     from .moe.integrations import tiny
     from .moe.integrations.hf import check_transformers, replace_moe_blocks
 

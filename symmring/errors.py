@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from .identity import split_call_identity
+
 
 class SymmringError(Exception):
     """Base class of every symmring error."""
@@ -32,6 +34,12 @@ class ConfigError(SymmringError, ValueError):
 
 class BackendError(SymmringError, RuntimeError):
     """A backend could not be initialised or used (no GPU, no NVSHMEM, MPI not usable, ...)."""
+
+
+class KernelArgsMismatch(BackendError):
+    """The host's layout of a kernel's argument struct (`symmring.moe.gpu.kernel_args`) differs from the device
+    header's (``device/moe/args.cuh``) as the device compiler lays it out: found when the layer's kernels load,
+    before any of them runs; the message names each struct and field that differs."""
 
 
 class RingClosedError(SymmringError, RuntimeError):
@@ -226,7 +234,6 @@ class CallMismatch(ProtocolViolation):
 
     def __init__(self, *, rank: int, peer: int, expected: int, observed: int, slot: Optional[int] = None,
                  chunk: Optional[int] = None, where: str = "", advice: str = ""):
-        from .protocol import split_call_identity
         self.expected_call, self.expected_layer = split_call_identity(expected)
         self.observed_call, self.observed_layer = split_call_identity(observed)
         at = f" in rank {peer}'s slot {slot} (chunk {chunk})" if slot is not None else ""
@@ -245,7 +252,6 @@ class CallRefused(ProtocolViolation):
     refused call's identity (`symmring.protocol.call_identity`)."""
 
     def __init__(self, *, rank: int, expected: int, advice: str = ""):
-        from .protocol import split_call_identity
         self.call, self.layer = split_call_identity(expected)
         msg = (f"rank {rank}: refused its call #{self.call} of layer {self.layer} inside a step (its arguments "
                "failed a check; the ConfigError was raised there) and stopped the ring on every rank")

@@ -72,14 +72,15 @@ def requested() -> bool:
 
 
 def _arg_bytes(arg) -> bytes:
-    """A kernel argument's bytes: numpy scalars as they are, device arrays (CuPy) as their address."""
-    if isinstance(arg, np.generic):
+    """A kernel argument's bytes: numpy scalars and one-element numpy arrays (a struct passed by value,
+    `symmring.moe.gpu.kernel_args`) as they are, device arrays (CuPy) as their address."""
+    if isinstance(arg, np.generic) or (isinstance(arg, np.ndarray) and arg.size == 1):
         return arg.tobytes()
     data = getattr(arg, "data", None)
     if data is not None and hasattr(data, "ptr"):
         return np.uint64(data.ptr).tobytes()
-    raise BackendError(f"PDL launch: unsupported kernel argument {type(arg).__name__} (expected a numpy scalar "
-                       "or a CuPy array)")
+    raise BackendError(f"PDL launch: unsupported kernel argument {type(arg).__name__} (expected a numpy scalar, a "
+                       "one-element numpy array or a CuPy array)")
 
 
 def _dim3(dims: Sequence[int]):
@@ -108,8 +109,8 @@ class PdlLauncher:
         self._attr.value = 1
 
     def __call__(self, fn, grid, block, args, *, stream, shared_mem: int = 0) -> None:
-        """Launch ``fn`` (a CuPy ``Function``) on ``stream`` (a CuPy stream) with ``args`` (numpy scalars and
-        CuPy arrays, as CuPy takes them)."""
+        """Launch ``fn`` (a CuPy ``Function``) on ``stream`` (a CuPy stream) with ``args`` (numpy scalars,
+        one-element numpy arrays passed by value, and CuPy arrays, as CuPy takes them)."""
         if not self.enabled:
             fn(grid, block, args, stream=stream, shared_mem=shared_mem)
             return

@@ -20,12 +20,13 @@ import sys
 from typing import List, Optional
 
 from .errors import ConfigError
-from .moe.workspace_plan import PRESETS, LayerShape, parse_bytes, plan
+from .moe.workspace_plan import PRESET_ALIASES, PRESETS, LayerShape, parse_bytes, plan
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m symmring plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a model's sizes (the flags below override them)")
+    p.add_argument("--preset", choices=sorted(PRESETS) + sorted(PRESET_ALIASES),
+                   help="a model's sizes (the flags below override them; the names of demo --model)")
     p.add_argument("--hidden", type=int)
     p.add_argument("--inter", type=int, help="expert intermediate size")
     p.add_argument("--experts", type=int, help="routed experts over all ranks")
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    sizes = dict(PRESETS[args.preset]) if args.preset else {}
+    sizes = dict(PRESETS[PRESET_ALIASES.get(args.preset, args.preset)]) if args.preset else {}
     for flag, key in (("hidden", "hidden"), ("inter", "inter"), ("experts", "num_experts"), ("topk", "topk"),
                       ("layers", "layers")):
         if getattr(args, flag) is not None:

@@ -94,6 +94,7 @@ import enum
 from typing import Iterable, List, NamedTuple, Sequence, Tuple
 
 from .errors import ConfigError
+from .identity import CALL_LAYER_BITS, CALL_NUMBER_BITS, split_call_identity  # noqa: F401 (the identity's layout)
 
 #: Value of every ready signal before its first publication; no chunk carries it.
 GEN_NONE = 0
@@ -101,10 +102,6 @@ GEN_NONE = 0
 RANKS_PER_MASK_WORD = 64
 #: Largest generation a 64-bit signal word holds.
 GEN_MAX = (1 << 64) - 1
-#: Low bits of a call identity that hold the layer id (the bits above: the call number, `call_identity`).
-CALL_LAYER_BITS = 16
-#: Bits of the call number in an identity (an identity fits a non-negative int64 meta word).
-CALL_NUMBER_BITS = 63 - CALL_LAYER_BITS
 
 
 class AckPolicy(enum.IntEnum):
@@ -226,12 +223,6 @@ def call_identity(number: int, layer: int) -> int:
     _check_nonneg("layer", layer)
     number %= 1 << CALL_NUMBER_BITS
     return number << CALL_LAYER_BITS | layer % (1 << CALL_LAYER_BITS)
-
-
-def split_call_identity(identity: int) -> Tuple[int, int]:
-    """``(call number, layer)`` of an identity (`call_identity`), for messages."""
-    identity = int(identity) & ((1 << 64) - 1)
-    return identity >> CALL_LAYER_BITS, identity & ((1 << CALL_LAYER_BITS) - 1)
 
 
 def is_ready(route_gen: int, layout_gen: int, expected: int) -> bool:

@@ -36,18 +36,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, NamedTuple, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Set, Tuple
 
 import numpy as np
 
 from . import layout as _layout
 from . import protocol
 from . import transport as transport_mod
+from .backends.base import Backend
 from .closing import Closing
-from .context import Context
 from .errors import CallMismatch, ConfigError, ProtocolTimeout, RingClosedError, StalePayload, SymmringError
 from .layout import RingLayout, RingSpec
 from .protocol import AckPolicy
+
+if TYPE_CHECKING:  # the context makes the workspace, whose CPU share makes rings: no import back
+    from .context import Context
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ class Ring(Closing):
 
     def __init__(self, ctx: Context, spec: RingSpec, *, ack_policy=None, timeout_s: Optional[float] = None,
                  transport=None):
-        if not isinstance(ctx, Context):
+        if not isinstance(getattr(ctx, "backend", None), Backend) or not hasattr(ctx, "collectives"):
             raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
         ctx.check_open()
         if not isinstance(spec, RingSpec):

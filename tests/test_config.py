@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from symmring import ConfigError, ExpertParallelMoE, MoEShapes, init
+from symmring import ConfigError, ExpertParallelMoE, init
 from symmring.moe import routing as routing_mod
 from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 from symmring.protocol import AckPolicy
@@ -75,9 +75,9 @@ def test_routing_is_checked_once(ctx, monkeypatch):
     rng = np.random.default_rng(SEED)
     wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
     wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
-    with ExpertParallelMoE(ctx, MoEShapes(hidden=128, num_experts=4, num_topk=2), wg, wu, wd, routing=r) as layer:
+    with ExpertParallelMoE(ctx, Experts(wg, wu, wd), r, max_tokens=8) as layer:
         assert len(calls) == 1
-        assert layer.routing.key() == r.key() and layer.scoring == "sigmoid_bias" and layer.n_group == 2
+        assert layer.routing.key() == r.key() and layer.routing.scoring == "sigmoid_bias" and layer.routing.n_group == 2
 
 
 # --- ScheduleConfig ----------------------------------------------------------------------------------------
@@ -109,8 +109,8 @@ def test_schedule_config_defaults_and_frozen():
     assert (s.num_slots, s.tokens_per_slot, s.ack_policy, s.expert_window, s.x_format) == \
         (None, None, AckPolicy.CONSERVATIVE, 1, None)
     assert s.gpu_only_set() == []
-    from symmring.moe.gpu.graph_cache import DEFAULT_ENTRIES
-    assert s.graph_cache == DEFAULT_ENTRIES
+    from symmring.moe.config import GRAPH_CACHE_ENTRIES
+    assert s.graph_cache == GRAPH_CACHE_ENTRIES
     t = ScheduleConfig(num_slots=np.int64(3), ack_policy="early", expert_window=3, graph_cache=0, transport="rdma:1")
     assert type(t.num_slots) is int and t.ack_policy is AckPolicy.EARLY
     assert t.gpu_only_set() == ["expert_window", "transport", "graph_cache"]
@@ -166,10 +166,10 @@ def test_block_spec_and_from_hf_give_the_routing_config_a_cpu_layer_takes(ctx):
     # The same value builds the CPU layer (its float32 experts from the block's).
     I = spec["inter"]
     w13 = spec["gate_up_proj"].detach().float().numpy()
-    shapes = MoEShapes(hidden=spec["hidden"], num_experts=r.num_experts, num_topk=r.topk)
     cpu_routing = r.with_bias(r.bias.detach().float())
-    with ExpertParallelMoE(ctx, shapes, np.ascontiguousarray(w13[:, :I]), np.ascontiguousarray(w13[:, I:]),
-                           spec["down_proj"].detach().float().numpy(), routing=cpu_routing) as layer:
+    experts = Experts(np.ascontiguousarray(w13[:, :I]), np.ascontiguousarray(w13[:, I:]),
+                      spec["down_proj"].detach().float().numpy())
+    with ExpertParallelMoE(ctx, experts, cpu_routing, max_tokens=8) as layer:
         assert layer.routing.key() == r.key()
         x = torch.randn(5, spec["hidden"], generator=torch.Generator().manual_seed(SEED)).bfloat16()
         logits = module.router_logits(x).float()
@@ -191,3 +191,13 @@ def test_the_gpu_layer_names_where_a_flat_keyword_belongs():
         MoE(None, None, None, max_tokens=8, x_format="bf16", scoring="softmax")
     with pytest.raises(ConfigError, match=r"bogus \(not an argument of MoE\)"):
         MoE(None, None, None, max_tokens=8, bogus=1)
+
+
+def test_the_test_hooks_misplaced_names_are_the_debug_hooks():
+    """`config.misplaced` names a test hook without importing `symmring.moe.debug` (above it): its list is
+    the hooks' fields."""
+    import dataclasses
+
+    from symmring.moe.config import TEST_HOOKS
+    from symmring.moe.debug import Hooks
+    assert set(TEST_HOOKS) == {f.name for f in dataclasses.fields(Hooks)}

@@ -1,20 +1,25 @@
-"""The CPU layer (ExpertParallelMoE) in one process: messages name the caller's shapes, torch CPU tensors in
-and out, the SYMMRING_DEBUG checks after each call (they pass on a correct call and catch a lost
-acknowledgement or a non-finite output that a plain call lets through), and the GPU layer's routing options
-(``scoring``, ``n_group``/``topk_group``, ``norm_topk_prob``): rejected before any collective when bad, and
-a group-limited forward equal to the reference."""
+"""The CPU layer (ExpertParallelMoE, `symmring.MoE` on the host backend) in one process: messages name the
+caller's shapes, torch CPU tensors in and out (bf16 and float32), the SYMMRING_DEBUG checks after each call (they
+pass on a correct call and catch a lost acknowledgement or a non-finite output that a plain call lets through),
+and the GPU layer's routing options (``scoring``, ``n_group``/``topk_group``, ``norm_topk_prob``): rejected before
+any collective when bad, and a group-limited forward equal to the reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from symmring import ConfigError, ExpertParallelMoE, MoEShapes, ProtocolTimeout, SymmringError, init
+from symmring import ConfigError, ExpertParallelMoE, MoE, ProtocolTimeout, SymmringError, init
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+from symmring.moe.cpu.executor import HostEngine, HostExecutor
 from symmring.moe.reference import reference_moe
-from symmring.moe.config import RoutingConfig
 from symmring.ring import Ring
 
-SHAPES = MoEShapes(hidden=128, num_experts=4, num_topk=2)
+
+def build(ctx, p, routing=None, max_tokens=16, **schedule):
+    """A CPU layer of ``p``'s experts (4 of them, top-2 unless ``routing``), ``schedule``: `ScheduleConfig` fields."""
+    return MoE(ctx, Experts(p["wg"], p["wu"], p["wd"]), routing or RoutingConfig(4, 2), max_tokens=max_tokens,
+               schedule=ScheduleConfig(**schedule))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,8 @@ def problem():
 
 @pytest.fixture
 def layer(ctx, problem):
-    with ExpertParallelMoE(ctx, SHAPES, problem["wg"], problem["wu"], problem["wd"], timeout_s=0.5) as moe:
+    with build(ctx, problem, timeout_s=0.5) as moe:
+        assert isinstance(moe, ExpertParallelMoE)
         yield moe
 
 
@@ -76,11 +82,11 @@ def test_torch_cpu_tensors_in_and_out(ctx, problem):
     torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch): the torch-input "
                                                 "path of the CPU layer is not exercised")
     want = None
-    with ExpertParallelMoE(ctx, SHAPES, problem["wg"], problem["wu"], problem["wd"]) as moe:
+    with build(ctx, problem, tokens_per_slot=3) as moe:
         want = moe.forward(problem["x"], router_weight=problem["router"])
         assert isinstance(want, np.ndarray)
     tensors = {k: torch.from_numpy(v) for k, v in problem.items()}
-    with ExpertParallelMoE(ctx, SHAPES, tensors["wg"], tensors["wu"], tensors["wd"]) as moe:
+    with build(ctx, tensors, tokens_per_slot=3) as moe:
         x = tensors["x"]
         got = moe.forward(x, router_weight=tensors["router"])
         assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.device.type == "cpu"
@@ -98,10 +104,13 @@ def test_torch_cpu_tensors_in_and_out(ctx, problem):
         with pytest.raises(ConfigError, match="topk_idx: expected a 2-D int32 array, got 2-D int64 with shape \\(10, 2\\)"):
             moe.forward(x, topk_idx=torch.zeros((10, 2), dtype=torch.int64), topk_weights=torch.ones(10, 2))
         streamed = moe.forward(x, topk_idx=torch.zeros((10, 2), dtype=torch.int32), topk_weights=torch.ones(10, 2),
-                               streaming=True, tokens_per_slot=3)
+                               streaming=True)
         assert isinstance(streamed, torch.Tensor) and streamed.shape == (10, 128)
-        with pytest.raises(ConfigError, match="x.dtype=torch.bfloat16"):
-            moe.forward(x.bfloat16(), router_weight=tensors["router"])
+        # bf16 activations (the GPU layer's): exact as float32, the output rounded once to bf16.
+        x16 = x.bfloat16()
+        y16 = moe.forward(x16, router_weight=tensors["router"].bfloat16())
+        ref16 = moe.forward(x16.float(), router_weight=tensors["router"].bfloat16().float())
+        assert y16.dtype == torch.bfloat16 and torch.equal(y16, ref16.bfloat16())
         with pytest.raises(ConfigError, match="x.dtype"):
             moe.forward(x.double(), router_weight=tensors["router"])
         if torch.cuda.is_available():
@@ -111,15 +120,15 @@ def test_torch_cpu_tensors_in_and_out(ctx, problem):
 
 def test_debug_checks_pass_on_a_correct_call(layer, problem, monkeypatch):
     calls = []
-    original = ExpertParallelMoE._debug_check
-    monkeypatch.setattr(ExpertParallelMoE, "_debug_check", lambda self, *a: (calls.append(a[1].num_chunks),
-                                                                            original(self, *a)))
+    original = HostExecutor._debug_check
+    monkeypatch.setattr(HostExecutor, "_debug_check", lambda self, *a: (calls.append(a[1].num_chunks),
+                                                                       original(self, *a)))
     y = layer.forward(problem["x"], router_weight=problem["router"])
     assert calls == []  # off by default
     monkeypatch.setenv("SYMMRING_DEBUG", "1")
     assert _bitwise(layer.forward(problem["x"], router_weight=problem["router"]), y)
-    assert _bitwise(layer.forward(problem["x"], router_weight=problem["router"], streaming=True,
-                                  tokens_per_slot=3, num_slots=2), y)
+    with build(layer.ctx, problem, tokens_per_slot=3, num_slots=2) as streamed:
+        assert _bitwise(streamed.forward(problem["x"], router_weight=problem["router"], streaming=True), y)
     assert calls == [1, 4]
 
 
@@ -134,10 +143,10 @@ def test_debug_catches_a_lost_acknowledgement(layer, problem, monkeypatch):
         real_ack(ring, call, chunk, src_rank)
 
     monkeypatch.setattr(Ring, "ack", forgetful_ack)
-    kwargs = dict(router_weight=problem["router"], streaming=True, tokens_per_slot=4, num_slots=2)
-    layer.forward(problem["x"], **kwargs)  # no check: returns normally
-    layer.close()
-    with ExpertParallelMoE(layer.ctx, SHAPES, problem["wg"], problem["wu"], problem["wd"], timeout_s=0.3) as fresh:
+    kwargs = dict(router_weight=problem["router"], streaming=True)
+    with build(layer.ctx, problem, tokens_per_slot=4, num_slots=2, timeout_s=0.5) as first:
+        first.forward(problem["x"], **kwargs)  # no check: returns normally
+    with build(layer.ctx, problem, tokens_per_slot=4, num_slots=2, timeout_s=0.3) as fresh:
         monkeypatch.setenv("SYMMRING_DEBUG", "1")
         with pytest.raises(ProtocolTimeout) as info:
             fresh.forward(problem["x"], **kwargs)
@@ -146,9 +155,8 @@ def test_debug_catches_a_lost_acknowledgement(layer, problem, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_debug_catches_a_non_finite_output(layer, problem, monkeypatch):
-    real_expert = ExpertParallelMoE._expert
-    monkeypatch.setattr(ExpertParallelMoE, "_expert",
-                        lambda self, i, h: real_expert(self, i, h) * np.float32(np.inf))
+    real_expert = HostEngine.forward
+    monkeypatch.setattr(HostEngine, "forward", lambda self, i, h: real_expert(self, i, h) * np.float32(np.inf))
     kwargs = dict(router_weight=problem["router"])
     assert not np.isfinite(layer.forward(problem["x"], **kwargs)).all()  # no check: inf goes through
     monkeypatch.setenv("SYMMRING_DEBUG", "1")
@@ -177,11 +185,10 @@ def test_bad_routing_options_rejected_when_the_config_is_made(kwargs, message):
 
 @pytest.mark.parametrize("routing, message", [
     (lambda: RoutingConfig(4, 2, "sigmoid_bias", routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
-    (lambda: RoutingConfig(8, 2), "routing: num_experts=8, topk=2; expected the shapes' num_experts=4"),
+    (lambda: RoutingConfig(8, 2), "w_gate.shape[0]=4: expected 8 local experts (num_experts=8 over 1 ranks)"),
     (lambda: dict(scoring="softmax"), "expected a symmring.moe.config.RoutingConfig"),
 ])
 def test_bad_routing_rejected_before_any_collective(ctx, problem, monkeypatch, routing, message):
-    shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
     routing = routing()
     exchanged = []
     real_allgather = ctx.collectives.allgather
@@ -190,12 +197,13 @@ def test_bad_routing_rejected_before_any_collective(ctx, problem, monkeypatch, r
         exchanged.append((kw["what"], value))
         return real_allgather(value, **kw)
 
+    ctx.workspace()  # made before: its agreement is not this layer's
     monkeypatch.setattr(ctx.collectives, "allgather", recording_allgather)
     with pytest.raises(ConfigError) as info:
-        ExpertParallelMoE(ctx, shapes, problem["wg"], problem["wu"], problem["wd"], routing=routing)
+        MoE(ctx, Experts(problem["wg"], problem["wu"], problem["wd"]), routing, max_tokens=16)
     assert message in str(info.value)
-    # The check ran before the first collective: the verdict exchange carried it, and nothing else ran.
-    assert exchanged == [("ExpertParallelMoE: argument check", str(info.value))]
+    # The check ran before the first collective of the layer: its one agreement carried the verdict (no spec).
+    assert exchanged[-1] == ("MoE: agreement", (str(info.value), None))
 
 
 @pytest.fixture(scope="module")
@@ -209,25 +217,25 @@ def grouped_problem():
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_group_limited_forward_matches_reference(ctx, grouped_problem, norm_topk_prob):
     p = grouped_problem
-    shapes = MoEShapes(hidden=128, num_experts=16, num_topk=4)
     options = dict(bias=p["bias"], routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=norm_topk_prob)
     weights = dict(w_gate=p["wg"], w_up=p["wu"], w_down=p["wd"])
-    ref = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
-                        **options)
-    plain = reference_moe(p["x"], num_topk=4, router_weight=p["router"], topk_method="sigmoid_bias", **weights,
-                          **dict(options, n_group=1, topk_group=1))
+    ref = reference_moe(p["x"], num_topk=4, router_weight=p["router"], scoring="sigmoid_bias", x_format="bf16",
+                        **weights, **options)
+    plain = reference_moe(p["x"], num_topk=4, router_weight=p["router"], scoring="sigmoid_bias", x_format="bf16",
+                          **weights, **dict(options, n_group=1, topk_group=1))
     # The group limit decides here: most tokens get other experts than the plain top-4, from <= 2 groups.
     assert (np.sort(ref.topk_idx, 1) != np.sort(plain.topk_idx, 1)).any(1).mean() > 0.3
     assert max(len(set((row // 4).tolist())) for row in ref.topk_idx) <= 2
     routing = RoutingConfig(16, 4, "sigmoid_bias", **options)
-    with ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], routing=routing) as layer:
-        assert (layer.scoring, layer.n_group, layer.topk_group, layer.norm_topk_prob) == \
-            ("sigmoid_bias", 4, 2, norm_topk_prob)
-        assert layer.routing.key() == routing.key()
+    with MoE(ctx, Experts(p["wg"], p["wu"], p["wd"]), routing, max_tokens=24,
+             schedule=ScheduleConfig(tokens_per_slot=5)) as layer:
+        r = layer.routing
+        assert (r.scoring, r.n_group, r.topk_group, r.norm_topk_prob) == ("sigmoid_bias", 4, 2, norm_topk_prob)
+        assert r.key() == routing.key()
         y = layer.forward(p["x"], router_weight=p["router"])
         np.testing.assert_allclose(y, ref.y, rtol=1e-5, atol=1e-5 * float(np.abs(ref.y).max()))
-        assert _bitwise(layer.forward(p["x"], router_weight=p["router"], streaming=True, tokens_per_slot=5), y)
-    # The routing options are the RoutingConfig only: the former keywords (and topk_method) are gone.
+        assert _bitwise(layer.forward(p["x"], router_weight=p["router"], streaming=True), y)
+    # The routing options are the RoutingConfig only: a flat keyword names the value it belongs to.
     for old in (dict(topk_method="sigmoid_bias"), dict(scoring="sigmoid_bias")):
-        with pytest.raises(TypeError):
-            ExpertParallelMoE(ctx, shapes, p["wg"], p["wu"], p["wd"], **old)
+        with pytest.raises(ConfigError, match="unexpected keyword"):
+            MoE(ctx, Experts(p["wg"], p["wu"], p["wd"]), routing, max_tokens=24, **old)

@@ -132,7 +132,7 @@ def test_skipped_group_report_names_the_id_and_clears():
     a BackendError naming the id, and is cleared so the next check passes; nothing reported, no error."""
     torch = pytest.importorskip("torch")
     from symmring.errors import BackendError
-    from symmring.moe.gpu.layer import _skipped_groups
+    from symmring.moe.gpu.executor import _skipped_groups
     state = types.SimpleNamespace(bad_groups=torch.tensor([3, 11], dtype=torch.int32))
     error = _skipped_groups(state, 2, 8)
     assert isinstance(error, BackendError)

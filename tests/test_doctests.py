@@ -34,7 +34,8 @@ PENDING_GPU_MARKS: set = set()
 MUST_HAVE_EXAMPLES = {"symmring.protocol", "symmring.layout", "symmring.moe.quant", "symmring.moe.reference",
                       "symmring.moe.gpu.policy", "symmring.moe.gpu.plan", "symmring.context", "symmring.ring",
                       "symmring.env", "symmring.moe.cpu.layer", "symmring.mpi", "symmring.deps",
-                      "symmring.launch", "symmring.backends.host"}
+                      "symmring.launch", "symmring.backends.host", "symmring.moe.layer", "symmring.moe.spec",
+                      "symmring.moe.debug", "symmring.moe.calls", "symmring.moe.config"}
 
 
 def _modules_with_examples():

@@ -18,7 +18,7 @@ import pytest
 
 from symmring.errors import BackendError, ConfigError
 from symmring.moe import quant
-from symmring.moe.engines import triton_common, triton_large
+from symmring.moe.engines import triton_common, triton_heuristics, triton_large
 from symmring.moe.fp8_reference import (ALIGN_M, dequantize_weight_blocks, grouped_gemm_fp8_reference,
                                         make_contiguous_layout, quantize_weight_blocks, silu_mul_f32,
                                         swiglu_quant_reference)
@@ -256,17 +256,17 @@ def test_contiguous_layout_helpers():
 
 
 def test_gemm_configs():
-    names = [c.name for c in triton_large.configs()]
+    names = [c.name for c in triton_heuristics.gemm_configs()]
     assert len(names) == len(set(names)) >= 8
-    for c in triton_large.configs():
+    for c in triton_heuristics.gemm_configs():
         assert triton_large.ALIGN_M % c.block_m == 0 and c.smem_bytes <= 227 * 1024
     for problem in [(32 * 256, 4096, 7168, 32), (32 * 128, 4096, 7168, 32), (8 * 2048, 28672, 4096, 8),
                     (128 * 256, 1536, 2048, 128), (128, 128, 128, 1), (4096, 7168, 2048, 256)]:
-        assert isinstance(triton_large.default_config(*problem), triton_large.GemmConfig)
+        assert isinstance(triton_heuristics.default_config(*problem), triton_heuristics.GemmConfig)
     with pytest.raises(ConfigError, match="block_m"):
-        triton_large.GemmConfig(block_m=256)
+        triton_heuristics.GemmConfig(block_m=256)
     with pytest.raises(ConfigError, match="num_warps"):
-        triton_large.GemmConfig(num_warps=2)
+        triton_heuristics.GemmConfig(num_warps=2)
 
 
 def test_engines_fail_cleanly_without_triton(monkeypatch):

@@ -1,7 +1,7 @@
-"""`symmring.moe.engines.triton_small`'s default configuration rule on the CPU (no torch, no triton): where it splits K
-and where it does not, for the decode shapes of `symmring.bench.moe.SHAPES` at 1-64 tokens, with the pool
-bound the layer's plan gives (``entries + min(E, entries) * 127`` rows); the sweep's configurations; the
-split in the names the decode benchmark prints. The kernels themselves: tests/gpu/test_fp8_small.py."""
+"""`symmring.moe.engines.triton_heuristics`' default rule of the small kernels on the CPU (no torch, no triton):
+where it splits K and where it does not, for the decode shapes of `symmring.bench.moe.SHAPES` at 1-64 tokens,
+with the pool bound the layer's plan gives (``entries + min(E, entries) * 127`` rows); the sweep's
+configurations; the split in the names the decode benchmark prints. The kernels themselves: tests/gpu/test_fp8_small.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from symmring.bench import gemm_decode
 from symmring.bench.moe import SHAPES
-from symmring.moe.engines import triton_small
-from symmring.moe.engines.triton_small import (DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config,
-                                               tile_programs)
+from symmring.moe.engines import triton_heuristics, triton_small
+from symmring.moe.engines.triton_heuristics import (DEFAULT_SPLIT_K, MIN_SPLIT_K_BLOCKS, SmallConfig, small_config,
+                                                    tile_programs)
 
 NUM_SMS = 132
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -72,12 +72,12 @@ def test_split_rule_edges():
 
 def test_sweep_configs_and_names():
     for fused in (False, True):
-        names = [c.name for c in triton_small.configs(fused)]
+        names = [c.name for c in triton_heuristics.small_configs(fused)]
         assert len(names) == len(set(names)), f"fused={fused}: two sweep configurations share a name"
-    splits = [c for c in triton_small.configs() if c.split_k > 1]
+    splits = [c for c in triton_heuristics.small_configs() if c.split_k > 1]
     assert {(c.num_warps, c.num_stages, c.split_k) for c in splits} == {(4, s, k) for s in (3, 4) for k in (2, 4)}
     assert all(c.name.endswith(f"k{c.split_k}") for c in splits)
-    assert all(c.smem_bytes(True) <= 200 * 1024 for c in triton_small.configs(fused=True))
+    assert all(c.smem_bytes(True) <= 200 * 1024 for c in triton_heuristics.small_configs(fused=True))
     assert SmallConfig(128, 64, 8, 6, tma=False, split_k=4).name == "n128t64w8s6k4-ptr"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import random
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -20,6 +19,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import pytest
 
+from struct_probe import host_compiler, strip_comments
 from symmring import layout, protocol
 from symmring.errors import ConfigError
 from symmring.layout import ALIGN, DESCRIPTOR_DTYPE, RingLayout, RingSpec
@@ -185,17 +185,13 @@ _FIELD_RE = re.compile(r"^\s*(?:u?int(?:8|16|32|64)_t|float|double)\s+(?P<name>\
 _ENUM_RE = re.compile(r"enum\s+(?P<name>\w+)\s*:\s*\w+\s*\{(?P<body>.*?)\}\s*;", re.S)
 
 
-def _strip_comments(text: str) -> str:
-    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
-
-
 def parse_header(text: str) -> Tuple[List[str], Dict[str, List[str]]]:
     """Field names of ``RingDescriptor`` in order, and ``{enum: [enumerator, ...]}``.
 
     Every non-blank line of the struct body must be one scalar field: anything else (two fields on a
     line, an array, a nested struct) is reported rather than skipped, so no field escapes the check.
     """
-    text = _strip_comments(text)
+    text = strip_comments(text)
     match = _STRUCT_RE.search(text)
     if match is None:
         raise AssertionError("struct RingDescriptor not found in descriptor.cuh")
@@ -210,15 +206,6 @@ def parse_header(text: str) -> Tuple[List[str], Dict[str, List[str]]]:
     enums = {m["name"]: [e.split("=")[0].strip() for e in m["body"].split(",") if e.strip()]
              for m in _ENUM_RE.finditer(text)}
     return fields, enums
-
-
-def _compiler() -> List[str]:
-    for cxx in ("g++", "c++", "clang++"):
-        if shutil.which(cxx):
-            return [cxx, "-std=c++17", "-x", "c++"]
-    if shutil.which("nvcc"):
-        return ["nvcc", "-std=c++17", "-x", "cu"]
-    pytest.skip("no C++ compiler (g++, c++, clang++ or nvcc) to compile descriptor.cuh")
 
 
 def compile_report(header: Path, workdir: Path) -> Tuple[int, Dict[str, Tuple[int, int, bool]], Dict[str, int]]:
@@ -237,7 +224,7 @@ def compile_report(header: Path, workdir: Path) -> Tuple[int, Dict[str, Tuple[in
     src = workdir / "probe.cpp"
     src.write_text("\n".join(lines) + "\n")
     exe = workdir / "probe"
-    build = subprocess.run(_compiler() + [str(src), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(host_compiler() + [str(src), "-o", str(exe)], capture_output=True, text=True, timeout=300)
     if build.returncode:
         raise AssertionError(f"compiling the descriptor probe failed:\n{build.stderr}")
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=60).stdout

@@ -398,7 +398,8 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
         y, y_streamed = batch(x), streamed(x)
     assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.abs().max() > 0
     assert torch.equal(y, y_streamed)
-    assert streamed.layer.layer.last_stats.num_chunks == 4 and batch.layer.layer.last_stats.num_chunks == 1
+    assert streamed.layer.last_stats.num_chunks == 4 and batch.layer.last_stats.num_chunks == 1
+    assert batch.layer.layer is batch.layer  # HostLayer's inner layer: the layer itself now
     batch.close(), streamed.close()
 
 
@@ -406,16 +407,20 @@ def test_host_context_builds_the_cpu_layer_and_streams_bitwise(host_ctx):
     (dict(engine="builtin"), "engine: options of the GPU layer"),
     (dict(expert_dtype="fp8", schedule=dict(graph_cache=0)),
      "experts.expert_dtype, schedule.graph_cache: options of the GPU layer"),
-    (dict(no_such_option=1), "no_such_option: unexpected argument"),
+    (dict(no_such_option=1), r"no_such_option \(not an argument of MoE\)"),
+    (dict(x_format="bf16"), r"x_format \(a field of ScheduleConfig: pass ScheduleConfig\(x_format=...\)\)"),
+    (dict(max_tokens_per_rank=8), r"max_tokens_per_rank \(not an argument of MoE\)"),
     (dict(schedule=dict(x_format="fp16")), "x_format='fp16'"),
     (dict(schedule=dict(tokens_per_slot=0)), "tokens_per_slot=0"),
-    (dict(w_gate="float"), r"w_gate: expected a bf16 CPU tensor \[16, 256, 256\]"),
+    (dict(w_gate="int"), r"w_gate: expected a float CPU tensor or a float32 NumPy array, got torch.int32 on cpu"),
 ])
 def test_host_layer_bad_arguments(host_ctx, kwargs, match):
+    """Issue 34: the CPU layer takes the GPU layer's values and reports the same errors; a flat keyword names the
+    value it belongs to (the code before said "unexpected argument" and no more)."""
     from symmring.moe.cpu.host_layer import HostLayer
     w_gate, w_up, w_down, _ = _host_weights()
-    if kwargs.get("w_gate") == "float":
-        kwargs = dict(w_gate=w_gate.float())
+    if kwargs.get("w_gate") == "int":
+        kwargs = dict(w_gate=w_gate.int())
     args = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
     args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args or k == "expert_dtype"})
     with pytest.raises(ConfigError, match=match):  # a bad config value is refused when it is made

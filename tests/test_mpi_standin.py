@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from symmring import ConfigError, ExpertParallelMoE, MoEShapes, RingSpec, init
+from symmring import ConfigError, Experts, MoE, RingSpec, RoutingConfig, ScheduleConfig, init
 from symmring.backends.host import HostBackend
 from symmring.mpi import STANDIN, is_standin, namespace_of
 from symmring.ring import Ring
@@ -52,7 +52,6 @@ def test_standin_runs_the_ring_and_the_layer_bitwise_like_real_mpi():
     """The same ring round trip and MoE layer on the stand-in and on MPI.COMM_WORLD (one rank) agree bit
     for bit."""
     rng = np.random.default_rng(7)
-    shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
     wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
     wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
     x = rng.standard_normal((37, 128), dtype=np.float32)
@@ -75,9 +74,10 @@ def test_standin_runs_the_ring_and_the_layer_bitwise_like_real_mpi():
                 assert np.array_equal(ring.read(call, 0, 0).x, bits)
                 ring.ack(call, 0, 0)
                 ring.end_call(call)
-            with ExpertParallelMoE(ctx, shapes, wg, wu, wd) as layer:
-                outputs[label] = (layer.forward(x, router_weight=router),
-                                  layer.forward(x, router_weight=router, streaming=True, tokens_per_slot=5))
+            with MoE(ctx, Experts(wg, wu, wd), RoutingConfig(4, 2), max_tokens=37,
+                     schedule=ScheduleConfig(tokens_per_slot=5, x_format="fp8_e4m3")) as layer:
+                outputs[label] = (layer.forward(x, router_weight=router), layer.forward(x, router_weight=router,
+                                                                                        streaming=True))
     for a, b in zip(outputs["standin"], outputs["mpi"]):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 

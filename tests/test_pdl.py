@@ -27,8 +27,15 @@ def test_arguments_are_their_bytes():
     assert pdl._arg_bytes(np.float32(2.5)) == np.float32(2.5).tobytes()
     assert pdl._arg_bytes(np.uint64(2**40 + 3)) == (2**40 + 3).to_bytes(8, "little")
     assert pdl._arg_bytes(_DeviceArray(0x7F0000001000)) == (0x7F0000001000).to_bytes(8, "little")
+    # A struct passed by value (symmring.moe.gpu.kernel_args): the one-element array's bytes, padding included.
+    record = np.zeros((), np.dtype([("a", np.uint64), ("b", np.int32)], align=True))
+    record["a"], record["b"] = 2**40 + 3, -2
+    param = record.reshape(1).view(np.dtype((np.void, 16)))
+    assert pdl._arg_bytes(param) == (2**40 + 3).to_bytes(8, "little") + (-2).to_bytes(4, "little", signed=True) + bytes(4)
     with pytest.raises(BackendError, match="unsupported kernel argument int"):
         pdl._arg_bytes(3)
+    with pytest.raises(BackendError, match="unsupported kernel argument ndarray"):
+        pdl._arg_bytes(np.zeros(2, np.int32))  # an array of several values is no by-value argument
 
 
 @pytest.mark.parametrize("cc, pes, env, want", [(9, 1, None, True), (9, 2, None, False), (8, 1, None, False),

@@ -87,7 +87,7 @@ def test_reference_matches_independent(method, x_format, num_topk):
     scaling = 2.5 if method == "sigmoid_bias" else 1.0
     w_gate, w_up, w_down = make_weights(rng, num_experts, inter, hidden)
     res = reference_moe(x, w_gate=w_gate, w_up=w_up, w_down=w_down, num_topk=num_topk,
-                        router_weight=router_weight, topk_method=method, bias=bias,
+                        router_weight=router_weight, scoring=method, bias=bias,
                         routed_scaling_factor=scaling, x_format=x_format)
     logits64 = x.astype(np.float64) @ router_weight.astype(np.float64).T
     assert_close_f32(res.logits, logits64, "router logits")
@@ -167,16 +167,31 @@ def test_sigmoid_bias_topk_properties():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(num_topk=0), "num_topk"), (dict(num_topk=9), "num_topk"), (dict(method="relu"), "method"),
-    (dict(bias=np.zeros(3, np.float32), method="sigmoid_bias"), "bias.shape"),
-    (dict(bias=np.zeros(8, np.float32)), "bias"), (dict(routed_scaling_factor=-1.0, method="sigmoid_bias"),
+    (dict(num_topk=0), "num_topk"), (dict(num_topk=9), "num_topk"), (dict(scoring="relu"), "scoring='relu'"),
+    (dict(bias=np.zeros(3, np.float32), scoring="sigmoid_bias"), "bias.shape"),
+    (dict(bias=np.zeros(8, np.float32)), "bias"), (dict(routed_scaling_factor=-1.0, scoring="sigmoid_bias"),
                                                    "routed_scaling_factor"),
 ])
 def test_select_topk_rejects(bad, match):
-    args = dict(num_topk=2, method="softmax")
+    args = dict(num_topk=2, scoring="softmax")
     args.update(bad)
     with pytest.raises(ConfigError, match=match):
-        select_topk(np.zeros((2, 8), np.float32), args.pop("num_topk"), args.pop("method"), **args)
+        select_topk(np.zeros((2, 8), np.float32), args.pop("num_topk"), **args)
+
+
+def test_reference_takes_the_routing_configs_names():
+    """Issue 34: ``reference_moe`` takes ``scoring=`` as `RoutingConfig` does; ``topk_method=``, its former name,
+    still works (a DeprecationWarning) and is refused beside a different ``scoring``."""
+    rng = np.random.default_rng([SEED, 9])
+    w_gate, w_up, w_down = make_weights(rng, 4, 8, 128)
+    x = rng.standard_normal((3, 128), dtype=np.float32)
+    weights = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, num_topk=2, logits=x[:, :4].copy(),
+                   bias=np.zeros(4, np.float32))
+    y = reference_moe(x, scoring="sigmoid_bias", **weights).y
+    with pytest.warns(DeprecationWarning, match="topk_method= is the former name of scoring="):
+        assert np.array_equal(reference_moe(x, topk_method="sigmoid_bias", **weights).y, y)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="the same option twice"):
+        reference_moe(x, scoring="sigmoid_bias", topk_method="softmax", **weights)
 
 
 def test_bad_inputs_are_named():

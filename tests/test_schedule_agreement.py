@@ -1,10 +1,11 @@
-"""`MoE.forward` picks the schedule (streamed or batch, small-batch or not) from the exchanged token counts, so
+"""`GpuMoE.forward` picks the schedule (streamed or batch, small-batch or not) from the exchanged token counts, so
 every rank runs the same one (docs/PROTOCOL.md 9.1a), whatever its own count (issue 24, item 1).
 
-No GPU: `MoE.forward` runs on a stand-in layer whose collective and plan steps are stubs; the stub `_plan`
-records the schedule the call would run and stops it there. The old code asked the policy about the rank's own
-count (``self.streams(streaming, n)`` before the exchange): rank 1 of counts [4000, 50] then chose batch while
-rank 0 streamed, which `test_auto_decides_from_the_exchanged_counts` catches.
+No GPU: `GpuMoE.forward` runs on a stand-in layer (a real spec and `Planner`, stub workspace, exchange and
+executor); `make_plan` is replaced by a stub that records the schedule the planner chose and stops the call
+there. The old code asked the policy about the rank's own count (``self.streams(streaming, n)`` before the
+exchange): rank 1 of counts [4000, 50] then chose batch while rank 0 streamed, which
+`test_auto_decides_from_the_exchanged_counts` catches.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ torch = pytest.importorskip("torch")
 
 from symmring import protocol  # noqa: E402
 from symmring.errors import ConfigError  # noqa: E402
-from symmring.moe import gpu  # noqa: E402
+from symmring.moe.debug import Debug  # noqa: E402
+from symmring.moe.gpu import layer as layer_mod  # noqa: E402
+from symmring.moe.gpu import plan as plans  # noqa: E402
+from symmring.moe.gpu.spec import GpuSpec  # noqa: E402
 
 
 class _Planned(Exception):
@@ -33,23 +37,45 @@ class _Policy:
         self.threshold = threshold
         self.asked = []
 
-    def streams(self, layer, num_tokens):
+    def streams(self, spec, num_tokens):
         self.asked.append(num_tokens)
         return num_tokens >= self.threshold
 
 
-class _Engine:
-    pool_format = "fp8"
-    align_m = 128
+def make_spec(rank, world_size, **fields):
+    """A `GpuSpec` of an fp8 layer (the small-batch schedule capable), ``fields`` overriding."""
+    base = dict(rank=rank, world_size=world_size, num_experts=4 * world_size, topk=2, hidden=8, inter=8,
+                max_tokens=4096, num_slots=1, tokens_per_slot=4096, ack_policy=protocol.AckPolicy.CONSERVATIVE,
+                x_format="fp8_e4m3", timeout_s=1.0, routing=(), layer_id=3, expert_window=1, batch_window=1,
+                small_batch_tokens=128, small_batch_capable=True, expert_dtype="fp8", pool_format="fp8",
+                transport_request="('auto', 'default')", transport=None, align=128, engine="builtin", single_stream=False, graph_cache=0)
+    base.update(fields)
+    return GpuSpec(**base)
 
 
 class _Workspace:
-    """The workspace's part in a call outside a step: its call count, latch (decoded as the rank's own error)."""
+    """The workspace's part in a call outside a step: its call count, latch (decoded as the rank's own error),
+    and the context's exchange, a stub that hands back every rank's entry (`refusals`: rank -> message,
+    `identities`: rank -> call identity, else this rank's)."""
 
-    def __init__(self, own_words):
-        self.active_step, self.calls, self.own_words = None, 0, own_words
+    def __init__(self, rank, counts, latched, refusals, identities, options=None):
+        self.active_step, self.calls, self.closed, self.epoch = None, 0, False, 0
+        self.options = options or {}
+        self.rank, self.counts, self.latched = rank, counts, latched
+        self.refusals, self.identities, self.exchanged = refusals, identities, []
+        self.own_words = latched[rank]
         self.gpu = SimpleNamespace(latched=lambda: self.own_words,
                                    decode_latched=lambda words: RuntimeError("own latched error"))
+        self.ctx = SimpleNamespace(check_open=lambda: None, collectives=SimpleNamespace(allgather=self.allgather))
+
+    def allgather(self, mine, what):
+        self.exchanged.append(mine)
+        n, own_router, _, identity, refusal, options = mine
+        assert refusal is not None or n == self.counts[self.rank]
+        return [mine if r == self.rank else
+                (c, own_router, self.latched[r], self.identities.get(r, identity), self.refusals.get(r),
+                 self.options.get(r, options))
+                for r, c in enumerate(self.counts)]
 
     def check_open(self):
         pass
@@ -61,60 +87,37 @@ class _Workspace:
         self.calls += 1
 
 
-class _Layer:
-    """The pieces of `MoE` that `forward` touches before it plans a call; the exchange is a stub that hands back
-    every rank's entry (`refusals`: rank -> message, `identities`: rank -> call identity, else this rank's)."""
+def _layer(rank, counts, *, threshold=1000, latched=None, refusals=None, identities=None, options=None,
+           **spec_fields):
+    """A `GpuMoE` of rank ``rank`` whose forward runs until it has planned (`_Planned`)."""
+    layer = object.__new__(layer_mod.GpuMoE)
+    latched = latched or [None] * len(counts)
+    layer.spec = make_spec(rank, len(counts), **spec_fields)
+    layer.closed, layer.backend, layer.device, layer.last_plan = False, None, torch.device("cpu"), None
+    layer.workspace = _Workspace(rank, list(counts), latched, refusals or {}, identities or {}, options)
+    layer.planner = plans.Planner(layer.spec, _Policy(threshold))
+    layer.planner.follow(1 << 30)  # the pool holds any of these calls in one pass (small_batch_applies checks it)
+    layer.executor = SimpleNamespace(follow_memory=lambda: False, hooks=None)
+    layer.debug = Debug(layer.forward, layer.executor)
+    return layer
 
-    forward = gpu.MoE.forward
-    streams = gpu.MoE.streams
-    _bucket = gpu.MoE._bucket
-    _schedule = gpu.MoE._schedule
-    small_batch_applies = gpu.MoE.small_batch_applies
-    _small_batch_capable = gpu.MoE._small_batch_capable
-    _raise_async_error = gpu.MoE._raise_async_error
-    _all_token_counts = gpu.MoE._all_token_counts
-    _check_call = gpu.MoE._check_call
 
-    def __init__(self, rank, counts, *, threshold=1000, small_batch_tokens=128, tokens_per_slot=4096, latched=None,
-                 refusals=None, identities=None):
-        self.rank, self.world_size, self.counts = rank, len(counts), list(counts)
-        self.latched = latched or [None] * len(counts)
-        self.refusals, self.identities, self.exchanged = refusals or {}, identities or {}, []
-        self.backend = None
-        self.policy = _Policy(threshold)
-        self.small_batch_tokens, self.tokens_per_slot = small_batch_tokens, tokens_per_slot
-        self.max_tokens, self.num_slots, self.layer_id = 4096, 1, 3
-        self.workspace = _Workspace(self.latched[rank])  # no model step: forward exchanges the counts
-        self.x_format, self.engine, self.hidden = "fp8_e4m3", _Engine(), 8
-        # The pool holds any of these calls in one pass (small_batch_applies checks it).
-        self.topk, self.num_local_experts, self.capacity = 2, 4, 1 << 30
+@pytest.fixture(autouse=True)
+def _stubs(monkeypatch):
+    """The call's tensor checks pass CPU tensors through (they need a GPU); planning stops at `make_plan`."""
+    monkeypatch.setattr(layer_mod, "check_x", lambda x, spec, device: x)
+    monkeypatch.setattr(layer_mod, "routing_source", lambda x, spec, device, rw, logits, idx, w: ("logits", logits))
 
-    def _check_closed(self):
-        pass
-
-    def _check_input(self, x):
-        return x
-
-    def _routing_source(self, x, router_weight, logits, topk_idx, topk_weights):
-        return "logits", logits
-
-    def _exchange_counts(self, mine):
-        self.exchanged.append(mine)
-        n, own_router, _, identity, refusal = mine
-        assert refusal is not None or n == self.counts[self.rank]
-        return [mine if r == self.rank else
-                (c, own_router, self.latched[r], self.identities.get(r, identity), self.refusals.get(r))
-                for r, c in enumerate(self.counts)]
-
-    def _plan(self, counts, streaming, small_batch=False, distinct_experts=False):
+    def planned(counts, rank, *, streaming, small_batch, **kw):
         raise _Planned(counts, streaming, small_batch)
+    monkeypatch.setattr(plans, "make_plan", planned)
 
 
 def _schedules(counts, streaming="auto", small_batch=None, **kw):
     """The schedule each rank's forward plans for a call of ``counts`` tokens per rank."""
     out = []
     for rank, n in enumerate(counts):
-        layer = _Layer(rank, counts, **kw)
+        layer = _layer(rank, counts, **kw)
         with pytest.raises(_Planned) as planned:
             layer.forward(torch.zeros((n, 8)), logits=torch.zeros((n, 4)), streaming=streaming,
                           small_batch=small_batch)
@@ -154,18 +157,24 @@ def test_every_rank_plans_the_bucket_of_the_largest_count(counts):
 def test_bad_options_travel_in_the_exchange_and_every_rank_raises():
     """Issue 33, item 1: a rank whose arguments fail still joins the call's one exchange with its error, so every
     rank raises (its own message there, one naming it elsewhere) and none plans or waits."""
-    layer = _Layer(0, [4, 4])
+    layer = _layer(0, [4, 4])
     with pytest.raises(ConfigError, match="streaming='always'"):
         layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="always")
-    assert len(layer.exchanged) == 1 and "streaming='always'" in layer.exchanged[0][4]
+    exchanged = layer.workspace.exchanged
+    assert len(exchanged) == 1 and "streaming='always'" in exchanged[0][4]
     # timeline and delays need the streamed schedule by request, not by the policy's answer (which would
-    # differ between ranks' arguments only after the exchange).
+    # differ between ranks' arguments only after the exchange); the hooks are checked with the call's arguments.
     with pytest.raises(ConfigError, match="timeline"):
-        layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", timeline=True)
+        layer.debug.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", timeline=True)
     with pytest.raises(ConfigError, match="stage_events"):
-        layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", stage_events=[])
+        layer.debug.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming="auto", stage_events=[])
+    with pytest.raises(ConfigError, match=r"producer_delay_ns=\[1\]"):
+        layer.debug.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming=True, producer_delay_ns=[1])
+    with pytest.raises(ConfigError, match="timeline .a test hook: layer.debug.forward"):
+        layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming=True, timeline=True)
+    assert len(exchanged) == 5 and all(e[4] for e in exchanged) and layer.executor.hooks is None
     # The other rank (whose arguments are fine) raises in the same exchange, naming rank 0's error.
-    other = _Layer(1, [4, 4], refusals={0: "timeline/producer_delay_ns/consumer_delay_ns: only for ..."})
+    other = _layer(1, [4, 4], refusals={0: "timeline/producer_delay_ns/consumer_delay_ns: only for ..."})
     with pytest.raises(ConfigError, match=r"rejected by rank\(s\) \[0\]: rank 0: timeline"):
         other.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
     assert layer.workspace.calls == other.workspace.calls == 0  # a refused call is counted nowhere
@@ -176,17 +185,28 @@ def test_diverged_call_sequences_raise_on_every_rank_before_planning():
     or layer makes every rank raise a CallMismatch naming it, before anything is planned."""
     from symmring.errors import CallMismatch
     for rank in range(2):
-        layer = _Layer(rank, [4, 4], identities={1: protocol.call_identity(0, 2)})
+        layer = _layer(rank, [4, 4], identities={1: protocol.call_identity(0, 2)})
         if rank == 1:  # its own identity is what it sent: layer 3; rank 0's is layer 3 too (the stub's default)
-            layer.identities = {0: protocol.call_identity(0, 2)}
+            layer.workspace.identities = {0: protocol.call_identity(0, 2)}
         with pytest.raises(CallMismatch) as info:
             layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
         assert (info.value.peer, info.value.expected_layer, info.value.observed_layer) == (1 - rank, 3, 2)
         assert layer.workspace.calls == 0
-    agreed = _Layer(0, [4, 4])
+    agreed = _layer(0, [4, 4])
     with pytest.raises(_Planned):
         agreed.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
     assert agreed.workspace.calls == 1  # counted once agreed
+
+
+def test_ranks_calling_with_other_options_raise_on_every_rank():
+    """Issue 34: the call's options travel with its counts (as the CPU layer's always did), so ranks that pass
+    another ``streaming`` or ``small_batch`` raise on every rank, before anything is planned; the code before
+    sent no options and each rank planned its own schedule (a hang, or rows paired across schedules)."""
+    for rank in range(2):
+        layer = _layer(rank, [4, 4], options={1 - rank: (True, None)})
+        with pytest.raises(ConfigError, match=r"rank\(s\) \[%d\] with \[\(True, None\)\]" % (1 - rank)):
+            layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)), streaming=False)
+        assert layer.workspace.calls == 0
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -202,7 +222,7 @@ def test_a_latched_error_on_one_rank_stops_the_call_on_every_rank(world_size):
     latched = [None] * world_size
     latched[culprit] = words
     for rank in range(world_size):
-        layer = _Layer(rank, [4] * world_size, latched=latched)
+        layer = _layer(rank, [4] * world_size, latched=latched)
         if rank == culprit:
             with pytest.raises(RuntimeError, match="own latched error"):
                 layer.forward(torch.zeros((4, 8)), logits=torch.zeros((4, 4)))
@@ -241,13 +261,9 @@ def test_an_error_latched_before_a_reset_is_raised_from_the_exchanged_words():
     ran ``raise None`` (a TypeError on that rank alone)."""
     from symmring import layout
     words = [layout.ERROR_KIND_REUSE, 0, 1, 0, 2, 3, 1, 2, 0]
-    layer = _Layer(0, [4, 4], latched=[words, None])
-    layer.workspace.own_words = None  # cleared by the reset since the exchange
+    from symmring.moe import calls
     decoded = []
-    layer.workspace.gpu.decode_latched = lambda w: decoded.append(w) or RuntimeError("named from the words")
-    # What the code before the fix read instead (the cleared latch and rings): nothing.
-    layer._latch = SimpleNamespace(error=lambda: None, latched=lambda: None)
-    layer.workspace.gpu.rings = lambda: []
+    # What the code before the fix read instead (the cleared latch and rings) held nothing: the words decide.
     with pytest.raises(RuntimeError, match="named from the words"):
-        layer._raise_async_error([words, None])
+        calls.raise_latched(0, [words, None], lambda w: decoded.append(w) or RuntimeError("named from the words"))
     assert decoded == [words]

@@ -1,6 +1,12 @@
-"""`symmring.moe.gpu.stages`' launchers of the routing kernels, on the CPU: the argument tuple each builds has one
-value per parameter of its kernel in device/moe/producer.cu, of the parameter's size, in order (a fake launcher
-records the call; fake tensors stand in for torch's). On a GPU, tests/gpu/test_moe_routing.py runs them."""
+"""`symmring.moe.gpu.stages`' launchers on the CPU: each passes its kernel ONE argument, the kernel's struct of
+device/moe/args.cuh by value (`symmring.moe.gpu.kernel_args`), and every field holds what the launcher means.
+
+Fake kernels record each launch; a fake state holds a distinct address per buffer. Each launch's argument is
+read back through the struct's dtype and checked field by field, by name: the fields the state fixes (its
+buffers, the expert range, the grid-handshake words) and the call's own. The kernels' signatures in device/moe/
+are read from the sources: each takes exactly the struct `kernel_args.KERNELS` names (tests/test_kernel_args.py
+holds the structs to the header). On a GPU, tests/gpu runs every launcher for real.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +14,35 @@ import re
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from symmring import jit
 from symmring.moe import routing
-from symmring.moe.gpu import stages
+from symmring.moe.gpu import kernel_args, stages
+from symmring.moe.gpu.plan import ChunkStep, WindowStep
 
-#: Bytes of each C parameter type the kernels take.
-C_SIZES = {"int": 4, "float": 4, "long long": 8, "uint64_t": 8}
+SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu", "moe/schedule.cu")
 
 
-def kernel_params(name, source_file="moe/producer.cu"):
-    """The parameter sizes of ``extern "C"`` kernel ``name`` in ``source_file`` (pointers: 8)."""
-    source = jit.read_source(source_file)
-    params = re.search(r"__global__ void " + name + r"\(([^)]*)\)", source).group(1)
-    sizes = []
-    for p in (" ".join(p.split()) for p in params.split(",")):
-        kind = p.rsplit(" ", 1)[0].replace("const ", "")
-        sizes.append(8 if "*" in p else C_SIZES[kind])
-    return sizes
+def kernel_signatures():
+    """``{kernel: its parameter list}`` of every ``extern "C"`` kernel of device/moe/."""
+    found = {}
+    for source in SOURCES:
+        for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', jit.read_source(source)):
+            found[name] = " ".join(params.split())
+    return found
+
+
+def test_every_kernel_takes_its_struct_by_value():
+    signatures = kernel_signatures()
+    assert set(signatures) == set(kernel_args.KERNELS)
+    for kernel, params in signatures.items():
+        assert params == f"const {kernel_args.KERNELS[kernel]} args", (kernel, params)
 
 
 class FakeTensor:
-    def __init__(self, ptr, shape, strides=None, element_size=4):
-        self.ptr, self.shape, self._strides, self._size = ptr, shape, strides or (shape[1], 1), element_size
+    def __init__(self, ptr, shape=(1, 1), strides=None, element_size=4):
+        self.ptr, self.shape, self._strides, self._size = ptr, shape, strides or (shape[-1], 1), element_size
 
     def data_ptr(self):
         return self.ptr
@@ -41,171 +53,264 @@ class FakeTensor:
     def element_size(self):
         return self._size
 
-
-class Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, fn, grid, block, args, *, stream, shared_mem=0):
-        self.calls.append((fn, args))
-
-
-def sizes_of(args):
-    return [a.dtype.itemsize if isinstance(a, np.generic) else 8 for a in args]
-
-
-def fake_layer():
-    launch = Recorder()
-    k = SimpleNamespace(launch=launch, produce_chunk_fp8="produce", spin_blocks=66,
-                        route_topk=lambda grid, block, args, stream: launch.calls.append(("route", args)))
-    s = SimpleNamespace(topk=8, hidden=2048, desc=np.uint64(0xD0), counters=FakeTensor(0xC0, (5, 1)),
-                        call_tokens=FakeTensor(0xE0, (1, 1)))
-    chunk = SimpleNamespace(chunk=3, token_base=0, num_valid=2)
-    return k, s, chunk
-
-
-def test_producer_arguments_match_its_kernel_with_and_without_logits():
-    k, s, chunk = fake_layer()
-    router = routing.device_router(128, "sigmoid_bias", routed_scaling_factor=2.5, n_group=8, topk_group=4)
-    idx, w = FakeTensor(0x100, (2, 8)), FakeTensor(0x200, (2, 8))
-    x = FakeTensor(0x300, (2, 2048), element_size=2)
-    logits = FakeTensor(0x400, (2, 128), strides=(160, 1), element_size=2)
-    want = kernel_params("moe_produce_chunk_fp8")
-    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7)
-    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7,
-                         logits=(logits, routing.LOGITS_DTYPE_CODES["bfloat16"]))
-    (_, plain), (_, routed) = k.launch.calls
-    assert sizes_of(plain) == want and sizes_of(routed) == want
-    assert int(plain[7]) == 0xE0 and int(routed[7]) == 0xE0  # the device word of the call's token count
-    assert int(plain[9]) == 7 and int(routed[9]) == 7  # the layer of the call identity in the meta row
-    assert int(plain[10]) == 0 and int(routed[10]) == 0x400  # logits: null (copy topk) vs the call's logits
-    assert (int(routed[11]), int(routed[12])) == (1, 160)   # bf16, row stride in elements
-    assert routed[13:] == router and plain[13:] == router   # the options in RouterOptions' order
-
-
-def test_routing_kernel_arguments_match_its_kernel():
-    k, _, _ = fake_layer()
-    router = routing.device_router(256, "softmax", norm_topk_prob=False)
-    logits = FakeTensor(0x500, (3, 256))
-    stages.route_topk(k, None, logits=(logits, 0), router=router, topk=8, topk_idx=FakeTensor(0x600, (3, 8)),
-                      topk_weights=FakeTensor(0x700, (3, 8)))
-    (_, args), = k.launch.calls
-    assert sizes_of(args) == kernel_params("moe_route_topk")
-    assert [int(a) for a in args[3:6]] == [3, 0x600, 0x700] and int(args[10]) == 8  # tokens, outputs, topk
-    assert [int(a) for a in args[6:10]] == [int(v) for v in router[:4]]
-
-
-class FakeRows(FakeTensor):
-    """A tensor of which the launchers read addresses, a row's bytes (``t[0].nbytes``) and slices."""
-
-    def __init__(self, ptr, shape, element_size=4):
-        super().__init__(ptr, shape, element_size=element_size)
-
-    def __getitem__(self, index):
+    def __getitem__(self, index):  # a row's bytes (entry_rows[0].nbytes)
         return SimpleNamespace(nbytes=int(np.prod(self.shape[1:])) * self._size)
 
 
-def test_pass_launchers_match_their_kernels():
-    """pull, pull_fp8 and combine_scatter carry the pass arguments (device/moe/dispatch.cu PassRows): one value
-    per kernel parameter, of its size, and the entry map of a window's later chunk at its block's offset."""
-    from symmring.moe.gpu.plan import WindowStep
-    calls = []
-
-    def recorder(name):
-        return lambda grid, block, args, stream, **kw: calls.append((name, args))
-
-    k = SimpleNamespace(pull=recorder("moe_dispatch_pull"), pull_fp8=recorder("moe_dispatch_pull_fp8"),
-                        combine_scatter=recorder("moe_combine_scatter"))
-    entry_rows = FakeRows(0x10000, (2, 3, 64, 2))  # [window chunks][ranks][tokens][k]
-    base = dict(desc=np.uint64(0xD0), num_ranks=3, tokens_per_slot=64, cursor=FakeTensor(0xA0, (4, 1)),
-                pool_x=FakeTensor(0xB0, (8, 1)), row_src=FakeTensor(0xB8, (8, 4)), row_weight=FakeTensor(0xBC, (8, 1)),
-                expert_begin=0, num_local_experts=4, status=FakeTensor(0xE0, (1, 1)), stage=None, entry_rows=entry_rows,
-                m_indices=FakeTensor(0xF0, (8, 1)), total=FakeTensor(0xF8, (1, 1)), token_base=FakeTensor(0xFC, (2, 3)),
-                combine_rows=np.uint64(0xCC), capacity=256, combine_tokens=640)
-    window = WindowStep(5, 6, rows_bound=256, token_begin=0, num_valid=64, passes=((0, 256), (256, 256), (512, 12)))
-    bf16 = SimpleNamespace(pool_sf=None, **base)
-    stages.pull(k, bf16, None, chunk=6, window=window, pass_idx=2)
-    fp8 = SimpleNamespace(pool_sf=FakeTensor(0xD8, (64, 1)), **base)
-    fp8.pool_scales = lambda rows: FakeTensor(0xD8, (rows, 2), strides=(1, 4 * -(-rows // 4)))
-    stages.pull(k, fp8, None, chunk=5, window=window, pass_idx=0)
-    stages.combine_scatter(k, fp8, None, out=FakeTensor(0x500, (8, 1)), window_begin=5, pass_begin=512, pass_rows=12)
-    files = {"moe_dispatch_pull": "moe/dispatch.cu", "moe_dispatch_pull_fp8": "moe/dispatch.cu",
-             "moe_combine_scatter": "moe/combine.cu"}
-    for name, args in calls:
-        assert sizes_of(args) == kernel_params(name, files[name]), name
-    (_, pull_bf16), (_, pull_fp8), (_, scatter) = calls
-    block = 3 * 64 * 2 * 4  # one chunk's [ranks][tokens][k] int32
-    assert [int(a) for a in pull_bf16[-3:]] == [0x10000 + block, 512, 12]  # the window's 2nd chunk, the last pass
-    assert [int(a) for a in pull_fp8[-3:]] == [0x10000, 0, 256]
-    assert [int(a) for a in scatter[-3:]] == [512, 12, 640]  # the pass, then the combine rows' tokens
-    one_pass = WindowStep(5, 5, rows_bound=100, token_begin=0, num_valid=64, passes=((0, 100),))
-    calls.clear()
-    stages.pull(k, bf16, None, chunk=5, window=one_pass)
-    assert [int(a) for a in calls[0][1][-3:]] == [0, 0, 100]  # one pass: no entry map
+#: The fake state's buffers: name -> address (each distinct, so a field holding another buffer's shows).
+BUFFERS = {name: 0x10000 * (i + 1) for i, name in enumerate(
+    ("desc", "counts", "begin", "group_end", "cursor", "total", "status", "counters", "pool_x", "pool_sf", "m_indices",
+     "bad_id", "row_src", "row_weight", "token_base", "stage", "entry_rows", "stamps", "call_tokens"))}
+COMBINE_READY, COMBINE_ROWS = 0xCE0000, 0xCC0000
 
 
-def test_fused_combine_arguments_match_its_kernel():
-    """The fused combine goes through the layer's one launcher (PDL where allowed; no cooperative launch: it needs
-    no residency), one value per kernel parameter, and its ``counters`` is the address of COUNTER_SEND with
-    COUNTER_TICKET the word after it (device/moe/combine.cu reads counters[0] and counters[1])."""
-    from symmring.moe.gpu.plan import WindowStep
-    k, _, _ = fake_layer()
-    k.combine_fused = "combine"
-    s = SimpleNamespace(desc=np.uint64(0xD0), topk=8, hidden=2048, num_ranks=2, num_local_experts=4,
-                        row_src=FakeTensor(0xB8, (8, 4)), counts=FakeTensor(0xA0, (4, 1)),
-                        begin=FakeTensor(0xA8, (4, 1)), token_base=FakeTensor(0xFC, (1, 2)),
-                        m_indices=FakeTensor(0xF0, (8, 1)), combine_rows=np.uint64(0xCC),
-                        combine_ready=np.uint64(0xCE), counters=FakeTensor(0xC0, (5, 1)),
-                        call_tokens=FakeTensor(0xE0, (1, 1)), combine_tokens=96)
-    window = WindowStep(3, 3, rows_bound=256, token_begin=0, num_valid=5, source_tokens=9, passes=((0, 256),))
-    y = FakeTensor(0x900, (5, 2048), element_size=2)
-    stages.combine_fused(k, s, None, out=FakeTensor(0x500, (256, 2048)), window=window, ack_now=True,
-                         topk_idx=FakeTensor(0x600, (5, 8)), topk_weights=FakeTensor(0x700, (5, 8)), y=y,
-                         end_call_chunks=1)
-    (fn, args), = k.launch.calls
-    assert fn == "combine"
-    assert sizes_of(args) == kernel_params("moe_combine_fused", "moe/combine.cu")
+def fake_state(**changes):
+    s = SimpleNamespace(num_ranks=3, expert_begin=8, num_local_experts=4, tokens_per_slot=64, topk=8, hidden=2048,
+                        fp8_layout=True, capacity=256, align=128, combine_ready=np.uint64(COMBINE_READY),
+                        combine_rows=np.uint64(COMBINE_ROWS), combine_tokens=640, args=None)
+    for name, ptr in BUFFERS.items():
+        setattr(s, name, FakeTensor(ptr, (2, 3, 64, 8) if name == "entry_rows" else (8, 4)))
+    s.desc = np.uint64(BUFFERS["desc"])  # the launchers take any address-like value
+    s.pool_scales = lambda rows: FakeTensor(BUFFERS["pool_sf"], (rows, 16), strides=(1, 4 * -(-rows // 4)))
+    for name, value in changes.items():
+        setattr(s, name, value)
+    return s
+
+
+class FakeKernels:
+    """Every kernel a recorder of ``(kernel, grid, args)``; ``launch`` (PDL) records the same way."""
+
+    def __init__(self):
+        self.calls = []
+        self.spin_blocks = 66
+        for attr in ("wait_slot", "produce_route", "produce_layout_fp8", "produce_layout_bf16", "wait", "count",
+                     "stage", "scan", "pull", "pull_fp8", "ack", "combine_scatter", "combine_signal", "combine_wait",
+                     "combine_reduce", "end_call", "refuse_call", "stamp", "sleep", "produce_chunk_fp8",
+                     "dispatch_fused_fp8", "combine_fused", "route_topk"):
+            setattr(self, attr, self._recorder(attr))
+        self.launch = lambda fn, grid, block, args, *, stream, shared_mem=0: fn(grid, block, args, stream=stream,
+                                                                                shared_mem=shared_mem)
+
+    def _recorder(self, attr):
+        return lambda grid, block, args, stream=None, shared_mem=0: self.calls.append((attr, grid, args))
+
+
+#: stages.Kernels attribute -> kernel name.
+KERNEL_OF = {"wait_slot": "moe_wait_slot", "produce_route": "moe_produce_route",
+             "produce_layout_fp8": "moe_produce_layout_fp8", "produce_layout_bf16": "moe_produce_layout_bf16",
+             "wait": "moe_dispatch_wait", "count": "moe_dispatch_count", "stage": "moe_dispatch_stage",
+             "scan": "moe_dispatch_scan", "pull": "moe_dispatch_pull", "pull_fp8": "moe_dispatch_pull_fp8",
+             "ack": "moe_dispatch_ack", "combine_scatter": "moe_combine_scatter",
+             "combine_signal": "moe_combine_signal",
+             "combine_wait": "moe_combine_wait", "combine_reduce": "moe_combine_reduce", "end_call": "moe_end_call",
+             "refuse_call": "moe_refuse_call", "stamp": "moe_stamp", "sleep": "moe_sleep",
+             "produce_chunk_fp8": "moe_produce_chunk_fp8", "dispatch_fused_fp8": "moe_dispatch_fused_fp8",
+             "combine_fused": "moe_combine_fused", "route_topk": "moe_route_topk"}
+
+
+def launched(k, index=-1):
+    """``(kernel name, record)`` of a recorded launch: its one argument read as the kernel's struct."""
+    attr, _, args = k.calls[index]
+    kernel = KERNEL_OF[attr]
+    dtype = kernel_args.STRUCTS[kernel_args.KERNELS[kernel]]
+    assert len(args) == 1, f"{kernel}: {len(args)} arguments, expected its struct alone"
+    (param,) = args
+    assert isinstance(param, np.ndarray) and param.shape == (1,) and param.dtype.itemsize == dtype.itemsize, kernel
+    return kernel, param.copy().view(dtype)[0]
+
+
+#: Fields a state fixes, by name: the address or value each must hold in every struct that has it.
+def fixed_fields(s):
+    return {"desc": BUFFERS["desc"], "counts": BUFFERS["counts"], "expert_counts": BUFFERS["counts"],
+            "begin": BUFFERS["begin"], "group_end": BUFFERS["group_end"], "cursor": BUFFERS["cursor"],
+            "total": BUFFERS["total"], "status": BUFFERS["status"], "bad_id": BUFFERS["bad_id"],
+            "pool_x": BUFFERS["pool_x"], "pool_sf": BUFFERS["pool_sf"], "m_indices": BUFFERS["m_indices"],
+            "row_src": BUFFERS["row_src"], "row_weight": BUFFERS["row_weight"], "stage": BUFFERS["stage"],
+            "call_tokens": BUFFERS["call_tokens"], "stamps": BUFFERS["stamps"], "combine_ready": COMBINE_READY,
+            "combine_rows": COMBINE_ROWS, "combine_tokens": s.combine_tokens, "expert_begin": s.expert_begin,
+            "num_local_experts": s.num_local_experts, "align": s.align}
+
+
+def check(k, s, want):
+    """The last launch's fields: every state-fixed field of its struct, and ``want`` (the call's own)."""
+    kernel, record = launched(k)
+    fixed = {name: value for name, value in fixed_fields(s).items() if name in record.dtype.names}
+    got = {name: _value(record, name) for name in [*fixed, *want]}
+    assert got == {**fixed, **want}, kernel
+    return kernel, record
+
+
+def _value(record, name):
+    outer, _, inner = name.partition("__")
+    value = record[outer][inner] if inner else record[outer]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+WINDOW = WindowStep(5, 6, rows_bound=256, token_begin=64, num_valid=40, source_tokens=100, rows_per_expert=96,
+                    passes=((0, 256), (256, 256), (512, 12)))
+ONE_PASS = WindowStep(3, 3, rows_bound=640, token_begin=0, num_valid=4, source_tokens=9, rows_per_expert=8,
+                      passes=((0, 640),))
+
+
+def test_producer_launchers():
+    k, s = FakeKernels(), fake_state()
+    chunk = ChunkStep(chunk=7, token_base=128, num_valid=50)
+    stages.wait_slot(k, s, None, chunk=7)
+    check(k, s, {"chunk_idx": 7})
+    stages.produce_route(k, s, None, chunk=chunk, topk_idx_ptr=0xA1000, topk_weights_ptr=0xA2000, layer=9)
+    check(k, s, {"chunk_idx": 7, "topk_idx": 0xA1000, "topk_weights": 0xA2000, "num_valid": 50, "layer": 9,
+                 "counter": BUFFERS["counters"] + 4 * stages.COUNTER_ROUTE})
+    x = FakeTensor(0xB0000, (400, 2048), strides=(2560, 1), element_size=2)
+    for fp8, kernel in ((True, "moe_produce_layout_fp8"), (False, "moe_produce_layout_bf16")):
+        s.fp8_layout = fp8
+        stages.produce_layout(k, s, None, chunk=chunk, x=x)
+        assert check(k, s, {"chunk_idx": 7, "x": 0xB0000 + 128 * 2560 * 2, "x_row_stride": 2560, "num_valid": 50,
+                            "counter": BUFFERS["counters"] + 4 * stages.COUNTER_LAYOUT})[0] == kernel
+
+
+def test_fused_producer_with_and_without_logits():
+    k, s = FakeKernels(), fake_state()
+    router = routing.device_router(128, "sigmoid_bias", routed_scaling_factor=2.5, n_group=8, topk_group=4)
+    chunk = ChunkStep(chunk=3, token_base=2, num_valid=2)
+    idx, w = FakeTensor(0x100, (4, 8)), FakeTensor(0x200, (4, 8))
+    x = FakeTensor(0x300, (4, 2048), element_size=2)
+    logits = FakeTensor(0x400, (4, 128), strides=(160, 1), element_size=2)
+    common = {"chunk_idx": 3, "topk_idx": 0x100 + 2 * 32, "topk_weights": 0x200 + 2 * 32, "x": 0x300 + 2 * 2048 * 2,
+              "x_row_stride": 2048, "num_valid": 2, "layer": 7,
+              "counter": BUFFERS["counters"] + 4 * stages.COUNTER_ROUTE}
+    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7)
+    _, plain = check(k, s, {**common, "logits": 0, "logits_dtype": 0, "logits_stride": 0})
+    stages.produce_fused(k, s, None, chunk=chunk, topk_idx=idx, topk_weights=w, x=x, router=router, layer=7,
+                         logits=(logits, routing.LOGITS_DTYPE_CODES["bfloat16"]))
+    _, routed = check(k, s, {**common, "logits": 0x400 + 2 * 160 * 2, "logits_dtype": 1, "logits_stride": 160})
+    assert plain["router"].tobytes() == routed["router"].tobytes() == router.tobytes()  # the options as given
+    assert (routed["router"]["num_experts"], routed["router"]["n_group"], routed["router"]["topk_group"]) == (128, 8, 4)
+    assert routed["router"]["routed_scaling_factor"] == np.float32(2.5) and routed["router"]["scoring"] == 1
+
+
+def test_routing_kernel_arguments():
+    k = FakeKernels()
+    router = routing.device_router(256, "softmax", norm_topk_prob=False)
+    stages.route_topk(k, None, logits=(FakeTensor(0x500, (3, 256), strides=(300, 1)), 0), router=router, topk=8,
+                      topk_idx=FakeTensor(0x600, (3, 8)), topk_weights=FakeTensor(0x700, (3, 8)))
+    kernel, record = launched(k)
+    assert kernel == "moe_route_topk"
+    assert [record[n].item() for n in ("logits", "logits_dtype", "logits_stride", "num_tokens", "topk_idx",
+                                       "topk_weights")] == [0x500, 0, 300, 3, 0x600, 0x700]
+    options = record["router"]
+    assert (options["topk"], options["num_experts"], options["norm_topk_prob"], options["scoring"]) == (8, 256, 0, 0)
+    assert router["topk"] == 0  # the layer's options are not changed by a launch
+
+
+def test_dispatch_launchers():
+    k, s = FakeKernels(), fake_state()
+    stages.wait(k, s, None, chunk=6, parts=stages.WAIT_ROUTE, window_row=1, clear_counts=True, layer=5)
+    check(k, s, {"chunk_idx": 6, "parts": 1, "token_base": BUFFERS["token_base"] + 1 * 3 * 8, "clear_counts": 1,
+                 "layer": 5})
+    stages.stage(k, s, None, chunk=6, parts=stages.WAIT_LAYOUT, wait=True)
+    check(k, s, {"chunk_idx": 6, "parts": 2, "wait": 1})
+    stages.count(k, s, None, chunk=6)
+    check(k, s, {"chunk_idx": 6})
+    stages.scan(k, s, None, window=WINDOW)
+    check(k, s, {"chunk_idx": 5, "window_rows": 524, "rows_per_expert": WINDOW.expert_rows_bound})
+    stages.ack(k, s, None, chunk=6)
+    check(k, s, {"chunk_idx": 6})
+
+
+def test_pull_carries_the_pass_and_the_entry_map():
+    """pull and pull_fp8 carry the pass (device/moe/args.cuh PassRows): the window's later chunk's block of the
+    entry map, the pass's rows; one pass: no map."""
+    k = FakeKernels()
+    block = 3 * 64 * 8 * 4  # one chunk's [ranks][tokens][k] int32
+    bf16 = fake_state(pool_sf=None, m_indices=None)
+    stages.pull(k, bf16, None, chunk=6, window=WINDOW, pass_idx=2)
+    assert check(k, bf16, {"chunk_idx": 6, "pass__entry_rows": BUFFERS["entry_rows"] + block,
+                           "pass__pass_begin": 512, "pass__pass_rows": 12})[0] == "moe_dispatch_pull"
+    fp8 = fake_state()
+    stages.pull(k, fp8, None, chunk=5, window=WINDOW, pass_idx=0)
+    kernel, _ = check(k, fp8, {"chunk_idx": 5, "pass__entry_rows": BUFFERS["entry_rows"], "pass__pass_begin": 0,
+                               "pass__pass_rows": 256, "sf_row_stride": 1, "sf_col_stride": 256})
+    assert kernel == "moe_dispatch_pull_fp8"
+    stages.pull(k, fp8, None, chunk=3, window=ONE_PASS)
+    check(k, fp8, {"chunk_idx": 3, "pass__entry_rows": 0, "pass__pass_begin": 0, "pass__pass_rows": 640,
+                   "sf_row_stride": 1, "sf_col_stride": 640})
+
+
+def test_combine_launchers():
+    k, s = FakeKernels(), fake_state()
+    stages.combine_scatter(k, s, None, out=FakeTensor(0x5000), window_begin=5, pass_begin=512, pass_rows=12)
+    check(k, s, {"pool_out": 0x5000, "window_begin": 5, "pass_begin": 512, "pass_rows": 12,
+                 "token_base": BUFFERS["token_base"]})
+    stages.combine_scatter(k, s, None, out=FakeTensor(0x5000), window_begin=5)
+    check(k, s, {"pool_out": 0x5000, "window_begin": 5, "pass_begin": 0, "pass_rows": s.capacity,
+                 "token_base": BUFFERS["token_base"]})
+    stages.combine_signal(k, s, None, first=5, last=6, ack_chunks=True)
+    check(k, s, {"chunk_begin": 5, "chunk_end": 6, "ack_now": 1})
+    stages.combine_wait(k, s, None, chunk=6)
+    check(k, s, {"chunk_idx": 6})
+    y = FakeTensor(0x9000, (100, 2048), strides=(4096, 1), element_size=2)
+    stages.combine_reduce(k, s, None, window=WINDOW, topk_idx=FakeTensor(0x6000), topk_weights=FakeTensor(0x7000),
+                          y=y, end_call_chunks=2)
+    check(k, s, {"topk_idx": 0x6000, "topk_weights": 0x7000, "y": 0x9000, "y_row_stride": 4096, "token_begin": 64,
+                 "num_valid": 40, "end_call_chunks": 2})
+
+
+def test_fused_dispatch_and_combine_carry_the_plans_bounds():
+    """The fused dispatch and combine (PDL launches) get the window's bounds the device checks
+    (device/moe/bounds.cuh), and their grid-handshake words: the fused combine's ``counters`` is COUNTER_SEND
+    with COUNTER_TICKET the word after it (device/moe/combine.cu reads counters[0] and counters[1])."""
+    k, s = FakeKernels(), fake_state()
+    stages.dispatch_fused(k, s, None, window=ONE_PASS, ack_now=True, layer=5)
+    check(k, s, {"chunk_idx": 3, "sf_row_stride": 1, "sf_col_stride": 640, "ack_now": 1, "pool_rows": 640,
+                 "rows_per_expert": 8, "layer": 5, "token_base": BUFFERS["token_base"],
+                 "counter": BUFFERS["counters"] + 4 * stages.COUNTER_DISPATCH})
+    y = FakeTensor(0x9000, (5, 2048), element_size=2)
+    stages.combine_fused(k, s, None, out=FakeTensor(0x5000, (256, 2048)), window=ONE_PASS, ack_now=False,
+                         topk_idx=FakeTensor(0x6000), topk_weights=FakeTensor(0x7000), y=y, end_call_chunks=1)
+    check(k, s, {"pool_out": 0x5000, "chunk_idx": 3, "ack_now": 0, "topk_idx": 0x6000, "topk_weights": 0x7000,
+                 "y": 0x9000, "y_row_stride": 2048, "token_begin": 0, "num_valid": 4, "end_call_chunks": 1,
+                 "pool_rows": 640, "token_base": BUFFERS["token_base"],
+                 "counters": BUFFERS["counters"] + 4 * stages.COUNTER_SEND})
     assert stages.COUNTER_TICKET == stages.COUNTER_SEND + 1 < stages.NUM_COUNTERS
-    assert int(args[-3]) == 0xC0 + 4 * stages.COUNTER_SEND
-    assert [int(a) for a in args[-2:]] == [256, 96]  # the window's pool rows, the combine rows' tokens
 
 
-def _bounds_state():
-    return SimpleNamespace(desc=np.uint64(0xD0), num_ranks=2, num_local_experts=4, expert_begin=4, align=128,
-                           counts=FakeTensor(0xA0, (4, 1)), begin=FakeTensor(0xA8, (4, 1)),
-                           group_end=FakeTensor(0xAC, (4, 1)), cursor=FakeTensor(0xB0, (4, 1)),
-                           total=FakeTensor(0xB4, (1, 1)), token_base=FakeTensor(0xFC, (1, 2)),
-                           pool_x=FakeTensor(0xB8, (8, 1)), pool_sf=FakeTensor(0xBC, (8, 1)),
-                           m_indices=FakeTensor(0xF0, (8, 1)), row_src=FakeTensor(0xC4, (8, 4)),
-                           row_weight=FakeTensor(0xC8, (8, 1)), status=FakeTensor(0xE0, (1, 1)),
-                           bad_id=FakeTensor(0xE4, (4, 1)), counters=FakeTensor(0xC0, (5, 1)), stage=None,
-                           pool_scales=lambda rows: FakeTensor(0xBC, (rows, 2), strides=(1, 4 * -(-rows // 4))))
+def test_schedule_launchers():
+    k, s = FakeKernels(), fake_state()
+    stages.end_call(k, s, None, num_chunks=4)
+    check(k, s, {"num_chunks": 4})
+    stages.refuse_call(k, s, None, layer=11)
+    check(k, s, {"layer": 11})
+    stages.stamp(k, s, None, chunk=2, stage=("consumer", "wait"), end=True)
+    check(k, s, {"idx": stages.timeline.stamp_index(2, ("consumer", "wait"), True)})
+    stages.sleep(k, s, None, ns=12345)
+    check(k, s, {"duration_ns": 12345})
 
 
-def test_scan_and_fused_dispatch_carry_the_plans_bounds():
-    """The scan and the fused dispatch get the window's bounds the device checks (device/moe/bounds.cuh): the
-    rows its passes cover and the rows one expert may hold (`WindowStep.expert_rows_bound`: ``rows_per_expert``
-    where it is below the pool rows, else the rows spanned), one value per kernel parameter."""
-    from symmring.moe.gpu.plan import WindowStep
-    calls = []
-    k, _, _ = fake_layer()
-    k.dispatch_fused_fp8 = "dispatch"
-    k.scan = lambda grid, block, args, stream, **kw: calls.append(("moe_dispatch_scan", args))
-    s = _bounds_state()
-    passes = WindowStep(2, 3, rows_bound=512, token_begin=0, num_valid=64, source_tokens=600, rows_per_expert=512,
-                        passes=((0, 512), (512, 512), (1024, 100)))
-    small = WindowStep(3, 3, rows_bound=640, token_begin=0, num_valid=4, source_tokens=8, rows_per_expert=8,
-                       passes=((0, 640),))
-    assert (passes.rows_spanned, passes.expert_rows_bound) == (1124, 1124)
-    assert (small.rows_spanned, small.expert_rows_bound) == (640, 8)
-    stages.scan(k, s, None, window=passes)
-    stages.scan(k, s, None, window=small)
-    stages.dispatch_fused(k, s, None, window=small, ack_now=True, layer=5)
-    (_, scan_passes), (_, scan_small) = calls
-    want = kernel_params("moe_dispatch_scan", "moe/dispatch.cu")
-    assert sizes_of(scan_passes) == want and sizes_of(scan_small) == want
-    assert [int(a) for a in scan_passes[:2]] == [0xD0, 2] and [int(a) for a in scan_passes[-3:]] == [4, 1124, 1124]
-    assert [int(a) for a in scan_small[-3:]] == [4, 640, 8]
-    (fn, fused), = k.launch.calls
-    assert fn == "dispatch" and sizes_of(fused) == kernel_params("moe_dispatch_fused_fp8", "moe/dispatch.cu")
-    assert [int(a) for a in fused[-3:]] == [640, 8, 5]
+def test_null_buffers_are_null_pointers():
+    """A state without rdma peers, the call's token word or an fp8 pool passes nulls where those go."""
+    k, s = FakeKernels(), fake_state(stage=None, call_tokens=None, m_indices=None, pool_sf=None)
+    stages.count(k, s, None, chunk=1)
+    assert launched(k)[1]["stage"] == 0
+    stages.produce_route(k, s, None, chunk=ChunkStep(1, 0, 3), topk_idx_ptr=1, topk_weights_ptr=2, layer=0)
+    assert launched(k)[1]["call_tokens"] == 0
+    stages.combine_scatter(k, s, None, out=FakeTensor(0x5000), window_begin=1)
+    assert launched(k)[1]["m_indices"] == 0
+
+
+def test_a_call_sets_its_own_fields_again_every_time():
+    """The record a state keeps is rewritten by every call: a later launch's values, never an earlier one's."""
+    k, s = FakeKernels(), fake_state()
+    stages.wait(k, s, None, chunk=1, parts=3, window_row=0, clear_counts=True, layer=2)
+    first = k.calls[-1][2][0].copy()
+    stages.wait(k, s, None, chunk=9, parts=1, window_row=2, clear_counts=False, layer=4)
+    assert first.view(kernel_args.STRUCTS["DispatchWaitArgs"])[0]["chunk_idx"] == 1  # launched with its own copy
+    check(k, s, {"chunk_idx": 9, "parts": 1, "token_base": BUFFERS["token_base"] + 2 * 3 * 8, "clear_counts": 0,
+                 "layer": 4})
+
+
+def test_values_that_do_not_fit_their_field_are_refused():
+    k, s = FakeKernels(), fake_state()
+    with pytest.raises((OverflowError, ValueError)):
+        stages.wait_slot(k, s, None, chunk=2**31)
+    with pytest.raises((OverflowError, ValueError)):
+        stages.sleep(k, s, None, ns=-1)

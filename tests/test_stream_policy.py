@@ -140,10 +140,10 @@ def test_the_policy_tells_once_per_entry_not_per_token_count():
     rows = [dict(row("m", 1024, 0.8, T=512), hidden=256, inter=512, num_experts=8, topk=2, world_size=1),
             dict(row("m", 8192, 0.8, T=2048), hidden=256, inter=512, num_experts=8, topk=2, world_size=1)]
     policy = StreamPolicy.from_rows(rows)
-    layer = SimpleNamespace(hidden=256, inter=512, num_experts=8, topk=2, world_size=1, num_slots=2,
-                            tokens_per_slot=256, expert_window=1)  # no measured chunk fits this ring: batch
-    assert not any(policy.streams(layer, n) for n in range(600, 20000, 7))
+    spec = SimpleNamespace(hidden=256, inter=512, num_experts=8, topk=2, world_size=1, num_slots=2,
+                           tokens_per_slot=256, expert_window=1)  # a layer's spec; no measured chunk fits its ring
+    assert not any(policy.streams(spec, n) for n in range(600, 20000, 7))
     assert len(policy._told) == 2, policy._told  # the two entries, whatever the counts
-    stranger = SimpleNamespace(**{**vars(layer), "hidden": 128})  # no measurement: one record for the shape
+    stranger = SimpleNamespace(**{**vars(spec), "hidden": 128})  # no measurement: one record for the shape
     assert not any(policy.streams(stranger, n) for n in range(1, 3000, 3))
     assert len(policy._told) == 3

@@ -12,7 +12,7 @@ import pytest
 from symmring import init
 from symmring import plan as plan_cli
 from symmring.errors import ConfigError
-from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes
+from symmring import Experts, MoE, RoutingConfig
 from symmring.moe.workspace import Workspace
 from symmring.moe.workspace_plan import PRESETS, REGIONS, LayerShape, expert_arena, plan, uniform_rows, worst_rows
 
@@ -120,7 +120,7 @@ def test_live_host_workspace_matches_the_plan():
         ws = Workspace(ctx, max_tokens=64, budget=2 << 20)
         rng = np.random.default_rng(7)
         w = [(rng.standard_normal(s) / 8).astype(np.float32) for s in ((4, 32, 128), (4, 32, 128), (4, 128, 32))]
-        layer = ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=ws)
+        layer = MoE(ctx, Experts(*w), RoutingConfig(4, 2), max_tokens=64, workspace=ws)
         expected = plan([layer.layer_shape], world_size=1, max_tokens=64, budget=2 << 20, device="cpu")
         assert ws.memory()["experts"] == expected.regions["experts"]
         layer.forward(rng.standard_normal((64, 128), dtype=np.float32),
@@ -128,7 +128,7 @@ def test_live_host_workspace_matches_the_plan():
         assert ws.memory()["experts"] == expected.regions["experts"]
         assert ws.memory()["combine"] == expected.regions["combine"]
         with pytest.raises(ConfigError, match="workspace=.*expected a symmring.Workspace of this context"):
-            ExpertParallelMoE(ctx, MoEShapes(128, 4, 2), *w, workspace=object())
+            MoE(ctx, Experts(*w), RoutingConfig(4, 2), max_tokens=64, workspace=object())
         with pytest.raises(ConfigError, match="this context's workspace exists already"):
             ctx.workspace()
             ctx.workspace(budget=1)

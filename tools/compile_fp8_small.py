@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write each configuration's PTX into this directory")
     args = parser.parse_args(argv)
     driver.set_active(_Sm90())
-    from symmring.moe.engines.triton_small import SmallConfig
+    from symmring.moe.engines.triton_heuristics import SmallConfig
     cases = [(SmallConfig(128, 16, 4, 4), True), (SmallConfig(128, 16, 4, 3, split_k=3), True),
              (SmallConfig(128, 32, 4, 3, split_k=2), True), (SmallConfig(128, 16, 4, 4, split_k=2), True),
              (SmallConfig(128, 16, 4, 4), False), (SmallConfig(64, 16, 4, 4, split_k=2), False),

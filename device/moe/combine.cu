@@ -44,12 +44,18 @@
 
 #include <cuda_bf16.h>
 
+#include <moe/args.cuh>
 #include <moe/bounds.cuh>
 #include <moe/call_tokens.cuh>
 #include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::CombineFusedArgs;
+using symmring_moe::CombineReduceArgs;
+using symmring_moe::CombineScatterArgs;
+using symmring_moe::CombineSignalArgs;
+using symmring_moe::CombineWaitArgs;
 using symmring_moe::kOverflowCombineToken;
 using symmring_moe::kOverflowWindowRows;
 using symmring_moe::record_overflow;
@@ -242,39 +248,34 @@ __device__ __forceinline__ void reduce_tokens(const RingDescriptor& d, const __n
 // the snapshots of moe_dispatch_wait for the window that starts at chunk window_begin. m_indices (aligned
 // pools, else null): rows holding -1 are padding and skipped; every other row's entry is put back to -1
 // after its row is sent, so the next window's pool starts with no row marked.
-extern "C" __global__ void moe_combine_scatter(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
-                                               const int4* row_src, const int* total, const long long* token_base,
-                                               int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
-                                               int pass_begin, int pass_rows, int combine_tokens) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_combine_scatter(const CombineScatterArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    const int live = total[0] - pass_begin;
-    scatter_rows(d, pool_out, row_src, live < 0 ? 0 : (live > pass_rows ? pass_rows : live), token_base,
-                 window_begin, m_indices, combine_rows, combine_tokens);
+    const int live = args.total[0] - args.pass_begin;
+    scatter_rows(d, args.pool_out, args.row_src, live < 0 ? 0 : (live > args.pass_rows ? args.pass_rows : live),
+                 args.token_base, args.window_begin, args.m_indices, args.combine_rows, args.combine_tokens);
 }
 
 // One block, after moe_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that this
 // PE's rows of those chunks are in place (one signal, the last chunk's generation: the release covers
 // every row, and owners wait with >=); with ack_now (CONSERVATIVE) acknowledge every chunk of the window.
-extern "C" __global__ void moe_combine_signal(const RingDescriptor* desc_ptr, int chunk_begin, int chunk_end,
-                                              uint64_t* combine_ready, int ack_now) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_combine_signal(const CombineSignalArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    signal_owners(d, combine_ready, expected_generation(d, chunk_end));  // the rows: an earlier kernel
-    if (!ack_now) return;
+    signal_owners(d, args.combine_ready, expected_generation(d, args.chunk_end));  // the rows: an earlier kernel
+    if (!args.ack_now) return;
     // CONSERVATIVE: after this PE's combine of the window; ack() fences (release: pairs with wait_reusable).
-    for (int chunk = chunk_begin; chunk <= chunk_end; ++chunk)
+    for (int chunk = args.chunk_begin; chunk <= args.chunk_end; ++chunk)
         for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk, owner);
 }
 
 // One thread: bounded wait until every source rank's combine_ready word on this PE is >= the chunk's
 // generation (acquire), so moe_combine_reduce (the next kernel) reads the rows they stored. On timeout the
 // error record (kind combine, peer = the late source) is written.
-extern "C" __global__ void moe_combine_wait(const RingDescriptor* desc_ptr, int chunk_idx,
-                                            const uint64_t* combine_ready) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_combine_wait(const CombineWaitArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d) || threadIdx.x != 0) return;
-    wait_sources(d, chunk_idx, combine_ready, expected_generation(d, chunk_idx));
+    wait_sources(d, args.chunk_idx, args.combine_ready, expected_generation(d, args.chunk_idx));
 }
 
 // One warp per token t in [token_begin, token_begin + num_valid): y[t] = bf16(sum_k w[t][k] * rows[t][k]) in
@@ -282,15 +283,13 @@ extern "C" __global__ void moe_combine_wait(const RingDescriptor* desc_ptr, int 
 // whole call; combine_rows: [max_tokens][K][hidden] by logical token; y: row stride y_row_stride elements.
 // end_call_chunks > 0: this is the call's last kernel that reads the generation base (single-stream
 // schedules): block 0 advances it by that many chunks (no other block reads it).
-extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, const __nv_bfloat16* combine_rows,
-                                              const int32_t* topk_idx, const float* topk_weights, __nv_bfloat16* y,
-                                              long long y_row_stride, int token_begin, int num_valid,
-                                              const int* call_tokens, int end_call_chunks) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_combine_reduce(const CombineReduceArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, token_begin, num_valid);
-    if (end_call_chunks > 0 && blockIdx.x == 0 && threadIdx.x == 0) end_call(d, end_call_chunks);
-    reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
+    const int num_valid = symmring_moe::call_valid_tokens(args.call_tokens, args.token_begin, args.num_valid);
+    if (args.end_call_chunks > 0 && blockIdx.x == 0 && threadIdx.x == 0) end_call(d, args.end_call_chunks);
+    reduce_tokens(d, args.combine_rows, args.topk_idx, args.topk_weights, args.y, args.y_row_stride, args.token_begin,
+                  num_valid);
 }
 
 // The small-batch schedule after the experts, in ONE grid: moe_combine_scatter + moe_combine_signal +
@@ -321,20 +320,14 @@ extern "C" __global__ void moe_combine_reduce(const RingDescriptor* desc_ptr, co
 // num_ranks pointers and int64 bases, then (2 * num_local_experts + 1) ints. counters: two zeroed device words,
 // the items' arrivals then the tickets, each reset by the launch's last arrival or last draw (a block that
 // returns at entry on a pending error leaves them set: MoE.reset() zeroes them, the one recovery path).
-extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, const __nv_bfloat16* pool_out,
-                                             const int4* row_src, const int* expert_counts, const int* begin,
-                                             int num_local_experts, const long long* token_base, int* m_indices,
-                                             __nv_bfloat16* combine_rows, int chunk_idx, uint64_t* combine_ready,
-                                             int ack_now, const int32_t* topk_idx, const float* topk_weights,
-                                             __nv_bfloat16* y, long long y_row_stride, int token_begin,
-                                             int num_valid, const int* call_tokens, int end_call_chunks,
-                                             unsigned int* counters, int pool_rows, int combine_tokens) {
+extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
-    const RingDescriptor& d = *desc_ptr;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, token_begin, num_valid);  // after the wait
+    const RingDescriptor& d = *args.desc;
+    // After the wait:
+    const int num_valid = symmring_moe::call_valid_tokens(args.call_tokens, args.token_begin, args.num_valid);
     const int R = d.num_ranks;
-    const int E = num_local_experts;
+    const int E = args.num_local_experts;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     __nv_bfloat16** owner_rows = reinterpret_cast<__nv_bfloat16**>(shared_bytes);  // [num_ranks] peer pointers
     long long* owner_base = reinterpret_cast<long long*>(owner_rows + R);         // [num_ranks] token bases
@@ -349,8 +342,8 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     if (threadIdx.x == 0) any_rdma = signals = 0;
     __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        owner_rows[r] = peer_ptr(d, combine_rows, r);
-        owner_base[r] = token_base[r];
+        owner_rows[r] = peer_ptr(d, args.combine_rows, r);
+        owner_base[r] = args.token_base[r];
         if (owner_rows[r] == nullptr) any_rdma = 1;
     }
     // Warp 0: exclusive scan of the live rows per expert (each lane a contiguous run of experts).
@@ -360,21 +353,21 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
         const int first = lane * per_lane;
         const int last = min(first + per_lane, E);
         int sum = 0;
-        for (int e = first; e < last; ++e) sum += expert_counts[e];
+        for (int e = first; e < last; ++e) sum += args.expert_counts[e];
         const int inclusive = warp_inclusive_sum(sum, lane);
         int running = inclusive - sum;
         for (int e = first; e < last; ++e) {
             live_before[e] = running;
-            group_begin[e] = begin[e];
-            running += expert_counts[e];
+            group_begin[e] = args.begin[e];
+            running += args.expert_counts[e];
         }
         if (lane == 31) live_before[E] = inclusive;
     }
     // Warp 1 (while warp 0 scans): the generation, then the block's first ticket.
     if (threadIdx.x == (blockDim.x > 32 ? 32 : 0)) {
-        gen = expected_generation(d, chunk_idx);
+        gen = expected_generation(d, args.chunk_idx);
         __threadfence();  // the generation base read before the draw (the grid's last draw may end the call)
-        ticket = ticket_drawn(d, counters + 1, atomicAdd(counters + 1, 1u), end_call_chunks);
+        ticket = ticket_drawn(d, args.counters + 1, atomicAdd(args.counters + 1, 1u), args.end_call_chunks);
     }
     __syncthreads();
 
@@ -391,13 +384,13 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
             if (live_before[mid] <= i) lo = mid; else hi = mid - 1;
         }
         const int row = group_begin[lo] + i - live_before[lo];
-        if (row >= 0 && row < pool_rows) return row;
-        record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, pool_rows, row);
+        if (row >= 0 && row < args.pool_rows) return row;
+        record_overflow(d, kOverflowWindowRows, d.rank, args.chunk_idx, args.pool_rows, row);
         return -1;
     };
     auto token_ok = [&](int64_t token, const int4& src) {  // the owner's combine rows hold it
-        if (token >= 0 && token < combine_tokens) return true;
-        record_overflow(d, kOverflowCombineToken, src.x, chunk_idx, combine_tokens, token);
+        if (token >= 0 && token < args.combine_tokens) return true;
+        record_overflow(d, kOverflowCombineToken, src.x, args.chunk_idx, args.combine_tokens, token);
         return false;
     };
     for (int item = ticket; item < num_items; item = ticket) {
@@ -411,8 +404,8 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                 const int64_t i = i0 + u * num_threads;
                 row[u] = i < num_vecs ? row_of_live(static_cast<int>(i / vecs_per_row)) : -1;
                 if (row[u] < 0) continue;
-                raw[u] = reinterpret_cast<const int4*>(pool_out + int64_t(row[u]) * d.hidden)[i % vecs_per_row];
-                src[u] = row_src[row[u]];  // {owner, chunk-local token, k, chunk}
+                raw[u] = reinterpret_cast<const int4*>(args.pool_out + int64_t(row[u]) * d.hidden)[i % vecs_per_row];
+                src[u] = args.row_src[row[u]];  // {owner, chunk-local token, k, chunk}
             }
 #pragma unroll
             for (int u = 0; u < kScatterLoadsInFlight; ++u) {
@@ -422,7 +415,7 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
                 __nv_bfloat16* owner = owner_rows[src[u].x];
                 if (owner != nullptr && token_ok(token, src[u]))
                     reinterpret_cast<int4*>(owner + (token * d.num_topk + src[u].z) * d.hidden)[v] = raw[u];
-                if (v == 0) m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
+                if (v == 0) args.m_indices[row[u]] = -1;  // the engine read it in an earlier kernel
             }
         }
         // Rows of rdma owners: one warp-wide non-blocking put per row, and nvshmem_quiet by every thread that
@@ -434,12 +427,12 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
             for (int i = item * warps_per_block + warp; i < live_before[E]; i += num_items * warps_per_block) {
                 const int row = row_of_live(i);  // warp-uniform
                 if (row < 0) continue;
-                const int4 src = row_src[row];
+                const int4 src = args.row_src[row];
                 if (owner_rows[src.x] != nullptr) continue;
                 const int64_t token = owner_base[src.x] + src.y;
                 if (!token_ok(token, src)) continue;
-                nvshmemx_putmem_nbi_warp(combine_rows + (token * d.num_topk + src.z) * d.hidden,
-                                         pool_out + int64_t(row) * d.hidden,
+                nvshmemx_putmem_nbi_warp(args.combine_rows + (token * d.num_topk + src.z) * d.hidden,
+                                         args.pool_out + int64_t(row) * d.hidden,
                                          size_t(d.hidden) * sizeof(__nv_bfloat16), src.x);
                 put_any = true;
             }
@@ -449,10 +442,10 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
         if (threadIdx.x == 0) {
             __threadfence_system();  // release: the item's peer stores before its arrival (the owners read them)
             // The arrival and the next draw, both in flight at once (neither needs the other's value).
-            const unsigned int before = atomicAdd(counters, 1u);
-            const unsigned int drawn = atomicAdd(counters + 1, 1u);
-            if (item_arrived(counters, before, num_items)) signals = 1;
-            ticket = ticket_drawn(d, counters + 1, drawn, end_call_chunks);
+            const unsigned int before = atomicAdd(args.counters, 1u);
+            const unsigned int drawn = atomicAdd(args.counters + 1, 1u);
+            if (item_arrived(args.counters, before, num_items)) signals = 1;
+            ticket = ticket_drawn(d, args.counters + 1, drawn, args.end_call_chunks);
         }
         __syncthreads();
     }
@@ -460,15 +453,16 @@ extern "C" __global__ void moe_combine_fused(const RingDescriptor* desc_ptr, con
     // 2. The block that completed the scatter signals (release in signal_owners, after its acquire of every
     //    item's arrival). Its draw above was past the items: the scatter is over.
     if (signals) {
-        signal_owners(d, combine_ready, gen);
+        signal_owners(d, args.combine_ready, gen);
         // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
-        if (ack_now)
-            for (int owner = 0; owner < R; ++owner) ack(d, chunk_idx, owner);
+        if (args.ack_now)
+            for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
     }
 
     // 3. Every source's rows, then this block's share of the reduce.
-    if (threadIdx.x == 0) ok = wait_sources(d, chunk_idx, combine_ready, gen);
+    if (threadIdx.x == 0) ok = wait_sources(d, args.chunk_idx, args.combine_ready, gen);
     __syncthreads();  // the other threads read the rows only after thread 0's acquire
     if (!ok) return;
-    reduce_tokens(d, combine_rows, topk_idx, topk_weights, y, y_row_stride, token_begin, num_valid);
+    reduce_tokens(d, args.combine_rows, args.topk_idx, args.topk_weights, args.y, args.y_row_stride, args.token_begin,
+                  num_valid);
 }

@@ -55,11 +55,21 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/args.cuh>
 #include <moe/bounds.cuh>
 #include <moe/warp.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::ChunkArgs;
+using symmring_moe::DispatchCountArgs;
+using symmring_moe::DispatchFusedArgs;
+using symmring_moe::DispatchPullArgs;
+using symmring_moe::DispatchPullFp8Args;
+using symmring_moe::DispatchScanArgs;
+using symmring_moe::DispatchStageArgs;
+using symmring_moe::DispatchWaitArgs;
+using symmring_moe::PassRows;
 using symmring_moe::kOverflowExpertRows;
 using symmring_moe::kOverflowWindowRows;
 using symmring_moe::lanes_below;
@@ -144,36 +154,34 @@ enum WaitParts : int { kWaitRoute = 1, kWaitLayout = 2 };
 // check_payload) and copies the source's meta token_base into token_base[r] (the caller passes the
 // chunk's row of a [window][num_ranks] array). With clear_counts, block 0 zeroes `counts`
 // [num_local_experts] for moe_dispatch_count.
-extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int chunk_idx, int parts, int* counts,
-                                             int num_local_experts, long long* token_base, int clear_counts,
-                                             int layer) {
-    const RingDescriptor& d = *desc_ptr;
-    if (blockIdx.x == 0 && clear_counts)
-        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = 0;
+extern "C" __global__ void moe_dispatch_wait(const DispatchWaitArgs args) {
+    const RingDescriptor& d = *args.desc;
+    if (blockIdx.x == 0 && args.clear_counts)
+        for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x) args.counts[e] = 0;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.x;
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const uint64_t gen = expected_generation(d, chunk_idx);
+    const int slot = slot_of(args.chunk_idx, d.num_slots);
+    const uint64_t gen = expected_generation(d, args.chunk_idx);
     Deadline deadline(d);  // one bound for both parts (thread 0's is used): not a bound per part
-    if (parts & kWaitRoute) {
+    if (args.parts & kWaitRoute) {
         // acquire: pairs with the route publication of moe_produce_route on src_rank.
-        if (!wait_published(d, chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute, deadline)) return;
+        if (!wait_published(d, args.chunk_idx, src_rank, route_ready_word(d, slot), gen, kErrorRoute, deadline)) return;
         __shared__ int fresh;
         // A stale slot or another call's payload: a typed error, not data.
-        if (threadIdx.x == 0) fresh = check_payload(d, chunk_idx, src_rank, gen, expected_call(d, layer));
+        if (threadIdx.x == 0) fresh = check_payload(d, args.chunk_idx, src_rank, gen, expected_call(d, args.layer));
         __syncthreads();
         if (!fresh) return;
         if (threadIdx.x == 0) {
             int64_t* meta_local = meta_of(d, slot);
             const int64_t* meta = peer_ptr(d, meta_local, src_rank);
             // rdma source: a get of the word (after the acquire above, as the load).
-            token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
-                                                   : nvshmem_int64_g(meta_local + kMetaTokenBase, src_rank);
+            args.token_base[src_rank] = meta != nullptr ? meta[kMetaTokenBase]
+                                                        : nvshmem_int64_g(meta_local + kMetaTokenBase, src_rank);
         }
     }
     // acquire: pairs with the layout publication of moe_produce_layout_* on src_rank.
-    if (parts & kWaitLayout)
-        wait_published(d, chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout, deadline);
+    if (args.parts & kWaitLayout)
+        wait_published(d, args.chunk_idx, src_rank, layout_ready_word(d, slot), gen, kErrorLayout, deadline);
 }
 
 // The rdma transport's pull (symmring/transport.py): get the chunk's `parts` (kWaitRoute: the meta row,
@@ -186,20 +194,19 @@ extern "C" __global__ void moe_dispatch_wait(const RingDescriptor* desc_ptr, int
 // dispatch has no wait kernel before it) polled here first by thread 0 of every block (poll_ready: both
 // parts, bounded, acquire). Every get is blocking (nvshmemx_getmem_block returns with the bytes in the
 // staging slot), so the end of this kernel orders them before the next kernel on the stream.
-extern "C" __global__ void moe_dispatch_stage(const RingDescriptor* desc_ptr, const RingDescriptor* stage_ptr,
-                                              int chunk_idx, int parts, int wait) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_dispatch_stage(const DispatchStageArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
     if (!is_rdma_peer(d, src_rank)) return;
-    const RingDescriptor& st = *stage_ptr;
-    const int slot = slot_of(chunk_idx, d.num_slots);
+    const RingDescriptor& st = *args.stage;
+    const int slot = slot_of(args.chunk_idx, d.num_slots);
     int64_t* meta_local = meta_of(d, slot);
     __shared__ int ok;
     __shared__ int num_valid;
     if (threadIdx.x == 0) {
         // acquire (wait != 0): pairs with the release of the source's publications (grid_publish).
-        ok = !wait || poll_ready(d, chunk_idx, src_rank, expected_generation(d, chunk_idx));
+        ok = !args.wait || poll_ready(d, args.chunk_idx, src_rank, expected_generation(d, args.chunk_idx));
         if (ok) {
             const int64_t n = nvshmem_int64_g(meta_local + kMetaNumValid, src_rank);
             num_valid = static_cast<int>(n < 0 ? 0 : (n > d.tokens_per_slot ? d.tokens_per_slot : n));
@@ -208,14 +215,14 @@ extern "C" __global__ void moe_dispatch_stage(const RingDescriptor* desc_ptr, co
     __syncthreads();  // the other threads get the payload only after thread 0's acquire
     if (!ok) return;
     const uint64_t block = blockIdx.x, num_blocks = gridDim.x, n = static_cast<uint64_t>(num_valid);
-    if (parts & kWaitRoute) {
+    if (args.parts & kWaitRoute) {
         if (block == 0) nvshmemx_getmem_block(meta_of(st, src_rank), meta_local, kMetaColumns * sizeof(int64_t), src_rank);
         const uint64_t topk_bytes = n * d.num_topk * sizeof(int32_t);
         get_share_block(topk_idx_of(st, src_rank), topk_idx_of(d, slot), src_rank, topk_bytes, block, num_blocks);
         get_share_block(topk_weights_of(st, src_rank), topk_weights_of(d, slot), src_rank, topk_bytes, block,
                         num_blocks);
     }
-    if (parts & kWaitLayout) {
+    if (args.parts & kWaitLayout) {
         get_share_block(x_of(st, src_rank), x_of(d, slot), src_rank, n * x_row_bytes(d), block, num_blocks);
         if (d.num_sf > 0)
             get_share_block(x_sf_of(st, src_rank), x_sf_of(d, slot), src_rank, n * d.num_sf * sizeof(float), block,
@@ -228,35 +235,33 @@ extern "C" __global__ void moe_dispatch_stage(const RingDescriptor* desc_ptr, co
 // outside [-1, num_experts) sets kStatusBadExpertId and, the first time, the bad-id record (value, source
 // rank, logical token, k); the entry is then skipped like a masked one, so nothing else breaks, and
 // check_errors() names it (no host sync in the layer).
-extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, int chunk_idx, int* counts,
-                                              int expert_begin, int num_local_experts, int* status, int* bad_id,
-                                              const RingDescriptor* stage) {
+extern "C" __global__ void moe_dispatch_count(const DispatchCountArgs args) {
     extern __shared__ int block_counts[];
-    const RingDescriptor& d = *desc_ptr;
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
     const int src_rank = blockIdx.y;
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) block_counts[e] = 0;
+    const int slot = slot_of(args.chunk_idx, d.num_slots);
+    for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x) block_counts[e] = 0;
     __syncthreads();
-    const SourceSlot from = source_slot(d, stage, slot, src_rank);
-    if (slot_reachable(from, status)) {
+    const SourceSlot from = source_slot(d, args.stage, slot, src_rank);
+    if (slot_reachable(from, args.status)) {
         const int num_valid = num_valid_of(d, from);
         const int32_t* idx = from.idx;
         const int64_t num_entries = int64_t(num_valid) * d.num_topk;
         for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
              i += int64_t(gridDim.x) * blockDim.x) {
             const int expert = idx[i];
-            const int local = expert - expert_begin;
-            if (local >= 0 && local < num_local_experts) {
+            const int local = expert - args.expert_begin;
+            if (local >= 0 && local < args.num_local_experts) {
                 atomicAdd(&block_counts[local], 1);
             } else if (expert < -1 || expert >= d.num_experts) {
-                flag_bad_id(d, chunk_idx, expert, src_rank, i, status, bad_id);
+                flag_bad_id(d, args.chunk_idx, expert, src_rank, i, args.status, args.bad_id);
             }
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x)
-        if (block_counts[e]) atomicAdd(&counts[e], block_counts[e]);
+    for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x)
+        if (block_counts[e]) atomicAdd(&args.counts[e], block_counts[e]);
 }
 
 // One block: the expert-contiguous row layout of the pool. With a = align (1: packed rows), expert e's group
@@ -270,18 +275,15 @@ extern "C" __global__ void moe_dispatch_count(const RingDescriptor* desc_ptr, in
 // aborts the ring, and leaves an empty layout (every group empty, total 0): the pulls after this kernel
 // return at entry, so no row is dropped silently, and an engine that reads group_end (the torch engine)
 // computes no row past the pool.
-extern "C" __global__ void moe_dispatch_scan(const RingDescriptor* desc_ptr, int chunk_idx, const int* counts,
-                                             int* begin, int* group_end, int* cursor, int* total,
-                                             int num_local_experts, int align, int expert_begin, int window_rows,
-                                             int rows_per_expert) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_dispatch_scan(const DispatchScanArgs args) {
+    const RingDescriptor& d = *args.desc;
     extern __shared__ int partial[];  // [blockDim.x]
     __shared__ int overflow;
-    const int per_thread = (num_local_experts + blockDim.x - 1) / blockDim.x;
+    const int per_thread = (args.num_local_experts + blockDim.x - 1) / blockDim.x;
     const int first = threadIdx.x * per_thread;
-    auto span = [align](int count) { return (count + align - 1) / align * align; };
+    auto span = [align = args.align](int count) { return (count + align - 1) / align * align; };
     int sum = 0;
-    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) sum += span(counts[e]);
+    for (int e = first; e < first + per_thread && e < args.num_local_experts; ++e) sum += span(args.counts[e]);
     partial[threadIdx.x] = sum;
     if (threadIdx.x == 0) overflow = 0;
     __syncthreads();
@@ -292,27 +294,28 @@ extern "C" __global__ void moe_dispatch_scan(const RingDescriptor* desc_ptr, int
         partial[threadIdx.x] += add;
         __syncthreads();
     }
-    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
-        if (counts[e] > rows_per_expert) {
+    for (int e = first; e < first + per_thread && e < args.num_local_experts; ++e) {
+        if (args.counts[e] > args.rows_per_expert) {
             overflow = 1;
-            record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e], expert_begin + e);
+            record_overflow(d, kOverflowExpertRows, d.rank, args.chunk_idx, args.rows_per_expert, args.counts[e],
+                            args.expert_begin + e);
         }
     }
     const int rows = partial[blockDim.x - 1];
-    if (threadIdx.x == blockDim.x - 1 && rows > window_rows) {
+    if (threadIdx.x == blockDim.x - 1 && rows > args.window_rows) {
         overflow = 1;
-        record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, window_rows, rows);
+        record_overflow(d, kOverflowWindowRows, d.rank, args.chunk_idx, args.window_rows, rows);
     }
     __syncthreads();
     const bool empty = overflow != 0;
     int running = empty ? 0 : partial[threadIdx.x] - sum;  // exclusive prefix of this thread's run
-    for (int e = first; e < first + per_thread && e < num_local_experts; ++e) {
-        begin[e] = running;
-        cursor[e] = running;
-        group_end[e] = running + (empty ? 0 : counts[e]);
-        running += empty ? 0 : span(counts[e]);
+    for (int e = first; e < first + per_thread && e < args.num_local_experts; ++e) {
+        args.begin[e] = running;
+        args.cursor[e] = running;
+        args.group_end[e] = running + (empty ? 0 : args.counts[e]);
+        running += empty ? 0 : span(args.counts[e]);
     }
-    if (threadIdx.x == blockDim.x - 1) total[0] = empty ? 0 : rows;
+    if (threadIdx.x == blockDim.x - 1) args.total[0] = empty ? 0 : rows;
 }
 
 // One warp (all 32 lanes; lane k holds `row`, the pool row of the token's entry k, and rows_mask the lanes
@@ -359,12 +362,7 @@ __device__ __forceinline__ void copy_token_fp8(const uint8_t* src, const float* 
 // the alignment, so every group in it still starts aligned. The first pass (pass_begin == 0) reserves each
 // entry's window row from the atomic cursor and, when the window has more passes (entry_rows not null),
 // records it in entry_rows[src_rank][token][k]; later passes read it there, so every pass sees the same
-// rows and each entry lands in exactly one pass.
-struct PassRows {
-    int* entry_rows;  // this chunk's [num_ranks][tokens_per_slot][num_topk] window rows, or null (one pass)
-    int pass_begin;
-    int pass_rows;
-};
+// rows and each entry lands in exactly one pass (PassRows, moe/args.cuh: the pull kernels' `pass`).
 
 // Lane k of the warp of (source rank, token): the pool row of entry k in this pass when its expert is local
 // (its window row from the atomic cursor, global or shared, holding the expert's next free row: rows of an
@@ -436,12 +434,8 @@ __device__ __forceinline__ void pull_tokens(const RingDescriptor& d, int chunk_i
 // PassRows), copy the token's x row from the source slot into every reserved row as bf16 (fp8: dequantised
 // with the token's per-128-channel scales), and record row_src[row] = {src_rank, token, k, chunk_idx} and
 // row_weight[row]. Grid: (token blocks, num_ranks); num_topk <= 32.
-extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
-                                             __nv_bfloat16* pool_x, int4* row_src,
-                                             float* row_weight, int expert_begin, int num_local_experts,
-                                             int* status, const RingDescriptor* stage, int* entry_rows,
-                                             int pass_begin, int pass_rows) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_dispatch_pull(const DispatchPullArgs args) {
+    const RingDescriptor& d = *args.desc;
     auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool fp8,
                           int lane) {
         if (fp8) {
@@ -468,7 +462,7 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
                 for (unsigned m = rows_mask; m; m &= m - 1) {
                     const int dst_row = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
                     if (!active) continue;
-                    int4* dst = reinterpret_cast<int4*>(pool_x + int64_t(dst_row) * hidden + col);
+                    int4* dst = reinterpret_cast<int4*>(args.pool_x + int64_t(dst_row) * hidden + col);
                     dst[0] = out[0];
                     dst[1] = out[1];
                 }
@@ -476,20 +470,20 @@ extern "C" __global__ void moe_dispatch_pull(const RingDescriptor* desc_ptr, int
         } else {
             // bf16: 8 channels per lane and step.
             copy_token_row(reinterpret_cast<const __nv_bfloat16*>(from.x) + int64_t(token) * hidden, row, rows_mask,
-                           pool_x, hidden, lane);
+                           args.pool_x, hidden, lane);
         }
     };
-    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, nullptr, expert_begin, num_local_experts, status, stage,
-                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
+    pull_tokens(d, args.chunk_idx, args.cursor, args.row_src, args.row_weight, nullptr, args.expert_begin,
+                args.num_local_experts, args.status, args.stage, args.pass, copy_token);
 }
 
 // One block, after moe_dispatch_pull (the last read of every source's slot; its meta was snapshotted by
 // moe_dispatch_wait): the EARLY acknowledgement of every owner's slot. ack() fences first (release: pairs
 // with the acquire in the owner's wait_reusable).
-extern "C" __global__ void moe_dispatch_ack(const RingDescriptor* desc_ptr, int chunk_idx) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_dispatch_ack(const ChunkArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, chunk_idx, owner);
+    for (int owner = 0; owner < d.num_ranks; ++owner) ack(d, args.chunk_idx, owner);
 }
 
 // The fp8 pool (the fp8 engines): as moe_dispatch_pull, but the rows stay fp8. One warp per (source rank,
@@ -497,20 +491,15 @@ extern "C" __global__ void moe_dispatch_ack(const RingDescriptor* desc_ptr, int 
 // fp8 row (16 bytes per lane and step) and its num_sf float32 scales from the source slot into every reserved
 // row: pool_x [rows][hidden] bytes, pool_sf element (row, j) at row * sf_row_stride + j * sf_col_stride (so the
 // scales can be laid out row-major or MN-major, the layout DeepGEMM reads). Needs an fp8 ring.
-extern "C" __global__ void moe_dispatch_pull_fp8(const RingDescriptor* desc_ptr, int chunk_idx, int* cursor,
-                                                 uint8_t* pool_x, float* pool_sf, long long sf_row_stride,
-                                                 long long sf_col_stride, int* m_indices, int4* row_src,
-                                                 float* row_weight, int expert_begin, int num_local_experts,
-                                                 int* status, const RingDescriptor* stage, int* entry_rows,
-                                                 int pass_begin, int pass_rows) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_dispatch_pull_fp8(const DispatchPullFp8Args args) {
+    const RingDescriptor& d = *args.desc;
     auto copy_token = [&](const SourceSlot& from, int token, int row, unsigned rows_mask, int hidden, bool /*fp8*/,
                           int lane) {
-        copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask, pool_x,
-                       pool_sf, sf_row_stride, sf_col_stride, hidden, d.num_sf, lane);
+        copy_token_fp8(from.x + int64_t(token) * hidden, from.x_sf + int64_t(token) * d.num_sf, row, rows_mask,
+                       args.pool_x, args.pool_sf, args.sf_row_stride, args.sf_col_stride, hidden, d.num_sf, lane);
     };
-    pull_tokens(d, chunk_idx, cursor, row_src, row_weight, m_indices, expert_begin, num_local_experts, status, stage,
-                PassRows{entry_rows, pass_begin, pass_rows}, copy_token);
+    pull_tokens(d, args.chunk_idx, args.cursor, args.row_src, args.row_weight, args.m_indices, args.expert_begin,
+                args.num_local_experts, args.status, args.stage, args.pass, copy_token);
 }
 
 // The small-batch schedule's dispatch of one chunk into an fp8 pool (see the header): wait, count, scan, pull
@@ -543,17 +532,10 @@ constexpr int kLoadsInFlight = 8;
 
 }  // namespace
 
-extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr, int chunk_idx, long long* token_base,
-                                                  int* expert_counts, int* begin, int* group_end, int* total,
-                                                  uint8_t* pool_x, float* pool_sf,
-                                                  long long sf_row_stride, long long sf_col_stride, int* m_indices,
-                                                  int4* row_src, float* row_weight, int expert_begin,
-                                                  int num_local_experts, int align, int* status, int* bad_id,
-                                                  int ack_now, unsigned int* counter, const RingDescriptor* stage,
-                                                  int pool_rows, int rows_per_expert, int layer) {
+extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
-    const RingDescriptor& d = *desc_ptr;
+    const RingDescriptor& d = *args.desc;
     const int K = d.num_topk;
     const int R = d.num_ranks;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -561,22 +543,22 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
     const float** src_weights = reinterpret_cast<const float**>(src_idx + R);    // the slot's payload,
     const uint8_t** src_x = reinterpret_cast<const uint8_t**>(src_weights + R);  // peer pointers
     const float** src_sf = reinterpret_cast<const float**>(src_x + R);
-    int* counts = reinterpret_cast<int*>(src_sf + R);  // [num_local_experts]
-    int* cursor = counts + num_local_experts;          // [num_local_experts]: entries before the range, then rows
-    int* first_token = cursor + num_local_experts;     // [num_ranks + 1]: flat position of each source's first token
-    __shared__ int entry_local[kPassEntries];          // the pass's entries: local expert or -1
-    __shared__ int entry_row[kPassEntries];            // ... and their pool rows (-1: not local)
+    int* counts = reinterpret_cast<int*>(src_sf + R);     // [num_local_experts]
+    int* cursor = counts + args.num_local_experts;        // [num_local_experts]: entries before the range, then rows
+    int* first_token = cursor + args.num_local_experts;   // [num_ranks + 1]: each source's first token's position
+    __shared__ int entry_local[kPassEntries];             // the pass's entries: local expert or -1
+    __shared__ int entry_row[kPassEntries];               // ... and their pool rows (-1: not local)
     __shared__ int failed;
     __shared__ int overflow;  // the counts exceed the plan's bounds: no row is placed
     if (error_pending(d)) {
-        clear_group_ids(m_indices, pool_rows);
+        clear_group_ids(args.m_indices, args.pool_rows);
         return;
     }
-    const int slot = slot_of(chunk_idx, d.num_slots);
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    const uint64_t call_id = expected_call(d, layer);
+    const int slot = slot_of(args.chunk_idx, d.num_slots);
+    const uint64_t gen = expected_generation(d, args.chunk_idx);
+    const uint64_t call_id = expected_call(d, args.layer);
     if (threadIdx.x == 0) failed = overflow = 0;
-    for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
+    for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x) counts[e] = cursor[e] = 0;
     __syncthreads();
 
     // 1. Thread r waits for source r's route and layout (one deadline for both words; num_ranks <= blockDim).
@@ -585,13 +567,13 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         int valid = 0;
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
         // hold this call's chunk (a stale payload or another call's is a typed error, not silent data).
-        const SourceSlot from = source_slot(d, stage, slot, src);
-        if (!slot_reachable(from, status) || !poll_ready(d, chunk_idx, src, gen) ||
-            !check_payload(d, chunk_idx, src, gen, call_id)) {
+        const SourceSlot from = source_slot(d, args.stage, slot, src);
+        if (!slot_reachable(from, args.status) || !poll_ready(d, args.chunk_idx, src, gen) ||
+            !check_payload(d, args.chunk_idx, src, gen, call_id)) {
             failed = 1;
         } else {
             valid = num_valid_of(d, from);
-            if (blockIdx.x == 0) token_base[src] = from.meta[kMetaTokenBase];
+            if (blockIdx.x == 0) args.token_base[src] = from.meta[kMetaTokenBase];
             src_idx[src] = from.idx;
             src_weights[src] = from.weights;
             src_x[src] = from.x;
@@ -632,12 +614,12 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
 #pragma unroll
                 for (int u = 0; u < kLoadsInFlight; ++u) {
                     const int64_t i = i0 + int64_t(u) * blockDim.x;
-                    const int local = expert[u] - expert_begin;
-                    if (local >= 0 && local < num_local_experts) {
+                    const int local = expert[u] - args.expert_begin;
+                    if (local >= 0 && local < args.num_local_experts) {
                         atomicAdd(&counts[local], 1);
                         if (first_token[src] + i / K < range_begin) atomicAdd(&cursor[local], 1);
                     } else if ((expert[u] < -1 || expert[u] >= d.num_experts) && blockIdx.x == 0) {
-                        flag_bad_id(d, chunk_idx, expert[u], src, i, status, bad_id);
+                        flag_bad_id(d, args.chunk_idx, expert[u], src, i, args.status, args.bad_id);
                     }
                 }
             }
@@ -647,34 +629,35 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         // 3. Warp 0: exclusive scan of the aligned group spans (each lane a contiguous run of experts).
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
-            const int per_lane = (num_local_experts + 31) / 32;
+            const int per_lane = (args.num_local_experts + 31) / 32;
             const int first = lane * per_lane;
-            const int last = min(first + per_lane, num_local_experts);
-            auto span = [align](int count) { return (count + align - 1) / align * align; };
+            const int last = min(first + per_lane, args.num_local_experts);
+            auto span = [align = args.align](int count) { return (count + align - 1) / align * align; };
             int sum = 0;
             for (int e = first; e < last; ++e) sum += span(counts[e]);
             const int inclusive = warp_inclusive_sum(sum, lane);
             int running = inclusive - sum;
             for (int e = first; e < last; ++e) {
                 if (blockIdx.x == 0) {
-                    expert_counts[e] = counts[e];
-                    begin[e] = running;
-                    group_end[e] = running + counts[e];
+                    args.expert_counts[e] = counts[e];
+                    args.begin[e] = running;
+                    args.group_end[e] = running + counts[e];
                 }
                 cursor[e] += running;
                 running += span(counts[e]);
-                if (counts[e] > rows_per_expert) {
+                if (counts[e] > args.rows_per_expert) {
                     overflow = 1;
                     if (blockIdx.x == 0)
-                        record_overflow(d, kOverflowExpertRows, d.rank, chunk_idx, rows_per_expert, counts[e],
-                                        expert_begin + e);
+                        record_overflow(d, kOverflowExpertRows, d.rank, args.chunk_idx, args.rows_per_expert, counts[e],
+                                        args.expert_begin + e);
                 }
             }
-            if (lane == 31 && inclusive > pool_rows) {
+            if (lane == 31 && inclusive > args.pool_rows) {
                 overflow = 1;
-                if (blockIdx.x == 0) record_overflow(d, kOverflowWindowRows, d.rank, chunk_idx, pool_rows, inclusive);
+                if (blockIdx.x == 0)
+                    record_overflow(d, kOverflowWindowRows, d.rank, args.chunk_idx, args.pool_rows, inclusive);
             }
-            if (blockIdx.x == 0 && lane == 31) total[0] = inclusive;
+            if (blockIdx.x == 0 && lane == 31) args.total[0] = inclusive;
         }
         __syncthreads();
         if (overflow) return;  // every block saw the same counts: none places a row
@@ -691,8 +674,8 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
         for (int j = threadIdx.x; j < pass_entries; j += blockDim.x) {
             const int pos = pass_begin + j / K;
             const int src = source_of(pos);
-            const int local = src_idx[src][int64_t(pos - first_token[src]) * K + j % K] - expert_begin;
-            entry_local[j] = local >= 0 && local < num_local_experts ? local : -1;
+            const int local = src_idx[src][int64_t(pos - first_token[src]) * K + j % K] - args.expert_begin;
+            entry_local[j] = local >= 0 && local < args.num_local_experts ? local : -1;
         }
         __syncthreads();
         // 4b. Warp 0: rows in flat entry order. Lanes holding the same expert take consecutive rows in lane
@@ -706,7 +689,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                 if (local >= 0) row = cursor[local] + __popc(same & lanes_below());
                 __syncwarp();  // every lane read its expert's cursor before the highest lane moves it
                 if (local >= 0 && (same >> threadIdx.x) == 1u) cursor[local] += __popc(same);
-                if (row >= pool_rows) row = -1;  // within the checked total; the bound of every write below
+                if (row >= args.pool_rows) row = -1;  // within the checked total; the bound of every write below
                 if (j < pass_entries) entry_row[j] = row;
                 __syncwarp();
             }
@@ -719,9 +702,9 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
             const int pos = pass_begin + j / K;
             const int src = source_of(pos);
             const int token = pos - first_token[src];
-            row_src[row] = make_int4(src, token, j % K, chunk_idx);
-            row_weight[row] = src_weights[src][int64_t(token) * K + j % K];
-            m_indices[row] = entry_local[j];
+            args.row_src[row] = make_int4(src, token, j % K, args.chunk_idx);
+            args.row_weight[row] = src_weights[src][int64_t(token) * K + j % K];
+            args.m_indices[row] = entry_local[j];
         }
         // 4d. The rows: every 16-byte vector of a pass token into each of its rows, loads first.
         const int num_vecs = pass_tokens * vecs_per_row;
@@ -745,7 +728,8 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
                 const int t = i / vecs_per_row;
                 for (int k = 0; k < K; ++k) {
                     const int row = entry_row[t * K + k];
-                    if (row >= 0) reinterpret_cast<int4*>(pool_x + int64_t(row) * d.hidden)[i % vecs_per_row] = raw[u];
+                    if (row >= 0)
+                        reinterpret_cast<int4*>(args.pool_x + int64_t(row) * d.hidden)[i % vecs_per_row] = raw[u];
                 }
             }
         }
@@ -758,12 +742,12 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const RingDescriptor* desc_ptr
             const float scale = src_sf[src][int64_t(pos - first_token[src]) * num_sf + j];
             for (int k = 0; k < K; ++k) {
                 const int row = entry_row[t * K + k];
-                if (row >= 0) pool_sf[int64_t(row) * sf_row_stride + int64_t(j) * sf_col_stride] = scale;
+                if (row >= 0) args.pool_sf[int64_t(row) * args.sf_row_stride + int64_t(j) * args.sf_col_stride] = scale;
             }
         }
         __syncthreads();  // the next pass reuses entry_local / entry_row
     }
     // EARLY: the pulls were this PE's last reads of every source's slot (the meta was read in step 1).
-    if (ack_now && grid_last_block(counter))
-        for (int owner = 0; owner < R; ++owner) ack(d, chunk_idx, owner);
+    if (args.ack_now && grid_last_block(args.counter))
+        for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
 }

@@ -28,11 +28,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <moe/args.cuh>
 #include <moe/call_tokens.cuh>
 #include <moe/router.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::ChunkArgs;
+using symmring_moe::ProduceChunkArgs;
+using symmring_moe::ProduceLayoutArgs;
+using symmring_moe::ProduceRouteArgs;
+using symmring_moe::RouteTopkArgs;
 using symmring_moe::RouterOptions;
 using symmring_moe::RouteEntry;
 using symmring_moe::route_token;
@@ -298,10 +304,10 @@ __device__ __forceinline__ void produce_layout(const RingDescriptor* desc_ptr, i
 
 // One block: wait until every consumer acknowledged the slot's previous use (chunk - num_slots), acquire;
 // no reset (moe_produce_route, next on the stream, resets the mask before it publishes).
-extern "C" __global__ void moe_wait_slot(const RingDescriptor* desc_ptr, int chunk_idx) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_wait_slot(const ChunkArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    wait_reusable(d, chunk_idx, /*reset=*/false);  // acquire: pairs with the release fence in ack()
+    wait_reusable(d, args.chunk_idx, /*reset=*/false);  // acquire: pairs with the release fence in ack()
 }
 
 // Route of chunk `chunk_idx`: acquire the slot (all blocks wait for the previous use's
@@ -309,18 +315,17 @@ extern "C" __global__ void moe_wait_slot(const RingDescriptor* desc_ptr, int chu
 // contiguous) and the metadata row (this PE's call of layer `layer`: expected_call), then the last block
 // publishes route readiness.
 // counter: a zeroed device word private to this kernel (reset by the last block).
-extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int chunk_idx,
-                                             const int32_t* topk_idx, const float* topk_weights,
-                                             int num_valid, const int* call_tokens, unsigned int* counter,
-                                             int layer) {
-    const RingDescriptor& d = *desc_ptr;
+extern "C" __global__ void moe_produce_route(const ProduceRouteArgs args) {
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
-    if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen, expected_call(d, layer));
+    const int num_valid = symmring_moe::call_valid_tokens(args.call_tokens,
+                                                          chunk_token_base(args.chunk_idx, d.tokens_per_slot),
+                                                          args.num_valid);
+    if (!wait_reusable(d, args.chunk_idx, /*reset=*/false)) return;
+    const uint64_t gen = expected_generation(d, args.chunk_idx);
+    write_route(d, args.chunk_idx, args.topk_idx, args.topk_weights, num_valid, gen, expected_call(d, args.layer));
     // Every block saw the mask complete before arriving: the last one resets it, then publishes.
-    grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/false);
+    grid_publish(d, args.chunk_idx, gen, args.counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/false);
 }
 
 // Layout of chunk `chunk_idx`, fp8: read bf16 x [num_valid, hidden] (row stride x_row_stride elements),
@@ -328,18 +333,16 @@ extern "C" __global__ void moe_produce_route(const RingDescriptor* desc_ptr, int
 // publish layout readiness from the last block. One warp per token; each lane converts 8 channels per
 // step with one 16-byte load, 16 lanes share a group's amax. Needs hidden % 128 == 0 (checked by the
 // layer). Must run after moe_produce_route of the same chunk (which acquires the slot).
-extern "C" __global__ void moe_produce_layout_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
-                                                  const __nv_bfloat16* x, long long x_row_stride,
-                                                  int num_valid, const int* call_tokens, unsigned int* counter) {
-    produce_layout</*kFp8=*/true>(desc_ptr, chunk_idx, x, x_row_stride, num_valid, call_tokens, counter);
+extern "C" __global__ void moe_produce_layout_fp8(const ProduceLayoutArgs args) {
+    produce_layout</*kFp8=*/true>(args.desc, args.chunk_idx, args.x, args.x_row_stride, args.num_valid,
+                                  args.call_tokens, args.counter);
 }
 
 // Layout of chunk `chunk_idx`, bf16 dispatch format (no quantisation): copy x rows into the slot with
 // 16-byte loads and publish layout readiness from the last block.
-extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_ptr, int chunk_idx,
-                                                   const __nv_bfloat16* x, long long x_row_stride,
-                                                   int num_valid, const int* call_tokens, unsigned int* counter) {
-    produce_layout</*kFp8=*/false>(desc_ptr, chunk_idx, x, x_row_stride, num_valid, call_tokens, counter);
+extern "C" __global__ void moe_produce_layout_bf16(const ProduceLayoutArgs args) {
+    produce_layout</*kFp8=*/false>(args.desc, args.chunk_idx, args.x, args.x_row_stride, args.num_valid,
+                                   args.call_tokens, args.counter);
 }
 
 // The small-batch schedule's producer, fp8 layout: moe_produce_route and moe_produce_layout_fp8 in one grid.
@@ -349,56 +352,49 @@ extern "C" __global__ void moe_produce_layout_bf16(const RingDescriptor* desc_pt
 // in the protocol's order). counter: as for moe_produce_route. Every block spins in wait_reusable, so the
 // grid is at most stages.Kernels.spin_blocks (docs/PROTOCOL.md 9.2).
 // logits null: topk_idx / topk_weights hold the chunk's routing, copied. logits not null: the router's
-// logits of the chunk's tokens (logits_dtype: moe/router.cuh LogitsDtype), routed here with the options that
-// follow (RouterOptions, in order) into the slot AND into topk_idx / topk_weights, which the combine reads.
+// logits of the chunk's tokens (logits_dtype: moe/router.cuh LogitsDtype), routed here with `router` into the
+// slot AND into topk_idx / topk_weights, which the combine reads.
 // layer: the call identity's layer (as moe_produce_route).
-extern "C" __global__ void moe_produce_chunk_fp8(const RingDescriptor* desc_ptr, int chunk_idx,
-                                                 int32_t* topk_idx, float* topk_weights,
-                                                 const __nv_bfloat16* x, long long x_row_stride, int num_valid,
-                                                 const int* call_tokens, unsigned int* counter, int layer,
-                                                 const void* logits, int logits_dtype,
-                                                 long long logits_stride, const float* bias,
-                                                 float routed_scaling_factor, int scoring, int num_experts,
-                                                 int n_group, int topk_group, int norm_topk_prob) {
+extern "C" __global__ void moe_produce_chunk_fp8(const ProduceChunkArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
     grid_dependents_launch();
-    const RingDescriptor& d = *desc_ptr;
+    const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
-    num_valid = symmring_moe::call_valid_tokens(call_tokens, chunk_token_base(chunk_idx, d.tokens_per_slot), num_valid);
-    const RouterOptions o{bias, routed_scaling_factor, scoring, num_experts, d.num_topk, n_group, topk_group,
-                          norm_topk_prob};
-    const ProducerRoute route = producer_route(o, logits, logits_dtype, logits_stride, topk_idx, topk_weights,
-                                               num_valid);
+    const int num_valid = symmring_moe::call_valid_tokens(args.call_tokens,
+                                                          chunk_token_base(args.chunk_idx, d.tokens_per_slot),
+                                                          args.num_valid);
+    const RouterOptions& r = args.router;  // its topk is not read: the ring's K is the chunk's
+    const RouterOptions o{r.bias, r.routed_scaling_factor, r.scoring, r.num_experts, d.num_topk, r.n_group,
+                          r.topk_group, r.norm_topk_prob};
+    const ProducerRoute route = producer_route(o, args.logits, args.logits_dtype, args.logits_stride, args.topk_idx,
+                                               args.topk_weights, num_valid);
     // Neither x nor the logits are slot memory: a warp's first loads and its first route overlap the wait.
     int4 first_raw[kStepsInFlight];
-    load_steps_fp8(d, x, x_row_stride, num_valid, first_layout_step(), first_raw);
-    const RouteEntry first = logits != nullptr ? route_first(route) : RouteEntry{-1, 0.0f};
-    if (!wait_reusable(d, chunk_idx, /*reset=*/false)) return;
-    const uint64_t gen = expected_generation(d, chunk_idx);
-    const uint64_t call_id = expected_call(d, layer);
-    if (logits != nullptr)
-        route_rest(d, chunk_idx, route, first, gen, call_id);
+    load_steps_fp8(d, args.x, args.x_row_stride, num_valid, first_layout_step(), first_raw);
+    const RouteEntry first = args.logits != nullptr ? route_first(route) : RouteEntry{-1, 0.0f};
+    if (!wait_reusable(d, args.chunk_idx, /*reset=*/false)) return;
+    const uint64_t gen = expected_generation(d, args.chunk_idx);
+    const uint64_t call_id = expected_call(d, args.layer);
+    if (args.logits != nullptr)
+        route_rest(d, args.chunk_idx, route, first, gen, call_id);
     else
-        write_route(d, chunk_idx, topk_idx, topk_weights, num_valid, gen, call_id);
-    write_layout_fp8_sliced(d, chunk_idx, x, x_row_stride, num_valid, first_raw);
-    grid_publish(d, chunk_idx, gen, counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
+        write_route(d, args.chunk_idx, args.topk_idx, args.topk_weights, num_valid, gen, call_id);
+    write_layout_fp8_sliced(d, args.chunk_idx, args.x, args.x_row_stride, num_valid, first_raw);
+    grid_publish(d, args.chunk_idx, gen, args.counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
 }
 
 // The layer's routing of num_tokens tokens (grid-stride, one warp each): logits rows (row stride
 // logits_stride elements of logits_dtype) to topk_idx int32 / topk_weights float32 [num_tokens, topk]. No
 // ring state: the schedules whose producers copy topk run it where the torch router ran.
-extern "C" __global__ void moe_route_topk(const void* logits, int logits_dtype, long long logits_stride,
-                                          int num_tokens, int32_t* topk_idx, float* topk_weights, const float* bias,
-                                          float routed_scaling_factor, int scoring, int num_experts, int topk,
-                                          int n_group, int topk_group, int norm_topk_prob) {
-    const RouterOptions o{bias, routed_scaling_factor, scoring, num_experts, topk, n_group, topk_group,
-                          norm_topk_prob};
+extern "C" __global__ void moe_route_topk(const RouteTopkArgs args) {
+    const RouterOptions o = args.router;
     const int warps_per_block = blockDim.x / 32;
     const int64_t num_warps = int64_t(gridDim.x) * warps_per_block;
-    const char* rows = static_cast<const char*>(logits);
-    const int elem_bytes = logits_dtype == symmring_moe::kLogitsFloat32 ? 4 : 2;
-    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < num_tokens;
+    const char* rows = static_cast<const char*>(args.logits);
+    const int elem_bytes = args.logits_dtype == symmring_moe::kLogitsFloat32 ? 4 : 2;
+    for (int64_t token = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; token < args.num_tokens;
          token += num_warps)
-        store_route(o, route_token(o, rows + token * logits_stride * elem_bytes, logits_dtype, threadIdx.x % 32),
-                    topk_idx + token * topk, topk_weights + token * topk, threadIdx.x % 32);
+        store_route(o, route_token(o, rows + token * args.logits_stride * elem_bytes, args.logits_dtype,
+                                   threadIdx.x % 32),
+                    args.topk_idx + token * o.topk, args.topk_weights + token * o.topk, threadIdx.x % 32);
 }

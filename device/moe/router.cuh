@@ -24,6 +24,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <moe/args.cuh>  // RouterOptions
+
 namespace symmring_moe {
 
 // routing.SCORINGS, in order (symmring.moe.router.SCORING_CODES).
@@ -38,18 +40,6 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // A key no expert has: a chosen expert, an expert outside the kept groups, a slot past num_experts.
 constexpr uint32_t kNoKey = 0;
 constexpr uint32_t kNoExpert = 0xffffffffu;
-
-// The layer's routing options (symmring.moe.router.RouterOptions.kernel_args, in this order).
-struct RouterOptions {
-    const float* bias;  // float32 [num_experts] or null (sigmoid_bias only)
-    float routed_scaling_factor;
-    int scoring;
-    int num_experts;
-    int topk;
-    int n_group;
-    int topk_group;
-    int norm_topk_prob;
-};
 
 // Order-preserving map of float32 to uint32: larger float, larger key; NaN largest; every real value > kNoKey.
 __device__ __forceinline__ uint32_t order_key(float v) {

@@ -15,41 +15,46 @@
 //                    of blocks (bench stream --spin-check: does spinning slow the producer's kernels?).
 #include <stdint.h>
 
+#include <moe/args.cuh>
 #include <symmring/protocol.cuh>
 
 using namespace symmring;
+using symmring_moe::EndCallArgs;
+using symmring_moe::RefuseCallArgs;
+using symmring_moe::StampArgs;
+using symmring_moe::SleepArgs;
+using symmring_moe::SpinProbeArgs;
 
-extern "C" __global__ void moe_end_call(const RingDescriptor* desc_ptr, int num_chunks) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*desc_ptr, num_chunks);
+extern "C" __global__ void moe_end_call(const EndCallArgs args) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) end_call(*args.desc, args.num_chunks);
 }
 
 // expected: the refused call's identity (call_identity of this PE's call number and the layer), for the record.
-extern "C" __global__ void moe_refuse_call(const RingDescriptor* desc_ptr, int layer) {
+extern "C" __global__ void moe_refuse_call(const RefuseCallArgs args) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    const RingDescriptor& d = *desc_ptr;
-    record_error(d, kErrorPeerRefused, d.rank, 0, 0, expected_call(d, layer), 0, 0);
+    const RingDescriptor& d = *args.desc;
+    record_error(d, kErrorPeerRefused, d.rank, 0, 0, expected_call(d, args.layer), 0, 0);
     advance_call_number(d);
 }
 
 // Runs when the stream's previous kernel ended.
-extern "C" __global__ void moe_stamp(unsigned long long* stamps, int idx) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) stamps[idx] = globaltimer_ns();
+extern "C" __global__ void moe_stamp(const StampArgs args) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) args.stamps[args.idx] = globaltimer_ns();
 }
 
 // Bounded by its argument.
-extern "C" __global__ void moe_sleep(unsigned long long duration_ns) {
+extern "C" __global__ void moe_sleep(const SleepArgs args) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const uint64_t start = globaltimer_ns();
-    while (globaltimer_ns() - start < duration_ns) __nanosleep(1000);
+    while (globaltimer_ns() - start < args.duration_ns) __nanosleep(1000);
 }
 
 // Thread 0 of every block: ld.acquire.sys of `word`, which nobody sets to `until`, with a %globaltimer
 // deadline, for duration_ns. Not part of the layer.
-extern "C" __global__ void moe_spin_probe(const unsigned long long* word, unsigned long long until,
-                                          unsigned long long duration_ns) {
+extern "C" __global__ void moe_spin_probe(const SpinProbeArgs args) {
     if (threadIdx.x != 0) return;
     const uint64_t start = globaltimer_ns();
-    while (ld_acquire_sys(reinterpret_cast<const uint64_t*>(word)) != until &&
-           globaltimer_ns() - start < duration_ns) {
+    while (ld_acquire_sys(reinterpret_cast<const uint64_t*>(args.word)) != args.until &&
+           globaltimer_ns() - start < args.duration_ns) {
     }
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 
 def missing_cuda_torch() -> Optional[str]:
@@ -49,3 +49,19 @@ def progress(bench: str, done: int, total: Optional[int], what: str, *, rank: in
     count = f"[{done}/{total}]" if total else f"[{done}]"
     elapsed = f" ({time.perf_counter() - started_s:.0f} s)" if started_s is not None else ""
     print(f"{bench}: {count} {what}{elapsed}", file=sys.stderr if stream is None else stream, flush=True)
+
+
+def timed_ms(fn, repeats: int, warmup: int = 2) -> List[float]:
+    """Milliseconds of ``repeats`` calls of ``fn`` (CUDA events around each, after ``warmup`` calls)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times

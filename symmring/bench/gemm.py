@@ -190,7 +190,7 @@ def _num_sets(p: Problem, l2_bytes: int) -> int:
 
 def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
     import torch
-    from ..moe.engines import triton_large
+    from ..moe.engines import triton_heuristics, triton_large
     row: Dict = {"problem": p.name, "layer": p.layer, "groups": p.groups, "rows_per_group": p.rows_per_group,
                  "M_real": p.M, "N": p.N, "K": p.K, "flops": p.flops, "deepgemm_anchor_tflops": p.anchor}
     tflops = lambda ms: p.flops / (ms * 1e-3) / 1e12  # noqa: E731
@@ -199,7 +199,7 @@ def bench_problem(p: Problem, device, args, state: Dict) -> Dict:
     b, b_sf, m_idx, out = data.b, data.b_sf, data.m_indices, data.out
 
     # Triton: every configuration (default first); the sweep stops once the time budget is spent.
-    default = triton_large.default_config(p.M, p.N, p.K, p.groups)
+    default = triton_heuristics.default_config(p.M, p.N, p.K, p.groups)
     cfgs = [default] + [c for c in state["configs"] if c != default]
     row["triton"] = {}
     for i, cfg in enumerate(cfgs):
@@ -347,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if lacks_cuda_torch("bench gemm"):
         return 2
     import torch
-    from ..moe.engines import triton_large
+    from ..moe.engines import triton_heuristics
     from ..moe.engines.deepgemm import deepgemm_status
     logging.basicConfig(level=logging.WARNING)
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference of the correctness checks
@@ -355,7 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # <cuda/std/cstdint>); DG_JIT_CACHE_DIR keeps the kernels across runs.
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
-    configs = triton_large.configs()
+    configs = triton_heuristics.gemm_configs()
     if args.quick:
         quick = ("128x128w8s5g8", "64x128w4s3g8", "128x256w8s3g8", "128x128w8s4g8-ptr")
         configs = [c for c in configs if c.name in quick]

@@ -19,7 +19,7 @@ sets so the weights do not stay in L2; median of ``--repeats`` replays, per step
 and prints ``small / read``, ``builtin / small`` and ``deepgemm / small``, and the relative difference of
 the small and builtin outputs over real rows (the same quantised inputs; different rounding points only).
 
-``--decode-sweep`` times each small kernel alone for every configuration of `triton_small.configs` (fused L1
+``--decode-sweep`` times each small kernel alone for every configuration of `triton_heuristics.small_configs` (fused L1
 and L2 separately, at 1, 8, 32 and 64 tokens unless ``--tokens`` says otherwise) against its own weight-read
 time, and prints the best configuration next to `small_config`'s choice, to retune the rule from one run.
 Split-K configurations (names ending ``k2``, ``k4``; `small_config` may choose others, e.g. ``k3``) are timed
@@ -168,7 +168,7 @@ def _pools(shape: DecodeShape, tokens: int, l2_bytes: int) -> List[DecodePool]:
 
 def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeats: int) -> List[Dict]:
     import torch
-    from ..moe.engines import triton_small
+    from ..moe.engines import triton_heuristics
     rows = []
     for name in shapes:
         t0 = time.perf_counter()
@@ -179,10 +179,10 @@ def decode_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repea
             p0 = pools[0]
             touched = statistics.mean(p.touched for p in pools)
             read_ms = (shape.l1_bytes(touched) + shape.l2_bytes(touched)) / (state["copy_gbps"] * 1e9) * 1e3
-            l1_cfg = triton_small.small_config(p0.num_rows, 2 * shape.inter, shape.hidden, shape.num_experts,
-                                            p0.rows_per_expert, fused=True)
-            l2_cfg = triton_small.small_config(p0.num_rows, shape.hidden, shape.inter, shape.num_experts,
-                                            p0.rows_per_expert)
+            l1_cfg = triton_heuristics.small_config(p0.num_rows, 2 * shape.inter, shape.hidden, shape.num_experts,
+                                                    p0.rows_per_expert, fused=True)
+            l2_cfg = triton_heuristics.small_config(p0.num_rows, shape.hidden, shape.inter, shape.num_experts,
+                                                    p0.rows_per_expert)
             row = {"shape": name, "tokens": n, "num_rows": p0.num_rows, "touched_experts": touched,
                    "sets": len(pools), "read_us": read_ms * 1e3,
                    "small_l1_config": l1_cfg.name, "small_l1_split_k": l1_cfg.split_k,
@@ -237,8 +237,7 @@ def format_decode(rows: List[Dict], state: Dict) -> str:
 def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeats: int,
                budget_s: float) -> List[Dict]:
     import torch
-    from ..moe.engines import triton_large
-    from ..moe.engines import triton_small
+    from ..moe.engines import triton_heuristics, triton_large, triton_small
     num_sms = torch.cuda.get_device_properties(state["device"]).multi_processor_count
     rows = []
     for name in shapes:
@@ -260,17 +259,18 @@ def sweep_rows(shapes: Sequence[str], tokens: Sequence[int], state: Dict, repeat
             }
             for gemm, (fused, num_bytes, fn, (N, K)) in kernels.items():
                 read_us = num_bytes / (state["copy_gbps"] * 1e9) * 1e6
-                default = triton_small.small_config(p0.num_rows, N, K, shape.num_experts, p0.rows_per_expert,
-                                                 fused=fused)
+                default = triton_heuristics.small_config(p0.num_rows, N, K, shape.num_experts,
+                                                         p0.rows_per_expert, fused=fused)
                 row = {"shape": name, "tokens": n, "gemm": gemm, "read_us": read_us, "default": default.name,
                        "configs": {}}
 
                 def useful(c, N=N, K=K, fused=fused):  # split only below the SM count, >= 1 K block per split
-                    return c.split_k == 1 or (c.split_k <= K // 128 and triton_small.tile_programs(
+                    return c.split_k == 1 or (c.split_k <= K // 128 and triton_heuristics.tile_programs(
                         p0.num_rows, N, shape.num_experts, p0.rows_per_expert, c.block_n, c.block_t,
                         fused=fused) < num_sms)
 
-                for cfg in [default] + [c for c in triton_small.configs(fused) if c != default and useful(c)]:
+                candidates = triton_heuristics.small_configs(fused)
+                for cfg in [default] + [c for c in candidates if c != default and useful(c)]:
                     if cfg != default and time.perf_counter() - state["started"] > budget_s:
                         row["sweep_truncated"] = True
                         break

@@ -53,17 +53,15 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import lacks_cuda_torch, progress
+from . import lacks_cuda_torch, progress, timed_ms
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
+from ..moe.workspace_plan import PRESETS
 
 logger = logging.getLogger(__name__)
 
-#: name: (hidden, inter, num_experts, topk)
-SHAPES = {
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "mixtral": (4096, 14336, 8, 2),
-}
+#: name: (hidden, inter, num_experts, topk): the model presets (`symmring.moe.workspace_plan.PRESETS`, the names of
+#: ``plan --preset`` and ``demo --model``).
+SHAPES = {name: (p["hidden"], p["inter"], p["num_experts"], p["topk"]) for name, p in PRESETS.items()}
 DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The decode target: graph latency <= DECODE_SLOPE x the fp8 weight-read limit + DECODE_OFFSET_MS.
@@ -74,22 +72,6 @@ ENGINE_NAMES = ("torch", "builtin", "deepgemm")
 #: The command's one-line description (plain text for --help).
 DESCRIPTION = ("Latency of the GPU MoE layer with bf16 and fp8 experts (every engine) against the fp8 roofline, "
                "per model shape and tokens per rank.")
-
-
-def _timed(fn, repeats: int, warmup: int = 2) -> List[float]:
-    """Milliseconds of ``repeats`` calls of ``fn`` (CUDA events around each, after ``warmup`` calls)."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def kernel_profile(fn, repeats: int) -> Dict[str, float]:
@@ -119,15 +101,15 @@ def measure_ceilings(device) -> Dict[str, float]:
     import torch
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_ms = statistics.median(_timed(lambda: a @ b, 10, 3))
+    mm_ms = statistics.median(timed_ms(lambda: a @ b, 10, 3))
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as cuBLASLt wants
     sa = torch.ones(8192, 1, device=device, dtype=torch.float32)
     sb = torch.ones(1, 8192, device=device, dtype=torch.float32)
-    fp8_ms = statistics.median(_timed(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb,
+    fp8_ms = statistics.median(timed_ms(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb,
                                                                out_dtype=torch.bfloat16), 10, 3))
     src = torch.empty(2 ** 30 // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = statistics.median(_timed(lambda: dst.copy_(src), 10, 3))
+    copy_ms = statistics.median(timed_ms(lambda: dst.copy_(src), 10, 3))
     del a, b, a8, b8, src, dst
     return {"matmul_tflops": 2 * 8192 ** 3 / (mm_ms * 1e-3) / 1e12,
             "fp8_matmul_tflops": 2 * 8192 ** 3 / (fp8_ms * 1e-3) / 1e12,
@@ -226,11 +208,11 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
             reps = repeats if n <= 4096 else max(3, repeats // 4)
             torch_ms = None
             if plain is not None:
-                torch_ms = statistics.median(_timed(lambda: plain.forward(x, router_weight=router), reps))
+                torch_ms = statistics.median(timed_ms(lambda: plain.forward(x, router_weight=router), reps))
             for engine, moe in layers.items():
                 ctx.collectives.barrier(what="bench: timing")
                 hits = moe.graph_cache_info()["hits"]
-                layer_ms = statistics.median(_timed(lambda: moe.forward(x, router_weight=router), reps))
+                layer_ms = statistics.median(timed_ms(lambda: moe.forward(x, router_weight=router), reps))
                 moe.check_errors()
                 # Whether the timed eager calls replayed the layer's cached graph (warm: the warm-up captured it).
                 eager_cached = moe.graph_cache_info()["hits"] - hits >= reps
@@ -238,18 +220,18 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 if eager_cached:  # the same calls launched kernel by kernel, side by side
                     ctx.collectives.barrier(what="bench: timing")
                     eager_nocache_ms = statistics.median(
-                        _timed(lambda: moe.forward(x, router_weight=router, graph_cache=False), reps))
+                        timed_ms(lambda: moe.forward(x, router_weight=router, graph_cache=False), reps))
                     moe.check_errors()
                 # Per-stage split (a separate pass, so the events do not perturb the latency above).
                 stage_runs: Dict[str, List[float]] = {s: [] for s in STAGES}
                 for _ in range(reps):
                     events: List = []
-                    moe.forward(x, router_weight=router, stage_events=events)
+                    moe.debug.forward(x, router_weight=router, stage_events=events)
                     events[-1][1].synchronize()
                     for s, ms in _stage_ms(events).items():
                         stage_runs[s].append(ms)
                 stages = {s: statistics.median(v) for s, v in stage_runs.items()}
-                counts = moe._state.counts
+                counts = moe.executor.state.counts
                 num_rows = int(counts.sum().item())
                 touched = int((counts > 0).sum().item())
                 gemm_flops = 2.0 * num_rows * 3 * hidden * inter
@@ -269,22 +251,22 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                     # its row marks are rebuilt for the timing and cleared again after).
                     window = moe.last_plan.windows[0]
                     window_rows, bound = window.rows_bound, window.rows_per_expert
-                    pool = moe._state.pool(window_rows)
-                    _mark_rows(moe._state, True)
-                    own = statistics.median(_timed(lambda: moe.engine.forward(pool, window_rows, bound), reps))
+                    pool = moe.executor.state.pool(window_rows)
+                    _mark_rows(moe.executor.state, True)
+                    own = statistics.median(timed_ms(lambda: moe.engine.forward(pool, window_rows, bound), reps))
                     row["engine_step_ms"] = own
                     row["engine_step_tflops"] = gemm_flops / (own * 1e-3) / 1e12
                     if engine in twins:
-                        other = statistics.median(_timed(lambda: twins[engine].forward(pool, window_rows, bound),
+                        other = statistics.median(timed_ms(lambda: twins[engine].forward(pool, window_rows, bound),
                                                          reps))
                         dg_ms = other if engine == "builtin" else own
                         bi_ms = own if engine == "builtin" else other
                         row["builtin_vs_deepgemm_rate"] = dg_ms / bi_ms
-                    _mark_rows(moe._state, False)
+                    _mark_rows(moe.executor.state, False)
                 if graphs:
                     try:
                         graph, _ = moe.capture(x, router_weight=router)
-                        row["layer_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                        row["layer_graph_ms"] = statistics.median(timed_ms(graph.replay, reps))
                         if kernels:  # where a replay's time goes, kernel by kernel
                             row["graph_kernels_us"] = kernel_profile(graph.replay, 5)
                         moe.check_errors()
@@ -296,15 +278,15 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
                 if row["small_batch"]:  # the general schedule on the same inputs, side by side
                     ctx.collectives.barrier(what="bench: timing")
                     row["general_ms"] = statistics.median(
-                        _timed(lambda: moe.forward(x, router_weight=router, small_batch=False), reps))
+                        timed_ms(lambda: moe.forward(x, router_weight=router, small_batch=False), reps))
                     if graphs:
                         graph, _ = moe.capture(x, router_weight=router, small_batch=False)
-                        row["general_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                        row["general_graph_ms"] = statistics.median(timed_ms(graph.replay, reps))
                         del graph
                         # What PDL gives: the same graph with plain launches.
                         with _plain_launches(moe):
                             graph, _ = moe.capture(x, router_weight=router)
-                            row["no_pdl_graph_ms"] = statistics.median(_timed(graph.replay, reps))
+                            row["no_pdl_graph_ms"] = statistics.median(timed_ms(graph.replay, reps))
                             del graph
                     moe.check_errors()
                 best = row.get("layer_graph_ms", layer_ms)
@@ -337,7 +319,7 @@ def bench_shape(ctx, name: str, tokens: List[int], repeats: int, ceilings: Dict[
 @contextlib.contextmanager
 def _plain_launches(moe):
     """``moe`` with its programmatic dependent launches off (`symmring.pdl`), restored after."""
-    launcher = moe._kernels.launch
+    launcher = moe.executor.kernels.launch
     was = launcher.enabled
     launcher.enabled = False
     try:

@@ -54,7 +54,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import lacks_cuda_torch, progress
+from . import lacks_cuda_torch, progress, timed_ms
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
 logger = logging.getLogger(__name__)
@@ -361,8 +361,7 @@ def rel_error(y, y_ref) -> float:
 
 
 def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    from .moe import _timed
-    return statistics.median(_timed(fn, repeats, warmup))
+    return statistics.median(timed_ms(fn, repeats, warmup))
 
 
 def _median_kernel_ms(runner, x, topk_idx, topk_weights, out, repeats: int, warmup: int = 2) -> float:

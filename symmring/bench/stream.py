@@ -42,8 +42,6 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-import numpy as np
-
 from . import lacks_cuda_torch, progress
 
 from ..moe.gpu.policy import DEFAULT_MARGIN, StreamPolicy, resolve
@@ -177,9 +175,9 @@ def timeline(ctx, shape: str, n: int, cfgs: List[Dict], png_path: str) -> List[D
         try:
             for _ in range(2):
                 moe.forward(x, router_weight=router, streaming=True)
-            moe.forward(x, router_weight=router, streaming=True, timeline=True)
+            moe.debug.forward(x, router_weight=router, streaming=True, timeline=True)
             moe.check_errors()
-            records = moe.timeline_records()
+            records = moe.debug.timeline_records()
         finally:
             moe.close()
         frac, hidden_frac = overlap_fraction(records), hidden_producer_fraction(records)
@@ -227,7 +225,7 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     (``moe_spin_probe``), interleaved."""
     import torch
     from ..moe.gpu import plan as plans
-    from ..moe.gpu import stages
+    from ..moe.gpu import kernel_args, stages
     from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = SHAPES[shape]
     device, gen, (w_gate, w_up, w_down, router) = layer_weights(ctx, shape, seed=2)
@@ -241,31 +239,28 @@ def spin_check(ctx, shape: str, n: int, tokens_per_slot: int, repeats: int) -> D
     word = torch.zeros(1, dtype=torch.int64, device=device)
     spinner = torch.cuda.Stream(device=device)
     producer = torch.cuda.Stream(device=device)
-    k, state = moe._kernels, moe._state
+    executor = moe.executor
+    k, state = executor.kernels, executor.state
     probe = moe.backend.library_module("moe_schedule").function("moe_spin_probe")
-    idx, weights = moe._topk_idx, moe._topk_weights
-
-    def route(rows: slice) -> None:
-        chunk_idx, chunk_weights = moe._route(x, "router", router, rows)
-        idx[rows].copy_(chunk_idx)
-        weights[rows].copy_(chunk_weights)
+    idx, weights = executor.topk_idx, executor.topk_weights
 
     def produce_call(spin: bool) -> float:
         moe.reset()  # fresh ring: every slot free, generation base 0 (collective)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if spin:  # spin well past the producer's work; nobody ever sets the word
-            probe((blocks,), (32,), (np.uint64(word.data_ptr()), np.uint64(1), np.uint64(200_000_000)),
-                  stream=moe._stream(spinner.cuda_stream))
-        p_stream = moe._stream(producer.cuda_stream)
+            probe((blocks,), (32,), kernel_args.pack(kernel_args.STRUCTS["SpinProbeArgs"], word=word.data_ptr(),
+                                                     until=1, duration_ns=200_000_000),
+                  stream=executor.stream(spinner.cuda_stream))
+        p_stream = executor.stream(producer.cuda_stream)
         with torch.cuda.stream(producer):
             # Hold the stream while the host enqueues every launch, so the events time the device's work,
             # not the host's launch rate.
             stages.sleep(k, state, p_stream, ns=50_000_000)
             start.record()
             for chunk in plan.chunks:
-                stages.produce_chunk(k, state, p_stream, chunk=chunk, x=x, route=route, topk_idx=idx,
-                                     topk_weights=weights, layer=moe.layer_id)
+                stages.produce_chunk(k, state, p_stream, chunk=chunk, x=x, router=moe.router, kind="router",
+                                     source=router, topk_idx=idx, topk_weights=weights, layer=moe.layer_id)
             end.record()
         end.synchronize()
         torch.cuda.synchronize()  # the probe ends by its bound

@@ -41,7 +41,7 @@ from .weights import shape_dim
 X_FORMATS = ("fp8_e4m3", "bf16")
 #: Default ``small_batch_tokens``: the most tokens per rank a call may have for the small-batch schedule.
 SMALL_BATCH_TOKENS = 128
-#: Default ``graph_cache``: CUDA graphs kept per GPU layer (`symmring.moe.gpu.graph_cache.DEFAULT_ENTRIES`).
+#: Default ``graph_cache``: CUDA graphs kept per GPU layer (`symmring.moe.gpu.graph_cache`).
 GRAPH_CACHE_ENTRIES = 12
 
 
@@ -266,16 +266,34 @@ class Experts:
 
 
 
+#: The test hooks of a call (`symmring.moe.debug.Hooks`' fields, which ``layer.debug.forward`` takes and
+#: ``forward`` does not): named here so `misplaced` needs no import of `symmring.moe.debug`, which sits above
+#: this module (tests/test_config.py holds the two equal).
+TEST_HOOKS = ("stage_events", "timeline", "producer_delay_ns", "consumer_delay_ns", "lookahead")
+
+
 def misplaced(kwargs: dict, layer: str) -> ConfigError:
-    """The error for keyword arguments a layer does not take: for each, the value it belongs to, if any
-    (``x_format=`` is `ScheduleConfig`'s, ``scoring=`` is `RoutingConfig`'s, ...)."""
+    """The error for keyword arguments a layer (or its ``forward``) does not take: for each, the value it belongs
+    to, if any (``x_format=`` is `ScheduleConfig`'s, ``scoring=`` is `RoutingConfig`'s, ...; a test hook such as
+    ``timeline=`` is ``layer.debug.forward``'s, `symmring.moe.debug`).
+
+    Example:
+        >>> print(misplaced({"x_format": "bf16", "timeline": True}, "MoE"))  # doctest: +NORMALIZE_WHITESPACE
+        MoE: unexpected keyword argument(s): timeline (a test hook: layer.debug.forward(..., timeline=...));
+        x_format (a field of ScheduleConfig: pass ScheduleConfig(x_format=...))
+    """
+    hooks = set(TEST_HOOKS)
     homes = []
     for name in sorted(kwargs):
         owner = next((cls.__name__ for cls in (RoutingConfig, ScheduleConfig, Experts)
                       if name in {f.name for f in dataclasses.fields(cls)}), None)
-        homes.append(f"{name} (not an argument of {layer})" if owner is None else
-                     f"{name} (a field of {owner}: pass {owner}({name}=...))")
+        if owner is not None:
+            homes.append(f"{name} (a field of {owner}: pass {owner}({name}=...))")
+        elif name in hooks:
+            homes.append(f"{name} (a test hook: layer.debug.forward(..., {name}=...))")
+        else:
+            homes.append(f"{name} (not an argument of {layer})")
     return ConfigError(f"{layer}: unexpected keyword argument(s): " + "; ".join(homes))
 
 
-__all__ = ["RoutingConfig", "ScheduleConfig", "Experts", "X_FORMATS", "check_int", "misplaced"]
+__all__ = ["RoutingConfig", "ScheduleConfig", "Experts", "X_FORMATS", "check_int", "misplaced", "TEST_HOOKS"]

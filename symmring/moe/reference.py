@@ -49,6 +49,7 @@ against it is not circular); its results agree with the row-independent ones to 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional, Tuple
 
 import numpy as np
@@ -57,7 +58,8 @@ from ..errors import ConfigError
 from . import quant
 from .routing import RENORM_EPS, SCORINGS, check_options  # pure Python: routing imports torch only inside `route`
 
-#: TopK variants accepted by `select_topk`: the torch routing's `routing.SCORINGS`, one list for both.
+#: TopK variants accepted by `select_topk` (its ``scoring``): the torch routing's `routing.SCORINGS`, one list for
+#: both (the former name, kept).
 TOPK_METHODS = SCORINGS
 #: Expert id of a masked (token, k) entry: it contributes nothing.
 MASKED_EXPERT = -1
@@ -194,7 +196,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return act.astype(np.float32)
 
 
-def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
+def select_topk(logits: np.ndarray, num_topk: int, scoring: str = "softmax", *,
                 bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
                 topk_group: int = 1, norm_topk_prob: bool = True) -> Tuple[np.ndarray, np.ndarray]:
     """TopK routing of each token from its logits (see the module docstring for the variants).
@@ -202,7 +204,7 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
     Args:
         logits: float32 ``[num_tokens, num_experts]``, finite.
         num_topk: experts per token, ``1 <= num_topk <= num_experts``.
-        method: ``"softmax"`` or ``"sigmoid_bias"``.
+        scoring: ``"softmax"`` or ``"sigmoid_bias"`` (`symmring.moe.config.RoutingConfig`'s ``scoring``).
         bias: float32 ``[num_experts]`` selection bias (``sigmoid_bias`` only; zeros when omitted).
         routed_scaling_factor: factor on the weights (``sigmoid_bias`` only).
         n_group, topk_group: group-limited top-k (``sigmoid_bias`` only; ``n_group=1``: none).
@@ -213,7 +215,7 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         ties to the lower expert id.
 
     Raises:
-        ConfigError: bad ``logits``, ``num_topk``, ``method``, ``bias`` or ``routed_scaling_factor``, or
+        ConfigError: bad ``logits``, ``num_topk``, ``scoring``, ``bias`` or ``routed_scaling_factor``, or
             group and normalisation options that `routing.check_options` rejects.
 
     Example:
@@ -227,14 +229,14 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
     if isinstance(num_topk, bool) or not isinstance(num_topk, (int, np.integer)) \
             or not 1 <= num_topk <= num_experts:
         raise ConfigError(f"num_topk={num_topk!r}: expected an int in [1, num_experts={num_experts}]")
-    if method not in TOPK_METHODS:
-        raise ConfigError(f"method={method!r}: expected one of {TOPK_METHODS}")
-    check_options(num_experts, int(num_topk), method, n_group=n_group, topk_group=topk_group,
+    if scoring not in SCORINGS:
+        raise ConfigError(f"scoring={scoring!r}: expected one of {SCORINGS}")
+    check_options(num_experts, int(num_topk), scoring, n_group=n_group, topk_group=topk_group,
                   norm_topk_prob=norm_topk_prob)
     logits64 = logits.astype(np.float64)
-    if method == "softmax":
+    if scoring == "softmax":
         if bias is not None:
-            raise ConfigError("bias: only the 'sigmoid_bias' method takes a selection bias")
+            raise ConfigError("bias: only 'sigmoid_bias' scoring takes a selection bias")
         key = logits64
         shifted = np.exp(logits64 - logits64.max(axis=1, keepdims=True, initial=-np.inf))
         probs = shifted / shifted.sum(axis=1, keepdims=True)
@@ -262,12 +264,12 @@ def select_topk(logits: np.ndarray, num_topk: int, method: str = "softmax", *,
         total = np.zeros((num_tokens, 1), np.float64)
         for k in range(num_topk):
             total += chosen[:, k:k + 1]
-        if method == "sigmoid_bias":
+        if scoring == "sigmoid_bias":
             total += RENORM_EPS  # transformers' DeepSeek-V3 router: sum + 1e-20
         weights = chosen / total
     else:
         weights = chosen
-    if method == "sigmoid_bias":
+    if scoring == "sigmoid_bias":
         weights = weights * float(routed_scaling_factor)
     return order.astype(np.int32), weights.astype(np.float32)
 
@@ -382,24 +384,43 @@ def check_routing(num_tokens: int, hidden: int, num_topk: int, num_experts: int,
     return sources[0]
 
 
+def _scoring(scoring: str, topk_method: Optional[str]) -> str:
+    """``scoring``, or ``topk_method`` (its former name) when that is given (a DeprecationWarning).
+
+    Raises:
+        ConfigError: both given, and different.
+    """
+    if topk_method is None:
+        return scoring
+    warnings.warn("topk_method= is the former name of scoring= (as in RoutingConfig); pass scoring=",
+                  DeprecationWarning, stacklevel=3)
+    if scoring != "softmax" and scoring != topk_method:
+        raise ConfigError(f"topk_method={topk_method!r} and scoring={scoring!r}: the same option twice (topk_method "
+                          "is scoring's former name)")
+    return topk_method
+
+
 def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None, logits=None,
-          topk_idx=None, topk_weights=None, topk_method: str = "softmax", bias=None,
-          routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True):
+          topk_idx=None, topk_weights=None, scoring: str = "softmax", bias=None,
+          routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+          topk_method: Optional[str] = None):
     """Routing of ``x`` from exactly one source: ``router_weight``, ``logits`` or ``topk_idx`` +
-    ``topk_weights``. Returns ``(topk_idx, topk_weights, logits or None)``.
+    ``topk_weights``. Returns ``(topk_idx, topk_weights, logits or None)``. ``topk_method``: the former name
+    of ``scoring`` (an alias, with a DeprecationWarning).
 
     Raises:
         ConfigError: zero or several sources given, or a source with the wrong shape or dtype
-            (`check_routing`); bad ``topk_method``, ``bias``, ``routed_scaling_factor`` or group and
+            (`check_routing`); bad ``scoring``, ``bias``, ``routed_scaling_factor`` or group and
             normalisation options (`select_topk`).
     """
+    scoring = _scoring(scoring, topk_method)
     source = check_routing(x.shape[0], x.shape[1], num_topk, num_experts, router_weight=router_weight,
                            logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
     if source == "topk_idx":
         return topk_idx, topk_weights, None
     if source == "router_weight":
         logits = router_logits(x, router_weight)
-    idx, weights = select_topk(logits, num_topk, topk_method, bias=bias,
+    idx, weights = select_topk(logits, num_topk, scoring, bias=bias,
                                routed_scaling_factor=routed_scaling_factor, n_group=n_group,
                                topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     return idx, weights, logits
@@ -408,11 +429,11 @@ def route(x: np.ndarray, num_topk: int, num_experts: int, *, router_weight=None,
 def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
                   num_topk: int, router_weight: Optional[np.ndarray] = None,
                   logits: Optional[np.ndarray] = None, topk_idx: Optional[np.ndarray] = None,
-                  topk_weights: Optional[np.ndarray] = None, topk_method: str = "softmax",
+                  topk_weights: Optional[np.ndarray] = None, scoring: str = "softmax",
                   bias: Optional[np.ndarray] = None, routed_scaling_factor: float = 1.0,
                   x_format: str = "fp8_e4m3", sf_group_size: int = quant.DEFAULT_GROUP_SIZE,
                   expert_format: str = "f32", n_group: int = 1, topk_group: int = 1,
-                  norm_topk_prob: bool = True) -> ReferenceResult:
+                  norm_topk_prob: bool = True, topk_method: Optional[str] = None) -> ReferenceResult:
     """The whole MoE layer on one process, all experts local.
 
     Args:
@@ -421,7 +442,9 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
         num_topk: experts per token (``K``).
         router_weight / logits / (topk_idx, topk_weights): exactly one routing source (float32
             ``[E, H]``; float32 ``[T, E]``; int32 and float32 ``[T, K]`` with ``-1`` = masked).
-        topk_method, bias, routed_scaling_factor, n_group, topk_group, norm_topk_prob: see `select_topk`.
+        scoring, bias, routed_scaling_factor, n_group, topk_group, norm_topk_prob: see `select_topk` (the names
+            of `symmring.moe.config.RoutingConfig`; ``topk_method``: the former name of ``scoring``, an alias
+            with a DeprecationWarning).
         x_format: ``"fp8_e4m3"`` or ``"bf16"``, how the experts see ``x``.
         sf_group_size: channels per fp8 scale.
         expert_format: `EXPERT_FORMATS`: ``"fp8"`` models the fp8 experts' intermediate roundings.
@@ -448,7 +471,7 @@ def reference_moe(x: np.ndarray, *, w_gate: np.ndarray, w_up: np.ndarray, w_down
     if x.shape[1] != hidden:
         raise ConfigError(f"x.shape={x.shape}: expected hidden={hidden} (from the expert weights)")
     idx, weights, logits = route(x, num_topk, num_experts, router_weight=router_weight, logits=logits,
-                                 topk_idx=topk_idx, topk_weights=topk_weights, topk_method=topk_method,
+                                 topk_idx=topk_idx, topk_weights=topk_weights, scoring=_scoring(scoring, topk_method),
                                  bias=bias, routed_scaling_factor=routed_scaling_factor, n_group=n_group,
                                  topk_group=topk_group, norm_topk_prob=norm_topk_prob)
     x_q, x_sf = quant.encode(x, x_format, sf_group_size)

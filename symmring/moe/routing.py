@@ -165,20 +165,27 @@ def device_routing_applies(num_experts: int, topk: int, n_group: int = 1) -> boo
 
 
 def device_router(num_experts: int, scoring: str = "softmax", *, bias=None, routed_scaling_factor: float = 1.0,
-                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True) -> tuple:
-    """The routing options as the device kernels' trailing arguments (router.cuh RouterOptions, without
-    topk, which the kernels take from the ring or as their own argument): ``(bias pointer, factor, scoring
-    code, num_experts, n_group, topk_group, norm_topk_prob)``. ``bias``: a contiguous float32 device tensor
-    (the caller keeps it alive) or None. Options are `check_options`'s (checked by the caller).
+                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True):
+    """The routing options as the device kernels read them: a record of the ``RouterOptions`` struct
+    (device/moe/args.cuh; `symmring.moe.gpu.kernel_args`), its ``topk`` 0 (the kernels take it from the ring, or
+    the launcher sets it). ``bias``: a contiguous float32 device tensor (the caller keeps it alive) or None.
+    Options are `check_options`'s (checked by the caller).
 
     Example:
-        >>> [int(v) for v in device_router(128, "softmax")[2:]]
-        [0, 128, 1, 1, 1]
+        >>> options = device_router(128, "softmax")
+        >>> [int(options[name]) for name in ("bias", "scoring", "num_experts", "n_group", "norm_topk_prob")]
+        [0, 0, 128, 1, 1]
     """
     import numpy as np
-    return (np.uint64(0 if bias is None else bias.data_ptr()), np.float32(routed_scaling_factor),
-            np.int32(SCORINGS.index(scoring)), np.int32(num_experts), np.int32(n_group), np.int32(topk_group),
-            np.int32(bool(norm_topk_prob)))
+    from .gpu.kernel_args import STRUCTS
+    options = np.zeros((), STRUCTS["RouterOptions"])
+    options["bias"] = 0 if bias is None else bias.data_ptr()
+    options["routed_scaling_factor"] = routed_scaling_factor
+    options["scoring"] = SCORINGS.index(scoring)
+    options["num_experts"] = num_experts
+    options["n_group"], options["topk_group"] = n_group, topk_group
+    options["norm_topk_prob"] = bool(norm_topk_prob)
+    return options
 
 
 def logits_operand(logits):

@@ -10,8 +10,9 @@ uniform routing, and a window whose arrivals exceed it runs as more passes over 
 Created once per context (``ctx.workspace()``, which every layer uses by default) or explicitly
 (``Workspace(ctx, ...)``, passed as ``workspace=``). Layers attach at construction (collective, as the
 layers' constructors are): the workspace grows to serve the largest shape and ``max_tokens`` attached.
-On GPUs growing makes the memory anew (after a device synchronisation): the layers attached before get
-views of the new memory and drop their cached graphs and plans, and a graph of `symmring.moe.gpu.MoE.capture`
+On GPUs growing makes the memory anew (after a device synchronisation) and moves `Workspace.epoch` on: the
+layers attached before take views of the new memory and drop their cached graphs and plans at their next
+call (the epoch is the one signal, read before every call), and a graph of `symmring.moe.gpu.MoE.capture`
 refuses to replay with a `ConfigError`; any other CUDA graph captured over a layer's forward before (a
 `torch.cuda.graph`, a compiled model's) addresses freed memory and must be captured again: build every
 layer first, then capture, as a server does. On CPUs the rings and the combine buffer also grow on demand
@@ -63,7 +64,7 @@ import dataclasses
 import logging
 import sys
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -160,6 +161,14 @@ def given_entries(mine: tuple, counts, rank: int, world_size: int) -> list:
     return [mine if r == rank else (c,) + mine[1:2] + (None, mine[3], None) for r, c in enumerate(counts)]
 
 
+def step_entries(ws, mine: tuple, counts) -> list:
+    """Every rank's entry of a step of ``ws``: from the caller's ``counts`` without an exchange (`given_entries`),
+    else from ONE bounded allgather (none on one rank)."""
+    if counts is not None:
+        return given_entries(mine, counts, ws.rank, ws.world_size)
+    return [mine] if ws.world_size == 1 else ws.ctx.collectives.allgather(mine, what="Workspace.step")
+
+
 class Workspace(Closing):
     """The process's memory for MoE calls (see the module docstring). Nothing is allocated until a layer
     attaches (collectively).
@@ -199,7 +208,6 @@ class Workspace(Closing):
         self._step_failure: Optional[str] = None  # this rank: what failed in a step (exchanged at the next entry)
         self.epoch = 0  # GPU: bumped each time the memory is made anew (a graph captured before cannot replay)
         self._graphs = _GraphEpochs()  # GPU: the memory each captured graph addresses (`capture`, `replay`)
-        self._layers: List["weakref.ref"] = []  # GPU layers attached (their views and graphs follow the memory)
         self.closed = False
         self.failure: Optional[BaseException] = None  # a call stopped part-way: the shared state is unknown
         self._device = None  # symmring.moe.gpu.memory.DeviceMemory on a device backend
@@ -222,27 +230,19 @@ class Workspace(Closing):
                 workspace is left as it was).
         """
         self.check_open()
-        shapes = tuple(dict.fromkeys(self.shapes + (shape,)))
-        bounds = [t for t in (self.max_tokens, max_tokens) if t is not None]
-        tokens = max(bounds) if bounds else None
+        shapes, tokens = self._with(shape, max_tokens)
         if shapes == self.shapes and tokens == self.max_tokens:
             return
         if self._host is not None:
             # Without a token bound the CPU workspace grows with the calls (one pass per chunk); with one,
             # the pool is the plan's, allocated now.
-            self.plan = None if tokens is None else plan(
-                shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget, device="cpu",
-                tokens_per_slot=min(tokens, self.tokens_per_slot or tokens), pool_rows=self.pool_rows_override)
+            self.plan = None if tokens is None else self._plan_of(shapes, tokens)
             self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
             hidden = max(s.hidden for s in shapes)
             rows = max((self.pool_rows(s) for s in shapes), default=0) if self._bounded else 0
             self._host.pool_view(rows, hidden)
             return
-        if tokens is None:
-            raise ConfigError("workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
-        self.plan = plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
-                         tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
-                         device="gpu", pool_rows=self.pool_rows_override)
+        self.plan = self._plan_of(shapes, tokens)
         self.shapes, self.max_tokens = shapes, tokens  # only once the plan holds them
         from .gpu.memory import DeviceMemory
         if self._device is not None and self._device.fits(self.plan):
@@ -250,8 +250,8 @@ class Workspace(Closing):
             return
         requests = []
         if self._device is not None:
-            # The layers attached so far get their views of the new memory; what addressed the old memory
-            # goes: their cached graphs and plans now, graphs captured by hand at their replay (`epoch`).
+            # The layers attached so far get views of the new memory at their next call (`epoch`); graphs
+            # captured by hand refuse to replay.
             self.release_memory()
             requests = self._device.requests
             self._device.close()
@@ -259,29 +259,47 @@ class Workspace(Closing):
         self.epoch += 1
         self._device.rebind(requests)
 
+    def preview(self, shape: LayerShape, max_tokens: Optional[int]) -> Optional[WorkspacePlan]:
+        """The plan this workspace would have with a layer of ``shape`` and ``max_tokens`` attached (its chunk,
+        window and pool rows), without attaching it or allocating anything: what a layer resolves its defaults
+        from before the ranks agree on them. None for a CPU workspace without a token bound.
+
+        Raises:
+            ConfigError: no plan holds the layers attached so far and this one (`attach` would raise the same).
+        """
+        shapes, tokens = self._with(shape, max_tokens)
+        if shapes == self.shapes and tokens == self.max_tokens:
+            return self.plan
+        return None if tokens is None and self._host is not None else self._plan_of(shapes, tokens)
+
+    def _with(self, shape: LayerShape, max_tokens: Optional[int]) -> Tuple[Tuple[LayerShape, ...], Optional[int]]:
+        """The shapes and token bound of this workspace with a layer of ``shape`` and ``max_tokens`` attached."""
+        shapes = tuple(dict.fromkeys(self.shapes + (shape,)))
+        bounds = [t for t in (self.max_tokens, max_tokens) if t is not None]
+        return shapes, (max(bounds) if bounds else None)
+
+    def _plan_of(self, shapes: Tuple[LayerShape, ...], tokens: Optional[int]) -> WorkspacePlan:
+        if self._host is not None:
+            return plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget, device="cpu",
+                        tokens_per_slot=min(tokens, self.tokens_per_slot or tokens), pool_rows=self.pool_rows_override)
+        if tokens is None:
+            raise ConfigError("workspace: a GPU layer needs max_tokens (the workspace's or the layer's)")
+        return plan(shapes, world_size=self.world_size, max_tokens=tokens, budget=self.budget,
+                    tokens_per_slot=None if self.tokens_per_slot is None else min(tokens, self.tokens_per_slot),
+                    device="gpu", pool_rows=self.pool_rows_override)
+
     def release_memory(self) -> None:
         """Before GPU memory of this workspace is freed or moves (`attach` makes it anew; `DeviceMemory` grows a
-        part of it): synchronise the device, so no queued call or graph replay still uses it, and drop what the
-        layers attached so far keep that addresses it (their cached graphs and plans). The caller then bumps
-        `epoch`, so a graph of `symmring.moe.gpu.MoE.capture` refuses to replay."""
-        for layer in self.layers():
-            layer.forget_workspace_memory()
+        part of it): synchronise the device, so no queued call or graph replay still uses it. The caller then
+        bumps `epoch`: the one signal of the move. Each layer's executor compares it before every call and then
+        takes views of the new memory and drops what addressed the old (its cached graphs and plans); a graph of
+        `symmring.moe.gpu.GpuMoE.capture` (or `capture`) refuses to replay."""
         import torch
         torch.cuda.synchronize()
 
     @property
     def _bounded(self) -> bool:
         return self.pool_rows_override is not None or self.plan is not None
-
-    def register(self, layer) -> None:
-        """Remember a GPU layer (weakly) so a later growth can drop what it keeps of the old memory."""
-        self._layers.append(weakref.ref(layer))
-
-    def layers(self) -> List:
-        """The live GPU layers attached to this workspace."""
-        alive = [ref() for ref in self._layers]
-        self._layers = [ref for ref, layer in zip(self._layers, alive) if layer is not None]
-        return [layer for layer in alive if layer is not None and not layer.closed]
 
     def pool_rows(self, shape: LayerShape) -> int:
         """Rows of the pool for a layer of ``shape``: ``pool_rows=``, else the plan's (on CPUs without any
@@ -298,10 +316,17 @@ class Workspace(Closing):
         call or an exception left, not yet raised at a step's entry)."""
         return self.failure is not None or self._step_failure is not None
 
+    @property
+    def next_layer_id(self) -> int:
+        """The id the next layer built on this workspace gets (`new_layer_id`): what its spec carries into the
+        construction agreement, before the id is taken."""
+        return self._layer_ids
+
     def new_layer_id(self) -> int:
         """The id of a layer being built on this workspace: its place in construction order (every rank builds
         its layers in the same order; the layer's construction agreement checks it). The layer part of its calls'
-        identities (`call_identity`)."""
+        identities (`call_identity`). Taken once the layer's construction was agreed, so a refused layer takes
+        none."""
         layer_id, self._layer_ids = self._layer_ids, self._layer_ids + 1
         return layer_id
 
@@ -374,11 +399,7 @@ class Workspace(Closing):
             raise RingClosedError("this workspace was closed (its layers can no longer run)")
         latched = None if self._device is None else self._device.latched()
         mine = (num_tokens, own_router, latched, self.calls, self._failure_text())
-        if counts is not None:
-            entries = given_entries(mine, counts, self.rank, self.world_size)
-        else:
-            entries = [mine] if self.world_size == 1 else \
-                self.ctx.collectives.allgather(mine, what="Workspace.step")
+        entries = step_entries(self, mine, counts)
         error = step_error(self.rank, entries, None if self._device is None else self._device.decode_latched)
         if isinstance(error, StepFailed):
             self.failure = error  # every rank: until reset
@@ -415,10 +436,7 @@ class Workspace(Closing):
         num_tokens = _token_count(num_tokens)
         if self._device is None:
             raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
-        if _torch().cuda.is_current_stream_capturing():
-            self._device.record_call_tokens(num_tokens)
-        else:
-            self._device.begin_call(num_tokens)
+        self._device.set_call_tokens(num_tokens)
 
     # --- captured steps (GPU) -----------------------------------------------------------------------------
 

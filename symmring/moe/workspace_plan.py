@@ -68,12 +68,15 @@ _FP8_WORDS = 2
 #: int64 timeline stamps per chunk (symmring.moe.gpu.timeline.num_stamps: 2 per stage, 7 stages).
 _STAMPS_PER_CHUNK = 14
 
-#: Model presets of ``python -m symmring plan --preset``: (hidden, inter, experts, topk, MoE layers).
+#: Model presets of ``python -m symmring plan --preset``: (hidden, inter, experts, topk, MoE layers). The same
+#: names everywhere: ``bench moe``/``bench stream`` shapes, ``demo --model`` (a tiny model of the family).
 PRESETS = {
     "deepseek-v3": dict(hidden=7168, inter=2048, num_experts=256, topk=8, layers=58),
     "qwen3-30b-a3b": dict(hidden=2048, inter=768, num_experts=128, topk=8, layers=48),
     "mixtral": dict(hidden=4096, inter=14336, num_experts=8, topk=2, layers=32),
 }
+#: Former names of presets (``demo --model qwen3-moe``), accepted wherever a preset name is.
+PRESET_ALIASES = {"qwen3-moe": "qwen3-30b-a3b"}
 
 
 @dataclass(frozen=True)
@@ -432,5 +435,5 @@ def parse_bytes(text: str) -> int:
 __all__ = ["LayerShape", "WorkspacePlan", "plan", "heap_bytes", "expert_arena", "pool_meta_bytes", "small_path_rows",
            "SMALL_GROUP_ROWS",
            "SYMMETRIC_REGIONS", "uniform_rows", "window_rows", "worst_rows",
-           "spanned_rows", "entry_words", "group_id_rows", "num_passes", "PRESETS", "REGIONS",
+           "spanned_rows", "entry_words", "group_id_rows", "num_passes", "PRESETS", "PRESET_ALIASES", "REGIONS",
            "parse_bytes"]

@@ -11,11 +11,11 @@ clean warm-up call and a barrier, every rank starts one more call, and the fault
 * ``hard-exit``: calls ``os._exit(0)`` instead (the process vanishes without finalizing MPI);
 * ``stall``: stops publishing part-way through the call, at chunk ``STALL_CHUNK`` (2): its producer sleeps
   ``LATE_S`` there (on the host for ``layer``, ``ring`` and ``ring-gpu``; on the device for ``gpu-layer``,
-  through ``forward(producer_delay_ns=...)``: the host has enqueued the whole call).
+  through ``debug.forward(producer_delay_ns=...)``: the host has enqueued the whole call).
 
 SUBJECT is
 
-* ``layer``: `symmring.ExpertParallelMoE` (CPU), a streamed forward of 8 chunks through 2 slots;
+* ``layer``: `symmring.MoE` on the host backend (the CPU layer), a streamed forward of 8 chunks through 2 slots;
 * ``ring``: `symmring.Ring` driven in `protocol.enqueue_order`, 8 chunks through 2 slots;
 * ``gpu-layer``: `symmring.moe.gpu.MoE` on the nvshmem backend, a streamed forward of 4 chunks through 2
   slots (bf16 dispatch, torch experts);
@@ -55,7 +55,7 @@ import symmring
 import symmring.world
 from symmring import protocol
 from symmring.collective import Collectives
-from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring.moe.cpu.layer import shard_experts
 from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
 #: How late the faulty rank starts (late) or how long its producer sleeps (stall): far beyond the bound.
@@ -81,10 +81,14 @@ def layer_subject(ctx):
     w_up = rng.standard_normal((NUM_EXPERTS, INTER, HIDDEN), dtype=np.float32) / 8
     w_down = rng.standard_normal((NUM_EXPERTS, HIDDEN, INTER), dtype=np.float32) / 4
     router = rng.standard_normal((NUM_EXPERTS, HIDDEN), dtype=np.float32)
-    layer = ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, TOPK, x_format="bf16"),
-                              *shard_experts(w_gate, w_up, w_down, ctx.rank, ctx.world_size))
-    x = rng.standard_normal((NUM_CHUNKS * TOKENS_PER_SLOT, HIDDEN), dtype=np.float32)
-    produce = layer._produce
+    n = NUM_CHUNKS * TOKENS_PER_SLOT
+    layer = symmring.MoE(ctx, symmring.Experts(*shard_experts(w_gate, w_up, w_down, ctx.rank, ctx.world_size)),
+                         symmring.RoutingConfig(NUM_EXPERTS, TOPK), max_tokens=n,
+                         schedule=symmring.ScheduleConfig(x_format="bf16", tokens_per_slot=TOKENS_PER_SLOT,
+                                                          num_slots=NUM_SLOTS))
+    x = rng.standard_normal((n, HIDDEN), dtype=np.float32)
+    executor = layer.executor
+    produce = executor._produce
 
     def call(stall: bool):
         if stall:
@@ -92,9 +96,8 @@ def layer_subject(ctx):
                 if chunk == STALL_CHUNK:
                     time.sleep(LATE_S)  # stops publishing: every later chunk of this rank is late
                 return produce(ring, call, chunk, *args)
-            layer._produce = stalled
-        layer.forward(x, router_weight=router, streaming=True, tokens_per_slot=TOKENS_PER_SLOT,
-                      num_slots=NUM_SLOTS)
+            executor._produce = stalled
+        layer.forward(x, router_weight=router, streaming=True)
     return call
 
 
@@ -153,8 +156,8 @@ def gpu_layer_subject(ctx):
 
     def call(stall: bool):
         # stall: the producer spins LATE_S on the device before chunk STALL_CHUNK (the host enqueued it all).
-        delays = {STALL_CHUNK: int(LATE_S * 1e9)} if stall else None
-        layer.forward(x, router_weight=router, streaming=True, producer_delay_ns=delays)
+        hook = dict(producer_delay_ns={STALL_CHUNK: int(LATE_S * 1e9)}) if stall else {}
+        (layer.debug.forward if hook else layer.forward)(x, router_weight=router, streaming=True, **hook)
         torch.cuda.synchronize()  # bounded: every device wait ends within the bound (or at an abort)
         layer.check_errors()
     return call

@@ -50,13 +50,17 @@ class GpuLayers(silent_rows.Adapter):
                 to_torch(weights, torch.float32, dev()))
 
     def call(self, layer, x, idx, weights, **kwargs):
-        """The layer's output tensor (enqueued; not synchronised)."""
+        """The layer's output tensor (enqueued; not synchronised); with a test hook (``consumer_delay_ns``) through
+        ``layer.debug.forward``."""
         x, idx, weights = self.inputs(x, idx, weights)
-        return self.layers[layer].forward(x, topk_idx=idx, topk_weights=weights, **kwargs)
+        moe = self.layers[layer]
+        forward = moe.debug.forward if "consumer_delay_ns" in kwargs else moe.forward
+        return forward(x, topk_idx=idx, topk_weights=weights, **kwargs)
 
     def forward(self, layer, x, idx, weights, *, streaming=False, stall_s=0.0):
-        delay = {0: int(stall_s * 1e9)} if stall_s else None  # this PE's consumer stalls past the bound
-        y = self.call(layer, x, idx, weights, streaming=streaming, consumer_delay_ns=delay)
+        # This PE's consumer stalls past the bound (a test hook), or the call runs as any other.
+        stall = dict(consumer_delay_ns={0: int(stall_s * 1e9)}) if stall_s else {}
+        y = self.call(layer, x, idx, weights, streaming=streaming, **stall)
         return y.float().cpu().numpy()
 
     def reference(self, layer, x, idx, weights):

@@ -33,7 +33,8 @@ import pytest
 from moe_helpers import deepgemm_reason
 from symmring.errors import ConfigError
 from symmring.moe import quant
-from symmring.moe.engines import triton_large
+from symmring.moe.engines import triton_heuristics, triton_large
+from symmring.moe.engines.triton_heuristics import GemmConfig
 from symmring.moe.fp8_reference import (grouped_gemm_fp8_reference, make_contiguous_layout,
                                         quantize_weight_blocks, silu_mul_f32)
 
@@ -150,9 +151,9 @@ GEMM_SHAPES_GPU = GEMM_SHAPES_SMALL + [
     ([500, 0, 37, 1024, 255, 128, 0, 3], 1024, 1024, 4096),
     ([256] * 4, 2048, 2048, None),
 ]
-INTERPRETER_CONFIGS = [triton_large.GemmConfig(128, 128, 8, 8, 3), triton_large.GemmConfig(64, 128, 8, 4, 3, tma=False),
-                       triton_large.GemmConfig(128, 256, 8, 8, 3)]
-GEMM_CONFIGS = INTERPRETER_CONFIGS if INTERPRET else triton_large.configs()
+INTERPRETER_CONFIGS = [GemmConfig(128, 128, 8, 8, 3), GemmConfig(64, 128, 8, 4, 3, tma=False),
+                       GemmConfig(128, 256, 8, 8, 3)]
+GEMM_CONFIGS = INTERPRETER_CONFIGS if INTERPRET else triton_heuristics.gemm_configs()
 GEMM_SHAPES = GEMM_SHAPES_SMALL if INTERPRET else GEMM_SHAPES_GPU
 SENTINEL = 7.0  # bf16-exact: rows the kernel must not write keep it
 

@@ -35,14 +35,14 @@ from test_fp8_kernels import (E4M3, INTERPRET, SENTINEL, _skip_reason, check_gem
 import torch  # noqa: E402  (test_fp8_kernels skipped the module already where torch is missing)
 
 from symmring.errors import ConfigError  # noqa: E402
-from symmring.moe.engines import triton_large  # noqa: E402
+from symmring.moe.engines import triton_heuristics, triton_large  # noqa: E402
 from symmring.moe.engines import triton_small  # noqa: E402
 from symmring.moe.fp8_reference import grouped_gemm_fp8_reference, swiglu_quant_reference  # noqa: E402
 from symmring.moe.quant import BF16_DTYPE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
-SmallConfig = triton_small.SmallConfig
+SmallConfig = triton_heuristics.SmallConfig
 INTERPRETER_CONFIGS = [SmallConfig(128, 16, 4, 2), SmallConfig(64, 32, 4, 3, tma=False), SmallConfig(64, 64, 4, 2),
                        SmallConfig(128, 16, 4, 2, split_k=2), SmallConfig(64, 32, 4, 2, tma=False, split_k=3)]
 GPU_CONFIGS = [SmallConfig(n, t, w, s) for n in (64, 128) for t in (16, 32, 64) for w in (4, 8) for s in (3, 6)]
@@ -156,7 +156,7 @@ def _fused_problem(rows, inter, K, total, seed=7):
 
 
 # The fused kernel stages two weight tiles (gate and up) per step: only the configurations whose pipeline
-# fits the SM's shared memory (triton_small.configs applies the same rule).
+# fits the SM's shared memory (triton_heuristics.small_configs applies the same rule).
 FUSED_CONFIGS = [c for c in CONFIGS if c.block_n == 128 and c.smem_bytes(True) <= 200 * 1024]
 FUSED_SHAPES = [([1, 0, 17, 3, 64], 128, 256, 1024), ([33, 2, 0, 65], 256, 128, 640)]
 if not INTERPRET:  # K blocks for every split configuration
@@ -241,7 +241,7 @@ def test_small_errors(device):
         with pytest.raises(ConfigError, match="rows_per_group"):
             triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, rows_per_group=bad)
     with pytest.raises(ConfigError, match="config"):
-        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=triton_large.GemmConfig())
+        triton_small.grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_idx, config=triton_heuristics.GemmConfig())
     with pytest.raises(ConfigError, match="block_n"):
         triton_small.grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b, b_sf, m_idx, config=SmallConfig(64, 16))
     with pytest.raises(ConfigError, match="2 \\* I"):

@@ -88,7 +88,7 @@ def run_case(ctx, *, num_tokens, topk, x_format="fp8_e4m3", logits_fn=None, mask
             x = make_tokens(tseed, n, HIDDEN)
             logits = (logits_fn(tseed, n) if logits_fn else
                       np.random.default_rng(tseed + 1).standard_normal((n, NUM_EXPERTS)).astype(np.float32))
-            ref_kwargs = dict(topk_method=scoring)
+            ref_kwargs = dict(scoring=scoring)
             if scoring == "sigmoid_bias":
                 ref_kwargs.update(bias=bias, routed_scaling_factor=2.5)
             if masked:

@@ -70,14 +70,14 @@ def tokens(ctx, n, seed, hidden=HIDDEN):
 def shrink_plans(moe, monkeypatch, rows: int, rows_per_expert: int) -> None:
     """This rank's layer plans every window with ``rows`` pool rows in one pass and ``rows_per_expert`` rows
     per expert: a plan made for fewer tokens than the call brings (a test hook; no public API)."""
-    real = moe._plan
+    real = moe.planner.plan
 
     def plan(*args, **kwargs):
         p = real(*args, **kwargs)
         windows = {first: dataclasses.replace(w, rows_bound=rows, rows_per_expert=rows_per_expert,
                                               passes=((0, rows),)) for first, w in p.windows.items()}
         return dataclasses.replace(p, windows=windows)
-    monkeypatch.setattr(moe, "_plan", plan)
+    monkeypatch.setattr(moe.planner, "plan", plan)
 
 
 def _canary_views(state, first: int):
@@ -126,7 +126,7 @@ def test_overflowing_dispatch_is_a_named_error_on_every_rank(ctx, monkeypatch, p
     try:
         y0 = moe.forward(x, router_weight=router, graph_cache=False, **kwargs)
         moe.check_errors()
-        state = moe._state
+        state = moe.executor.state
         if ctx.rank == faulty:
             shrink_plans(moe, monkeypatch, rows, per_expert)
             _fill_canaries(state, rows)
@@ -171,7 +171,7 @@ def test_stale_group_id_is_skipped_and_reported(ctx, small, n):
     try:
         clean = moe.forward(x, router_weight=router, graph_cache=False, small_batch=small)
         moe.check_errors()
-        state, window = moe._state, moe.last_plan.windows[0]
+        state, window = moe.executor.state, moe.last_plan.windows[0]
         live, bad = int(state.total.item()), moe.num_local_experts + 3
         if live >= window.rows_bound:
             problems.append(f"the window's rows fill its pool ({live}): no padding tile to corrupt")

@@ -336,8 +336,9 @@ def test_fp8_pool_rows_take_half_the_bytes(ctx, engine):
     bf16_moe = MoE(ctx, Experts(*(to_torch(local(ctx, w), torch.bfloat16, dev) for w in (w_gate, w_up, w_down))),
                    RoutingConfig(NUM_EXPERTS, 2), max_tokens=n)
     try:
-        rows8 = fp8_moe._state.pool_x.numel() * fp8_moe._state.pool_x.element_size() / fp8_moe.capacity
-        rows16 = bf16_moe._state.pool_x.numel() * bf16_moe._state.pool_x.element_size() / bf16_moe.capacity
+        pool8, pool16 = fp8_moe.executor.state.pool_x, bf16_moe.executor.state.pool_x
+        rows8 = pool8.numel() * pool8.element_size() / fp8_moe.capacity
+        rows16 = pool16.numel() * pool16.element_size() / bf16_moe.capacity
         m8, m16 = fp8_moe.memory(), bf16_moe.memory()
         message = (f"{engine}: pool row bytes {rows8:.0f} vs {rows16:.0f}; pool {m8['pool_bytes']} vs "
                    f"{m16['pool_bytes']} bytes; weights {m8['weight_bytes']} vs {m16['weight_bytes']} bytes")

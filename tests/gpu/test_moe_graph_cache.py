@@ -263,7 +263,7 @@ def test_bypasses(ctx, monkeypatch):
             if "expected a bool" not in str(exc):
                 problems.append(f"graph_cache=1: {exc}")
         events = []
-        y_events = moe.forward(x, router_weight=router, stage_events=events)
+        y_events = moe.debug.forward(x, router_weight=router, stage_events=events)
         padded = torch.zeros(n, HIDDEN + 128, dtype=torch.bfloat16, device=dev())
         padded[:, :HIDDEN] = x
         strided = padded[:, :HIDDEN]  # rows 16-byte aligned: the layer takes it as it is, not contiguous

@@ -241,7 +241,7 @@ def test_programmatic_dependent_launch_is_bitwise_plain(ctx):
     never do); the same calls with plain launches give bitwise the same output, eagerly and from a captured
     graph, from given top-k and from logits (the producer then routes before its slot wait)."""
     moe = layer(ctx, "builtin", 32, 8)
-    launcher = moe._kernels.launch
+    launcher = moe.executor.kernels.launch
     if ctx.backend.pes_per_gpu > 1:
         problem = "PDL enabled with several PEs on one GPU" if launcher.enabled else ""
         moe.close()

@@ -93,12 +93,19 @@ def inputs(tseed, n, topk, *, logits_fn=None, masked=False):
     return x, dict(logits=logits), dict(logits=logits)
 
 
+#: Test hooks of a call (`symmring.moe.debug`): given one, `forward` calls ``moe.debug.forward``.
+HOOKS = ("stage_events", "timeline", "producer_delay_ns", "consumer_delay_ns")
+
+
 def forward(moe, x, routing, **kwargs):
-    """``moe.forward`` on NumPy inputs (streaming as given in kwargs; default batch), checked, as NumPy."""
+    """``moe.forward`` on NumPy inputs (streaming as given in kwargs; default batch), checked, as NumPy; with a
+    test hook (`HOOKS`, not None or False) ``moe.debug.forward``."""
     dev = device_of()
     dtypes = dict(logits=torch.float32, topk_idx=torch.int32, topk_weights=torch.float32)
     args = {k: to_torch(v, dtypes[k], dev) for k, v in routing.items()}
-    y = moe.forward(to_torch(x, torch.bfloat16, dev), **args, **kwargs)
+    hooks = {k: kwargs.pop(k) for k in HOOKS if k in kwargs}
+    call = moe.debug.forward if any(v is not None and v is not False for v in hooks.values()) else moe.forward
+    y = call(to_torch(x, torch.bfloat16, dev), **args, **kwargs, **{k: v for k, v in hooks.items() if v is not None})
     moe.check_errors()
     return y.float().cpu().numpy()
 
@@ -377,11 +384,14 @@ def test_bad_arguments(ctx):
                            "no routing": lambda: moe.forward(x),
                            "streaming value": lambda: moe.forward(x, logits=logits, streaming="yes"),
                            "batch larger than the ring": lambda: moe.forward(x, logits=logits, streaming=False),
-                           "delays": lambda: moe.forward(x, logits=logits, streaming=True, producer_delay_ns=[1]),
-                           "delays on the batch path": lambda: moe.forward(x, logits=logits,
-                                                                            producer_delay_ns={0: 1}),
-                           "consumer delays": lambda: moe.forward(x, logits=logits, streaming=True,
-                                                                  consumer_delay_ns={0: -1})
+                           "delays": lambda: moe.debug.forward(x, logits=logits, streaming=True,
+                                                               producer_delay_ns=[1]),
+                           "delays on the batch path": lambda: moe.debug.forward(x, logits=logits,
+                                                                                  producer_delay_ns={0: 1}),
+                           "consumer delays": lambda: moe.debug.forward(x, logits=logits, streaming=True,
+                                                                        consumer_delay_ns={0: -1}),
+                           "a hook as forward's keyword": lambda: moe.forward(x, logits=logits, streaming=True,
+                                                                              timeline=True)
                            }.items():
             try:
                 call()
@@ -409,7 +419,7 @@ def test_timeline_records(ctx, expert_window):
     try:
         x, routing, _ = inputs(SEED + 60 + ctx.rank, n, 2)
         forward(moe, x, routing, streaming=True, timeline=True)
-        records = moe.timeline_records()
+        records = moe.debug.timeline_records()
         # 3 producer stages per chunk, 4 consumer stages per window.
         expected = 8 * 3 + (8 // expert_window) * 4
         if len(records) != expected:
@@ -445,7 +455,7 @@ def test_timeline_overlap_is_zero_when_the_consumer_starts_last(ctx):
     try:
         x, routing, _ = inputs(SEED + 61 + ctx.rank, n, 2)
         forward(moe, x, routing, streaming=True, timeline=True, consumer_delay_ns={0: 5_000_000})
-        late = moe.timeline_records()
+        late = moe.debug.timeline_records()
         if overlap_fraction(late) != 0 or hidden_producer_fraction(late) != 0:
             problems.append(f"slow consumer: overlap {overlap_fraction(late):.3f}, hidden "
                             f"{hidden_producer_fraction(late):.3f}; expected 0")
@@ -484,10 +494,10 @@ def test_early_ack_frees_the_slot_before_the_experts_end(ctx, ack_policy):
         x = to_torch(rng.standard_normal((n, H)).astype(np.float32), torch.bfloat16, device_of())
         logits = torch.from_numpy(rng.standard_normal((n, NUM_EXPERTS)).astype(np.float32)).to(device_of())
         moe.forward(x, logits=logits, streaming=True)  # warm-up
-        moe.forward(x, logits=logits, streaming=True, timeline=True,
-                    consumer_delay_ns={c: 2_000_000 for c in range(12)})
+        moe.debug.forward(x, logits=logits, streaming=True, timeline=True,
+                          consumer_delay_ns={c: 2_000_000 for c in range(12)})
         moe.check_errors()
-        records = moe.timeline_records(relative=False)
+        records = moe.debug.timeline_records(relative=False)
         experts_end = [stage(records, "consumer", "experts", c)["end_ns"] for c in range(12)]
         latest_experts_end = experts_end if ctx.world_size == 1 else [
             max(ends) for ends in zip(*ranks(ctx).allgather(experts_end))]

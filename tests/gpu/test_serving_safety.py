@@ -190,7 +190,7 @@ def test_stale_payload_on_the_moe_path_is_detected(ctx):
         ranks(ctx).Barrier()
         start = time.monotonic()
         delay = {0: 2_000_000_000} if me == culprit else None
-        y = moe.forward(x, logits=logits, streaming=True, producer_delay_ns=delay)
+        y = moe.debug.forward(x, logits=logits, streaming=True, producer_delay_ns=delay)  # None: no hook
         torch.cuda.synchronize()
         seconds = time.monotonic() - start
         if not bool(torch.isnan(y.float()).all()):
@@ -228,7 +228,7 @@ def test_dispatch_wait_gives_both_parts_one_deadline(ctx):
     bound_s = 4.0
     moe = layer(ctx, 16, timeout_s=bound_s)
     try:
-        ring, k, s = moe.ring, moe._kernels, moe._state
+        ring, k, s = moe.ring, moe.executor.kernels, moe.executor.state
         route_offset = ring.layout["route_ready"].slot_offset(0)
         # Load the writer's kernel now: a lazily loaded module can wait for the device's running kernels.
         moe.backend.signal_set(ring.alloc, route_offset, 0, 0)

@@ -122,7 +122,8 @@ def test_late_beyond_the_protocol_bound_within_the_host_bound(comm, check, figur
     rank with the right rows, and the context stays usable."""
     import numpy as np
 
-    from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+    from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
+    from symmring.moe.cpu.layer import ExpertParallelMoE, shard_experts
     from symmring.moe.reference import reference_moe
     world, rank = comm.Get_size(), comm.Get_rank()
     protocol_s, late_s = 0.5, 1.5
@@ -133,7 +134,8 @@ def test_late_beyond_the_protocol_bound_within_the_host_bound(comm, check, figur
     router = rng.standard_normal((E, H)).astype(np.float32)
     x = rng.standard_normal((n * world, H)).astype(np.float32)
     error, y, waited_s = None, None, float("nan")
-    layer = ExpertParallelMoE(ctx, MoEShapes(H, E, K), *shard_experts(*w, rank, world))
+    layer = ExpertParallelMoE(ctx, Experts(*shard_experts(*w, rank, world)), RoutingConfig(E, K), max_tokens=n,
+                              schedule=ScheduleConfig(x_format="fp8_e4m3"))
     try:
         layer.forward(x[rank * n:(rank + 1) * n], router_weight=router)  # warm: every rank in step
         if rank == world - 1:

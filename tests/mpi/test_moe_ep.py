@@ -6,8 +6,9 @@ Run (every rank runs every test; rank 0 prints one figure line per case)::
     python -m pytest tests/mpi/test_moe_ep.py -q          # a world of 1
 
 Every rank builds the same global problem from a shared seed (tokens of all ranks, all experts, the
-router), runs its slice through `ExpertParallelMoE` (12 experts: an even split over 1, 2, 3 or 4 ranks),
-and checks its output rows against `reference_moe` of the global problem. Verdicts are collective.
+router), runs its slice through the CPU layer (`symmring.MoE` on the host backend, `ExpertParallelMoE`; 12
+experts: an even split over 1, 2, 3 or 4 ranks), and checks its output rows against `reference_moe` of the
+global problem. Verdicts are collective.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import numpy as np
 import pytest
 from rankworld import MAX, MIN, SUM
 
+from symmring import MoE, shard_experts
 from symmring.errors import ConfigError
-from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
-from symmring.moe.config import RoutingConfig
+from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 from symmring.moe.reference import reference_moe
 from symmring.protocol import AckPolicy
 
 HIDDEN, INTER, NUM_EXPERTS = 256, 32, 12
+#: Most tokens a rank holds in these cases (counts below 45, and a few more in the bad-input test).
+MAX_TOKENS = 64
 
 
 def counts_uneven(world: int, rng, low: int = 5, zero_rank: bool = False) -> List[int]:
@@ -78,7 +81,7 @@ def make_problem(case: Case, world: int, seed: int):
     w_gate = (rng.standard_normal((NUM_EXPERTS, INTER, HIDDEN)) / math.sqrt(HIDDEN)).astype(np.float32)
     w_up = (rng.standard_normal((NUM_EXPERTS, INTER, HIDDEN)) / math.sqrt(HIDDEN)).astype(np.float32)
     w_down = (rng.standard_normal((NUM_EXPERTS, HIDDEN, INTER)) / math.sqrt(INTER)).astype(np.float32)
-    options = dict(topk_method=case.method)
+    options = dict(scoring=case.method)
     if case.method == "sigmoid_bias":
         options.update(bias=(rng.standard_normal(NUM_EXPERTS) * 0.1).astype(np.float32), routed_scaling_factor=2.5)
     target = int(rng.integers(NUM_EXPERTS))
@@ -137,16 +140,15 @@ def run_case(ctx, comm, case: Case, seed: int):
     hi = lo + counts[rank]
     ref = reference_moe(x, num_topk=case.num_topk, x_format=case.x_format, w_gate=weights[0],
                         w_up=weights[1], w_down=weights[2], **routing, **options)
-    shapes = MoEShapes(HIDDEN, NUM_EXPERTS, case.num_topk, x_format=case.x_format)
     errors = []
-    routing_config = RoutingConfig(NUM_EXPERTS, case.num_topk, options["topk_method"],
-                                   **{k: v for k, v in options.items() if k != "topk_method"})
-    with ExpertParallelMoE(ctx, shapes, *shard_experts(*weights, rank, world), routing=routing_config) as layer:
+    schedule = ScheduleConfig(x_format=case.x_format, tokens_per_slot=min(case.tokens_per_slot, MAX_TOKENS),
+                              num_slots=case.num_slots, ack_policy=case.ack_policy)
+    with MoE(ctx, Experts(*shard_experts(*weights, rank, world)), RoutingConfig(NUM_EXPERTS, case.num_topk, **options),
+             max_tokens=MAX_TOKENS, schedule=schedule) as layer:
         mine = local_routing(routing, lo, hi)
-        y_batch = layer.forward(x[lo:hi], ack_policy=case.ack_policy, **mine)
+        y_batch = layer.forward(x[lo:hi], **mine)
         pairs = [layer.last_stats.pairs_computed]
-        y_stream = layer.forward(x[lo:hi], streaming=True, tokens_per_slot=case.tokens_per_slot,
-                                 num_slots=case.num_slots, ack_policy=case.ack_policy, **mine)
+        y_stream = layer.forward(x[lo:hi], streaming=True, **mine)
         pairs.append(layer.last_stats.pairs_computed)
         num_chunks = layer.last_stats.num_chunks
     bitwise = first_bit_difference(y_stream, y_batch)
@@ -196,24 +198,34 @@ def test_repeated_calls_reuse_rings(ctx, comm, seed, outcome, check, figure):
     ref = reference_moe(x, num_topk=2, w_gate=weights[0], w_up=weights[1], w_down=weights[2], **routing)
     half = (hi - lo) // 2
     full = slice(lo, hi)
-    # (rows, forward options); every call after the first takes all rows and must equal call 1 bitwise.
+    # Layers of several schedules on one workspace (the rings of a spec shared and regrown, generations and
+    # combine signals carried over every call of every layer): (layer, rows, forward options, hooks); every call
+    # after the first takes all rows and must equal call 1 bitwise.
+    fp8 = dict(x_format="fp8_e4m3")  # the reference's
+    schedules = [ScheduleConfig(tokens_per_slot=5, num_slots=2, **fp8),
+                 ScheduleConfig(tokens_per_slot=5, num_slots=2, ack_policy=AckPolicy.EARLY, **fp8),
+                 ScheduleConfig(tokens_per_slot=4, num_slots=3, **fp8),
+                 ScheduleConfig(tokens_per_slot=1, num_slots=2, **fp8)]
     runs = [
-        (slice(lo, lo + half), {}),  # a small batch first: the batch ring is regrown by the next call
-        (full, {}),
-        (full, dict(streaming=True, tokens_per_slot=5, num_slots=2)),
-        (full, dict(streaming=True, tokens_per_slot=5, num_slots=2, ack_policy=AckPolicy.EARLY)),
-        (full, dict(streaming=True, tokens_per_slot=4, num_slots=3, lookahead=0)),
-        (full, dict(streaming=True, tokens_per_slot=5, num_slots=2)),  # cached ring, later generations
-        (full, dict(streaming=True, tokens_per_slot=1, num_slots=2)),
-        (full, {}),
+        (0, slice(lo, lo + half), {}, {}),  # a small batch first: the batch ring is regrown by the next call
+        (0, full, {}, {}),
+        (0, full, dict(streaming=True), {}),
+        (1, full, dict(streaming=True), {}),
+        (2, full, dict(streaming=True), dict(lookahead=0)),
+        (0, full, dict(streaming=True), {}),  # cached ring, later generations
+        (3, full, dict(streaming=True), {}),
+        (1, full, {}, {}),
     ]
 
     def body():
         errors = []
         y_full = None
-        with ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, 2), *shard_experts(*weights, rank, world)) as layer:
-            for i, (rows, options) in enumerate(runs):
-                y = layer.forward(x[rows], **local_routing(routing, rows.start, rows.stop), **options)
+        layers = [MoE(ctx, Experts(*shard_experts(*weights, rank, world)), RoutingConfig(NUM_EXPERTS, 2),
+                      max_tokens=MAX_TOKENS, schedule=schedule) for schedule in schedules]
+        try:
+            for i, (which, rows, options, hooks) in enumerate(runs):
+                forward = layers[which].debug.forward if hooks else layers[which].forward
+                y = forward(x[rows], **local_routing(routing, rows.start, rows.stop), **options, **hooks)
                 close = check_close(y, ref.y[rows], f"call {i}")
                 if close:
                     errors.append(close)
@@ -221,6 +233,9 @@ def test_repeated_calls_reuse_rings(ctx, comm, seed, outcome, check, figure):
                     y_full = y
                 elif i > 1 and first_bit_difference(y, y_full):
                     errors.append(f"call {i} ({options}): {first_bit_difference(y, y_full)}")
+        finally:
+            for layer in layers:
+                layer.close()
         return errors
 
     errors = outcome.run(body) or []
@@ -250,8 +265,8 @@ def test_bad_input_rejected_on_every_rank_and_layer_stays_usable(ctx, comm, seed
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
     ref = reference_moe(x, num_topk=2, w_gate=weights[0], w_up=weights[1], w_down=weights[2], **routing)
     last = world - 1
-    layer = ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, 2), *shard_experts(*weights, rank, world),
-                              max_tokens_per_rank=64)
+    layer = MoE(ctx, Experts(*shard_experts(*weights, rank, world)), RoutingConfig(NUM_EXPERTS, 2), max_tokens=64,
+                schedule=ScheduleConfig(tokens_per_slot=4, num_slots=2, x_format="fp8_e4m3"))
     mine = x[lo:hi]
     router = routing["router_weight"]
     try:
@@ -265,16 +280,22 @@ def test_bad_input_rejected_on_every_rank_and_layer_stays_usable(ctx, comm, seed
             mine, topk_idx=idx, topk_weights=np.ones((hi - lo, 2), np.float32)), "topk_idx")
         big = np.zeros((65 if rank == last else 3, HIDDEN), np.float32)
         expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(big, router_weight=router),
-                            "max_tokens_per_rank")
-        if world > 1:  # the ranks disagree on the chunk size
+                            "expected at most max_tokens=64")
+        if world > 1:  # the ranks disagree on streaming, or on the chunk size (a layer of another schedule)
             expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(
-                mine, router_weight=router, streaming=True, tokens_per_slot=4 + (rank == last)), "tokens_per_slot")
+                mine, router_weight=router, streaming=rank == last), "expected the same options on every rank")
+            expect_config_error(ctx, comm, outcome, check, lambda: MoE(
+                ctx, Experts(*shard_experts(*weights, rank, world)), RoutingConfig(NUM_EXPERTS, 2), max_tokens=64,
+                schedule=ScheduleConfig(tokens_per_slot=4 + (rank == last))), "tokens_per_slot")
+        expect_config_error(ctx, comm, outcome, check, lambda: layer.debug.forward(
+            mine, router_weight=router, streaming=True, lookahead=2), "lookahead")
         expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(
-            mine, router_weight=router, streaming=True, num_slots=2, lookahead=2), "lookahead")
+            mine, router_weight=router, streaming=True, tokens_per_slot=4),
+            "tokens_per_slot (a field of ScheduleConfig")
         expect_config_error(ctx, comm, outcome, check, lambda: layer.forward(
             mine, router_weight=router, logits=np.zeros((hi - lo, NUM_EXPERTS), np.float32)), "exactly one")
         # The layer and its rings are still usable, and still right.
-        y = outcome.run(layer.forward, mine, router_weight=router, streaming=True, tokens_per_slot=4)
+        y = outcome.run(layer.forward, mine, router_weight=router, streaming=True)
         message = outcome.error or (check_close(y, ref.y[lo:hi], "after rejected calls") if y is not None else "")
         check(comm, not message, message)
     finally:
@@ -289,16 +310,20 @@ def test_constructor_rejects_on_every_rank(ctx, comm, seed, outcome, check):
     wd = rng.standard_normal((1, HIDDEN, INTER), dtype=np.float32)
     if world > 1:
         # 4 * world + 1 experts cannot be split evenly over the ranks.
-        expect_config_error(ctx, comm, outcome, check, lambda: ExpertParallelMoE(
-            ctx, MoEShapes(HIDDEN, 4 * world + 1, 2), w, w, wd), "multiple of the number of ranks")
-    # Weights for one local expert while the shapes say two per rank.
-    expect_config_error(ctx, comm, outcome, check, lambda: ExpertParallelMoE(
-        ctx, MoEShapes(HIDDEN, 2 * world, 2), w, w, wd), "local experts")
+        expect_config_error(ctx, comm, outcome, check, lambda: MoE(
+            ctx, Experts(w, w, wd), RoutingConfig(4 * world + 1, 2), max_tokens=8), "multiple of world_size")
+    # Weights for one local expert while the routing says two per rank.
+    expect_config_error(ctx, comm, outcome, check, lambda: MoE(
+        ctx, Experts(w, w, wd), RoutingConfig(2 * world, 2), max_tokens=8), "local experts")
     # Only the last rank's w_down has the wrong shape.
     bad_down = wd[:, :, :INTER - 1] if rank == world - 1 else wd
-    expect_config_error(ctx, comm, outcome, check, lambda: ExpertParallelMoE(
-        ctx, MoEShapes(HIDDEN, world, 1), w, w, bad_down), "w_down")
-    expect_config_error(ctx, comm, outcome, check, lambda: MoEShapes(HIDDEN, 4, 5), "num_topk")
+    expect_config_error(ctx, comm, outcome, check, lambda: MoE(
+        ctx, Experts(w, w, bad_down), RoutingConfig(world, 1), max_tokens=8), "w_down")
+    if world > 1:  # only the last rank builds with another routing: named by the construction's agreement
+        top = 2 if rank == world - 1 else 1
+        expect_config_error(ctx, comm, outcome, check, lambda: MoE(
+            ctx, Experts(w, w, wd), RoutingConfig(world, top), max_tokens=8), "has topk=")
+    expect_config_error(ctx, comm, outcome, check, lambda: RoutingConfig(4, 5), "topk")
 
 
 @pytest.mark.mpi
@@ -315,10 +340,10 @@ def test_missing_combine_signal_times_out_naming_the_rank(ctx, comm, seed, outco
     lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
     broken = world - 1
     timeout_s = 3.0  # short, yet long enough that the ready waits before the combine never expire
-    layer = ExpertParallelMoE(ctx, MoEShapes(HIDDEN, NUM_EXPERTS, 2), *shard_experts(*weights, rank, world),
-                              timeout_s=timeout_s)
+    layer = MoE(ctx, Experts(*shard_experts(*weights, rank, world)), RoutingConfig(NUM_EXPERTS, 2),
+                max_tokens=MAX_TOKENS, schedule=ScheduleConfig(timeout_s=timeout_s))
     if rank == broken:
-        layer._signal_combine = lambda combine_gen: None  # the mutant: combine stores never signalled
+        layer.executor._signal_combine = lambda combine_gen: None  # the mutant: combine stores never signalled
     comm.Barrier()
     start_s = time.monotonic()
     refused = None

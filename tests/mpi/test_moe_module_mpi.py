@@ -8,7 +8,7 @@ Run (every rank runs every test; rank 0 writes one figure line per case)::
 Small random Mixtral, Qwen3-MoE and DeepSeek-V3 models (`symmring.moe.integrations.tiny`: hidden 256, moe inter 256, 24
 experts, an even split over 1-4 ranks, top-4, two MoE layers; DeepSeek-V3 with a dense first layer, a shared
 expert and n_group=4 / topk_group=2) are built on every rank from one seed; `replace_moe_blocks` swaps their
-MoE blocks for `MoEModule` on the host backend (`HostLayer`: rank r computes experts [r E/R, (r+1) E/R) for
+MoE blocks for `MoEModule` on the host backend (the CPU layer: rank r computes experts [r E/R, (r+1) E/R) for
 every rank's tokens). Each rank runs its own batch (its own ids, its own length) through both models.
 
 Bounds (relative error ``||a - b|| / ||b||``; the figures give the measured values):
@@ -281,8 +281,8 @@ def test_a_model_step_exchanges_once_for_every_layer(ctx, comm, seed, figure, ou
     def run():
         _, model = model_pair("deepseek_v3", seed)
         replaced = replace_moe_blocks(model, ctx, max_tokens=MAX_TOKENS)
-        workspace = next(iter(replaced.values())).layer.layer.workspace
-        assert all(m.layer.layer.workspace is workspace for m in replaced.values())
+        workspace = next(iter(replaced.values())).layer.workspace
+        assert all(m.layer.workspace is workspace for m in replaced.values())
         ids = batch(seed, ctx.rank)
         collectives = ctx.collectives
         with torch.inference_mode():

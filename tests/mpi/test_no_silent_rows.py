@@ -29,7 +29,7 @@ import silent_rows  # noqa: E402
 from exchanges import ExchangeCounter  # noqa: E402
 
 from symmring.errors import CallMismatch, StepFailed, SymmringError  # noqa: E402
-from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts  # noqa: E402
+from symmring import Experts, MoE, RoutingConfig, ScheduleConfig, shard_experts  # noqa: E402
 from symmring.moe.workspace import Workspace  # noqa: E402
 
 NUM_EXPERTS = 12  # an even split over 1, 2, 3 or 4 ranks
@@ -49,9 +49,10 @@ class CpuLayers(silent_rows.Adapter):
         self.rank, self.world, self.max_tokens = ctx.rank, ctx.world_size, MAX_TOKENS
         self.ws = Workspace(ctx, max_tokens=MAX_TOKENS)
         self.defs = silent_rows.make_layer_defs(seed, SHAPES, NUM_EXPERTS, bf16=False)
-        self.layers = [ExpertParallelMoE(ctx, MoEShapes(d.hidden, NUM_EXPERTS, d.topk),
-                                         *shard_experts(d.w_gate, d.w_up, d.w_down, self.rank, self.world),
-                                         max_tokens_per_rank=MAX_TOKENS, timeout_s=RING_TIMEOUT_S, workspace=self.ws)
+        schedule = ScheduleConfig(x_format=self.x_format, timeout_s=RING_TIMEOUT_S)
+        self.layers = [MoE(ctx, Experts(*shard_experts(d.w_gate, d.w_up, d.w_down, self.rank, self.world)),
+                           RoutingConfig(NUM_EXPERTS, d.topk), max_tokens=MAX_TOKENS, schedule=schedule,
+                           workspace=self.ws)
                        for d in self.defs]
 
     def forward(self, layer, x, idx, weights, *, streaming=False, stall_s=0.0):

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
+from symmring import Experts, MoE, RoutingConfig, ScheduleConfig, shard_experts
 from symmring.moe.reference import reference_moe
 from symmring.moe.workspace import Workspace
 from symmring.moe.workspace_plan import REGIONS
@@ -22,6 +22,8 @@ from symmring.moe.workspace_plan import REGIONS
 NUM_EXPERTS = 12  # an even split over 1, 2, 3 or 4 ranks
 #: Two layer shapes: (hidden, inter, top-k).
 SHAPES = ((256, 32, 2), (128, 64, 3))
+#: The references' dispatch format (reference_moe's default).
+FP8 = ScheduleConfig(x_format="fp8_e4m3")
 
 
 def layer_problem(rng, world: int, hidden: int, inter: int, topk: int, counts, worst: bool):
@@ -51,8 +53,8 @@ def run_layers(ctx, comm, seed: int, num_layers: int, workspace: Workspace, wors
     for i in range(num_layers):
         hidden, inter, topk = SHAPES[i % len(SHAPES)]
         x, w, idx, weights = layer_problem(rng, world, hidden, inter, topk, counts, worst)
-        layers.append(ExpertParallelMoE(ctx, MoEShapes(hidden, NUM_EXPERTS, topk), *shard_experts(*w, rank, world),
-                                        workspace=workspace))
+        layers.append(MoE(ctx, Experts(*shard_experts(*w, rank, world)), RoutingConfig(NUM_EXPERTS, topk),
+                          max_tokens=32, schedule=FP8, workspace=workspace))
         problems.append((x, w, idx, weights, topk))
     for i, (layer, (x, w, idx, weights, topk)) in enumerate(zip(layers, problems)):
         y = layer.forward(x[lo:hi], topk_idx=idx[lo:hi], topk_weights=weights[lo:hi])
@@ -124,9 +126,8 @@ def test_layers_default_to_the_context_workspace(ctx, comm, seed, outcome, check
         rng = np.random.default_rng(seed)
         w = [(rng.standard_normal(s) / 8).astype(np.float32) for s in ((NUM_EXPERTS, 16, 128),) * 2
              + ((NUM_EXPERTS, 128, 16),)]
-        shapes = MoEShapes(128, NUM_EXPERTS, 2)
-        a = ExpertParallelMoE(ctx, shapes, *shard_experts(*w, rank, world))
-        b = ExpertParallelMoE(ctx, shapes, *shard_experts(*w, rank, world))
+        a, b = (MoE(ctx, Experts(*shard_experts(*w, rank, world)), RoutingConfig(NUM_EXPERTS, 2), max_tokens=8)
+                for _ in range(2))
         errs = [] if a.workspace is b.workspace is ctx.workspace() else ["layers do not share ctx.workspace()"]
         x = rng.standard_normal((4, 128), dtype=np.float32)
         router = rng.standard_normal((NUM_EXPERTS, 128), dtype=np.float32)

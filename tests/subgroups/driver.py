@@ -76,11 +76,11 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16).astype(np.float32)  # exact on the GPU layer's bf16 path too
 
 
-def host_layers(ctx, layers):
-    from symmring.moe.cpu.layer import ExpertParallelMoE, MoEShapes, shard_experts
-    return {name: ExpertParallelMoE(ctx, MoEShapes(SHAPES[name][0], NUM_EXPERTS, topk, x_format="bf16"),
-                                    *shard_experts(*w, ctx.rank, ctx.world_size),
-                                    routing=RoutingConfig(NUM_EXPERTS, topk))
+def host_layers(ctx, layers, max_tokens: int):
+    from symmring.moe.cpu.layer import ExpertParallelMoE, shard_experts
+    schedule = ScheduleConfig(num_slots=NUM_SLOTS, tokens_per_slot=min(TOKENS_PER_SLOT, max_tokens), x_format="bf16")
+    return {name: ExpertParallelMoE(ctx, Experts(*shard_experts(*w, ctx.rank, ctx.world_size)),
+                                    RoutingConfig(NUM_EXPERTS, topk), max_tokens=max_tokens, schedule=schedule)
             for name, (w, _, topk) in layers.items()}
 
 
@@ -107,7 +107,8 @@ def run(ctx, seed: int):
     size, rank = ctx.world_size, ctx.rank
     layers, counts, step_counts, xs = problem(seed, size)
     gpu = ctx.backend.name != "host"
-    made = gpu_layers(ctx, layers, max(counts + step_counts)) if gpu else host_layers(ctx, layers)
+    most = max(counts + step_counts)
+    made = gpu_layers(ctx, layers, most) if gpu else host_layers(ctx, layers, most)
 
     def rows(part_counts):
         return slice(sum(part_counts[:rank]), sum(part_counts[:rank + 1]))
@@ -115,8 +116,7 @@ def run(ctx, seed: int):
     def call(name, x, streaming):
         w, router, _ = layers[name]
         if not gpu:
-            kwargs = dict(streaming=True, tokens_per_slot=TOKENS_PER_SLOT, num_slots=NUM_SLOTS) if streaming else {}
-            return made[name].forward(x, router_weight=router, **kwargs)
+            return made[name].forward(x, router_weight=router, streaming=streaming)
         import torch
         from symmring.moe.reference import router_logits
         device = torch.device("cuda", torch.cuda.current_device())

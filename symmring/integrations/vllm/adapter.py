@@ -185,8 +185,8 @@ def given_step(workspace, num_tokens: int, counts: Sequence[int]):
 class GivenRoutingLayer:
     """symmring's expert-parallel layer as vLLM's experts run it: routing and every rank's token count given.
 
-    `symmring.moe.cpu.host_layer.HostLayer` on the host backend (bf16 experts; fp8 ones dequantised first),
-    `symmring.moe.gpu.MoE` on the nvshmem backend (bf16, or native fp8 experts with their block scales).
+    `symmring.MoE` of the context's backend: the CPU layer on the host backend (bf16 experts; fp8 ones
+    dequantised first), the GPU layer on the nvshmem backend (bf16, or native fp8 experts with their block scales).
 
     Args:
         ctx: the `symmring.Context` of the EP group (collective constructor: every EP rank builds its layer).
@@ -194,32 +194,25 @@ class GivenRoutingLayer:
         num_experts, topk: the layer's global expert count and experts per token.
         max_tokens: most tokens per rank per call (vLLM's ``max_num_batched_tokens``).
         workspace: the `symmring.Workspace` it borrows (default: the context's).
-        schedule: a `ScheduleConfig` (default: the layer's defaults, and on GPUs bf16 dispatch for bf16 experts:
-            the tokens cross the ring as vLLM's bf16 path has them; fp8 experts read fp8 dispatch rows).
+        schedule: a `ScheduleConfig` (default: bf16 dispatch for bf16 experts: the tokens cross the ring as
+            vLLM's bf16 path has them; fp8 experts on GPUs read fp8 dispatch rows).
 
     Raises:
-        ConfigError: a bad argument (the layers' own checks, named).
+        ConfigError: a bad argument (the layer's own checks, named).
     """
 
     def __init__(self, ctx, experts: Experts, *, num_experts: int, topk: int, max_tokens: int, workspace=None,
                  schedule: Optional[ScheduleConfig] = None):
+        from ...moe.layer import MoE
         routing = RoutingConfig(num_experts, topk)  # only its sizes matter: the routing comes given
         self.ctx, self.topk = ctx, routing.topk
         self.on_host = getattr(ctx.backend, "name", None) == "host"
-        if self.on_host:
-            from ...moe.cpu.host_layer import HostLayer
-            if experts.w_gate_scale is not None:
-                raise ConfigError("experts: the CPU layer takes bf16 experts; pass experts_from_vllm(..., "
-                                  "dequantize=True)")
-            self.layer = HostLayer(ctx, experts, routing, max_tokens=max_tokens, schedule=schedule,
-                                   workspace=workspace)
-            self.workspace = self.layer.layer.workspace
-        else:
-            from ...moe.gpu.layer import MoE
-            if schedule is None and experts.w_gate_scale is None:
-                schedule = ScheduleConfig(x_format="bf16")  # a bf16 model's tokens cross the ring as they are
-            self.layer = MoE(ctx, experts, routing, max_tokens=max_tokens, schedule=schedule, workspace=workspace)
-            self.workspace = self.layer.workspace
+        if self.on_host and experts.w_gate_scale is not None:
+            raise ConfigError("experts: the CPU layer takes bf16 experts; pass experts_from_vllm(..., dequantize=True)")
+        if schedule is None and experts.w_gate_scale is None:
+            schedule = ScheduleConfig(x_format="bf16")  # a bf16 model's tokens cross the ring as they are
+        self.layer = MoE(ctx, experts, routing, max_tokens=max_tokens, schedule=schedule, workspace=workspace)
+        self.workspace = self.layer.workspace
         self.max_tokens = max_tokens
         if self.on_host:
             self._warm_up(experts.hidden)
@@ -257,10 +250,7 @@ class GivenRoutingLayer:
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         with given_step(self.workspace, n, counts):
-            if self.on_host:
-                y = self.layer.layer.forward(x.float(), topk_idx=ids, topk_weights=weights)
-                return y.to(torch.bfloat16)
-            if torch.cuda.is_current_stream_capturing():
+            if not self.on_host and torch.cuda.is_current_stream_capturing():
                 # vLLM captures the call into its own graph and replays it without symmring: set while capturing,
                 # the count is written into the graph (each replay sets it). vLLM pads every replay, on every DP
                 # rank, to the size it captured, so that count is the replay's.

@@ -1,4 +1,10 @@
-"""The expert-parallel MoE layer on the chunk ring: a batch-ready path and a streamed path.
+"""The expert-parallel MoE layer on the host backend (`ExpertParallelMoE`, `symmring.MoE` on ``host``): a
+batch-ready path and a streamed path through the chunk ring, in MPI shared memory.
+
+It takes what the GPU layer takes (`symmring.MoE`: ``ctx``, `Experts`, `RoutingConfig`, ``max_tokens``, a
+`ScheduleConfig`, ``workspace``), makes and agrees its spec the same way (`symmring.moe.spec`) and agrees each
+call the same way (`symmring.moe.calls`); the GPU-only options (`ScheduleConfig.GPU_ONLY`, the fp8 scales,
+``expert_dtype``, ``engine``) are refused, named. `symmring.moe.cpu.executor` runs each call.
 
 Experts are split evenly over the ranks: rank ``q`` owns experts ``[q*E/R, (q+1)*E/R)``. Every rank is a
 *producer* of its own tokens and a *consumer* of every rank's tokens routed to its experts.
@@ -16,11 +22,13 @@ Data flow of one chunk ``c`` (generation ``g`` of the ring, combine generation `
                  [CONSERVATIVE: ack(c, r) for every r]
     owner r      wait combine_gen[q] >= cg for every q (acquire); y[rows] = sum_k w * out, k in order
 
-The **batch-ready** path (the default) is one chunk holding the whole batch in a 1-slot ring sized to the
-largest token count over the ranks (agreed with an allreduce). The **streamed** path moves
-``tokens_per_slot``-token chunks through a ``num_slots`` ring in `protocol.enqueue_order` (the producer
-runs ``num_slots - 1`` chunks ahead); every rank runs the same chunk count, so ranks with fewer (or zero)
-tokens still publish zero-token chunks and every consumer still acknowledges them.
+The **batch-ready** path (the default, and ``streaming="auto"``: the CPU layer has no measured policy) is one
+chunk holding the whole batch in a 1-slot ring sized to the largest token count over the ranks (agreed in the
+call's exchange). The **streamed** path moves ``tokens_per_slot``-token chunks through a ``num_slots`` ring
+(the schedule's; defaults 64, at most ``max_tokens``, and 2) in `protocol.enqueue_order` (the producer runs
+``num_slots - 1`` chunks ahead; ``layer.debug.forward(..., lookahead=...)`` fewer); every rank runs the same
+chunk count, so ranks with fewer (or zero) tokens still publish zero-token chunks and every consumer still
+acknowledges them.
 
 The combine buffer is a separate symmetric allocation: ``combine_gen`` (one 64-bit word per consumer
 rank) then ``out`` float32 ``[capacity, K, H]`` indexed by the owner's logical token row. Its generations
@@ -49,8 +57,10 @@ context (`symmring.collective`): a late or vanished rank is a `PeerTimeout` nami
 ``timeout_s``; a wait that expires inside a call leaves the layer refusing further calls
 (`BrokenStateError`) until it is closed and rebuilt.
 
-Arrays may be NumPy arrays or torch CPU tensors (converted at the boundary without a copy, `as_numpy`);
-`ExpertParallelMoE.forward` returns a torch tensor when ``x`` was one, a NumPy array otherwise.
+Arrays may be NumPy arrays or torch CPU tensors (converted at the boundary without a copy, `as_numpy`; bf16
+and float16 tensors as float32, exactly); the layer computes in float32 (float64 accumulation) and
+`ExpertParallelMoE.forward` returns what ``x`` was: a bf16 tensor for bf16 ``x`` (rounded once), a float32
+tensor for a float32 one, a float32 NumPy array for an array.
 
 ``SYMMRING_DEBUG=1`` adds checks after every call (`ExpertParallelMoE.forward`), as the GPU layer checks
 its device error records: this rank's ring words (``gen_base``, the ready generations and metadata of
@@ -66,26 +76,23 @@ import dataclasses
 import logging
 import sys
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 
 from ... import env, protocol
-from ...closing import Closing
-from ...context import Context
-from ... import agreement
-from ...errors import BrokenStateError, ConfigError, ProtocolTimeout, RingClosedError, SymmringError
-from ...layout import META_CHUNK_IDX, META_PAYLOAD_GEN, RingSpec
-from ...protocol import AckPolicy
-from ...ring import Call, Ring
-from .. import quant
-from ..reference import check_expert_weights, check_routing, combine_rows, route, row_matmul, swiglu, transposed_f64
-from ..config import RoutingConfig
+from ...errors import BackendError, BrokenStateError, ConfigError, RingClosedError, SymmringError
+from ...layout import RingSpec
+from .. import calls, quant
+from ..config import RoutingConfig, misplaced
+from ..debug import Debug
+from ..layer_base import LayerBase, borrow_workspace
+from ..reference import check_routing, route
+from ..spec import LayerSpec, agree, check_sizes, check_values, timeout_of
 from ..workspace_plan import LayerShape
+from .executor import ForwardStats, HostEngine, HostExecutor
 
 log = logging.getLogger(__name__)
-
-_WORD_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,573 +182,324 @@ def as_numpy(name: str, value):
                           f"float32; convert with .float()): {exc}") from None
 
 
-def _agree(ctx: Context, error: Optional[str], what: str) -> None:
-    """Collective verdict on local validation (a bounded exchange, under the host bound): raise `ConfigError` on
-    every rank if any rank failed (`symmring.agreement.rejection`)."""
-    errors = ctx.collectives.allgather(error, what=f"{what}: argument check")
-    rejected = agreement.rejection(errors, ctx.rank, what)
-    if rejected is not None:
-        raise rejected
-
-
-def _config_error(fn: Callable[[], object]) -> Tuple[object, Optional[str]]:
-    """Run ``fn``; return ``(result, None)`` or ``(None, message of its ConfigError)``."""
-    try:
-        return fn(), None
-    except ConfigError as exc:
-        return None, str(exc)
-
-
-@dataclasses.dataclass
-class ForwardStats:
-    """What the last `ExpertParallelMoE.forward` did on this rank."""
-
-    streaming: bool = False
-    num_chunks: int = 0
-    num_slots: int = 0
-    tokens_per_slot: int = 0
-    num_tokens: int = 0
-    rows_pulled: int = 0  #: token rows pulled from all ranks (x and x_sf) for local experts
-    pairs_computed: int = 0  #: (token, k) pairs computed by local experts
-    passes: int = 0  #: passes through the workspace's pool (more than one per chunk when arrivals exceed it)
-    elapsed_s: float = 0.0
-
-
-class ExpertParallelMoE(Closing):
-    """An expert-parallel MoE layer whose inputs move through a `Ring` (collective constructor).
+class ExpertParallelMoE(LayerBase):
+    """The expert-parallel MoE layer on the host backend (see the module docstring; the arguments: `symmring.MoE`).
 
     Args:
-        ctx: the `Context` (``symmring.init()``); every rank builds its layer with the same shapes.
-        spec_or_shapes: `MoEShapes` (or a `RingSpec`, or a dict of MoEShapes' fields): hidden,
-            num_experts, num_topk, x_format, sf_group_size.
-        w_gate, w_up: float32 ``[E/R, inter, hidden]``: this rank's experts (`local_experts`).
-        w_down: float32 ``[E/R, hidden, inter]``.
-        routing: a `symmring.moe.config.RoutingConfig` (the GPU layer's value; its ``num_experts`` and
-            ``topk`` must be the shapes' ``num_experts`` and ``num_topk``): ``scoring`` ``"softmax"``
-            (Mixtral, Qwen-MoE) or ``"sigmoid_bias"`` (DeepSeek-V3; see `reference.select_topk`), ``bias``
-            (float32 ``[num_experts]``, ``sigmoid_bias`` only), ``routed_scaling_factor``, DeepSeek-V3's
-            group-limited top-k (``n_group``, ``topk_group``) and ``norm_topk_prob``. None (the default):
-            ``RoutingConfig(num_experts, num_topk)``, softmax.
-        max_tokens_per_rank: capacity; a call with more tokens on any rank is a `ConfigError`. None
-            grows the combine buffer on demand.
-        timeout_s: bound of every wait; ``ctx.timeout_s`` when None.
-        workspace: the `symmring.Workspace` whose rings, combine buffer and pool the layer borrows for each
-            call (default: the context's own, ``ctx.workspace()``, which every layer shares). Its pool
-            holds ``workspace.pool_rows(...)`` rows: a chunk whose arrivals exceed them runs in more passes.
+        ctx: a `symmring.Context` on the host backend (collective constructor).
+        experts: `symmring.moe.config.Experts` of this rank's experts: ``w_gate``, ``w_up`` ``[E/R, inter,
+            hidden]`` and ``w_down`` ``[E/R, hidden, inter]``, float32 NumPy arrays or float torch CPU tensors
+            (bf16 for `symmring.moe.integrations.module.MoEModule`, which registers the layer's copies).
+        routing: a `symmring.moe.config.RoutingConfig` (``bias``: a float tensor, array or sequence).
+        max_tokens: most tokens per rank per call.
+        schedule: a `symmring.moe.config.ScheduleConfig`: ``num_slots`` (default 2), ``tokens_per_slot`` (64, at
+            most ``max_tokens``) and ``ack_policy`` of streamed calls, ``x_format`` (what the ring carries:
+            ``"bf16"``, the default here, or ``"fp8_e4m3"``), ``timeout_s``; its GPU-only fields at their defaults.
+        engine: ``"auto"`` (the CPU layer has one).
+        workspace: the `symmring.Workspace` whose rings, combine buffer and pool it borrows (default: the
+            context's own). Its pool holds ``workspace.pool_rows(...)`` rows: a chunk whose arrivals exceed them
+            runs in more passes.
+
+    Attributes:
+        spec: the `symmring.moe.spec.LayerSpec` it runs with (its fields also read as the layer's); routing: the
+        routing it runs (``routing.bias``: its float32 copy, read in place); engine (`HostEngine`: the
+        weights); executor (`HostExecutor`); last_stats (`ForwardStats` of the last call); debug
+        (`symmring.moe.debug.Debug`: ``lookahead``).
 
     Raises:
-        ConfigError: on every rank, if any rank's arguments are bad (``num_experts`` not a multiple of
-            the number of ranks, weight shapes, ...).
+        ConfigError: on every rank, any rank's bad argument (named), or one of the GPU layer's options.
+        BackendError: the context is not on the host backend.
 
     Example:
         >>> import numpy as np, symmring
+        >>> from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
         >>> ctx = symmring.init("host")
-        >>> shapes = MoEShapes(hidden=128, num_experts=4, num_topk=2)
         >>> rng = np.random.default_rng(0)
         >>> wg, wu = (rng.standard_normal((4, 32, 128), dtype=np.float32) / 11 for _ in range(2))
         >>> wd = rng.standard_normal((4, 128, 32), dtype=np.float32) / 6
-        >>> layer = ExpertParallelMoE(ctx, shapes, wg, wu, wd)
+        >>> layer = ExpertParallelMoE(ctx, Experts(wg, wu, wd), RoutingConfig(4, 2), max_tokens=16,
+        ...                           schedule=ScheduleConfig(tokens_per_slot=3))
         >>> x = rng.standard_normal((10, 128), dtype=np.float32)
         >>> router = rng.standard_normal((4, 128), dtype=np.float32)
         >>> y = layer.forward(x, router_weight=router)
-        >>> bool(np.array_equal(y, layer.forward(x, router_weight=router, streaming=True, tokens_per_slot=3)))
+        >>> bool(np.array_equal(y, layer.forward(x, router_weight=router, streaming=True)))
         True
         >>> layer.close(); ctx.close()
     """
 
-    def __init__(self, ctx: Context, spec_or_shapes, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                 *, routing: Optional[RoutingConfig] = None, max_tokens_per_rank: Optional[int] = None,
-                 timeout_s: Optional[float] = None, workspace=None):
-        if not isinstance(ctx, Context):
-            raise ConfigError(f"ctx={ctx!r}: expected a symmring Context (symmring.init())")
+    def __init__(self, ctx, experts, routing, *, max_tokens: int, schedule=None, engine: str = "auto",
+                 workspace=None, **unexpected):
+        if unexpected:  # e.g. a flat x_format= or max_tokens_per_rank=: name the value it belongs to
+            raise misplaced(unexpected, "MoE")
+        if getattr(getattr(ctx, "backend", None), "name", None) != "host":
+            raise BackendError(f"ctx: expected a context on the host backend, got "
+                               f"{getattr(getattr(ctx, 'backend', None), 'name', ctx)!r} (symmring.MoE picks the "
+                               "layer of the context's backend)")
         ctx.check_open()
-        from ..workspace import Workspace
-        if workspace is not None and (not isinstance(workspace, Workspace) or workspace.ctx is not ctx):
-            raise ConfigError(f"workspace={workspace!r}: expected a symmring.Workspace of this context")
-        self.ctx = ctx
-        self.rank = ctx.rank
-        self.world_size = ctx.world_size
-        (w_gate, _), (w_up, _), (w_down, _) = (as_numpy(n, v) for n, v in (
-            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
-        setup, error = _config_error(lambda: self._validate_setup(
-            spec_or_shapes, w_gate, w_up, w_down, routing, max_tokens_per_rank, timeout_s))
-        _agree(ctx, error, "ExpertParallelMoE")
-        self.shapes, self.experts, self.inter, self.timeout_s, routing, bias = setup
-        self.workspace = workspace if workspace is not None else ctx.workspace(collective=True)
-        #: This layer's id on its workspace (construction order): the layer part of its calls' identities.
-        self.layer_id = self.workspace.new_layer_id()
-        # Every rank must agree on the shapes and the routing parameters, or the rings would differ, and on the
-        # layer's id, or no call of it would pair.
-        params = (self.shapes, routing.scoring, None if bias is None else bias.tobytes(),
-                  routing.routed_scaling_factor, routing.n_group, routing.topk_group, routing.norm_topk_prob,
-                  max_tokens_per_rank, self.inter, self.layer_id)
-        others = ctx.collectives.allgather(params, what="ExpertParallelMoE: parameter exchange")
-        mismatch = [r for r, p in enumerate(others) if p != params]
-        _agree(ctx, f"rank {self.rank}: shapes/routing parameters or layer id differ from rank(s) {mismatch}"
-               if mismatch else None, "ExpertParallelMoE")
-        #: The routing this layer runs (``routing.bias``: the NumPy view of the bias it was given).
-        self.routing = routing if bias is None else routing.with_bias(bias)
-        self.scoring, self.bias, self.routed_scaling_factor = routing.scoring, bias, routing.routed_scaling_factor
-        self.n_group, self.topk_group, self.norm_topk_prob = routing.n_group, routing.topk_group, routing.norm_topk_prob
-        self.max_tokens_per_rank = max_tokens_per_rank
-        # Row-independent operands: [hidden, 2*inter] (gate | up) and [inter, hidden], float64.
-        self.set_expert_weights(w_gate, w_up, w_down)
-        # Rings, combine buffer (and its generation base) and pool: borrowed from the workspace per call.
-        self.layer_shape = LayerShape(self.shapes.hidden, self.inter, self.shapes.num_experts, self.shapes.num_topk,
-                                      x_format=self.shapes.x_format, expert_format="bf16")
-        self.workspace.attach(self.layer_shape, max_tokens_per_rank)
-        self.closed = False
-        self.last_stats = ForwardStats()
-        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s%s%s, "
-                 "x as %s, timeout %g s%s", self.rank, self.world_size, self.experts.start, self.experts.stop,
-                 self.shapes.num_experts, self.shapes.hidden, self.inter, self.shapes.num_topk, self.scoring,
-                 f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "",
-                 "" if self.norm_topk_prob else ", norm_topk_prob=False", self.shapes.x_format, self.timeout_s,
+        self.ctx, self.closed, self.hooks = ctx, False, None
+        self.num_calls = 0  #: forward calls that ran on this rank (each one collective)
+        self.workspace = borrow_workspace(ctx, workspace)
+        spec, error = None, None
+        try:
+            spec, self.engine, routing = self._resolve(experts, routing, schedule, max_tokens, engine)
+        except ConfigError as exc:
+            error = exc
+        agree(ctx.collectives, ctx.rank, spec, error, what="MoE")
+        self.spec = spec
+        self.workspace.new_layer_id()  # spec.layer_id, agreed
+        #: The routing this layer runs (``routing.bias``: its float32 copy, the module's buffer; read in place).
+        self.routing = routing
+        self.layer_shape = LayerShape(spec.hidden, spec.inter, spec.num_experts, spec.topk, x_format=spec.x_format,
+                                      expert_format="bf16")
+        self.workspace.attach(self.layer_shape, spec.max_tokens)
+        self.executor = HostExecutor(ctx, spec, self.workspace, self.layer_shape, self.engine)
+        self.debug = Debug(self.forward, self)
+        log.info("ExpertParallelMoE on rank %d/%d: experts [%d, %d) of %d, hidden %d, inter %d, top-%d %s, x as %s, "
+                 "ring %d x %d tokens, timeout %g s%s", spec.rank, spec.world_size, spec.expert_begin,
+                 spec.expert_begin + spec.num_local_experts, spec.num_experts, spec.hidden, spec.inter, spec.topk,
+                 routing.scoring, spec.x_format, spec.num_slots, spec.tokens_per_slot, spec.timeout_s,
                  "; SYMMRING_DEBUG checks after every call" if env.debug() else "")
 
-    def set_expert_weights(self, w_gate, w_up, w_down) -> None:
-        """Replace this rank's expert weights (local, not collective: each rank its own experts), e.g. after
-        `symmring.moe.integrations.module.MoEModule` loaded a state dict. Shapes as at construction.
-
-        Raises:
-            ConfigError: a weight of another shape, dtype or with a non-finite value (the layer is unchanged).
-        """
-        (w_gate, _), (w_up, _), (w_down, _) = (as_numpy(n, v) for n, v in (
-            ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
-        num_local, inter, _ = check_expert_weights(w_gate, w_up, w_down, hidden=self.shapes.hidden)
-        if (num_local, inter) != (len(self.experts), self.inter):
-            raise ConfigError(f"w_gate.shape={w_gate.shape}: expected [{len(self.experts)}, {self.inter}, "
-                              f"{self.shapes.hidden}] (this layer's experts)")
-        self._w_gate_up_t = [transposed_f64(np.concatenate([w_gate[i], w_up[i]], axis=0))
-                             for i in range(len(self.experts))]
-        self._w_down_t = [transposed_f64(w_down[i]) for i in range(len(self.experts))]
-
-    def _routing_options(self) -> dict:
-        """The routing options `reference.route` takes, as this layer was built with them."""
-        return dict(topk_method=self.scoring, bias=self.bias, routed_scaling_factor=self.routed_scaling_factor,
-                    n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob)
-
-    def _validate_setup(self, spec_or_shapes, w_gate, w_up, w_down, routing, max_tokens_per_rank, timeout_s):
-        shapes = MoEShapes.of(spec_or_shapes)
-        experts = local_experts(self.rank, self.world_size, shapes.num_experts)
-        num_local, inter, _ = check_expert_weights(w_gate, w_up, w_down, hidden=shapes.hidden)
-        if num_local != len(experts):
-            raise ConfigError(f"w_gate.shape={w_gate.shape}: expected {len(experts)} local experts "
-                              f"(num_experts={shapes.num_experts} over {self.world_size} ranks) in dimension 0")
-        if routing is None:
-            routing = RoutingConfig(shapes.num_experts, shapes.num_topk)
-        elif not isinstance(routing, RoutingConfig):
-            raise ConfigError(f"routing={routing!r}: expected a symmring.moe.config.RoutingConfig or None")
-        elif (routing.num_experts, routing.topk) != (shapes.num_experts, shapes.num_topk):
-            raise ConfigError(f"routing: num_experts={routing.num_experts}, topk={routing.topk}; expected the "
-                              f"shapes' num_experts={shapes.num_experts}, num_topk={shapes.num_topk}")
-        bias, _ = as_numpy("routing.bias", routing.bias)
+    def _resolve(self, experts, routing, schedule, max_tokens, engine) -> Tuple:
+        """``(spec, engine, routing)`` of these arguments, every check made (nothing collective)."""
+        ctx = self.ctx
+        experts, routing, schedule = check_values(experts, routing, schedule)
+        max_tokens = check_sizes(experts, routing, schedule, max_tokens=max_tokens, world_size=ctx.world_size)
+        gpu_only = (["engine"] if engine != "auto" else []) + [f"experts.{n}" for n in experts.gpu_only_set()] \
+            + [f"schedule.{n}" for n in schedule.gpu_only_set()]
+        if gpu_only:
+            raise ConfigError(f"{', '.join(gpu_only)}: options of the GPU layer (symmring.moe.gpu.GpuMoE); the CPU "
+                              "layer (host backend) computes in float32 and takes schedule.x_format, num_slots, "
+                              "tokens_per_slot, ack_policy, timeout_s and the routing")
+        engine = HostEngine(experts.w_gate, experts.w_up, experts.w_down, hidden=experts.hidden)
+        routing = self._own_bias(routing)
+        x_format = schedule.x_format or "bf16"
         # Route zero tokens once: checks bias and routed_scaling_factor with select_topk's own rules.
-        route(np.zeros((0, shapes.hidden), np.float32), shapes.num_topk, shapes.num_experts,
-              logits=np.zeros((0, shapes.num_experts), np.float32), topk_method=routing.scoring, bias=bias,
-              routed_scaling_factor=routing.routed_scaling_factor, n_group=routing.n_group,
-              topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob)
-        if max_tokens_per_rank is not None and (isinstance(max_tokens_per_rank, bool) or not isinstance(
-                max_tokens_per_rank, (int, np.integer)) or max_tokens_per_rank <= 0):
-            raise ConfigError(f"max_tokens_per_rank={max_tokens_per_rank!r}: expected a positive int or None")
-        if timeout_s is None:
-            timeout_s = self.ctx.timeout_s
-        elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
-        return shapes, experts, inter, float(timeout_s), routing, bias
+        route(np.zeros((0, experts.hidden), np.float32), routing.topk, routing.num_experts,
+              logits=np.zeros((0, routing.num_experts), np.float32), **_route_options(routing))
+        spec = LayerSpec(rank=ctx.rank, world_size=ctx.world_size, num_experts=routing.num_experts, topk=routing.topk,
+                         hidden=experts.hidden, inter=experts.inter, max_tokens=max_tokens,
+                         num_slots=2 if schedule.num_slots is None else schedule.num_slots,
+                         tokens_per_slot=min(64, max_tokens) if schedule.tokens_per_slot is None
+                         else schedule.tokens_per_slot, ack_policy=schedule.ack_policy, x_format=x_format,
+                         timeout_s=timeout_of(schedule, ctx), routing=routing.key(),
+                         layer_id=self.workspace.next_layer_id)
+        MoEShapes(spec.hidden, spec.num_experts, spec.topk, x_format)  # RingSpec's checks of the ring's shapes
+        return spec, engine, routing
 
-    # --- public -------------------------------------------------------------------------------------
+    @staticmethod
+    def _own_bias(routing: RoutingConfig) -> RoutingConfig:
+        """``routing`` with its bias as the layer's own contiguous float32 copy (a torch tensor for a tensor: the
+        module's buffer, which a load updates in place; a NumPy array otherwise), or as it is without one."""
+        bias = routing.bias
+        if bias is None:
+            return routing
+        if hasattr(bias, "detach"):
+            if not bias.is_floating_point():
+                raise ConfigError(f"routing.bias.dtype={bias.dtype}: expected a float tensor [num_experts]")
+            import torch
+            return routing.with_bias(bias.detach().to("cpu", torch.float32).contiguous().clone())
+        return routing.with_bias(np.array(bias, dtype=np.float32))
 
-    def forward(self, x: np.ndarray, *, router_weight: Optional[np.ndarray] = None,
-                logits: Optional[np.ndarray] = None, topk_idx: Optional[np.ndarray] = None,
-                topk_weights: Optional[np.ndarray] = None, streaming: bool = False,
-                tokens_per_slot: Optional[int] = None, num_slots: int = 2,
-                ack_policy: AckPolicy = AckPolicy.CONSERVATIVE, lookahead: Optional[int] = None) -> np.ndarray:
-        """The layer on this rank's tokens (collective: every rank calls it, with its own tokens).
+    # --- a call ---------------------------------------------------------------------------------------
+
+    def forward(self, x, router_weight=None, logits=None, *, topk_idx=None, topk_weights=None, streaming=False,
+                **unexpected):
+        """The layer on this rank's tokens (collective: every rank calls it once per call, with its own tokens).
 
         Args:
-            x: float32 ``[num_tokens, hidden]`` (NumPy, or a torch CPU tensor); ``num_tokens`` may differ
-                between ranks and may be 0.
-            router_weight / logits / (topk_idx, topk_weights): exactly one routing source: float32
-                ``[E, hidden]``; float32 ``[num_tokens, E]``; int32/float32 ``[num_tokens, K]`` (-1 masked).
-            streaming: False: the batch-ready path (one chunk of the whole batch). True: chunks of
-                ``tokens_per_slot`` through a ``num_slots`` ring.
-            tokens_per_slot: tokens per chunk (streamed; default: 64).
-            num_slots: ring slots (streamed).
-            ack_policy: `AckPolicy.CONSERVATIVE` (acknowledge after the combine signal) or ``EARLY``
-                (right after the pulls).
-            lookahead: chunks the producer runs ahead (streamed), ``0 <= lookahead < num_slots``;
-                default ``num_slots - 1``.
+            x: ``[num_tokens, hidden]``: a float32 NumPy array, or a float32 or bf16 torch CPU tensor
+                (``num_tokens`` may differ between ranks and may be 0, at most ``max_tokens``).
+            router_weight / logits / (topk_idx, topk_weights): exactly one routing source: ``[E, hidden]``;
+                ``[num_tokens, E]``; int32 / float32 ``[num_tokens, K]`` (-1 masked).
+            streaming: False (batch-ready) or ``"auto"`` (the same), True (the schedule's chunks through its ring).
 
         Returns:
-            float32 ``[num_tokens, hidden]``: this rank's output rows, in its input order; a torch tensor
-            (sharing the array's memory) when ``x`` was one, else a NumPy array.
+            ``[num_tokens, hidden]``: this rank's output rows in its input order, as ``x`` was (module docstring).
 
         Raises:
-            ConfigError: on every rank, before any shared-memory work, if any rank's arguments are bad
-                (named), or the ranks disagree on ``streaming``/``tokens_per_slot``/``num_slots``/
-                ``ack_policy``/``lookahead``.
-                Inside a `symmring.Workspace.step` the call exchanges nothing (the step exchanged every
-                rank's count once): its arguments are checked on this rank only, more tokens than the
-                step declared is a ConfigError, and the ranks' call options are not cross-checked; a call
-                refused so still counts as a call and fails the step (`symmring.Workspace.refuse_call`).
-            CallMismatch: the ranks' call sequences diverged (outside a step, on every rank before any ring
-                work; inside one, from a slot's meta row: no row of the other call is used).
-            ProtocolTimeout: a wait exceeded ``timeout_s`` (names rank, slot, generation, missing ranks);
-                the workspace then refuses further calls (`BrokenStateError`) until `symmring.Workspace.reset`
-                (collective).
-            PeerTimeout: a rank did not reach the call's exchange within the context's bound (named); the
-                context is then broken.
-            BrokenStateError: an earlier call failed part-way on some rank (on every rank, outside a step), or
-                the context is broken.
+            ConfigError: on every rank, before any shared-memory work, when any rank's arguments are bad (named),
+                or the ranks call with another ``streaming``. Inside a `symmring.Workspace.step` the call exchanges
+                nothing: its arguments are checked on this rank only, more tokens than the step declared or given
+                routing in an ``own_router=True`` step is a ConfigError, and the call, refused so, still counts as
+                a call and fails the step (`symmring.Workspace.refuse_call`).
+            CallMismatch: the ranks' call sequences diverged (outside a step, on every rank before any ring work;
+                inside one, from a slot's meta row: no row of the other call is used).
+            ProtocolTimeout: a wait exceeded ``timeout_s``; the workspace then refuses further calls
+                (`BrokenStateError`) until `symmring.Workspace.reset` (collective).
+            PeerTimeout: a rank did not reach the call's exchange within the context's bound (named).
+            BrokenStateError: an earlier call failed part-way on some rank, or the context is broken.
             RingClosedError: the layer or its context is closed.
         """
         self._check_closed()
         start_s = time.perf_counter()
-        ws = self.workspace
-        x, torch_in, route_rows, call_params, refusal = x, False, None, None, None
+        spec, ws = self.spec, self.workspace
+        kind, out, route_rows, options, refusal = None, None, None, None, None
         try:
             ws.check_open()  # a workspace left unknown by a failed call or step: refused like a bad argument
-            (x, torch_in), (router_weight, _), (logits, _), (topk_idx, _), (topk_weights, _) = (
-                as_numpy(n, v) for n, v in (("x", x), ("router_weight", router_weight), ("logits", logits),
-                                            ("topk_idx", topk_idx), ("topk_weights", topk_weights)))
-            route_rows, call_params = self._validate_call(x, router_weight, logits, topk_idx, topk_weights, streaming,
-                                                          tokens_per_slot, num_slots, ack_policy, lookahead)
+            x, out, kind, route_rows, options = self._check_call(x, router_weight, logits, topk_idx, topk_weights,
+                                                                 streaming, unexpected)
         except (ConfigError, BrokenStateError) as exc:
             refusal = exc
         num_tokens = 0 if refusal is not None else x.shape[0]
+        call_id = ws.call_identity(spec.layer_id)
         if ws.active_step is None:
-            counts = self._agreed_counts(refusal, num_tokens, call_params)
+            counts, _, _ = calls.outside_step(ws, rank=spec.rank, world_size=spec.world_size, layer_id=spec.layer_id,
+                                              num_tokens=num_tokens, own_router=kind != "given", latched=None,
+                                              options=options, refusal=refusal, what="MoE.forward")
         else:
-            counts = self._step_counts(ws.active_step, refusal, num_tokens)
-        over = [r for r, n in enumerate(counts) if self.max_tokens_per_rank is not None
-                and n > self.max_tokens_per_rank]
-        if over:
-            raise ConfigError(f"x.shape[0]: ranks {over} have {[counts[r] for r in over]} tokens, over "
-                              f"max_tokens_per_rank={self.max_tokens_per_rank}")
-        streaming, tokens_per_slot, num_slots, ack_policy, lookahead = call_params
-        max_tokens = max(counts)
-        if streaming:
+            refusal = calls.inside_step(ws.active_step, rank=spec.rank, num_tokens=num_tokens, given=kind == "given",
+                                        max_tokens=spec.max_tokens, refusal=refusal)
+            if refusal is not None:
+                ws.refuse_call(spec.layer_id, refusal)
+                raise refusal
+            ws.begin_call()
+            counts = list(ws.active_step.counts)  # a rank may bring fewer: its last chunks are zero-token chunks
+        y = self._run(x, counts, route_rows, options, call_id)
+        self.num_calls += 1
+        self.executor.stats.elapsed_s = time.perf_counter() - start_s
+        return out(y)
+
+    __call__ = forward
+
+    def _check_call(self, x, router_weight, logits, topk_idx, topk_weights, streaming, unexpected) -> Tuple:
+        """`forward`'s arguments (and the call's hooks) checked on this rank, before any shared-memory work:
+        ``(x, out, kind, route_rows, options)``: ``x`` as float32 NumPy, ``out`` turning the float32 result into
+        what ``x`` was, the routing source's kind, ``route_rows(rows)`` giving the routing of those rows, and the
+        call's options every rank must share (``(streamed, lookahead)``).
+
+        Raises:
+            ConfigError: the first bad argument, named (the caller's shapes, not a validation slice)."""
+        if unexpected:
+            raise misplaced(unexpected, "MoE.forward")
+        spec = self.spec
+        x, out = _input_x(x)
+        router_weight, logits = (_as_float32_tensor(v) for v in (router_weight, logits))
+        (router_weight, _), (logits, _), (topk_idx, _), (topk_weights, _) = (
+            as_numpy(n, v) for n, v in (("router_weight", router_weight), ("logits", logits), ("topk_idx", topk_idx),
+                                        ("topk_weights", topk_weights)))
+        quant._check_x(x)
+        if x.shape[1] != spec.hidden:
+            raise ConfigError(f"x.shape={x.shape}: expected [num_tokens, hidden={spec.hidden}]")
+        if x.shape[0] > spec.max_tokens:
+            raise ConfigError(f"x.shape[0]={x.shape[0]}: expected at most max_tokens={spec.max_tokens}")
+        sources = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
+        # The whole source as the caller passed it (messages name its shape): types, shapes, expert ids, values.
+        check_routing(x.shape[0], spec.hidden, spec.topk, spec.num_experts, **sources)
+        if not (streaming is True or streaming is False or (isinstance(streaming, str) and streaming == "auto")):
+            raise ConfigError(f"streaming={streaming!r}: expected one of [False, True, 'auto']")
+        streamed = streaming is True
+        lookahead = protocol.default_lookahead(spec.num_slots) if streamed else 0
+        if self.hooks is not None:
+            hooks = self.hooks.checked(streaming, "cpu")
+            if hooks.lookahead is not None:
+                try:
+                    protocol.check_lookahead(hooks.lookahead, spec.num_slots)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+                lookahead = hooks.lookahead
+        per_token = ("logits", "topk_idx", "topk_weights")
+        options = _route_options(self.routing)
+
+        def route_rows(rows: slice):
+            # Per-token sources are cut to ``rows`` (checked whole above: chunks route their own rows).
+            cut = {k: (v[rows] if k in per_token and v is not None else v) for k, v in sources.items()}
+            return route(x[rows], spec.topk, spec.num_experts, **options, **cut)[:2]
+
+        kind = "given" if topk_idx is not None else "router"
+        return x, out, kind, route_rows, (streamed, lookahead)
+
+    def _run(self, x, counts, route_rows, options, call_id: int):
+        """The agreed call on the workspace's ring of its shape (batch: one slot holding the whole batch)."""
+        spec, ws = self.spec, self.workspace
+        streamed, lookahead = options
+        most = max(counts)
+        if streamed:
+            num_slots, tokens_per_slot = spec.num_slots, spec.tokens_per_slot
             num_chunks = protocol.call_num_chunks(counts, tokens_per_slot)
         else:
-            # Batch-ready: one slot whose single chunk is the whole batch (at least one row, even when
-            # every rank has zero tokens: the chunk is still published and acknowledged).
-            num_slots, tokens_per_slot, num_chunks, lookahead = 1, max(1, max_tokens), 1, 0
-        call_id = ws.call_identity(self.layer_id)
-        ws.begin_call()
-        ring = ws.host.ring(self.shapes.ring_spec(num_slots, tokens_per_slot), ack_policy, self.timeout_s,
-                            exact=streaming)
-        ws.host.ensure_combine(max(max_tokens, self.max_tokens_per_rank or 0, 1) * self.shapes.num_topk
-                               * self.shapes.hidden * 4)
-        self.last_stats = ForwardStats(streaming=streaming, num_chunks=num_chunks, num_slots=num_slots,
-                                       tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
+            # Batch-ready: one slot whose single chunk is the whole batch (at least one row, even when every rank
+            # has zero tokens: the chunk is still published and acknowledged).
+            num_slots, tokens_per_slot, num_chunks, lookahead = 1, max(1, most), 1, 0
+        ring_spec = RingSpec(num_slots=num_slots, tokens_per_slot=tokens_per_slot, hidden=spec.hidden,
+                             num_topk=spec.topk, num_experts=spec.num_experts, x_format=spec.x_format)
+        ring = ws.host.ring(ring_spec, spec.ack_policy, spec.timeout_s, exact=streamed)
+        ws.host.ensure_combine(max(most, spec.max_tokens, 1) * spec.topk * spec.hidden * 4)
+        self.executor.stats = ForwardStats(streaming=streamed, num_chunks=num_chunks, num_slots=num_slots,
+                                           tokens_per_slot=ring.spec.tokens_per_slot, num_tokens=x.shape[0])
         try:
-            y = self._run(ring, num_chunks, x, route_rows, ack_policy, lookahead, call_id)
+            return self.executor.run(ring, num_chunks, x, route_rows, spec.ack_policy, lookahead, call_id)
         except SymmringError as exc:
             # The call stopped part-way (a wait expired, another call's payload): the ranks' rings and combine
             # counters now disagree, so no later call may run on them (nor on any layer of this workspace)
             # until the workspace's reset (collective).
             ws.failure = exc
             raise
-        self.last_stats.elapsed_s = time.perf_counter() - start_s
-        if torch_in:
-            import torch
-            return torch.from_numpy(y)
-        return y
 
-    __call__ = forward
+    # --- the module's side (symmring.moe.integrations.module) ------------------------------------------------
 
-    def _agreed_counts(self, refusal: Optional[BaseException], num_tokens: int, call_params) -> list:
-        """Every rank's token count of a call outside a model step, from ONE bounded exchange that also carries
-        every rank's argument verdict (a refusal: this rank's own error where it refused, a `ConfigError` naming
-        the refusing ranks elsewhere), its call parameters (which must agree) and its call identity (a
-        `CallMismatch` on every rank where they differ): every rank raises or none does, before any ring work."""
-        ws = self.workspace
-        mine = (None if refusal is None else str(refusal), num_tokens, call_params, ws.call_identity(self.layer_id))
-        gathered = self.ctx.collectives.allgather(mine, what="forward: token counts")
-        rejected = agreement.rejection([g[0] for g in gathered], self.rank, "forward")
-        if rejected is not None:
-            raise refusal if refusal is not None else rejected
-        mismatch = agreement.call_mismatch([g[3] for g in gathered], self.rank, "ExpertParallelMoE.forward")
-        if mismatch is not None:
-            raise mismatch
-        differ = [r for r, g in enumerate(gathered) if g[2] != call_params]
-        if differ:
-            raise ConfigError(f"forward: rank {self.rank} has (streaming, tokens_per_slot, num_slots, ack_policy, "
-                              f"lookahead)={call_params}, ranks {differ} differ; expected the same on all ranks")
-        return [g[1] for g in gathered]
+    def refresh_weights(self) -> None:
+        """Re-derive the float64 operands from ``engine.weights`` (after an in-place load of its tensors)."""
+        self.engine.refresh_weights()
 
-    def _step_counts(self, step, refusal: Optional[BaseException], num_tokens: int) -> list:
-        """Every rank's token count of a call inside a model step: the step's (no exchange). The arguments were
-        checked on this rank alone: a refused call (or more tokens than this rank declared) still counts as a
-        call here and fails the step (`symmring.Workspace.refuse_call`), and the other ranks' calls fail by
-        the identity check or a bounded timeout. The ranks must pass the same call options (not
-        cross-checked)."""
-        if refusal is None and num_tokens > step.counts[self.rank]:
-            refusal = ConfigError(f"x.shape[0]={num_tokens}: more tokens than this step declared "
-                                  f"({step.counts[self.rank]}; Workspace.step(num_tokens))")
-        if refusal is not None:
-            self.workspace.refuse_call(self.layer_id, refusal)
-            raise refusal
-        return list(step.counts)  # a rank may bring fewer: its last chunks are zero-token chunks
+    def clear_graph_cache(self) -> None:
+        """Nothing to drop: the CPU layer captures no graphs (the GPU layer's method, for the module)."""
+
+    last_stats = property(lambda self: self.executor.stats, doc="`ForwardStats` of the last call on this rank.")
+    bias = property(lambda self: self.routing.bias, doc="The layer's float32 copy of the routing bias, or None.")
+    #: `HostLayer` wrapped this layer as ``.layer``; the layer is that now (kept for code written against it).
+    layer = property(lambda self: self)
+
+    @property
+    def device(self):
+        """``torch.device("cpu")`` (where the module's tensors live)."""
+        import torch
+        return torch.device("cpu")
 
     def close(self) -> None:
         """Idempotent: the layer refuses further calls. Its memory is the workspace's (`Workspace.close`)."""
         self.closed = True
 
-    def __repr__(self) -> str:
-        return (f"ExpertParallelMoE({self.shapes}, rank={self.rank}/{self.world_size}, experts="
-                f"[{self.experts.start}, {self.experts.stop}), inter={self.inter}, closed={self.closed})")
-
-    # --- validation -----------------------------------------------------------------------------------
-
-    def _validate_call(self, x, router_weight, logits, topk_idx, topk_weights, streaming, tokens_per_slot,
-                       num_slots, ack_policy, lookahead):
-        shapes = self.shapes
-        quant._check_x(x)
-        if x.shape[1] != shapes.hidden:
-            raise ConfigError(f"x.shape={x.shape}: expected [num_tokens, hidden={shapes.hidden}]")
-        per_token = ("logits", "topk_idx", "topk_weights")
-        sources = dict(router_weight=router_weight, logits=logits, topk_idx=topk_idx, topk_weights=topk_weights)
-
-        def route_rows(rows: slice):
-            # Per-token sources are cut to ``rows`` (checked whole below: chunks route their own rows).
-            cut = {k: (v[rows] if k in per_token and v is not None else v) for k, v in sources.items()}
-            return route(x[rows], shapes.num_topk, shapes.num_experts, **self._routing_options(), **cut)[:2]
-
-        # The whole source as the caller passed it (messages name its shape), before any shared-memory
-        # work: types, shapes, expert ids, finite values. The routing options were checked at construction.
-        check_routing(x.shape[0], shapes.hidden, shapes.num_topk, shapes.num_experts, **sources)
-        if not isinstance(streaming, (bool, np.bool_)):
-            raise ConfigError(f"streaming={streaming!r}: expected True or False")
-        ack_policy = AckPolicy.parse(ack_policy)
-        if streaming:
-            tokens_per_slot = 64 if tokens_per_slot is None else tokens_per_slot
-            for name, value in (("tokens_per_slot", tokens_per_slot), ("num_slots", num_slots)):
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                    raise ConfigError(f"{name}={value!r}: expected a positive int")
-            tokens_per_slot, num_slots = int(tokens_per_slot), int(num_slots)
-            lookahead = protocol.default_lookahead(num_slots) if lookahead is None else lookahead
-            try:
-                protocol.check_lookahead(lookahead, num_slots)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            params = (True, tokens_per_slot, num_slots, ack_policy, int(lookahead))
-        else:
-            if tokens_per_slot is not None or lookahead is not None:
-                raise ConfigError("tokens_per_slot/lookahead: only for streaming=True (the batch-ready path "
-                                  "uses one slot holding the whole batch)")
-            params = (False, None, None, ack_policy, None)
-
-        return route_rows, params
-
-    # --- symmetric memory -----------------------------------------------------------------------------
-
-    def _combine_out(self, rank: int) -> np.ndarray:
-        """Zero-copy ``[capacity, K, H]`` float32 view of ``rank``'s combine rows (the workspace's buffer)."""
-        return self.workspace.host.combine_rows(rank, self.shapes.num_topk, self.shapes.hidden)
-
-    # --- the protocol ---------------------------------------------------------------------------------
-
-    def _run(self, ring: Ring, num_chunks: int, x: np.ndarray, route_rows, ack_policy: AckPolicy,
-             lookahead: int, call_id: int) -> np.ndarray:
-        """Every chunk of one call (identity ``call_id``), in the host enqueue order (producer ``lookahead``
-        chunks ahead)."""
-        y = np.zeros((x.shape[0], self.shapes.hidden), np.float32)
-        own_routes: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
-        call = ring.begin_call(num_chunks, call_id=call_id)
-        host = self.workspace.host
-        combine_base = host.combine_base
-        for step, chunk in protocol.enqueue_order(num_chunks, ring.spec.num_slots, lookahead):
-            combine_gen = protocol.generation(combine_base, chunk)
-            if step == "produce":
-                own_routes[chunk] = self._produce(ring, call, chunk, x, route_rows)
-            else:
-                self._consume(ring, call, chunk, ack_policy, combine_gen)
-                self._reduce(ring, call, chunk, own_routes.pop(chunk), combine_gen, y)
-        ring.end_call(call)
-        host.combine_base = protocol.next_base(combine_base, num_chunks)
-        if env.debug():
-            self._debug_check(ring, call, combine_base, y)
-        return y
-
-    def _debug_check(self, ring: Ring, call: Call, combine_base: int, y: np.ndarray) -> None:
-        """``SYMMRING_DEBUG=1``: the shared state a finished call must leave behind (module docstring)."""
-        backend, alloc, lay = self.ctx.backend, ring.allocation, ring.layout
-        num_chunks, num_slots = call.num_chunks, ring.spec.num_slots
-        base = backend.read_word(alloc, lay["gen_base"].offset, self.rank)
-        if base != protocol.next_base(call.base, num_chunks):
-            raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: gen_base is {base} after a call of {num_chunks} "
-                                f"chunks from base {call.base}, expected {protocol.next_base(call.base, num_chunks)}")
-        for chunk in range(max(0, num_chunks - num_slots), num_chunks):  # the last use of each slot
-            slot, gen = protocol.slot_of(chunk, num_slots), protocol.generation(call.base, chunk)
-            words = {kind: backend.read_word(alloc, lay[kind].slot_offset(slot), self.rank)
-                     for kind in ("route_ready", "layout_ready")}
-            meta = ring.meta(slot)
-            if words != {"route_ready": gen, "layout_ready": gen} or int(meta[META_PAYLOAD_GEN]) != gen \
-                    or int(meta[META_CHUNK_IDX]) != chunk:
-                raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: slot {slot} holds ready words {words} and "
-                                    f"metadata {meta.tolist()}, expected generation {gen} of chunk {chunk}")
-        required = protocol.full_mask(self.world_size)
-        deadline = time.monotonic() + self.timeout_s
-        for slot in range(num_slots):
-            for word_idx, want in enumerate(required):
-                offset = lay["ack_mask"].slot_offset(slot) + word_idx * _WORD_BYTES
-                # Acquire (pairs with each consumer's fence before its atomic_or in Ring.ack): every consumer
-                # acknowledges this call's chunks without waiting for this rank, so they must all arrive.
-                ok, observed = backend.wait_until(alloc, offset, self.rank, "eq", want,
-                                                  max(deadline - time.monotonic(), 1e-6))
-                if not ok:
-                    mask = [backend.read_word(alloc, lay["ack_mask"].slot_offset(slot) + w * _WORD_BYTES, self.rank)
-                            for w in range(len(required))]
-                    raise ProtocolTimeout("reuse", rank=self.rank, peer=self.rank, slot=slot, chunk=num_chunks - 1,
-                                          expected=want, observed=observed,
-                                          missing_ranks=protocol.missing_ranks(mask, required), timeout_s=self.timeout_s)
-        if num_chunks:
-            last = protocol.generation(combine_base, num_chunks - 1)
-            behind = [q for q in range(self.world_size)
-                      if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.rank) < last]
-            if behind:
-                raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: combine signals of consumer(s) {behind} are "
-                                    f"below the call's last generation {last}")
-        bad = np.nonzero(~np.isfinite(y).all(axis=1))[0]
-        if bad.size:
-            raise SymmringError(f"SYMMRING_DEBUG: rank {self.rank}: output rows {bad[:8].tolist()} (of {bad.size}) "
-                                "are not finite")
-
-    def _chunk_rows(self, ring: Ring, chunk: int, num_tokens: int) -> slice:
-        tokens_per_slot = ring.spec.tokens_per_slot
-        token_base = protocol.chunk_token_base(chunk, tokens_per_slot)
-        return slice(token_base, token_base + protocol.chunk_valid_tokens(num_tokens, chunk, tokens_per_slot))
-
-    def _produce(self, ring: Ring, call: Call, chunk: int, x: np.ndarray, route_rows):
-        """Route and quantise this rank's rows of ``chunk``, then write and publish them (route first)."""
-        rows = self._chunk_rows(ring, chunk, x.shape[0])
-        topk_idx, topk_weights = route_rows(rows)
-        x_bits, x_sf = quant.encode(x[rows], self.shapes.x_format, self.shapes.sf_group_size)
-        ring.acquire_slot(call, chunk)
-        ring.write_route(call, chunk, topk_idx, topk_weights, rows.start, rows.stop - rows.start)
-        # Route before layout: a consumer could start counting its experts' tokens before x arrives.
-        ring.publish_route(call, chunk)
-        ring.write_layout(call, chunk, x_bits, x_sf)
-        ring.publish_layout(call, chunk)
-        return topk_idx, topk_weights
-
-    def _entries(self, ring: Ring, call: Call, chunk: int, src_rank: int):
-        """The (row, k) entries of ``src_rank``'s ``chunk`` routed to local experts (after `wait_ready`).
-
-        Returns ``(token_base, rows, ks, experts)``: for every local (row, k) pair its row in the chunk, its k
-        and its expert (row-major order).
-        """
-        slot = call.slot(chunk)
-        token_base, num_valid = ring.check_meta(call, chunk, src_rank)  # this chunk, generation and call
-        topk_idx = np.array(ring.topk_idx(slot, src_rank)[:num_valid])
-        local = (topk_idx >= self.experts.start) & (topk_idx < self.experts.stop)
-        rows, ks = np.nonzero(local)
-        return token_base, rows, ks, topk_idx[rows, ks]
-
-    def _pull(self, ring: Ring, call: Call, chunk: int, src_rank: int, rows: np.ndarray, pool: np.ndarray,
-              pool_rows: np.ndarray) -> None:
-        """Dequantise the x rows ``rows`` of ``src_rank``'s ``chunk`` into rows ``pool_rows`` of ``pool``: one read
-        of each distinct row of the slot."""
-        slot = call.slot(chunk)
-        pulled_rows, inverse = np.unique(rows, return_inverse=True)
-        x_bits = ring.x(slot, src_rank)[pulled_rows]  # fancy indexing: a copy of the rows only
-        x_sf = ring.x_sf(slot, src_rank)[pulled_rows] if ring.spec.num_sf else None
-        pool[pool_rows] = quant.decode(x_bits, x_sf, self.shapes.x_format)[inverse]
-        self.last_stats.rows_pulled += len(pulled_rows)
-
-    def _consume(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy, combine_gen: int) -> None:
-        """Dispatch, compute and combine-write ``chunk`` of every rank; signal every owner.
-
-        The chunk's arrivals go through the workspace's pool in passes of at most ``pool_rows`` (token, k)
-        entries, grouped by expert: a routing that sends more rows here than the pool holds runs more
-        passes, never truncated. Every pass reads the slots, so EARLY acknowledges after the last one."""
-        entries = []
-        for src_rank in range(self.world_size):
-            ring.wait_ready(call, chunk, src_rank)
-            entries.append(self._entries(ring, call, chunk, src_rank))
-        sources = np.concatenate([np.full(len(e[1]), r, np.int64) for r, e in enumerate(entries)])
-        rows = np.concatenate([e[1] for e in entries])
-        ks = np.concatenate([e[2] for e in entries])
-        experts = np.concatenate([e[3] for e in entries]).astype(np.int64)
-        order = np.argsort(experts, kind="stable")  # expert-contiguous, as the GPU pool
-        pool_rows = self.workspace.pool_rows(self.layer_shape)
-        acked = False
-        for begin in range(0, len(order), pool_rows):
-            part = order[begin:begin + pool_rows]
-            pool = self.workspace.host.pool_view(len(part), self.shapes.hidden)
-            for src_rank in range(self.world_size):
-                sel = np.nonzero(sources[part] == src_rank)[0]
-                if sel.size:
-                    self._pull(ring, call, chunk, src_rank, rows[part[sel]], pool, sel)
-            if begin + pool_rows >= len(order):
-                acked = self._early_ack(ring, call, chunk, ack_policy)  # the last read of every slot is done
-            out = np.empty((len(part), self.shapes.hidden), np.float32)
-            for local_idx, expert in enumerate(self.experts):
-                sel = np.nonzero(experts[part] == expert)[0]
-                if sel.size:
-                    out[sel] = self._expert(local_idx, pool[sel])
-            self.last_stats.pairs_computed += len(part)
-            self.last_stats.passes += 1
-            for src_rank in range(self.world_size):
-                sel = np.nonzero(sources[part] == src_rank)[0]
-                if sel.size:
-                    # A remote store into the owner's combine buffer at the token's logical row.
-                    token_base = entries[src_rank][0]
-                    self._combine_out(src_rank)[token_base + rows[part[sel]], ks[part[sel]]] = out[sel]
-        if not acked:  # no entry here: the slots were read for their routing only
-            self._early_ack(ring, call, chunk, ack_policy)
-        self._signal_combine(combine_gen)
-        if ack_policy == AckPolicy.CONSERVATIVE:
-            for src_rank in range(self.world_size):
-                ring.ack(call, chunk, src_rank)  # release: after this chunk's combine was signalled
-
-    def _early_ack(self, ring: Ring, call: Call, chunk: int, ack_policy: AckPolicy) -> bool:
-        if ack_policy == AckPolicy.EARLY:
-            for src_rank in range(self.world_size):
-                ring.ack(call, chunk, src_rank)  # release: after the last read of the slot (fence inside)
-        return True
-
-    def _signal_combine(self, combine_gen: int) -> None:
-        """Tell every owner that this rank's combine stores of the current chunk are complete."""
-        backend = self.ctx.backend
-        # Release: the combine stores are visible before the signals; pairs with the acquire in _reduce.
-        backend.fence()
-        for owner in range(self.world_size):
-            backend.signal_set(self.workspace.host.combine, self.rank * _WORD_BYTES, combine_gen, owner)
-
-    def _expert(self, local_idx: int, h: np.ndarray) -> np.ndarray:
-        """L1 (gate | up) -> SwiGLU -> L2 for rows ``h`` of one local expert (row-independent)."""
-        gate_up = row_matmul(h, self._w_gate_up_t[local_idx])
-        act = swiglu(gate_up[:, :self.inter], gate_up[:, self.inter:])
-        return row_matmul(act, self._w_down_t[local_idx])
-
-    def _reduce(self, ring: Ring, call: Call, chunk: int, own_route, combine_gen: int, y: np.ndarray) -> None:
-        """Wait for every consumer's combine of this rank's ``chunk``, then reduce over k into ``y``."""
-        backend = self.ctx.backend
-        deadline = time.monotonic() + self.timeout_s
-        for consumer in range(self.world_size):
-            # Acquire: pairs with the fence before the consumer's signal_set in _consume.
-            ok, observed = backend.wait_until(self.workspace.host.combine, consumer * _WORD_BYTES, self.rank, "ge", combine_gen,
-                                              max(deadline - time.monotonic(), 1e-6))
-            if not ok:
-                missing = [q for q in range(self.world_size)
-                           if backend.read_word(self.workspace.host.combine, q * _WORD_BYTES, self.rank) < combine_gen]
-                error = ProtocolTimeout("combine", rank=self.rank, peer=consumer, slot=call.slot(chunk), chunk=chunk,
-                                        expected=combine_gen, observed=observed, missing_ranks=missing,
-                                        timeout_s=self.timeout_s)
-                self.ctx.collectives.record_fault(error)  # a peer may be stalled or gone (see Ring)
-                raise error
-        topk_idx, topk_weights = own_route
-        rows = self._chunk_rows(ring, chunk, y.shape[0])
-        if rows.stop > rows.start:
-            y[rows] = combine_rows(self._combine_out(self.rank)[rows], topk_idx, topk_weights)
-
     def _check_closed(self) -> None:
         if self.closed:
             raise RingClosedError(f"{self!r} was closed")
         self.ctx.check_open()
+
+    def __repr__(self) -> str:
+        spec = getattr(self, "spec", None)
+        if spec is None:
+            return "ExpertParallelMoE(not built)"
+        return (f"ExpertParallelMoE(experts [{spec.expert_begin}, {spec.expert_begin + spec.num_local_experts}) of "
+                f"{spec.num_experts}, hidden={spec.hidden}, inter={spec.inter}, top-{spec.topk}, rank "
+                f"{spec.rank}/{spec.world_size}, closed={self.closed})")
+
+
+def _route_options(routing: RoutingConfig) -> dict:
+    """The routing options `reference.route` takes (its bias as a NumPy view: a torch bias read in place)."""
+    bias = routing.bias
+    if bias is not None:
+        bias = as_numpy("routing.bias", bias)[0]
+    return dict(scoring=routing.scoring, bias=bias, routed_scaling_factor=routing.routed_scaling_factor,
+                n_group=routing.n_group, topk_group=routing.topk_group, norm_topk_prob=routing.norm_topk_prob)
+
+
+def _as_float32_tensor(value):
+    """A torch tensor of a float dtype NumPy lacks (bf16, float16) as float32 (exact); anything else as it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+        return value.float()
+    return value
+
+
+def _input_x(x):
+    """``(x as float32 NumPy, what turns the float32 result into what x was)``: bf16 tensors in, bf16 tensors out."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        dtype = x.dtype
+        if dtype == torch.bfloat16:
+            return as_numpy("x", x.float())[0], lambda y: torch.from_numpy(y).to(torch.bfloat16)
+        return as_numpy("x", x)[0], torch.from_numpy
+    return x, lambda y: y
 
 
 def shard_experts(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, rank: int, world_size: int):
@@ -757,4 +515,5 @@ def shard_experts(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, rank
     return w_gate[sl], w_up[sl], w_down[sl]
 
 
-__all__ = ["ExpertParallelMoE", "MoEShapes", "ForwardStats", "as_numpy", "local_experts", "shard_experts"]
+__all__ = ["ExpertParallelMoE", "MoEShapes", "ForwardStats", "HostEngine", "as_numpy", "local_experts",
+           "shard_experts"]

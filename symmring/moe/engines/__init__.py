@@ -3,8 +3,8 @@ rows out), and the engines that implement it:
 
 * ``"torch"``: `symmring.moe.engines.torch_bf16` (bf16 experts on ``torch._grouped_mm``);
 * ``"builtin"`` and ``"deepgemm"``: `symmring.moe.engines.fp8` (block-scaled fp8 GEMMs: the project's Triton
-  kernels, `triton_large` for large groups and `triton_small` for tiny ones, sharing `triton_common`; or
-  DeepGEMM's, `symmring.moe.engines.deepgemm`);
+  kernels, `triton_large` for large groups and `triton_small` for tiny ones, sharing `triton_common`, their
+  configurations chosen by `triton_heuristics`; or DeepGEMM's, `symmring.moe.engines.deepgemm`);
 * ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
 
 `make_engine` picks one (the layer's ``engine=`` argument); `capture_scope` wraps the capture of a CUDA graph

@@ -19,8 +19,6 @@ from ...errors import BackendError, ConfigError
 ALIGN_M = 128
 #: K per MMA step and per scale block.
 BLOCK_K = 128
-#: SMs of an H200/H100 SXM: the default configuration rules' "does the grid fill the machine" estimate.
-NUM_SMS_HOPPER = 132
 
 # Set by `load` (the helpers below resolve them from this module's globals).
 tl: Any = None
@@ -40,6 +38,12 @@ def interpreting() -> bool:
 
 
 def ceil_div(x: int, y: int) -> int:
+    """``x / y`` rounded up (positive ``y``).
+
+    Example:
+        >>> ceil_div(7, 4), ceil_div(8, 4)
+        (2, 2)
+    """
     return -(-x // y)
 
 
@@ -160,10 +164,6 @@ def check_bad_groups(bad_groups, device) -> None:
         raise ConfigError(f"bad_groups: expected None or a contiguous int32 tensor of >= {BAD_GROUP_WORDS} words on "
                           f"{device}, got {getattr(bad_groups, 'dtype', type(bad_groups).__name__)} "
                           f"{tuple(getattr(bad_groups, 'shape', ()))}")
-
-
-def _ceil_div(x: int, y: int) -> int:
-    return -(-x // y)
 
 
 def tma_ok(t, block_inner_bytes_multiple: int = 16) -> bool:

@@ -16,17 +16,16 @@ Formats (DeepSeek-V3 / DeepGEMM; `symmring.moe.fp8_reference` restates them and 
 Numerics
     GEMM. For each 128-wide K block the tensor cores form the dot product of 128 e4m3 pairs. The products
     are exact; Hopper's fp8 MMA adds them with a reduced-precision accumulator (about 14 bits, per the
-    DeepSeek-V3 report: the reason DeepGEMM "promotes" every 128 K), which is the only inexact step inside a K block. The block's
-    result is then multiplied by ``a_sf[r, kb] * b_sf[g, n // 128, kb]`` (that product rounded to float32
-    first, as DeepGEMM does) and added to a float32 accumulator with one fused multiply-add, K blocks in
-    increasing order. The accumulator is rounded once to bf16 (nearest even) at the end. Against the float64
-    definition the relative error ``||out - ref|| / ||ref||`` is dominated by the final bf16 rounding
-    (at most 2^-9 relative per element; 1.66e-3 as a norm ratio on the tests' random data, the same as
-    rounding the float64 result itself to bf16); float32 accumulation and the in-block MMA precision add
-    ~1e-4 or less. Rows are independent: a row's result never depends on other rows' data, so
-    padding rows holding garbage (even NaN) only spoil their own, never-read, output rows. Output rows of
-    blocks that start with a padding row are not written; padding rows inside a group's last block are
-    computed from whatever the pool holds there.
+    DeepSeek-V3 report: the reason DeepGEMM "promotes" every 128 K), which is the only inexact step inside a K
+    block. The block's result is then multiplied by ``a_sf[r, kb] * b_sf[g, n // 128, kb]`` (that product
+    rounded to float32 first, as DeepGEMM does) and added to a float32 accumulator with one fused multiply-add,
+    K blocks in increasing order. The accumulator is rounded once to bf16 (nearest even) at the end, so against
+    the float64 definition the error is dominated by that rounding (at most 2^-9 relative per element, the same
+    as rounding the float64 result itself); float32 accumulation and the in-block MMA precision add far less.
+    Rows are independent: a row's result never depends on other rows' data, so padding rows holding garbage
+    (even NaN) only spoil their own, never-read, output rows. Output rows of blocks that start with a padding
+    row are not written; padding rows inside a group's last block are computed from whatever the pool holds
+    there.
 
     SwiGLU + quantise (one kernel). ``act = silu(g) * u`` in float32 from the bf16 values with
     ``silu(g) = g / (1 + exp(-g))``: ``exp`` is CUDA's accurate ``expf`` (libdevice ``__nv_expf``, what
@@ -53,28 +52,25 @@ Performance design (Hopper, sm_90)
     forces every block's MMA result out of the accumulator (``acc += dot(a, b) * s`` instead of
     ``dot(a, b, acc)``): the wgmma writes a fresh block result (zero-initialised by the instruction
     itself), waits, and the promotion is one FMA per element with a per-row scalar ``a_sf[r] * b_sf``
-    (a 128-wide N slice has one weight scale). So a thread holds two register sets, accumulator and
-    block result: 64 + 64 per thread for a 128x128 tile at 8 warps (157 registers in all, no spills, one
-    program per SM) or a 64x128 tile at 4 warps (156; at 3 stages three programs fit on an SM). With two
-    warpgroups per program (128 rows at 8 warps), or several programs per SM, one warpgroup's promotion
-    overlaps another's MMA, which is what DeepGEMM's two math warpgroups do. A 256-wide tile runs as two
-    128-wide halves with their own dots; ptxas then overlaps the first half's promotion with the second
-    half's MMA, which needs both block results live and spills (255 registers, ~110 bytes with TMA): it
-    is kept only as a swept configuration. Tiles are visited in a grouped order (``group_m`` M blocks per band, M
-    fastest within it) so the M blocks of one expert read each weight tile from L2 at about the same time.
+    (a 128-wide N slice has one weight scale). So a thread holds two register sets, accumulator and block
+    result, which bounds the tile: 128x128 at two warpgroups or 64x128 at one fit without spilling. With two
+    warpgroups per program, or several programs per SM, one warpgroup's promotion overlaps another's MMA, which
+    is what DeepGEMM's two math warpgroups do. A 256-wide tile runs as two 128-wide halves with their own dots.
+    Tiles are visited in a grouped order (``group_m`` M blocks per band, M fastest within it) so the M blocks of
+    one expert read each weight tile from L2 at about the same time. The configuration a call runs with:
+    `symmring.moe.engines.triton_heuristics` (register use and the sweeps: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from ...errors import ConfigError
 from . import triton_common
-from .triton_common import (ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, check_bad_groups, check_device, interpreting,
-                            tma_ok)
+from .triton_common import ALIGN_M, BLOCK_K, ceil_div, check_bad_groups, check_device, interpreting, tma_ok
+from .triton_heuristics import GemmConfig, default_config
 
 logger = logging.getLogger(__name__)
 
@@ -84,107 +80,6 @@ SWIGLU_BLOCK_ROWS = 32
 
 # Set by _triton() on first use (`triton_common.bind`): the kernels below resolve them from this module's globals.
 tl = swiglu_quant_rows = gemm_program = tile_group = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """One launch configuration of the grouped GEMM kernel.
-
-    Attributes:
-        block_m: rows per tile, 64 or 128 (a divisor of `ALIGN_M`, so a tile never spans two groups).
-        block_n: columns per tile, 64, 128 or 256 (256 runs as two 128-wide halves, see the module notes).
-        group_m: M blocks per band of the tile order (L2 reuse of weights and activations).
-        num_warps: 4 (one warpgroup) or 8 (two).
-        num_stages: K blocks in flight (shared memory: ``(block_m + block_n) * 128`` bytes each).
-        tma: load A and B (and store the output) with TMA descriptors; False: pointer loads (cp.async).
-    """
-    block_m: int = 128
-    block_n: int = 128
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 5
-    tma: bool = True
-
-    def __post_init__(self):
-        if self.block_m not in (64, 128):
-            raise ConfigError(f"block_m={self.block_m}: expected 64 or 128 (a divisor of ALIGN_M={ALIGN_M})")
-        if self.block_n not in (64, 128, 256):
-            raise ConfigError(f"block_n={self.block_n}: expected 64, 128 or 256")
-        if self.num_warps not in (4, 8):
-            raise ConfigError(f"num_warps={self.num_warps}: expected 4 or 8")
-        if not 1 <= self.num_stages <= 8:
-            raise ConfigError(f"num_stages={self.num_stages}: expected 1..8")
-        if not 1 <= self.group_m <= 64:
-            raise ConfigError(f"group_m={self.group_m}: expected 1..64")
-
-    @property
-    def name(self) -> str:
-        return (f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}g{self.group_m}"
-                f"{'' if self.tma else '-ptr'}")
-
-    @property
-    def smem_bytes(self) -> int:
-        """Shared memory of the operand pipeline (fp8 tiles; the epilogue reuses it)."""
-        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K
-
-
-def configs() -> List[GemmConfig]:
-    """The configurations the benchmark sweeps (`symmring.bench.gemm`).
-
-    Compiled for sm_90a with Triton 3.6 (ptxas 12.8): 128x128 at 8 warps uses 157 registers, 64x128 at
-    4 warps 156, neither spills. 128x256 (two 128-wide halves) reaches 255 registers and spills about 110
-    bytes per thread inside the K loop with TMA loads (16 bytes with pointer loads): ptxas issues the
-    second half's MMA while the first half's promotion still runs, which needs a second 64-register
-    block result; both stay in the sweep as measured data points. 64x128 at 3 stages (72 KiB of shared
-    memory, 156 x 128 registers) fits three programs per SM, whose independent warpgroups hide each
-    other's promotion and tile changes. Pointer-load (cp.async, no TMA) variants are kept for comparison.
-
-    Example:
-        >>> len(configs()) >= 8 and all(c.smem_bytes <= 227 * 1024 for c in configs())
-        True
-    """
-    return [
-        GemmConfig(128, 128, 8, 8, 4),
-        GemmConfig(128, 128, 8, 8, 5),
-        GemmConfig(128, 128, 8, 8, 6),
-        GemmConfig(64, 128, 8, 4, 3),
-        GemmConfig(64, 128, 16, 4, 4),
-        GemmConfig(64, 128, 8, 4, 6),
-        GemmConfig(128, 256, 8, 8, 3),
-        GemmConfig(128, 128, 8, 8, 4, tma=False),
-        GemmConfig(64, 128, 8, 4, 3, tma=False),
-        GemmConfig(128, 256, 8, 8, 3, tma=False),
-    ]
-
-
-
-
-def default_config(M: int, N: int, K: int, G: int, num_sms: int = NUM_SMS_HOPPER) -> GemmConfig:
-    """The configuration `grouped_gemm_fp8` uses when none is given, from the sweep measured on the H200.
-
-    ``python -m symmring bench gemm`` (2026-12-01, 18 problems: L1 and L2 of the three model shapes at 128,
-    256 and 2048 rows per group): 64x128 tiles at one warpgroup and 3 stages (three programs per SM, whose
-    promotions hide each other's) won 11 problems; 128x256 tiles with pointer loads won the long-K ones
-    (``K >= 7168``: DeepSeek-V3's L1, Mixtral's L2) by 3-8 %. Small groups (<= 64 rows on average) keep the
-    64-row tiles, which skip the empty half of a half-filled 128-row block. Two variants tried and dropped:
-    promoting block k after issuing block k + 1's MMA (5-20 % slower everywhere: the extra block result
-    costs a program per SM) and Triton 3.6's ``warp_specialize`` loop (its Hopper pass asserts on this
-    kernel, or runs 5-15 % slower).
-
-    Args:
-        M: pool rows (upper bound). N: output features. K: input features. G: groups.
-        num_sms: SMs of the device (unused by the measured rule; kept for other parts).
-
-    Returns:
-        A `GemmConfig`.
-
-    Example:
-        >>> default_config(32 * 256, 4096, 7168, 32).name, default_config(8 * 2048, 28672, 4096, 8).name
-        ('128x256w8s3g8-ptr', '64x128w4s3g8')
-    """
-    if K >= 7168 and M / max(G, 1) > 64:
-        return GemmConfig(128, 256, 8, 8, 3, tma=False)
-    return GemmConfig(64, 128, 8, 4, 3)
 
 
 # --- the kernels (plain functions; _triton() wraps them in triton.jit on first use) -----------------------
@@ -435,7 +330,7 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
             `ALIGN_M` (not checked here: `check_contiguous_layout` does, with a device sync). A tile whose
             first row names a group outside ``[-1, G)`` is skipped (never reads past ``b``).
         out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
-        config: a `GemmConfig`; `default_config` when None.
+        config: a `triton_heuristics.GemmConfig`; `triton_heuristics.default_config` when None.
         bad_groups: optional int32 ``[>= 2]`` on the device: the tiles skipped for such an id are added to
             word 0 and the first id is stored in word 1 (`triton_common.BAD_GROUP_WORDS`; zero it first).
 
@@ -456,7 +351,7 @@ def grouped_gemm_fp8(a, a_sf, b, b_sf, m_indices, out=None, config: Optional[Gem
     if config is None:
         config = default_config(M, N, K, G)
     elif not isinstance(config, GemmConfig):
-        raise ConfigError(f"config: expected a GemmConfig, got {type(config).__name__}")
+        raise ConfigError(f"config: expected a triton_heuristics.GemmConfig, got {type(config).__name__}")
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
     if M == 0:

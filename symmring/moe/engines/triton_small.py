@@ -15,8 +15,9 @@ time to read the touched experts' weights:
 * `grouped_gemm_swiglu_quant_fp8_small`: L1 fused with SwiGLU and the 1x128 fp8 quantisation of L2's
   input. ``BLOCK_N = 128``: each program computes gate channels ``[n0, n0 + 128)`` and the matching up
   channels ``[n0 + I, n0 + I + 128)`` of ``w13 = [gate rows | up rows]``
-  (`symmring.moe.engines.torch_bf16.fuse_gate_up`) as two accumulators, so it owns exactly one 128-channel scale group of every row and needs nothing
-  from other programs. It writes L2's ``(q, q_sf)`` (scales MN-major, as ``swiglu_quant_fp8(sf_mn_major=True)``).
+  (`symmring.moe.engines.torch_bf16.fuse_gate_up`) as two accumulators, so it owns exactly one 128-channel
+  scale group of every row and needs nothing from other programs. It writes L2's ``(q, q_sf)`` (scales
+  MN-major, as ``swiglu_quant_fp8(sf_mn_major=True)``).
 
 Which tiles run
     The host passes ``rows_per_group``, a bound on the rows any one group holds (the layer's: the tokens
@@ -46,40 +47,19 @@ Numerics (bitwise contracts)
     does (CUDA's accurate ``expf``, IEEE divisions, ``scale = amax / 448``, 1.0 for a zero group, clip, e4m3
     nearest even). Hence, for the same configuration (``split_k`` included),
     ``grouped_gemm_swiglu_quant_fp8_small(a, ...)`` is bitwise ``swiglu_quant_fp8(grouped_gemm_fp8_small(a,
-    ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not bitwise
-    (each within the tolerance below). Against the float64 definition the GEMM is within the bf16 rounding
-    (as `triton_large`); the swap changes which operand is A, not the arithmetic per output element, so
-    results are close to but not bitwise those of `triton_large.grouped_gemm_fp8` (its promotion may contract
-    differently).
+    ...), m_indices)`` on every real row. Different ``split_k`` sum in a different order: close, not
+    bitwise. Against the float64 definition the GEMM is within the bf16 rounding (as `triton_large`); the swap
+    changes which operand is A, not the arithmetic per output element, so results are close to but not
+    bitwise those of `triton_large.grouped_gemm_fp8` (its promotion may contract differently).
 
     Padding rows inside a real tile are computed from whatever the pool holds (garbage or NaN spoils only
     their own columns) and never stored: every output row whose ``m_indices`` is -1 is left as it was, in
     both kernels.
 
-Configuration (`small_config`; ``python -m symmring bench gemm --decode-sweep`` measures the alternatives)
-    * ``BLOCK_T``: the smallest of 16, 32, 64 that holds ``rows_per_group`` (one row tile per group; the
-      MMA's N side costs nothing in a weight-bound GEMM, a second row tile would read the weights again).
-    * ``BLOCK_N``: 128, unless the 128-wide grid has fewer programs than SMs; then 64 (twice the programs,
-      each half the weight rows). The programs that can work (`tile_programs`) are ``min(G, cdiv(M, 128))``
-      groups times the row tiles per block times the N tiles: Mixtral-like L2 at 1 token is 2 groups x 32
-      tiles of 128 = 64 programs for 132 SMs, 128 at 64 wide. A weight tile of <= 128 rows inside one
-      128-row scale block has one weight scale per K block (a scalar per program). The fused L1 keeps 128
-      (one scale group per program).
-    * ``split_k``: 2 where the grid leaves SMs idle and each half keeps at least `MIN_SPLIT_K_BLOCKS` = 4 K
-      blocks (one fill of the 4-stage pipeline), else 1. "Idle" differs by kernel, as the H200 sweep
-      (``bench gemm --decode-sweep``, docs/PERFORMANCE.md) measured it: the small GEMM (L2) splits when its
-      programs are fewer than the SMs (Mixtral-like L2 at 1 token, 128 programs 64 wide: 43.8 us unsplit,
-      35.1 split in 2); the fused L1, whose split also round-trips the up accumulator and defers SwiGLU,
-      only when they are at most half the SMs (Qwen3-like at 1 token, 48 programs: 14.2 us unsplit, 13.4
-      split in 2; but DeepSeek-V3-like at 1 token, 128 programs: 62.5 unsplit, 66.3 split, and Qwen3-like
-      at 2 tokens, 96: 19.0 against 21.3). Resulting grids (132 SMs): Qwen3-like fused L1 at 1 token 8
-      groups x 6 tiles x 2 splits = 96 programs, Mixtral-like L2 at 1 token 2 x 64 x 2 = 256; every other
-      shape of the three at 1-64 tokens runs unsplit.
-    * 4 warps (one warpgroup issues the 64- or 128-row wgmma), 4 stages of ``(BLOCK_N [x2] + BLOCK_T) * 128``
-      bytes: 18-24 KiB per stage (fused: 34-40), enough bytes in flight per SM to stream at the HBM rate
-      with two or three programs per SM. Weights and activations arrive by TMA (pointer loads where a
-      descriptor does not fit). A split fused L1 keeps 4 stages (136 KiB of tiles at ``BLOCK_T`` 16: one
-      program per SM, and a split grid has at most ``num_sms`` programs).
+Configuration
+    `symmring.moe.engines.triton_heuristics.small_config` picks the row tile, the weight tile and the split of
+    K from the problem's sizes (the rule, and why, there; the sweep behind it: docs/PERFORMANCE.md). Weights
+    and activations arrive by TMA (pointer loads where a descriptor does not fit).
 
 Split-K (``split_k > 1``)
     Deterministic, in one launch, with a last-arrival reduction: each of a tile's S programs stores its
@@ -94,11 +74,10 @@ Split-K (``split_k > 1``)
     last arrival is a different split on different tiles). Tiles of padding (-1) exit before any of it.
 
     The workspace (``programs x S x [1 or 2] x BLOCK_N x BLOCK_T`` float32: 8 KiB per accumulator at 128 x 16,
-    read back once from L2, against the 170-920 KiB of weights each split streams in the default rule's
-    split grids above) comes from ``torch.empty`` per call: the caching allocator's stream-ordered block (a
-    capture's private pool in a CUDA graph). The counters (int32, one per tile of the grid) must be zero
-    before a launch, so they are made zero once (``torch.zeros``) and cached (`split_counter_buffers` lists
-    them):
+    read back once from L2, small beside the weights each split streams) comes from ``torch.empty`` per call:
+    the caching allocator's stream-ordered block (a capture's private pool in a CUDA graph). The counters
+    (int32, one per tile of the grid) must be zero before a launch, so they are made zero once
+    (``torch.zeros``) and cached (`split_counter_buffers` lists them):
 
     * an eager launch uses the buffer of the stream it is enqueued on (per device and stream, grown as
       needed): launches on one stream run one after the other, each finds the counters as the previous
@@ -119,8 +98,8 @@ Split-K (``split_k > 1``)
       (logged once).
 
     ``split_k`` larger than the K blocks is a `ConfigError` (a split of no blocks would only add zeros);
-    the default rule never asks for it. ``split_k = 1`` launches the kernel exactly as before split-K
-    existed: no workspace, no counters, a one-dimensional grid, the same bits.
+    the default rule never asks for it. ``split_k = 1`` is the plain kernel: no workspace, no counters, a
+    one-dimensional grid.
 
 DeepGEMM's small-batch kernel wants the masked layout (``[G, max_rows, K]`` per expert), not the contiguous
 pool the layer's dispatch writes, so the layer's fp8 engines use these kernels for tiny groups whatever
@@ -131,7 +110,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
@@ -140,164 +118,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ...errors import ConfigError
 from . import triton_common, triton_large
-from .triton_common import ALIGN_M, BLOCK_K, NUM_SMS_HOPPER, ceil_div, interpreting, tma_ok
+from .triton_common import ALIGN_M, BLOCK_K, ceil_div, interpreting, tma_ok
+from .triton_heuristics import SmallConfig, small_config
 from .triton_large import check_gemm_args
 
 logger = logging.getLogger(__name__)
 
-#: Row tiles (the MMA's N side) and weight tiles (its M side) the kernels take.
-BLOCK_T_CHOICES = (16, 32, 64)
-BLOCK_N_CHOICES = (64, 128)
-#: The splits the default rule takes where it splits (module notes: the H200 sweep).
-DEFAULT_SPLIT_K = 2
-#: The fewest K blocks per split the default rule leaves (one fill of its 4-stage pipeline).
-MIN_SPLIT_K_BLOCKS = 4
-#: Split counts ``bench gemm --decode-sweep`` times besides 1 (`configs`).
-SWEEP_SPLIT_K = (2, 4)
-
 # Set by _jit() on first use (`triton_common.bind`): the kernel resolves them from this module's globals.
 tl = swiglu_quant_rows = gemm_program = tile_group = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SmallConfig:
-    """One launch configuration of the small-batch kernels.
-
-    Attributes:
-        block_n: weight rows per program (the MMA's M side), 64 or 128; the fused L1 needs 128.
-        block_t: pool rows per program (the MMA's N side), 16, 32 or 64 (divisors of `ALIGN_M`).
-        num_warps: 4 (one warpgroup) or 8.
-        num_stages: K blocks in flight.
-        tma: TMA loads of weights and activations; False: pointer loads (cp.async).
-        split_k: programs per output tile, each over a contiguous range of the K blocks, reduced in split
-            order by the last to finish (module notes, "Split-K"); 1: no split. At most the K blocks of the
-            call (`ConfigError` there otherwise).
-
-    Example:
-        >>> SmallConfig(128, 16).name, SmallConfig(64, 16, split_k=2).name, SmallConfig(64, 32, tma=False).name
-        ('n128t16w4s4', 'n64t16w4s4k2', 'n64t32w4s4-ptr')
-    """
-    block_n: int = 128
-    block_t: int = 16
-    num_warps: int = 4
-    num_stages: int = 4
-    tma: bool = True
-    split_k: int = 1
-
-    def __post_init__(self):
-        if self.block_n not in BLOCK_N_CHOICES:
-            raise ConfigError(f"block_n={self.block_n}: expected one of {BLOCK_N_CHOICES}")
-        if self.block_t not in BLOCK_T_CHOICES:
-            raise ConfigError(f"block_t={self.block_t}: expected one of {BLOCK_T_CHOICES} (divisors of {ALIGN_M})")
-        if self.num_warps not in (4, 8):
-            raise ConfigError(f"num_warps={self.num_warps}: expected 4 or 8")
-        if not 1 <= self.num_stages <= 8:
-            raise ConfigError(f"num_stages={self.num_stages}: expected 1..8")
-        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or self.split_k < 1:
-            raise ConfigError(f"split_k={self.split_k!r}: expected a positive int (1: no split)")
-
-    @property
-    def name(self) -> str:
-        split = f"k{self.split_k}" if self.split_k > 1 else ""
-        return f"n{self.block_n}t{self.block_t}w{self.num_warps}s{self.num_stages}{split}{'' if self.tma else '-ptr'}"
-
-    def smem_bytes(self, fused: bool = False) -> int:
-        """Shared memory of the operand pipeline (fp8 tiles)."""
-        return self.num_stages * (self.block_n * (2 if fused else 1) + self.block_t) * BLOCK_K
-
-
-def block_t_for(rows_per_group: Optional[int]) -> int:
-    """The smallest row tile that holds ``rows_per_group`` rows (64 when it is larger or unknown).
-
-    Example:
-        >>> [block_t_for(r) for r in (1, 16, 17, 64, 100, None)]
-        [16, 16, 32, 64, 64, 64]
-    """
-    if rows_per_group is None:
-        return BLOCK_T_CHOICES[-1]
-    return next((t for t in BLOCK_T_CHOICES if t >= rows_per_group), BLOCK_T_CHOICES[-1])
-
-
-def tile_programs(M: int, N: int, G: int, rows_per_group: Optional[int], block_n: int, block_t: int, *,
-                  fused: bool = False) -> int:
-    """Output tiles that can hold rows: ``min(G, cdiv(M, 128))`` groups x row tiles per 128-row block x N
-    tiles (the programs of one K split; `small_config`'s measure of whether the grid fills the machine).
-
-    Args:
-        M, N, G, rows_per_group, fused: as `small_config` (N is ``2 * I`` for the fused L1).
-        block_n, block_t: the tile.
-
-    Example:
-        >>> tile_programs(256, 4096, 8, 1, 128, 16), tile_programs(1024, 1536, 128, 1, 128, 16, fused=True)
-        (64, 48)
-    """
-    groups = min(G, ceil_div(M, ALIGN_M))
-    tiles_per_block = ceil_div(min(rows_per_group or ALIGN_M, ALIGN_M), block_t)
-    return groups * tiles_per_block * ceil_div(N // 2 if fused else N, block_n)
-
-
-def small_config(M: int, N: int, K: int, G: int, rows_per_group: Optional[int], *, fused: bool = False,
-                 num_sms: int = NUM_SMS_HOPPER) -> SmallConfig:
-    """The configuration the small kernels use when none is given (the rule of the module notes).
-
-    Args:
-        M: pool rows (host bound). N: weight rows per group (``2 * I`` for the fused L1). K: input features.
-        G: groups. rows_per_group: host bound of any group's rows (None: unknown).
-        fused: the L1 + SwiGLU kernel (always 128 weight rows per program).
-        num_sms: SMs of the device.
-
-    Example:
-        Mixtral-like L2 at 1 token (2 groups: 64 wide, 128 programs, split in 2) and at 4 tokens; DeepSeek-V3-like
-        L2 at 1 token (448 programs):
-
-        >>> [small_config(256, 4096, 14336, 8, 1).name, small_config(1024, 4096, 14336, 8, 4).name,
-        ...  small_config(1024, 7168, 2048, 256, 1).name]
-        ['n64t16w4s4k2', 'n128t16w4s4', 'n128t16w4s4']
-
-        The fused L1: Qwen3-like at 1 and 2 tokens (48 and 96 programs), DeepSeek-V3-like at 1 token (128),
-        Mixtral-like at 1 token (224): only the first leaves half the SMs idle:
-
-        >>> [small_config(m, 1536, 2048, 128, t, fused=True).name for m, t in ((1024, 1), (2048, 2))]
-        ['n128t16w4s4k2', 'n128t16w4s4']
-        >>> [small_config(m, n, k, g, 1, fused=True).name for m, n, k, g in ((1024, 4096, 7168, 256),
-        ...                                                                 (256, 28672, 4096, 8))]
-        ['n128t16w4s4', 'n128t16w4s4']
-    """
-    block_t = block_t_for(rows_per_group)
-    block_n = 128
-    if not fused and tile_programs(M, N, G, rows_per_group, 128, block_t) < num_sms:
-        block_n = 64
-    programs = tile_programs(M, N, G, rows_per_group, block_n, block_t, fused=fused)
-    idle = 0 < (2 * programs if fused else programs) <= (num_sms if fused else num_sms - 1)
-    split_k = DEFAULT_SPLIT_K if idle and (K // BLOCK_K) >= DEFAULT_SPLIT_K * MIN_SPLIT_K_BLOCKS else 1
-    return SmallConfig(block_n=block_n, block_t=block_t, split_k=split_k)
-
-
-def configs(fused: bool = False) -> List[SmallConfig]:
-    """The configurations ``bench gemm --decode-sweep`` times: every row tile, 4 or 8 warps, 3-6 stages, and
-    with 4 warps and 3 or 4 stages also split in `SWEEP_SPLIT_K` (the sweep times a split one only where the
-    unsplit grid is below the SM count and the K blocks allow it).
-
-    Example:
-        >>> all(c.smem_bytes(True) <= 227 * 1024 for c in configs(fused=True))
-        True
-        >>> len(configs()), len(configs(fused=True)), sorted({c.split_k for c in configs()})
-        (60, 24, [1, 2, 4])
-    """
-    out = []
-    for block_n in ((128,) if fused else BLOCK_N_CHOICES):
-        for block_t in BLOCK_T_CHOICES:
-            for num_warps in (4, 8):
-                for num_stages in (3, 4, 6):
-                    cfg = SmallConfig(block_n, block_t, num_warps, num_stages)
-                    if cfg.smem_bytes(fused) <= 200 * 1024:
-                        out.append(cfg)
-            for split_k in SWEEP_SPLIT_K:
-                for num_stages in (3, 4):
-                    cfg = SmallConfig(block_n, block_t, 4, num_stages, split_k=split_k)
-                    if cfg.smem_bytes(fused) <= 200 * 1024:
-                        out.append(cfg)
-    return out
 
 
 # --- the kernel (a plain function; _jit() wraps it in triton.jit on first use) ----------------------------
@@ -658,7 +486,7 @@ def _resolve_config(config, M, N, K, G, rows_per_group, fused) -> SmallConfig:
     if config is None:
         return small_config(M, N, K, G, rows_per_group, fused=fused)
     if not isinstance(config, SmallConfig):
-        raise ConfigError(f"config: expected a SmallConfig, got {type(config).__name__}")
+        raise ConfigError(f"config: expected a triton_heuristics.SmallConfig, got {type(config).__name__}")
     if fused and config.block_n != 128:
         raise ConfigError(f"config.block_n={config.block_n}: the fused L1 needs 128 (one program per "
                           f"128-channel scale group)")
@@ -681,8 +509,9 @@ def grouped_gemm_fp8_small(a, a_sf, b, b_sf, m_indices, out=None, *, rows_per_gr
         out: optional bf16 ``[M, N]`` with contiguous rows; allocated when None.
         rows_per_group: a bound on any group's rows (None: every row tile is visited). A group with more
             rows than the bound has rows past it left unwritten: the bound must hold.
-        config: a `SmallConfig`; `small_config` when None. Its ``split_k`` (at most ``K / 128``) splits K
-            over that many programs per tile, reduced in a fixed order (module notes).
+        config: a `triton_heuristics.SmallConfig`; `triton_heuristics.small_config` when None. Its ``split_k``
+            (at most ``K / 128``) splits K over that many programs per tile, reduced in a fixed order (module
+            notes).
         bad_groups: as `triton_large.grouped_gemm_fp8`'s (tiles whose group lies outside ``[-1, G)`` are
             skipped whether or not it is given).
 
@@ -721,7 +550,8 @@ def grouped_gemm_swiglu_quant_fp8_small(a, a_sf, b13, b13_sf, m_indices, *, rows
         b13, b13_sf: the fused L1 weight ``[G, 2 * I, K]`` (gate rows then up rows, ``I % 128 == 0``) and its
             block scales ``[G, 2 * I / 128, K / 128]``.
         rows_per_group, bad_groups: as `grouped_gemm_fp8_small`.
-        config: a `SmallConfig` with ``block_n == 128``; `small_config(..., fused=True)` when None.
+        config: a `triton_heuristics.SmallConfig` with ``block_n == 128``; `triton_heuristics.small_config(...,
+            fused=True)` when None.
 
     Returns:
         ``(q, q_sf)``: float8_e4m3fn ``[M, I]`` and float32 ``[M, I / 128]`` MN-major (strides

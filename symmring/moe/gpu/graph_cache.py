@@ -3,9 +3,10 @@
 An eager call pays the host launch cost of every kernel and torch op it runs (0.7-1.3 ms for a decode
 call of the small-batch schedule on an H200, against 0.09-1.8 ms for a replay of the same call; with the
 cache an eager call took 1.03-1.52x the replay at 1-32 tokens on 1 PE).
-So the layer keeps, per distinct call, a CUDA graph of it (`symmring.moe.gpu.MoE.capture`'s capture, on
-a side stream) and an eager call that finds its graph only copies its inputs into the graph's static
-inputs, replays it and clones the static output (all on the current stream, no host synchronisation):
+So the layer's executor (`symmring.moe.gpu.executor`) keeps, per distinct call, a CUDA graph of it
+(`symmring.moe.gpu.MoE.capture`'s capture, on a side stream) and an eager call that finds its graph only
+copies its inputs into the graph's static inputs, replays it and clones the static output (all on the
+current stream, no host synchronisation):
 
 * **Key**: everything that fixes the captured work: the plan's key (the call's token bucket, the
   schedule, small-batch, distinct experts; each rank's exact count is on the device, so one graph serves
@@ -18,8 +19,9 @@ inputs, replays it and clones the static output (all on the current stream, no h
   captures (after a device synchronisation) and replays, later calls replay. Only calls of at most
   `MAX_TOKENS` tokens on every rank, with contiguous ``x`` (and logits), and never while the caller's
   stream is capturing (a graph the caller captures around the layer then holds the plain kernels), nor
-  with ``stage_events``, ``timeline`` or delays. The ranks' keys agree on the bucket through the token-count
-  exchange of the call, or of the model step (`symmring.Workspace.step`: one for every layer of the step).
+  with test hooks (``layer.debug.forward``, `symmring.moe.debug`). The ranks' keys agree on the bucket
+  through the token-count exchange of the call, or of the model step (`symmring.Workspace.step`: one for
+  every layer of the step).
 * **Ranks need not agree** on replaying: a replay runs exactly the kernels an eager call launches (the
   generations come from the device-resident generation base), and capturing is no collective, so one
   rank replaying while another launches (a router weight that moved on one rank only) is still one call.
@@ -29,9 +31,10 @@ inputs, replays it and clones the static output (all on the current stream, no h
   share memory with another graph's, which is safe because calls never overlap (each call waits for the
   previous one's end) and the static output is cloned before the call ends.
 
-The capacity is the layer's ``graph_cache`` argument (default `DEFAULT_ENTRIES`; 0 disables), overridden
-by ``SYMMRING_GRAPH_CACHE``; ``forward(graph_cache=False)`` skips the cache for one call. `MoE.reset`,
-`MoE.close` and `MoE.clear_graph_cache` drop every graph.
+The capacity is the layer's ``graph_cache`` argument (default `symmring.moe.config.GRAPH_CACHE_ENTRIES`; 0
+disables), overridden by ``SYMMRING_GRAPH_CACHE``; ``forward(graph_cache=False)`` skips the cache for one call.
+`MoE.reset`, `MoE.close` and `MoE.clear_graph_cache` drop every graph, and so does the executor when the
+workspace's memory moved (`symmring.Workspace.epoch`: the graphs address the old memory).
 
 Example:
     >>> cache = GraphCache(2)
@@ -50,10 +53,7 @@ import numpy as np
 
 from ... import env
 from ...errors import ConfigError
-from ..config import GRAPH_CACHE_ENTRIES
 
-#: Default ``graph_cache``: graphs kept per layer.
-DEFAULT_ENTRIES = GRAPH_CACHE_ENTRIES  # `symmring.moe.config.ScheduleConfig.graph_cache`'s default
 #: The most tokens per rank of a call the cache serves (a graph's static output is ``[n, hidden]``).
 MAX_TOKENS = 256
 #: Keys remembered as seen once (so a key's second call captures), least recently seen dropped first.
@@ -162,6 +162,23 @@ class GraphCache:
         """``entries``, ``capacity``, ``hits`` (replays), ``captures``, ``evictions``, ``failures``."""
         return {"entries": len(self._entries), "capacity": self.capacity, "hits": self.hits,
                 "captures": self.captures, "evictions": self.evictions, "failures": self.failures}
+
+
+def call_key(plan, distinct: bool, x, kind: str, source) -> Optional[Tuple]:
+    """``(key, the call's tensors for the graph's static inputs)`` of a call the cache may serve (module
+    docstring, "Key"), or None: ``plan`` (`symmring.moe.gpu.plan.Plan`), whether every rank routes with the
+    layer's router, ``x`` and the routing source (``kind``, ``source``: `symmring.moe.gpu.inputs.routing_source`)."""
+    if max(plan.counts) > MAX_TOKENS or not x.is_contiguous():
+        return None
+    base = (plan.counts, plan.streaming, plan.small_batch, distinct, kind)
+    if kind == "given":
+        return base, (x,) + tuple(source)  # made contiguous by routing_source
+    if kind == "logits":
+        if not source.is_contiguous():
+            return None
+        return base + (source.dtype,), (x, source)
+    # The router weight is read in place: its address and strides are part of what the graph captured.
+    return base + (source.data_ptr(), tuple(source.stride())), (x,)
 
 
 class CachedGraph:

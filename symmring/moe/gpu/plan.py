@@ -1,8 +1,11 @@
 """The per-call plan of the GPU MoE layer: which chunks and expert windows a call runs, in which order.
 
 A plan depends only on every rank's token count, the ring's shape and the schedule (batch or streamed),
-so `symmring.moe.gpu.MoE` builds it once per distinct call and reuses it: an eager call then only binds
-its tensors and launches (no argument re-derivation, no host work that depends on the routing).
+so the layer's `Planner` builds it once per distinct call and reuses it: an eager call then only binds its
+tensors and launches (no argument re-derivation, no host work that depends on the routing). The planner reads
+the layer's spec (`symmring.moe.gpu.spec.GpuSpec`) and the pool's rows, nothing of the layer: from every
+rank's token counts (the same list on every rank) and the routing source it picks the token bucket, the
+schedule (streamed or batch, small-batch or not) and the plan.
 
 Two schedules, one protocol (every call is a call of the ring protocol, `symmring.protocol`):
 
@@ -24,12 +27,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from ... import protocol
 from ...errors import ConfigError
 from ..workspace_plan import spanned_rows
+
+#: Plans a `Planner` keeps (one per distinct (token bucket, schedule); a serving loop sees few).
+MAX_CACHED_PLANS = 64
+#: Values of ``forward(streaming=...)``.
+STREAMING_MODES = (False, True, "auto")
 
 
 #: Token buckets: powers of two up to this many tokens per rank, then multiples of it.
@@ -244,3 +253,94 @@ def make_plan(counts: Sequence[int], rank: int, *, tokens_per_slot: int, num_slo
     return Plan(streaming=bool(streaming), counts=counts, num_chunks=num_chunks, two_streams=bool(two_streams),
                 order=order, chunks=chunks, windows=windows, small_batch=bool(small_batch), waits=waits,
                 signals=frozenset(b for befores in waits.values() for b in befores))
+
+
+class Planner:
+    """The plans of one layer's calls, from its spec and the rows of its pool (see the module docstring).
+
+    Args:
+        spec: the layer's `symmring.moe.gpu.spec.GpuSpec`.
+        policy: the `symmring.moe.gpu.policy.StreamPolicy` of ``streaming="auto"`` (None: the measured default,
+            loaded on the first such call).
+
+    `follow` gives it the pool's rows of the workspace memory the calls run on (and drops the plans made for
+    another); the layer calls it whenever that memory was made anew.
+    """
+
+    def __init__(self, spec, policy=None):
+        self.spec, self.policy = spec, policy
+        self.capacity = 0  # pool rows (`follow`)
+        self._plans: "OrderedDict[Tuple, Plan]" = OrderedDict()
+
+    def follow(self, capacity: int) -> None:
+        """The calls now run on a pool of ``capacity`` rows: the plans made so far go."""
+        self.capacity = capacity
+        self._plans.clear()
+
+    def plan(self, counts: List[int], streaming, small_batch: Optional[bool], distinct: bool) -> Plan:
+        """The plan of a call with every rank's token ``counts`` (exchanged or declared to the step: the same list
+        on every rank, so every rank plans the same call): for the token bucket of the largest count, streamed
+        as ``streaming`` says (``"auto"``: the policy), small-batch where it applies (``small_batch`` None) or as
+        forced, ``distinct``: every rank routes with the layer's router.
+
+        Raises:
+            ConfigError: a forced ``small_batch`` the call cannot run, a batch call past the ring (`make_plan`).
+        """
+        most = max(counts)
+        bucket = [self.bucket(most)] * self.spec.world_size
+        stream_it = self.streams(streaming, most)
+        small = self.small_batch_applies(counts, stream_it, bucket) if small_batch is None else small_batch
+        key = (tuple(bucket), stream_it, small, distinct)
+        plan = self._plans.get(key)
+        if plan is None:
+            spec = self.spec
+            plan = make_plan(bucket, spec.rank, tokens_per_slot=spec.tokens_per_slot, num_slots=spec.num_slots,
+                             expert_window=spec.expert_window, streaming=stream_it, two_streams=not spec.single_stream,
+                             topk=spec.topk, capacity=self.capacity, align=spec.align,
+                             num_groups=spec.num_local_experts, small_batch=small, distinct_experts=distinct,
+                             batch_window=spec.batch_window)
+            self._plans[key] = plan
+            if len(self._plans) > MAX_CACHED_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def bucket(self, most: int) -> int:
+        """The token bucket of a call whose largest rank has ``most`` tokens (`token_bucket`): at most
+        ``max_tokens``, at most the ring when ``most`` fits it (a batch call must fit the ring), and never more
+        chunks than ``most`` needs."""
+        spec = self.spec
+        ring = spec.num_slots * spec.tokens_per_slot
+        cap = min(spec.max_tokens, ring) if most <= ring else spec.max_tokens
+        chunks = -(-most // spec.tokens_per_slot) * spec.tokens_per_slot  # never more chunks than the count's
+        return token_bucket(most, min(cap, chunks))
+
+    def streams(self, streaming, num_tokens: int) -> bool:
+        """Whether a call whose largest rank has ``num_tokens`` tokens runs the streamed schedule: ``streaming``
+        itself, or the policy's answer for ``"auto"`` (about the exchanged counts, never one rank's own).
+
+        Raises:
+            ConfigError: ``streaming`` not one of `STREAMING_MODES`.
+        """
+        if isinstance(streaming, bool):
+            return streaming
+        if streaming != "auto":
+            raise ConfigError(f"streaming={streaming!r}: expected one of {list(STREAMING_MODES)}")
+        if self.policy is None:
+            from .policy import StreamPolicy
+            self.policy = StreamPolicy.default()
+        return self.policy.streams(self.spec, num_tokens)
+
+    def small_batch_applies(self, counts: List[int], streaming: bool, bucket: Optional[List[int]] = None) -> bool:
+        """Whether a call with every rank's token ``counts`` runs the small-batch schedule by default: fp8
+        dispatch and experts, batch, at most ``small_batch_tokens`` tokens on every rank, and the call as
+        planned (``bucket``: every rank's planned tokens; default ``counts``) one chunk whose rows fit the pool
+        in one pass."""
+        spec = self.spec
+        planned = counts if bucket is None else bucket
+        most = max(counts)
+        # The small-batch schedule runs one pass: its rows must fit the pool.
+        rows = spanned_rows(sum(planned) * spec.topk, spec.num_local_experts, spec.align)
+        return (spec.small_batch_capable and not streaming and 0 < most <= spec.small_batch_tokens
+                and max(planned) <= spec.tokens_per_slot and rows <= self.capacity)

@@ -10,8 +10,8 @@ a configuration whose chunk would hold the whole batch is batch.
 Slot counts and expert windows are kept as measured rules: ``num_slots == "call"`` (one slot per chunk)
 and ``expert_window == "all"`` (one window of ``num_slots`` chunks) resolve for the requested size.
 
-The GPU layer's ``forward(streaming="auto")`` asks `StreamPolicy.streams`: it finds the layer's shape in
-the table by its dimensions (hidden, inter, num_experts, topk) and rank count, and streams only where
+The GPU layer's ``forward(streaming="auto")`` asks `StreamPolicy.streams` with the layer's spec: it finds the
+shape in the table by its dimensions (hidden, inter, num_experts, topk) and rank count, and streams only where
 the measured choice is the schedule this layer's ring runs (same chunk size, no more slots, same expert
 window); everywhere else -- an unmeasured shape, a size where batch won, another ring -- it runs batch.
 `StreamPolicy.default` is the table measured on one H200 (``policy_h200.json`` beside this module; every
@@ -121,11 +121,12 @@ class StreamPolicy:
         return next((name for name, d in sorted(self.shapes.items()) if d == wanted and name in self._by_shape),
                     None)
 
-    def streams(self, layer, num_tokens: int) -> bool:
-        """Whether ``layer`` (a `symmring.moe.gpu.MoE`) should stream a call of ``num_tokens`` tokens per rank:
-        the measured choice for its shape is the streamed schedule its ring runs (see the module docstring)."""
-        dims = {"hidden": layer.hidden, "inter": layer.inter, "num_experts": layer.num_experts, "topk": layer.topk,
-                "world_size": layer.world_size}
+    def streams(self, spec, num_tokens: int) -> bool:
+        """Whether a layer of ``spec`` (a `symmring.moe.gpu.spec.GpuSpec`: its sizes and ring) should stream a call
+        of ``num_tokens`` tokens per rank: the measured choice for its shape is the streamed schedule its ring
+        runs (see the module docstring)."""
+        dims = {"hidden": spec.hidden, "inter": spec.inter, "num_experts": spec.num_experts, "topk": spec.topk,
+                "world_size": spec.world_size}
         shape = self.shape_of(dims)
         if shape is None:
             self._tell(("shape", tuple(dims.values())), "streaming='auto': no measurement for %s: batch", dims)
@@ -134,16 +135,16 @@ class StreamPolicy:
         choice = resolve(entry["choice"], num_tokens)
         if choice is None:
             return False
-        runnable = (choice["tokens_per_slot"] == layer.tokens_per_slot and choice["num_slots"] <= layer.num_slots
-                    and choice["expert_window"] == layer.expert_window)
+        runnable = (choice["tokens_per_slot"] == spec.tokens_per_slot and choice["num_slots"] <= spec.num_slots
+                    and choice["expert_window"] == spec.expert_window)
         if not runnable:
             # Once per table entry and layer ring (a bounded set), not per token count: a serving loop asks about
             # every count it sees.
-            self._tell(("ring", shape, entry["tokens_per_rank"], layer.num_slots, layer.tokens_per_slot,
-                        layer.expert_window),
+            self._tell(("ring", shape, entry["tokens_per_rank"], spec.num_slots, spec.tokens_per_slot,
+                        spec.expert_window),
                        "streaming='auto': %s at %d tokens (and other counts of its measurement, %d tokens) streams "
                        "best with %s; this layer's ring is %d x %d tokens, window %d: batch", shape, num_tokens,
-                       entry["tokens_per_rank"], choice, layer.num_slots, layer.tokens_per_slot, layer.expert_window)
+                       entry["tokens_per_rank"], choice, spec.num_slots, spec.tokens_per_slot, spec.expert_window)
         return runnable
 
     def _tell(self, key: Tuple, message: str, *args) -> None:

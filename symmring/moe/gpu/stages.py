@@ -1,6 +1,8 @@
 """The GPU MoE layer's stages: one named launcher per kernel, and the two sequences a call is made of.
 
-Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every argument named):
+Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream; a kernel takes one struct of
+``device/moe/args.cuh`` by value, which the launcher fills by name: `LaunchArgs` holds each kernel's record with the
+fields a `State` fixes, the launcher sets the call's own; `symmring.moe.gpu.kernel_args` mirrors the header):
 
 * producer (``producer.cu``): `wait_slot`, `produce_route`, `produce_layout`;
 * dispatch (``dispatch.cu``): `wait`, `stage` (rdma sources only), `count`, `scan`, `pull`, `ack`;
@@ -9,7 +11,8 @@ Launchers (each enqueues one kernel of ``device/moe/`` on a CuPy stream, every a
 * the small-batch schedule's fused kernels: `produce_fused` (``producer.cu``), `dispatch_fused`
   (``dispatch.cu``) and `combine_fused` (``combine.cu``).
 
-Sequences (what `symmring.moe.gpu.MoE.forward` enqueues for each item of its `symmring.moe.gpu.plan.Plan`):
+Sequences (what `symmring.moe.gpu.executor.Executor` enqueues for each item of a `symmring.moe.gpu.plan.Plan`;
+they get the call's tensors, the router and the hooks as data, and call nothing of the layer):
 
 * `produce_chunk`: acquire the chunk's slot, write route and layout, publish both;
 * `consume_window`: wait, count and scan the window's chunks, pull them into the pool, run the experts
@@ -32,15 +35,15 @@ captured graph keeps it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
 from ... import protocol
 from ...pdl import PdlLauncher
 from ..engines import ExpertEngine, Pool
-from . import timeline
+from . import kernel_args, timeline
 from .plan import ChunkStep, WindowStep
 
 #: Threads per block of the MoE kernels (8 warps).
@@ -100,30 +103,19 @@ def pool_scale_words(capacity: int, hidden: int) -> int:
     return (hidden // 128) * (-(-capacity // 4) * 4)
 
 
-def _tokens(s: "State") -> np.uint64:
-    """The device word of this call's token count (`State.call_tokens`), or null: the plan's counts are exact."""
-    return np.uint64(0) if s.call_tokens is None else np.uint64(s.call_tokens.data_ptr())
-
-
-def _p(tensor) -> np.uint64:
-    """A tensor's device address as a kernel argument."""
-    return np.uint64(tensor.data_ptr())
-
-
-def _stage(s: "State"):
-    """The staging ring's descriptor as a kernel argument (null without rdma peers)."""
-    return np.uint64(0) if s.stage is None else s.stage
-
-
-def _counter(s: "State", word: int) -> np.uint64:
+def _counter(s: "State", word: int) -> int:
     """The address of grid-handshake word ``word`` (`COUNTER_ROUTE`, ...) of `State.counters`."""
-    return np.uint64(s.counters.data_ptr() + 4 * word)
+    return s.counters.data_ptr() + 4 * word
 
 
 class Kernels:
-    """The layer's kernels, looked up once from the backend's library modules (loaded once per backend)."""
+    """The layer's kernels, looked up once from the backend's library modules (loaded once per backend), after
+    `kernel_args.check_device_layout` found their argument structs laid out as the host's (else
+    `symmring.errors.KernelArgsMismatch`)."""
 
     def __init__(self, backend):
+        # The argument structs as the device compiler lays them out, before any kernel runs (KernelArgsMismatch).
+        kernel_args.check_device_layout(backend.compute_capability)
         producer, dispatch = backend.library_module("moe_producer"), backend.library_module("moe_dispatch")
         combine, schedule = backend.library_module("moe_combine"), backend.library_module("moe_schedule")
         self.wait_slot = producer.function("moe_wait_slot")
@@ -224,6 +216,8 @@ class State:
     scratch: object = None
     call_tokens: object = None
     bad_groups: object = None
+    #: The launchers' argument records (`LaunchArgs`), made at the first launch.
+    args: object = field(default=None, repr=False, compare=False)
 
     def pool_scales(self, rows: int):
         """The fp8 pool's scales for a window of ``rows`` rows: ``[rows, hidden / 128]`` float32 with
@@ -252,11 +246,97 @@ def _torch_sub_clamp(group_end, begin: int, rows: int, *, out) -> None:
     torch.clamp(group_end - begin, 0, rows, out=out)
 
 
+class LaunchArgs:
+    """Every launcher's argument record for one `State`, as its `kernel_args.KernelArgs.set`: the fields the State
+    fixes (its buffers' addresses, the expert range, the grid-handshake words) filled once, when its first kernel
+    is launched (`_args`); each launcher sets the rest per call. ``State.entry_rows`` is not fixed here: the
+    workspace moves it when the entry map grows (`symmring.moe.gpu.memory`), so `pull` reads it per call."""
+
+    def __init__(self, s: "State"):
+        structs, address = kernel_args.STRUCTS, kernel_args.address
+
+        def record(struct: str, per_call: str, **fixed):
+            return kernel_args.KernelArgs(structs[struct], per_call.split(), desc=address(s.desc), **fixed).set
+
+        call_tokens = address(s.call_tokens)
+        experts = dict(expert_begin=s.expert_begin, num_local_experts=s.num_local_experts)
+        pool = dict(row_src=address(s.row_src), row_weight=address(s.row_weight), status=address(s.status),
+                    stage=address(s.stage), **experts)
+        passes = "pass__entry_rows pass__pass_begin pass__pass_rows"
+        # Producer.
+        self.wait_slot = record("ChunkArgs", "chunk_idx")
+        self.produce_route = record("ProduceRouteArgs", "chunk_idx topk_idx topk_weights num_valid layer",
+                                    call_tokens=call_tokens, counter=_counter(s, COUNTER_ROUTE))
+        self.produce_layout = record("ProduceLayoutArgs", "chunk_idx x x_row_stride num_valid",
+                                     call_tokens=call_tokens, counter=_counter(s, COUNTER_LAYOUT))
+        self.produce_chunk = record("ProduceChunkArgs", "chunk_idx topk_idx topk_weights x x_row_stride num_valid "
+                                    "layer logits logits_dtype logits_stride router",
+                                    call_tokens=call_tokens, counter=_counter(s, COUNTER_ROUTE))
+        # Dispatch.
+        self.wait = record("DispatchWaitArgs", "chunk_idx parts token_base clear_counts layer",
+                           counts=address(s.counts), num_local_experts=s.num_local_experts)
+        self.stage = record("DispatchStageArgs", "chunk_idx parts wait", stage=address(s.stage))
+        self.count = record("DispatchCountArgs", "chunk_idx", counts=address(s.counts), status=address(s.status),
+                            bad_id=address(s.bad_id), stage=address(s.stage), **experts)
+        self.scan = record("DispatchScanArgs", "chunk_idx window_rows rows_per_expert", counts=address(s.counts),
+                           begin=address(s.begin), group_end=address(s.group_end), cursor=address(s.cursor),
+                           total=address(s.total), align=s.align, **experts)
+        self.pull = record("DispatchPullArgs", "chunk_idx " + passes, cursor=address(s.cursor),
+                           pool_x=address(s.pool_x), **pool)
+        self.pull_fp8 = record("DispatchPullFp8Args", "chunk_idx sf_row_stride sf_col_stride " + passes,
+                               cursor=address(s.cursor), pool_x=address(s.pool_x), pool_sf=address(s.pool_sf),
+                               m_indices=address(s.m_indices), **pool)
+        self.ack = record("ChunkArgs", "chunk_idx")
+        self.dispatch_fused = record(
+            "DispatchFusedArgs", "chunk_idx sf_row_stride sf_col_stride ack_now pool_rows rows_per_expert layer",
+            token_base=address(s.token_base), expert_counts=address(s.counts), begin=address(s.begin),
+            group_end=address(s.group_end), total=address(s.total), pool_x=address(s.pool_x),
+            pool_sf=address(s.pool_sf), m_indices=address(s.m_indices), align=s.align, bad_id=address(s.bad_id),
+            counter=_counter(s, COUNTER_DISPATCH), **pool)
+        self._combine(s, record)
+        # Schedule.
+        self.end_call = record("EndCallArgs", "num_chunks")
+        self.refuse_call = record("RefuseCallArgs", "layer")
+        self.stamp = kernel_args.KernelArgs(structs["StampArgs"], ("idx",), stamps=address(s.stamps)).set
+        self.sleep = kernel_args.KernelArgs(structs["SleepArgs"], ("duration_ns",)).set
+
+    def _combine(self, s: "State", record) -> None:
+        address = kernel_args.address
+        rows = dict(m_indices=address(s.m_indices), combine_rows=int(s.combine_rows), token_base=address(s.token_base))
+        self.combine_scatter = record("CombineScatterArgs", "pool_out window_begin pass_begin pass_rows",
+                                      row_src=address(s.row_src), total=address(s.total),
+                                      combine_tokens=s.combine_tokens, **rows)
+        self.combine_signal = record("CombineSignalArgs", "chunk_begin chunk_end ack_now",
+                                     combine_ready=int(s.combine_ready))
+        self.combine_wait = record("CombineWaitArgs", "chunk_idx", combine_ready=int(s.combine_ready))
+        self.combine_reduce = record("CombineReduceArgs", "topk_idx topk_weights y y_row_stride token_begin num_valid "
+                                     "end_call_chunks", combine_rows=int(s.combine_rows),
+                                     call_tokens=address(s.call_tokens))
+        self.combine_fused = record(
+            "CombineFusedArgs", "pool_out chunk_idx ack_now topk_idx topk_weights y y_row_stride token_begin "
+            "num_valid end_call_chunks pool_rows",
+            row_src=address(s.row_src), expert_counts=address(s.counts), begin=address(s.begin),
+            num_local_experts=s.num_local_experts, combine_ready=int(s.combine_ready),
+            call_tokens=address(s.call_tokens), counters=_counter(s, COUNTER_SEND), combine_tokens=s.combine_tokens,
+            **rows)
+
+
+def _args(s: "State") -> LaunchArgs:
+    """``s``'s launch records, made at its first launch."""
+    args = getattr(s, "args", None)
+    if args is None:
+        args = s.args = LaunchArgs(s)
+    return args
+
+
 # --- launchers ------------------------------------------------------------------------------------------
+#
+# Each launcher fills its kernel's argument struct (device/moe/args.cuh, `kernel_args`) by name: the fields the
+# State fixes come from its `LaunchArgs` (made once), the call's own fields are set here.
 
 def wait_slot(k: Kernels, s: State, stream, *, chunk: int) -> None:
     """One block: wait until ``chunk``'s slot is reusable (acks of ``chunk - num_slots``), no reset."""
-    k.wait_slot((1,), (32,), (s.desc, np.int32(chunk)), stream=stream)
+    k.wait_slot((1,), (32,), _args(s).wait_slot(chunk_idx=chunk), stream=stream)
 
 
 def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_ptr: int,
@@ -265,8 +345,8 @@ def produce_route(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx_pt
     meta row (the call identity of ``layer``) into it, publish route readiness."""
     grid = blocks(chunk.num_valid * s.topk, THREADS_PER_BLOCK, MAX_ROUTE_BLOCKS)
     k.produce_route((grid,), (THREADS_PER_BLOCK,),
-                    (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx_ptr), np.uint64(topk_weights_ptr),
-                     np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE), np.int32(layer)),
+                    _args(s).produce_route(chunk_idx=chunk.chunk, topk_idx=topk_idx_ptr, topk_weights=topk_weights_ptr,
+                                           num_valid=chunk.num_valid, layer=layer),
                     stream=stream)
 
 
@@ -279,8 +359,9 @@ def produce_layout(k: Kernels, s: State, stream, *, chunk: ChunkStep, x) -> None
         fn, grid = k.produce_layout_bf16, blocks(chunk.num_valid * s.hidden // 8, THREADS_PER_BLOCK * 4)
     stride = x.stride(0)
     fn((grid,), (THREADS_PER_BLOCK,),
-       (s.desc, np.int32(chunk.chunk), np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-        np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_LAYOUT)), stream=stream)
+       _args(s).produce_layout(chunk_idx=chunk.chunk, x=x.data_ptr() + chunk.token_base * stride * 2,
+                               x_row_stride=stride, num_valid=chunk.num_valid),
+       stream=stream)
 
 
 def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: int, clear_counts: bool,
@@ -289,10 +370,9 @@ def wait(k: Kernels, s: State, stream, *, chunk: int, parts: int, window_row: in
     part checks the meta row (this chunk, generation and call of ``layer``) and snapshots each source's token
     base into row ``window_row`` of ``token_base``; ``clear_counts`` zeroes the expert counts (a window's
     first chunk)."""
-    token_base = np.uint64(s.token_base.data_ptr() + window_row * s.num_ranks * 8)
-    k.wait((s.num_ranks,), (32,), (s.desc, np.int32(chunk), np.int32(parts), _p(s.counts),
-                                   np.int32(s.num_local_experts), token_base, np.int32(clear_counts),
-                                   np.int32(layer)),
+    token_base = s.token_base.data_ptr() + window_row * s.num_ranks * 8
+    k.wait((s.num_ranks,), (32,), _args(s).wait(chunk_idx=chunk, parts=parts, token_base=token_base,
+                                                clear_counts=int(clear_counts), layer=layer),
            stream=stream)
 
 
@@ -323,26 +403,23 @@ def stage(k: Kernels, s: State, stream, *, chunk: int, parts: int, wait: bool = 
     # (docs/PROTOCOL.md 9.2), so the peers' kernels find free SMs.
     most = max(1, k.spin_blocks // s.num_ranks) if wait else MAX_COUNT_BLOCKS
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, most), s.num_ranks)
-    k.stage(grid, (THREADS_PER_BLOCK,), (s.desc, s.stage, np.int32(chunk), np.int32(parts), np.int32(wait)),
-            stream=stream)
+    k.stage(grid, (THREADS_PER_BLOCK,), _args(s).stage(chunk_idx=chunk, parts=parts, wait=wait), stream=stream)
 
 
 def count(k: Kernels, s: State, stream, *, chunk: int) -> None:
     """Add the chunk's (token, k) entries of every source routed to each local expert to ``counts``; an
     expert id outside ``[-1, num_experts)`` sets `STATUS_BAD_EXPERT_ID` and the bad-id record."""
     grid = (blocks(s.tokens_per_slot * s.topk, THREADS_PER_BLOCK, MAX_COUNT_BLOCKS), s.num_ranks)
-    k.count(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.counts), np.int32(s.expert_begin),
-                                         np.int32(s.num_local_experts), _p(s.status), _p(s.bad_id), _stage(s)),
-            stream=stream, shared_mem=4 * s.num_local_experts)
+    k.count(grid, (THREADS_PER_BLOCK,), _args(s).count(chunk_idx=chunk), stream=stream,
+            shared_mem=4 * s.num_local_experts)
 
 
 def scan(k: Kernels, s: State, stream, *, window: WindowStep) -> None:
     """Row offsets of every local expert's group (begin, group_end; groups aligned to ``s.align`` rows),
     the rows spanned, and each expert's reservation cursor at its group's first row; counts past ``window``'s
     bounds (`WindowStep.rows_spanned`, `WindowStep.expert_rows_bound`) record pool_overflow."""
-    k.scan((1,), (1024,), (s.desc, np.int32(window.first), _p(s.counts), _p(s.begin), _p(s.group_end), _p(s.cursor),
-                           _p(s.total), np.int32(s.num_local_experts), np.int32(s.align), np.int32(s.expert_begin),
-                           np.int32(window.rows_spanned), np.int32(window.expert_rows_bound)),
+    k.scan((1,), (1024,), _args(s).scan(chunk_idx=window.first, window_rows=window.rows_spanned,
+                                        rows_per_expert=window.expert_rows_bound),
            stream=stream, shared_mem=4 * 1024)
 
 
@@ -353,27 +430,22 @@ def pull(k: Kernels, s: State, stream, *, chunk: int, window: WindowStep, pass_i
     row for the later ones."""
     grid = (blocks(s.tokens_per_slot, WARPS_PER_BLOCK, max(1, MAX_BLOCKS // s.num_ranks)), s.num_ranks)
     pass_begin, rows = window.passes[pass_idx]
-    entry_rows = np.uint64(0)
+    entry_rows = 0
     if len(window.passes) > 1:  # this chunk's [R][T][K] block of the map
-        entry_rows = np.uint64(s.entry_rows.data_ptr() + (chunk - window.first) * s.entry_rows[0].nbytes)
-    passes = (entry_rows, np.int32(pass_begin), np.int32(rows))
+        entry_rows = s.entry_rows.data_ptr() + (chunk - window.first) * s.entry_rows[0].nbytes
+    passes = dict(pass__entry_rows=entry_rows, pass__pass_begin=pass_begin, pass__pass_rows=rows)
     if s.pool_sf is None:
-        k.pull(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
-                                            _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)) + passes,
-               stream=stream)
+        k.pull(grid, (THREADS_PER_BLOCK,), _args(s).pull(chunk_idx=chunk, **passes), stream=stream)
         return
     sf = s.pool_scales(rows)
-    k.pull_fp8(grid, (THREADS_PER_BLOCK,), (s.desc, np.int32(chunk), _p(s.cursor), _p(s.pool_x),
-                                            _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
-                                            _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-                                            np.int32(s.num_local_experts), _p(s.status), _stage(s)) + passes,
+    k.pull_fp8(grid, (THREADS_PER_BLOCK,),
+               _args(s).pull_fp8(chunk_idx=chunk, sf_row_stride=sf.stride(0), sf_col_stride=sf.stride(1), **passes),
                stream=stream)
 
 
 def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
     """Acknowledge every owner's slot of ``chunk`` (after this PE's last read of them)."""
-    k.ack((1,), (32,), (s.desc, np.int32(chunk)), stream=stream)
+    k.ack((1,), (32,), _args(s).ack(chunk_idx=chunk), stream=stream)
 
 
 def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pass_begin: int = 0,
@@ -381,24 +453,23 @@ def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pas
     """Expert output rows ``out`` of the pass of window rows ``[pass_begin, pass_begin + pass_rows)`` to their
     owners' combine rows at (logical token, k); aligned pools skip padding rows and mark every row free (-1)
     again."""
-    m_indices = np.uint64(0) if s.m_indices is None else _p(s.m_indices)
     rows = s.capacity if pass_rows is None else pass_rows
     k.combine_scatter((blocks(rows, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                      (s.desc, _p(out), _p(s.row_src), _p(s.total), _p(s.token_base), np.int32(window_begin),
-                       m_indices, s.combine_rows, np.int32(pass_begin), np.int32(rows), np.int32(s.combine_tokens)),
+                      _args(s).combine_scatter(pool_out=out.data_ptr(), window_begin=window_begin,
+                                               pass_begin=pass_begin, pass_rows=rows),
                       stream=stream)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
     """Signal every owner that this PE's rows of the window are in place; ``ack_chunks``: acknowledge the
     window's chunks too."""
-    k.combine_signal((1,), (32,), (s.desc, np.int32(first), np.int32(last), s.combine_ready, np.int32(ack_chunks)),
+    k.combine_signal((1,), (32,), _args(s).combine_signal(chunk_begin=first, chunk_end=last, ack_now=ack_chunks),
                      stream=stream)
 
 
 def combine_wait(k: Kernels, s: State, stream, *, chunk: int) -> None:
     """Wait until every source signalled its rows of the window ending at ``chunk``."""
-    k.combine_wait((1,), (32,), (s.desc, np.int32(chunk), s.combine_ready), stream=stream)
+    k.combine_wait((1,), (32,), _args(s).combine_wait(chunk_idx=chunk), stream=stream)
 
 
 def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx, topk_weights, y,
@@ -406,71 +477,79 @@ def combine_reduce(k: Kernels, s: State, stream, *, window: WindowStep, topk_idx
     """``y``'s rows of the window: the weighted sum of each token's top-k rows in k order; with
     ``end_call_chunks`` > 0 this kernel also ends the call (single-stream schedules)."""
     k.combine_reduce((blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                     (s.desc, s.combine_rows, _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-                      np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s),
-                      np.int32(end_call_chunks)),
+                     _args(s).combine_reduce(topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
+                                             y=y.data_ptr(), y_row_stride=y.stride(0), token_begin=window.token_begin,
+                                             num_valid=window.num_valid, end_call_chunks=end_call_chunks),
                      stream=stream)
 
 
 def end_call(k: Kernels, s: State, stream, *, num_chunks: int) -> None:
     """Advance the device-resident generation base by the call's chunks and the call number by one (after every
     kernel of the call)."""
-    k.end_call((1,), (32,), (s.desc, np.int32(num_chunks)), stream=stream)
+    k.end_call((1,), (32,), _args(s).end_call(num_chunks=num_chunks), stream=stream)
 
 
 def refuse_call(k: Kernels, s: State, stream, *, layer: int) -> None:
     """This PE refused its call of ``layer`` inside a step: record the refusal on the ring (every other PE's wait
     of the call ends at once, aborted) and count the call (device/moe/schedule.cu moe_refuse_call)."""
-    k.refuse_call((1,), (32,), (s.desc, np.int32(layer)), stream=stream)
+    k.refuse_call((1,), (32,), _args(s).refuse_call(layer=layer), stream=stream)
 
 
 def stamp(k: Kernels, s: State, stream, *, chunk: int, stage, end: bool) -> None:
     """Record the device clock as the start (or end) of ``stage`` (a `timeline.STAGES` pair) of ``chunk``."""
-    k.stamp((1,), (32,), (_p(s.stamps), np.int32(timeline.stamp_index(chunk, stage, end))), stream=stream)
+    k.stamp((1,), (32,), _args(s).stamp(idx=timeline.stamp_index(chunk, stage, end)), stream=stream)
 
 
 def sleep(k: Kernels, s: State, stream, *, ns: int) -> None:
     """Spin the stream for ``ns`` nanoseconds (tests: a deliberately slow producer or consumer)."""
-    k.sleep((1,), (32,), (np.uint64(ns),), stream=stream)
+    k.sleep((1,), (32,), _args(s).sleep(duration_ns=ns), stream=stream)
 
 
-def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, router: tuple,
+def produce_fused(k: Kernels, s: State, stream, *, chunk: ChunkStep, topk_idx, topk_weights, x, router,
                   layer: int, logits=None) -> None:
     """The small-batch producer (fp8 rings): acquire the slot, write route and the fp8 layout of ``x``, publish
     both, in one grid (a warp per 256 channels of a token, a warp per token's route; at most
     `Kernels.spin_blocks` blocks, which all wait for the slot). ``logits`` None: the route is
     ``topk_idx``/``topk_weights`` (the call's contiguous ``[n, K]``), copied. Else the call's router logits
-    (`routing.logits_operand`'s tensor and code), routed in the kernel with ``router``
-    (`routing.device_router`; the kernel reads it only with logits) into the slot and into
-    ``topk_idx``/``topk_weights``."""
+    (`routing.logits_operand`'s tensor and code), routed in the kernel with ``router`` (a record of
+    `kernel_args` ``RouterOptions``, `routing.device_router`; the kernel reads it only with logits) into the
+    slot and into ``topk_idx``/``topk_weights``."""
     row_bytes, stride = s.topk * 4, x.stride(0)
     warps = chunk.num_valid * -(-s.hidden // 256) + (chunk.num_valid if logits is not None else 0)
-    if logits is None:
-        source = (np.uint64(0), np.int32(0), np.int64(0))
-    else:
+    logits_ptr, code, logits_stride = 0, 0, 0
+    if logits is not None:
         tensor, code = logits
-        source = (np.uint64(tensor.data_ptr() + chunk.token_base * tensor.stride(0) * tensor.element_size()),
-                  np.int32(code), np.int64(tensor.stride(0)))
-    k.launch(k.produce_chunk_fp8, (blocks(warps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,),
-             (s.desc, np.int32(chunk.chunk), np.uint64(topk_idx.data_ptr() + chunk.token_base * row_bytes),
-              np.uint64(topk_weights.data_ptr() + chunk.token_base * row_bytes),
-              np.uint64(x.data_ptr() + chunk.token_base * stride * 2), np.int64(stride),
-              np.int32(chunk.num_valid), _tokens(s), _counter(s, COUNTER_ROUTE), np.int32(layer)) + source
-             + tuple(router), stream=stream)
+        logits_stride = tensor.stride(0)
+        logits_ptr = tensor.data_ptr() + chunk.token_base * logits_stride * tensor.element_size()
+    args = _args(s).produce_chunk(
+        chunk_idx=chunk.chunk, topk_idx=topk_idx.data_ptr() + chunk.token_base * row_bytes,
+        topk_weights=topk_weights.data_ptr() + chunk.token_base * row_bytes,
+        x=x.data_ptr() + chunk.token_base * stride * 2, x_row_stride=stride, num_valid=chunk.num_valid, layer=layer,
+        logits=logits_ptr, logits_dtype=code, logits_stride=logits_stride, router=router)
+    k.launch(k.produce_chunk_fp8, (blocks(warps, WARPS_PER_BLOCK, k.spin_blocks),), (THREADS_PER_BLOCK,), args,
+             stream=stream)
 
 
-def route_topk(k: Kernels, stream, *, logits, router: tuple, topk: int, topk_idx, topk_weights) -> None:
+#: The routing kernel's fields, every one set per call (its router's topk after the router).
+ROUTE_TOPK_FIELDS = kernel_args.STRUCTS["RouteTopkArgs"].names + ("router__topk",)
+
+
+def route_topk(k: Kernels, stream, *, logits, router, topk: int, topk_idx, topk_weights) -> None:
     """The layer's routing of ``logits`` (`routing.logits_operand`'s tensor and code, ``[n, E]``) into
     ``topk_idx`` int32 / ``topk_weights`` float32 (contiguous ``[n, topk]``) on ``stream``: one warp per token
-    (`routing.device_router` options)."""
+    (``router``: `routing.device_router`'s options; the kernel routes to ``topk`` entries)."""
     tensor, code = logits
     n = int(tensor.shape[0])
     if n == 0:
         return
-    scalars = tuple(router)
+    args = getattr(k, "route_args", None)  # no State here: the kernels keep the record
+    if args is None:
+        args = k.route_args = kernel_args.KernelArgs(kernel_args.STRUCTS["RouteTopkArgs"], ROUTE_TOPK_FIELDS).set
     k.route_topk((blocks(n, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-                 (_p(tensor), np.int32(code), np.int64(tensor.stride(0)), np.int32(n), _p(topk_idx),
-                  _p(topk_weights)) + scalars[:4] + (np.int32(topk),) + scalars[4:], stream=stream)
+                 args(logits=tensor.data_ptr(), logits_dtype=code, logits_stride=tensor.stride(0), num_tokens=n,
+                      topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), router=router,
+                      router__topk=topk),
+                 stream=stream)
 
 
 def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool, layer: int) -> None:
@@ -481,15 +560,11 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
     `WindowStep.expert_rows_bound`) record pool_overflow and place no row."""
     sf = s.pool_scales(window.rows_bound)
     shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
-    k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,),
-             (s.desc, np.int32(window.first), _p(s.token_base), _p(s.counts), _p(s.begin),
-              _p(s.group_end), _p(s.total),
-              _p(s.pool_x), _p(s.pool_sf), np.int64(sf.stride(0)), np.int64(sf.stride(1)),
-              _p(s.m_indices), _p(s.row_src), _p(s.row_weight), np.int32(s.expert_begin),
-              np.int32(s.num_local_experts), np.int32(s.align), _p(s.status), _p(s.bad_id),
-              np.int32(ack_now), _counter(s, COUNTER_DISPATCH), _stage(s), np.int32(window.rows_bound),
-              np.int32(window.expert_rows_bound), np.int32(layer)), stream=stream,
-             shared_mem=shared)
+    args = _args(s).dispatch_fused(chunk_idx=window.first, sf_row_stride=sf.stride(0), sf_col_stride=sf.stride(1),
+                                   ack_now=ack_now, pool_rows=window.rows_bound,
+                                   rows_per_expert=window.expert_rows_bound, layer=layer)
+    k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,), args,
+             stream=stream, shared_mem=shared)
 
 
 def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool, topk_idx, topk_weights,
@@ -503,22 +578,21 @@ def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_
     grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
                blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
     shared = 16 * s.num_ranks + 4 * (2 * s.num_local_experts + 1)
-    args = (s.desc, _p(out), _p(s.row_src), _p(s.counts), _p(s.begin), np.int32(s.num_local_experts),
-            _p(s.token_base), _p(s.m_indices), s.combine_rows, np.int32(window.first), s.combine_ready,
-            np.int32(ack_now), _p(topk_idx), _p(topk_weights), _p(y), np.int64(y.stride(0)),
-            np.int32(window.token_begin), np.int32(window.num_valid), _tokens(s), np.int32(end_call_chunks),
-            _counter(s, COUNTER_SEND), np.int32(window.rows_bound), np.int32(s.combine_tokens))
+    args = _args(s).combine_fused(pool_out=out.data_ptr(), chunk_idx=window.first, ack_now=ack_now,
+                                  topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), y=y.data_ptr(),
+                                  y_row_stride=y.stride(0), token_begin=window.token_begin, num_valid=window.num_valid,
+                                  end_call_chunks=end_call_chunks, pool_rows=window.rows_bound)
     k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
 # --- the sequences ----------------------------------------------------------------------------------------
 
-def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: Optional[Callable], topk_idx,
+def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, router, kind: str, source, topk_idx,
                   topk_weights, layer: int, delay_ns: int = 0, stamps: bool = False) -> None:
     """Produce ``chunk`` (streamed schedule) on ``stream``, which must be the current torch stream too:
-    wait for the slot on one block, route the chunk's rows (``route(rows)`` enqueues the router into
-    ``topk_idx``/``topk_weights``, the call's ``[n, K]`` buffers; None when they were given), then the
-    route and layout kernels."""
+    wait for the slot on one block, route the chunk's rows (``router``, a `symmring.moe.gpu.router.Router`, routes
+    them from the call's source ``kind``/``source`` into ``topk_idx``/``topk_weights``, the call's ``[n, K]``
+    buffers; None when they were given), then the route and layout kernels."""
     if delay_ns:
         sleep(k, s, stream, ns=delay_ns)
     if stamps:
@@ -527,8 +601,9 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
     if stamps:
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "wait"), end=True)
         stamp(k, s, stream, chunk=chunk.chunk, stage=("producer", "route"), end=False)
-    if chunk.num_valid and route is not None:
-        route(slice(chunk.token_base, chunk.token_base + chunk.num_valid))
+    if chunk.num_valid and router is not None:
+        router.route_rows(k, stream, x, kind, source, slice(chunk.token_base, chunk.token_base + chunk.num_valid),
+                          (topk_idx, topk_weights))
     row_bytes = s.topk * 4
     produce_route(k, s, stream, chunk=chunk, topk_idx_ptr=topk_idx.data_ptr() + chunk.token_base * row_bytes,
                   topk_weights_ptr=topk_weights.data_ptr() + chunk.token_base * row_bytes, layer=layer)
@@ -542,9 +617,8 @@ def produce_chunk(k: Kernels, s: State, stream, *, chunk: ChunkStep, x, route: O
 
 def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: ExpertEngine,
                    ack_policy: protocol.AckPolicy, split_waits: bool, topk_idx, topk_weights, y, layer: int,
-                   end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False,
-                   mark: Optional[Callable[[str], None]] = None,
-                   acked: Optional[Callable[[int], None]] = None) -> None:
+                   end_call_chunks: int = 0, delay_ns: int = 0, stamps: bool = False, marks=None,
+                   acked: Optional[Dict[int, object]] = None) -> None:
     """Consume the expert window on ``stream`` (the current torch stream too: the engine runs there).
 
     Args:
@@ -554,9 +628,10 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         topk_idx, topk_weights: the owner's ``[n, K]`` routing of the call (the reduce reads it here).
         layer: the call identity's layer the waits check in every source's meta row.
         end_call_chunks: > 0 ends the call in the reduce (the last window of a single-stream schedule).
-        delay_ns, stamps: tests and the timeline; mark: called with "dispatch", "experts" and "combine"
-            after each part (per-stage timing); acked: EARLY, called with each chunk right after its
-            acknowledgement is enqueued (the layer orders the producer of the slot's next use there).
+        delay_ns, stamps: tests and the timeline; marks: a `symmring.moe.debug.Hooks` whose ``mark`` records
+            "dispatch", "experts" and "combine" after each part (per-stage timing), or None; acked: EARLY, a
+            torch event per chunk, recorded on the current stream right after the chunk's acknowledgement is
+            enqueued (the producer of the slot's next use waits for it), or None.
     """
     early = ack_policy == protocol.AckPolicy.EARLY
     if delay_ns:
@@ -591,17 +666,17 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
             if early and pass_idx == last_pass:  # this PE's last read of every source's slot (meta snapshotted)
                 ack(k, s, stream, chunk=c)
                 if acked is not None:
-                    acked(c)
-        if mark is not None and pass_idx == last_pass:
-            mark("dispatch")
+                    acked[c].record()
+        if marks is not None and pass_idx == last_pass:
+            marks.mark("dispatch")
         if stamps and pass_idx == 0:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
         out = outbound(s, engine.forward(s.pool(rows, pass_begin, len(window.passes)), rows,
                                          rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows),
                                          scratch=s.scratch))
-        if mark is not None and pass_idx == last_pass:
-            mark("experts")
+        if marks is not None and pass_idx == last_pass:
+            marks.mark("experts")
         if stamps and pass_idx == last_pass:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
@@ -610,35 +685,35 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
     combine_wait(k, s, stream, chunk=window.last)
     combine_reduce(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
                    end_call_chunks=end_call_chunks)
-    if mark is not None:
-        mark("combine")
+    if marks is not None:
+        marks.mark("combine")
     if stamps:
         stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=True)
 
 
 def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: WindowStep, engine: ExpertEngine,
                      ack_policy: protocol.AckPolicy, x, topk_idx, topk_weights, y, num_chunks: int,
-                     router: tuple, layer: int, mark: Optional[Callable[[str], None]] = None, logits=None) -> None:
+                     router: tuple, layer: int, marks=None, logits=None) -> None:
     """A one-chunk batch call in the small-batch schedule on ``stream`` (the current torch stream too):
     produce (routing ``logits`` into ``topk_idx``/``topk_weights`` with ``router`` when given, as
     `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
-    ``mark``: as for `consume_window`, with "layout" after the producer."""
+    ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
-    if mark is not None:
-        mark("layout")
+    if marks is not None:
+        marks.mark("layout")
     # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).
     stage(k, s, stream, chunk=window.first, parts=WAIT_ROUTE | WAIT_LAYOUT, wait=True)
     dispatch_fused(k, s, stream, window=window, ack_now=early, layer=layer)
-    if mark is not None:
-        mark("dispatch")
+    if marks is not None:
+        marks.mark("dispatch")
     out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
                                      rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
                                      scratch=s.scratch))
-    if mark is not None:
-        mark("experts")
+    if marks is not None:
+        marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
                   topk_weights=topk_weights, y=y, end_call_chunks=num_chunks)
-    if mark is not None:
-        mark("combine")
+    if marks is not None:
+        marks.mark("combine")

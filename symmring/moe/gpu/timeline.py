@@ -1,9 +1,9 @@
 """The streamed schedule's timeline: device timestamps of every stage, turned into records and overlap figures.
 
-With ``forward(..., timeline=True)`` the layer stamps the start and end of every stage with the device's
-nanosecond clock (``moe_stamp``, a one-thread kernel between the stages on each stream): producer stages
-per chunk, consumer stages per expert window (stamped at the window's first chunk). "wait" stages are
-spins (the producer for its slot, the consumer for the first chunk's route readiness), not work.
+With ``layer.debug.forward(..., timeline=True)`` (`symmring.moe.debug`) the layer stamps the start and end of
+every stage with the device's nanosecond clock (``moe_stamp``, a one-thread kernel between the stages on each
+stream): producer stages per chunk, consumer stages per expert window (stamped at the window's first chunk).
+"wait" stages are spins (the producer for its slot, the consumer for the first chunk's route readiness), not work.
 `records` turns the stamps into dicts, `overlap_fraction` and `hidden_producer_fraction` into the figures
 ``bench stream`` reports.
 """
@@ -95,7 +95,7 @@ def hidden_producer_fraction(records: Sequence[Dict]) -> float:
 def overlap_fraction(records: Sequence[Dict]) -> float:
     """Fraction of the timeline's span during which a producer stage and a consumer stage both did work
     ("wait" stages, which only spin, do not count; 0 when nothing overlaps; the records of
-    `symmring.moe.gpu.MoE.timeline_records`)."""
+    `symmring.moe.debug.Debug.timeline_records`)."""
     if not records:
         return 0.0
     span = max(r["end_ns"] for r in records) - min(r["start_ns"] for r in records)

@@ -2,9 +2,9 @@
 
 `MoEModule` holds one layer (this rank's experts), the router weight and the routing configuration, and
 optionally shared experts (any ``nn.Module``, DeepSeek-V3's, run in torch on the same hidden states). The
-context picks the layer: `symmring.moe.gpu.MoE` on the nvshmem backend (tensors on the GPU), and
-`symmring.moe.cpu.host_layer.HostLayer` (the CPU layer, `symmring.ExpertParallelMoE`, torch CPU tensors in and
-out) on the host backend; the module is the same class either way. ``forward(hidden_states)`` takes bf16
+context picks the layer, as `symmring.MoE` does: `symmring.moe.gpu.GpuMoE` on the nvshmem backend (tensors on the
+GPU), and the CPU layer `symmring.ExpertParallelMoE` (``HostLayer``; torch CPU tensors in and out) on the host
+backend; the module is the same class either way. ``forward(hidden_states)`` takes bf16
 ``[..., hidden]`` of any leading shape:
 
     logits = F.linear(x.to(router_dtype), router_weight.to(router_dtype))    # the router, in torch
@@ -146,13 +146,15 @@ def moe_op():
 
 
 def default_layer_factory(ctx):
-    """The layer class of ``ctx``'s backend: `symmring.moe.cpu.host_layer.HostLayer` on ``host``,
-    `symmring.moe.gpu.MoE` otherwise (which refuses a context that is not on a device backend)."""
-    if getattr(getattr(ctx, "backend", None), "name", None) == "host":
-        from ..cpu.host_layer import HostLayer
-        return HostLayer
-    from ..gpu.layer import MoE
-    return MoE
+    """The layer class of ``ctx``'s backend (`symmring.moe.layer.implementation`, what `symmring.MoE` builds):
+    `symmring.moe.cpu.layer.ExpertParallelMoE` (``HostLayer``) on ``host``, `symmring.moe.gpu.GpuMoE` on a device
+    backend.
+
+    Raises:
+        BackendError: the context's backend has no MoE layer.
+    """
+    from ..layer import implementation
+    return implementation(ctx)
 
 
 def _check_streaming(streaming):
@@ -168,7 +170,7 @@ class MoEModule(_Base):
     """The MoE layer of the context's backend as an ``nn.Module`` (see the module docstring).
 
     Args:
-        ctx, experts, routing, max_tokens: as `symmring.moe.gpu.MoE` (``experts``: a
+        ctx, experts, routing, max_tokens: as `symmring.MoE` (``experts``: a
             `symmring.moe.config.Experts` of this rank's experts, rank ``r`` owning ``[r E/R, (r+1) E/R)``, on
             the GPU for the nvshmem backend, on the CPU for the host backend; ``routing``: a
             `symmring.moe.config.RoutingConfig`).
@@ -176,8 +178,8 @@ class MoEModule(_Base):
         router_dtype: dtype the router runs in (``None``: the router weight's; DeepSeek-V3: float32).
         shared_experts: an ``nn.Module`` added to the routed output (``y + shared_experts(x)``), or None.
         streaming: the layer's schedule for every call: ``False`` (batch), ``True`` or ``"auto"``.
-        layer_factory: builds the layer with `symmring.moe.gpu.MoE`'s signature (default: by the context's
-            backend, `symmring.moe.gpu.MoE` on nvshmem, `symmring.moe.cpu.host_layer.HostLayer` on host).
+        layer_factory: builds the layer with `symmring.MoE`'s signature (default: the implementation of the
+            context's backend, `default_layer_factory`).
         checkpoint_names: ``"layer"`` (the buffers' own names) or ``"hf"`` (the transformers block's names,
             module docstring; what `symmring.moe.integrations.hf.from_hf` sets).
         workspace: the `symmring.Workspace` the layer borrows (None: the context's own, ``ctx.workspace()``, which

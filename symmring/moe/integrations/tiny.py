@@ -7,8 +7,8 @@ the residual stream; with transformers' 0.02 init their output would be too smal
 an error in them. Every rank building a model with the same seed gets the same weights.
 
 Example:
-    >>> canonical_family("deepseek-v3"), canonical_family("qwen3_moe")
-    ('deepseek_v3', 'qwen3_moe')
+    >>> canonical_family("deepseek-v3"), canonical_family("qwen3_moe"), canonical_family("qwen3-30b-a3b")
+    ('deepseek_v3', 'qwen3_moe', 'qwen3_moe')
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from ...errors import ConfigError
 DOWN_SCALE = 0.25
 #: The families (`symmring.moe.integrations.hf.BLOCK_CLASSES`' values); the demo's ``--model`` takes them with ``-``.
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-#: The demo's names of the families.
-MODEL_NAMES = {"mixtral": "mixtral", "qwen3-moe": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
+#: The demo's names of the families: the model presets' (`symmring.moe.workspace_plan.PRESETS`, ``plan --preset``)
+#: and their former names (`symmring.moe.workspace_plan.PRESET_ALIASES`).
+MODEL_NAMES = {"mixtral": "mixtral", "qwen3-30b-a3b": "qwen3_moe", "qwen3-moe": "qwen3_moe",
+               "deepseek-v3": "deepseek_v3"}
 
 
 def canonical_family(name: str) -> str:

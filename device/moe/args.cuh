@@ -1,0 +1,332 @@
+// The MoE kernels' arguments: one struct per kernel (a family shares one where its kernels take the same
+// values), passed BY VALUE as the kernel's only parameter. Mirrored field by field by
+// symmring/moe/gpu/kernel_args.py, where each struct is a NumPy dtype that the launchers of
+// symmring.moe.gpu.stages fill by name. Two checks hold the sides together:
+//   * CI (tests/test_kernel_args.py) compiles this header with the host compiler and compares every struct's
+//     size and every field's name, order, offset, size and kind with its dtype, both ways;
+//   * at load time (stages.Kernels), kernel_args.check_device_layout compiles static_asserts of the host
+//     dtypes' sizes and offsets against this header with nvcc and the library's options: a mismatch is a
+//     named error (KernelArgsMismatch) before any kernel runs.
+// Plain C layout (no padding the host does not reproduce), includable from host C++: a pointer field needs
+// only a declaration of its type.
+//
+// Field order is each kernel's former parameter order, so a field sits at the offset its parameter had.
+// Pointers are device addresses; `desc` is the ring's device descriptor (symmring/descriptor.cuh).
+#pragma once
+#include <stdint.h>
+
+#include <symmring/descriptor.cuh>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <vector_types.h>
+#else
+struct __nv_bfloat16;  // host-only compiles (the layout check) need the pointer types declared, not defined
+struct int4;
+#endif
+
+namespace symmring_moe {
+
+using symmring::RingDescriptor;
+
+// The layer's routing options (moe/router.cuh; symmring.moe.routing.device_router fills them).
+struct RouterOptions {
+    const float* bias;  // float32 [num_experts] or null (sigmoid_bias only)
+    float routed_scaling_factor;
+    int scoring;        // RouterScoring
+    int num_experts;
+    int topk;
+    int n_group;
+    int topk_group;
+    int norm_topk_prob;
+};
+
+// The rows of one pass of a window (moe/dispatch.cu): entry_rows, this chunk's [num_ranks][tokens_per_slot]
+// [num_topk] window rows, or null (one pass); the pass holds window rows [pass_begin, pass_begin + pass_rows).
+struct PassRows {
+    int* entry_rows;
+    int pass_begin;
+    int pass_rows;
+};
+
+// --- producer.cu ---------------------------------------------------------------------------------------
+
+// moe_wait_slot, moe_dispatch_ack: one chunk of the ring.
+struct ChunkArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+};
+
+// moe_produce_route.
+struct ProduceRouteArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    const int32_t* topk_idx;
+    const float* topk_weights;
+    int num_valid;
+    const int* call_tokens;
+    unsigned int* counter;
+    int layer;
+};
+
+// moe_produce_layout_fp8, moe_produce_layout_bf16.
+struct ProduceLayoutArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    const __nv_bfloat16* x;
+    long long x_row_stride;
+    int num_valid;
+    const int* call_tokens;
+    unsigned int* counter;
+};
+
+// moe_produce_chunk_fp8. router.topk is not read: the ring's num_topk is the chunk's.
+struct ProduceChunkArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    int32_t* topk_idx;
+    float* topk_weights;
+    const __nv_bfloat16* x;
+    long long x_row_stride;
+    int num_valid;
+    const int* call_tokens;
+    unsigned int* counter;
+    int layer;
+    const void* logits;
+    int logits_dtype;
+    long long logits_stride;
+    RouterOptions router;
+};
+
+// moe_route_topk.
+struct RouteTopkArgs {
+    const void* logits;
+    int logits_dtype;
+    long long logits_stride;
+    int num_tokens;
+    int32_t* topk_idx;
+    float* topk_weights;
+    RouterOptions router;
+};
+
+// --- dispatch.cu ---------------------------------------------------------------------------------------
+
+// moe_dispatch_wait.
+struct DispatchWaitArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    int parts;
+    int* counts;
+    int num_local_experts;
+    long long* token_base;
+    int clear_counts;
+    int layer;
+};
+
+// moe_dispatch_stage.
+struct DispatchStageArgs {
+    const RingDescriptor* desc;
+    const RingDescriptor* stage;
+    int chunk_idx;
+    int parts;
+    int wait;
+};
+
+// moe_dispatch_count.
+struct DispatchCountArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    int* counts;
+    int expert_begin;
+    int num_local_experts;
+    int* status;
+    int* bad_id;
+    const RingDescriptor* stage;
+};
+
+// moe_dispatch_scan.
+struct DispatchScanArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    const int* counts;
+    int* begin;
+    int* group_end;
+    int* cursor;
+    int* total;
+    int num_local_experts;
+    int align;
+    int expert_begin;
+    int window_rows;
+    int rows_per_expert;
+};
+
+// moe_dispatch_pull (the bf16 pool).
+struct DispatchPullArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    int* cursor;
+    __nv_bfloat16* pool_x;
+    int4* row_src;
+    float* row_weight;
+    int expert_begin;
+    int num_local_experts;
+    int* status;
+    const RingDescriptor* stage;
+    PassRows pass;
+};
+
+// moe_dispatch_pull_fp8 (the fp8 pool).
+struct DispatchPullFp8Args {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    int* cursor;
+    uint8_t* pool_x;
+    float* pool_sf;
+    long long sf_row_stride;
+    long long sf_col_stride;
+    int* m_indices;
+    int4* row_src;
+    float* row_weight;
+    int expert_begin;
+    int num_local_experts;
+    int* status;
+    const RingDescriptor* stage;
+    PassRows pass;
+};
+
+// moe_dispatch_fused_fp8.
+struct DispatchFusedArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    long long* token_base;
+    int* expert_counts;
+    int* begin;
+    int* group_end;
+    int* total;
+    uint8_t* pool_x;
+    float* pool_sf;
+    long long sf_row_stride;
+    long long sf_col_stride;
+    int* m_indices;
+    int4* row_src;
+    float* row_weight;
+    int expert_begin;
+    int num_local_experts;
+    int align;
+    int* status;
+    int* bad_id;
+    int ack_now;
+    unsigned int* counter;
+    const RingDescriptor* stage;
+    int pool_rows;
+    int rows_per_expert;
+    int layer;
+};
+
+// --- combine.cu ----------------------------------------------------------------------------------------
+
+// moe_combine_scatter.
+struct CombineScatterArgs {
+    const RingDescriptor* desc;
+    const __nv_bfloat16* pool_out;
+    const int4* row_src;
+    const int* total;
+    const long long* token_base;
+    int window_begin;
+    int* m_indices;
+    __nv_bfloat16* combine_rows;
+    int pass_begin;
+    int pass_rows;
+    int combine_tokens;
+};
+
+// moe_combine_signal.
+struct CombineSignalArgs {
+    const RingDescriptor* desc;
+    int chunk_begin;
+    int chunk_end;
+    uint64_t* combine_ready;
+    int ack_now;
+};
+
+// moe_combine_wait.
+struct CombineWaitArgs {
+    const RingDescriptor* desc;
+    int chunk_idx;
+    const uint64_t* combine_ready;
+};
+
+// moe_combine_reduce.
+struct CombineReduceArgs {
+    const RingDescriptor* desc;
+    const __nv_bfloat16* combine_rows;
+    const int32_t* topk_idx;
+    const float* topk_weights;
+    __nv_bfloat16* y;
+    long long y_row_stride;
+    int token_begin;
+    int num_valid;
+    const int* call_tokens;
+    int end_call_chunks;
+};
+
+// moe_combine_fused.
+struct CombineFusedArgs {
+    const RingDescriptor* desc;
+    const __nv_bfloat16* pool_out;
+    const int4* row_src;
+    const int* expert_counts;
+    const int* begin;
+    int num_local_experts;
+    const long long* token_base;
+    int* m_indices;
+    __nv_bfloat16* combine_rows;
+    int chunk_idx;
+    uint64_t* combine_ready;
+    int ack_now;
+    const int32_t* topk_idx;
+    const float* topk_weights;
+    __nv_bfloat16* y;
+    long long y_row_stride;
+    int token_begin;
+    int num_valid;
+    const int* call_tokens;
+    int end_call_chunks;
+    unsigned int* counters;
+    int pool_rows;
+    int combine_tokens;
+};
+
+// --- schedule.cu ---------------------------------------------------------------------------------------
+
+// moe_end_call.
+struct EndCallArgs {
+    const RingDescriptor* desc;
+    int num_chunks;
+};
+
+// moe_refuse_call.
+struct RefuseCallArgs {
+    const RingDescriptor* desc;
+    int layer;
+};
+
+// moe_stamp.
+struct StampArgs {
+    unsigned long long* stamps;
+    int idx;
+};
+
+// moe_sleep.
+struct SleepArgs {
+    unsigned long long duration_ns;
+};
+
+// moe_spin_probe.
+struct SpinProbeArgs {
+    const unsigned long long* word;
+    unsigned long long until;
+    unsigned long long duration_ns;
+};
+
+}  // namespace symmring_moe
