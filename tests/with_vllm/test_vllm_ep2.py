@@ -1,0 +1,71 @@
+"""Two ranks of expert parallelism (CPU) with symmring's experts class in vLLM, symmring joining vLLM's EP group
+(``symmring.init(group=...)``) and taking vLLM's data-parallel token counts as given.
+
+* kernel level (tests/with_vllm/ep2_worker.py under ``torchrun --nproc-per-node 2``): each rank's rows from
+  `SymmringExperts` over the two ranks equal vLLM's own unquantized path (one rank, every expert) on the same
+  inputs within bf16 tolerance; fp8 blocks against the dequantised weights; zero host exchanges in its calls.
+* end to end: vLLM's CPU build does not run data-parallel expert parallelism itself (0.32: its
+  allgather/reduce-scatter all2all calls ``all_gatherv``, which the CPU communicator does not implement; vLLM's
+  offline DP launch, one process per DP rank with ``VLLM_DP_RANK``/``VLLM_DP_SIZE``, gets that far), so a
+  two-DP-rank ``LLM`` with symmring's experts (the pass-through prepare/finalize: no vLLM all2all) is compared
+  with vLLM at one rank (tests/with_vllm/generate_dp.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def torchrun(script: Path, nproc: int, *args: str):
+    from test_vllm_e2e import run_in_session
+    exe = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    _, output, returncode = run_in_session([exe, "--standalone", "--nproc-per-node", str(nproc), str(script), *args],
+                                           env)
+    return returncode, output
+
+
+def test_two_ranks_equal_vllm_unquantized_with_no_host_exchange():
+    rc, output = torchrun(HERE / "ep2_worker.py", 2)
+    results = [json.loads(line.split("EP2 RESULT ", 1)[1]) for line in output.splitlines() if "EP2 RESULT " in line]
+    assert rc == 0 and len(results) == 2, output[-6000:]
+    for rank in results:
+        for case in rank["results"]:
+            print(f"[figure] vllm ep2 kernel: rank {rank['rank']}, {'fp8' if case['fp8'] else 'bf16'}, counts "
+                  f"{case['counts']}: max error {case['max_error']:.4f} (largest value {case['scale']:.3f}), host "
+                  f"exchanges {case['exchanges']} in {case['calls']} calls")
+            tol = 3e-2 * max(1.0, case["scale"])
+            assert case["max_error"] <= tol, (rank["rank"], case)
+            assert case["exchanges"] == 0, (rank["rank"], case)
+
+
+def test_two_rank_generation_equals_one_rank_vllm(tmp_path):
+    from test_vllm_e2e import compared_steps, generate, run_in_session, save_model
+    path = tmp_path / "qwen3_moe"
+    save_model("qwen3_moe", path)
+    reference, _ = generate(path, symmring=False)
+    env = dict(os.environ, SYMMRING_VLLM="1", PYTHONPATH=str(ROOT))
+    stdout, output, returncode = run_in_session([sys.executable, str(HERE / "generate_dp.py"), str(path), "2"], env)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert returncode == 0 and lines, output[-6000:]
+    candidate = json.loads(lines[-1][len("RESULT "):])
+    steps = compared_steps(reference, candidate)
+    for stats in candidate["ranks"]:
+        print(f"[figure] vllm ep2 generate: DP/EP rank {stats['rank']} of {stats['ep_size']}: symmring calls "
+              f"{stats['moe_calls']}, host exchanges {stats['host_exchanges']} {stats['what']}; greedy steps equal "
+              f"to one-rank vLLM {steps} of {sum(len(t) for t in reference['tokens'])}")
+    # Both DP ranks ran symmring over the 2-rank EP group, with calls, and exchanged nothing while generating.
+    assert [(s["rank"], s["ep_size"]) for s in candidate["ranks"]] == [(0, 2), (1, 2)], candidate["ranks"]
+    assert all(s["moe_calls"] > 0 and s["host_exchanges"] == 0 for s in candidate["ranks"]), candidate["ranks"]
+    assert steps >= sum(len(t) for t in reference["tokens"]) // 3
