@@ -69,7 +69,10 @@ def main() -> None:
                                                 all2all_backend="allgather_reducescatter", enable_eplb=False),
                          max_tokens=64, group=dist.group.WORLD)
     results = [case(rank, world, fp8) for fp8 in (False, True)]
-    print("EP2 RESULT " + json.dumps(dict(rank=rank, results=results)), flush=True)
+    # One write, newline included: the two ranks share the job's stdout, and print() writes the text and its
+    # newline apart (another rank's output landed between them on CI).
+    sys.stdout.write("EP2 RESULT " + json.dumps(dict(rank=rank, results=results)) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
