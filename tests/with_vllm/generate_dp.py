@@ -1,9 +1,10 @@
 """tests/with_vllm/generate.py's greedy prompts over vLLM data-parallel ranks with expert parallelism (CPU): vLLM's
 offline data-parallel launch, one process per DP rank (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, a local master port),
-each rank generating its share of the prompts with its engine core in its own process; prints one ``RESULT`` JSON
-line with every prompt's tokens and candidates, in the prompts' order (what tests/with_vllm/test_vllm_e2e.py's
-comparison reads), and, with symmring's experts, each rank's symmring calls and the host exchanges its context
-made during the generation (``ranks``).
+each rank generating its share of the prompts (``generate.dp_share``) as one batch with its engine core in its own
+process; prints one ``RESULT`` JSON line with every prompt's tokens and candidates, in the prompts' order (what
+tests/with_vllm/test_vllm_e2e.py's comparison reads; its reference is one-rank vLLM on the same shares,
+``generate.py --dp-shares N``), and, with symmring's experts, each rank's prompts, symmring calls and the host
+exchanges its context made during the generation (``ranks``).
 
     SYMMRING_VLLM=1 python tests/with_vllm/generate_dp.py MODEL_DIR 2
 """
@@ -22,31 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: exchanges
 
 from exchanges import ExchangeCounter  # noqa: E402
-from generate import MAX_TOKENS, PROMPTS  # noqa: E402
+from generate import ENGINE_ARGS, dp_share, greedy_rows  # noqa: E402
 
 
 def rank_main(rank: int, size: int, port: int, path: str, queue: Queue) -> None:
     # The engine core runs in this process: symmring's workspace is here to read.
     os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
                       VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
     from symmring.integrations.vllm.experts import made_workspace
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=128, enforce_eager=True, kv_cache_memory_bytes=64 << 20, seed=0,
-              enable_expert_parallel=True, distributed_executor_backend="uni")
-    mine = list(range(rank, len(PROMPTS), size))
+    llm = LLM(model=path, **ENGINE_ARGS, enable_expert_parallel=True, distributed_executor_backend="uni")
     ws = made_workspace()
     calls = None if ws is None else ws.calls
     with contextlib.nullcontext() if ws is None else ExchangeCounter(ws.ctx) as counter:
         # A rank with no prompt of its own still steps with the others (vLLM runs dummy batches on idle DP ranks).
-        outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[i]) for i in mine],
-                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=2))
-    stats = None if ws is None else dict(rank=rank, ep_size=ws.world_size, moe_calls=ws.calls - calls,
-                                         host_exchanges=counter.count, what=counter.what[:5])
-    rows = [(i, list(o.outputs[0].token_ids),
-             [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda c: -c[1])[:2]
-              for step in o.outputs[0].logprobs]) for i, o in zip(mine, outs)]
+        rows = greedy_rows(llm, dp_share(rank, size))
+    stats = None if ws is None else dict(rank=rank, ep_size=ws.world_size, prompts=dp_share(rank, size),
+                                         moe_calls=ws.calls - calls, host_exchanges=counter.count,
+                                         what=counter.what[:5])
     queue.put((rows, stats))
 
 

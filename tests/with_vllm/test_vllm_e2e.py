@@ -75,15 +75,17 @@ def run_in_session(cmd, env):
     return stdout, stdout + stderr, proc.returncode
 
 
-def generate(path: Path, *, symmring: bool, processes: bool = False) -> tuple:
+def generate(path: Path, *, symmring: bool, processes: bool = False, dp_shares: int = 1) -> tuple:
     """One run's result and log. ``processes``: vLLM's engine core and worker in processes of their own, as a
     server runs them (the plugin then loads in each); else in the run's process. Compare runs of one mode
     only: the mode alone moves vLLM's own logprobs by a few hundredths (its CPU worker sets other thread
-    counts)."""
+    counts). ``dp_shares``: each of that many data-parallel ranks' share of the prompts generated as a batch of
+    its own (generate.py's ``--dp-shares``)."""
     env = dict(os.environ, SYMMRING_VLLM="1" if symmring else "0", SYMMRING_LOG_LEVEL="INFO",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if processes else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    stdout, output, returncode = run_in_session([sys.executable, str(HERE / "generate.py"), str(path)], env)
+    cmd = [sys.executable, str(HERE / "generate.py"), str(path), "--dp-shares", str(dp_shares)]
+    stdout, output, returncode = run_in_session(cmd, env)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert returncode == 0 and lines, output[-6000:]
     return json.loads(lines[-1][len("RESULT "):]), output
@@ -99,10 +101,12 @@ def models(tmp_path_factory):
     return paths
 
 
-def compared_steps(reference: dict, candidate: dict) -> int:
-    """Greedy steps compared (module docstring), asserting agreement on each."""
+def compared_steps(reference: dict, candidate: dict, prompts=None) -> int:
+    """Greedy steps compared (module docstring) of the ``prompts`` given (indices; all by default), asserting
+    agreement on each."""
     compared = 0
-    for prompt, (want, got) in enumerate(zip(reference["tokens"], candidate["tokens"])):
+    for prompt in range(len(reference["tokens"])) if prompts is None else prompts:
+        want, got = reference["tokens"][prompt], candidate["tokens"][prompt]
         for step, (w, g) in enumerate(zip(want, got)):
             (best, best_lp), (second, second_lp) = reference["top2"][prompt][step]
             assert best == w
