@@ -11,6 +11,7 @@
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 | ``SYMMRING_PDL`` | ``0``: launch the GPU layer's small-batch kernels without programmatic dependent launch (`symmring.pdl`; used only with one PE per GPU, compute capability >= 9) | ``1`` |
 | ``SYMMRING_TRANSPORT`` | how GPU rings and MoE layers reach each peer without ``transport=``: ``auto``, ``p2p``, ``rdma``, ``rdma:<ranks>`` (`symmring.transport`, which reads it) | ``auto`` |
+| ``SYMMRING_VLLM`` | ``1``: vLLM's MoE layers run symmring (the ``vllm.general_plugins`` entry point `symmring.integrations.vllm.plugin`; a no-op otherwise) | ``0`` |
 
 GPU jobs also run with the settings of `GPU_ENV` (NVSHMEM, CUDA, NCCL, torch), each set unless the user
 set it to a non-empty value: by the nvshmem backend (`apply_gpu_env`, before the first CUDA call), by the
@@ -88,6 +89,11 @@ def cache_dir() -> Path:
 def debug() -> bool:
     """Whether ``SYMMRING_DEBUG`` asks for debug logging and extra checks."""
     return os.environ.get("SYMMRING_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def vllm_enabled() -> bool:
+    """Whether ``SYMMRING_VLLM`` asks vLLM's MoE layers to run symmring (`symmring.integrations.vllm.plugin`)."""
+    return os.environ.get("SYMMRING_VLLM", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def graph_cache() -> Optional[int]:

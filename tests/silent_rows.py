@@ -169,8 +169,10 @@ class StepRecord:
     errors: List[str] = dataclasses.field(default_factory=list)
 
 
-def run_step(a: Adapter, seed: int, step: int, counts: Sequence[int], fault: Optional[tuple]) -> StepRecord:
-    """One step on this rank: ``counts`` (every rank's), ``fault`` None or ``(kind, culprit, layer)``."""
+def run_step(a: Adapter, seed: int, step: int, counts: Sequence[int], fault: Optional[tuple],
+             given: bool = False) -> StepRecord:
+    """One step on this rank: ``counts`` (every rank's), ``fault`` None or ``(kind, culprit, layer)``; ``given``:
+    the step takes ``counts`` as given (``Workspace.step(counts=...)``, no exchange)."""
     me = a.rank
     kind, culprit = fault[:2] if fault else (None, -1)
     record = StepRecord(step, kind, culprit)
@@ -179,7 +181,7 @@ def run_step(a: Adapter, seed: int, step: int, counts: Sequence[int], fault: Opt
         time.sleep(1.5 * a.device_bound_s)  # past the device bound, far within the host bound
     entered = False
     try:
-        with a.ws.step(n, own_router=False):
+        with a.ws.step(n, own_router=False, counts=list(counts) if given else None):
             entered = True
             for li in range(len(a.defs)):
                 _run_call(a, seed, step, li, n, fault, record)
@@ -333,29 +335,31 @@ def soak(a: Adapter, *, seed: int, steps: int, fault_every: int, warmup_counts: 
 
 
 def refused_then_next(a: Adapter, *, seed: int, culprit: int, first: int, second: int, n: int,
-                      allgather: Callable) -> List[str]:
+                      allgather: Callable, given: bool = False) -> List[str]:
     """The measured defect (module docstring) on layers ``first`` then ``second``, after a warm-up step; then the
     next step (which must raise at entry on every rank), a reset, and a step that must be right. Returns the
-    problems found over every rank (the same list on every rank)."""
+    problems found over every rank (the same list on every rank). ``given``: every step takes its counts as given
+    (no exchange at its entry: every rank learnt of the fault in the step itself, and raises its own error)."""
     problems = []
     order = [first, second]
-    warm = run_step(a, seed, 0, [n] * a.world, None)  # every ring made, every graph of the bucket seen
+    counts = [n] * a.world if given else None
+    warm = run_step(a, seed, 0, [n] * a.world, None, given)  # every ring made, every graph of the bucket seen
     if warm.entry_raised or warm.body_raised or warm.wrong:
         problems.append(f"rank {a.rank}: the warm-up step failed: {warm.errors[:2]}, {warm.wrong} wrong rows")
     record = StepRecord(1, "refused", culprit)
-    with a.ws.step(n, own_router=False):
+    with a.ws.step(n, own_router=False, counts=counts):
         for li in order:  # the culprit: `first` refused (caught, as a server that logs and goes on), `second`
             _run_call(a, seed, 1, li, n, ("refused", culprit, first), record)
     after = StepRecord(2, None)
     try:
-        with a.ws.step(n, own_router=False):
+        with a.ws.step(n, own_router=False, counts=counts):
             pass
     except SymmringError as exc:
         after.entry_raised = True
         after.errors.append(f"{type(exc).__name__}: {exc}")
-    if after.entry_raised:
+    if after.entry_raised or given:  # given: a rank that did not raise resets too (reset is collective)
         a.ws.reset()
-    right = run_step(a, seed, 3, [n] * a.world, None)
+    right = run_step(a, seed, 3, [n] * a.world, None, given)
     mine = dict(rank=a.rank, wrong=record.wrong, finite=record.finite_wrong, raised=record.body_raised,
                 entry=after.entry_raised,
                 errors=record.errors + after.errors, right=not (right.entry_raised or right.body_raised or right.wrong),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import io
 import pkgutil
 import shutil
@@ -20,7 +21,10 @@ from symmring import deps
 
 #: Modules whose examples need torch (CPU is enough).
 NEEDS_TORCH = {"symmring.moe.routing", "symmring.moe.torch_ref", "symmring.moe.weights",
-               "symmring.moe.integrations.module", "symmring.moe.cpu.host_layer"}
+               "symmring.moe.integrations.module", "symmring.moe.cpu.host_layer",
+               "symmring.integrations.vllm.adapter"}
+#: Modules that import vLLM (the vllm extra): not imported where it is not installed.
+NEEDS_VLLM = {"symmring.integrations.vllm.experts", "symmring.integrations.vllm.method"}
 #: Modules whose examples compile device code (nvcc and the nvidia-nvshmem wheel, no GPU).
 NEEDS_NVCC = {"symmring.jit"}
 #: GPU examples not yet marked ``# doctest: +SKIP``; their files belong to the GPU layer's work. strict:
@@ -36,7 +40,10 @@ MUST_HAVE_EXAMPLES = {"symmring.protocol", "symmring.layout", "symmring.moe.quan
 
 def _modules_with_examples():
     found = {}
+    vllm = importlib.util.find_spec("vllm") is not None
     for info in pkgutil.walk_packages(symmring.__path__, "symmring."):
+        if info.name in NEEDS_VLLM and not vllm:
+            continue
         module = importlib.import_module(info.name)
         tests = [t for t in doctest.DocTestFinder().find(module) if t.examples]
         if tests:

@@ -84,7 +84,8 @@ def test_interleave_torch_fp8_bytes():
 
 
 def test_table_and_json(tmp_path):
-    rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin batch", ms=0.30, rel_err=0.021, ok=True),
+    rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin batch", ms=0.30, rel_err=0.021, ok=True,
+                 fp8_roofline_ms=0.12),
             dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.20, rel_err=0.020, ok=True),
             dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin streamed", ms=None, ok=False,
                  error="RuntimeError: x"),
@@ -93,10 +94,15 @@ def test_table_and_json(tmp_path):
     summary = anchor.summarize(rows)
     assert summary[0]["ratios"] == {"symmring builtin batch": pytest.approx(1.5)}
     assert summary[0]["ok"] is False and summary[1]["ratios"] == {}
+    # Best symmring over MegaMoE and over the fp8 roofline (issue 35): the failed streamed row is no candidate.
+    assert summary[0]["best"] == "symmring builtin batch"
+    assert summary[0]["best_vs_megamoe"] == pytest.approx(1.5) and summary[0]["best_vs_roofline"] == pytest.approx(2.5)
+    assert summary[1]["best_vs_megamoe"] is None and summary[1]["best_vs_roofline"] is None
     table = anchor.format_table(rows).splitlines()
     assert table[0].split()[:2] == ["shape", "tokens"] and table[0].rstrip().endswith("ok")
     assert "megamoe" in table[0] and table[0].index("megamoe") > table[0].index("symmring builtin streamed")
-    assert "0.300 ms (2.1e-02)" in table[1] and "1.50" in table[1] and table[1].endswith("NO")
+    assert "best/megamoe" in table[0] and "best/roofline" in table[0]
+    assert "0.300 ms (2.1e-02)" in table[1] and "1.50" in table[1] and "2.50" in table[1] and table[1].endswith("NO")
     assert table[2].endswith("yes") and "2.000 ms" in table[2]
     path = tmp_path / "a.json"
     anchor.write_json(str(path), {"rows": rows, "summary": summary})

@@ -60,3 +60,14 @@ def test_readme_commands_are_what_ci_runs():
     assert {"cpu", "hf", "mpi", "test"} <= extras  # torch and transformers paths run in CI
     test = re.search(r"^python -m pytest (.+)$", ci, flags=re.M)
     assert test is not None and f"python -m pytest {test.group(1)}" in readme
+
+
+def test_readme_vllm_commands_are_what_ci_runs():
+    """The vLLM stage of .ci/run installs and tests with the commands of the README's "Serving with vLLM"."""
+    ci = (README.parent / ".ci" / "run").read_text()
+    readme = README.read_text()
+    install = re.search(r'pip install -q (-e "\.\[[a-z,]+,vllm\]")', ci)
+    uninstall = re.search(r"pip uninstall -q -y ([a-z ]+)\n", ci)
+    assert install is not None and uninstall is not None
+    assert f"pip install {install.group(1)} && pip uninstall -y {uninstall.group(1)}" in readme
+    assert "\npython -m pytest -q -m vllm\n" in ci and "\npython -m pytest -q -m vllm\n" in readme

@@ -11,7 +11,6 @@ holds the structs to the header). On a GPU, tests/gpu runs every launcher for re
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +19,8 @@ from symmring import jit
 from symmring.moe import routing
 from symmring.moe.gpu import kernel_args, stages
 from symmring.moe.gpu.plan import ChunkStep, WindowStep
+
+from stage_fakes import BUFFERS, COMBINE_READY, COMBINE_ROWS, KERNEL_OF, FakeKernels, FakeTensor, fake_state
 
 SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu", "moe/schedule.cu")
 
@@ -38,74 +39,6 @@ def test_every_kernel_takes_its_struct_by_value():
     assert set(signatures) == set(kernel_args.KERNELS)
     for kernel, params in signatures.items():
         assert params == f"const {kernel_args.KERNELS[kernel]} args", (kernel, params)
-
-
-class FakeTensor:
-    def __init__(self, ptr, shape=(1, 1), strides=None, element_size=4):
-        self.ptr, self.shape, self._strides, self._size = ptr, shape, strides or (shape[-1], 1), element_size
-
-    def data_ptr(self):
-        return self.ptr
-
-    def stride(self, dim):
-        return self._strides[dim]
-
-    def element_size(self):
-        return self._size
-
-    def __getitem__(self, index):  # a row's bytes (entry_rows[0].nbytes)
-        return SimpleNamespace(nbytes=int(np.prod(self.shape[1:])) * self._size)
-
-
-#: The fake state's buffers: name -> address (each distinct, so a field holding another buffer's shows).
-BUFFERS = {name: 0x10000 * (i + 1) for i, name in enumerate(
-    ("desc", "counts", "begin", "group_end", "cursor", "total", "status", "counters", "pool_x", "pool_sf", "m_indices",
-     "bad_id", "row_src", "row_weight", "token_base", "stage", "entry_rows", "stamps", "call_tokens"))}
-COMBINE_READY, COMBINE_ROWS = 0xCE0000, 0xCC0000
-
-
-def fake_state(**changes):
-    s = SimpleNamespace(num_ranks=3, expert_begin=8, num_local_experts=4, tokens_per_slot=64, topk=8, hidden=2048,
-                        fp8_layout=True, capacity=256, align=128, combine_ready=np.uint64(COMBINE_READY),
-                        combine_rows=np.uint64(COMBINE_ROWS), combine_tokens=640, args=None)
-    for name, ptr in BUFFERS.items():
-        setattr(s, name, FakeTensor(ptr, (2, 3, 64, 8) if name == "entry_rows" else (8, 4)))
-    s.desc = np.uint64(BUFFERS["desc"])  # the launchers take any address-like value
-    s.pool_scales = lambda rows: FakeTensor(BUFFERS["pool_sf"], (rows, 16), strides=(1, 4 * -(-rows // 4)))
-    for name, value in changes.items():
-        setattr(s, name, value)
-    return s
-
-
-class FakeKernels:
-    """Every kernel a recorder of ``(kernel, grid, args)``; ``launch`` (PDL) records the same way."""
-
-    def __init__(self):
-        self.calls = []
-        self.spin_blocks = 66
-        for attr in ("wait_slot", "produce_route", "produce_layout_fp8", "produce_layout_bf16", "wait", "count",
-                     "stage", "scan", "pull", "pull_fp8", "ack", "combine_scatter", "combine_signal", "combine_wait",
-                     "combine_reduce", "end_call", "refuse_call", "stamp", "sleep", "produce_chunk_fp8",
-                     "dispatch_fused_fp8", "combine_fused", "route_topk"):
-            setattr(self, attr, self._recorder(attr))
-        self.launch = lambda fn, grid, block, args, *, stream, shared_mem=0: fn(grid, block, args, stream=stream,
-                                                                                shared_mem=shared_mem)
-
-    def _recorder(self, attr):
-        return lambda grid, block, args, stream=None, shared_mem=0: self.calls.append((attr, grid, args))
-
-
-#: stages.Kernels attribute -> kernel name.
-KERNEL_OF = {"wait_slot": "moe_wait_slot", "produce_route": "moe_produce_route",
-             "produce_layout_fp8": "moe_produce_layout_fp8", "produce_layout_bf16": "moe_produce_layout_bf16",
-             "wait": "moe_dispatch_wait", "count": "moe_dispatch_count", "stage": "moe_dispatch_stage",
-             "scan": "moe_dispatch_scan", "pull": "moe_dispatch_pull", "pull_fp8": "moe_dispatch_pull_fp8",
-             "ack": "moe_dispatch_ack", "combine_scatter": "moe_combine_scatter",
-             "combine_signal": "moe_combine_signal",
-             "combine_wait": "moe_combine_wait", "combine_reduce": "moe_combine_reduce", "end_call": "moe_end_call",
-             "refuse_call": "moe_refuse_call", "stamp": "moe_stamp", "sleep": "moe_sleep",
-             "produce_chunk_fp8": "moe_produce_chunk_fp8", "dispatch_fused_fp8": "moe_dispatch_fused_fp8",
-             "combine_fused": "moe_combine_fused", "route_topk": "moe_route_topk"}
 
 
 def launched(k, index=-1):

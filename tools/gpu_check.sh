@@ -23,8 +23,8 @@
 #             test_moe_bounds.py's (the flat stages)
 #   flat1, flat3  tests/gpu/test_moe_bounds.py -m slow on 1 PE, or 3 under MPS: 10,000 cached calls through a
 #             2-graph cache, memory_allocated / split-K counters / workspace bytes flat ("[figure] bounds memory")
-#   torchrun2, torchrun3   the workspace, device-count, serving-safety and modules-before-calls tests under
-#             python -m symmring.launch -n 2|3 --mps --torchrun (the PEs a torch.distributed group)
+#   torchrun2, torchrun3   the workspace, device-count, serving-safety, modules-before-calls and vLLM adapter
+#             tests under python -m symmring.launch -n 2|3 --mps --torchrun (the PEs a torch.distributed group)
 #   launchers tests/gpu/test_launchers.py, one process (it starts the jobs): mpirun vs torchrun bitwise on 2
 #             and 3 PEs; two groups of a 4-PE torchrun job vs 2-PE jobs
 #   blocking  CUDA_LAUNCH_BLOCKING=1, one PE: two-stream ring kernels, schedules, graph replay, fp8 windows
@@ -109,7 +109,7 @@ for a in "${@:-tests}"; do
 done
 KERNEL_ONLY=(--ignore tests/gpu/test_fp8_kernels.py --ignore tests/gpu/test_fp8_small.py)
 TORCHRUN_FILES=(tests/gpu/test_modules_before_calls.py tests/gpu/test_workspace.py tests/gpu/test_device_counts.py
-                tests/gpu/test_serving_safety.py)
+                tests/gpu/test_serving_safety.py tests/gpu/test_vllm_adapter_gpu.py)
 STREAM=(--tokens 1024,4096,16384 --tokens-per-slot 1024,2048,4096 --num-slots 2,call --windows 1,all --repeats 10)
 for s in "${steps[@]}"; do
   case "$s" in

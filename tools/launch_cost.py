@@ -16,56 +16,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
-
-import numpy as np
 
 from symmring.moe import routing
 from symmring.moe.gpu import stages
 from symmring.moe.gpu.plan import ChunkStep, WindowStep
 
-
-class FakeTensor:
-    def __init__(self, ptr, shape=(8, 4), strides=None, element_size=4):
-        self.ptr, self.shape, self._strides, self._size = ptr, shape, strides or (shape[-1], 1), element_size
-
-    def data_ptr(self):
-        return self.ptr
-
-    def stride(self, dim):
-        return self._strides[dim]
-
-    def element_size(self):
-        return self._size
-
-    def __getitem__(self, index):
-        return SimpleNamespace(nbytes=int(np.prod(self.shape[1:])) * self._size)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from stage_fakes import FakeTensor, fake_kernels, fake_state  # noqa: E402 - the tests' stand-ins
 
 
-def fake_state():
-    names = ("counts", "begin", "group_end", "cursor", "total", "status", "counters", "pool_x", "pool_sf",
-             "m_indices", "bad_id", "row_src", "row_weight", "token_base", "entry_rows", "stamps", "call_tokens")
-    s = SimpleNamespace(num_ranks=2, expert_begin=8, num_local_experts=64, tokens_per_slot=128, topk=8, hidden=7168,
-                        fp8_layout=True, capacity=4096, align=128, combine_ready=np.uint64(0xCE0000),
-                        combine_rows=np.uint64(0xCC0000), combine_tokens=4096, desc=np.uint64(0xD0000), stage=None,
-                        args=None)
-    for i, name in enumerate(names):
-        setattr(s, name, FakeTensor(0x100000 * (i + 1), (2, 2, 128, 8) if name == "entry_rows" else (8, 4)))
-    s.pool_scales = lambda rows: FakeTensor(0x900000, (rows, 56), strides=(1, 4 * -(-rows // 4)))
-    return s
-
-
-def fake_kernels(kernel):
-    k = SimpleNamespace(spin_blocks=66)
-    for attr in ("wait_slot", "produce_route", "produce_layout_fp8", "produce_layout_bf16", "wait", "count", "stage",
-                 "scan", "pull", "pull_fp8", "ack", "combine_scatter", "combine_signal", "combine_wait",
-                 "combine_reduce", "end_call", "refuse_call", "stamp", "sleep", "produce_chunk_fp8",
-                 "dispatch_fused_fp8", "combine_fused", "route_topk"):
-        setattr(k, attr, kernel)
-    k.launch = lambda fn, grid, block, args, *, stream, shared_mem=0: fn(grid, block, args, stream=stream,
-                                                                         shared_mem=shared_mem)
-    return k
+def launch_state():
+    """The fake state of a DeepSeek-V3-like layer at 2 ranks (`stage_fakes.fake_state`)."""
+    return fake_state(entry_rows=(2, 2, 128, 8), scale_columns=56, num_ranks=2, num_local_experts=64,
+                      tokens_per_slot=128, hidden=7168, capacity=4096, combine_tokens=4096, stage=None)
 
 
 def launches(k, s):
@@ -142,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     kernel, base = (cupy_kernel() if args.cupy else (lambda *a, **kw: None, None))
-    k, s = fake_kernels(kernel), fake_state()
+    k, s = fake_kernels(lambda attr: kernel), launch_state()
     total = {}
     for name, fn in launches(k, s).items():
         total[name] = per_call_us(fn, args.calls, args.rounds, base)

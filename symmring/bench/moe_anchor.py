@@ -55,6 +55,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import lacks_cuda_torch, progress, timed_ms
+from .ceilings import fp8_roofline_ms, measure_ceilings
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
 logger = logging.getLogger(__name__)
@@ -197,47 +198,59 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def summarize(rows: List[Dict]) -> List[Dict]:
-    """One line per (shape, tokens): each symmring variant's latency and MegaMoE's, and ratios over MegaMoE.
+    """One line per (shape, tokens): each implementation's latency, each symmring variant over MegaMoE
+    (``ratios``), the best symmring variant (``best``) over MegaMoE (``best_vs_megamoe``) and over the call's
+    fp8 roofline (``best_vs_roofline``; `symmring.bench.ceilings.fp8_roofline_ms`, in ``fp8_roofline_ms``).
 
     Example:
         >>> rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.2, rel_err=0.02, ok=True),
         ...         dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin batch", ms=0.5,
-        ...              rel_err=0.02, ok=True)]
-        >>> summarize(rows)[0]["ratios"]
-        {'symmring builtin batch': 2.5}
+        ...              rel_err=0.02, ok=True, fp8_roofline_ms=0.1)]
+        >>> line = summarize(rows)[0]
+        >>> line["ratios"], line["best"], line["best_vs_megamoe"], line["best_vs_roofline"]
+        ({'symmring builtin batch': 2.5}, 'symmring builtin batch', 2.5, 5.0)
     """
     lines: Dict[Tuple[str, int], Dict] = {}
     for r in rows:
         key = (r["shape"], r["tokens_per_rank"])
-        line = lines.setdefault(key, {"shape": key[0], "tokens_per_rank": key[1], "ms": {}, "rel_err": {}, "ok": True})
+        line = lines.setdefault(key, {"shape": key[0], "tokens_per_rank": key[1], "ms": {}, "rel_err": {}, "ok": True,
+                                      "fp8_roofline_ms": None})
         if r.get("ms") is not None:
             line["ms"][r["impl"]] = r["ms"]
         if r.get("rel_err") is not None:
             line["rel_err"][r["impl"]] = r["rel_err"]
+        if r.get("fp8_roofline_ms"):
+            line["fp8_roofline_ms"] = r["fp8_roofline_ms"]
         line["ok"] = line["ok"] and bool(r.get("ok", True))
     for line in lines.values():
-        mega = line["ms"].get("megamoe")
+        mega, roof = line["ms"].get("megamoe"), line["fp8_roofline_ms"]
         line["ratios"] = {k: v / mega for k, v in line["ms"].items() if k != "megamoe" and mega}
+        ours = {k: v for k, v in line["ms"].items() if k != "megamoe"}
+        line["best"] = min(ours, key=ours.get) if ours else None
+        best_ms = ours.get(line["best"]) if ours else None
+        line["best_vs_megamoe"] = best_ms / mega if best_ms and mega else None
+        line["best_vs_roofline"] = best_ms / roof if best_ms and roof else None
     return list(lines.values())
 
 
 def format_table(rows: List[Dict]) -> str:
     """The side-by-side table: per shape and size, each implementation's ms (and relative error), MegaMoE's
-    last, then each symmring variant over MegaMoE.
+    last, then the best symmring variant over MegaMoE and over the fp8 roofline (`summarize`).
 
     Example:
         >>> rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.2, rel_err=0.02, ok=True),
         ...         dict(shape="v4-flash", tokens_per_rank=8, impl="symmring builtin batch", ms=0.3,
-        ...              rel_err=0.021, ok=True)]
+        ...              rel_err=0.021, ok=True, fp8_roofline_ms=0.1)]
         >>> print(format_table(rows))  # doctest: +NORMALIZE_WHITESPACE
-        shape         tokens  symmring builtin batch     megamoe              vs megamoe  ok
-        v4-flash           8  0.300 ms (2.1e-02)         0.200 ms (2.0e-02)   1.50        yes
+        shape         tokens  symmring builtin batch     megamoe              best/megamoe best/roofline ok
+        v4-flash           8  0.300 ms (2.1e-02)         0.200 ms (2.0e-02)   1.50         3.00          yes
     """
     impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "megamoe"))
     if any(r["impl"] == "megamoe" for r in rows):
         impls.append("megamoe")
     width = max([22] + [len(i) for i in impls]) + 3
-    head = f"{'shape':<13} {'tokens':>6}  " + "".join(f"{i:<{width}}" for i in impls) + f"{'vs megamoe':<11} ok"
+    head = (f"{'shape':<13} {'tokens':>6}  " + "".join(f"{i:<{width}}" for i in impls)
+            + f"{'best/megamoe':<13}{'best/roofline':<14}ok")
     out = [head]
     for line in summarize(rows):
         cells = []
@@ -245,9 +258,9 @@ def format_table(rows: List[Dict]) -> str:
             ms, err = line["ms"].get(impl), line["rel_err"].get(impl)
             cell = "-" if ms is None else f"{ms:.3f} ms" + (f" ({err:.1e})" if err is not None else "")
             cells.append(f"{cell:<{width}}")
-        ratios = "/".join(f"{v:.2f}" for v in line["ratios"].values()) or "-"
-        out.append(f"{line['shape']:<13} {line['tokens_per_rank']:>6}  " + "".join(cells) + f"{ratios:<11} "
-                   + ("yes" if line["ok"] else "NO"))
+        vs_mega, vs_roof = (f"{v:.2f}" if v else "-" for v in (line["best_vs_megamoe"], line["best_vs_roofline"]))
+        out.append(f"{line['shape']:<13} {line['tokens_per_rank']:>6}  " + "".join(cells) + f"{vs_mega:<13}"
+                   f"{vs_roof:<14}" + ("yes" if line["ok"] else "NO"))
     return "\n".join(out)
 
 
@@ -481,10 +494,12 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
         for n in args.tokens:
             x, idx, w = inputs[n]
             y_ref = reference(ref_weights, x, idx, w)
+            touched = int(torch.unique(idx[idx >= 0]).numel())
+            roof = fp8_roofline_ms(touched, int((idx >= 0).sum()), hidden, inter, payload["ceilings"])
             reps = 1 if args.check_only else (args.repeats if n <= 4096 else max(3, args.repeats // 4))
             impls = list(layers.items()) + ([("megamoe", mega)] if mega is not None else [])
             for name, impl in impls:
-                row = {**base, "impl": name, "tokens_per_rank": n}
+                row = {**base, "impl": name, "tokens_per_rank": n, "fp8_roofline_ms": roof}
                 streamed = name.endswith("streamed")
                 if streamed and n < 2 * args.tokens_per_slot:
                     continue  # one chunk: the batch path
@@ -579,6 +594,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "device": torch.cuda.get_device_name(), "argv": list(argv) if argv is not None else sys.argv[1:],
                "complete": False}
     started = time.perf_counter()
+    # The ceilings of this run (device copy rate, dense fp8 rate): the rows' fp8 roofline.
+    payload["ceilings"] = measure_ceilings(torch.device("cuda", torch.cuda.current_device()))
     ctx = None
     if args.engines:
         from ..context import init

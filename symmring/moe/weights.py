@@ -118,14 +118,18 @@ def dequantize_blocks(q, scale, dtype=None):
     return out
 
 
-def _check(name: str, t, dtypes, shape, device) -> None:
+def check_tensor(name: str, t, dtypes, shape, device) -> None:
+    """Raise ConfigError unless ``t`` is a torch tensor on ``device`` of one of ``dtypes`` (a dtype, a tuple of
+    them, or None: any) and of ``shape``, naming ``name``."""
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{name}: expected a torch tensor, got {type(t).__name__}")
     if t.device != device:
         raise ConfigError(f"{name}: expected a tensor on {device}, got one on {t.device}")
-    if t.dtype not in dtypes:
-        raise ConfigError(f"{name}.dtype={t.dtype}: expected {' or '.join(str(d) for d in dtypes)}")
+    if dtypes is not None:
+        dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+        if t.dtype not in dtypes:
+            raise ConfigError(f"{name}.dtype={t.dtype}: expected {' or '.join(str(d) for d in dtypes)}")
     if tuple(t.shape) != tuple(shape):
         raise ConfigError(f"{name}.shape={tuple(t.shape)}: expected {tuple(shape)}")
 
@@ -153,7 +157,7 @@ def expert_weights(w_gate, w_up, w_down, *, num_local_experts: int, hidden: int,
     fp8_in = isinstance(w_gate, torch.Tensor) and w_gate.dtype == torch.float8_e4m3fn
     dtype = torch.float8_e4m3fn if fp8_in else torch.bfloat16
     for name, w, shape in (("w_gate", w_gate, (E, I, H)), ("w_up", w_up, (E, I, H)), ("w_down", w_down, (E, H, I))):
-        _check(name, w, (dtype,) if name != "w_gate" else (torch.bfloat16, torch.float8_e4m3fn), shape, device)
+        check_tensor(name, w, (dtype,) if name != "w_gate" else (torch.bfloat16, torch.float8_e4m3fn), shape, device)
     scales = {"w_gate_scale": w_gate_scale, "w_up_scale": w_up_scale, "w_down_scale": w_down_scale}
     if fp8_in:
         for name, s, shape in (("w_gate_scale", w_gate_scale, (E, _ceil_div(I, BLOCK), _ceil_div(H, BLOCK))),
@@ -162,7 +166,7 @@ def expert_weights(w_gate, w_up, w_down, *, num_local_experts: int, hidden: int,
             if s is None:
                 raise ConfigError(f"{name}=None: fp8 e4m3 weights need their float32 block scales {shape} "
                                   "(the checkpoint's weight_scale_inv)")
-            _check(name, s, (torch.float32,), shape, device)
+            check_tensor(name, s, torch.float32, shape, device)
     else:
         given = [n for n, s in scales.items() if s is not None]
         if given:

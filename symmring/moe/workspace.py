@@ -33,6 +33,18 @@ Serving (GPU): ``with ws.step(n):`` raises, on every rank, any device error latc
 that failed; inside it ``ws.set_call_tokens(n)`` then ``ws.replay(graph)`` replays a graph captured over a
 step (`capture`), ordered after the last call and checked against the latch without a synchronisation.
 
+Given counts (a serving engine that exchanged every rank's token count already, as vLLM does once per step):
+``ws.step(n, counts=counts)`` exchanges nothing (`given_entries`). Its entry raises what this rank knows from
+its own host memory: its latched device error, its failed step (a refused call, an exception that left a step,
+a call that failed part-way), bad counts. What only another rank knows is not raised at entry; it reaches this
+rank through the ring in the step's first call with that rank: another call's identity in a slot's meta row
+(`CallMismatch` on the CPU layer; ``call_mismatch`` on GPUs), a rank that raised at its entry and publishes
+nothing (the bounded wait of every ring: `ProtocolTimeout`), a device error elsewhere (the ring abort, GPUs).
+The CPU layer raises these in the call; the GPU layer returns that call's rows as NaN and raises at this rank's
+next entry (its latch): every rank raises within two steps, none keeps wrong rows. Not checked at all: that the
+ranks were given the same counts and ``own_router`` (vLLM's counts come from one all-reduce), and diverged call
+counts are seen only by the identity check (docs/MOE_GPU.md, "Given counts").
+
 Thread safety: none. A workspace, its layers and its context belong to one thread (the one that makes the
 calls; every call is collective in call order, which two threads would interleave differently on each rank).
 
@@ -52,7 +64,7 @@ import dataclasses
 import logging
 import sys
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -87,8 +99,9 @@ RESET_ADVICE = "call reset() on every rank (collective: Workspace.reset, or a la
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What a `Workspace.step` exchanged: every rank's ``counts`` and whether every rank routes with its layers'
-    own routers (``distinct``). (Every rank's latched device errors were exchanged too, and raised at entry.)"""
+    """What a `Workspace.step` exchanged (or was given): every rank's ``counts`` and whether every rank routes with
+    its layers' own routers (``distinct``). (Every rank's latched device errors were exchanged too, and raised at
+    entry; with given counts this rank's own.)"""
 
     counts: Tuple[int, ...]
     distinct: bool
@@ -123,6 +136,37 @@ def step_error(rank: int, entries, decode) -> Optional[BaseException]:
     failures.update({r: f"entered the step after {e[3]} calls, rank {rank} after {calls}"
                      for r, e in enumerate(entries) if e[3] != calls and r not in failures})
     return StepFailed(rank, failures, RESET_ADVICE) if failures else None
+
+
+def given_entries(mine: tuple, counts, rank: int, world_size: int) -> list:
+    """A step's entries for `step_error` from every rank's token ``counts`` given by the caller, without an
+    exchange: this rank's own entry ``mine`` (its count must be ``counts[rank]``), and for every other rank its
+    count with nothing to report (no latched error, this rank's call count, no failure): at the entry of a step of
+    given counts a rank raises only what it knows itself (module docstring, "Given counts").
+
+    Raises:
+        ConfigError: ``counts`` (ints, or an int array or tensor) not one int >= 0 per rank, or ``counts[rank]``
+            not this rank's ``num_tokens``.
+
+    Example:
+        >>> given_entries((3, False, None, 5, None), (3, 0), rank=0, world_size=2)
+        [(3, False, None, 5, None), (0, False, None, 5, None)]
+    """
+    counts = counts.tolist() if hasattr(counts, "tolist") else counts  # vLLM's are a CPU tensor
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or len(counts) != world_size:
+        raise ConfigError(f"counts={counts!r}: expected one token count per rank ({world_size})")
+    counts = [_token_count(c) for c in counts]
+    if counts[rank] != mine[0]:
+        raise ConfigError(f"counts={counts}: rank {rank}'s count {counts[rank]} is not num_tokens={mine[0]}")
+    return [mine if r == rank else (c,) + mine[1:2] + (None, mine[3], None) for r, c in enumerate(counts)]
+
+
+def step_entries(ws, mine: tuple, counts) -> list:
+    """Every rank's entry of a step of ``ws``: from the caller's ``counts`` without an exchange (`given_entries`),
+    else from ONE bounded allgather (none on one rank)."""
+    if counts is not None:
+        return given_entries(mine, counts, ws.rank, ws.world_size)
+    return [mine] if ws.world_size == 1 else ws.ctx.collectives.allgather(mine, what="Workspace.step")
 
 
 class Workspace(Closing):
@@ -306,14 +350,14 @@ class Workspace(Closing):
     # --- model steps ----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, num_tokens: int, *, own_router: bool = True):
-        """One model step (a forward of every layer) with ONE bounded host exchange for all its MoE calls:
-        every rank's token count, whether every rank routes with the layers' own routers, every rank's latched
-        device error, call count and step failure (as vLLM exchanges its data-parallel token counts once per
-        step). Collective: every rank enters the step. Inside it the GPU layers' `forward` exchanges nothing:
-        every rank plans its calls for the same token bucket (`symmring.moe.gpu.plan.token_bucket` of the largest
-        count), and each rank's exact count goes to the device; each call's identity travels in the ring's meta
-        rows instead (module docstring).
+    def step(self, num_tokens: int, *, own_router: bool = True, counts: Optional[Sequence[int]] = None):
+        """One model step (a forward of every layer) with ONE bounded host exchange for all its MoE calls (none
+        with given ``counts``): every rank's token count, whether every rank routes with the layers' own routers,
+        every rank's latched device error, call count and step failure (as vLLM exchanges its data-parallel token
+        counts once per step). Collective: every rank enters the step. Inside it the GPU layers' `forward`
+        exchanges nothing: every rank plans its calls for the same token bucket (`symmring.moe.gpu.plan.token_bucket`
+        of the largest count), and each rank's exact count goes to the device; each call's identity travels in the
+        ring's meta rows instead (module docstring).
 
         At entry every rank raises the same kind of error when any rank has one to report, so a serving loop
         learns of it on every rank in the same step: a device error latched on any rank (this rank's own, named;
@@ -328,6 +372,9 @@ class Workspace(Closing):
             own_router: every call of the step routes with the layer's router (``router_weight`` or
                 ``logits``: distinct experts per token, a tighter bound for the engines); False when some
                 call passes ``topk_idx``.
+            counts: every rank's token count, given by the caller (``counts[rank] == num_tokens``): the step
+                exchanges NOTHING, and its entry raises only this rank's own errors; another rank's reach
+                this rank in the step's calls (module docstring, "Given counts").
 
         Yields:
             the `Step` (its ``counts``, ``bucket`` and ``distinct``).
@@ -352,8 +399,7 @@ class Workspace(Closing):
             raise RingClosedError("this workspace was closed (its layers can no longer run)")
         latched = None if self._device is None else self._device.latched()
         mine = (num_tokens, own_router, latched, self.calls, self._failure_text())
-        entries = [mine] if self.world_size == 1 else \
-            self.ctx.collectives.allgather(mine, what="Workspace.step")
+        entries = step_entries(self, mine, counts)
         error = step_error(self.rank, entries, None if self._device is None else self._device.decode_latched)
         if isinstance(error, StepFailed):
             self.failure = error  # every rank: until reset
@@ -384,11 +430,13 @@ class Workspace(Closing):
         graph captured over a step reads it on the device: set it before each ``graph.replay()`` with that
         replay's count, at most the rows the graph was captured with; every launch is also clamped to those
         rows). `forward` sets it itself. Ordered after the last call of any layer on this workspace (as a
-        call is): replay the step on the same stream."""
+        call is): replay the step on the same stream. While the current stream captures a CUDA graph the count
+        is written INTO the graph instead (each replay sets it: a graph that its caller replays itself, as vLLM
+        does, or a `replay` without ``num_tokens``)."""
         num_tokens = _token_count(num_tokens)
         if self._device is None:
             raise ConfigError("Workspace.set_call_tokens: a GPU workspace with a layer attached")
-        self._device.begin_call(num_tokens)
+        self._device.set_call_tokens(num_tokens)
 
     # --- captured steps (GPU) -----------------------------------------------------------------------------
 
@@ -640,4 +688,4 @@ class _HostMemory:
         self.combine = None
 
 
-__all__ = ["Workspace", "LayerShape"]
+__all__ = ["Workspace", "LayerShape", "given_entries"]

@@ -53,16 +53,19 @@ def raise_own_abort(a: GpuLayers, layer: int) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["exchanged", "counts_given"])
 @pytest.mark.parametrize("second", [1, 2], ids=["same_ring", "other_ring"])
-def test_refused_call_in_a_step_raises_on_every_pe(ctx, second):
+def test_refused_call_in_a_step_raises_on_every_pe(ctx, second, given):
+    """``counts_given``: every step takes its counts as given (``Workspace.step(counts=...)``, as vLLM's): no
+    exchange at any entry, yet every PE raises in the step or at the next entry (its own latch or failure)."""
     a = GpuLayers(ctx, SEED)
     try:
         problems = silent_rows.refused_then_next(a, seed=SEED, culprit=0, first=0, second=second, n=5,
-                                                 allgather=ctx.comm.allgather)
+                                                 allgather=ctx.comm.allgather, given=given)
     finally:
         a.close()
-    print(f"\nrank {ctx.rank}: refused A, then {'B (same ring)' if second == 1 else 'C (other ring)'}: "
-          f"problems {problems}")
+    print(f"\nrank {ctx.rank}: refused A, then {'B (same ring)' if second == 1 else 'C (other ring)'}"
+          f"{', counts given' if given else ''}: problems {problems}")
     verdict(ctx, not problems, "; ".join(problems))
 
 

@@ -26,6 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: silent_rows
 import silent_rows  # noqa: E402
+from exchanges import ExchangeCounter  # noqa: E402
 
 from symmring.errors import CallMismatch, StepFailed, SymmringError  # noqa: E402
 from symmring import Experts, MoE, RoutingConfig, ScheduleConfig, shard_experts  # noqa: E402
@@ -94,6 +95,32 @@ def test_refused_call_in_a_step_raises_on_every_rank(ctx, comm, seed, outcome, c
     figure(f"no_silent_rows[cpu refused, {'same' if second == 1 else 'other'} ring]: ranks={comm.Get_size()}: "
            f"problems {len(problems or [])}, {time.monotonic() - start:.1f} s")
     check(comm, not outcome.error and not problems, outcome.error + "\n".join(problems or []))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("second", [1, 2], ids=["same_ring", "other_ring"])
+def test_refused_call_in_a_step_of_given_counts_raises_on_every_rank(ctx, comm, seed, outcome, check, figure, second):
+    """The measured defect in steps whose counts the caller gives (``Workspace.step(counts=...)``, as vLLM's): no
+    exchange at any entry, yet every rank raises in the step (the call identity in the meta rows, the rings'
+    bounded waits) or at the next entry (its own failure), and none keeps wrong rows."""
+    need_ranks(comm)
+    layers = CpuLayers(ctx, seed)
+    start = time.monotonic()
+    try:
+        # The CPU layer makes a shape's ring and its combine rows at its first call (collective allocations):
+        # one step of every layer first, as a server warms up.
+        silent_rows.run_step(layers, seed, 0, [MAX_TOKENS] * comm.Get_size(), None, given=True)
+        with ExchangeCounter(ctx) as counter:
+            problems = outcome.run(silent_rows.refused_then_next, layers, seed=seed, culprit=0, first=0,
+                                   second=second, n=5, allgather=comm.allgather, given=True)
+    finally:
+        layers.close()
+    exchanges = [what for what in counter.what if not what.startswith("Workspace.reset")]  # the reset's barriers
+    figure(f"no_silent_rows[cpu refused, counts given, {'same' if second == 1 else 'other'} ring]: "
+           f"ranks={comm.Get_size()}: problems {len(problems or [])}, host exchanges besides the reset "
+           f"{len(exchanges)}, {time.monotonic() - start:.1f} s")
+    check(comm, not outcome.error and not problems and not exchanges,
+          outcome.error + "\n".join(problems or []) + f" exchanges {exchanges}")
 
 
 @pytest.mark.mpi

@@ -185,3 +185,46 @@ def test_a_step_exchanges_once_for_every_layer(ctx, comm, check):
                 pass
     workspace.close()
     check(comm, not errors, "; ".join(errors))
+
+
+@pytest.mark.mpi
+def test_a_step_of_given_counts_exchanges_nothing_and_raises_only_its_own_failure(ctx, comm, check):
+    """`Workspace.step(counts=...)`: the given counts, no exchange (bad counts refused before anything); at its
+    entry a rank raises its own failed step and nothing of another rank's (that reaches it through the ring, in
+    its calls: tests/mpi/test_no_silent_rows.py, tests/mpi/test_vllm_adapter_mpi.py); until `reset`."""
+    from symmring.errors import ConfigError, StepFailed
+    world, rank = comm.Get_size(), comm.Get_rank()
+    counts = [2 + 3 * r for r in range(world)]
+    workspace = Workspace(ctx)
+    errors = []
+    before = ctx.collectives._sequence
+    with workspace.step(counts[rank], own_router=rank != 0, counts=counts) as step:
+        if step.counts != tuple(counts) or step.distinct != (rank != 0):
+            errors.append(f"counts {step.counts}, distinct {step.distinct}")
+    for bad, what in (([1] * (world + 1), "one token count per rank"), ([-1] * world, "num_tokens=-1"),
+                      ([c + 1 for c in counts], f"rank {rank}'s count {counts[rank] + 1}")):
+        with pytest.raises(ConfigError, match=what):
+            with workspace.step(counts[rank], counts=bad):
+                pass
+    culprit = world - 1
+    try:
+        with workspace.step(counts[rank], counts=counts):
+            if rank == culprit:
+                raise RuntimeError("the model failed here")
+    except RuntimeError:
+        pass
+    for _ in range(2):  # the culprit at every entry until reset; nobody else (nothing was exchanged)
+        try:
+            with workspace.step(counts[rank], counts=counts):
+                if rank == culprit:
+                    errors.append("the culprit's next step opened")
+        except StepFailed as exc:
+            if rank != culprit or exc.failures.keys() != {culprit} or "the model failed here" not in str(exc):
+                errors.append(f"rank {rank} raised {exc}")
+    if ctx.collectives._sequence != before:
+        errors.append(f"{ctx.collectives._sequence - before} exchanges in steps of given counts")
+    workspace.reset()
+    with workspace.step(counts[rank], counts=counts):
+        pass
+    workspace.close()
+    check(comm, not errors, "; ".join(errors))

@@ -31,7 +31,7 @@ import symmring
 from symmring import world as worlds
 from symmring.moe.config import Experts, RoutingConfig, ScheduleConfig
 
-NUM_EXPERTS = 8  # an even split over groups of 1, 2 or 4 ranks
+NUM_EXPERTS = 12  # an even split over groups of 1, 2, 3 or 4 ranks (the GPU layer needs one)
 #: Layer A and B: (hidden, inter, top-k).
 SHAPES = {"a": (256, 64, 2), "b": (128, 32, 3)}
 TOKENS_PER_SLOT, NUM_SLOTS = 8, 2

@@ -10,11 +10,14 @@
 #   _C.cpython-312-x86_64-linux-gnu.so   that host code + tools/megamoe/megamoe_bind.cpp, built against
 #                           torch 2.11.0+cu130 (optional: without it, or when it does not import, this
 #                           script compiles it here, about two minutes on one core)
-# The tree is compiled as tools/megamoe/patch_src.py leaves it: std::regex taken out of DeepGEMM's JIT host code
-# (include_parser.hpp, compiler.hpp) for plain scans with the same matches. A _C compiled on the H200 from the
-# unpatched tree (g++ 13.3) segfaulted at the first MegaMoE call inside std::regex in IncludeParser, and
-# -Wl,-Bsymbolic and -static-libstdc++ did not change that; the patch takes the crash site away whatever made
-# <regex> fail there (it was not stack depth: the parser over every deep_gemm header needs < 32 KiB).
+# Compiled with DeepGEMM's pinned fmt (553ec11) FIRST on the include path and -DFMT_HEADER_ONLY. torch's include
+# dir carries fmt headers of torch's own version; behind them, DeepGEMM's code was compiled against torch's fmt,
+# and a _C built here (H100, g++ 13.3, torch 2.11) segfaulted at the first MegaMoE call inside
+# IncludeParser::get_hash_value's formatting (std::regex taken out by patch_src.py; before it, inside std::regex,
+# -Wl,-Bsymbolic and -static-libstdc++ alike). With the pinned fmt first it ran (2026-12-06: the quick check,
+# 2 rows, 0 not ok). patch_src.py (std::regex out of include_parser.hpp and compiler.hpp for plain scans with
+# the same matches, checked on CPU: tools/megamoe/check_patch.sh) stays applied: the run that passed had it, and
+# a run without it was not made.
 # MEGAMOE_SEGV_BACKTRACE=1 at run time prints the native frames of a crash inside _C (megamoe_bind.cpp).
 # Why not the sgl-deep-gemm 0.2.5 wheel: its _C.so was built against torch 2.14 (eight libtorch symbols
 # missing in 2.11, c10::TensorImpl's fields 8 bytes further on, DispatchKey::CUDA one value lower), and its
@@ -54,11 +57,12 @@ PYEOF
 CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
 echo "torch at $TORCH_DIR, python headers $PYINC, CUDA_HOME $CUDA_HOME"
 t0=$SECONDS
+# DeepGEMM's pinned fmt first and header-only: torch ships fmt headers of its own version in its include dir.
 ${CXX:-c++} -std=c++17 -O2 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
-  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I"$SRC/fmt/include" -DFMT_HEADER_ONLY \
   -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$PYINC" \
   -I"$CUDA_HOME/include" -I"$CUDA_HOME/include/cccl" $NVINC \
-  -I"$SRC/csrc" -I"$SRC/include" -I"$SRC/fmt/include" \
+  -I"$SRC/csrc" -I"$SRC/include" \
   tools/megamoe/megamoe_bind.cpp -o "$PKG/$SO" \
   -L"$TORCH_DIR/lib" -L"$CUDA_HOME/lib64" $NVLIB \
   -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -l:libcudart.so.13 -l:libnvrtc.so.13 \

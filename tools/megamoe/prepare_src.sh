@@ -31,9 +31,9 @@ tar -cJf .megamoe/megamoe-src.tar.xz -C "$tmp" megamoe-src
 if [[ "${BUILD:-0}" == 1 ]]; then
   python3 tools/megamoe/patch_src.py "$src"
   g++ -std=c++17 -O2 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations -D_GLIBCXX_USE_CXX11_ABI=1 \
-    -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I"$TORCH_DIR/include" \
+    -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I"$src/fmt/include" -DFMT_HEADER_ONLY -I"$TORCH_DIR/include" \
     -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$PYINC" -I/usr/local/cuda/include -I/usr/local/cuda/include/cccl \
-    -I"$NVINC" -I"$src/csrc" -I"$src/include" -I"$src/fmt/include" tools/megamoe/megamoe_bind.cpp \
+    -I"$NVINC" -I"$src/csrc" -I"$src/include" tools/megamoe/megamoe_bind.cpp \
     -o .megamoe/_C.cpython-312-x86_64-linux-gnu.so -L"$TORCH_DIR/lib" -L/usr/local/cuda/lib64 -L"$NVINC/../lib" \
     -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -lcudart -l:libnvrtc.so.13 -l:libcublasLt.so.13 \
     -l:libcublas.so.13

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from ...errors import BackendError, ConfigError
+from ..weights import check_tensor
 
 
 def torch_module():
@@ -26,19 +27,6 @@ def this_device():
     """The torch device of this PE's GPU (the current CUDA device: the backend made it current)."""
     torch = torch_module()
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def check_tensor(name: str, t, dtype, shape, device) -> None:
-    """Raise ConfigError unless ``t`` is a torch tensor on ``device`` of ``dtype`` (None: any) and ``shape``."""
-    torch = torch_module()
-    if not isinstance(t, torch.Tensor):
-        raise ConfigError(f"{name}: expected a torch tensor, got {type(t).__name__}")
-    if t.device != device:
-        raise ConfigError(f"{name}: expected a tensor on {device}, got one on {t.device}")
-    if dtype is not None and t.dtype != dtype:
-        raise ConfigError(f"{name}.dtype={t.dtype}: expected {dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ConfigError(f"{name}.shape={tuple(t.shape)}: expected {tuple(shape)}")
 
 
 def check_x(x, spec, device):

@@ -92,7 +92,8 @@ from ..workspace_plan import LayerShape
 from . import graph_cache as graph_cache_mod
 from . import plan as plans
 from .executor import Executor
-from .inputs import check_logits, check_tensor, check_x, routing_source, this_device, torch_module
+from ..weights import check_tensor
+from .inputs import check_logits, check_x, routing_source, this_device, torch_module
 from .plan import STREAMING_MODES, Planner
 from .router import Router
 from .spec import check_gpu_sizes, resolve

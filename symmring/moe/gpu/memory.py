@@ -292,6 +292,14 @@ class DeviceMemory:
         self._call_tokens_holds = None
         self.call_tokens.fill_(num_tokens)
 
+    def set_call_tokens(self, num_tokens: int) -> None:
+        """`Workspace.set_call_tokens`: while the current stream captures a graph, the count written into the graph
+        (`record_call_tokens`); else the next call's count (`begin_call`)."""
+        if _torch().cuda.is_current_stream_capturing():
+            self.record_call_tokens(num_tokens)
+        else:
+            self.begin_call(num_tokens)
+
     def rings(self):
         """Every `RingEntry` of this memory."""
         return list(self._rings.values())

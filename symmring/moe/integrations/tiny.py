@@ -42,28 +42,32 @@ def canonical_family(name: str) -> str:
 
 def tiny_config(family: str, *, hidden: int = 256, inter: int = 256, num_experts: int = 16, topk: int = 4,
                 num_layers: int = 2, vocab: int = 512, norm_topk_prob: bool = True, n_group: int = 4,
-                topk_group: int = 2):
+                topk_group: int = 2, **overrides):
     """A transformers config of ``family`` with these sizes (DeepSeek-V3: one dense layer first, then
-    ``num_layers`` MoE layers with one shared expert, group-limited routing)."""
+    ``num_layers`` MoE layers with one shared expert, group-limited routing); ``overrides``: any other
+    argument of the family's config class, over the ones chosen here (vLLM's CPU MLA, say, needs
+    ``kv_lora_rank=512, qk_rope_head_dim=64``)."""
     family = canonical_family(family)
     common = dict(hidden_size=hidden, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, num_experts_per_tok=topk, tie_word_embeddings=False)
     if family == "mixtral":
         from transformers import MixtralConfig
-        return MixtralConfig(intermediate_size=inter, num_local_experts=num_experts, num_hidden_layers=num_layers,
-                             router_jitter_noise=0.0, **common)
+        return MixtralConfig(**{**dict(intermediate_size=inter, num_local_experts=num_experts,
+                                       num_hidden_layers=num_layers, router_jitter_noise=0.0, **common), **overrides})
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
-        return Qwen3MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=num_experts,
-                              num_hidden_layers=num_layers, head_dim=64, decoder_sparse_step=1, mlp_only_layers=[],
-                              norm_topk_prob=norm_topk_prob, **common)
+        return Qwen3MoeConfig(**{**dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                        num_experts=num_experts, num_hidden_layers=num_layers, head_dim=64,
+                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=norm_topk_prob,
+                                        **common), **overrides})
     from transformers import DeepseekV3Config
     common["num_key_value_heads"] = 4
-    return DeepseekV3Config(intermediate_size=2 * inter, moe_intermediate_size=inter, n_routed_experts=num_experts,
-                            n_shared_experts=1, num_hidden_layers=num_layers + 1, first_k_dense_replace=1,
-                            n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                            routed_scaling_factor=2.5, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-                            qk_rope_head_dim=16, v_head_dim=32, **common)
+    return DeepseekV3Config(**{**dict(intermediate_size=2 * inter, moe_intermediate_size=inter,
+                                      n_routed_experts=num_experts, n_shared_experts=1,
+                                      num_hidden_layers=num_layers + 1, first_k_dense_replace=1, n_group=n_group,
+                                      topk_group=topk_group, norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5,
+                                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                      v_head_dim=32, **common), **overrides})
 
 
 def tiny_model(family: str, seed: int, device="cpu", **config_kwargs):
