@@ -152,7 +152,8 @@ def test_graph_cache_holds_one_graph_per_bucket(ctx):
     if info["captures"] > num_buckets(64):
         problems.append(f"{info['captures']} captures > {num_buckets(64)} buckets")
     message = (f"{CACHED_CALLS} calls with random counts: captures {info['captures']} (buckets {num_buckets(64)}), "
-               f"hits {info['hits']}, failures {info['failures']}; " + "; ".join(problems[:5]))
+               f"hits {info['hits']}, failures {info['failures']}, retries {info['retries']}; "
+               + "; ".join(problems[:5]))
     print(f"[figure] device counts: {message}")
     verdict(ctx, not problems and info["failures"] == 0, message)
 
