@@ -39,7 +39,10 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlockK = 128;               // K per stage and per scale block
 constexpr int kRowBytes = kBlockK + 16;    // shared row pitch: 36 words, so 8 rows x 4 lanes hit 32 banks
-constexpr int kStages = 3;
+// Ring stages: as many as fit beside the registers (m32 at 5 stages spills). At small row counts an item
+// streams weights and is latency bound: its speed is the bytes in flight (stages - 1) per SM.
+template <int kBlockM>
+constexpr int kStagesOf = kBlockM <= 16 ? 5 : 4;
 constexpr int kTileN = 128;                // output columns per item (one scale block of the weights)
 constexpr int kMaxRowsB = 2 * kTileN;      // L1 loads gate and up rows
 constexpr int kAlign = 128;                // expert groups start at multiples of this many pool rows
@@ -47,8 +50,8 @@ constexpr float kFp8Max = 448.0f;
 
 template <int kBlockM>
 struct Shared {
-    uint8_t a[kStages][kBlockM][kRowBytes];
-    uint8_t b[kStages][kMaxRowsB][kRowBytes];
+    uint8_t a[kStagesOf<kBlockM>][kBlockM][kRowBytes];
+    uint8_t b[kStagesOf<kBlockM>][kMaxRowsB][kRowBytes];
     float amax[kWarps][kBlockM];
     int item;
     int timed_out;
@@ -136,7 +139,7 @@ __device__ __forceinline__ int b_tile_row(int j, int warp) { return (j / 2) * kT
 template <int kBlockM, int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& op,
                                           float (&acc)[kBlockM / 16][2 * kHalves][4]) {
-    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves;
+    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves, kStages = kStagesOf<kBlockM>;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)

@@ -29,9 +29,9 @@ TILE = 128
 #: Rows per item of each kernel (``moe_fused_experts_m<rows>``), smallest first; `block_rows` picks one.
 BLOCK_ROWS = (16, 32)
 THREADS = 256
-#: The kernel's shared memory layout (``fused::Shared``): stages x (A rows + 256 B rows) x 144-byte rows, the
-#: per-warp row maxima, two ints.
-_STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = 3, TILE + 16, 2 * TILE, THREADS // 32
+#: The kernel's shared memory layout (``fused::Shared``): stages (``fused::kStagesOf``: 5 for 16 rows, 4 for 32)
+#: x (A rows + 256 B rows) x 144-byte rows, the per-warp row maxima, two ints.
+_ROW_BYTES, _MAX_ROWS_B, _WARPS = TILE + 16, 2 * TILE, THREADS // 32
 #: The device source and its module name in the cache.
 SOURCE, MODULE = "moe/fused_experts.cu", "moe_fused_experts"
 
@@ -47,9 +47,10 @@ def shared_bytes(rows: int) -> int:
 
     Example:
         >>> shared_bytes(16), shared_bytes(32)
-        (118024, 125448)
+        (196360, 166920)
     """
-    return _STAGES * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
+    stages = 5 if rows <= 16 else 4
+    return stages * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
 
 def block_rows(rows_per_expert: Optional[int]) -> int:
