@@ -31,6 +31,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -178,6 +179,20 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
              source_name=name, options=link_options)
         os.replace(cubin, target)  # atomic: a concurrent reader sees no file or the whole file
     return target
+
+
+#: An ``extern "C"`` kernel's definition (or declaration) and its name, with or without ``__launch_bounds__``.
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+
+
+def kernel_names(source: str) -> list:
+    """The names of the ``extern "C"`` kernels ``source`` defines, in order (each once).
+
+    Example:
+        >>> kernel_names('extern "C" __global__ void __launch_bounds__(256, 1) k2(int a) {}')
+        ['k2']
+    """
+    return list(dict.fromkeys(_KERNEL.findall(source)))
 
 
 def read_source(filename: str) -> str:

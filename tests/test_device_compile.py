@@ -59,8 +59,7 @@ def test_source_compiles_and_device_links_for_sm90(source, compiled):
     data = cubin.read_bytes()
     assert data[:4] == b"\x7fELF", f"{cubin} is not a cubin (ELF)"
     # Every extern "C" kernel of the source is in the linked image, under its own (unmangled) name.
-    import re
-    kernels = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', source.read_text())
+    kernels = jit.kernel_names(source.read_text())
     assert kernels, f"{source} defines no extern \"C\" kernel"
     missing = [k for k in kernels if k.encode() not in data]
     assert not missing, f"kernels missing from {cubin.name}: {missing}"

@@ -297,6 +297,33 @@ struct CombineFusedArgs {
     int combine_tokens;
 };
 
+// --- fused_experts.cu -----------------------------------------------------------------------------------
+
+// moe_fused_experts_m16, _m32: the experts of one pass (L1, SwiGLU + fp8 quantisation, L2) in one
+// persistent kernel over the pool the fp8 dispatch wrote (symmring.moe.engines.fused fills it).
+struct FusedExpertsArgs {
+    const uint8_t* pool_x;       // fp8 e4m3 [>= num_rows, hidden]
+    const float* pool_sf;        // row r, K block kb at pool_sf[r * sf_row_stride + kb * sf_col_stride]
+    long long sf_row_stride;
+    long long sf_col_stride;
+    const int* m_indices;        // [>= num_rows]: each row's local expert, -1 for padding
+    const uint8_t* w13;          // fp8 [E, 2 inter, hidden]: gate rows then up rows
+    const float* w13_sf;         // [E, 2 inter / 128, hidden / 128]
+    const uint8_t* w_down;       // fp8 [E, hidden, inter]
+    const float* w_down_sf;      // [E, hidden / 128, inter / 128]
+    uint8_t* act;                // fp8 [num_rows, inter]: SwiGLU's output, quantised (L2's input)
+    float* act_sf;               // [num_rows, inter / 128]
+    __nv_bfloat16* out;          // [num_rows, hidden]
+    int* counters;               // zeroed before the launch: [0] the work ticket, [1 + m block] L1 arrivals
+    int* bad_groups;             // [2]: tiles skipped for an expert id outside [-1, E), the first id; or null
+    int* status;                 // [2]: L2 tiles whose arrival wait expired (written NaN), the first m block
+    unsigned long long timeout_ns;
+    int num_rows;
+    int hidden;
+    int inter;
+    int num_local_experts;
+};
+
 // --- schedule.cu ---------------------------------------------------------------------------------------
 
 // moe_end_call.

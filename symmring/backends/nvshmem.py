@@ -33,7 +33,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 import socket
 import threading
 from typing import Dict, List, Optional, Tuple
@@ -325,7 +324,7 @@ class NvshmemBackend(DeviceBackend):
         # Every kernel resolved now, while nothing of ours spins: with lazy loading (CUDA_MODULE_LOADING=LAZY,
         # CUDA's default, in effect when CUDA started before the GPU environment policy applied) a function
         # loads at its first cuModuleGetFunction, which may wait for the running kernels (a spinning wait).
-        for kernel in re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', source):
+        for kernel in jit.kernel_names(source):
             loaded.function(kernel)
         self._modules.append(loaded)
         return loaded

@@ -4,7 +4,7 @@ For three model shapes -- DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts
 like (2048, 768, 128, top-8) and Mixtral-like (4096, 14336, 8, top-2) -- and tokens per rank from 1 to
 16384, it measures, in one run, with CUDA events on warm runs (median of ``--repeats``, fewer at large
 sizes), for each expert engine (``--engines``: ``torch`` = bf16 experts, ``builtin`` = fp8 Triton,
-``deepgemm`` = fp8 DeepGEMM where it imports):
+``deepgemm`` = fp8 DeepGEMM where it imports, ``fused`` = the fp8 persistent kernel, only when named):
 
 * the layer's latency (`symmring.moe.gpu.MoE.forward`, batch-ready path, fp8 dispatch, router GEMM and TopK
   included), eagerly and replayed from a CUDA graph, and its stages (route, layout, dispatch, experts,
@@ -67,7 +67,9 @@ DEFAULT_TOKENS = (1, 8, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The decode target: graph latency <= DECODE_SLOPE x the fp8 weight-read limit + DECODE_OFFSET_MS.
 DECODE_SLOPE, DECODE_OFFSET_MS = 1.3, 0.025
-ENGINE_NAMES = ("torch", "builtin", "deepgemm")
+ENGINE_NAMES = ("torch", "builtin", "deepgemm", "fused")
+#: ``--engines``' default: "fused" (the first version of the persistent kernel, docs/FUSED.md) only when asked.
+DEFAULT_ENGINES = ("torch", "builtin", "deepgemm")
 
 
 #: The command's one-line description (plain text for --help).
@@ -427,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="comma-separated tokens per rank")
-    parser.add_argument("--engines", default=",".join(ENGINE_NAMES),
+    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                         help=f"comma-separated subset of {list(ENGINE_NAMES)} (deepgemm only where it imports)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per size (a quarter above 4096)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph timings")
@@ -449,7 +451,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.decode:
         if args.tokens == ",".join(map(str, DEFAULT_TOKENS)):
             args.tokens = ",".join(map(str, DECODE_TOKENS))
-        if args.engines == ",".join(ENGINE_NAMES):
+        if args.engines == ",".join(DEFAULT_ENGINES):
             args.engines = "builtin,deepgemm"
 
     shapes = [s for s in args.shapes.split(",") if s]

@@ -5,6 +5,8 @@ rows out), and the engines that implement it:
 * ``"builtin"`` and ``"deepgemm"``: `symmring.moe.engines.fp8` (block-scaled fp8 GEMMs: the project's Triton
   kernels, `triton_large` for large groups and `triton_small` for tiny ones, sharing `triton_common`, their
   configurations chosen by `triton_heuristics`; or DeepGEMM's, `symmring.moe.engines.deepgemm`);
+* ``"fused"``: `symmring.moe.engines.fused` (fp8: L1, SwiGLU + quantisation and L2 in one persistent kernel of
+  the project's own device code, on an SM budget; docs/FUSED.md);
 * ``"auto"``: ``"torch"`` for bf16 experts; for fp8, DeepGEMM where it loads, else the built-in kernels.
 
 `make_engine` picks one (the layer's ``engine=`` argument); `capture_scope` wraps the capture of a CUDA graph
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ENGINES", "ExpertEngine", "Pool", "Scratch", "capture_scope", "make_engine"]
 
 #: Values of the layer's ``engine`` argument.
-ENGINES = ("auto", "deepgemm", "builtin", "torch")
+ENGINES = ("auto", "deepgemm", "builtin", "torch", "fused")
 
 
 def capture_scope():
@@ -45,7 +47,8 @@ def make_engine(engine: str, weights: ExpertWeights) -> ExpertEngine:
 
     Raises:
         ConfigError: an unknown name, or one that does not fit the weights (``"torch"`` needs bf16 experts,
-            ``"builtin"``/``"deepgemm"`` fp8 ones).
+            ``"builtin"``/``"deepgemm"``/``"fused"`` fp8 ones; ``"fused"`` also hidden and inter multiples of
+            128 and contiguous weights).
         BackendError: the engine cannot run here (the message says what is missing).
     """
     if engine not in ENGINES:
@@ -62,5 +65,8 @@ def make_engine(engine: str, weights: ExpertWeights) -> ExpertEngine:
     if engine == "torch":
         from .torch_bf16 import TorchBf16Experts
         return TorchBf16Experts(weights)
+    if engine == "fused":
+        from .fused import FusedExperts
+        return FusedExperts(weights)
     from .fp8 import Fp8Experts
     return Fp8Experts(weights, engine)

@@ -104,6 +104,11 @@ STRUCTS["CombineFusedArgs"] = _struct([
     ("combine_ready", PTR), ("ack_now", I32), ("topk_idx", PTR), ("topk_weights", PTR), ("y", PTR),
     ("y_row_stride", I64), ("token_begin", I32), ("num_valid", I32), ("call_tokens", PTR),
     ("end_call_chunks", I32), ("counters", PTR), ("pool_rows", I32), ("combine_tokens", I32)])
+STRUCTS["FusedExpertsArgs"] = _struct([
+    ("pool_x", PTR), ("pool_sf", PTR), ("sf_row_stride", I64), ("sf_col_stride", I64), ("m_indices", PTR),
+    ("w13", PTR), ("w13_sf", PTR), ("w_down", PTR), ("w_down_sf", PTR), ("act", PTR), ("act_sf", PTR),
+    ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
+    ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32)])
 STRUCTS["EndCallArgs"] = _struct([("desc", PTR), ("num_chunks", I32)])
 STRUCTS["RefuseCallArgs"] = _struct([("desc", PTR), ("layer", I32)])
 STRUCTS["StampArgs"] = _struct([("stamps", PTR), ("idx", I32)])
@@ -122,6 +127,7 @@ KERNELS: Dict[str, str] = {
     "moe_combine_scatter": "CombineScatterArgs", "moe_combine_signal": "CombineSignalArgs",
     "moe_combine_wait": "CombineWaitArgs", "moe_combine_reduce": "CombineReduceArgs",
     "moe_combine_fused": "CombineFusedArgs", "moe_end_call": "EndCallArgs", "moe_refuse_call": "RefuseCallArgs",
+    "moe_fused_experts_m16": "FusedExpertsArgs", "moe_fused_experts_m32": "FusedExpertsArgs",
     "moe_stamp": "StampArgs", "moe_sleep": "SleepArgs", "moe_spin_probe": "SpinProbeArgs",
 }
 

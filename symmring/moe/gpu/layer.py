@@ -124,7 +124,8 @@ class GpuMoE(LayerBase):
             ``timeout_s``, ``policy`` (`symmring.moe.gpu.policy.StreamPolicy`), ``small_batch_tokens``,
             ``transport`` (`symmring.transport`; the result per rank: ``layer.transports``), ``graph_cache``.
         engine: the experts' GEMMs (`symmring.moe.engines.ENGINES`): ``"torch"`` (bf16), ``"builtin"``
-            (Triton fp8), ``"deepgemm"`` (fp8, optional), ``"auto"`` (DeepGEMM where it loads for fp8).
+            (Triton fp8), ``"deepgemm"`` (fp8, optional), ``"fused"`` (fp8, one persistent kernel: docs/FUSED.md),
+            ``"auto"`` (DeepGEMM where it loads for fp8).
         workspace: the `symmring.Workspace` whose memory the layer borrows for each call (default:
             ``ctx.workspace()``, shared by every layer).
 
@@ -192,7 +193,7 @@ class GpuMoE(LayerBase):
         check_gpu_sizes(experts, routing, schedule, ctx.world_size)
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r}: expected one of {list(ENGINES)}")
-        wanted = {"torch": "bf16", "builtin": "fp8", "deepgemm": "fp8"}.get(engine)
+        wanted = {"torch": "bf16", "builtin": "fp8", "deepgemm": "fp8", "fused": "fp8"}.get(engine)
         if experts.expert_dtype is not None and wanted is not None and experts.expert_dtype != wanted:
             raise ConfigError(f"expert_dtype={experts.expert_dtype!r} with engine={engine!r}: that engine runs "
                               f"{wanted} experts")

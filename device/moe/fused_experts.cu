@@ -1,0 +1,453 @@
+// The experts of one pass in ONE persistent kernel: L1 (gate and up), SwiGLU, fp8 quantisation, L2.
+//
+// Input: the pool the fp8 dispatch writes (docs/MOE_GPU.md "fp8 pool layout"): fp8 e4m3 rows, one float32
+// scale per row and 128 channels, every local expert's group starting at a multiple of 128 rows, m_indices
+// naming each row's expert (-1 for padding). Weights: fp8 e4m3 with one float32 scale per 128x128 block.
+// Output: bf16 rows at the pool rows' places, which moe_combine_scatter sends.
+//
+// Work (docs/FUSED.md): a fixed grid (the engine's SM budget) takes items from one ticket counter, in order:
+//   * L1 items (m block, n1): rows [m * kBlockM, +kBlockM) times 128 gate columns AND the same 128 up
+//     columns of intermediate block n1, K = hidden. The epilogue keeps both in registers, applies SwiGLU
+//     (float32 of the bf16-rounded L1 values, as the unfused engines), finds each row's amax over the 128
+//     columns (a block reduction in shared memory) and writes the fp8 intermediate and its scale: h never
+//     leaves the chip, and the 128-column block is exactly one 1x128 quantisation group. Then it releases
+//     the m block's arrival counter.
+//   * L2 items (m block, n2): the same rows times 128 output columns, K = inter; each first waits (acquire,
+//     bounded) until all inter / 128 L1 items of its m block arrived, then reads their fp8 rows (through L2:
+//     cp.async.cg, never the non-coherent path) and writes bf16 output.
+// Every L1 ticket precedes every L2 ticket, and a ticket is drawn only by a running block, so an L2 item
+// waits only for items that running blocks already hold and that wait for nothing: no block needs another
+// to be resident, whatever the grid or the SMs other work holds (the RFC's progress rule).
+//
+// Math: mma.sync m16n8k32 e4m3 (sm_89+), float32 partial sums over one 128-wide K block, promoted with the
+// row's activation scale times the weight block's scale, as the Triton kernels do. 8 warps; warp w owns
+// output columns [16 w, 16 w + 16) of the tile (for L1: of gate and of up alike), every row of it. Operands
+// stream through a 3-stage cp.async ring in shared memory (rows padded to 144 bytes: conflict-free 32-bit
+// fragment loads). The upgrade path (docs/FUSED.md): wgmma + TMA with warp-specialised loads keep this work
+// list, the epilogues and the arrival protocol as they are.
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <moe/args.cuh>
+
+namespace symmring_moe {
+namespace fused {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlockK = 128;               // K per stage and per scale block
+constexpr int kRowBytes = kBlockK + 16;    // shared row pitch: 36 words, so 8 rows x 4 lanes hit 32 banks
+constexpr int kStages = 3;
+constexpr int kTileN = 128;                // output columns per item (one scale block of the weights)
+constexpr int kMaxRowsB = 2 * kTileN;      // L1 loads gate and up rows
+constexpr int kAlign = 128;                // expert groups start at multiples of this many pool rows
+constexpr float kFp8Max = 448.0f;
+
+template <int kBlockM>
+struct Shared {
+    uint8_t a[kStages][kBlockM][kRowBytes];
+    uint8_t b[kStages][kMaxRowsB][kRowBytes];
+    float amax[kWarps][kBlockM];
+    int item;
+    int timed_out;
+};
+
+// --- PTX wrappers ----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t n;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// --- one tile: acc[m tile][n8 tile][4] += A[rows, K] * B[cols, K]^T, block-scaled ------------------------
+
+// The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);
+// a_sf / b_sf give the scales of K block kb (b_sf[h]: the weight block of half h, one float per K block).
+struct Operands {
+    const uint8_t* a;
+    long long a_stride;
+    const float* a_sf;
+    long long a_sf_row, a_sf_col;
+    const uint8_t* b;
+    long long b_stride;
+    int b_row0[2];
+    const float* b_sf[2];
+    int row0, rows_valid;  // A rows [row0, row0 + kBlockM); rows past rows_valid are zero-filled
+    int num_kb;
+};
+
+template <int kBlockM, int kHalves>
+__device__ __forceinline__ void load_stage(Shared<kBlockM>& sm, const Operands& op, int stage, int kb) {
+    const int tid = threadIdx.x;
+    constexpr int kChunks = kBlockK / 16;
+    for (int c = tid; c < kBlockM * kChunks; c += kThreads) {
+        const int r = c / kChunks, col = (c % kChunks) * 16;
+        const bool valid = op.row0 + r < op.rows_valid;
+        const uint8_t* src = op.a + (valid ? (op.row0 + r) * op.a_stride : 0) + kb * kBlockK + col;
+        cp_async_16(&sm.a[stage][r][col], src, valid);
+    }
+    for (int c = tid; c < kHalves * kTileN * kChunks; c += kThreads) {
+        const int r = c / kChunks, col = (c % kChunks) * 16;
+        // A select, not an index: a dynamically indexed array of the struct would live in local memory.
+        const long long grow = (r < kTileN ? op.b_row0[0] : op.b_row0[1]) + (r % kTileN);
+        cp_async_16(&sm.b[stage][r][col], op.b + grow * op.b_stride + kb * kBlockK + col, true);
+    }
+}
+
+// Shared B row of warp w's n8 tile j (kHalves * 2 tiles per warp: two per half).
+__device__ __forceinline__ int b_tile_row(int j, int warp) { return (j / 2) * kTileN + warp * 16 + (j % 2) * 8; }
+
+template <int kBlockM, int kHalves>
+__device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& op,
+                                          float (&acc)[kBlockM / 16][2 * kHalves][4]) {
+    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mt][j][c] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < op.num_kb) load_stage<kBlockM, kHalves>(sm, op, s, s);
+        cp_async_commit();
+    }
+    for (int kb = 0; kb < op.num_kb; ++kb) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // stage kb landed for every thread; stage kb - 1 is free to refill
+        const int next = kb + kStages - 1;
+        if (next < op.num_kb) load_stage<kBlockM, kHalves>(sm, op, next % kStages, next);
+        cp_async_commit();
+
+        // This K block's scales (issued before the MMAs: their latency hides behind them).
+        float sa[kMTiles][2], sb[kHalves];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = op.row0 + mt * 16 + g + 8 * h;
+                sa[mt][h] = r < op.rows_valid ? __ldcg(op.a_sf + r * op.a_sf_row + kb * op.a_sf_col) : 0.0f;
+            }
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
+
+        float part[kMTiles][kNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) part[mt][j][c] = 0.0f;
+
+        const int stage = kb % kStages;
+#pragma unroll
+        for (int ks = 0; ks < kBlockK; ks += 32) {
+            uint32_t bf[kNTiles][2];
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j) {
+                const uint8_t* row = sm.b[stage][b_tile_row(j, warp) + g];
+                bf[j][0] = *reinterpret_cast<const uint32_t*>(row + ks + 4 * t);
+                bf[j][1] = *reinterpret_cast<const uint32_t*>(row + ks + 16 + 4 * t);
+            }
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                const uint8_t* lo = sm.a[stage][mt * 16 + g];
+                const uint8_t* hi = sm.a[stage][mt * 16 + g + 8];
+                const uint32_t af[4] = {*reinterpret_cast<const uint32_t*>(lo + ks + 4 * t),
+                                        *reinterpret_cast<const uint32_t*>(hi + ks + 4 * t),
+                                        *reinterpret_cast<const uint32_t*>(lo + ks + 16 + 4 * t),
+                                        *reinterpret_cast<const uint32_t*>(hi + ks + 16 + 4 * t)};
+#pragma unroll
+                for (int j = 0; j < kNTiles; ++j) mma_e4m3(part[mt][j], af, bf[j]);
+            }
+        }
+        // Promote: acc += partial * (activation scale of the row * weight scale of the block).
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[mt][j][c] += part[mt][j][c] * (sa[mt][c / 2] * sb[j / 2]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before the next item refills it
+}
+
+// --- the work list ---------------------------------------------------------------------------------------
+
+struct Work {
+    int num_m_blocks;  // m blocks of kBlockM rows over ceil(num_rows / 128) aligned 128-row groups
+    int n1_blocks;     // inter / 128
+    int n2_blocks;     // hidden / 128
+    int l1_items;
+    int total_items;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
+    constexpr int kSub = kAlign / kBlockM;
+    Work w;
+    const int groups = (p.num_rows + kAlign - 1) / kAlign;
+    w.num_m_blocks = groups * kSub;
+    w.n1_blocks = p.inter / kTileN;
+    w.n2_blocks = p.hidden / kTileN;
+    w.l1_items = groups * w.n1_blocks * kSub;
+    w.total_items = w.l1_items + groups * w.n2_blocks * kSub;
+    return w;
+}
+
+// Item i of a phase with n_blocks column blocks: (m block, n block), the m blocks of one aligned group
+// adjacent for each n block, so the items running at once share a weight tile (read from HBM once, then L2).
+template <int kBlockM>
+__device__ __forceinline__ void item_coords(int i, int n_blocks, int& m_block, int& n_block) {
+    constexpr int kSub = kAlign / kBlockM;
+    const int group = i / (n_blocks * kSub), rest = i % (n_blocks * kSub);
+    n_block = rest / kSub;
+    m_block = group * kSub + rest % kSub;
+}
+
+// The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
+// outside [-1, E) (reported once per m block, by thread 0 of its first L1 item). Every thread reads the same id,
+// so the whole block takes the same branch.
+__device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0, bool report) {
+    if (row0 >= p.num_rows) return -1;
+    const int e = p.m_indices[row0];
+    if (e >= -1 && e < p.num_local_experts) return e;
+    if (report && threadIdx.x == 0 && p.bad_groups != nullptr) {
+        atomicAdd(p.bad_groups, 1);
+        atomicCAS(p.bad_groups + 1, 0, e);
+    }
+    return -1;
+}
+
+// --- L1 + SwiGLU + quantisation ---------------------------------------------------------------------------
+
+template <int kBlockM>
+__device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
+    int m_block, n1;
+    item_coords<kBlockM>(item, w.n1_blocks, m_block, n1);
+    const int row0 = m_block * kBlockM;
+    const int e = block_expert(p, row0, n1 == 0);
+    if (e < 0) return;
+    const int kb_count = p.hidden / kBlockK;
+    const int n_scale_rows = 2 * p.inter / kTileN;  // w13_sf rows per expert
+    Operands op;
+    op.a = p.pool_x;
+    op.a_stride = p.hidden;
+    op.a_sf = p.pool_sf;
+    op.a_sf_row = p.sf_row_stride;
+    op.a_sf_col = p.sf_col_stride;
+    op.b = p.w13 + static_cast<long long>(e) * 2 * p.inter * p.hidden;
+    op.b_stride = p.hidden;
+    op.b_row0[0] = n1 * kTileN;
+    op.b_row0[1] = p.inter + n1 * kTileN;
+    op.b_sf[0] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + n1) * kb_count;
+    op.b_sf[1] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + w.n1_blocks + n1) * kb_count;
+    op.row0 = row0;
+    op.rows_valid = p.num_rows;
+    op.num_kb = kb_count;
+
+    constexpr int kMTiles = kBlockM / 16;
+    float acc[kMTiles][4][4];  // n8 tiles 0, 1: gate; 2, 3: up (the same columns)
+    tile_gemm<kBlockM, 2>(sm, op, acc);
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    // SwiGLU in float32 of the bf16-rounded L1 outputs (the unfused engines round L1 to bf16 in memory),
+    // silu(g) = g / (1 + expf(-g)) with CUDA's accurate expf and IEEE division, as their kernels.
+    float row_amax[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+        row_amax[mt][0] = row_amax[mt][1] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float gate = bf16_round(acc[mt][j][c]), up = bf16_round(acc[mt][j + 2][c]);
+                const float v = __fdiv_rn(gate, 1.0f + expf(-gate)) * up;
+                acc[mt][j][c] = v;
+                row_amax[mt][c / 2] = fmaxf(row_amax[mt][c / 2], fabsf(v));
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_amax[mt][h] = fmaxf(row_amax[mt][h], __shfl_xor_sync(0xffffffffu, row_amax[mt][h], 1));
+            row_amax[mt][h] = fmaxf(row_amax[mt][h], __shfl_xor_sync(0xffffffffu, row_amax[mt][h], 2));
+            if (t == 0) sm.amax[warp][mt * 16 + g + 8 * h] = row_amax[mt][h];
+        }
+    }
+    __syncthreads();
+    const int act_sf_cols = w.n1_blocks;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = mt * 16 + g + 8 * h, row = row0 + r;
+            float amax = 0.0f;
+#pragma unroll
+            for (int v = 0; v < kWarps; ++v) amax = fmaxf(amax, sm.amax[v][r]);
+            const float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, kFp8Max);  // quant.quantize_fp8's rule
+            if (row >= p.num_rows) continue;
+            if (warp == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                // satfinite clips to +-448 as the rule's clip; round to nearest even.
+                const float2 pair = make_float2(__fdiv_rn(acc[mt][j][2 * h], scale), __fdiv_rn(acc[mt][j][2 * h + 1], scale));
+                const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+                const int col = n1 * kTileN + warp * 16 + j * 8 + 2 * t;
+                *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
+            }
+        }
+    __syncthreads();  // every thread's stores precede the release below (and sm.amax is free again)
+    if (threadIdx.x == 0) {
+        __threadfence();  // release: pairs with the acquire of the m block's L2 items (wait_arrivals)
+        atomicAdd(p.counters + 1 + m_block, 1);
+    }
+}
+
+// --- L2 ---------------------------------------------------------------------------------------------------
+
+// Wait (thread 0, bounded) until the m block's L1 items all arrived; false when the bound expired.
+__device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_block, int expected) {
+    const int* word = p.counters + 1 + m_block;
+    if (load_acquire_gpu(word) >= expected) return true;
+    const uint64_t deadline = now_ns() + p.timeout_ns;
+    for (uint32_t polls = 0;; ++polls) {
+        if (load_acquire_gpu(word) >= expected) return true;
+        if (polls % 64 == 63 && now_ns() > deadline) return false;
+    }
+}
+
+template <int kBlockM>
+__device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
+    int m_block, n2;
+    item_coords<kBlockM>(item, w.n2_blocks, m_block, n2);
+    const int row0 = m_block * kBlockM;
+    const int e = block_expert(p, row0, false);
+    if (e < 0) return;
+    if (threadIdx.x == 0) {
+        sm.timed_out = !wait_arrivals(p, m_block, w.n1_blocks);
+        if (sm.timed_out && atomicAdd(p.status, 1) == 0) p.status[1] = m_block;
+    }
+    __syncthreads();  // the acquire of thread 0, then the block's reads of the intermediate
+    const bool timed_out = sm.timed_out;
+    __syncthreads();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    constexpr int kMTiles = kBlockM / 16;
+    float acc[kMTiles][2][4];
+    if (timed_out) {  // no finite garbage: the tile is NaN and status names it
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[mt][j][c] = __int_as_float(0x7fc00000);
+    } else {
+        const int kb_count = p.inter / kBlockK;
+        Operands op;
+        op.a = p.act;
+        op.a_stride = p.inter;
+        op.a_sf = p.act_sf;
+        op.a_sf_row = w.n1_blocks;
+        op.a_sf_col = 1;
+        op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
+        op.b_stride = p.inter;
+        op.b_row0[0] = op.b_row0[1] = n2 * kTileN;
+        op.b_sf[0] = op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
+        op.row0 = row0;
+        op.rows_valid = p.num_rows;
+        op.num_kb = kb_count;
+        tile_gemm<kBlockM, 1>(sm, op, acc);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + mt * 16 + g + 8 * h;
+            if (row >= p.num_rows) continue;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = n2 * kTileN + warp * 16 + j * 8 + 2 * t;
+                *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
+                    __floats2bfloat162_rn(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+            }
+        }
+}
+
+// --- the persistent kernel ---------------------------------------------------------------------------------
+
+template <int kBlockM>
+__device__ void run(const FusedExpertsArgs& p) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    Shared<kBlockM>& sm = *reinterpret_cast<Shared<kBlockM>*>(smem_raw);
+    if (dynamic_smem_bytes() < sizeof(Shared<kBlockM>)) {  // a launch the host sized wrong: say so, compute nothing
+        if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(p.status, 0, -1);
+        return;
+    }
+    const Work w = work_of<kBlockM>(p);
+    for (;;) {
+        if (threadIdx.x == 0) sm.item = atomicAdd(p.counters, 1);
+        __syncthreads();
+        const int item = sm.item;
+        __syncthreads();  // every thread read it before thread 0 draws the next
+        if (item >= w.total_items) return;
+        if (item < w.l1_items) {
+            l1_item<kBlockM>(sm, p, w, item);
+        } else {
+            l2_item<kBlockM>(sm, p, w, item - w.l1_items);
+        }
+    }
+}
+
+}  // namespace fused
+}  // namespace symmring_moe
+
+using symmring_moe::FusedExpertsArgs;
+
+// One kernel per rows-per-item: 16 for decode-sized groups, 32 for larger ones (the engine picks by its
+// rows-per-expert bound). 64 rows hold 128 float32 accumulators per thread at 8 warps and spill (ptxas: 255
+// registers, 52 bytes): larger row tiles wait for wgmma, whose accumulators a warpgroup shares.
+// Grid: the SM budget; block: 256 threads; dynamic shared memory: Shared<kBlockM>.
+extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m16(const FusedExpertsArgs p) {
+    symmring_moe::fused::run<16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m32(const FusedExpertsArgs p) {
+    symmring_moe::fused::run<32>(p);
+}

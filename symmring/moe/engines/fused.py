@@ -1,0 +1,276 @@
+"""The ``"fused"`` engine: the experts of a pass in one persistent kernel of the project's own device code
+(``device/moe/fused_experts.cu``, compiled by `symmring.jit`): L1 (gate and up), SwiGLU and the 1x128 fp8
+quantisation of its output on chip, L2 to bf16 rows, over a work list that a fixed grid (the SM budget) takes
+by tickets. The design, the roofline per shape and the SM budget rule: docs/FUSED.md.
+
+It reads the pool the fp8 dispatch writes (rows, their 1x128 scales, ``m_indices``) and the fp8 weights with
+128x128 block scales, as the ``"builtin"`` engine does, and writes the output rows into its own tensor: the
+workspace's output rows share bytes with the pool (`symmring.moe.workspace_plan.expert_arena`), which a fused
+kernel still reads while its first output tiles are written. Its intermediate (fp8 rows and scales) comes
+from torch for the same reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ... import env
+from ...errors import BackendError, ConfigError
+from ..gpu import kernel_args
+from ..weights import ExpertWeights
+from .seam import ExpertEngine, Pool, Scratch
+
+#: Row alignment of every expert group (the dispatch's, as for the other fp8 engines).
+FUSED_ALIGN_M = 128
+#: Columns of an item's output tile and K per scale block: the weights' 128x128 blocks.
+TILE = 128
+#: Rows per item of each kernel (``moe_fused_experts_m<rows>``), smallest first; `block_rows` picks one.
+BLOCK_ROWS = (16, 32)
+THREADS = 256
+#: The kernel's shared memory layout (``fused::Shared``): stages x (A rows + 256 B rows) x 144-byte rows, the
+#: per-warp row maxima, two ints.
+_STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = 3, TILE + 16, 2 * TILE, THREADS // 32
+#: The device source and its module name in the cache.
+SOURCE, MODULE = "moe/fused_experts.cu", "moe_fused_experts"
+
+
+def kernel_name(rows: int) -> str:
+    """The kernel of ``rows`` rows per item (one of `BLOCK_ROWS`)."""
+    return f"moe_fused_experts_m{rows}"
+
+
+def shared_bytes(rows: int) -> int:
+    """Dynamic shared memory of ``moe_fused_experts_m<rows>`` (``sizeof(fused::Shared<rows>)``; the kernel
+    checks it and records -1 in the status instead of computing with less).
+
+    Example:
+        >>> shared_bytes(16), shared_bytes(32)
+        (118024, 125448)
+    """
+    return _STAGES * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
+
+
+def block_rows(rows_per_expert: Optional[int]) -> int:
+    """Rows per item for a window whose experts hold at most ``rows_per_expert`` rows each (None: unknown):
+    the smallest of `BLOCK_ROWS` that holds them, else the largest.
+
+    Example:
+        >>> block_rows(1), block_rows(16), block_rows(17), block_rows(None)
+        (16, 16, 32, 32)
+    """
+    for rows in BLOCK_ROWS:
+        if rows_per_expert is not None and rows_per_expert <= rows:
+            return rows
+    return BLOCK_ROWS[-1]
+
+
+def work_items(num_rows: int, rows: int, hidden: int, inter: int) -> Tuple[int, int]:
+    """``(m blocks, items)`` of a pass of ``num_rows`` pool rows at ``rows`` rows per item: every 128-row
+    group is ``128 / rows`` m blocks, each with ``inter / 128`` L1 items and ``hidden / 128`` L2 items (the
+    kernel's ``work_of``).
+
+    Example:
+        >>> work_items(200, 16, 7168, 2048)   # two groups of 8 m blocks, 16 + 56 items each
+        (16, 1152)
+    """
+    m_blocks = -(-num_rows // FUSED_ALIGN_M) * (FUSED_ALIGN_M // rows)
+    return m_blocks, m_blocks * (inter // TILE + hidden // TILE)
+
+
+def check_weights(weights: ExpertWeights) -> None:
+    """The shapes the fused kernel computes, before any GPU work.
+
+    Raises:
+        ConfigError: bf16 weights, ``hidden`` or ``inter`` not a positive multiple of 128, a weight or scale
+            tensor of another shape or not contiguous.
+    """
+    if weights.dtype != "fp8":
+        raise ConfigError(f"engine 'fused': expected fp8 expert weights, got {weights.dtype} (use engine='torch')")
+    E, hidden, inter = weights.num_local_experts, weights.hidden, weights.inter
+    for name, size in (("hidden", hidden), ("inter", inter)):
+        if size <= 0 or size % TILE:
+            raise ConfigError(f"engine 'fused': {name}={size}: expected a positive multiple of {TILE} (one item "
+                              f"covers 128 columns of a 128x128 weight block)")
+    expected = {"w13": (E, 2 * inter, hidden), "w_down": (E, hidden, inter),
+                "w13_scale": (E, 2 * inter // TILE, hidden // TILE), "w_down_scale": (E, hidden // TILE, inter // TILE)}
+    for name, shape in expected.items():
+        t = getattr(weights, name)
+        if t is None or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ConfigError(f"engine 'fused': weights.{name}: expected a contiguous tensor {list(shape)}, got "
+                              f"{None if t is None else (list(t.shape), 'contiguous' if t.is_contiguous() else 'strided')}")
+
+
+def check_pool(pool: Pool, num_rows: int, hidden: int) -> None:
+    """The pool as the kernel reads it (rows of ``hidden`` contiguous bytes, scales with any strides,
+    contiguous ``m_indices``), before the launch.
+
+    Raises:
+        ConfigError: which tensor, and what was expected.
+    """
+    x, sf, m = pool.x, pool.x_sf, pool.m_indices
+    if sf is None or m is None:
+        raise ConfigError("engine 'fused': expected an fp8 pool with x_sf and m_indices (the fp8 dispatch's)")
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= x.shape[0]:
+        raise ConfigError(f"num_rows={num_rows!r}: expected an int in [0, {x.shape[0]}] (the pool's rows)")
+    if x.element_size() != 1 or x.dim() != 2 or x.shape[1] != hidden or x.stride() != (hidden, 1):
+        raise ConfigError(f"pool.x: expected contiguous fp8 rows [capacity, {hidden}], got {x.dtype} "
+                          f"{list(x.shape)} strides {x.stride()}")
+    if tuple(sf.shape[1:]) != (hidden // TILE,) or sf.shape[0] < num_rows:
+        raise ConfigError(f"pool.x_sf: expected [>= {num_rows}, {hidden // TILE}] float32, got {list(sf.shape)}")
+    if m.dim() != 1 or m.shape[0] < num_rows or (m.shape[0] > 1 and m.stride(0) != 1):
+        raise ConfigError(f"pool.m_indices: expected contiguous int32 [>= {num_rows}], got {list(m.shape)}")
+
+
+@dataclass
+class Launch:
+    """One launch of the fused kernel: which kernel, the grid, its shared memory, the argument record, and
+    the tensors it writes (kept alive until the launch is enqueued)."""
+
+    kernel: str
+    grid: int
+    shared_bytes: int
+    args: tuple
+    out: object
+    act: object
+    act_sf: object
+    counters: object
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index: int, cc: int):
+    """The compiled kernels, loaded into CuPy once per device (no NVSHMEM: the kernel calls none)."""
+    import cupy
+    from ... import jit
+    path = jit.compile_cubin(jit.read_source(SOURCE), name=MODULE, cc=cc)
+    with cupy.cuda.Device(device_index):
+        module = cupy.cuda.function.Module()
+        module.load_file(str(path))
+        attribute = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+        kernels = {}
+        for rows in BLOCK_ROWS:
+            fn = kernels[kernel_name(rows)] = module.get_function(kernel_name(rows))
+            cupy.cuda.driver.funcSetAttribute(fn.ptr, attribute, shared_bytes(rows))
+    return module, kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _device(device_index: int) -> Tuple[int, int]:
+    """``(compute capability as 90, SMs)`` of a CUDA device."""
+    import torch
+    props = torch.cuda.get_device_properties(device_index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+class FusedExperts(ExpertEngine):
+    """fp8 experts in one persistent kernel per pass (module docstring; docs/FUSED.md).
+
+    Args:
+        weights: fp8 `ExpertWeights` (128x128 block scales), ``hidden`` and ``inter`` multiples of 128.
+        sm_budget: the kernel's grid, at most one block per SM (None: every SM of the weights' device; the
+            streamed schedule's producers then share them by time, docs/FUSED.md "SM budget").
+        timeout_s: the bound of an L2 item's wait for its L1 items (None: ``SYMMRING_TIMEOUT_S``).
+
+    Raises:
+        ConfigError: bad weights (`check_weights`) or ``sm_budget``.
+
+    Example:
+        >>> engine = FusedExperts(expert_weights(w_gate, w_up, w_down, ..., expert_dtype="fp8"))  # doctest: +SKIP
+        >>> out = engine.forward(pool, num_rows, rows_per_expert)                                 # doctest: +SKIP
+        >>> engine.check_status()           # synchronises; raises what the kernel recorded       # doctest: +SKIP
+    """
+
+    name = "fused"
+    pool_format = "fp8"
+    align_m = FUSED_ALIGN_M
+
+    def __init__(self, weights: ExpertWeights, sm_budget: Optional[int] = None, timeout_s: Optional[float] = None):
+        check_weights(weights)
+        if sm_budget is not None and (isinstance(sm_budget, bool) or not isinstance(sm_budget, int) or sm_budget < 1):
+            raise ConfigError(f"sm_budget={sm_budget!r}: expected a positive int (blocks of the fused kernel) or None")
+        self.weights = weights
+        self.hidden, self.inter = weights.hidden, weights.inter
+        self.num_local_experts = weights.num_local_experts
+        self.timeout_ns = int((env.timeout_s() if timeout_s is None else float(timeout_s)) * 1e9)
+        self._sm_budget = sm_budget
+        import torch
+        #: int32 [2] beside the weights: what the kernel records (`check_status`); made here, never under a capture.
+        self.status = torch.zeros(2, dtype=torch.int32, device=weights.w13.device)
+
+    @property
+    def sm_budget(self) -> int:
+        """Blocks of the kernel's grid: the given budget, capped by the device's SMs."""
+        sms = _device(self.weights.w13.device.index)[1]
+        return sms if self._sm_budget is None else min(self._sm_budget, sms)
+
+    def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int) -> Launch:
+        """Check the pool and fill the launch (allocates the output and intermediates; no kernel runs): what
+        `forward` enqueues, on any device (the CPU tests check the record).
+
+        Raises:
+            ConfigError: a pool the kernel cannot read (`check_pool`).
+        """
+        import torch
+        check_pool(pool, num_rows, self.hidden)
+        rows = block_rows(rows_per_expert)
+        m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter)
+        dev = pool.x.device
+        out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
+        act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
+        act_sf = torch.empty(num_rows, self.inter // TILE, dtype=torch.float32, device=dev)
+        counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
+        w, address = self.weights, kernel_args.address
+        args = kernel_args.pack(
+            kernel_args.STRUCTS["FusedExpertsArgs"], pool_x=address(pool.x), pool_sf=address(pool.x_sf),
+            sf_row_stride=pool.x_sf.stride(0), sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices),
+            w13=address(w.w13), w13_sf=address(w.w13_scale), w_down=address(w.w_down),
+            w_down_sf=address(w.w_down_scale), act=address(act), act_sf=address(act_sf), out=address(out),
+            counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
+            timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
+            num_local_experts=self.num_local_experts)
+        return Launch(kernel_name(rows), max(1, min(grid_limit, items)), shared_bytes(rows), args, out,
+                      act, act_sf, counters)
+
+    def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
+                scratch: Optional[Scratch] = None):
+        # ``out`` and ``scratch`` are the workspace's rows, which share bytes with the pool this kernel is still
+        # reading while it writes (module docstring): the output comes back in the engine's own tensor.
+        import torch
+        launch = self.prepare(pool, num_rows, rows_per_expert, self.sm_budget)
+        if num_rows == 0:
+            return launch.out
+        dev = pool.x.device
+        cc = _device(dev.index)[0]
+        if cc < 89:
+            raise BackendError(f"engine 'fused': needs fp8 tensor cores (sm_89 or newer), device {dev} is sm_{cc}")
+        kernel = _module(dev.index, cc)[1][launch.kernel]
+        stream = _cupy_stream(torch.cuda.current_stream(dev).cuda_stream)
+        kernel((launch.grid,), (THREADS,), launch.args, shared_mem=launch.shared_bytes, stream=stream)
+        return launch.out
+
+    def check_status(self) -> None:
+        """Synchronise and raise what the kernel recorded since the last check (then cleared).
+
+        Raises:
+            BackendError: L2 tiles whose wait for their L1 items expired (written NaN), or a launch whose shared
+                memory was smaller than the kernel's layout.
+        """
+        timed_out, first = (int(v) for v in self.status.tolist())
+        self.status.zero_()
+        if timed_out < 0:
+            raise BackendError("engine 'fused': launched with less shared memory than the kernel needs "
+                               "(fused.shared_bytes disagrees with device/moe/fused_experts.cu)")
+        if timed_out:
+            raise BackendError(f"engine 'fused': {timed_out} L2 tile(s) waited past {self.timeout_ns / 1e9:g} s for "
+                               f"their L1 items (first m block {first}); their rows are NaN")
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_stream(handle: int):
+    """CuPy's view of a torch stream (one object per handle, as `symmring.moe.gpu.executor.Executor.stream`)."""
+    import warnings
+    import cupy
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle)

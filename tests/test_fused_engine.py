@@ -1,0 +1,151 @@
+"""The ``"fused"`` engine's host side on the CPU (its GPU run: tests/gpu/test_fused_engine.py): the shapes it
+refuses, the argument record it packs for ``moe_fused_experts_m*`` (every field, from CPU tensors standing in
+for the pool and the weights), the work list's arithmetic, and the shared memory size the host asks for against
+``sizeof(fused::Shared<rows>)`` as nvcc lays it out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from symmring import jit
+from symmring.errors import BackendError, ConfigError
+from symmring.moe.engines import ENGINES, Pool, make_engine
+from symmring.moe.engines import fused
+from symmring.moe.gpu import kernel_args
+from symmring.moe.weights import ExpertWeights
+
+torch = pytest.importorskip("torch", reason="the engines' host side takes torch tensors")
+
+E, HIDDEN, INTER = 3, 256, 384
+
+
+def fp8_weights(num_experts=E, hidden=HIDDEN, inter=INTER, **replace) -> ExpertWeights:
+    fields = dict(w13=torch.zeros(num_experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
+                  w_down=torch.zeros(num_experts, hidden, inter, dtype=torch.float8_e4m3fn),
+                  w13_scale=torch.ones(num_experts, 2 * inter // 128, hidden // 128),
+                  w_down_scale=torch.ones(num_experts, hidden // 128, inter // 128))
+    fields.update(replace)
+    return ExpertWeights("fp8", **fields)
+
+
+def pool_of(capacity=512, hidden=HIDDEN, rows_for_sf=None):
+    """An fp8 pool as the layer hands it over: scales MN-major with 16-byte aligned columns (`State.pool_scales`)."""
+    rows = capacity if rows_for_sf is None else rows_for_sf
+    column = -(-rows // 4) * 4
+    sf = torch.zeros(hidden // 128 * column).view(hidden // 128, column).t()[:rows]
+    return Pool(x=torch.zeros(capacity, hidden, dtype=torch.float8_e4m3fn), group_end=torch.zeros(E, dtype=torch.int32),
+                x_sf=sf, m_indices=torch.full((capacity,), -1, dtype=torch.int32),
+                bad_groups=torch.zeros(2, dtype=torch.int32))
+
+
+def test_fused_is_an_engine_name_and_refuses_bf16_weights():
+    assert "fused" in ENGINES
+    bf16 = ExpertWeights("bf16", torch.zeros(E, 2 * INTER, HIDDEN, dtype=torch.bfloat16),
+                         torch.zeros(E, HIDDEN, INTER, dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match="engine 'fused': expected fp8 expert weights, got bf16"):
+        make_engine("fused", bf16)
+    engine = make_engine("fused", fp8_weights())
+    assert (engine.name, engine.pool_format, engine.align_m) == ("fused", "fp8", 128)
+
+
+@pytest.mark.parametrize("replace, message", [
+    (dict(w13=torch.zeros(E, 2 * INTER, HIDDEN, dtype=torch.float8_e4m3fn).transpose(1, 2).contiguous()
+          .transpose(1, 2)), "weights.w13: expected a contiguous tensor"),
+    (dict(w_down_scale=torch.ones(E, 1, 3)), r"weights.w_down_scale: expected a contiguous tensor \[3, 2, 3\]"),
+    (dict(w13_scale=None), "weights.w13_scale: expected a contiguous tensor"),
+])
+def test_bad_weights_are_named(replace, message):
+    with pytest.raises(ConfigError, match=message):
+        fused.FusedExperts(fp8_weights(**replace))
+
+
+def test_shapes_off_the_128_grid_are_refused():
+    w = fp8_weights(inter=192, w13_scale=torch.ones(E, 3, 2), w_down_scale=torch.ones(E, 2, 2))
+    with pytest.raises(ConfigError, match="inter=192: expected a positive multiple of 128"):
+        fused.FusedExperts(w)
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, True, "8"])
+def test_bad_sm_budgets_are_refused(budget):
+    with pytest.raises(ConfigError, match="sm_budget="):
+        fused.FusedExperts(fp8_weights(), sm_budget=budget)
+
+
+def test_the_record_names_every_buffer_and_shape():
+    engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    w = engine.weights
+    pointers = dict(pool_x=pool.x, pool_sf=pool.x_sf, m_indices=pool.m_indices, w13=w.w13, w13_sf=w.w13_scale,
+                    w_down=w.w_down, w_down_sf=w.w_down_scale, act=launch.act, act_sf=launch.act_sf, out=launch.out,
+                    counters=launch.counters, bad_groups=pool.bad_groups, status=engine.status)
+    for name, tensor in pointers.items():
+        assert int(record[name]) == tensor.data_ptr(), name
+    assert (int(record["sf_row_stride"]), int(record["sf_col_stride"])) == (1, 300)  # MN-major, as dispatch writes
+    assert int(record["timeout_ns"]) == 2_500_000_000
+    assert (int(record["num_rows"]), int(record["hidden"]), int(record["inter"]), int(record["num_local_experts"])) \
+        == (300, HIDDEN, INTER, E)
+    # 20 rows per expert: 32-row items; 3 groups of 128 rows = 12 m blocks; each 3 L1 + 2 L2 items.
+    assert launch.kernel == "moe_fused_experts_m32" and launch.shared_bytes == fused.shared_bytes(32)
+    assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 12,) and not launch.counters.any()
+    assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
+    assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
+    assert engine.prepare(pool, 300, 20, grid_limit=1000).grid == 12 * (3 + 2)  # never more blocks than items
+    assert engine.prepare(pool, 0, None, grid_limit=1000).grid == 1
+
+
+def test_the_work_list_arithmetic():
+    assert [fused.block_rows(r) for r in (None, 0, 1, 16, 17, 32, 33, 128)] == [32, 16, 16, 16, 32, 32, 32, 32]
+    # DeepSeek-V3-like: one token on one PE touches 8 experts: 8 groups x 8 m blocks of 16 rows.
+    assert fused.work_items(8 * 128, 16, 7168, 2048) == (64, 64 * (16 + 56))
+    assert fused.work_items(1, 32, 256, 128) == (4, 4 * 3)
+    assert fused.work_items(0, 16, 256, 128) == (0, 0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: dict(num_rows=600), r"num_rows=600: expected an int in \[0, 512\]"),
+    (lambda p: dict(x=p.x[:, :128]), "pool.x: expected contiguous fp8 rows"),
+    (lambda p: dict(m_indices=torch.zeros(1024, dtype=torch.int32)[::2]), "pool.m_indices: expected contiguous"),
+    (lambda p: dict(x_sf=None), "expected an fp8 pool with x_sf and m_indices"),
+    (lambda p: dict(x_sf=p.x_sf[:, :1]), r"pool.x_sf: expected \[>= 512, 2\]"),
+])
+def test_a_pool_the_kernel_cannot_read_is_named(change, message):
+    pool = pool_of()
+    kwargs = change(pool)
+    num_rows = kwargs.pop("num_rows", 512)
+    for name, value in kwargs.items():
+        setattr(pool, name, value)
+    with pytest.raises(ConfigError, match=message):
+        fused.FusedExperts(fp8_weights()).prepare(pool, num_rows, None, grid_limit=4)
+
+
+def test_check_status_names_what_the_kernel_recorded():
+    engine = fused.FusedExperts(fp8_weights(), timeout_s=1.0)
+    engine.check_status()  # nothing recorded
+    engine.status.copy_(torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(BackendError, match=r"3 L2 tile\(s\) waited past 1 s .*first m block 5"):
+        engine.check_status()
+    engine.check_status()  # cleared
+    engine.status[0] = -1
+    with pytest.raises(BackendError, match="less shared memory"):
+        engine.check_status()
+
+
+def _toolchain_missing():
+    try:
+        jit.nvcc_path()
+        jit.nvshmem_paths()
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")
+def test_shared_bytes_is_the_kernels_layout(tmp_path):
+    # The kernel refuses a launch with less (status -1); more would waste occupancy: the host's figure is exact.
+    asserts = "\n".join(f"static_assert(sizeof(symmring_moe::fused::Shared<{rows}>) == {fused.shared_bytes(rows)}, "
+                        f"\"fused shared memory of {rows} rows\");" for rows in fused.BLOCK_ROWS)
+    source = f"#include <moe/fused_experts.cu>\n{asserts}\n"
+    assert jit.compile_cubin(source, name="fused_layout", cc=90, cache_dir=tmp_path).is_file()
