@@ -16,7 +16,8 @@
 #   dgengine symmring's DeepGEMM engine (tokenspeed-deepgemm, a `deep_gemm` of its own) on the same seeded
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
-# "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. Files under $OUT (8 at
+# "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
+# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring rows. Files under $OUT (8 at
 # most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.
 set -uo pipefail
@@ -113,8 +114,8 @@ else
   fi
   left=$((525 - (SECONDS - T0)))
   if (( left > 60 )); then
-    step anchor $((left - 40)) "${ANCHOR[@]}" --engines builtin --repeats 10 "${NOMEGA[@]}" \
-      --json "$OUT/anchor.json"
+    step anchor $((left - 40)) "${ANCHOR[@]}" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 "${NOMEGA[@]}" \
+      ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
   else
     echo "anchor: skipped, ${left}s left"
   fi
