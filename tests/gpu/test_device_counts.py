@@ -171,7 +171,7 @@ def test_a_replaced_model_step_captured_once_serves_random_counts(ctx):
     import hf_models
     from symmring.moe.integrations.hf import replace_moe_blocks
     dev = device_of()
-    model, _ = hf_models.tiny_model("mixtral", SEED, device=dev)
+    model, _ = hf_models.tiny_model("mixtral", SEED, device=dev, num_experts=NUM_EXPERTS)  # splits over 3 PEs
     replaced = replace_moe_blocks(model, ctx, max_tokens=BUCKET, engine="builtin")
     workspace = next(iter(replaced.values())).layer.workspace
     static_ids = hf_models.input_ids(SEED + ctx.rank, 1, BUCKET).to(dev)
