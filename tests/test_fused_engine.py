@@ -87,21 +87,29 @@ def test_the_record_names_every_buffer_and_shape():
     assert int(record["timeout_ns"]) == 2_500_000_000
     assert (int(record["num_rows"]), int(record["hidden"]), int(record["inter"]), int(record["num_local_experts"])) \
         == (300, HIDDEN, INTER, E)
-    # 20 rows per expert: 32-row items; 3 groups of 128 rows = 12 m blocks; each 3 L1 + 2 L2 items.
+    # 20 rows per expert: 32-row items, one m block listed per 128-row group (the rest is padding): 3 m blocks;
+    # each 3 L1 + 2 L2 items.
     assert launch.kernel == "moe_fused_experts_m32" and launch.shared_bytes == fused.shared_bytes(32)
-    assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 12,) and not launch.counters.any()
+    assert int(record["m_blocks_per_group"]) == 1
+    assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 3,) and not launch.counters.any()
     assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
     assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
-    assert engine.prepare(pool, 300, 20, grid_limit=1000).grid == 12 * (3 + 2)  # never more blocks than items
+    assert engine.prepare(pool, 300, 20, grid_limit=1000).grid == 3 * (3 + 2)  # never more blocks than items
+    unbounded = engine.prepare(pool, 300, None, grid_limit=1000)  # no bound: every m block of a group
+    assert unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
     assert engine.prepare(pool, 0, None, grid_limit=1000).grid == 1
 
 
 def test_the_work_list_arithmetic():
     assert [fused.block_rows(r) for r in (None, 0, 1, 16, 17, 32, 33, 128)] == [32, 16, 16, 16, 32, 32, 32, 32]
     # DeepSeek-V3-like: one token on one PE touches 8 experts: 8 groups x 8 m blocks of 16 rows.
-    assert fused.work_items(8 * 128, 16, 7168, 2048) == (64, 64 * (16 + 56))
-    assert fused.work_items(1, 32, 256, 128) == (4, 4 * 3)
-    assert fused.work_items(0, 16, 256, 128) == (0, 0)
+    assert fused.work_items(8 * 128, 16, 7168, 2048, 8) == (64, 64 * (16 + 56))
+    assert fused.work_items(8 * 128, 16, 7168, 2048, fused.blocks_per_group(1, 16)) == (8, 8 * (16 + 56))
+    assert fused.work_items(1, 32, 256, 128, 4) == (4, 4 * 3)
+    assert fused.work_items(0, 16, 256, 128, 8) == (0, 0)
+    bounds = (None, 0, 1, 32, 33, 64, 128, 129, 5000)
+    assert [fused.blocks_per_group(r, 32) for r in bounds] == [4, 1, 1, 1, 2, 2, 4, 4, 4]
+    assert [fused.blocks_per_group(r, 16) for r in (None, 1, 16, 17, 100)] == [8, 1, 1, 2, 7]
 
 
 @pytest.mark.parametrize("change, message", [

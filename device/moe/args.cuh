@@ -322,6 +322,7 @@ struct FusedExpertsArgs {
     int hidden;
     int inter;
     int num_local_experts;
+    int m_blocks_per_group;      // m blocks listed per 128-row group: ceil(the host's rows-per-expert bound / rows)
 };
 
 // --- schedule.cu ---------------------------------------------------------------------------------------

@@ -39,7 +39,10 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlockK = 128;               // K per stage and per scale block
 constexpr int kRowBytes = kBlockK + 16;    // shared row pitch: 36 words, so 8 rows x 4 lanes hit 32 banks
-constexpr int kStages = 3;
+// Ring stages: as many as fit beside the registers (m32 at 5 stages spills). At small row counts an item
+// streams weights and is latency bound: its speed is the bytes in flight (stages - 1) per SM.
+template <int kBlockM>
+constexpr int kStagesOf = kBlockM <= 16 ? 5 : 4;
 constexpr int kTileN = 128;                // output columns per item (one scale block of the weights)
 constexpr int kMaxRowsB = 2 * kTileN;      // L1 loads gate and up rows
 constexpr int kAlign = 128;                // expert groups start at multiples of this many pool rows
@@ -47,8 +50,8 @@ constexpr float kFp8Max = 448.0f;
 
 template <int kBlockM>
 struct Shared {
-    uint8_t a[kStages][kBlockM][kRowBytes];
-    uint8_t b[kStages][kMaxRowsB][kRowBytes];
+    uint8_t a[kStagesOf<kBlockM>][kBlockM][kRowBytes];
+    uint8_t b[kStagesOf<kBlockM>][kMaxRowsB][kRowBytes];
     float amax[kWarps][kBlockM];
     int item;
     int timed_out;
@@ -136,7 +139,7 @@ __device__ __forceinline__ int b_tile_row(int j, int warp) { return (j / 2) * kT
 template <int kBlockM, int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& op,
                                           float (&acc)[kBlockM / 16][2 * kHalves][4]) {
-    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves;
+    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves, kStages = kStagesOf<kBlockM>;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -214,7 +217,8 @@ __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& o
 // --- the work list ---------------------------------------------------------------------------------------
 
 struct Work {
-    int num_m_blocks;  // m blocks of kBlockM rows over ceil(num_rows / 128) aligned 128-row groups
+    int per_group;     // m blocks listed per aligned 128-row group (the rest of a group is padding: no ticket)
+    int num_m_blocks;  // per_group m blocks of kBlockM rows over ceil(num_rows / 128) groups
     int n1_blocks;     // inter / 128
     int n2_blocks;     // hidden / 128
     int l1_items;
@@ -223,25 +227,27 @@ struct Work {
 
 template <int kBlockM>
 __device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
-    constexpr int kSub = kAlign / kBlockM;
     Work w;
     const int groups = (p.num_rows + kAlign - 1) / kAlign;
-    w.num_m_blocks = groups * kSub;
+    w.per_group = min(max(p.m_blocks_per_group, 1), kAlign / kBlockM);
+    w.num_m_blocks = groups * w.per_group;
     w.n1_blocks = p.inter / kTileN;
     w.n2_blocks = p.hidden / kTileN;
-    w.l1_items = groups * w.n1_blocks * kSub;
-    w.total_items = w.l1_items + groups * w.n2_blocks * kSub;
+    w.l1_items = w.num_m_blocks * w.n1_blocks;
+    w.total_items = w.l1_items + w.num_m_blocks * w.n2_blocks;
     return w;
 }
 
-// Item i of a phase with n_blocks column blocks: (m block, n block), the m blocks of one aligned group
-// adjacent for each n block, so the items running at once share a weight tile (read from HBM once, then L2).
+// Item i of a phase with n_blocks column blocks: its m block (the arrival counter's index) and first pool row,
+// and its n block; the m blocks of one group adjacent for each n block, so the items running at once share a
+// weight tile (read from HBM once, then L2).
 template <int kBlockM>
-__device__ __forceinline__ void item_coords(int i, int n_blocks, int& m_block, int& n_block) {
-    constexpr int kSub = kAlign / kBlockM;
-    const int group = i / (n_blocks * kSub), rest = i % (n_blocks * kSub);
-    n_block = rest / kSub;
-    m_block = group * kSub + rest % kSub;
+__device__ __forceinline__ void item_coords(const Work& w, int i, int n_blocks, int& m_block, int& row0,
+                                            int& n_block) {
+    const int group = i / (n_blocks * w.per_group), rest = i % (n_blocks * w.per_group);
+    n_block = rest / w.per_group;
+    m_block = group * w.per_group + rest % w.per_group;
+    row0 = group * kAlign + (rest % w.per_group) * kBlockM;
 }
 
 // The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
@@ -262,9 +268,8 @@ __device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0,
 
 template <int kBlockM>
 __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n1;
-    item_coords<kBlockM>(item, w.n1_blocks, m_block, n1);
-    const int row0 = m_block * kBlockM;
+    int m_block, row0, n1;
+    item_coords<kBlockM>(w, item, w.n1_blocks, m_block, row0, n1);
     const int e = block_expert(p, row0, n1 == 0);
     if (e < 0) return;
     const int kb_count = p.hidden / kBlockK;
@@ -356,9 +361,8 @@ __device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_b
 
 template <int kBlockM>
 __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n2;
-    item_coords<kBlockM>(item, w.n2_blocks, m_block, n2);
-    const int row0 = m_block * kBlockM;
+    int m_block, row0, n2;
+    item_coords<kBlockM>(w, item, w.n2_blocks, m_block, row0, n2);
     const int e = block_expert(p, row0, false);
     if (e < 0) return;
     if (threadIdx.x == 0) {

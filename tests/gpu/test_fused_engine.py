@@ -132,6 +132,7 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape_weights, num_
     again = fused.forward(pool, num_rows, per_expert)
     budgets = [FusedExperts(weights, sm_budget=b).forward(pool, num_rows, per_expert) for b in (1, 3)]
     builtin = Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)
+    unbounded = fused.forward(pool, num_rows, None)  # no bound: every m block of each group listed, 32 rows
     fused.check_status()
     ref = reference_rows(pool, weights, live)
     got, base = y[live].double().cpu().numpy(), builtin[live].double().cpu().numpy()
@@ -140,6 +141,8 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape_weights, num_
           f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e}")
     assert np.isfinite(got).all(), "non-finite fused output on live rows"
     assert err_ref <= REL_TOL and err_builtin <= REL_TOL, (err_ref, err_builtin)
+    err_unbounded = rel_error(unbounded[live].double().cpu().numpy(), ref[live].cpu().numpy())
+    assert err_unbounded <= REL_TOL, f"without a rows-per-expert bound: vs float64 {err_unbounded:.3e}"
     assert torch.equal(y[live], again[live]), "fused output differs run to run"
     for b, other in zip((1, 3), budgets):
         assert torch.equal(y[live], other[live]), f"sm_budget={b} changed the output"
