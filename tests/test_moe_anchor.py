@@ -6,6 +6,7 @@ the JSON writer, and that nothing in the package imports ``deep_gemm`` at module
 import ast
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -150,8 +151,25 @@ def test_load_error_names_the_tool(monkeypatch):
 
 def test_driver_scripts_parse():
     for script in ("tools/megamoe/run_anchor.sh", "tools/megamoe/build.sh", "tools/megamoe/prepare_src.sh",
-                   "tools/megamoe/fetch_wheels.sh", "tools/megamoe/check_patch.sh"):
+                   "tools/megamoe/fetch_wheels.sh", "tools/megamoe/check_patch.sh", "tools/megamoe/own_libstdcxx.sh"):
         assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and nm")
+def test_own_libstdcxx_tells_a_static_copy_from_the_shared_library(tmp_path):
+    """build.sh refuses a _C with libstdc++ linked in: the check must see the copy, and -l:libstdc++.so.6 must
+    keep it out even where -static-libstdc++ asks for it."""
+    src = tmp_path / "hex.cpp"
+    src.write_text('#include <sstream>\n#include <string>\nstd::string hex(unsigned long v) '
+                   '{ std::ostringstream o; o << std::hex << v; return o.str(); }\n')
+    check = str(ROOT / "tools/megamoe/own_libstdcxx.sh")
+    for name, flags, carries in (("shared", [], False), ("static", ["-static-libstdc++"], True),
+                                 ("forced", ["-static-libstdc++", "-l:libstdc++.so.6"], False)):
+        so = tmp_path / f"{name}.so"
+        subprocess.run(["g++", "-O2", "-fPIC", "-shared", str(src), "-o", str(so)] + flags, check=True)
+        out = subprocess.run(["bash", check, str(so)], capture_output=True, text=True)
+        assert (out.returncode == 0) == carries, (name, out.stdout)
+        assert ("libstdc++'s own symbols" in out.stdout) == carries
 
 
 def test_patch_src_refuses_another_tree(tmp_path):

@@ -15,7 +15,8 @@
 # and a _C built here (H100, g++ 13.3, torch 2.11) segfaulted at the first MegaMoE call inside
 # IncludeParser::get_hash_value's formatting (std::regex taken out by patch_src.py; before it, inside std::regex,
 # -Wl,-Bsymbolic and -static-libstdc++ alike). With the pinned fmt first it ran (2026-12-06: the quick check,
-# 2 rows, 0 not ok). patch_src.py (std::regex out of include_parser.hpp and compiler.hpp for plain scans with
+# 2 rows, 0 not ok); a later run of the same build on the same image crashed there again (own_libstdcxx.sh
+# says why; build.sh refuses such a _C). patch_src.py (std::regex out of include_parser.hpp and compiler.hpp for plain scans with
 # the same matches, checked on CPU: tools/megamoe/check_patch.sh) stays applied: the run that passed had it, and
 # a run without it was not made.
 # MEGAMOE_SEGV_BACKTRACE=1 at run time prints the native frames of a crash inside _C (megamoe_bind.cpp).
@@ -37,8 +38,13 @@ PKG="$SITE/megamoe_dg"
 rm -rf "$PKG" && mkdir -p "$PKG" && cp -r "$SRC/include" "$PKG/" && cp tools/megamoe/megamoe_dg_init.py "$PKG/__init__.py" || exit 5
 check() { PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import megamoe_dg as m; \
 print('megamoe_dg:', m.__version__, '| token alignment', m._C.get_token_alignment_for_sm90_mega_moe())"; }
+# _C must take libstdc++ from the process (torch loaded it first), never carry a copy of its own
+# (own_libstdcxx.sh says why). Two runs of one build on one H100 image went either way (2026-12-06: a segfault
+# at the first number IncludeParser's hash writes to a std::ostream, frames inside _C named
+# std::ostream::_M_insert and std::codecvt); -l:libstdc++.so.6 below binds every libstdc++ symbol to the shared
+# library, even where the toolchain would link libstdc++.a.
 if [[ -f ".megamoe/$SO" ]]; then
-  cp ".megamoe/$SO" "$PKG/" && check && { echo "build.sh: the carried _C imports"; exit 0; }
+  cp ".megamoe/$SO" "$PKG/" && ! bash tools/megamoe/own_libstdcxx.sh "$PKG/$SO" && check && { echo "build.sh: the carried _C imports"; exit 0; }
   echo "build.sh: the carried _C does not import here; compiling it"
 fi
 eval "$("$PY" - <<'PYEOF'
@@ -66,7 +72,10 @@ ${CXX:-c++} -std=c++17 -O2 -fPIC -shared -Wno-psabi -Wno-deprecated-declarations
   tools/megamoe/megamoe_bind.cpp -o "$PKG/$SO" \
   -L"$TORCH_DIR/lib" -L"$CUDA_HOME/lib64" $NVLIB \
   -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda -ltorch_cuda -l:libcudart.so.13 -l:libnvrtc.so.13 \
-  -l:libcublasLt.so.13 -l:libcublas.so.13 \
+  -l:libcublasLt.so.13 -l:libcublas.so.13 -l:libstdc++.so.6 -Wl,-t >"$SRC/link.log" \
   || { echo "build.sh: compiling _C failed"; exit 6; }
-echo "build.sh: compiled _C in $((SECONDS - t0)) s"
+echo "build.sh: compiled _C in $((SECONDS - t0)) s with $(${CXX:-c++} --version | head -n 1)"
+# Where libstdc++ came from (the link trace: libstdc++.so.6, or members of a libstdc++.a).
+grep -a 'libstdc++' "$SRC/link.log" | sort -u | sed 's/^/build.sh: linked /'
+if bash tools/megamoe/own_libstdcxx.sh "$PKG/$SO"; then rm -f "$PKG/$SO"; exit 8; fi
 check || exit 7

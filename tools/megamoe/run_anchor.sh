@@ -9,8 +9,9 @@
 # a summary last:
 #   install  nvshmem4py -> /tmp/site; tokenspeed-deepgemm -> /tmp/tsdg-site; MegaMoE -> /tmp/megamoe-site
 #            (tools/megamoe/build.sh: the carried _C, or compiled there when it does not import)
-#   warm     MegaMoE's JIT compiles for every shape and size, all sizes of a shape at once (16 cores); a broken
-#            build shows here first (every process prints its error)
+#   warm     MegaMoE's JIT compiles for every shape and size, the sizes of a shape side by side (as many
+#            processes as the free GPU memory holds); a broken build shows here first (every process prints
+#            its error)
 #   check    correctness: both shapes at 64 tokens, symmring builtin (batch) and MegaMoE vs the reference
 #   anchor   the table: symmring builtin (batch, streamed) and MegaMoE, 1..8192 tokens (anchor.json)
 #   dgengine symmring's DeepGEMM engine (tokenspeed-deepgemm, a `deep_gemm` of its own) on the same seeded
@@ -78,17 +79,25 @@ step install 200 install || echo "install failed: see $OUT/install.log"
 MEGA="/tmp/megamoe-site:/tmp/site:$PWD"
 # --max-tokens 8192 everywhere: it is part of MegaMoE's kernel template, so warm, check and anchor share compiles.
 ANCHOR=(env PYTHONPATH="$MEGA" "$PY" -m symmring bench moe --anchor megamoe --max-tokens 8192)
-warm() {  # all sizes of a shape at once (one process each: DeepGEMM's JIT runs nvcc in the calling thread)
-  local shape pids=() n
+warm() {  # the sizes of a shape side by side (one process each: DeepGEMM's JIT runs nvcc in the calling thread),
+  # as many at once as the free GPU memory holds (each process holds the shape's fp8 experts: DeepSeek-V3-like
+  # 11 GiB, and six of them ran out of an H100's 80 GB)
+  local shape pids=() n jobs
   trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT
   for shape in "$@"; do
+    jobs=$(PYTHONPATH="$PWD" "$PY" -c "import torch; from symmring.bench.moe_anchor import ANCHOR_SHAPES; \
+h, i, e, _ = ANCHOR_SHAPES['$shape']; free = torch.cuda.mem_get_info()[0]; \
+print(max(1, min(6, int(0.9 * free) // (3 * h * i * e + 4 * 2**30))))")
+    echo "warm $shape: ${jobs:-1} processes at once"
     pids=()
     for n in 1 8 64 512 4096 8192; do
       "${ANCHOR[@]}" --warm-only --engines none --shapes "$shape" --tokens "$n" &
       pids+=($!)
+      if (( ${#pids[@]} >= ${jobs:-1} )); then wait "${pids[@]}"; pids=(); fi
     done
-    wait "${pids[@]}"
+    (( ${#pids[@]} )) && wait "${pids[@]}"
   done
+  return 0
 }
 # Without MegaMoE (its build failed: install.log says why) the steps still give the symmring rows.
 NOMEGA=()
@@ -108,10 +117,11 @@ else
   step check 150 "${ANCHOR[@]}" --tokens 64 --engines builtin --modes batch --check-only "${NOMEGA[@]}"
   check_rc=$?
   # A MegaMoE call that never returned (symmring's row there, MegaMoE's not) would stall the table: leave it out.
-  if (( check_rc == 124 || check_rc == 137 )) && grep -q "symmring builtin batch:" "$OUT/check.log" \
+  # One that crashed the process (rc 139) would end the table's process too.
+  if (( check_rc == 124 || check_rc == 137 || check_rc == 139 )) && grep -q "symmring builtin batch:" "$OUT/check.log" \
       && ! grep -q " megamoe:" "$OUT/check.log"; then
     NOMEGA=(--no-megamoe)
-    echo "MegaMoE did not return within the check: the table without it"
+    echo "MegaMoE did not return within the check (rc $check_rc): the table without it"
   fi
   left=$((${ANCHOR_BUDGET_S:-525} - (SECONDS - T0)))
   if (( left > 60 )); then
