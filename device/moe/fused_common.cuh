@@ -1,0 +1,190 @@
+// What every fused experts kernel shares, whatever its main loop (mma.sync: fused_experts.cu; wgmma:
+// fused_experts_wgmma.cu): the work list and its tickets, the arrival protocol between L1 and L2 items, the
+// epilogues' arithmetic (so that the kernel families round alike), and the PTX wrappers they both use.
+// docs/FUSED.md describes the design.
+#pragma once
+
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <moe/args.cuh>
+
+namespace symmring_moe {
+namespace fused {
+
+constexpr int kThreads = 256;
+constexpr int kBlockK = 128;               // K per stage and per scale block
+constexpr int kTileN = 128;                // output columns per item (one scale block of the weights)
+constexpr int kAlign = 128;                // expert groups start at multiples of this many pool rows
+constexpr float kFp8Max = 448.0f;
+
+// What thread 0 records in status[0] besides a count of expired waits (the engine's check_status names them).
+constexpr int kStatusSharedTooSmall = -1;  // launched with less dynamic shared memory than the layout
+constexpr int kStatusWrongTarget = -2;     // a wgmma kernel run from a cubin not built for sm_90a
+
+// --- PTX wrappers ----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t n;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+// --- the epilogues' arithmetic (every kernel family rounds exactly so) -----------------------------------
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// SwiGLU in float32 of the bf16-rounded L1 outputs (the unfused engines round L1 to bf16 in memory),
+// silu(g) = g / (1 + expf(-g)) with CUDA's accurate expf and IEEE division, as their kernels.
+__device__ __forceinline__ float swiglu(float gate_acc, float up_acc) {
+    const float gate = bf16_round(gate_acc), up = bf16_round(up_acc);
+    return __fdiv_rn(gate, 1.0f + expf(-gate)) * up;
+}
+
+// The 1x128 group's scale from its amax: quant.quantize_fp8's rule (amax / 448, 1 for an all-zero group).
+__device__ __forceinline__ float fp8_scale(float amax) { return amax == 0.0f ? 1.0f : __fdiv_rn(amax, kFp8Max); }
+
+// Two values divided by their group's scale, to e4m3: satfinite clips to +-448 as the rule's clip; round
+// to nearest even.
+__device__ __forceinline__ __nv_fp8x2_storage_t quantize_pair(float a, float b, float scale) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)), __NV_SATFINITE,
+                                    __NV_E4M3);
+}
+
+// --- the work list ---------------------------------------------------------------------------------------
+
+struct Work {
+    int num_m_blocks;  // m blocks of kBlockM rows over ceil(num_rows / 128) aligned 128-row groups
+    int n1_blocks;     // inter / 128
+    int n2_blocks;     // hidden / 128
+    int l1_items;
+    int total_items;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
+    constexpr int kSub = kAlign / kBlockM;
+    Work w;
+    const int groups = (p.num_rows + kAlign - 1) / kAlign;
+    w.num_m_blocks = groups * kSub;
+    w.n1_blocks = p.inter / kTileN;
+    w.n2_blocks = p.hidden / kTileN;
+    w.l1_items = groups * w.n1_blocks * kSub;
+    w.total_items = w.l1_items + groups * w.n2_blocks * kSub;
+    return w;
+}
+
+// Item i of a phase with n_blocks column blocks: (m block, n block), the m blocks of one aligned group
+// adjacent for each n block, so the items running at once share a weight tile (read from HBM once, then L2).
+template <int kBlockM>
+__device__ __forceinline__ void item_coords(int i, int n_blocks, int& m_block, int& n_block) {
+    constexpr int kSub = kAlign / kBlockM;
+    const int group = i / (n_blocks * kSub), rest = i % (n_blocks * kSub);
+    n_block = rest / kSub;
+    m_block = group * kSub + rest % kSub;
+}
+
+// The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
+// outside [-1, E) (reported once per m block, by thread 0 of its first L1 item). Every thread reads the same id,
+// so the whole block takes the same branch.
+__device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0, bool report) {
+    if (row0 >= p.num_rows) return -1;
+    const int e = p.m_indices[row0];
+    if (e >= -1 && e < p.num_local_experts) return e;
+    if (report && threadIdx.x == 0 && p.bad_groups != nullptr) {
+        atomicAdd(p.bad_groups, 1);
+        atomicCAS(p.bad_groups + 1, 0, e);
+    }
+    return -1;
+}
+
+// --- the arrival protocol ---------------------------------------------------------------------------------
+
+// After an L1 item's stores (the caller's __syncthreads orders every thread's stores before it): thread 0
+// releases the m block's arrival counter.
+__device__ __forceinline__ void release_arrival(const FusedExpertsArgs& p, int m_block) {
+    if (threadIdx.x == 0) {
+        __threadfence();  // release: pairs with the acquire of the m block's L2 items (wait_arrivals)
+        atomicAdd(p.counters + 1 + m_block, 1);
+    }
+}
+
+// Wait (thread 0, bounded) until the m block's L1 items all arrived; false when the bound expired.
+__device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_block, int expected) {
+    const int* word = p.counters + 1 + m_block;
+    if (load_acquire_gpu(word) >= expected) return true;
+    const uint64_t deadline = now_ns() + p.timeout_ns;
+    for (uint32_t polls = 0;; ++polls) {
+        if (load_acquire_gpu(word) >= expected) return true;
+        if (polls % 64 == 63 && now_ns() > deadline) return false;
+    }
+}
+
+// The start of an L2 item, for the whole block: thread 0 waits for the m block's L1 items (an expired wait is
+// counted in the status, the first m block named); true when the wait expired. `flag` is a shared int.
+__device__ __forceinline__ bool l2_arrivals_expired(const FusedExpertsArgs& p, const Work& w, int m_block,
+                                                    int& flag) {
+    if (threadIdx.x == 0) {
+        flag = !wait_arrivals(p, m_block, w.n1_blocks);
+        if (flag && atomicAdd(p.status, 1) == 0) p.status[1] = m_block;
+    }
+    __syncthreads();  // the acquire of thread 0, then the block's reads of the intermediate
+    const bool expired = flag;
+    __syncthreads();  // every thread read the flag before a later item's thread 0 rewrites it
+    return expired;
+}
+
+// --- the persistent loop ----------------------------------------------------------------------------------
+
+// Draw tickets until the work list is done: l1(item) for L1 items, l2(item - l1_items) for L2 items. `slot` is
+// a shared int (thread 0 draws, every thread reads).
+template <class L1, class L2>
+__device__ __forceinline__ void run_items(const FusedExpertsArgs& p, const Work& w, int& slot, L1 l1, L2 l2) {
+    for (;;) {
+        if (threadIdx.x == 0) slot = atomicAdd(p.counters, 1);
+        __syncthreads();
+        const int item = slot;
+        __syncthreads();  // every thread read it before thread 0 draws the next
+        if (item >= w.total_items) return;
+        if (item < w.l1_items) {
+            l1(item);
+        } else {
+            l2(item - w.l1_items);
+        }
+    }
+}
+
+// A launch with less dynamic shared memory than `bytes` records kStatusSharedTooSmall and computes nothing.
+__device__ __forceinline__ bool shared_memory_fits(const FusedExpertsArgs& p, uint32_t bytes) {
+    if (dynamic_smem_bytes() >= bytes) return true;
+    if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(p.status, 0, kStatusSharedTooSmall);
+    return false;
+}
+
+}  // namespace fused
+}  // namespace symmring_moe
