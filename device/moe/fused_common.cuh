@@ -123,6 +123,64 @@ __device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0,
     return -1;
 }
 
+// --- an item's operands ---------------------------------------------------------------------------------
+
+// The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);
+// a_sf / b_sf give the scales of K block kb (b_sf[h]: the weight block of half h, one float per K block).
+struct Operands {
+    const uint8_t* a;
+    long long a_stride;
+    const float* a_sf;
+    long long a_sf_row, a_sf_col;
+    const uint8_t* b;
+    long long b_stride;
+    int b_row0[2];
+    const float* b_sf[2];
+    int row0, rows_valid;  // A rows [row0, row0 + kBlockM); rows past rows_valid are zero-filled
+    int num_kb;
+};
+
+// L1 of expert e, intermediate block n1: A = the pool rows, B = the 128 gate rows then the 128 up rows of n1.
+__device__ __forceinline__ Operands l1_operands(const FusedExpertsArgs& p, const Work& w, int e, int n1, int row0) {
+    const int kb_count = p.hidden / kBlockK;
+    const int n_scale_rows = 2 * p.inter / kTileN;  // w13_sf rows per expert
+    Operands op;
+    op.a = p.pool_x;
+    op.a_stride = p.hidden;
+    op.a_sf = p.pool_sf;
+    op.a_sf_row = p.sf_row_stride;
+    op.a_sf_col = p.sf_col_stride;
+    op.b = p.w13 + static_cast<long long>(e) * 2 * p.inter * p.hidden;
+    op.b_stride = p.hidden;
+    op.b_row0[0] = n1 * kTileN;
+    op.b_row0[1] = p.inter + n1 * kTileN;
+    op.b_sf[0] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + n1) * kb_count;
+    op.b_sf[1] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + w.n1_blocks + n1) * kb_count;
+    op.row0 = row0;
+    op.rows_valid = p.num_rows;
+    op.num_kb = kb_count;
+    return op;
+}
+
+// L2 of expert e, output block n2: A = the fp8 intermediate rows, B = the 128 w_down rows of n2 (one half).
+__device__ __forceinline__ Operands l2_operands(const FusedExpertsArgs& p, const Work& w, int e, int n2, int row0) {
+    const int kb_count = p.inter / kBlockK;
+    Operands op;
+    op.a = p.act;
+    op.a_stride = p.inter;
+    op.a_sf = p.act_sf;
+    op.a_sf_row = w.n1_blocks;
+    op.a_sf_col = 1;
+    op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
+    op.b_stride = p.inter;
+    op.b_row0[0] = op.b_row0[1] = n2 * kTileN;
+    op.b_sf[0] = op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
+    op.row0 = row0;
+    op.rows_valid = p.num_rows;
+    op.num_kb = kb_count;
+    return op;
+}
+
 // --- the arrival protocol ---------------------------------------------------------------------------------
 
 // After an L1 item's stores (the caller's __syncthreads orders every thread's stores before it): thread 0

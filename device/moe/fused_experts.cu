@@ -56,21 +56,6 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], 
 
 // --- one tile: acc[m tile][n8 tile][4] += A[rows, K] * B[cols, K]^T, block-scaled ------------------------
 
-// The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);
-// a_sf / b_sf give the scales of K block kb (b_sf[h]: the weight block of half h, one float per K block).
-struct Operands {
-    const uint8_t* a;
-    long long a_stride;
-    const float* a_sf;
-    long long a_sf_row, a_sf_col;
-    const uint8_t* b;
-    long long b_stride;
-    int b_row0[2];
-    const float* b_sf[2];
-    int row0, rows_valid;  // A rows [row0, row0 + kBlockM); rows past rows_valid are zero-filled
-    int num_kb;
-};
-
 template <int kBlockM, int kHalves>
 __device__ __forceinline__ void load_stage(Shared<kBlockM>& sm, const Operands& op, int stage, int kb) {
     const int tid = threadIdx.x;
@@ -179,24 +164,7 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
     const int row0 = m_block * kBlockM;
     const int e = block_expert(p, row0, n1 == 0);
     if (e < 0) return;
-    const int kb_count = p.hidden / kBlockK;
-    const int n_scale_rows = 2 * p.inter / kTileN;  // w13_sf rows per expert
-    Operands op;
-    op.a = p.pool_x;
-    op.a_stride = p.hidden;
-    op.a_sf = p.pool_sf;
-    op.a_sf_row = p.sf_row_stride;
-    op.a_sf_col = p.sf_col_stride;
-    op.b = p.w13 + static_cast<long long>(e) * 2 * p.inter * p.hidden;
-    op.b_stride = p.hidden;
-    op.b_row0[0] = n1 * kTileN;
-    op.b_row0[1] = p.inter + n1 * kTileN;
-    op.b_sf[0] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + n1) * kb_count;
-    op.b_sf[1] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + w.n1_blocks + n1) * kb_count;
-    op.row0 = row0;
-    op.rows_valid = p.num_rows;
-    op.num_kb = kb_count;
-
+    const Operands op = l1_operands(p, w, e, n1, row0);
     constexpr int kMTiles = kBlockM / 16;
     float acc[kMTiles][4][4];  // n8 tiles 0, 1: gate; 2, 3: up (the same columns)
     tile_gemm<kBlockM, 2>(sm, op, acc);
@@ -266,21 +234,7 @@ __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[mt][j][c] = __int_as_float(0x7fc00000);
     } else {
-        const int kb_count = p.inter / kBlockK;
-        Operands op;
-        op.a = p.act;
-        op.a_stride = p.inter;
-        op.a_sf = p.act_sf;
-        op.a_sf_row = w.n1_blocks;
-        op.a_sf_col = 1;
-        op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
-        op.b_stride = p.inter;
-        op.b_row0[0] = op.b_row0[1] = n2 * kTileN;
-        op.b_sf[0] = op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
-        op.row0 = row0;
-        op.rows_valid = p.num_rows;
-        op.num_kb = kb_count;
-        tile_gemm<kBlockM, 1>(sm, op, acc);
+        tile_gemm<kBlockM, 1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
