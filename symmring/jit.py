@@ -129,7 +129,7 @@ def device_hash() -> str:
 
 #: The line by which a source asks for the arch-specific target ``sm_90a`` on a cc 9.0 device (`target_arch`).
 ARCH_SPECIFIC_MARKER = "// symmring-jit: sm_90a"
-_ARCH_SPECIFIC_LINE = re.compile(r"^[ \t]*" + re.escape(ARCH_SPECIFIC_MARKER) + r"[ \t]*$", re.MULTILINE)
+_ARCH_SPECIFIC_LINE = re.compile(r"^[ \t]*" + re.escape(ARCH_SPECIFIC_MARKER) + r"[ \t\r]*$", re.MULTILINE)
 
 
 def target_arch(source: str, cc: int) -> str:
@@ -137,7 +137,7 @@ def target_arch(source: str, cc: int) -> str:
     carries `ARCH_SPECIFIC_MARKER` on a line of its own and ``cc`` is 90, else ``sm_<cc>``.
 
     Example:
-        >>> target_arch("// symmring-jit: sm_90a\n", 90), target_arch("// symmring-jit: sm_90a\n", 100)
+        >>> target_arch("// symmring-jit: sm_90a\\n", 90), target_arch("// symmring-jit: sm_90a\\n", 100)
         ('sm_90a', 'sm_100')
         >>> target_arch('extern "C" __global__ void k() {}', 90)
         'sm_90'
@@ -278,6 +278,14 @@ LIBRARY_MODULES = {
 }
 
 
+#: Device modules an engine loads itself (plain CuPy modules: their kernels call no NVSHMEM): module name ->
+#: source. ``python -m symmring.jit`` builds them too, so that the engine's first call is a cache hit.
+ENGINE_MODULES = {
+    "moe_fused_experts": "moe/fused_experts.cu",
+    "moe_fused_experts_wgmma": "moe/fused_experts_wgmma.cu",
+}
+
+
 def precompile(sources: Sequence[Tuple[Path, str]], cc: int, workers: int = 4) -> list:
     """Compile ``(path, module name)`` pairs into the cache in parallel (then loading them is a cache hit);
     returns one line per module. Raises CompileError for the first that fails."""
@@ -302,9 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="parallel nvcc jobs (default 4)")
     parser.add_argument("modules", nargs="*", metavar="PATH=NAME",
                         help="more sources and their module names (e.g. tests/gpu/user_kernels.cu=user_kernels); "
-                             "the library's own modules are always built")
+                             "the library's own modules and the engines' are always built")
     args = parser.parse_args(argv)
-    sources = [(device_dir() / f, name) for name, f in LIBRARY_MODULES.items()]
+    sources = [(device_dir() / f, name) for name, f in {**LIBRARY_MODULES, **ENGINE_MODULES}.items()]
     for item in args.modules:
         path, sep, name = item.partition("=")
         if not sep or not path or not name:
