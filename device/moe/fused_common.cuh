@@ -59,21 +59,31 @@ __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
 
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// The rule's division: IEEE float32, round to nearest even. The mma.sync kernels take the hardware's
+// (__fdiv_rn); the wgmma kernel the same bits without a call (fused_div.cuh), so ptxas keeps its wgmma pipelined.
+struct HardwareDivision {
+    __device__ __forceinline__ float operator()(float a, float b) const { return __fdiv_rn(a, b); }
+};
+
 // SwiGLU in float32 of the bf16-rounded L1 outputs (the unfused engines round L1 to bf16 in memory),
 // silu(g) = g / (1 + expf(-g)) with CUDA's accurate expf and IEEE division, as their kernels.
-__device__ __forceinline__ float swiglu(float gate_acc, float up_acc) {
+template <class Divide>
+__device__ __forceinline__ float swiglu(float gate_acc, float up_acc, Divide divide) {
     const float gate = bf16_round(gate_acc), up = bf16_round(up_acc);
-    return __fdiv_rn(gate, 1.0f + expf(-gate)) * up;
+    return divide(gate, 1.0f + expf(-gate)) * up;
 }
 
 // The 1x128 group's scale from its amax: quant.quantize_fp8's rule (amax / 448, 1 for an all-zero group).
-__device__ __forceinline__ float fp8_scale(float amax) { return amax == 0.0f ? 1.0f : __fdiv_rn(amax, kFp8Max); }
+template <class Divide>
+__device__ __forceinline__ float fp8_scale(float amax, Divide divide) {
+    return amax == 0.0f ? 1.0f : divide(amax, kFp8Max);
+}
 
 // Two values divided by their group's scale, to e4m3: satfinite clips to +-448 as the rule's clip; round
 // to nearest even.
-__device__ __forceinline__ __nv_fp8x2_storage_t quantize_pair(float a, float b, float scale) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)), __NV_SATFINITE,
-                                    __NV_E4M3);
+template <class Divide>
+__device__ __forceinline__ __nv_fp8x2_storage_t quantize_pair(float a, float b, float scale, Divide divide) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(divide(a, scale), divide(b, scale)), __NV_SATFINITE, __NV_E4M3);
 }
 
 // --- the work list ---------------------------------------------------------------------------------------

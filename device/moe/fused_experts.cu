@@ -178,7 +178,7 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const float v = swiglu(acc[mt][j][c], acc[mt][j + 2][c]);
+                const float v = swiglu(acc[mt][j][c], acc[mt][j + 2][c], HardwareDivision());
                 acc[mt][j][c] = v;
                 row_amax[mt][c / 2] = fmaxf(row_amax[mt][c / 2], fabsf(v));
             }
@@ -199,12 +199,13 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
             float amax = 0.0f;
 #pragma unroll
             for (int v = 0; v < kWarps; ++v) amax = fmaxf(amax, sm.amax[v][r]);
-            const float scale = fp8_scale(amax);
+            const float scale = fp8_scale(amax, HardwareDivision());
             if (row >= p.num_rows) continue;
             if (warp == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const __nv_fp8x2_storage_t q = quantize_pair(acc[mt][j][2 * h], acc[mt][j][2 * h + 1], scale);
+                const __nv_fp8x2_storage_t q = quantize_pair(acc[mt][j][2 * h], acc[mt][j][2 * h + 1], scale,
+                                                               HardwareDivision());
                 const int col = n1 * kTileN + warp * 16 + j * 8 + 2 * t;
                 *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
             }

@@ -21,9 +21,13 @@
 // cp.async writes through the generic proxy and wgmma reads through the async proxy: each thread fences
 // (fence.proxy.async) after its copies landed and before the barrier that precedes the wgmma.
 //
+// The epilogues divide with fused_div.cuh's call-free IEEE division (the same bits as __fdiv_rn): a call in
+// the kernel would make ptxas serialise every wgmma.
+//
 // Built for another target than sm_90a (a cc 8.9 or 10.x device, or a compile without the marker), the kernel
 // records kStatusWrongTarget and computes nothing; the engine picks it only on cc 9.0.
 #include <moe/fused_common.cuh>
+#include <moe/fused_div.cuh>
 
 namespace symmring_moe {
 namespace fused {
@@ -205,7 +209,7 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     float row_amax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
-        const float v = swiglu(acc[0][i], acc[1][i]);
+        const float v = swiglu(acc[0][i], acc[1][i], div::CallFreeDivision());
         acc[0][i] = v;
         row_amax[i % 4 / 2] = fmaxf(row_amax[i % 4 / 2], fabsf(v));
     }
@@ -223,12 +227,13 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
         float amax = 0.0f;
 #pragma unroll
         for (int v = 0; v < kWarpgroups; ++v) amax = fmaxf(amax, sm.amax[v][r]);
-        const float scale = fp8_scale(amax);
+        const float scale = fp8_scale(amax, div::CallFreeDivision());
         if (row >= p.num_rows) continue;
+        const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
         if (wg == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {
-            const __nv_fp8x2_storage_t q = quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale);
+            const __nv_fp8x2_storage_t q = quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
             const int col = n1 * kTileN + wg * kWgCols + 8 * j + 2 * t;
             *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
         }
@@ -282,6 +287,13 @@ __device__ __forceinline__ void run(const FusedExpertsArgs& p) {
 }  // namespace fused
 }  // namespace symmring_moe
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// The epilogue's division on n pairs: q[i] = a[i] / b[i] (fused_div.cuh), for the GPU test to compare with
+// torch's IEEE division bit for bit. Any target. Grid and block: any, covering n.
+extern "C" __global__ void moe_fused_div_probe(const float* a, const float* b, float* q, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) q[i] = symmring_moe::fused::div::divide(a[i], b[i]);
+}
 
 // 64 rows per item, wgmma (sm_90a). Grid: the SM budget; block: 256 threads (two warpgroups); dynamic shared
 // memory: fused::wg::kDynamicSharedBytes.

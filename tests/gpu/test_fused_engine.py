@@ -182,6 +182,33 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
     assert not pool.bad_groups.any()
 
 
+def test_the_call_free_division_is_torchs_division_bit_for_bit():
+    # The wgmma kernel's epilogue divides with device/moe/fused_div.cuh (no call, so ptxas keeps wgmma pipelined);
+    # it must give __fdiv_rn's bits: here against torch's float32 division (IEEE, nearest even) on this GPU.
+    import cupy
+    from symmring.moe.engines import fused as fused_engine
+    dev = cuda_device()
+    gen = torch.Generator(device=dev).manual_seed(SEED)
+    n = 1 << 22
+    raw = torch.randint(-2 ** 31, 2 ** 31, (2, n), dtype=torch.int64, device=dev, generator=gen).to(torch.int32)
+    a, b = raw.view(torch.float32)  # every class of float: NaN, infinities, denormals, zeros
+    gate = (torch.randn(n, device=dev, generator=gen) * 4).to(torch.bfloat16).float()
+    amax = gate.abs() * (1 + torch.rand(n, device=dev, generator=gen) * 8)
+    tiny = torch.randint(0, 1 << 24, (n,), dtype=torch.int32, device=dev, generator=gen).view(torch.float32)
+    a = torch.cat([a, gate, gate * torch.rand(n, device=dev, generator=gen), tiny])
+    b = torch.cat([b, 1 + torch.exp(-gate), torch.where(amax == 0, torch.ones_like(amax), amax / 448), 1 + b[:n].abs() % 8])
+    q = torch.empty_like(a)
+    module, _ = fused_engine._module(dev.index, device_cc(), True)
+    probe = module.get_function("moe_fused_div_probe")
+    with cupy.cuda.Device(dev.index):
+        probe(((a.numel() + 255) // 256,), (256,), (cupy.asarray(a), cupy.asarray(b), cupy.asarray(q), np.int32(a.numel())))
+        cupy.cuda.runtime.deviceSynchronize()
+    want = a / b
+    same = (q.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(q) & torch.isnan(want))
+    first = (~same).nonzero()[:5].squeeze(1).tolist()
+    assert bool(same.all()), [(a[i].item(), b[i].item(), q[i].item(), want[i].item()) for i in first]
+
+
 def test_a_group_naming_no_local_expert_is_skipped_and_reported():
     weights = fp8_weights(256, 256, 4, SEED + 1)
     pool, num_rows, per_expert, live = make_pool(256, 4, 2, 64, SEED + 2)
