@@ -7,9 +7,10 @@
   and a tiny shape (256, 256, 16, top-2), all experts on this PE: the fused output vs the float64 model of the
   same quantised values (L1 rounded to bf16, SwiGLU quantised 1x128 to fp8) and vs the ``"builtin"`` engine on
   the same pool, relative error <= 1e-2 (as tests/gpu/test_moe_fp8.py); run to run bitwise; the same bits with
-  an SM budget of 1 and 3 blocks (a block never needs another resident) on the pass's first two 128-row groups
+  an SM budget of 1 and 3 blocks (a block never needs another resident) on the pass's first 128-row group
   (the whole pass on one SM would read every expert's weights through one SM: minutes at DeepSeek-V3 sizes; an
   item computes the same bits whatever the pass's length); nothing recorded in the engine's status.
+* The wgmma kernel's call-free division (device/moe/fused_div.cuh) against torch's float32 division, bit for bit.
 * A pool row group naming an expert outside ``[-1, E)`` is skipped and reported in ``bad_groups``.
 * In the layer (every PE of the session): ``MoE(engine="fused")`` vs ``engine="builtin"`` and the NumPy float64
   reference on the tiny and the Qwen3-like shapes, and a CUDA graph replay bitwise equal to the eager call.
@@ -54,8 +55,9 @@ SEAM_TOKENS = {"deepseek-v3": TOKENS + (2048,), "qwen3-30b-a3b": TOKENS + (4096,
 #: The kernels the seam test forces (``"auto"``: the engine's pick).
 KERNELS = ("m16", "m32", "wg64", "auto")
 ALIGN = 128
-#: Pool rows of the SM budget runs: the first two 128-row groups.
-BUDGET_ROWS = 2 * ALIGN
+#: Pool rows of the SM budget runs: the first 128-row group (one expert: its L2 items still wait for its L1 items,
+#: and one SM reads that expert's weights once per m block, seconds at DeepSeek-V3 sizes for 16-row items).
+BUDGET_ROWS = ALIGN
 
 
 def fp8_weights(hidden, inter, num_experts, seed) -> ExpertWeights:
