@@ -133,6 +133,22 @@ __device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0,
     return -1;
 }
 
+// One item: its m block, its 128-column block (n1 for L1, n2 for L2), its first row and the local expert of its
+// rows (-1: nothing to compute).
+struct Item {
+    int m_block, n_block, row0, expert;
+};
+
+// Item i of the L1 phase (l1: an m block's bad expert id is reported by its first L1 item) or of the L2 phase.
+template <int kBlockM>
+__device__ __forceinline__ Item item_of(const FusedExpertsArgs& p, const Work& w, int i, bool l1) {
+    Item it;
+    item_coords<kBlockM>(i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.n_block);
+    it.row0 = it.m_block * kBlockM;
+    it.expert = block_expert(p, it.row0, l1 && it.n_block == 0);
+    return it;
+}
+
 // --- an item's operands ---------------------------------------------------------------------------------
 
 // The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);

@@ -159,11 +159,9 @@ __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& o
 
 template <int kBlockM>
 __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n1;
-    item_coords<kBlockM>(item, w.n1_blocks, m_block, n1);
-    const int row0 = m_block * kBlockM;
-    const int e = block_expert(p, row0, n1 == 0);
-    if (e < 0) return;
+    const Item it = item_of<kBlockM>(p, w, item, true);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n1 = it.n_block, row0 = it.row0, e = it.expert;
     const Operands op = l1_operands(p, w, e, n1, row0);
     constexpr int kMTiles = kBlockM / 16;
     float acc[kMTiles][4][4];  // n8 tiles 0, 1: gate; 2, 3: up (the same columns)
@@ -218,11 +216,9 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
 
 template <int kBlockM>
 __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n2;
-    item_coords<kBlockM>(item, w.n2_blocks, m_block, n2);
-    const int row0 = m_block * kBlockM;
-    const int e = block_expert(p, row0, false);
-    if (e < 0) return;
+    const Item it = item_of<kBlockM>(p, w, item, false);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n2 = it.n_block, row0 = it.row0, e = it.expert;
     const bool timed_out = l2_arrivals_expired(p, w, m_block, sm.timed_out);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     constexpr int kMTiles = kBlockM / 16;

@@ -197,11 +197,9 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float 
 // --- L1 + SwiGLU + quantisation ---------------------------------------------------------------------------
 
 __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n1;
-    item_coords<kBlockM>(item, w.n1_blocks, m_block, n1);
-    const int row0 = m_block * kBlockM;
-    const int e = block_expert(p, row0, n1 == 0);
-    if (e < 0) return;
+    const Item it = item_of<kBlockM>(p, w, item, true);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n1 = it.n_block, row0 = it.row0, e = it.expert;
     float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
     tile_gemm<2>(sm, l1_operands(p, w, e, n1, row0), acc);
 
@@ -245,11 +243,9 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
 // --- L2 ---------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void l2_item(Shared& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, n2;
-    item_coords<kBlockM>(item, w.n2_blocks, m_block, n2);
-    const int row0 = m_block * kBlockM;
-    const int e = block_expert(p, row0, false);
-    if (e < 0) return;
+    const Item it = item_of<kBlockM>(p, w, item, false);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n2 = it.n_block, row0 = it.row0, e = it.expert;
     const bool timed_out = l2_arrivals_expired(p, w, m_block, sm.timed_out);
     float acc[1][kFrag];
     if (timed_out) {  // no finite garbage: the tile is NaN and status names it
