@@ -94,7 +94,8 @@ int main(int argc, char** argv) {
         check(gate * static_cast<float>(static_cast<int64_t>(next_random() % 2001) - 1000) / 1000.0f,
               amax == 0.0f ? 1.0f : amax / 448.0f);
         // denormal and tiny quotients
-        const float tiny = from_bits(static_cast<uint32_t>(next_random() % 0x01000000u) | (next_random() & 0x80000000u));
+        const uint32_t tiny_bits = static_cast<uint32_t>(next_random() % 0x01000000u) | (next_random() & 0x80000000u);
+        const float tiny = from_bits(tiny_bits);
         const float near_one = with_exponent(127 + next_random() % 8);
         check(tiny, near_one);
         check(tiny, from_bits(bits(near_one) + static_cast<uint32_t>((next_random() % 60) << 23)));

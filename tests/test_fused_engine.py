@@ -197,8 +197,9 @@ def _toolchain_missing():
 @pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")
 def test_shared_bytes_is_the_kernels_layout(tmp_path):
     # The kernel refuses a launch with less (status -1); more would waste occupancy: the host's figure is exact.
-    asserts = "\n".join(f"static_assert(sizeof(symmring_moe::fused::Shared<{rows}>) == {fused.shared_bytes(f'm{rows}')}, "
-                        f"\"fused shared memory of {rows} rows\");" for rows in fused.BLOCK_ROWS)
+    asserts = "\n".join(f"static_assert(sizeof(symmring_moe::fused::Shared<{rows}>) == "
+                        f"{fused.shared_bytes(f'm{rows}')}, \"fused shared memory of {rows} rows\");"
+                        for rows in fused.BLOCK_ROWS)
     asserts += (f"\nstatic_assert(symmring_moe::fused::wg::kDynamicSharedBytes == {fused.shared_bytes('wg64')}, "
                 f"\"wgmma fused shared memory\");")
     source = f"#include <moe/fused_experts.cu>\n#include <moe/fused_experts_wgmma.cu>\n{asserts}\n"

@@ -81,7 +81,9 @@ __device__ __forceinline__ uint64_t smem_desc(const uint8_t* tile) {
 }
 
 // The descriptor advanced by k steps of 32 bytes along K (inside the 128-byte swizzle atom): start address.
-__device__ __forceinline__ uint64_t desc_at_k(uint64_t desc, int k) { return desc + static_cast<uint64_t>(k * 32 >> 4); }
+__device__ __forceinline__ uint64_t desc_at_k(uint64_t desc, int k) {
+    return desc + static_cast<uint64_t>(k * 32 >> 4);
+}
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -203,7 +205,7 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
     tile_gemm<2>(sm, l1_operands(p, w, e, n1, row0), acc);
 
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     float row_amax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
@@ -231,7 +233,8 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
         if (wg == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {
-            const __nv_fp8x2_storage_t q = quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
+            const __nv_fp8x2_storage_t q =
+                quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
             const int col = n1 * kTileN + wg * kWgCols + 8 * j + 2 * t;
             *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
         }
@@ -254,7 +257,7 @@ __device__ __forceinline__ void l2_item(Shared& sm, const FusedExpertsArgs& p, c
     } else {
         tile_gemm<1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + 16 * warp + g + 8 * h;

@@ -197,13 +197,16 @@ def test_the_call_free_division_is_torchs_division_bit_for_bit():
     gate = (torch.randn(n, device=dev, generator=gen) * 4).to(torch.bfloat16).float()
     amax = gate.abs() * (1 + torch.rand(n, device=dev, generator=gen) * 8)
     tiny = torch.randint(0, 1 << 24, (n,), dtype=torch.int32, device=dev, generator=gen).view(torch.float32)
-    a = torch.cat([a, gate, gate * torch.rand(n, device=dev, generator=gen), tiny])
-    b = torch.cat([b, 1 + torch.exp(-gate), torch.where(amax == 0, torch.ones_like(amax), amax / 448), 1 + b[:n].abs() % 8])
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448)
+    # any pairs; SwiGLU's gate / (1 + exp(-gate)); values / their scale; denormal numerators
+    a, b = (torch.cat([a, gate, gate * torch.rand(n, device=dev, generator=gen), tiny]),
+            torch.cat([b, 1 + torch.exp(-gate), scale, 1 + b.abs() % 8]))
     q = torch.empty_like(a)
     module, _ = fused_engine._module(dev.index, device_cc(), True)
     probe = module.get_function("moe_fused_div_probe")
     with cupy.cuda.Device(dev.index):
-        probe(((a.numel() + 255) // 256,), (256,), (cupy.asarray(a), cupy.asarray(b), cupy.asarray(q), np.int32(a.numel())))
+        args = (cupy.asarray(a), cupy.asarray(b), cupy.asarray(q), np.int32(a.numel()))
+        probe(((a.numel() + 255) // 256,), (256,), args)
         cupy.cuda.runtime.deviceSynchronize()
     want = a / b
     same = (q.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(q) & torch.isnan(want))
