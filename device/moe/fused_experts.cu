@@ -269,10 +269,10 @@ using symmring_moe::FusedExpertsArgs;
 // rows-per-expert bound). 64 rows hold 128 float32 accumulators per thread at 8 warps and spill (ptxas: 255
 // registers, 52 bytes): larger row tiles wait for wgmma, whose accumulators a warpgroup shares.
 // Grid: the SM budget; block: 256 threads; dynamic shared memory: Shared<kBlockM>.
-extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m16(const FusedExpertsArgs p) {
-    symmring_moe::fused::run<16>(p);
+extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m16(const FusedExpertsArgs args) {
+    symmring_moe::fused::run<16>(args);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m32(const FusedExpertsArgs p) {
-    symmring_moe::fused::run<32>(p);
+extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_m32(const FusedExpertsArgs args) {
+    symmring_moe::fused::run<32>(args);
 }

@@ -287,19 +287,22 @@ __device__ __forceinline__ void run(const FusedExpertsArgs& p) {
 }  // namespace symmring_moe
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+using symmring_moe::FusedDivProbeArgs;
+using symmring_moe::FusedExpertsArgs;
+
 // The epilogue's division on n pairs: q[i] = a[i] / b[i] (fused_div.cuh), for the GPU test to compare with
 // torch's IEEE division bit for bit. Any target. Grid and block: any, covering n.
-extern "C" __global__ void moe_fused_div_probe(const float* a, const float* b, float* q, int n) {
+extern "C" __global__ void moe_fused_div_probe(const FusedDivProbeArgs args) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) q[i] = symmring_moe::fused::div::divide(a[i], b[i]);
+    if (i < args.n) args.q[i] = symmring_moe::fused::div::divide(args.a[i], args.b[i]);
 }
 
 // 64 rows per item, wgmma (sm_90a). Grid: the SM budget; block: 256 threads (two warpgroups); dynamic shared
 // memory: fused::wg::kDynamicSharedBytes.
-extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_wg64(const symmring_moe::FusedExpertsArgs p) {
+extern "C" __global__ void __launch_bounds__(256, 1) moe_fused_experts_wg64(const FusedExpertsArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    symmring_moe::fused::wg::run(p);
+    symmring_moe::fused::wg::run(args);
 #else
-    if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(p.status, 0, symmring_moe::fused::kStatusWrongTarget);
+    if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(args.status, 0, symmring_moe::fused::kStatusWrongTarget);
 #endif
 }

@@ -39,7 +39,7 @@ from symmring.moe.config import Experts, RoutingConfig  # noqa: E402
 from symmring.moe.engines import Pool  # noqa: E402
 from symmring.moe.engines.fp8 import Fp8Experts  # noqa: E402
 from symmring.moe.engines.fused import FusedExperts, select_kernel  # noqa: E402
-from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.gpu import MoE, kernel_args  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.weights import ExpertWeights, dequantize_blocks, quantize_blocks  # noqa: E402
 
@@ -205,7 +205,8 @@ def test_the_call_free_division_is_torchs_division_bit_for_bit():
     module, _ = fused_engine._module(dev.index, device_cc(), True)
     probe = module.get_function("moe_fused_div_probe")
     with cupy.cuda.Device(dev.index):
-        args = (cupy.asarray(a), cupy.asarray(b), cupy.asarray(q), np.int32(a.numel()))
+        args = kernel_args.pack(kernel_args.STRUCTS["FusedDivProbeArgs"], a=a.data_ptr(), b=b.data_ptr(),
+                                q=q.data_ptr(), n=a.numel())
         probe(((a.numel() + 255) // 256,), (256,), args)
         cupy.cuda.runtime.deviceSynchronize()
     want = a / b
