@@ -88,12 +88,16 @@ def test_the_record_names_every_buffer_and_shape():
     assert int(record["timeout_ns"]) == 2_500_000_000
     assert (int(record["num_rows"]), int(record["hidden"]), int(record["inter"]), int(record["num_local_experts"])) \
         == (300, HIDDEN, INTER, E)
-    # 20 rows per expert: 32-row items; 3 groups of 128 rows = 12 m blocks; each 3 L1 + 2 L2 items.
-    assert launch.kernel == "m32" and launch.shared_bytes == fused.shared_bytes("m32") == 125448
-    assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 12,) and not launch.counters.any()
+    # 20 rows per expert: 32-row items, one m block listed per 128-row group (the rest is padding): 3 m blocks;
+    # each 3 L1 + 2 L2 items.
+    assert launch.kernel == "m32" and launch.shared_bytes == fused.shared_bytes("m32") == 166920
+    assert int(record["m_blocks_per_group"]) == 1
+    assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 3,) and not launch.counters.any()
     assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
     assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
-    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=90).grid == 12 * (3 + 2)  # never more blocks than items
+    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=90).grid == 3 * (3 + 2)  # never more blocks than items
+    unbounded = engine.prepare(pool, 300, None, grid_limit=1000, cc=89)  # no bound (m32 off cc 9.0): every m block
+    assert unbounded.kernel == "m32" and unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
     assert engine.prepare(pool, 0, None, grid_limit=1000, cc=89).grid == 1
 
 
@@ -106,6 +110,12 @@ def test_the_wgmma_record_covers_64_row_blocks():
     assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 2)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
     assert int(record["counters"]) == launch.counters.data_ptr() and int(record["num_rows"]) == 300
+    assert int(record["m_blocks_per_group"]) == 2
+    # 40 rows per expert: wg64 lists one 64-row m block per group (its second would be padding): 3 m blocks.
+    launch = engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    assert launch.kernel == "wg64" and int(record["m_blocks_per_group"]) == 1
+    assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 2)
     # The same call on an sm_89 device takes the mma.sync kernel: the record is the same but for the buffers.
     assert engine.prepare(pool, 300, 100, grid_limit=1000, cc=89).kernel == "m32"
 
@@ -123,8 +133,11 @@ def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):
     monkeypatch.delenv("SYMMRING_FUSED_KERNEL", raising=False)
     pool = pool_of()
     for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64)):
-        launch = fused.FusedExperts(fp8_weights(), kernel=forced).prepare(pool, 512, 1, grid_limit=1000, cc=90)
+        engine = fused.FusedExperts(fp8_weights(), kernel=forced)
+        launch = engine.prepare(pool, 512, None, grid_limit=1000, cc=90)  # no bound: every m block of its rows
         assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 512 // rows,)
+        launch = engine.prepare(pool, 512, 1, grid_limit=1000, cc=90)  # one row per expert: one m block per group
+        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)
     assert fused.FusedExperts(fp8_weights()).kernel == "auto"
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", " WG64 ")
     assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64"
@@ -147,9 +160,14 @@ def test_the_wgmma_kernel_is_refused_off_sm90():
 def test_the_work_list_arithmetic():
     assert [fused.block_rows(r) for r in (None, 0, 1, 16, 17, 32, 33, 128)] == [32, 16, 16, 16, 32, 32, 32, 32]
     # DeepSeek-V3-like: one token on one PE touches 8 experts: 8 groups x 8 m blocks of 16 rows.
-    assert fused.work_items(8 * 128, 16, 7168, 2048) == (64, 64 * (16 + 56))
-    assert fused.work_items(1, 32, 256, 128) == (4, 4 * 3)
-    assert fused.work_items(0, 16, 256, 128) == (0, 0)
+    assert fused.work_items(8 * 128, 16, 7168, 2048, 8) == (64, 64 * (16 + 56))
+    assert fused.work_items(8 * 128, 16, 7168, 2048, fused.blocks_per_group(1, 16)) == (8, 8 * (16 + 56))
+    assert fused.work_items(1, 32, 256, 128, 4) == (4, 4 * 3)
+    assert fused.work_items(0, 16, 256, 128, 8) == (0, 0)
+    bounds = (None, 0, 1, 32, 33, 64, 128, 129, 5000)
+    assert [fused.blocks_per_group(r, 32) for r in bounds] == [4, 1, 1, 1, 2, 2, 4, 4, 4]
+    assert [fused.blocks_per_group(r, 16) for r in (None, 1, 16, 17, 100)] == [8, 1, 1, 2, 7]
+    assert [fused.blocks_per_group(r, 64) for r in (None, 1, 64, 65, 500)] == [2, 1, 1, 2, 2]  # wg64
 
 
 @pytest.mark.parametrize("change, message", [

@@ -54,7 +54,7 @@ def test_second_call_captures_then_replays():
     cache.insert("a", "A")
     assert [cache.decide("a") for _ in range(3)] == [("replay", "A")] * 3
     assert cache.decide("b") == ("capture", None)
-    assert cache.info() == dict(entries=1, capacity=4, hits=3, captures=1, evictions=0, failures=0)
+    assert cache.info() == dict(entries=1, capacity=4, hits=3, captures=1, evictions=0, failures=0, retries=0)
 
 
 def test_lru_eviction_trace():
@@ -85,13 +85,21 @@ def test_make_room_returns_the_least_recently_used():
     assert len(cache) == 2 and "a" in cache and "c" in cache
 
 
-def test_failed_capture_stays_eager_and_clear_forgets():
+def test_a_failed_capture_is_tried_once_more_then_stays_eager_and_clear_forgets():
     cache = GraphCache(2)
     cache.decide("a")
     assert cache.decide("a")[0] == "capture"
-    cache.fail("a")
+    cache.fail("a")  # the first failure: the next call captures again
+    assert cache.info()["retries"] == 1 and cache.info()["failures"] == 0
+    assert cache.decide("a")[0] == "capture"
+    cache.fail("a")  # the second: eager from now on
     assert [cache.decide("a")[0] for _ in range(3)] == ["eager"] * 3
-    assert cache.info()["failures"] == 1
+    assert cache.info()["failures"] == 1 and cache.info()["retries"] == 1
+    cache.decide("c")
+    assert cache.decide("c")[0] == "capture"
+    cache.fail("c")
+    cache.insert("c", "graph of c")  # a retry that captured replays
+    assert cache.decide("c") == ("replay", "graph of c")
     cache.decide("b")
     cache.clear()
     assert cache.decide("a")[0] == "eager" and cache.decide("b")[0] == "eager"  # seen and failed forgotten

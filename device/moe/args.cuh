@@ -323,6 +323,7 @@ struct FusedExpertsArgs {
     int hidden;
     int inter;
     int num_local_experts;
+    int m_blocks_per_group;      // m blocks listed per 128-row group: ceil(the host's rows-per-expert bound / rows)
 };
 
 // moe_fused_div_probe (fused_experts_wgmma.cu): q[i] = a[i] / b[i] by the wgmma kernel's call-free division,

@@ -89,7 +89,8 @@ __device__ __forceinline__ __nv_fp8x2_storage_t quantize_pair(float a, float b, 
 // --- the work list ---------------------------------------------------------------------------------------
 
 struct Work {
-    int num_m_blocks;  // m blocks of kBlockM rows over ceil(num_rows / 128) aligned 128-row groups
+    int per_group;     // m blocks listed per aligned 128-row group (the rest of a group is padding: no ticket)
+    int num_m_blocks;  // per_group m blocks of kBlockM rows over ceil(num_rows / 128) groups
     int n1_blocks;     // inter / 128
     int n2_blocks;     // hidden / 128
     int l1_items;
@@ -98,25 +99,27 @@ struct Work {
 
 template <int kBlockM>
 __device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
-    constexpr int kSub = kAlign / kBlockM;
     Work w;
     const int groups = (p.num_rows + kAlign - 1) / kAlign;
-    w.num_m_blocks = groups * kSub;
+    w.per_group = min(max(p.m_blocks_per_group, 1), kAlign / kBlockM);
+    w.num_m_blocks = groups * w.per_group;
     w.n1_blocks = p.inter / kTileN;
     w.n2_blocks = p.hidden / kTileN;
-    w.l1_items = groups * w.n1_blocks * kSub;
-    w.total_items = w.l1_items + groups * w.n2_blocks * kSub;
+    w.l1_items = w.num_m_blocks * w.n1_blocks;
+    w.total_items = w.l1_items + w.num_m_blocks * w.n2_blocks;
     return w;
 }
 
-// Item i of a phase with n_blocks column blocks: (m block, n block), the m blocks of one aligned group
-// adjacent for each n block, so the items running at once share a weight tile (read from HBM once, then L2).
+// Item i of a phase with n_blocks column blocks: its m block (the arrival counter's index) and first pool row,
+// and its n block; the m blocks of one group adjacent for each n block, so the items running at once share a
+// weight tile (read from HBM once, then L2).
 template <int kBlockM>
-__device__ __forceinline__ void item_coords(int i, int n_blocks, int& m_block, int& n_block) {
-    constexpr int kSub = kAlign / kBlockM;
-    const int group = i / (n_blocks * kSub), rest = i % (n_blocks * kSub);
-    n_block = rest / kSub;
-    m_block = group * kSub + rest % kSub;
+__device__ __forceinline__ void item_coords(const Work& w, int i, int n_blocks, int& m_block, int& row0,
+                                            int& n_block) {
+    const int group = i / (n_blocks * w.per_group), rest = i % (n_blocks * w.per_group);
+    n_block = rest / w.per_group;
+    m_block = group * w.per_group + rest % w.per_group;
+    row0 = group * kAlign + (rest % w.per_group) * kBlockM;
 }
 
 // The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
@@ -143,8 +146,7 @@ struct Item {
 template <int kBlockM>
 __device__ __forceinline__ Item item_of(const FusedExpertsArgs& p, const Work& w, int i, bool l1) {
     Item it;
-    item_coords<kBlockM>(i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.n_block);
-    it.row0 = it.m_block * kBlockM;
+    item_coords<kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.row0, it.n_block);
     it.expert = block_expert(p, it.row0, l1 && it.n_block == 0);
     return it;
 }

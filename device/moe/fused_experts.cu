@@ -22,9 +22,9 @@
 // Math: mma.sync m16n8k32 e4m3 (sm_89+), float32 partial sums over one 128-wide K block, promoted with the
 // row's activation scale times the weight block's scale, as the Triton kernels do. 8 warps; warp w owns
 // output columns [16 w, 16 w + 16) of the tile (for L1: of gate and of up alike), every row of it. Operands
-// stream through a 3-stage cp.async ring in shared memory (rows padded to 144 bytes: conflict-free 32-bit
-// fragment loads). The upgrade path (docs/FUSED.md): wgmma + TMA with warp-specialised loads keep this work
-// list, the epilogues and the arrival protocol as they are.
+// stream through a cp.async ring in shared memory (kStagesOf: 5 stages at 16 rows, 4 at 32; rows padded to
+// 144 bytes: conflict-free 32-bit fragment loads). The wgmma kernel (fused_experts_wgmma.cu) keeps this work
+// list, the epilogues and the arrival protocol (fused_common.cuh); docs/FUSED.md says what comes next.
 #include <moe/fused_common.cuh>
 
 namespace symmring_moe {
@@ -32,13 +32,16 @@ namespace fused {
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowBytes = kBlockK + 16;    // shared row pitch: 36 words, so 8 rows x 4 lanes hit 32 banks
-constexpr int kStages = 3;
+// Ring stages: as many as fit beside the registers (m32 at 5 stages spills). At small row counts an item
+// streams weights and is latency bound: its speed is the bytes in flight (stages - 1) per SM.
+template <int kBlockM>
+constexpr int kStagesOf = kBlockM <= 16 ? 5 : 4;
 constexpr int kMaxRowsB = 2 * kTileN;      // L1 loads gate and up rows
 
 template <int kBlockM>
 struct Shared {
-    uint8_t a[kStages][kBlockM][kRowBytes];
-    uint8_t b[kStages][kMaxRowsB][kRowBytes];
+    uint8_t a[kStagesOf<kBlockM>][kBlockM][kRowBytes];
+    uint8_t b[kStagesOf<kBlockM>][kMaxRowsB][kRowBytes];
     float amax[kWarps][kBlockM];
     int item;
     int timed_out;
@@ -80,7 +83,7 @@ __device__ __forceinline__ int b_tile_row(int j, int warp) { return (j / 2) * kT
 template <int kBlockM, int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& op,
                                           float (&acc)[kBlockM / 16][2 * kHalves][4]) {
-    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves;
+    constexpr int kMTiles = kBlockM / 16, kNTiles = 2 * kHalves, kStages = kStagesOf<kBlockM>;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)

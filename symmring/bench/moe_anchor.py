@@ -11,8 +11,8 @@ side, per model shape and tokens per rank:
 * symmring: ``MoE(..., w_gate, w_up, w_down, w_*_scale=...)`` given those fp8 weights, called with
   ``topk_idx``/``topk_weights`` (no router), batch (``streaming=False``, the default one-slot ring) and
   streamed (``streaming=True``, a ring of ``--tokens-per-slot`` slots; only where a call has at least two
-  chunks), for each engine (``builtin``; ``deepgemm`` where `symmring.moe.engines.deepgemm` finds a working
-  ``deep_gemm``);
+  chunks), for each engine (``builtin``; ``fused`` when named; ``deepgemm`` where
+  `symmring.moe.engines.deepgemm` finds a working ``deep_gemm``);
 * MegaMoE: the same fp8 weights as ``l1 = [gate; up]`` (rows interleaved by 8, `interleave_gate_up`, which
   is its ``transform_weights_for_mega_moe_sm90``; scales unchanged) and ``l2 = down``; its symmetric buffer
   (at one rank a plain ``torch.zeros`` of ``get_symm_buffer_size_for_sm90_mega_moe`` bytes, sliced by the
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {list(ANCHOR_SHAPES)}")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated tokens per rank")
     parser.add_argument("--engines", default="builtin,deepgemm",
-                        help="symmring fp8 engines (deepgemm only where it works; 'none': MegaMoE alone)")
+                        help="symmring fp8 engines: builtin, deepgemm (where it works), fused; 'none': MegaMoE alone")
     parser.add_argument("--modes", default="batch,streamed", help="symmring schedules: batch, streamed")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="capacity of every layer and of MegaMoE's buffer (default: the largest --tokens); part of "
@@ -183,8 +183,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--tokens: {exc}")
     engines = [e for e in args.engines.split(",") if e]
     args.engines = [] if engines == ["none"] else engines
-    if any(e not in ("builtin", "deepgemm") for e in args.engines):
-        parser.error(f"--engines={','.join(engines)}: expected builtin, deepgemm or none")
+    if any(e not in ("builtin", "deepgemm", "fused") for e in args.engines):
+        parser.error(f"--engines={','.join(engines)}: expected builtin, deepgemm, fused or none")
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or any(m not in ("batch", "streamed") for m in args.modes):
         parser.error("--modes: expected batch, streamed or both")

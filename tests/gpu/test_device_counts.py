@@ -152,7 +152,8 @@ def test_graph_cache_holds_one_graph_per_bucket(ctx):
     if info["captures"] > num_buckets(64):
         problems.append(f"{info['captures']} captures > {num_buckets(64)} buckets")
     message = (f"{CACHED_CALLS} calls with random counts: captures {info['captures']} (buckets {num_buckets(64)}), "
-               f"hits {info['hits']}, failures {info['failures']}; " + "; ".join(problems[:5]))
+               f"hits {info['hits']}, failures {info['failures']}, retries {info['retries']}; "
+               + "; ".join(problems[:5]))
     print(f"[figure] device counts: {message}")
     verdict(ctx, not problems and info["failures"] == 0, message)
 
@@ -170,7 +171,7 @@ def test_a_replaced_model_step_captured_once_serves_random_counts(ctx):
     import hf_models
     from symmring.moe.integrations.hf import replace_moe_blocks
     dev = device_of()
-    model, _ = hf_models.tiny_model("mixtral", SEED, device=dev)
+    model, _ = hf_models.tiny_model("mixtral", SEED, device=dev, num_experts=NUM_EXPERTS)  # splits over 3 PEs
     replaced = replace_moe_blocks(model, ctx, max_tokens=BUCKET, engine="builtin")
     workspace = next(iter(replaced.values())).layer.workspace
     static_ids = hf_models.input_ids(SEED + ctx.rank, 1, BUCKET).to(dev)

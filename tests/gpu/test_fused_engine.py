@@ -6,7 +6,9 @@
   tokens: up to 64 rows per expert), Qwen3-30B-A3B-like (2048, 768, 128, top-8; 1 to 4096 tokens: up to 256)
   and a tiny shape (256, 256, 16, top-2), all experts on this PE: the fused output vs the float64 model of the
   same quantised values (L1 rounded to bf16, SwiGLU quantised 1x128 to fp8) and vs the ``"builtin"`` engine on
-  the same pool, relative error <= 1e-2 (as tests/gpu/test_moe_fp8.py); run to run bitwise; the same bits with
+  the same pool, relative error <= 1e-2 (as tests/gpu/test_moe_fp8.py); run to run bitwise; without a
+  rows-per-expert bound (every m block of each 128-row group listed, not only those the bound can fill) within
+  the same error, and for a forced kernel the same bits; the same bits with
   an SM budget of 1 and 3 blocks (a block never needs another resident) on the pass's first 128-row group
   (the whole pass on one SM would read every expert's weights through one SM: minutes at DeepSeek-V3 sizes; an
   item computes the same bits whatever the pass's length); nothing recorded in the engine's status.
@@ -171,6 +173,7 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
     again = fused.forward(pool, num_rows, per_expert)
     few = min(num_rows, BUDGET_ROWS)
     budgets = [FusedExperts(weights, sm_budget=b, kernel=kernel).forward(pool, few, per_expert) for b in (1, 3)]
+    unbounded = fused.forward(pool, num_rows, None)  # no bound: every m block of each group listed
     fused.check_status()
     got = y[live]
     err_ref, err_builtin = rel_error_on_device(got, ref), rel_error_on_device(got, builtin)
@@ -179,6 +182,10 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
     assert torch.isfinite(got.float()).all(), "non-finite fused output on live rows"
     assert err_ref <= REL_TOL and err_builtin <= REL_TOL, (err_ref, err_builtin)
     assert torch.equal(got, again[live]), "fused output differs run to run"
+    err_unbounded = rel_error_on_device(unbounded[live], ref)
+    assert err_unbounded <= REL_TOL, f"without a rows-per-expert bound: vs float64 {err_unbounded:.3e}"
+    if kernel != "auto":  # the same kernel: the m blocks of live rows are the same items, so the same bits
+        assert torch.equal(got, unbounded[live]), "listing every m block of a group changed the output"
     for b, other in zip((1, 3), budgets):
         assert torch.equal(y[:few][live[:few]], other[live[:few]]), f"sm_budget={b} changed the output"
     assert not pool.bad_groups.any()
@@ -246,7 +253,7 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape):
     hidden, inter, num_experts, topk = SHAPES[shape]
     fused, w = _layer(ctx, "fused", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
     builtin, _ = _layer(ctx, "builtin", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
-    q = [dequantize_blocks(*quantize_blocks(torch.from_numpy(a)), torch.float64).numpy() for a in w]
+    q = [dequantize_blocks(*quantize_blocks(torch.from_numpy(a)), torch.float32).numpy() for a in w]
     problems, sums = [], np.zeros(4)  # err^2 vs reference, reference^2, err^2 vs builtin, builtin^2
     dev = cuda_device()
     try:

@@ -17,7 +17,7 @@ from moe_helpers import gpu_layer_torch  # noqa: E402
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 
 from moe_helpers import verdict  # noqa: E402
-from test_workspace import build  # noqa: E402  (the layers of the workspace tests)
+from test_workspace import NUM_EXPERTS, build  # noqa: E402  (the layers of the workspace tests)
 
 from symmring import jit  # noqa: E402
 from symmring.moe.workspace import Workspace  # noqa: E402
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.gpu
 
 def test_constructor_loads_every_library_module(nvshmem_ctx):
     ctx = nvshmem_ctx
-    if 16 % ctx.world_size:
-        pytest.skip(f"the workspace tests' layers split 16 experts evenly: not over {ctx.world_size} PEs")
+    if NUM_EXPERTS % ctx.world_size:
+        pytest.skip(f"the workspace tests' layers split {NUM_EXPERTS} experts evenly: not over {ctx.world_size} PEs")
     if set(jit.LIBRARY_MODULES) <= set(ctx.backend._library):
         pytest.skip("an earlier test of this session loaded every module already: run this file alone")
     workspace = Workspace(ctx, max_tokens=32)

@@ -16,7 +16,9 @@
 #   dgengine symmring's DeepGEMM engine (tokenspeed-deepgemm, a `deep_gemm` of its own) on the same seeded
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
-# "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. Files under $OUT (8 at
+# "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
+# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring rows;
+# ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at
 # most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.
 set -uo pipefail
@@ -111,14 +113,14 @@ else
     NOMEGA=(--no-megamoe)
     echo "MegaMoE did not return within the check: the table without it"
   fi
-  left=$((525 - (SECONDS - T0)))
+  left=$((${ANCHOR_BUDGET_S:-525} - (SECONDS - T0)))
   if (( left > 60 )); then
-    step anchor $((left - 40)) "${ANCHOR[@]}" --engines builtin --repeats 10 "${NOMEGA[@]}" \
-      --json "$OUT/anchor.json"
+    step anchor $((left - 40)) "${ANCHOR[@]}" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 "${NOMEGA[@]}" \
+      ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
   else
     echo "anchor: skipped, ${left}s left"
   fi
-  left=$((555 - (SECONDS - T0)))
+  left=$((${ANCHOR_BUDGET_S:-525} + 30 - (SECONDS - T0)))
   if (( left > 60 )) && [[ -d /tmp/tsdg-site/deep_gemm ]]; then
     step dgengine "$left" env PYTHONPATH="/tmp/tsdg-site:/tmp/site:$PWD" "$PY" -m symmring bench moe \
       --anchor megamoe --max-tokens 8192 --engines deepgemm --no-megamoe --repeats 10 \

@@ -41,9 +41,9 @@ WGMMA_KERNEL, WGMMA_CC = "wg64", 90
 #: Rows per expert from which `select_kernel` takes the wgmma kernel on cc 9.0 (its rule says why).
 WGMMA_MIN_ROWS_PER_EXPERT = 33
 THREADS = 256
-#: The mma.sync kernels' shared memory layout (``fused::Shared``): stages x (A rows + 256 B rows) x 144-byte
-#: rows, the per-warp row maxima, two ints.
-_STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = 3, TILE + 16, 2 * TILE, THREADS // 32
+#: The mma.sync kernels' shared memory layout (``fused::Shared``): stages (``fused::kStagesOf``, by rows per
+#: item) x (A rows + 256 B rows) x 144-byte rows, the per-warp row maxima, two ints.
+_STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = {16: 5, 32: 4}, TILE + 16, 2 * TILE, THREADS // 32
 #: The wgmma kernel's (``fused::wg::Shared``): stages x (64 A rows + 256 B rows) x 128-byte swizzled rows, the
 #: per-warpgroup row maxima, two ints; launched with 1024 bytes more to align the tiles (``kDynamicSharedBytes``).
 _WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
@@ -66,12 +66,12 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> shared_bytes("m16"), shared_bytes("m32"), shared_bytes("wg64")
-        (118024, 125448, 165384)
+        (196360, 166920, 165384)
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
     rows = KERNELS[kernel]
-    return _STAGES * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
+    return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
 
 def block_rows(rows_per_expert: Optional[int]) -> int:
@@ -134,16 +134,33 @@ def select_kernel(rows_per_expert: Optional[int], cc: int, kernel: str = "auto")
     return f"m{block_rows(rows_per_expert)}"
 
 
-def work_items(num_rows: int, rows: int, hidden: int, inter: int) -> Tuple[int, int]:
-    """``(m blocks, items)`` of a pass of ``num_rows`` pool rows at ``rows`` rows per item: every 128-row
-    group is ``128 / rows`` m blocks, each with ``inter / 128`` L1 items and ``hidden / 128`` L2 items (the
-    kernel's ``work_of``).
+def blocks_per_group(rows_per_expert: Optional[int], rows: int) -> int:
+    """m blocks of ``rows`` rows listed per 128-row pool group: those that can hold rows when no local expert
+    holds more than ``rows_per_expert`` (None: unknown, all of them). An expert's rows start its group, so the
+    rest of the group is padding, and a ticket for it costs a block a draw and a read for nothing (at 64 tokens
+    of a DeepSeek-V3-like layer, 7 of every 8 tickets at 16 rows each).
 
     Example:
-        >>> work_items(200, 16, 7168, 2048)   # two groups of 8 m blocks, 16 + 56 items each
-        (16, 1152)
+        >>> blocks_per_group(1, 16), blocks_per_group(64, 32), blocks_per_group(300, 32), blocks_per_group(None, 16)
+        (1, 2, 4, 8)
     """
-    m_blocks = -(-num_rows // FUSED_ALIGN_M) * (FUSED_ALIGN_M // rows)
+    if rows_per_expert is None:
+        return FUSED_ALIGN_M // rows
+    return max(1, -(-min(rows_per_expert, FUSED_ALIGN_M) // rows))
+
+
+def work_items(num_rows: int, rows: int, hidden: int, inter: int, per_group: int) -> Tuple[int, int]:
+    """``(m blocks, items)`` of a pass of ``num_rows`` pool rows at ``rows`` rows per item and ``per_group``
+    m blocks per 128-row group (`blocks_per_group`): each m block has ``inter / 128`` L1 items and
+    ``hidden / 128`` L2 items (the kernel's ``work_of``).
+
+    Example:
+        >>> work_items(200, 16, 7168, 2048, 8)   # two groups of 8 m blocks, 16 + 56 items each
+        (16, 1152)
+        >>> work_items(200, 16, 7168, 2048, 1)   # experts of at most 16 rows: one m block per group
+        (2, 144)
+    """
+    m_blocks = -(-num_rows // FUSED_ALIGN_M) * per_group
     return m_blocks, m_blocks * (inter // TILE + hidden // TILE)
 
 
@@ -290,7 +307,9 @@ class FusedExperts(ExpertEngine):
         import torch
         check_pool(pool, num_rows, self.hidden)
         kernel = select_kernel(rows_per_expert, cc, self.kernel)
-        m_blocks, items = work_items(num_rows, KERNELS[kernel], self.hidden, self.inter)
+        rows = KERNELS[kernel]
+        per_group = blocks_per_group(rows_per_expert, rows)
+        m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter, per_group)
         dev = pool.x.device
         out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
@@ -304,7 +323,7 @@ class FusedExperts(ExpertEngine):
             w_down_sf=address(w.w_down_scale), act=address(act), act_sf=address(act_sf), out=address(out),
             counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
             timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
-            num_local_experts=self.num_local_experts)
+            num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
         return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters)
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,

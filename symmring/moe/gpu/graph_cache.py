@@ -19,7 +19,10 @@ current stream, no host synchronisation):
   captures (after a device synchronisation) and replays, later calls replay. Only calls of at most
   `MAX_TOKENS` tokens on every rank, with contiguous ``x`` (and logits), and never while the caller's
   stream is capturing (a graph the caller captures around the layer then holds the plain kernels), nor
-  with test hooks (``layer.debug.forward``, `symmring.moe.debug`). The ranks' keys agree on the bucket
+  with test hooks (``layer.debug.forward``, `symmring.moe.debug`). A capture that fails (the call then runs
+  eagerly; nothing was launched) is tried once more at the key's next call: a first capture can meet a
+  one-time cost of the process that is illegal inside a capture (a module loaded at its first launch); a
+  second failure keeps the key eager. The ranks' keys agree on the bucket
   through the token-count exchange of the call, or of the model step (`symmring.Workspace.step`: one for
   every layer of the step).
 * **Ranks need not agree** on replaying: a replay runs exactly the kernels an eager call launches (the
@@ -93,6 +96,13 @@ def capacity(value) -> int:
     return value if override is None else override
 
 
+def _remember(keys: "OrderedDict[Hashable, None]", key: Hashable) -> None:
+    """Add ``key`` to a bounded set of keys (the least recently added dropped beyond `SEEN_KEYS`)."""
+    keys[key] = None
+    if len(keys) > SEEN_KEYS:
+        keys.popitem(last=False)
+
+
 class GraphCache:
     """The bookkeeping of the cache (what is kept, when to capture, what to evict); the graphs themselves
     are opaque entries (`CachedGraph` on the GPU).
@@ -106,7 +116,8 @@ class GraphCache:
         self._entries: "OrderedDict[Hashable, object]" = OrderedDict()
         self._seen: "OrderedDict[Hashable, None]" = OrderedDict()
         self._failed: "OrderedDict[Hashable, None]" = OrderedDict()
-        self.hits = self.captures = self.evictions = self.failures = 0
+        self._failed_once: "OrderedDict[Hashable, None]" = OrderedDict()
+        self.hits = self.captures = self.evictions = self.failures = self.retries = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -116,8 +127,8 @@ class GraphCache:
 
     def decide(self, key: Hashable) -> Tuple[str, Optional[object]]:
         """``("replay", entry)`` for a kept key (now the most recently used), ``("capture", None)`` for a key
-        seen once before (the caller captures and `insert`s), ``("eager", None)`` otherwise (a key seen for
-        the first time is remembered; one whose capture failed stays eager)."""
+        seen once before or whose first capture failed (the caller captures and `insert`s), ``("eager", None)``
+        otherwise (a key seen for the first time is remembered; one whose capture failed twice stays eager)."""
         if not self.capacity:
             return "eager", None
         entry = self._entries.get(key)
@@ -130,9 +141,7 @@ class GraphCache:
         if key in self._seen:
             del self._seen[key]
             return "capture", None
-        self._seen[key] = None
-        if len(self._seen) > SEEN_KEYS:
-            self._seen.popitem(last=False)
+        _remember(self._seen, key)
         return "eager", None
 
     def make_room(self) -> List[object]:
@@ -153,22 +162,30 @@ class GraphCache:
         self.captures += 1
 
     def fail(self, key: Hashable) -> None:
-        """Remember that ``key``'s capture failed: its calls stay eager."""
+        """Remember that ``key``'s capture failed: its next call captures again (counted in ``retries``); after
+        a second failure (counted in ``failures``) its calls stay eager."""
+        if key not in self._failed_once:
+            self.retries += 1
+            _remember(self._failed_once, key)
+            _remember(self._seen, key)
+            return
+        del self._failed_once[key]
         self.failures += 1
-        self._failed[key] = None
-        if len(self._failed) > SEEN_KEYS:
-            self._failed.popitem(last=False)
+        _remember(self._failed, key)
 
     def clear(self) -> None:
         """Drop every entry and what was seen (the counters stay)."""
         self._entries.clear()
         self._seen.clear()
         self._failed.clear()
+        self._failed_once.clear()
 
     def info(self) -> Dict[str, int]:
-        """``entries``, ``capacity``, ``hits`` (replays), ``captures``, ``evictions``, ``failures``."""
+        """``entries``, ``capacity``, ``hits`` (replays), ``captures``, ``evictions``, ``failures`` (keys left
+        eager), ``retries`` (failed first captures, tried again)."""
         return {"entries": len(self._entries), "capacity": self.capacity, "hits": self.hits,
-                "captures": self.captures, "evictions": self.evictions, "failures": self.failures}
+                "captures": self.captures, "evictions": self.evictions, "failures": self.failures,
+                "retries": self.retries}
 
 
 def call_key(plan, distinct: bool, x, kind: str, source) -> Optional[Tuple]:

@@ -108,7 +108,7 @@ STRUCTS["FusedExpertsArgs"] = _struct([
     ("pool_x", PTR), ("pool_sf", PTR), ("sf_row_stride", I64), ("sf_col_stride", I64), ("m_indices", PTR),
     ("w13", PTR), ("w13_sf", PTR), ("w_down", PTR), ("w_down_sf", PTR), ("act", PTR), ("act_sf", PTR),
     ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
-    ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32)])
+    ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32), ("m_blocks_per_group", I32)])
 STRUCTS["FusedDivProbeArgs"] = _struct([("a", PTR), ("b", PTR), ("q", PTR), ("n", I32)])
 STRUCTS["EndCallArgs"] = _struct([("desc", PTR), ("num_chunks", I32)])
 STRUCTS["RefuseCallArgs"] = _struct([("desc", PTR), ("layer", I32)])

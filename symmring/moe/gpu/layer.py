@@ -415,7 +415,7 @@ class GpuMoE(LayerBase):
 
     def graph_cache_info(self) -> Dict[str, int]:
         """The cache of captured calls: ``entries``, ``capacity``, ``hits`` (eager calls that replayed),
-        ``captures``, ``evictions``, ``failures`` (`symmring.moe.gpu.graph_cache.GraphCache.info`)."""
+        ``captures``, ``evictions``, ``failures``, ``retries`` (`symmring.moe.gpu.graph_cache.GraphCache.info`)."""
         return self.executor.graphs.info()
 
     def refresh_weights(self) -> None:
