@@ -15,6 +15,7 @@ from symmring.moe.engines import ENGINES, Pool, make_engine
 from symmring.moe.engines import fused
 from symmring.moe.gpu import kernel_args
 from symmring.moe.weights import ExpertWeights
+from test_device_compile import _toolchain_missing
 
 torch = pytest.importorskip("torch", reason="the engines' host side takes torch tensors")
 
@@ -201,15 +202,6 @@ def test_check_status_names_what_the_kernel_recorded():
     with pytest.raises(BackendError, match="not built for sm_90a"):
         engine.check_status()
     engine.check_status()
-
-
-def _toolchain_missing():
-    try:
-        jit.nvcc_path()
-        jit.nvshmem_paths()
-    except BackendError as exc:
-        return str(exc)
-    return None
 
 
 @pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")

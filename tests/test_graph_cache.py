@@ -89,10 +89,10 @@ def test_a_failed_capture_is_tried_once_more_then_stays_eager_and_clear_forgets(
     cache = GraphCache(2)
     cache.decide("a")
     assert cache.decide("a")[0] == "capture"
-    cache.fail("a")  # the first failure: the next call captures again
+    assert cache.fail("a")  # the first failure: the next call captures again
     assert cache.info()["retries"] == 1 and cache.info()["failures"] == 0
     assert cache.decide("a")[0] == "capture"
-    cache.fail("a")  # the second: eager from now on
+    assert not cache.fail("a")  # the second: eager from now on
     assert [cache.decide("a")[0] for _ in range(3)] == ["eager"] * 3
     assert cache.info()["failures"] == 1 and cache.info()["retries"] == 1
     cache.decide("c")

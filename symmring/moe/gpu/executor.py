@@ -275,11 +275,10 @@ class Executor:
             self.graphs.make_room()
             try:
                 entry = self._capture_call(plan, x, kind, source)
-            except Exception as exc:  # the call runs eagerly; its key stays eager
-                self.graphs.fail(key)
-                logger.warning("MoE rank %d: capturing a call of counts %s for the graph cache failed (%s: %s); "
-                               "calls of this shape run eagerly", self.spec.rank, plan.counts, type(exc).__name__,
-                               exc)
+            except Exception as exc:  # the call runs eagerly; the key's next call captures again, once
+                then = "its next call captures again" if self.graphs.fail(key) else "calls of this shape run eagerly"
+                logger.warning("MoE rank %d: capturing a call of counts %s for the graph cache failed (%s: %s); %s",
+                               self.spec.rank, plan.counts, type(exc).__name__, exc, then)
                 return None
             self.graphs.insert(key, entry)
         self.memory.begin_call(x.shape[0])  # before the copies: the previous replay may still read the static inputs

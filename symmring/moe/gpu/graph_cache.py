@@ -161,17 +161,18 @@ class GraphCache:
         self._entries[key] = entry
         self.captures += 1
 
-    def fail(self, key: Hashable) -> None:
+    def fail(self, key: Hashable) -> bool:
         """Remember that ``key``'s capture failed: its next call captures again (counted in ``retries``); after
-        a second failure (counted in ``failures``) its calls stay eager."""
+        a second failure (counted in ``failures``) its calls stay eager. Returns whether it will be retried."""
         if key not in self._failed_once:
             self.retries += 1
             _remember(self._failed_once, key)
             _remember(self._seen, key)
-            return
+            return True
         del self._failed_once[key]
         self.failures += 1
         _remember(self._failed, key)
+        return False
 
     def clear(self) -> None:
         """Drop every entry and what was seen (the counters stay)."""
