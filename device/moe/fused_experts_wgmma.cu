@@ -16,8 +16,9 @@
 // Shared memory: a 4-stage ring of A (64 rows) and B (256 rows for L1, 128 for L2) tiles of 128-byte rows,
 // K-major as both operands sit in global memory (pool rows [rows, hidden], weights [N, K]; fp8 wgmma takes
 // K-major only). Rows are stored with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)) in
-// tiles aligned to 1024 bytes, which is what the descriptors below say (swizzle mode 1 = 128B, SBO 1024 B =
+// tiles aligned to 1024 bytes, which is what the descriptors say (swizzle mode 1 = 128B, SBO 1024 B =
 // 8 rows x 128 B; a k step of 32 bytes inside the 128-byte swizzle atom adds 32 bytes to the start address).
+// Those layouts and the accumulator fragment's are in wgmma_layout.cuh, which a CPU test checks against the PTX ISA.
 // cp.async writes through the generic proxy and wgmma reads through the async proxy: each thread fences
 // (fence.proxy.async) after its copies landed and before the barrier that precedes the wgmma.
 //
@@ -28,6 +29,7 @@
 // records kStatusWrongTarget and computes nothing; the engine picks it only on cc 9.0.
 #include <moe/fused_common.cuh>
 #include <moe/fused_div.cuh>
+#include <moe/wgmma_layout.cuh>
 
 namespace symmring_moe {
 namespace fused {
@@ -38,7 +40,7 @@ constexpr int kStages = 4;
 constexpr int kWarpgroups = kThreads / 128;
 constexpr int kWgCols = kTileN / kWarpgroups;    // 64: each warpgroup's columns of a 128-column half
 constexpr int kFrag = kBlockM * kWgCols / 128;   // 32 float32 accumulators per thread per m64n64 stream
-constexpr int kSwizzleAtom = 1024;               // 8 rows x 128 bytes: the 128B swizzle pattern's period
+static_assert(kBlockK == kTileRowBytes, "a tile row is one K block of e4m3: the 128B swizzle's width");
 
 // Every tile is a multiple of 1024 bytes, so with the struct at a 1024-byte aligned address each tile is too.
 struct Shared {
@@ -48,8 +50,9 @@ struct Shared {
     int item;
     int timed_out;
 };
-static_assert(kBlockM * kBlockK % kSwizzleAtom == 0 && 2 * kTileN * kBlockK % kSwizzleAtom == 0,
-              "tiles must keep the 1024-byte alignment of the swizzle atom");
+static_assert(kBlockM * kBlockK % kSwizzleAtom == 0 && 2 * kTileN * kBlockK % kSwizzleAtom == 0 &&
+                  kWgCols * kBlockK % kSwizzleAtom == 0,
+              "tiles (and each warpgroup's B rows in them) must keep the 1024-byte alignment of the swizzle atom");
 
 // The launch's dynamic shared memory: the layout plus the slack to align its base up to 1024 bytes.
 constexpr uint32_t kDynamicSharedBytes = sizeof(Shared) + kSwizzleAtom;
@@ -67,22 +70,9 @@ namespace wg {
 
 // --- PTX wrappers (sm_90a) ----------------------------------------------------------------------------------
 
-// Byte offset of 16-byte chunk `chunk` of tile row `r` under the 128-byte swizzle.
-__device__ __forceinline__ uint32_t swizzled(int r, int chunk) { return r * kBlockK + ((chunk ^ (r % 8)) << 4); }
-
-// The shared memory descriptor of a K-major tile of 128-byte rows with the 128-byte swizzle, starting at
-// `tile` (1024-byte aligned): start address >> 4 in bits 0-13, LBO (unused for swizzled K-major layouts; 1
-// by convention) in bits 16-29, SBO = 1024 B between 8-row groups (>> 4) in bits 32-45, base offset 0 in
-// bits 49-51, swizzle mode 1 (128B) in bits 62-63.
+// The descriptor of the K-major, 128B-swizzled tile at `tile` (1024-byte aligned; wgmma_layout.cuh).
 __device__ __forceinline__ uint64_t smem_desc(const uint8_t* tile) {
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-           (static_cast<uint64_t>(kSwizzleAtom >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-// The descriptor advanced by k steps of 32 bytes along K (inside the 128-byte swizzle atom): start address.
-__device__ __forceinline__ uint64_t desc_at_k(uint64_t desc, int k) {
-    return desc + static_cast<uint64_t>(k * 32 >> 4);
+    return smem_desc_at(static_cast<uint32_t>(__cvta_generic_to_shared(tile)));
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -97,7 +87,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[kFrag]) {
 }
 
 // d (+)= A[64 x 32] * B[64 x 32]^T, both e4m3 K-major in shared memory; kAccumulate 0: d = A * B^T.
-// d[4 j + c] of thread t: row 16 (t / 32 % 4) + (t % 32) / 4 + 8 (c / 2), column 8 j + 2 (t % 4) + c % 2.
+// d[i] of thread t of the warpgroup: row acc_row(t, i), column acc_col(t, i) (wgmma_layout.cuh).
 template <int kAccumulate>
 __device__ __forceinline__ void wgmma_m64n64k32(float (&d)[kFrag], uint64_t a_desc, uint64_t b_desc) {
     asm volatile(
@@ -138,7 +128,7 @@ __device__ __forceinline__ void load_stage(Shared& sm, const Operands& op, int s
 
 template <int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float (&acc)[kHalves][kFrag]) {
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4;
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -162,7 +152,7 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float 
         float sa[2], sb[kHalves];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = op.row0 + 16 * warp + g + 8 * h;
+            const int r = op.row0 + acc_row(t, 2 * h);  // the rows of values i with i % 4 / 2 == h
             sa[h] = r < op.rows_valid ? __ldcg(op.a_sf + r * op.a_sf_row + kb * op.a_sf_col) : 0.0f;
         }
 #pragma unroll
@@ -205,7 +195,7 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
     tile_gemm<2>(sm, l1_operands(p, w, e, n1, row0), acc);
 
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     float row_amax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
@@ -217,25 +207,25 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     for (int h = 0; h < 2; ++h) {
         row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 1));
         row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 2));
-        if (t == 0) sm.amax[wg][16 * warp + g + 8 * h] = row_amax[h];
+        if (t % 4 == 0) sm.amax[wg][acc_row(t, 2 * h)] = row_amax[h];  // the quad's lanes hold the same rows
     }
     __syncthreads();  // both warpgroups' halves of every row's amax
     const int act_sf_cols = w.n1_blocks;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = 16 * warp + g + 8 * h, row = row0 + r;
+        const int r = acc_row(t, 2 * h), row = row0 + r;
         float amax = 0.0f;
 #pragma unroll
         for (int v = 0; v < kWarpgroups; ++v) amax = fmaxf(amax, sm.amax[v][r]);
         const float scale = fp8_scale(amax, div::CallFreeDivision());
         if (row >= p.num_rows) continue;
         const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
-        if (wg == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
+        if (wg == 0 && t % 4 == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {
             const __nv_fp8x2_storage_t q =
                 quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
-            const int col = n1 * kTileN + wg * kWgCols + 8 * j + 2 * t;
+            const int col = n1 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
             *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
         }
     }
@@ -257,14 +247,14 @@ __device__ __forceinline__ void l2_item(Shared& sm, const FusedExpertsArgs& p, c
     } else {
         tile_gemm<1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
-    const int wg = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 16 * warp + g + 8 * h;
+        const int row = row0 + acc_row(t, 2 * h);
         if (row >= p.num_rows) continue;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {
-            const int col = n2 * kTileN + wg * kWgCols + 8 * j + 2 * t;
+            const int col = n2 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
             *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
                 __floats2bfloat162_rn(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1]);
         }
