@@ -7,6 +7,7 @@
 | ``SYMMRING_HOST_TIMEOUT_S`` | bound of every host collective between ranks (`symmring.collective`: setup, allocation, the layers' per-call exchanges, teardown), in seconds: how late a rank may come to an exchange (a first call's compile, loading weights, a long prefill) before every rank raises `PeerTimeout` | ``1800`` |
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.cpu.layer`) | ``0`` |
+| ``SYMMRING_FUSED_KERNEL`` | the ``"fused"`` expert engine's kernel when its ``kernel=`` is not given: ``auto`` (by rows per expert and device), ``m16``, ``m32`` (mma.sync) or ``wg64`` (wgmma, cc 9.0 only) (`symmring.moe.engines.fused.select_kernel`) | ``auto`` |
 | ``SYMMRING_GRAPH_CACHE`` | entries of the GPU layer's cache of captured calls (`symmring.moe.gpu.graph_cache`): an int >= 0 that overrides every layer's ``graph_cache`` argument; ``0`` switches eager calls' graph replays off | unset (the argument: ``12``) |
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 | ``SYMMRING_PDL`` | ``0``: launch the GPU layer's small-batch kernels without programmatic dependent launch (`symmring.pdl`; used only with one PE per GPU, compute capability >= 9) | ``1`` |
@@ -94,6 +95,11 @@ def debug() -> bool:
 def vllm_enabled() -> bool:
     """Whether ``SYMMRING_VLLM`` asks vLLM's MoE layers to run symmring (`symmring.integrations.vllm.plugin`)."""
     return os.environ.get("SYMMRING_VLLM", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def fused_kernel() -> str:
+    """``SYMMRING_FUSED_KERNEL`` lower-cased, ``"auto"`` when unset or empty (the engine checks the value)."""
+    return os.environ.get("SYMMRING_FUSED_KERNEL", "").strip().lower() or "auto"
 
 
 def graph_cache() -> Optional[int]:

@@ -8,13 +8,19 @@ compiler log are under our control (CuPy's own cache ignores headers reached thr
     nvcc -dc -std=c++17 -arch=sm_<cc> -I<device dir> -I<nvshmem include> -o x.o x.cu
     nvcc --cubin -arch=sm_<cc> --device-link x.o -L<nvshmem lib> -lnvshmem_device -o x.cubin
 
+Target: ``sm_<cc>``, except for a source with the line ``// symmring-jit: sm_90a`` (`ARCH_SPECIFIC_MARKER`)
+on a cc 9.0 device: it is compiled and linked for ``sm_90a``, the arch-specific target that ``wgmma`` (and
+``setmaxnreg``) need (`target_arch`). Such a source guards those instructions with
+``__CUDA_ARCH_FEAT_SM90_ALL``, so that it still builds for other devices (``sm_<cc>``). Everything else keeps
+``sm_<cc>``: an ``sm_90a`` cubin runs only on cc 9.0.
+
 The headers and library come from the ``nvidia-nvshmem`` wheel whose ``libnvshmem_host`` is loaded
 (the host library checks the device library's version). The device sources are found as
 ``symmring/_device`` (a link to the repository's ``device/``, shipped in the wheel).
 
 Cache: ``SYMMRING_CACHE_DIR`` (default ``~/.cache/symmring``), one ``<name>-<key>.cubin`` per module. The
 key is a sha256 of the source, every file under the device directory, the nvcc version, the
-nvidia-nvshmem version, the compute capability and the options (no paths, so a cache built on a machine
+nvidia-nvshmem version, the compute capability, the target and the options (no paths, so a cache built on a machine
 without GPU with the same tools is valid on the GPU machine); the
 source handed to nvcc starts with ``// symmring-device-hash: <sha>`` so a cubin is traceable to the
 headers it was built from. Files are written to a temporary name and renamed, so concurrent ranks never
@@ -121,10 +127,30 @@ def device_hash() -> str:
     return digest.hexdigest()
 
 
-def compile_options(cc: int, extra_options: Sequence[str] = ()) -> Tuple[str, ...]:
-    """Options of the ``-dc`` compile step for compute capability ``cc`` (e.g. 90)."""
+#: The line by which a source asks for the arch-specific target ``sm_90a`` on a cc 9.0 device (`target_arch`).
+ARCH_SPECIFIC_MARKER = "// symmring-jit: sm_90a"
+_ARCH_SPECIFIC_LINE = re.compile(r"^[ \t]*" + re.escape(ARCH_SPECIFIC_MARKER) + r"[ \t\r]*$", re.MULTILINE)
+
+
+def target_arch(source: str, cc: int) -> str:
+    """The nvcc target of ``source`` on a device of compute capability ``cc``: ``sm_90a`` where the source
+    carries `ARCH_SPECIFIC_MARKER` on a line of its own and ``cc`` is 90, else ``sm_<cc>``.
+
+    Example:
+        >>> target_arch("// symmring-jit: sm_90a\\n", 90), target_arch("// symmring-jit: sm_90a\\n", 100)
+        ('sm_90a', 'sm_100')
+        >>> target_arch('extern "C" __global__ void k() {}', 90)
+        'sm_90'
+    """
+    return "sm_90a" if cc == 90 and _ARCH_SPECIFIC_LINE.search(source) else f"sm_{cc}"
+
+
+def compile_options(cc: int, extra_options: Sequence[str] = (), arch: Optional[str] = None) -> Tuple[str, ...]:
+    """Options of the ``-dc`` compile step for compute capability ``cc`` (e.g. 90), for target ``arch``
+    (default ``sm_<cc>``; `target_arch` picks it per source)."""
     include, _ = nvshmem_paths()
-    return BASE_OPTIONS + (f"-arch=sm_{cc}", f"-I{device_dir()}", f"-I{include}") + tuple(extra_options)
+    arch = arch or f"sm_{cc}"
+    return BASE_OPTIONS + (f"-arch={arch}", f"-I{device_dir()}", f"-I{include}") + tuple(extra_options)
 
 
 def _run(cmd: Sequence[str], *, source_name: str, options: Sequence[str]) -> None:
@@ -136,7 +162,8 @@ def _run(cmd: Sequence[str], *, source_name: str, options: Sequence[str]) -> Non
 
 def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[str] = (),
                   cache_dir: Optional[Path] = None) -> Path:
-    """Compile and device-link ``source`` for ``sm_<cc>``; return the cached cubin's path.
+    """Compile and device-link ``source`` for ``sm_<cc>`` (``sm_90a`` for a source that asks, `target_arch`);
+    return the cached cubin's path.
 
     Args:
         source: CUDA source (kernels ``extern "C"``); may ``#include <symmring/protocol.cuh>``.
@@ -159,11 +186,12 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
     """
     nvcc = nvcc_path()
     _, lib = nvshmem_paths()
-    options = compile_options(cc, extra_options)
-    link_options = (f"-arch=sm_{cc}", f"-L{lib}", "-lnvshmem_device")
+    arch = target_arch(source, cc)
+    options = compile_options(cc, extra_options, arch)
+    link_options = (f"-arch={arch}", f"-L{lib}", "-lnvshmem_device")
     dev_hash = device_hash()
     # Paths stay out of the key (a cubin built on one machine is valid on another with the same tools).
-    key = hashlib.sha256("\0".join((source, dev_hash, nvcc_version(nvcc), nvshmem_version(), str(cc),
+    key = hashlib.sha256("\0".join((source, dev_hash, nvcc_version(nvcc), nvshmem_version(), str(cc), arch,
                                     *BASE_OPTIONS, *extra_options)).encode()).hexdigest()[:32]
     cache = Path(cache_dir) if cache_dir is not None else env.cache_dir()
     target = cache / f"{name}-{key}.cubin"
@@ -173,7 +201,7 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
     with tempfile.TemporaryDirectory(prefix=f"symmring-{name}-", dir=cache) as tmp:
         cu, obj, cubin = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.cubin"
         cu.write_text(f"// symmring-device-hash: {dev_hash}\n{source}")
-        logger.info("compiling %s for sm_%d (cache %s)", name, cc, target)
+        logger.info("compiling %s for %s (cache %s)", name, arch, target)
         _run([nvcc, *options, "-o", str(obj), str(cu)], source_name=name, options=options)
         _run([nvcc, "--cubin", *link_options, "--device-link", str(obj), "-o", str(cubin)],
              source_name=name, options=link_options)
@@ -250,6 +278,14 @@ LIBRARY_MODULES = {
 }
 
 
+#: Device modules an engine loads itself (plain CuPy modules: their kernels call no NVSHMEM): module name ->
+#: source. ``python -m symmring.jit`` builds them too, so that the engine's first call is a cache hit.
+ENGINE_MODULES = {
+    "moe_fused_experts": "moe/fused_experts.cu",
+    "moe_fused_experts_wgmma": "moe/fused_experts_wgmma.cu",
+}
+
+
 def precompile(sources: Sequence[Tuple[Path, str]], cc: int, workers: int = 4) -> list:
     """Compile ``(path, module name)`` pairs into the cache in parallel (then loading them is a cache hit);
     returns one line per module. Raises CompileError for the first that fails."""
@@ -274,9 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="parallel nvcc jobs (default 4)")
     parser.add_argument("modules", nargs="*", metavar="PATH=NAME",
                         help="more sources and their module names (e.g. tests/gpu/user_kernels.cu=user_kernels); "
-                             "the library's own modules are always built")
+                             "the library's own modules and the engines' are always built")
     args = parser.parse_args(argv)
-    sources = [(device_dir() / f, name) for name, f in LIBRARY_MODULES.items()]
+    sources = [(device_dir() / f, name) for name, f in {**LIBRARY_MODULES, **ENGINE_MODULES}.items()]
     for item in args.modules:
         path, sep, name = item.partition("=")
         if not sep or not path or not name:

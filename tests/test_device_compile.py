@@ -95,3 +95,29 @@ def test_cache_key_follows_the_device_headers(tmp_path, monkeypatch):
     header = copy / "symmring" / "timeout.cuh"
     header.write_text(header.read_text() + "\n// changed\n")
     assert jit.device_hash() != before
+
+
+def test_arch_specific_sources_build_for_sm90a(compiled):
+    # The wgmma kernel's source asks for sm_90a (wgmma has no sm_90 encoding); every other source keeps sm_90.
+    asking = {s for s in SOURCES if jit.target_arch(s.read_text(), 90) == "sm_90a"}
+    assert asking == {ROOT / "device" / "moe" / "fused_experts_wgmma.cu"}
+    for source in SOURCES:
+        cubin = compiled[source]
+        if isinstance(cubin, Exception):
+            continue  # reported by test_source_compiles_and_device_links_for_sm90
+        assert (b"sm_90a" in cubin.read_bytes()) == (source in asking), source
+
+
+def test_the_marker_picks_the_target_of_both_steps(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(jit, "_run", lambda cmd, **kw: calls.append(cmd) or Path(cmd[cmd.index("-o") + 1])
+                        .write_bytes(b"\x7fELF"))
+    marked = f'{jit.ARCH_SPECIFIC_MARKER}\nextern "C" __global__ void k() {{}}\n'
+    jit.compile_cubin(marked, name="k", cc=90, cache_dir=tmp_path)
+    assert all("-arch=sm_90a" in cmd for cmd in calls) and len(calls) == 2
+    calls.clear()
+    jit.compile_cubin(marked, name="k", cc=89, cache_dir=tmp_path)  # no sm_89a: the plain target
+    assert all("-arch=sm_89" in cmd for cmd in calls) and len(calls) == 2
+    # Only a line of its own asks; a mention inside other text does not.
+    assert jit.target_arch(f'// see "{jit.ARCH_SPECIFIC_MARKER}"\n', 90) == "sm_90"
+    assert jit.target_arch(f"  {jit.ARCH_SPECIFIC_MARKER}  \r\n", 90) == "sm_90a"

@@ -1,7 +1,8 @@
 """The ``"fused"`` engine's host side on the CPU (its GPU run: tests/gpu/test_fused_engine.py): the shapes it
-refuses, the argument record it packs for ``moe_fused_experts_m*`` (every field, from CPU tensors standing in
-for the pool and the weights), the work list's arithmetic, and the shared memory size the host asks for against
-``sizeof(fused::Shared<rows>)`` as nvcc lays it out."""
+refuses, the argument record it packs for ``moe_fused_experts_*`` (every field, from CPU tensors standing in
+for the pool and the weights), which kernel a call gets (the rule, ``kernel=``, ``SYMMRING_FUSED_KERNEL``), the
+work list's arithmetic, and the shared memory size the host asks for against each kernel's layout as nvcc lays
+it out."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_bad_sm_budgets_are_refused(budget):
 def test_the_record_names_every_buffer_and_shape():
     engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
     pool = pool_of(capacity=512, rows_for_sf=300)
-    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7)
+    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7, cc=90)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
     w = engine.weights
     pointers = dict(pool_x=pool.x, pool_sf=pool.x_sf, m_indices=pool.m_indices, w13=w.w13, w13_sf=w.w13_scale,
@@ -90,15 +91,71 @@ def test_the_record_names_every_buffer_and_shape():
         == (300, HIDDEN, INTER, E)
     # 20 rows per expert: 32-row items, one m block listed per 128-row group (the rest is padding): 3 m blocks;
     # each 3 L1 + 2 L2 items.
-    assert launch.kernel == "moe_fused_experts_m32" and launch.shared_bytes == fused.shared_bytes(32)
+    assert launch.kernel == "m32" and launch.shared_bytes == fused.shared_bytes("m32") == 166920
     assert int(record["m_blocks_per_group"]) == 1
     assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 3,) and not launch.counters.any()
     assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
     assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
-    assert engine.prepare(pool, 300, 20, grid_limit=1000).grid == 3 * (3 + 2)  # never more blocks than items
-    unbounded = engine.prepare(pool, 300, None, grid_limit=1000)  # no bound: every m block of a group
-    assert unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
-    assert engine.prepare(pool, 0, None, grid_limit=1000).grid == 1
+    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=90).grid == 3 * (3 + 2)  # never more blocks than items
+    unbounded = engine.prepare(pool, 300, None, grid_limit=1000, cc=89)  # no bound (m32 off cc 9.0): every m block
+    assert unbounded.kernel == "m32" and unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
+    assert engine.prepare(pool, 0, None, grid_limit=1000, cc=89).grid == 1
+
+
+def test_the_wgmma_record_covers_64_row_blocks():
+    engine = fused.FusedExperts(fp8_weights(), kernel="auto")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
+    # 100 rows per expert on cc 9.0: wg64; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
+    assert (launch.kernel, launch.shared_bytes) == ("wg64", fused.shared_bytes("wg64"))
+    assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 2)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    assert int(record["counters"]) == launch.counters.data_ptr() and int(record["num_rows"]) == 300
+    assert int(record["m_blocks_per_group"]) == 2
+    # 40 rows per expert: wg64 lists one 64-row m block per group (its second would be padding): 3 m blocks.
+    launch = engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    assert launch.kernel == "wg64" and int(record["m_blocks_per_group"]) == 1
+    assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 2)
+    # The same call on an sm_89 device takes the mma.sync kernel: the record is the same but for the buffers.
+    assert engine.prepare(pool, 300, 100, grid_limit=1000, cc=89).kernel == "m32"
+
+
+@pytest.mark.parametrize("rows_per_expert, cc, kernel", [
+    (0, 90, "m16"), (1, 90, "m16"), (16, 90, "m16"), (17, 90, "m32"), (32, 90, "m32"), (33, 90, "wg64"),
+    (128, 90, "wg64"), (512, 90, "wg64"), (None, 90, "wg64"),
+    (33, 89, "m32"), (None, 89, "m32"), (8, 89, "m16"), (256, 100, "m32"), (None, 120, "m32"),
+])
+def test_the_kernel_rule(rows_per_expert, cc, kernel):
+    assert fused.select_kernel(rows_per_expert, cc) == kernel
+
+
+def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):
+    monkeypatch.delenv("SYMMRING_FUSED_KERNEL", raising=False)
+    pool = pool_of()
+    for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64)):
+        engine = fused.FusedExperts(fp8_weights(), kernel=forced)
+        launch = engine.prepare(pool, 512, None, grid_limit=1000, cc=90)  # no bound: every m block of its rows
+        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 512 // rows,)
+        launch = engine.prepare(pool, 512, 1, grid_limit=1000, cc=90)  # one row per expert: one m block per group
+        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)
+    assert fused.FusedExperts(fp8_weights()).kernel == "auto"
+    monkeypatch.setenv("SYMMRING_FUSED_KERNEL", " WG64 ")
+    assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64"
+    assert fused.FusedExperts(fp8_weights(), kernel="m16").kernel == "m16"  # the argument wins over the variable
+    monkeypatch.setenv("SYMMRING_FUSED_KERNEL", "m64")
+    with pytest.raises(ConfigError, match=r"SYMMRING_FUSED_KERNEL='m64': expected one of \['auto', 'm16', 'm32', "
+                                          r"'wg64'\]"):
+        fused.FusedExperts(fp8_weights())
+    with pytest.raises(ConfigError, match="kernel='wgmma': expected one of"):
+        fused.FusedExperts(fp8_weights(), kernel="wgmma")
+
+
+def test_the_wgmma_kernel_is_refused_off_sm90():
+    engine = fused.FusedExperts(fp8_weights(), kernel="wg64")
+    for cc in (89, 100):
+        with pytest.raises(BackendError, match=rf"kernel 'wg64' uses wgmma \(sm_90a\), device is sm_{cc}"):
+            engine.prepare(pool_of(), 512, 64, grid_limit=4, cc=cc)
 
 
 def test_the_work_list_arithmetic():
@@ -111,6 +168,7 @@ def test_the_work_list_arithmetic():
     bounds = (None, 0, 1, 32, 33, 64, 128, 129, 5000)
     assert [fused.blocks_per_group(r, 32) for r in bounds] == [4, 1, 1, 1, 2, 2, 4, 4, 4]
     assert [fused.blocks_per_group(r, 16) for r in (None, 1, 16, 17, 100)] == [8, 1, 1, 2, 7]
+    assert [fused.blocks_per_group(r, 64) for r in (None, 1, 64, 65, 500)] == [2, 1, 1, 2, 2]  # wg64
 
 
 @pytest.mark.parametrize("change, message", [
@@ -127,7 +185,7 @@ def test_a_pool_the_kernel_cannot_read_is_named(change, message):
     for name, value in kwargs.items():
         setattr(pool, name, value)
     with pytest.raises(ConfigError, match=message):
-        fused.FusedExperts(fp8_weights()).prepare(pool, num_rows, None, grid_limit=4)
+        fused.FusedExperts(fp8_weights()).prepare(pool, num_rows, None, grid_limit=4, cc=90)
 
 
 def test_check_status_names_what_the_kernel_recorded():
@@ -140,12 +198,19 @@ def test_check_status_names_what_the_kernel_recorded():
     engine.status[0] = -1
     with pytest.raises(BackendError, match="less shared memory"):
         engine.check_status()
+    engine.status[0] = -2
+    with pytest.raises(BackendError, match="not built for sm_90a"):
+        engine.check_status()
+    engine.check_status()
 
 
 @pytest.mark.skipif(_toolchain_missing() is not None, reason=f"{_toolchain_missing()}")
 def test_shared_bytes_is_the_kernels_layout(tmp_path):
     # The kernel refuses a launch with less (status -1); more would waste occupancy: the host's figure is exact.
-    asserts = "\n".join(f"static_assert(sizeof(symmring_moe::fused::Shared<{rows}>) == {fused.shared_bytes(rows)}, "
-                        f"\"fused shared memory of {rows} rows\");" for rows in fused.BLOCK_ROWS)
-    source = f"#include <moe/fused_experts.cu>\n{asserts}\n"
+    asserts = "\n".join(f"static_assert(sizeof(symmring_moe::fused::Shared<{rows}>) == "
+                        f"{fused.shared_bytes(f'm{rows}')}, \"fused shared memory of {rows} rows\");"
+                        for rows in fused.BLOCK_ROWS)
+    asserts += (f"\nstatic_assert(symmring_moe::fused::wg::kDynamicSharedBytes == {fused.shared_bytes('wg64')}, "
+                f"\"wgmma fused shared memory\");")
+    source = f"#include <moe/fused_experts.cu>\n#include <moe/fused_experts_wgmma.cu>\n{asserts}\n"
     assert jit.compile_cubin(source, name="fused_layout", cc=90, cache_dir=tmp_path).is_file()

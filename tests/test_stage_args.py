@@ -22,7 +22,10 @@ from symmring.moe.gpu.plan import ChunkStep, WindowStep
 
 from stage_fakes import BUFFERS, COMBINE_READY, COMBINE_ROWS, KERNEL_OF, FakeKernels, FakeTensor, fake_state
 
-SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu", "moe/schedule.cu", "moe/fused_experts.cu")
+SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu", "moe/schedule.cu", "moe/fused_experts.cu",
+           "moe/fused_experts_wgmma.cu")
+
+
 #: An ``extern "C"`` kernel's name and parameter list, with or without ``__launch_bounds__``.
 KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
 

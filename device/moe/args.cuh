@@ -299,7 +299,7 @@ struct CombineFusedArgs {
 
 // --- fused_experts.cu -----------------------------------------------------------------------------------
 
-// moe_fused_experts_m16, _m32: the experts of one pass (L1, SwiGLU + fp8 quantisation, L2) in one
+// moe_fused_experts_m16, _m32, _wg64: the experts of one pass (L1, SwiGLU + fp8 quantisation, L2) in one
 // persistent kernel over the pool the fp8 dispatch wrote (symmring.moe.engines.fused fills it).
 struct FusedExpertsArgs {
     const uint8_t* pool_x;       // fp8 e4m3 [>= num_rows, hidden]
@@ -316,13 +316,23 @@ struct FusedExpertsArgs {
     __nv_bfloat16* out;          // [num_rows, hidden]
     int* counters;               // zeroed before the launch: [0] the work ticket, [1 + m block] L1 arrivals
     int* bad_groups;             // [2]: tiles skipped for an expert id outside [-1, E), the first id; or null
-    int* status;                 // [2]: L2 tiles whose arrival wait expired (written NaN), the first m block
+    int* status;                 // [2]: L2 tiles whose arrival wait expired (written NaN), the first m block;
+                                 //      or [0] = -1: too little shared memory, -2: wgmma kernel not built for sm_90a
     unsigned long long timeout_ns;
     int num_rows;
     int hidden;
     int inter;
     int num_local_experts;
     int m_blocks_per_group;      // m blocks listed per 128-row group: ceil(the host's rows-per-expert bound / rows)
+};
+
+// moe_fused_div_probe (fused_experts_wgmma.cu): q[i] = a[i] / b[i] by the wgmma kernel's call-free division,
+// for the GPU test to compare with torch's.
+struct FusedDivProbeArgs {
+    const float* a;
+    const float* b;
+    float* q;
+    int n;
 };
 
 // --- schedule.cu ---------------------------------------------------------------------------------------

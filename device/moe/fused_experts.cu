@@ -22,31 +22,21 @@
 // Math: mma.sync m16n8k32 e4m3 (sm_89+), float32 partial sums over one 128-wide K block, promoted with the
 // row's activation scale times the weight block's scale, as the Triton kernels do. 8 warps; warp w owns
 // output columns [16 w, 16 w + 16) of the tile (for L1: of gate and of up alike), every row of it. Operands
-// stream through a 3-stage cp.async ring in shared memory (rows padded to 144 bytes: conflict-free 32-bit
-// fragment loads). The upgrade path (docs/FUSED.md): wgmma + TMA with warp-specialised loads keep this work
-// list, the epilogues and the arrival protocol as they are.
-#include <stdint.h>
-
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
-#include <moe/args.cuh>
+// stream through a cp.async ring in shared memory (kStagesOf: 5 stages at 16 rows, 4 at 32; rows padded to
+// 144 bytes: conflict-free 32-bit fragment loads). The wgmma kernel (fused_experts_wgmma.cu) keeps this work
+// list, the epilogues and the arrival protocol (fused_common.cuh); docs/FUSED.md says what comes next.
+#include <moe/fused_common.cuh>
 
 namespace symmring_moe {
 namespace fused {
 
-constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBlockK = 128;               // K per stage and per scale block
 constexpr int kRowBytes = kBlockK + 16;    // shared row pitch: 36 words, so 8 rows x 4 lanes hit 32 banks
 // Ring stages: as many as fit beside the registers (m32 at 5 stages spills). At small row counts an item
 // streams weights and is latency bound: its speed is the bytes in flight (stages - 1) per SM.
 template <int kBlockM>
 constexpr int kStagesOf = kBlockM <= 16 ? 5 : 4;
-constexpr int kTileN = 128;                // output columns per item (one scale block of the weights)
 constexpr int kMaxRowsB = 2 * kTileN;      // L1 loads gate and up rows
-constexpr int kAlign = 128;                // expert groups start at multiples of this many pool rows
-constexpr float kFp8Max = 448.0f;
 
 template <int kBlockM>
 struct Shared {
@@ -57,18 +47,7 @@ struct Shared {
     int timed_out;
 };
 
-// --- PTX wrappers ----------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+// --- the mma.sync main loop ------------------------------------------------------------------------
 
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     asm volatile(
@@ -78,42 +57,7 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ int load_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ uint64_t now_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-    uint32_t n;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n;
-}
-
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
 // --- one tile: acc[m tile][n8 tile][4] += A[rows, K] * B[cols, K]^T, block-scaled ------------------------
-
-// The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);
-// a_sf / b_sf give the scales of K block kb (b_sf[h]: the weight block of half h, one float per K block).
-struct Operands {
-    const uint8_t* a;
-    long long a_stride;
-    const float* a_sf;
-    long long a_sf_row, a_sf_col;
-    const uint8_t* b;
-    long long b_stride;
-    int b_row0[2];
-    const float* b_sf[2];
-    int row0, rows_valid;  // A rows [row0, row0 + kBlockM); rows past rows_valid are zero-filled
-    int num_kb;
-};
 
 template <int kBlockM, int kHalves>
 __device__ __forceinline__ void load_stage(Shared<kBlockM>& sm, const Operands& op, int stage, int kb) {
@@ -214,89 +158,19 @@ __device__ __forceinline__ void tile_gemm(Shared<kBlockM>& sm, const Operands& o
     __syncthreads();  // every warp is done with the ring before the next item refills it
 }
 
-// --- the work list ---------------------------------------------------------------------------------------
-
-struct Work {
-    int per_group;     // m blocks listed per aligned 128-row group (the rest of a group is padding: no ticket)
-    int num_m_blocks;  // per_group m blocks of kBlockM rows over ceil(num_rows / 128) groups
-    int n1_blocks;     // inter / 128
-    int n2_blocks;     // hidden / 128
-    int l1_items;
-    int total_items;
-};
-
-template <int kBlockM>
-__device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
-    Work w;
-    const int groups = (p.num_rows + kAlign - 1) / kAlign;
-    w.per_group = min(max(p.m_blocks_per_group, 1), kAlign / kBlockM);
-    w.num_m_blocks = groups * w.per_group;
-    w.n1_blocks = p.inter / kTileN;
-    w.n2_blocks = p.hidden / kTileN;
-    w.l1_items = w.num_m_blocks * w.n1_blocks;
-    w.total_items = w.l1_items + w.num_m_blocks * w.n2_blocks;
-    return w;
-}
-
-// Item i of a phase with n_blocks column blocks: its m block (the arrival counter's index) and first pool row,
-// and its n block; the m blocks of one group adjacent for each n block, so the items running at once share a
-// weight tile (read from HBM once, then L2).
-template <int kBlockM>
-__device__ __forceinline__ void item_coords(const Work& w, int i, int n_blocks, int& m_block, int& row0,
-                                            int& n_block) {
-    const int group = i / (n_blocks * w.per_group), rest = i % (n_blocks * w.per_group);
-    n_block = rest / w.per_group;
-    m_block = group * w.per_group + rest % w.per_group;
-    row0 = group * kAlign + (rest % w.per_group) * kBlockM;
-}
-
-// The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
-// outside [-1, E) (reported once per m block, by thread 0 of its first L1 item). Every thread reads the same id,
-// so the whole block takes the same branch.
-__device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0, bool report) {
-    if (row0 >= p.num_rows) return -1;
-    const int e = p.m_indices[row0];
-    if (e >= -1 && e < p.num_local_experts) return e;
-    if (report && threadIdx.x == 0 && p.bad_groups != nullptr) {
-        atomicAdd(p.bad_groups, 1);
-        atomicCAS(p.bad_groups + 1, 0, e);
-    }
-    return -1;
-}
-
 // --- L1 + SwiGLU + quantisation ---------------------------------------------------------------------------
 
 template <int kBlockM>
 __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, row0, n1;
-    item_coords<kBlockM>(w, item, w.n1_blocks, m_block, row0, n1);
-    const int e = block_expert(p, row0, n1 == 0);
-    if (e < 0) return;
-    const int kb_count = p.hidden / kBlockK;
-    const int n_scale_rows = 2 * p.inter / kTileN;  // w13_sf rows per expert
-    Operands op;
-    op.a = p.pool_x;
-    op.a_stride = p.hidden;
-    op.a_sf = p.pool_sf;
-    op.a_sf_row = p.sf_row_stride;
-    op.a_sf_col = p.sf_col_stride;
-    op.b = p.w13 + static_cast<long long>(e) * 2 * p.inter * p.hidden;
-    op.b_stride = p.hidden;
-    op.b_row0[0] = n1 * kTileN;
-    op.b_row0[1] = p.inter + n1 * kTileN;
-    op.b_sf[0] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + n1) * kb_count;
-    op.b_sf[1] = p.w13_sf + (static_cast<long long>(e) * n_scale_rows + w.n1_blocks + n1) * kb_count;
-    op.row0 = row0;
-    op.rows_valid = p.num_rows;
-    op.num_kb = kb_count;
-
+    const Item it = item_of<kBlockM>(p, w, item, true);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n1 = it.n_block, row0 = it.row0, e = it.expert;
+    const Operands op = l1_operands(p, w, e, n1, row0);
     constexpr int kMTiles = kBlockM / 16;
     float acc[kMTiles][4][4];  // n8 tiles 0, 1: gate; 2, 3: up (the same columns)
     tile_gemm<kBlockM, 2>(sm, op, acc);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-    // SwiGLU in float32 of the bf16-rounded L1 outputs (the unfused engines round L1 to bf16 in memory),
-    // silu(g) = g / (1 + expf(-g)) with CUDA's accurate expf and IEEE division, as their kernels.
     float row_amax[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -305,8 +179,7 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const float gate = bf16_round(acc[mt][j][c]), up = bf16_round(acc[mt][j + 2][c]);
-                const float v = __fdiv_rn(gate, 1.0f + expf(-gate)) * up;
+                const float v = swiglu(acc[mt][j][c], acc[mt][j + 2][c], HardwareDivision());
                 acc[mt][j][c] = v;
                 row_amax[mt][c / 2] = fmaxf(row_amax[mt][c / 2], fabsf(v));
             }
@@ -327,51 +200,29 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
             float amax = 0.0f;
 #pragma unroll
             for (int v = 0; v < kWarps; ++v) amax = fmaxf(amax, sm.amax[v][r]);
-            const float scale = amax == 0.0f ? 1.0f : __fdiv_rn(amax, kFp8Max);  // quant.quantize_fp8's rule
+            const float scale = fp8_scale(amax, HardwareDivision());
             if (row >= p.num_rows) continue;
             if (warp == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                // satfinite clips to +-448 as the rule's clip; round to nearest even.
-                const float2 pair = make_float2(__fdiv_rn(acc[mt][j][2 * h], scale), __fdiv_rn(acc[mt][j][2 * h + 1], scale));
-                const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8x2_storage_t q = quantize_pair(acc[mt][j][2 * h], acc[mt][j][2 * h + 1], scale,
+                                                               HardwareDivision());
                 const int col = n1 * kTileN + warp * 16 + j * 8 + 2 * t;
                 *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
             }
         }
     __syncthreads();  // every thread's stores precede the release below (and sm.amax is free again)
-    if (threadIdx.x == 0) {
-        __threadfence();  // release: pairs with the acquire of the m block's L2 items (wait_arrivals)
-        atomicAdd(p.counters + 1 + m_block, 1);
-    }
+    release_arrival(p, m_block);
 }
 
 // --- L2 ---------------------------------------------------------------------------------------------------
 
-// Wait (thread 0, bounded) until the m block's L1 items all arrived; false when the bound expired.
-__device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_block, int expected) {
-    const int* word = p.counters + 1 + m_block;
-    if (load_acquire_gpu(word) >= expected) return true;
-    const uint64_t deadline = now_ns() + p.timeout_ns;
-    for (uint32_t polls = 0;; ++polls) {
-        if (load_acquire_gpu(word) >= expected) return true;
-        if (polls % 64 == 63 && now_ns() > deadline) return false;
-    }
-}
-
 template <int kBlockM>
 __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Work& w, int item) {
-    int m_block, row0, n2;
-    item_coords<kBlockM>(w, item, w.n2_blocks, m_block, row0, n2);
-    const int e = block_expert(p, row0, false);
-    if (e < 0) return;
-    if (threadIdx.x == 0) {
-        sm.timed_out = !wait_arrivals(p, m_block, w.n1_blocks);
-        if (sm.timed_out && atomicAdd(p.status, 1) == 0) p.status[1] = m_block;
-    }
-    __syncthreads();  // the acquire of thread 0, then the block's reads of the intermediate
-    const bool timed_out = sm.timed_out;
-    __syncthreads();
+    const Item it = item_of<kBlockM>(p, w, item, false);
+    if (it.expert < 0) return;
+    const int m_block = it.m_block, n2 = it.n_block, row0 = it.row0, e = it.expert;
+    const bool timed_out = l2_arrivals_expired(p, w, m_block, sm.timed_out);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     constexpr int kMTiles = kBlockM / 16;
     float acc[kMTiles][2][4];
@@ -383,21 +234,7 @@ __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[mt][j][c] = __int_as_float(0x7fc00000);
     } else {
-        const int kb_count = p.inter / kBlockK;
-        Operands op;
-        op.a = p.act;
-        op.a_stride = p.inter;
-        op.a_sf = p.act_sf;
-        op.a_sf_row = w.n1_blocks;
-        op.a_sf_col = 1;
-        op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
-        op.b_stride = p.inter;
-        op.b_row0[0] = op.b_row0[1] = n2 * kTileN;
-        op.b_sf[0] = op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
-        op.row0 = row0;
-        op.rows_valid = p.num_rows;
-        op.num_kb = kb_count;
-        tile_gemm<kBlockM, 1>(sm, op, acc);
+        tile_gemm<kBlockM, 1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -420,23 +257,10 @@ template <int kBlockM>
 __device__ void run(const FusedExpertsArgs& p) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     Shared<kBlockM>& sm = *reinterpret_cast<Shared<kBlockM>*>(smem_raw);
-    if (dynamic_smem_bytes() < sizeof(Shared<kBlockM>)) {  // a launch the host sized wrong: say so, compute nothing
-        if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(p.status, 0, -1);
-        return;
-    }
+    if (!shared_memory_fits(p, sizeof(Shared<kBlockM>))) return;  // a launch the host sized wrong
     const Work w = work_of<kBlockM>(p);
-    for (;;) {
-        if (threadIdx.x == 0) sm.item = atomicAdd(p.counters, 1);
-        __syncthreads();
-        const int item = sm.item;
-        __syncthreads();  // every thread read it before thread 0 draws the next
-        if (item >= w.total_items) return;
-        if (item < w.l1_items) {
-            l1_item<kBlockM>(sm, p, w, item);
-        } else {
-            l2_item<kBlockM>(sm, p, w, item - w.l1_items);
-        }
-    }
+    run_items(p, w, sm.item, [&](int item) { l1_item<kBlockM>(sm, p, w, item); },
+              [&](int item) { l2_item<kBlockM>(sm, p, w, item); });
 }
 
 }  // namespace fused

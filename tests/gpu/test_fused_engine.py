@@ -1,22 +1,30 @@
 """The ``"fused"`` engine (device/moe/fused_experts.cu, docs/FUSED.md) on the GPU.
 
-* At the seam, on pools laid out as the fp8 dispatch writes them (groups at multiples of 128 rows, MN-major
-  scales, ``m_indices``), DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts, top-8), Qwen3-30B-A3B-like
-  (2048, 768, 128, top-8) and a tiny shape (256, 256, 16, top-2), all experts on this PE, at 1, 8, 64 and 512
-  tokens: the fused output vs the float64 model of the same quantised values (L1 rounded to bf16, SwiGLU
-  quantised 1x128 to fp8) and vs the ``"builtin"`` engine on the same pool, relative error <= 1e-2 (as
-  tests/gpu/test_moe_fp8.py); run to run bitwise; the same bits with an SM budget of 1 and 3 blocks (a block
-  never needs another resident); nothing recorded in the engine's status.
+* At the seam, for each kernel family (``m16``, ``m32``: mma.sync; ``wg64``: wgmma, cc 9.0 only; forced with
+  ``kernel=``, and ``auto``), on pools laid out as the fp8 dispatch writes them (groups at multiples of 128 rows,
+  MN-major scales, ``m_indices``), DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts, top-8; 1 to 2048
+  tokens: up to 64 rows per expert), Qwen3-30B-A3B-like (2048, 768, 128, top-8; 1 to 4096 tokens: up to 256)
+  and a tiny shape (256, 256, 16, top-2), all experts on this PE: the fused output vs the float64 model of the
+  same quantised values (L1 rounded to bf16, SwiGLU quantised 1x128 to fp8) and vs the ``"builtin"`` engine on
+  the same pool, relative error <= 1e-2 (as tests/gpu/test_moe_fp8.py); run to run bitwise; without a
+  rows-per-expert bound (every m block of each 128-row group listed, not only those the bound can fill) within
+  the same error, and for a forced kernel the same bits; the same bits with
+  an SM budget of 1 and 3 blocks (a block never needs another resident) on the pass's first 128-row group
+  (the whole pass on one SM would read every expert's weights through one SM: minutes at DeepSeek-V3 sizes; an
+  item computes the same bits whatever the pass's length); nothing recorded in the engine's status.
+* The wgmma kernel's call-free division (device/moe/fused_div.cuh) against torch's float32 division, bit for bit.
 * A pool row group naming an expert outside ``[-1, E)`` is skipped and reported in ``bad_groups``.
 * In the layer (every PE of the session): ``MoE(engine="fused")`` vs ``engine="builtin"`` and the NumPy float64
   reference on the tiny and the Qwen3-like shapes, and a CUDA graph replay bitwise equal to the eager call.
 
-Run: ``python -m pytest tests/gpu/test_fused_engine.py -q`` (1 PE), and with 2 PEs
+Run: ``python -m pytest tests/gpu/test_fused_engine.py -q`` (1 PE; ``-k wg64`` for the wgmma kernel alone), and
+with 2 PEs
 ``python -m symmring.launch --mps -n 2 -- python -m mpi4py -m pytest tests/gpu/test_fused_engine.py -q``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -27,13 +35,13 @@ from moe_helpers import gpu_layer_torch  # noqa: E402
 torch = gpu_layer_torch()  # or the whole module skips, with the reason
 pytest.importorskip("triton", reason="the builtin engine it is compared with needs Triton")
 
-from moe_helpers import cuda_device, make_tokens, rel_error, to_torch, verdict  # noqa: E402
+from moe_helpers import cuda_device, make_tokens, to_torch, verdict  # noqa: E402
 
 from symmring.moe.config import Experts, RoutingConfig  # noqa: E402
 from symmring.moe.engines import Pool  # noqa: E402
 from symmring.moe.engines.fp8 import Fp8Experts  # noqa: E402
-from symmring.moe.engines.fused import FusedExperts  # noqa: E402
-from symmring.moe.gpu import MoE  # noqa: E402
+from symmring.moe.engines.fused import FusedExperts, select_kernel  # noqa: E402
+from symmring.moe.gpu import MoE, kernel_args  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.weights import ExpertWeights, dequantize_blocks, quantize_blocks  # noqa: E402
 
@@ -44,7 +52,14 @@ REL_TOL = 1e-2
 #: hidden, inter, experts, top-k.
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (256, 256, 16, 2)}
 TOKENS = (1, 8, 64, 512)
+#: Token counts of the seam test per shape: into the rows per expert where the wgmma kernel is picked.
+SEAM_TOKENS = {"deepseek-v3": TOKENS + (2048,), "qwen3-30b-a3b": TOKENS + (4096,), "tiny": TOKENS}
+#: The kernels the seam test forces (``"auto"``: the engine's pick).
+KERNELS = ("m16", "m32", "wg64", "auto")
 ALIGN = 128
+#: Pool rows of the SM budget runs: the first 128-row group (one expert: its L2 items still wait for its L1 items,
+#: and one SM reads that expert's weights once per m block, seconds at DeepSeek-V3 sizes for 16-row items).
+BUDGET_ROWS = ALIGN
 
 
 def fp8_weights(hidden, inter, num_experts, seed) -> ExpertWeights:
@@ -113,40 +128,98 @@ def reference_rows(pool, weights: ExpertWeights, live):
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def shape_weights(request):
-    hidden, inter, num_experts, topk = SHAPES[request.param]
-    weights = fp8_weights(hidden, inter, num_experts, SEED)
-    yield request.param, weights, topk
-    del weights
-    torch.cuda.empty_cache()
+@functools.lru_cache(maxsize=1)  # one shape's experts at a time (DeepSeek-V3-like: 11 GB)
+def shape_weights(shape):
+    hidden, inter, num_experts, topk = SHAPES[shape]
+    return fp8_weights(hidden, inter, num_experts, SEED), topk
 
 
-@pytest.mark.parametrize("num_tokens", TOKENS)
-def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape_weights, num_tokens):
-    name, weights, topk = shape_weights
+@functools.lru_cache(maxsize=1)  # the kernels of one case run one after the other
+def seam_case(shape, num_tokens):
+    """``(pool, num_rows, rows per expert, live rows, float64 reference of the live rows, builtin's live rows)``."""
+    weights, topk = shape_weights(shape)
     pool, num_rows, per_expert, live = make_pool(weights.hidden, weights.num_local_experts, topk, num_tokens,
                                                  SEED + num_tokens)
-    fused = FusedExperts(weights)
+    ref = reference_rows(pool, weights, live)[live]
+    builtin = Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)[live]
+    return pool, num_rows, per_expert, live, ref, builtin
+
+
+def rel_error_on_device(y, y_ref) -> float:
+    """``||y - y_ref|| / ||y_ref||`` in float64, on the device (no host copy of large outputs)."""
+    y, y_ref = y.double(), y_ref.double()
+    return float(torch.linalg.vector_norm(y - y_ref) / torch.linalg.vector_norm(y_ref))
+
+
+def device_cc() -> int:
+    major, minor = torch.cuda.get_device_capability(cuda_device())
+    return major * 10 + minor
+
+
+SEAM_CASES = [(shape, n) for shape in sorted(SHAPES) for n in SEAM_TOKENS[shape]]
+
+
+# The kernels of one case are adjacent (the first parametrize is the outer loop): the cached case serves them all.
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape, num_tokens", SEAM_CASES)
+def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, kernel):
+    if kernel == "wg64" and device_cc() != 90:
+        pytest.skip(f"the wgmma kernel needs compute capability 9.0 (sm_90a); this device is {device_cc()}")
+    weights, _ = shape_weights(shape)
+    pool, num_rows, per_expert, live, ref, builtin = seam_case(shape, num_tokens)
+    fused = FusedExperts(weights, kernel=kernel)
+    picked = select_kernel(per_expert, device_cc(), kernel)
     y = fused.forward(pool, num_rows, per_expert)
     again = fused.forward(pool, num_rows, per_expert)
-    budgets = [FusedExperts(weights, sm_budget=b).forward(pool, num_rows, per_expert) for b in (1, 3)]
-    builtin = Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)
-    unbounded = fused.forward(pool, num_rows, None)  # no bound: every m block of each group listed, 32 rows
+    few = min(num_rows, BUDGET_ROWS)
+    budgets = [FusedExperts(weights, sm_budget=b, kernel=kernel).forward(pool, few, per_expert) for b in (1, 3)]
+    unbounded = fused.forward(pool, num_rows, None)  # no bound: every m block of each group listed
     fused.check_status()
-    ref = reference_rows(pool, weights, live)
-    got, base = y[live].double().cpu().numpy(), builtin[live].double().cpu().numpy()
-    err_ref, err_builtin = rel_error(got, ref[live].cpu().numpy()), rel_error(got, base)
-    print(f"[figure] fused {name} n={num_tokens} ({int(live.sum())} rows, <= {per_expert} per expert): "
-          f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e}")
-    assert np.isfinite(got).all(), "non-finite fused output on live rows"
+    got = y[live]
+    err_ref, err_builtin = rel_error_on_device(got, ref), rel_error_on_device(got, builtin)
+    print(f"[figure] fused {kernel} ({picked}) {shape} n={num_tokens} ({int(live.sum())} rows, <= {per_expert} per "
+          f"expert): vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e}")
+    assert torch.isfinite(got.float()).all(), "non-finite fused output on live rows"
     assert err_ref <= REL_TOL and err_builtin <= REL_TOL, (err_ref, err_builtin)
-    err_unbounded = rel_error(unbounded[live].double().cpu().numpy(), ref[live].cpu().numpy())
+    assert torch.equal(got, again[live]), "fused output differs run to run"
+    err_unbounded = rel_error_on_device(unbounded[live], ref)
     assert err_unbounded <= REL_TOL, f"without a rows-per-expert bound: vs float64 {err_unbounded:.3e}"
-    assert torch.equal(y[live], again[live]), "fused output differs run to run"
+    if kernel != "auto":  # the same kernel: the m blocks of live rows are the same items, so the same bits
+        assert torch.equal(got, unbounded[live]), "listing every m block of a group changed the output"
     for b, other in zip((1, 3), budgets):
-        assert torch.equal(y[live], other[live]), f"sm_budget={b} changed the output"
+        assert torch.equal(y[:few][live[:few]], other[live[:few]]), f"sm_budget={b} changed the output"
     assert not pool.bad_groups.any()
+
+
+def test_the_call_free_division_is_torchs_division_bit_for_bit():
+    # The wgmma kernel's epilogue divides with device/moe/fused_div.cuh (no call, so ptxas keeps wgmma pipelined);
+    # it must give __fdiv_rn's bits: here against torch's float32 division (IEEE, nearest even) on this GPU.
+    import cupy
+    from symmring.moe.engines import fused as fused_engine
+    dev = cuda_device()
+    gen = torch.Generator(device=dev).manual_seed(SEED)
+    n = 1 << 22
+    raw = torch.randint(-2 ** 31, 2 ** 31, (2, n), dtype=torch.int64, device=dev, generator=gen).to(torch.int32)
+    a, b = raw.view(torch.float32)  # every class of float: NaN, infinities, denormals, zeros
+    gate = (torch.randn(n, device=dev, generator=gen) * 4).to(torch.bfloat16).float()
+    amax = gate.abs() * (1 + torch.rand(n, device=dev, generator=gen) * 8)
+    tiny = torch.randint(0, 1 << 24, (n,), dtype=torch.int32, device=dev, generator=gen).view(torch.float32)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448)
+    # any pairs; SwiGLU's gate / (1 + exp(-gate)); values / their scale; denormal numerators
+    a, b = (torch.cat([a, gate, gate * torch.rand(n, device=dev, generator=gen), tiny]),
+            torch.cat([b, 1 + torch.exp(-gate), scale, 1 + b.abs() % 8]))
+    q = torch.empty_like(a)
+    module, _ = fused_engine._module(dev.index, device_cc(), True)
+    probe = module.get_function("moe_fused_div_probe")
+    with cupy.cuda.Device(dev.index):
+        args = kernel_args.pack(kernel_args.STRUCTS["FusedDivProbeArgs"], a=a.data_ptr(), b=b.data_ptr(),
+                                q=q.data_ptr(), n=a.numel())
+        probe(((a.numel() + 255) // 256,), (256,), args)
+        cupy.cuda.runtime.deviceSynchronize()
+    want = a / b
+    same = (q.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(q) & torch.isnan(want))
+    first = (~same).nonzero()[:5].squeeze(1).tolist()
+    assert bool(same.all()), [(a[i].item(), b[i].item(), q[i].item(), want[i].item()) for i in first]
 
 
 def test_a_group_naming_no_local_expert_is_skipped_and_reported():

@@ -3,6 +3,12 @@
 quantisation of its output on chip, L2 to bf16 rows, over a work list that a fixed grid (the SM budget) takes
 by tickets. The design, the roofline per shape and the SM budget rule: docs/FUSED.md.
 
+Two kernel families compute the same work list with the same epilogues: ``mma.sync`` with 16 or 32 rows per
+item (``moe_fused_experts_m16``/``_m32``, ``device/moe/fused_experts.cu``, sm_89+) and Hopper ``wgmma`` with 64
+(``moe_fused_experts_wg64``, ``device/moe/fused_experts_wgmma.cu``, compiled for sm_90a, cc 9.0 only).
+`select_kernel` picks one per call from the window's rows per expert; ``kernel=`` or
+``SYMMRING_FUSED_KERNEL`` forces one (tests, benchmarks).
+
 It reads the pool the fp8 dispatch writes (rows, their 1x128 scales, ``m_indices``) and the fp8 weights with
 128x128 block scales, as the ``"builtin"`` engine does, and writes the output rows into its own tensor: the
 workspace's output rows share bytes with the pool (`symmring.moe.workspace_plan.expert_arena`), which a fused
@@ -26,31 +32,46 @@ from .seam import ExpertEngine, Pool, Scratch
 FUSED_ALIGN_M = 128
 #: Columns of an item's output tile and K per scale block: the weights' 128x128 blocks.
 TILE = 128
-#: Rows per item of each kernel (``moe_fused_experts_m<rows>``), smallest first; `block_rows` picks one.
+#: Rows per item of each mma.sync kernel (``moe_fused_experts_m<rows>``), smallest first; `block_rows` picks one.
 BLOCK_ROWS = (16, 32)
+#: The kernels by short name (``kernel=``, ``SYMMRING_FUSED_KERNEL``): rows per item.
+KERNELS = {"m16": 16, "m32": 32, "wg64": 64}
+#: The wgmma kernel: compiled for sm_90a, so it runs on compute capability 9.0 only.
+WGMMA_KERNEL, WGMMA_CC = "wg64", 90
+#: Rows per expert from which `select_kernel` takes the wgmma kernel on cc 9.0 (its rule says why).
+WGMMA_MIN_ROWS_PER_EXPERT = 33
 THREADS = 256
-#: The kernel's shared memory layout (``fused::Shared``): stages (``fused::kStagesOf``: 5 for 16 rows, 4 for 32)
-#: x (A rows + 256 B rows) x 144-byte rows, the per-warp row maxima, two ints.
-_ROW_BYTES, _MAX_ROWS_B, _WARPS = TILE + 16, 2 * TILE, THREADS // 32
-#: The device source and its module name in the cache.
-SOURCE, MODULE = "moe/fused_experts.cu", "moe_fused_experts"
+#: The mma.sync kernels' shared memory layout (``fused::Shared``): stages (``fused::kStagesOf``, by rows per
+#: item) x (A rows + 256 B rows) x 144-byte rows, the per-warp row maxima, two ints.
+_STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = {16: 5, 32: 4}, TILE + 16, 2 * TILE, THREADS // 32
+#: The wgmma kernel's (``fused::wg::Shared``): stages x (64 A rows + 256 B rows) x 128-byte swizzled rows, the
+#: per-warpgroup row maxima, two ints; launched with 1024 bytes more to align the tiles (``kDynamicSharedBytes``).
+_WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
+#: The device modules (names in `symmring.jit.ENGINE_MODULES`, which ``python -m symmring.jit`` prebuilds):
+#: mma.sync kernels, wgmma kernel.
+MODULE, WGMMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma"
+#: Accepted values of ``kernel=`` / ``SYMMRING_FUSED_KERNEL``.
+KERNEL_CHOICES = ("auto",) + tuple(KERNELS)
 
 
-def kernel_name(rows: int) -> str:
-    """The kernel of ``rows`` rows per item (one of `BLOCK_ROWS`)."""
-    return f"moe_fused_experts_m{rows}"
+def kernel_name(kernel: str) -> str:
+    """The device function of ``kernel`` (one of `KERNELS`): ``moe_fused_experts_<kernel>``."""
+    return f"moe_fused_experts_{kernel}"
 
 
-def shared_bytes(rows: int) -> int:
-    """Dynamic shared memory of ``moe_fused_experts_m<rows>`` (``sizeof(fused::Shared<rows>)``; the kernel
-    checks it and records -1 in the status instead of computing with less).
+def shared_bytes(kernel: str) -> int:
+    """Dynamic shared memory of ``kernel`` (one of `KERNELS`): ``sizeof(fused::Shared<rows>)`` for the mma.sync
+    kernels, ``fused::wg::kDynamicSharedBytes`` for wg64; a kernel launched with less records -1 in the status
+    instead of computing.
 
     Example:
-        >>> shared_bytes(16), shared_bytes(32)
-        (196360, 166920)
+        >>> shared_bytes("m16"), shared_bytes("m32"), shared_bytes("wg64")
+        (196360, 166920, 165384)
     """
-    stages = 5 if rows <= 16 else 4
-    return stages * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
+    if kernel == WGMMA_KERNEL:
+        return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
+    rows = KERNELS[kernel]
+    return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
 
 def block_rows(rows_per_expert: Optional[int]) -> int:
@@ -65,6 +86,52 @@ def block_rows(rows_per_expert: Optional[int]) -> int:
         if rows_per_expert is not None and rows_per_expert <= rows:
             return rows
     return BLOCK_ROWS[-1]
+
+
+def check_kernel(kernel: Optional[str]) -> str:
+    """``kernel`` (None: ``SYMMRING_FUSED_KERNEL``, unset: ``"auto"``) as one of `KERNEL_CHOICES`.
+
+    Raises:
+        ConfigError: another value (naming the argument or the variable).
+    """
+    source = "kernel"
+    if kernel is None:
+        kernel, source = env.fused_kernel(), "SYMMRING_FUSED_KERNEL"
+    if kernel not in KERNEL_CHOICES:
+        raise ConfigError(f"{source}={kernel!r}: expected one of {list(KERNEL_CHOICES)} (the fused engine's "
+                          f"kernel; auto picks by rows per expert and device)")
+    return kernel
+
+
+def select_kernel(rows_per_expert: Optional[int], cc: int, kernel: str = "auto") -> str:
+    """The kernel (one of `KERNELS`) for a window whose experts hold at most ``rows_per_expert`` rows each (None:
+    unknown) on a device of compute capability ``cc`` (90 for H100/H200); ``kernel`` other than ``"auto"`` is
+    taken as it is.
+
+    The rule: wgmma (``wg64``) on cc 9.0 from 33 rows per expert (or an unknown bound), else `block_rows`'s
+    mma.sync kernel. Up to 32 rows the step is bound by reading the weights, which every kernel reads once per
+    m block: a 64-row item would spend half or more of its tensor work and A tile on padding rows, while the
+    16/32-row items read the same weight bytes with less wasted work (and mma.sync's half rate does not bind
+    there). From 33 rows the 32-row kernel needs two m blocks per expert, each re-reading the expert's weight
+    tiles at half the tensor rate, where one 64-row wgmma item reads them once at the full rate.
+
+    Raises:
+        BackendError: ``kernel="wg64"`` on a device other than cc 9.0 (its cubin is sm_90a).
+
+    Example:
+        >>> select_kernel(16, 90), select_kernel(32, 90), select_kernel(33, 90), select_kernel(None, 90)
+        ('m16', 'm32', 'wg64', 'wg64')
+        >>> select_kernel(200, 89), select_kernel(200, 100), select_kernel(200, 90, "m32")
+        ('m32', 'm32', 'm32')
+    """
+    if kernel == WGMMA_KERNEL and cc != WGMMA_CC:
+        raise BackendError(f"engine 'fused': kernel 'wg64' uses wgmma (sm_90a), device is sm_{cc}; use 'm16', "
+                           f"'m32' or 'auto'")
+    if kernel != "auto":
+        return kernel
+    if cc == WGMMA_CC and (rows_per_expert is None or rows_per_expert >= WGMMA_MIN_ROWS_PER_EXPERT):
+        return WGMMA_KERNEL
+    return f"m{block_rows(rows_per_expert)}"
 
 
 def blocks_per_group(rows_per_expert: Optional[int], rows: int) -> int:
@@ -157,19 +224,22 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(device_index: int, cc: int):
-    """The compiled kernels, loaded into CuPy once per device (no NVSHMEM: the kernel calls none)."""
+def _module(device_index: int, cc: int, wgmma: bool):
+    """The compiled kernels of one source (mma.sync or wgmma), loaded into CuPy once per device (no NVSHMEM:
+    the kernels call none): ``(module, {kernel: function})``."""
     import cupy
     from ... import jit
-    path = jit.compile_cubin(jit.read_source(SOURCE), name=MODULE, cc=cc)
+    name = WGMMA_MODULE if wgmma else MODULE
+    path = jit.compile_cubin(jit.read_source(jit.ENGINE_MODULES[name]), name=name, cc=cc)
     with cupy.cuda.Device(device_index):
         module = cupy.cuda.function.Module()
         module.load_file(str(path))
         attribute = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
         kernels = {}
-        for rows in BLOCK_ROWS:
-            fn = kernels[kernel_name(rows)] = module.get_function(kernel_name(rows))
-            cupy.cuda.driver.funcSetAttribute(fn.ptr, attribute, shared_bytes(rows))
+        for kernel in KERNELS:
+            if (kernel == WGMMA_KERNEL) == wgmma:
+                fn = kernels[kernel] = module.get_function(kernel_name(kernel))
+                cupy.cuda.driver.funcSetAttribute(fn.ptr, attribute, shared_bytes(kernel))
     return module, kernels
 
 
@@ -189,9 +259,11 @@ class FusedExperts(ExpertEngine):
         sm_budget: the kernel's grid, at most one block per SM (None: every SM of the weights' device; the
             streamed schedule's producers then share them by time, docs/FUSED.md "SM budget").
         timeout_s: the bound of an L2 item's wait for its L1 items (None: ``SYMMRING_TIMEOUT_S``).
+        kernel: ``"auto"`` (`select_kernel` per call), or ``"m16"``, ``"m32"``, ``"wg64"`` for every call (None:
+            ``SYMMRING_FUSED_KERNEL``, unset ``"auto"``).
 
     Raises:
-        ConfigError: bad weights (`check_weights`) or ``sm_budget``.
+        ConfigError: bad weights (`check_weights`), ``sm_budget`` or ``kernel``.
 
     Example:
         >>> engine = FusedExperts(expert_weights(w_gate, w_up, w_down, ..., expert_dtype="fp8"))  # doctest: +SKIP
@@ -203,8 +275,10 @@ class FusedExperts(ExpertEngine):
     pool_format = "fp8"
     align_m = FUSED_ALIGN_M
 
-    def __init__(self, weights: ExpertWeights, sm_budget: Optional[int] = None, timeout_s: Optional[float] = None):
+    def __init__(self, weights: ExpertWeights, sm_budget: Optional[int] = None, timeout_s: Optional[float] = None,
+                 kernel: Optional[str] = None):
         check_weights(weights)
+        self.kernel = check_kernel(kernel)
         if sm_budget is not None and (isinstance(sm_budget, bool) or not isinstance(sm_budget, int) or sm_budget < 1):
             raise ConfigError(f"sm_budget={sm_budget!r}: expected a positive int (blocks of the fused kernel) or None")
         self.weights = weights
@@ -222,16 +296,18 @@ class FusedExperts(ExpertEngine):
         sms = _device(self.weights.w13.device.index)[1]
         return sms if self._sm_budget is None else min(self._sm_budget, sms)
 
-    def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int) -> Launch:
-        """Check the pool and fill the launch (allocates the output and intermediates; no kernel runs): what
-        `forward` enqueues, on any device (the CPU tests check the record).
+    def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int, cc: int) -> Launch:
+        """Check the pool and fill the launch for a device of compute capability ``cc`` (allocates the output and
+        intermediates; no kernel runs): what `forward` enqueues, on any device (the CPU tests check the record).
 
         Raises:
             ConfigError: a pool the kernel cannot read (`check_pool`).
+            BackendError: ``kernel="wg64"`` and ``cc`` is not 90 (`select_kernel`).
         """
         import torch
         check_pool(pool, num_rows, self.hidden)
-        rows = block_rows(rows_per_expert)
+        kernel = select_kernel(rows_per_expert, cc, self.kernel)
+        rows = KERNELS[kernel]
         per_group = blocks_per_group(rows_per_expert, rows)
         m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter, per_group)
         dev = pool.x.device
@@ -248,22 +324,21 @@ class FusedExperts(ExpertEngine):
             counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
             timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
             num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
-        return Launch(kernel_name(rows), max(1, min(grid_limit, items)), shared_bytes(rows), args, out,
-                      act, act_sf, counters)
+        return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters)
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):
         # ``out`` and ``scratch`` are the workspace's rows, which share bytes with the pool this kernel is still
         # reading while it writes (module docstring): the output comes back in the engine's own tensor.
         import torch
-        launch = self.prepare(pool, num_rows, rows_per_expert, self.sm_budget)
-        if num_rows == 0:
-            return launch.out
         dev = pool.x.device
         cc = _device(dev.index)[0]
+        launch = self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc)
+        if num_rows == 0:
+            return launch.out
         if cc < 89:
             raise BackendError(f"engine 'fused': needs fp8 tensor cores (sm_89 or newer), device {dev} is sm_{cc}")
-        kernel = _module(dev.index, cc)[1][launch.kernel]
+        kernel = _module(dev.index, cc, launch.kernel == WGMMA_KERNEL)[1][launch.kernel]
         stream = _cupy_stream(torch.cuda.current_stream(dev).cuda_stream)
         kernel((launch.grid,), (THREADS,), launch.args, shared_mem=launch.shared_bytes, stream=stream)
         return launch.out
@@ -272,14 +347,18 @@ class FusedExperts(ExpertEngine):
         """Synchronise and raise what the kernel recorded since the last check (then cleared).
 
         Raises:
-            BackendError: L2 tiles whose wait for their L1 items expired (written NaN), or a launch whose shared
-                memory was smaller than the kernel's layout.
+            BackendError: L2 tiles whose wait for their L1 items expired (written NaN), a launch whose shared
+                memory was smaller than the kernel's layout, or the wgmma kernel run from a cubin not built for
+                sm_90a.
         """
         timed_out, first = (int(v) for v in self.status.tolist())
         self.status.zero_()
+        if timed_out == -2:
+            raise BackendError("engine 'fused': the wgmma kernel ran from a cubin not built for sm_90a (it "
+                               "computed nothing; symmring.jit builds it for sm_90a on cc 9.0 only)")
         if timed_out < 0:
             raise BackendError("engine 'fused': launched with less shared memory than the kernel needs "
-                               "(fused.shared_bytes disagrees with device/moe/fused_experts.cu)")
+                               "(fused.shared_bytes disagrees with device/moe/fused_experts*.cu)")
         if timed_out:
             raise BackendError(f"engine 'fused': {timed_out} L2 tile(s) waited past {self.timeout_ns / 1e9:g} s for "
                                f"their L1 items (first m block {first}); their rows are NaN")

@@ -109,6 +109,7 @@ STRUCTS["FusedExpertsArgs"] = _struct([
     ("w13", PTR), ("w13_sf", PTR), ("w_down", PTR), ("w_down_sf", PTR), ("act", PTR), ("act_sf", PTR),
     ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
     ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32), ("m_blocks_per_group", I32)])
+STRUCTS["FusedDivProbeArgs"] = _struct([("a", PTR), ("b", PTR), ("q", PTR), ("n", I32)])
 STRUCTS["EndCallArgs"] = _struct([("desc", PTR), ("num_chunks", I32)])
 STRUCTS["RefuseCallArgs"] = _struct([("desc", PTR), ("layer", I32)])
 STRUCTS["StampArgs"] = _struct([("stamps", PTR), ("idx", I32)])
@@ -128,6 +129,7 @@ KERNELS: Dict[str, str] = {
     "moe_combine_wait": "CombineWaitArgs", "moe_combine_reduce": "CombineReduceArgs",
     "moe_combine_fused": "CombineFusedArgs", "moe_end_call": "EndCallArgs", "moe_refuse_call": "RefuseCallArgs",
     "moe_fused_experts_m16": "FusedExpertsArgs", "moe_fused_experts_m32": "FusedExpertsArgs",
+    "moe_fused_experts_wg64": "FusedExpertsArgs", "moe_fused_div_probe": "FusedDivProbeArgs",
     "moe_stamp": "StampArgs", "moe_sleep": "SleepArgs", "moe_spin_probe": "SpinProbeArgs",
 }
 
