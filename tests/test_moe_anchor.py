@@ -112,6 +112,21 @@ def test_table_and_json(tmp_path):
     anchor.write_json(None, {})  # no path: nothing written
 
 
+def test_reference_weights_fill_the_gate_and_up_halves_in_place():
+    """The reference's w13 (gate rows then up rows, dequantised in place) equals the concatenation it replaced."""
+    torch = pytest.importorskip("torch")
+    from symmring.moe.weights import dequantize_blocks, quantize_blocks
+    gen = torch.Generator().manual_seed(35)
+    weights = {}
+    for name, shape in (("gate", (3, 256, 384)), ("up", (3, 256, 384)), ("down", (3, 384, 256))):
+        weights[name], weights[name + "_scale"] = quantize_blocks(torch.randn(*shape, generator=gen))
+    w13, w2 = anchor.reference_weights(weights)
+    expected = torch.cat([dequantize_blocks(weights["gate"], weights["gate_scale"]),
+                          dequantize_blocks(weights["up"], weights["up_scale"])], dim=1)
+    assert w13.dtype == torch.bfloat16 and torch.equal(w13, expected)
+    assert torch.equal(w2, dequantize_blocks(weights["down"], weights["down_scale"]))
+
+
 def test_no_module_level_deep_gemm_import():
     """Only functions import deep_gemm or the anchor's megamoe_dg (the anchor lazily, the DeepGEMM engine
     lazily): never a module of the package."""

@@ -350,11 +350,17 @@ def make_inputs(shape: str, tokens: Sequence[int], seed: int, device):
 
 
 def reference_weights(weights):
-    """``(w13, w_down)`` bf16: the fp8 weights dequantised (``float32(q) * scale``), gate rows then up rows."""
+    """``(w13, w_down)`` bf16: the fp8 weights dequantised (``float32(q) * scale``), gate rows then up rows.
+
+    The halves are written in place: a concatenation would hold them twice (DeepSeek-V3-like: 30 GB at its
+    peak beside the layers and MegaMoE's weights, which ran out of an H100's 80 GB)."""
     import torch
     from ..moe.weights import dequantize_blocks
-    w13 = torch.cat([dequantize_blocks(weights["gate"], weights["gate_scale"]),
-                     dequantize_blocks(weights["up"], weights["up_scale"])], dim=1)
+    gate = weights["gate"]
+    experts, inter, hidden = (int(s) for s in gate.shape)
+    w13 = torch.empty((experts, 2 * inter, hidden), dtype=torch.bfloat16, device=gate.device)
+    dequantize_blocks(gate, weights["gate_scale"], out=w13[:, :inter])
+    dequantize_blocks(weights["up"], weights["up_scale"], out=w13[:, inter:])
     return w13, dequantize_blocks(weights["down"], weights["down_scale"])
 
 
@@ -478,6 +484,12 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
     if dg is not None and broken:
         payload["skipped"].append({**base, "impl": "megamoe", "reason": "; ".join(broken)})
     weights, inputs = make_inputs(shape, args.tokens, args.seed, device)
+    # The references first, their bf16 weights freed before MegaMoE and the layers take memory (DeepSeek-V3-like:
+    # 22.5 GB of reference weights beside both would not fit an H100's 80 GB).
+    ref_weights = reference_weights(weights)
+    y_refs = {n: reference(ref_weights, *inputs[n]) for n in args.tokens}
+    del ref_weights
+    torch.cuda.empty_cache()
     max_tokens = args.max_tokens
     mega = None
     if use_mega:
@@ -489,11 +501,10 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
             payload["skipped"].append({**base, "impl": "megamoe", "reason": f"{type(exc).__name__}: {exc}"})
             logger.warning("%s: MegaMoE setup failed: %s", shape, exc)
     layers = _symmring_layers(ctx, shape, weights, args.engines, args.modes, max_tokens, args.tokens_per_slot)
-    ref_weights = reference_weights(weights)
     try:
         for n in args.tokens:
             x, idx, w = inputs[n]
-            y_ref = reference(ref_weights, x, idx, w)
+            y_ref = y_refs.pop(n)
             touched = int(torch.unique(idx[idx >= 0]).numel())
             roof = fp8_roofline_ms(touched, int((idx >= 0).sum()), hidden, inter, payload["ceilings"])
             reps = 1 if args.check_only else (args.repeats if n <= 4096 else max(3, args.repeats // 4))
@@ -537,7 +548,7 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
     finally:
         for layer in layers.values():
             layer.close()
-        del layers, mega, weights, inputs, ref_weights
+        del layers, mega, weights, inputs, y_refs
         torch.cuda.empty_cache()
 
 

@@ -106,12 +106,13 @@ def quantize_blocks(w):
     return q, scale
 
 
-def dequantize_blocks(q, scale, dtype=None):
-    """``float32(q) * scale`` of each block, as ``dtype`` (default bf16), one group at a time."""
+def dequantize_blocks(q, scale, dtype=None, out=None):
+    """``float32(q) * scale`` of each block, as ``dtype`` (default bf16), one group at a time; into ``out`` (a
+    ``[G, N, K]`` tensor or view, e.g. a slice of a larger one: no second copy of the weights) when given."""
     torch = _torch()
     dtype = torch.bfloat16 if dtype is None else dtype
     G, N, K = (int(s) for s in q.shape)
-    out = torch.empty((G, N, K), dtype=dtype, device=q.device)
+    out = torch.empty((G, N, K), dtype=dtype, device=q.device) if out is None else out
     for g in range(G):
         full = scale[g].repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
         out[g] = (q[g].float() * full).to(dtype)

@@ -18,7 +18,8 @@
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
 # "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
-# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring rows;
+# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring rows,
+# ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes;
 # ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at
 # most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.
@@ -113,8 +114,10 @@ elif [[ "${1:-}" == quick ]]; then
   step check 300 "${ANCHOR[@]}" --shapes v4-flash --tokens 64 --engines builtin --modes batch --check-only \
     "${NOMEGA[@]}"
 else
-  (( ${#NOMEGA[@]} )) || step warm 240 warm v4-flash deepseek-v3
-  step check 150 "${ANCHOR[@]}" --tokens 64 --engines builtin --modes batch --check-only "${NOMEGA[@]}"
+  SHAPES="${ANCHOR_SHAPES:-v4-flash,deepseek-v3}"
+  (( ${#NOMEGA[@]} )) || step warm 240 warm ${SHAPES//,/ }
+  step check 150 "${ANCHOR[@]}" --shapes "$SHAPES" --tokens 64 --engines builtin --modes batch --check-only \
+    "${NOMEGA[@]}"
   check_rc=$?
   # A MegaMoE call that never returned (symmring's row there, MegaMoE's not) would stall the table: leave it out.
   # One that crashed the process (rc 139) would end the table's process too.
@@ -125,7 +128,8 @@ else
   fi
   left=$((${ANCHOR_BUDGET_S:-525} - (SECONDS - T0)))
   if (( left > 60 )); then
-    step anchor $((left - 40)) "${ANCHOR[@]}" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 "${NOMEGA[@]}" \
+    step anchor $((left - 40)) "${ANCHOR[@]}" --shapes "$SHAPES" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 \
+      "${NOMEGA[@]}" \
       ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
   else
     echo "anchor: skipped, ${left}s left"
