@@ -552,6 +552,27 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
         torch.cuda.empty_cache()
 
 
+#: Sizes `tools/megamoe/run_anchor.sh` warms side by side per shape, and each warm process's memory beside its
+#: fp8 experts (MegaMoE's buffer, the CUDA context, its JIT).
+WARM_SIZES, WARM_PROCESS_OVERHEAD = len(DEFAULT_TOKENS), 4 * 2 ** 30
+
+
+def warm_processes(shape: str, free_bytes: int) -> int:
+    """How many warm processes of ``shape`` fit ``free_bytes`` of GPU memory at once (90% of it; at least 1, at
+    most one per size): each holds the shape's fp8 experts and `WARM_PROCESS_OVERHEAD` (six DeepSeek-V3-like
+    processes ran out of an H100's 80 GB).
+
+    Example:
+        >>> warm_processes("deepseek-v3", 79 * 2**30), warm_processes("v4-flash", 79 * 2**30)
+        (4, 6)
+        >>> warm_processes("deepseek-v3", 2**30)
+        1
+    """
+    hidden, inter, num_experts, _ = ANCHOR_SHAPES[shape]
+    per_process = 3 * hidden * inter * num_experts + WARM_PROCESS_OVERHEAD
+    return max(1, min(WARM_SIZES, int(0.9 * free_bytes) // per_process))
+
+
 def warm(dg, args) -> int:
     """Compile MegaMoE's kernel for every (shape, size) of ``args`` with uninitialised weights (one call each)."""
     import torch

@@ -16,9 +16,9 @@
 # IncludeParser::get_hash_value's formatting (std::regex taken out by patch_src.py; before it, inside std::regex,
 # -Wl,-Bsymbolic and -static-libstdc++ alike). With the pinned fmt first it ran (2026-12-06: the quick check,
 # 2 rows, 0 not ok); a later run of the same build on the same image crashed there again (own_libstdcxx.sh
-# says why; build.sh refuses such a _C). patch_src.py (std::regex out of include_parser.hpp and compiler.hpp for plain scans with
-# the same matches, checked on CPU: tools/megamoe/check_patch.sh) stays applied: the run that passed had it, and
-# a run without it was not made.
+# says why; build.sh refuses such a _C). patch_src.py (std::regex out of include_parser.hpp and compiler.hpp
+# for plain scans with the same matches, checked on CPU: tools/megamoe/check_patch.sh) stays applied: the run
+# that passed had it, and a run without it was not made.
 # MEGAMOE_SEGV_BACKTRACE=1 at run time prints the native frames of a crash inside _C (megamoe_bind.cpp).
 # Why not the sgl-deep-gemm 0.2.5 wheel: its _C.so was built against torch 2.14 (eight libtorch symbols
 # missing in 2.11, c10::TensorImpl's fields 8 bytes further on, DispatchKey::CUDA one value lower), and its
@@ -44,7 +44,8 @@ print('megamoe_dg:', m.__version__, '| token alignment', m._C.get_token_alignmen
 # std::ostream::_M_insert and std::codecvt); -l:libstdc++.so.6 below binds every libstdc++ symbol to the shared
 # library, even where the toolchain would link libstdc++.a.
 if [[ -f ".megamoe/$SO" ]]; then
-  cp ".megamoe/$SO" "$PKG/" && ! bash tools/megamoe/own_libstdcxx.sh "$PKG/$SO" && check && { echo "build.sh: the carried _C imports"; exit 0; }
+  cp ".megamoe/$SO" "$PKG/" && ! bash tools/megamoe/own_libstdcxx.sh "$PKG/$SO" && check \
+    && { echo "build.sh: the carried _C imports"; exit 0; }
   echo "build.sh: the carried _C does not import here; compiling it"
 fi
 eval "$("$PY" - <<'PYEOF'

@@ -12,16 +12,15 @@
 #   warm     MegaMoE's JIT compiles for every shape and size, the sizes of a shape side by side (as many
 #            processes as the free GPU memory holds); a broken build shows here first (every process prints
 #            its error)
-#   check    correctness: both shapes at 64 tokens, symmring builtin (batch) and MegaMoE vs the reference
+#   check    correctness: every shape at 64 tokens, symmring builtin (batch) and MegaMoE vs the reference
 #   anchor   the table: symmring builtin (batch, streamed) and MegaMoE, 1..8192 tokens (anchor.json)
 #   dgengine symmring's DeepGEMM engine (tokenspeed-deepgemm, a `deep_gemm` of its own) on the same seeded
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
 # "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
-# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring rows,
-# ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes;
-# ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at
-# most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
+# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring
+# rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table); ANCHOR_BUDGET_S (default
+# 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -86,9 +85,8 @@ warm() {  # the sizes of a shape side by side (one process each: DeepGEMM's JIT 
   local shape pids=() n jobs
   trap 'kill "${pids[@]}" 2>/dev/null; exit 143' TERM INT
   for shape in "$@"; do
-    jobs=$(PYTHONPATH="$PWD" "$PY" -c "import torch; from symmring.bench.moe_anchor import ANCHOR_SHAPES; \
-h, i, e, _ = ANCHOR_SHAPES['$shape']; free = torch.cuda.mem_get_info()[0]; \
-print(max(1, min(6, int(0.9 * free) // (3 * h * i * e + 4 * 2**30))))")
+    jobs=$(PYTHONPATH="$PWD" "$PY" -c "import torch; from symmring.bench.moe_anchor import warm_processes; \
+print(warm_processes('$shape', torch.cuda.mem_get_info()[0]))")
     echo "warm $shape: ${jobs:-1} processes at once"
     pids=()
     for n in 1 8 64 512 4096 8192; do
@@ -121,8 +119,8 @@ else
   check_rc=$?
   # A MegaMoE call that never returned (symmring's row there, MegaMoE's not) would stall the table: leave it out.
   # One that crashed the process (rc 139) would end the table's process too.
-  if (( check_rc == 124 || check_rc == 137 || check_rc == 139 )) && grep -q "symmring builtin batch:" "$OUT/check.log" \
-      && ! grep -q " megamoe:" "$OUT/check.log"; then
+  if (( check_rc == 124 || check_rc == 137 || check_rc == 139 )) \
+      && grep -q "symmring builtin batch:" "$OUT/check.log" && ! grep -q " megamoe:" "$OUT/check.log"; then
     NOMEGA=(--no-megamoe)
     echo "MegaMoE did not return within the check (rc $check_rc): the table without it"
   fi
