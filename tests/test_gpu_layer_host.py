@@ -215,3 +215,27 @@ def test_moved_memory_reaches_the_layer_at_its_next_call(fake_device):
     first.forward(torch.zeros(3, H).bfloat16(), logits=torch.zeros(3, E))
     assert first.executor.state is not old_state and first.executor.memory is ws.gpu
     assert len(first.executor.graphs) == 0 and first.planner.capacity == first.executor.capacity
+
+
+def test_check_errors_ends_with_the_expert_engines_own_records(fake_device):
+    """The layer's device check asks the expert engine last (the fused kernel records expired L2 waits in a
+    status word of its own): what the engine raises reaches the caller, and nothing recorded raises nothing."""
+    from symmring.errors import BackendError
+    ctx, _ = fake_device
+    ws = Workspace(ctx, max_tokens=64)
+    moe = layer_mod.GpuMoE(ctx, Experts(*weights()), RoutingConfig(E, K), max_tokens=64, engine="torch",
+                           workspace=ws, schedule=ScheduleConfig(x_format="bf16"))
+    moe.forward(torch.zeros(3, H).bfloat16(), logits=torch.zeros(3, E))
+    moe.executor.ring.kernels = types.SimpleNamespace(check_errors=lambda synchronize: None)
+    recorded = []
+
+    def check_status():
+        if recorded:
+            raise BackendError(recorded.pop())
+
+    moe.executor.engine.check_status = check_status
+    moe.check_errors()  # nothing recorded
+    recorded.append("engine 'fused': 1 L2 tile(s) waited past 9 s")
+    with pytest.raises(BackendError, match="L2 tile"):
+        moe.check_errors()
+    moe.check_errors()

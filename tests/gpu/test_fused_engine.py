@@ -37,6 +37,7 @@ pytest.importorskip("triton", reason="the builtin engine it is compared with nee
 
 from moe_helpers import cuda_device, make_tokens, to_torch, verdict  # noqa: E402
 
+from symmring.errors import BackendError  # noqa: E402
 from symmring.moe.config import Experts, RoutingConfig  # noqa: E402
 from symmring.moe.engines import Pool  # noqa: E402
 from symmring.moe.engines.fp8 import Fp8Experts  # noqa: E402
@@ -285,3 +286,24 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape):
     if not (err_ref <= REL_TOL and err_builtin <= REL_TOL):
         problems.append(f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e} (bound {REL_TOL})")
     verdict(ctx, not problems, f"fused {shape}: " + "; ".join(problems))
+
+
+def test_the_layers_check_errors_raises_what_the_fused_kernel_recorded(ctx):
+    # An L2 tile whose wait for its L1 items expired is NaN and counted in the engine's status word: the layer's
+    # check_errors (every call under SYMMRING_DEBUG) names it, clears it, and the layer runs on.
+    hidden, inter, num_experts, topk = SHAPES["tiny"]
+    moe, _ = _layer(ctx, "fused", hidden, inter, num_experts, topk, 64, SEED + 5)
+    dev = cuda_device()
+    x = to_torch(make_tokens(SEED + 6 + ctx.rank, 8, hidden), torch.bfloat16, dev)
+    logits = to_torch(np.random.default_rng(SEED + 7).standard_normal((8, num_experts)).astype(np.float32),
+                      torch.float32, dev)
+    try:
+        y = moe.forward(x, logits=logits)
+        moe.check_errors()  # nothing recorded
+        moe.engine.status.copy_(torch.tensor([2, 5], dtype=torch.int32, device=dev))  # as the kernel records it
+        with pytest.raises(BackendError, match=r"2 L2 tile\(s\) waited .* first m block 5"):
+            moe.check_errors()
+        moe.check_errors()  # cleared
+        assert torch.equal(moe.forward(x, logits=logits), y)
+    finally:
+        moe.close()

@@ -98,6 +98,11 @@ class ExpertEngine(abc.ABC):
         ``scratch``: where to put the intermediates (`Scratch`; None: the engine allocates them); an engine
         that keeps its own ignores it."""
 
+    def check_status(self) -> None:
+        """Synchronise and raise what this engine's own kernels recorded on the device since the last check
+        (then cleared). An engine whose kernels record nothing has nothing to raise; the layer's
+        ``check_errors`` calls it after its own records."""
+
     def refresh_weights(self) -> None:
         """Re-derive whatever the engine keeps beside `weights` (views, prepared layouts) after the
         weights' tensors were overwritten in place (`symmring.moe.integrations.module.MoEModule.load_state_dict`)."""

@@ -377,6 +377,7 @@ class Executor:
             raise BackendError(f"rank {spec.rank}: a peer's ring slot was readable neither through a P2P mapping "
                                f"nor from the staging ring (transports {self.ring.transports}): an rdma peer "
                                "without a staging ring")
+        self.engine.check_status()  # the expert kernels' own records (the fused engine's expired L2 waits)
 
 
 __all__ = ["Executor"]

@@ -450,7 +450,9 @@ class GpuMoE(LayerBase):
         `ProtocolViolation`) if the device counted more rows than the call's plan bounded, `ConfigError`
         if a routed expert id was outside ``[-1, num_experts)`` (the entry was skipped; the record is cleared,
         so the next valid call works), or `BackendError` if a peer's slot could not be read (no mapping and no
-        staging ring) or the expert GEMMs skipped pool rows that named no local expert (cleared likewise)."""
+        staging ring), the expert GEMMs skipped pool rows that named no local expert (cleared likewise) or the
+        expert engine's kernels recorded an error (`ExpertEngine.check_status`: the fused kernel's L2 tiles whose
+        wait for their L1 items expired, written NaN; cleared likewise)."""
         self._check_open()
         self._follow_memory().check_errors()
 
