@@ -162,9 +162,6 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float 
         cp_async_wait<kStages - 2>();
         fence_proxy_async();  // this thread's copies of stage kb (generic proxy) before wgmma reads them (async)
         __syncthreads();      // every thread's copies of stage kb landed; every warpgroup is done with stage kb - 1
-        const int next = kb + kStages - 1;
-        if (next < op.num_kb) load_stage<kHalves>(sm, op, next % kStages, next);
-        cp_async_commit();
 
         // The next K block's scales (the last block reloads its own: no branch), used after the next wgmma.
         float sa_next[2], sb_next[kHalves];
@@ -184,6 +181,11 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float 
             for (int h = 0; h < kHalves; ++h)
                 wgmma_m64n64k32<1>(part[h], desc_at_k(a_desc, k), desc_at_k(b_desc[h], k));
         wgmma_commit();
+        // While the tensor cores multiply: refill the stage block kb - 1 used (every warpgroup waited for its
+        // wgmma before the barrier above), so the copies' issue no longer stands between two wgmma groups.
+        const int next = kb + kStages - 1;
+        if (next < op.num_kb) load_stage<kHalves>(sm, op, next % kStages, next);
+        cp_async_commit();
         wgmma_wait_all();
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
