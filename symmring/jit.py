@@ -283,6 +283,7 @@ LIBRARY_MODULES = {
 ENGINE_MODULES = {
     "moe_fused_experts": "moe/fused_experts.cu",
     "moe_fused_experts_wgmma": "moe/fused_experts_wgmma.cu",
+    "moe_fused_experts_tma": "moe/fused_experts_tma.cu",
 }
 
 
