@@ -105,7 +105,8 @@ def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
     for name in plain.dtype.names:
         if name not in buffers:
             assert record["experts"][name] == plain[name], name
-    assert int(record["experts"]["act"]) == launch.act.data_ptr() and int(record["experts"]["status"]) == engine.status.data_ptr()
+    assert int(record["experts"]["act"]) == launch.act.data_ptr()
+    assert int(record["experts"]["status"]) == engine.status.data_ptr()
     w = engine.weights
     # (address, K, rows, row stride, box K, box rows, swizzle 128B): the pass's rows of the pool and intermediate
     # in 64-row boxes, the weights as [E * N, K] in 128-row boxes.

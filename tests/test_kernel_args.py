@@ -55,7 +55,7 @@ def test_every_struct_matches_its_dtype(compiled):
 
 def test_every_kernel_names_a_struct():
     assert set(kernel_args.KERNELS.values()) <= set(STRUCTS)
-    used = set(kernel_args.KERNELS.values()) | {"RouterOptions", "PassRows", "TensorMap"}  # the last three: inside others
+    used = set(kernel_args.KERNELS.values()) | {"RouterOptions", "PassRows", "TensorMap"}  # the last 3: inside others
     assert used == set(STRUCTS)
 
 

@@ -149,7 +149,8 @@ __device__ __forceinline__ void produce(Shared& sm, Ring& ring, const TensorMap*
         mbar_arrive_expect_tx(&sm.full[s], kATileBytes + kHalves * kBHalfBytes);
         tma_load_2d(sm.a[s], a_map, &sm.full[s], kb * kBlockK, a_row);
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) tma_load_2d(sm.b[s] + h * kBHalfBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+        for (int h = 0; h < kHalves; ++h)
+            tma_load_2d(sm.b[s] + h * kBHalfBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
     }
 }
 

@@ -140,7 +140,8 @@ __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&a
 }
 
 // L1, second half: each row's scale from both warpgroups' maxima, the fp8 intermediate and its scale stored.
-__device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, const Work& w, const float (&acc)[2][kFrag],
+__device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, const Work& w,
+                                                  const float (&acc)[2][kFrag],
                                                   const float (&amax)[kMathWarpgroups][kBlockM], int wg, int t,
                                                   int row0, int n1) {
     const int act_sf_cols = w.n1_blocks;
