@@ -258,6 +258,9 @@ def test_check_status_names_what_the_kernel_recorded():
     engine.status[0] = -2
     with pytest.raises(BackendError, match="not built for sm_90a"):
         engine.check_status()
+    engine.status[0] = -3
+    with pytest.raises(BackendError, match="a wait of wg64t's TMA ring expired"):
+        engine.check_status()
     engine.check_status()
 
 

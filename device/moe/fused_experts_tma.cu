@@ -44,6 +44,7 @@ struct Shared {
     float amax[kMathWarpgroups][kBlockM];
     int item;
     int timed_out;
+    int stalled;  // a ring wait expired: every later wait gives up at once (Clock)
 };
 static_assert(kATileBytes % kSwizzleAtom == 0 && kBHalfBytes % kSwizzleAtom == 0,
               "tiles must keep the 1024-byte alignment of the swizzle atom");
@@ -87,18 +88,14 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Wait until the barrier's phase of parity `parity` completed. Intra-block progress only (the TMA copies or the
-// math warps of this block), as __syncthreads.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    const uint32_t addr = smem_addr(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(addr), "r"(parity)
-            : "memory");
-    }
+__device__ __forceinline__ bool mbar_try_wait(uint32_t addr, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    return done != 0;
 }
 
 // The box of `map` at (inner element c0, row c1) into `dst`; its bytes complete a transaction of `bar`.
@@ -129,6 +126,35 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 
 // --- the ring: one position per K block, stage and phase running on across items ---------------------------
 
+// The bound of the ring's waits. They need only this block's progress (its TMA copies, its math warps), so they
+// expire only on a fault of the kernel itself; then the first to expire records kStatusPipelineStalled and
+// raises sm.stalled, every wait after it gives up at once, and the items run on to the end without the ring
+// (no tile computed: NaN), so the kernel exits and the host names the error instead of hanging.
+// The bound is the engine's timeout, at least kRingWaitFloorNs: a ring wait takes microseconds, and a short
+// protocol timeout (a test of the L2 arrival expiry) must not pass for a stall.
+constexpr uint64_t kRingWaitFloorNs = 1000ull * 1000ull * 1000ull;
+struct Clock {
+    volatile int* stalled;
+    int* status;
+    uint64_t timeout_ns;
+};
+
+// Wait until the barrier's phase of parity `parity` completed; false when the bound expired or another wait's did.
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, const Clock& clock) {
+    const uint32_t addr = smem_addr(bar);
+    if (mbar_try_wait(addr, parity)) return true;
+    if (*clock.stalled) return false;
+    const uint64_t deadline = now_ns() + clock.timeout_ns;
+    for (uint32_t polls = 0;; ++polls) {
+        if (mbar_try_wait(addr, parity)) return true;
+        if (polls % 64 == 63 && (*clock.stalled || now_ns() > deadline)) {
+            *clock.stalled = 1;
+            atomicCAS(clock.status, 0, kStatusPipelineStalled);
+            return false;
+        }
+    }
+}
+
 struct Ring {
     uint32_t kb = 0;  // K blocks through the ring so far (this thread's count; every role counts the same)
     __device__ __forceinline__ int stage() const { return static_cast<int>(kb % kStages); }
@@ -140,12 +166,13 @@ struct Ring {
 // Every K block of one item: wait for the stage to be free, expect its bytes, issue the copies of A (64 rows
 // from a_row) and kHalves B boxes (128 rows from b_row[h]).
 template <int kHalves>
-__device__ __forceinline__ void produce(Shared& sm, Ring& ring, const TensorMap* a_map, const TensorMap* b_map,
-                                        int a_row, const int (&b_row)[2], int num_kb) {
+__device__ __forceinline__ void produce(Shared& sm, Ring& ring, const Clock& clock, const TensorMap* a_map,
+                                        const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_kb) {
     if (threadIdx.x != 0) return;
     for (int kb = 0; kb < num_kb; ++kb, ++ring.kb) {
         const int s = ring.stage();
-        mbar_wait(&sm.empty[s], ring.phase() ^ 1u);  // a fresh barrier's "previous" phase counts as done
+        // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+        if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock)) return;
         mbar_arrive_expect_tx(&sm.full[s], kATileBytes + kHalves * kBHalfBytes);
         tma_load_2d(sm.a[s], a_map, &sm.full[s], kb * kBlockK, a_row);
 #pragma unroll
@@ -157,8 +184,8 @@ __device__ __forceinline__ void produce(Shared& sm, Ring& ring, const TensorMap*
 // --- the math warpgroups: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T ---
 
 template <int kHalves>
-__device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Operands& op, float (&acc)[kHalves][kFrag],
-                                          int wg, int t) {
+__device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& clock, const Operands& op,
+                                          float (&acc)[kHalves][kFrag], int wg, int t) {
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -170,7 +197,11 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Operands
         float sa_next[2], sb_next[kHalves];
         load_scales<kHalves>(op, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
         const int s = ring.stage();
-        mbar_wait(&sm.full[s], ring.phase());
+        if (!mbar_wait(&sm.full[s], ring.phase(), clock)) {  // stalled: no data, no tile
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
+            return;
+        }
         wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
         wgmma_wait_all();
 #pragma unroll
@@ -189,8 +220,8 @@ __device__ __forceinline__ void b_rows(const Operands& op, int e, int rows_per_e
 }
 
 template <bool kProducer>
-__device__ __forceinline__ void l1_item(Shared& sm, Ring& ring, const FusedExpertsTmaArgs& args, const Work& w,
-                                        int item) {
+__device__ __forceinline__ void l1_item(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsTmaArgs& args,
+                                        const Work& w, int item) {
     const FusedExpertsArgs& p = args.experts;
     const Item it = item_of<kBlockM>(p, w, item, true);
     if (it.expert < 0) return;
@@ -198,14 +229,14 @@ __device__ __forceinline__ void l1_item(Shared& sm, Ring& ring, const FusedExper
     if (kProducer) {
         int row[2];
         b_rows(op, it.expert, 2 * p.inter, row);
-        produce<2>(sm, ring, &args.pool_x_map, &args.w13_map, it.row0, row, op.num_kb);
+        produce<2>(sm, ring, clock, &args.pool_x_map, &args.w13_map, it.row0, row, op.num_kb);
         __syncthreads();  // the math warpgroups' row maxima
         __syncthreads();  // their stores of the intermediate
         release_arrival(p, it.m_block);
     } else {
         const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
         float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
-        tile_gemm<2>(sm, ring, op, acc, wg, t);
+        tile_gemm<2>(sm, ring, clock, op, acc, wg, t);
         l1_swiglu_amax(acc, sm.amax, wg, t);
         __syncthreads();  // both warpgroups' halves of every row's amax
         l1_quantize_store(p, w, acc, sm.amax, wg, t, it.row0, it.n_block);
@@ -215,8 +246,8 @@ __device__ __forceinline__ void l1_item(Shared& sm, Ring& ring, const FusedExper
 }
 
 template <bool kProducer>
-__device__ __forceinline__ void l2_item(Shared& sm, Ring& ring, const FusedExpertsTmaArgs& args, const Work& w,
-                                        int item) {
+__device__ __forceinline__ void l2_item(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsTmaArgs& args,
+                                        const Work& w, int item) {
     const FusedExpertsArgs& p = args.experts;
     const Item it = item_of<kBlockM>(p, w, item, false);
     if (it.expert < 0) return;
@@ -227,14 +258,14 @@ __device__ __forceinline__ void l2_item(Shared& sm, Ring& ring, const FusedExper
         fence_proxy_async_global();  // thread 0's acquire of the intermediate, then its TMA reads of it
         int row[2];
         b_rows(op, it.expert, p.hidden, row);
-        produce<1>(sm, ring, &args.act_map, &args.w_down_map, it.row0, row, op.num_kb);
+        produce<1>(sm, ring, clock, &args.act_map, &args.w_down_map, it.row0, row, op.num_kb);
     } else {
         const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
         float acc[1][kFrag];
         if (timed_out) {
             fill_nan(acc[0]);
         } else {
-            tile_gemm<1>(sm, ring, op, acc, wg, t);
+            tile_gemm<1>(sm, ring, clock, op, acc, wg, t);
         }
         l2_store(p, acc[0], wg, t, it.row0, it.n_block);
     }
@@ -249,6 +280,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const uint32_t base = smem_addr(tma_smem_raw);
     Shared& sm = *reinterpret_cast<Shared*>(tma_smem_raw + ((0u - base) % kSwizzleAtom));  // 1024-byte aligned
     if (threadIdx.x == 0) {
+        sm.stalled = 0;
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&sm.full[s], 1);  // the producer's arrive.expect_tx; the copies complete the bytes
             mbar_init(&sm.empty[s], kMathWarps);
@@ -261,15 +293,16 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     }
     __syncthreads();
     const Work w = work_of<kBlockM>(p);
+    const Clock clock{&sm.stalled, p.status, p.timeout_ns > kRingWaitFloorNs ? p.timeout_ns : kRingWaitFloorNs};
     Ring ring;
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
-        run_items(p, w, sm.item, [&](int item) { l1_item<true>(sm, ring, args, w, item); },
-                  [&](int item) { l2_item<true>(sm, ring, args, w, item); });
+        run_items(p, w, sm.item, [&](int item) { l1_item<true>(sm, ring, clock, args, w, item); },
+                  [&](int item) { l2_item<true>(sm, ring, clock, args, w, item); });
     } else {
         setmaxnreg_inc<kMathRegisters>();
-        run_items(p, w, sm.item, [&](int item) { l1_item<false>(sm, ring, args, w, item); },
-                  [&](int item) { l2_item<false>(sm, ring, args, w, item); });
+        run_items(p, w, sm.item, [&](int item) { l1_item<false>(sm, ring, clock, args, w, item); },
+                  [&](int item) { l2_item<false>(sm, ring, clock, args, w, item); });
     }
 }
 
