@@ -168,7 +168,7 @@ struct Ring {
 template <int kHalves>
 __device__ __forceinline__ void produce(Shared& sm, Ring& ring, const Clock& clock, const TensorMap* a_map,
                                         const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_kb) {
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x != 0 || *clock.stalled) return;  // stalled: the ring's phases mean nothing any more
     for (int kb = 0; kb < num_kb; ++kb, ++ring.kb) {
         const int s = ring.stage();
         // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
@@ -189,7 +189,8 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& c
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-        for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
+        for (int i = 0; i < kFrag; ++i) acc[h][i] = *clock.stalled ? __int_as_float(0x7fc00000) : 0.0f;
+    if (*clock.stalled) return;  // the ring's phases mean nothing any more: no tile (NaN)
     float sa[2], sb[kHalves];
     load_scales<kHalves>(op, t, 0, sa, sb);  // one block ahead, as wg64
     float part[kHalves][kFrag];
