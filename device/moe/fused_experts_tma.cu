@@ -186,11 +186,12 @@ __device__ __forceinline__ void produce(Shared& sm, Ring& ring, const Clock& clo
 template <int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& clock, const Operands& op,
                                           float (&acc)[kHalves][kFrag], int wg, int t) {
+    const bool stalled = *clock.stalled;  // read once: a flag raised in between must not leave a tile of zeros
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-        for (int i = 0; i < kFrag; ++i) acc[h][i] = *clock.stalled ? __int_as_float(0x7fc00000) : 0.0f;
-    if (*clock.stalled) return;  // the ring's phases mean nothing any more: no tile (NaN)
+        for (int i = 0; i < kFrag; ++i) acc[h][i] = stalled ? __int_as_float(0x7fc00000) : 0.0f;
+    if (stalled) return;  // the ring's phases mean nothing any more: no tile (NaN)
     float sa[2], sb[kHalves];
     load_scales<kHalves>(op, t, 0, sa, sb);  // one block ahead, as wg64
     float part[kHalves][kFrag];
