@@ -1,4 +1,5 @@
 // symmring-jit: sm_90a
+// symmring-jit: whole-program
 // The fused experts kernel with a warp-specialised TMA + wgmma main loop: moe_fused_experts_wg64t.
 //
 // The same items, wgmma streams, promotion and epilogues as wg64 (fused_wgmma.cuh; so the same bits), with the
