@@ -259,7 +259,7 @@ def test_check_status_names_what_the_kernel_recorded():
     with pytest.raises(BackendError, match="not built for sm_90a"):
         engine.check_status()
     engine.status[0] = -3
-    with pytest.raises(BackendError, match="a wait of wg64t's TMA ring expired"):
+    with pytest.raises(BackendError, match=r"a wait of wg64t's pipeline \(its TMA ring or item queue\) expired"):
         engine.check_status()
     engine.check_status()
 

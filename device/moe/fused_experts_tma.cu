@@ -4,18 +4,23 @@
 //
 // The same items, wgmma streams, promotion and epilogues as wg64 (fused_wgmma.cuh; so the same bits), with the
 // loads taken off the math warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
-//   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets (fused_common.cuh),
-//     waits for an L2 item's L1 arrivals and issues the TMA loads of every K block; the warpgroup gives its
-//     registers back (setmaxnreg 40). Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232).
+//   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
+//     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
+//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 40) and its other
+//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232): they pop items
+//     and compute them. After the set-up no barrier spans the block, so the producer runs on into the next items
+//     while the math warpgroups finish one (its epilogue, its stores): no drain of the ring between items.
 //   * A ring of kStages stages, each with a full mbarrier (the producer's arrive.expect_tx of the stage's bytes;
 //     the TMA copies complete the transaction) and an empty mbarrier (one arrival per math warp once its wgmma
-//     on the stage is done). The ring's stage and phase run on across items: no drain between them.
+//     on the stage is done). The ring's stage and phase run on across items.
+//   * The queue's entries have full and empty mbarriers likewise; the two math warpgroups exchange an L1 item's
+//     row maxima through a third pair (amax_ready, double-buffered). Each math warpgroup releases its own
+//     arrival of an L1 item after its stores (kArrivalsPerL1Item per item), so no barrier spans them either.
 //   * TMA copies of 128-byte rows with CU_TENSOR_MAP_SWIZZLE_128B into 1024-byte aligned tiles: exactly the
 //     swizzled K-major layout wg64's cp.async stores and the descriptors of wgmma_layout.cuh describe. Rows past
 //     the map's rows (the pass's num_rows) arrive as zeros, as wg64 zero-fills them.
 //   * The tensor maps (symmring.moe.gpu.tensor_map) are members of the __grid_constant__ parameter.
-// Items, tickets and the L1 -> L2 arrival protocol are block-wide, as in wg64: every thread of the three
-// warpgroups takes the same __syncthreads; the producer warpgroup's item functions mirror the math ones'.
+// Tickets and the L1 -> L2 arrival protocol are wg64's (fused_common.cuh), with the waits at the producer.
 //
 // The intermediate is written by other blocks' L1 epilogues (generic proxy) and read here by TMA (async proxy):
 // the writers fence.proxy.async.global before the release, the TMA thread after its acquire.
@@ -29,6 +34,8 @@ namespace wg {
 namespace tma {
 
 constexpr int kStages = 5;
+constexpr int kQueue = 4;              // item entries the producer may run ahead of the math warpgroups
+constexpr int kArrivalsPerL1Item = 2;  // each math warpgroup releases its own columns of an L1 item
 constexpr int kBlockThreads = 128 * (1 + kMathWarpgroups);  // the producer warpgroup, then the math ones
 constexpr int kMathWarps = 4 * kMathWarpgroups;              // the empty barriers' arrivals per phase
 constexpr int kProducerRegisters = 40, kMathRegisters = 232;
@@ -42,10 +49,16 @@ struct Shared {
     uint8_t b[kStages][2 * kBHalfBytes];  // L1: gate rows then up rows; L2: the first 128 rows
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    float amax[kMathWarpgroups][kBlockM];
-    int item;
-    int timed_out;
-    int stalled;  // a ring wait expired: every later wait gives up at once (Clock)
+    uint64_t queue_full[kQueue];   // the producer pushed the entry
+    uint64_t queue_empty[kQueue];  // every math warp read it
+    uint64_t amax_ready[2];        // both math warpgroups wrote their row maxima of an L1 item (two in flight)
+    uint64_t stored[kMathWarpgroups];  // a math warpgroup's four warps stored their part of an L1 item
+    float amax[2][kMathWarpgroups][kBlockM];
+    int queue_ticket[kQueue];
+    int queue_expired[kQueue];
+    int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
+    int queue_end;  //   the entries it pushed
+    int ring_end;   //   the ring positions it filled
 };
 static_assert(kATileBytes % kSwizzleAtom == 0 && kBHalfBytes % kSwizzleAtom == 0,
               "tiles must keep the 1024-byte alignment of the swizzle atom");
@@ -125,36 +138,60 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// --- the ring: one position per K block, stage and phase running on across items ---------------------------
+// --- bounded waits ------------------------------------------------------------------------------------------
 
-// The bound of the ring's waits. They need only this block's progress (its TMA copies, its math warps), so they
-// expire only on a fault of the kernel itself; then the first to expire records kStatusPipelineStalled and
-// raises sm.stalled, every wait after it gives up at once, and the items run on to the end without the ring
-// (no tile computed: NaN), so the kernel exits and the host names the error instead of hanging.
-// The bound is the engine's timeout, at least kRingWaitFloorNs: a ring wait takes microseconds, and a short
-// protocol timeout (a test of the L2 arrival expiry) must not pass for a stall.
-constexpr uint64_t kRingWaitFloorNs = 1000ull * 1000ull * 1000ull;
+// Nothing in this kernel waits for another block but the producer's wait for L1 arrivals (fused_common.cuh,
+// bounded by the engine's timeout T). Every mbarrier wait needs only this block's progress, so it expires only on
+// a fault of the kernel itself:
+//   * The producer's waits (a free ring stage, a free queue entry) are bounded by T + kWaitFloorNs. The first to
+//     expire records kStatusPipelineStalled and closes the queue: it publishes how many entries it pushed and
+//     how many ring positions it filled, pushes nothing more, and writes NaN for the L2 tiles of every ticket it
+//     still draws.
+//   * A math warp's waits end when their phase completes or when the closed queue says it never will (an entry
+//     or ring position past what was published): a decision every warp of a warpgroup takes alike, so the
+//     warpgroup's wgmma and barriers stay aligned; a tile that misses data is NaN, and the warps leave at the end
+//     of the pushed entries. Only if the producer itself stopped for 2 (T + kWaitFloorNs) does a math wait give
+//     up on its own (recording the same status): the last resort of a kernel already faulted.
+// kWaitFloorNs: a ring wait takes microseconds, and a short protocol timeout (a test of the L2 arrival expiry)
+// must not pass for a stall.
+constexpr uint64_t kWaitFloorNs = 1000ull * 1000ull * 1000ull;
+
 struct Clock {
-    volatile int* stalled;
     int* status;
-    uint64_t timeout_ns;
+    uint64_t producer_ns;  // T + kWaitFloorNs
+    uint64_t math_ns;      // 2 (T + kWaitFloorNs): the last resort
 };
 
-// Wait until the barrier's phase of parity `parity` completed; false when the bound expired or another wait's did.
-__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, const Clock& clock) {
+__device__ __forceinline__ void record_stall(const Clock& clock) { atomicCAS(clock.status, 0, kStatusPipelineStalled); }
+
+// Wait until the barrier's phase of parity `parity` completed; false when give_up() says it never will (checked
+// every 64 polls) or `bound_ns` passed (recorded as a stall).
+template <class GiveUp>
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t bound_ns, const Clock& clock,
+                                          GiveUp give_up) {
     const uint32_t addr = smem_addr(bar);
     if (mbar_try_wait(addr, parity)) return true;
-    if (*clock.stalled) return false;
-    const uint64_t deadline = now_ns() + clock.timeout_ns;
+    const uint64_t deadline = now_ns() + bound_ns;
     for (uint32_t polls = 0;; ++polls) {
         if (mbar_try_wait(addr, parity)) return true;
-        if (polls % 64 == 63 && (*clock.stalled || now_ns() > deadline)) {
-            *clock.stalled = 1;
-            atomicCAS(clock.status, 0, kStatusPipelineStalled);
-            return false;
+        if (polls % 64 == 63) {
+            if (give_up()) return false;
+            if (now_ns() > deadline) {
+                record_stall(clock);
+                return false;
+            }
         }
     }
 }
+
+// Whether the producer closed the queue (close_queue: queue_end and ring_end are then final).
+__device__ __forceinline__ bool closed(const Shared& sm) {
+    const bool is_closed = *reinterpret_cast<const volatile int*>(&sm.closed) != 0;
+    __threadfence_block();  // the ends after the flag
+    return is_closed;
+}
+
+// --- the ring: one position per K block, stage and phase running on across items ---------------------------
 
 struct Ring {
     uint32_t kb = 0;  // K blocks through the ring so far (this thread's count; every role counts the same)
@@ -162,37 +199,142 @@ struct Ring {
     __device__ __forceinline__ uint32_t phase() const { return (kb / kStages) & 1u; }
 };
 
+// --- the item queue: the producer's tickets to the math warpgroups ----------------------------------------
+
+// Entry `pos` of the queue: a ticket (an index of the whole work list; kEndOfWork ends the math loop) and whether
+// the producer's wait for its L1 items expired (an L2 item: its tile is NaN, nothing was loaded for it).
+constexpr int kEndOfWork = -1;
+
+// The producer's push of entry `pos`; false when the wait for a free entry expired (a stall).
+__device__ __forceinline__ bool push(Shared& sm, uint32_t pos, int ticket, int expired, const Clock& clock) {
+    const int q = static_cast<int>(pos % kQueue);
+    // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+    if (!mbar_wait(&sm.queue_empty[q], ((pos / kQueue) & 1u) ^ 1u, clock.producer_ns, clock, [] { return false; }))
+        return false;
+    sm.queue_ticket[q] = ticket;
+    sm.queue_expired[q] = expired;
+    mbar_arrive(&sm.queue_full[q]);  // release (CTA scope): the entry before the math warps' acquiring wait
+    return true;
+}
+
+// A math thread's pop of entry `pos`; false when the producer closed the queue before it (or the last resort).
+__device__ __forceinline__ bool pop(Shared& sm, uint32_t pos, int& ticket, int& expired, const Clock& clock) {
+    const int q = static_cast<int>(pos % kQueue);
+    const auto never = [&] { return closed(sm) && pos >= static_cast<uint32_t>(sm.queue_end); };
+    if (!mbar_wait(&sm.queue_full[q], (pos / kQueue) & 1u, clock.math_ns, clock, never)) return false;
+    ticket = sm.queue_ticket[q];
+    expired = sm.queue_expired[q];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&sm.queue_empty[q]);  // this warp read the entry
+    return true;
+}
+
 // --- the producer: thread 0 of warpgroup 0 ------------------------------------------------------------------
 
 // Every K block of one item: wait for the stage to be free, expect its bytes, issue the copies of A (64 rows
-// from a_row) and kHalves B boxes (128 rows from b_row[h]).
+// from a_row) and kHalves B boxes (128 rows from b_row[h]). False when a wait expired (a stall); ring.kb then
+// counts the positions whose copies were issued.
 template <int kHalves>
-__device__ __forceinline__ void produce(Shared& sm, Ring& ring, const Clock& clock, const TensorMap* a_map,
+__device__ __forceinline__ bool produce(Shared& sm, Ring& ring, const Clock& clock, const TensorMap* a_map,
                                         const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_kb) {
-    if (threadIdx.x != 0 || *clock.stalled) return;  // stalled: the ring's phases mean nothing any more
     for (int kb = 0; kb < num_kb; ++kb, ++ring.kb) {
         const int s = ring.stage();
         // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
-        if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock)) return;
+        if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
         mbar_arrive_expect_tx(&sm.full[s], kATileBytes + kHalves * kBHalfBytes);
         tma_load_2d(sm.a[s], a_map, &sm.full[s], kb * kBlockK, a_row);
 #pragma unroll
         for (int h = 0; h < kHalves; ++h)
             tma_load_2d(sm.b[s] + h * kBHalfBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
     }
+    return true;
+}
+
+// B rows of an item in the 2D view of its weights: expert e's rows start at e * rows_per_expert.
+__device__ __forceinline__ void b_rows(const Operands& op, int e, int rows_per_expert, int (&row)[2]) {
+    row[0] = e * rows_per_expert + op.b_row0[0];
+    row[1] = e * rows_per_expert + op.b_row0[1];
+}
+
+// An L2 tile written NaN by one thread: what the producer does for the L2 items it draws after a stall.
+__device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Item& it) {
+    const uint4 nan8 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);  // 8 bf16 NaN
+    for (int r = 0; r < kBlockM && it.row0 + r < p.num_rows; ++r) {
+        uint4* row = reinterpret_cast<uint4*>(p.out + static_cast<long long>(it.row0 + r) * p.hidden +
+                                              it.n_block * kTileN);
+        for (int c = 0; c < kTileN / 8; ++c) row[c] = nan8;
+    }
+}
+
+// After a stall: the entries pushed and the ring positions filled, then the flag (the math warps read them after
+// it). Nothing is pushed or filled after this.
+__device__ __forceinline__ void close_queue(Shared& sm, uint32_t pos, const Ring& ring) {
+    sm.queue_end = static_cast<int>(pos);
+    sm.ring_end = static_cast<int>(ring.kb);
+    __threadfence_block();
+    *reinterpret_cast<volatile int*>(&sm.closed) = 1;
+}
+
+// The producer's loop: draw a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2
+// item wait for its m block's L1 arrivals; push the entry; issue the item's loads. It draws the next ticket only
+// once every load of the last item is issued, so every item in the queue completes without it (the progress
+// argument of docs/FUSED.md holds: an L2 wait is only ever for items whose loads running blocks issued).
+__device__ __forceinline__ void producer(Shared& sm, const FusedExpertsTmaArgs& args, const Work& w,
+                                         const Clock& clock) {
+    const FusedExpertsArgs& p = args.experts;
+    Ring ring;
+    uint32_t pos = 0;
+    bool stalled = false;
+    for (;;) {
+        const int ticket = atomicAdd(p.counters, 1);
+        if (ticket >= w.total_items) break;
+        const bool l1 = ticket < w.l1_items;
+        const Item it = item_of<kBlockM>(p, w, l1 ? ticket : ticket - w.l1_items, l1);
+        if (it.expert < 0) continue;
+        if (!stalled) {
+            int expired = 0;
+            if (!l1) {
+                expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
+                if (expired && atomicAdd(p.status, 1) == 0) p.status[1] = it.m_block;
+                fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
+            }
+            if (push(sm, pos, ticket, expired, clock)) {
+                ++pos;
+                if (expired) continue;
+                const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
+                                       : l2_operands(p, w, it.expert, it.n_block, it.row0);
+                int row[2];
+                b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
+                if (l1 ? produce<2>(sm, ring, clock, &args.pool_x_map, &args.w13_map, it.row0, row, op.num_kb)
+                       : produce<1>(sm, ring, clock, &args.act_map, &args.w_down_map, it.row0, row, op.num_kb))
+                    continue;
+                close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
+                stalled = true;
+                continue;
+            }
+            close_queue(sm, pos, ring);  // this item is not queued: its L2 tile is NaN below
+            stalled = true;
+        }
+        if (!l1) nan_tile(p, it);
+    }
+    if (stalled || push(sm, pos, kEndOfWork, 0, clock)) return;
+    close_queue(sm, pos, ring);
 }
 
 // --- the math warpgroups: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T ---
 
+// A math wait on an mbarrier completed by the other math warps (no closed queue can end it): the last resort only.
+__device__ __forceinline__ bool math_wait(uint64_t* bar, uint32_t parity, const Clock& clock) {
+    return mbar_wait(bar, parity, clock.math_ns, clock, [] { return false; });
+}
+
 template <int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& clock, const Operands& op,
                                           float (&acc)[kHalves][kFrag], int wg, int t) {
-    const bool stalled = *clock.stalled;  // read once: a flag raised in between must not leave a tile of zeros
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-        for (int i = 0; i < kFrag; ++i) acc[h][i] = stalled ? __int_as_float(0x7fc00000) : 0.0f;
-    if (stalled) return;  // the ring's phases mean nothing any more: no tile (NaN)
+        for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
     float sa[2], sb[kHalves];
     load_scales<kHalves>(op, t, 0, sa, sb);  // one block ahead, as wg64
     float part[kHalves][kFrag];
@@ -200,10 +342,12 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& c
         float sa_next[2], sb_next[kHalves];
         load_scales<kHalves>(op, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
         const int s = ring.stage();
-        if (!mbar_wait(&sm.full[s], ring.phase(), clock)) {  // stalled: no data, no tile
+        const uint32_t position = ring.kb;
+        const auto never = [&] { return closed(sm) && position >= static_cast<uint32_t>(sm.ring_end); };
+        if (!mbar_wait(&sm.full[s], ring.phase(), clock.math_ns, clock, never)) {  // never filled: no tile
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
-            return;
+            return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
         }
         wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
         wgmma_wait_all();
@@ -214,63 +358,54 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, Ring& ring, const Clock& c
     }
 }
 
-// --- items: the producer's and the math warpgroups' halves, with the same block barriers --------------------
-
-// B rows of an item in the 2D view of its weights: expert e's rows start at e * rows_per_expert.
-__device__ __forceinline__ void b_rows(const Operands& op, int e, int rows_per_expert, int (&row)[2]) {
-    row[0] = e * rows_per_expert + op.b_row0[0];
-    row[1] = e * rows_per_expert + op.b_row0[1];
-}
-
-template <bool kProducer>
-__device__ __forceinline__ void l1_item(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsTmaArgs& args,
-                                        const Work& w, int item) {
-    const FusedExpertsArgs& p = args.experts;
-    const Item it = item_of<kBlockM>(p, w, item, true);
-    if (it.expert < 0) return;
-    const Operands op = l1_operands(p, w, it.expert, it.n_block, it.row0);
-    if (kProducer) {
-        int row[2];
-        b_rows(op, it.expert, 2 * p.inter, row);
-        produce<2>(sm, ring, clock, &args.pool_x_map, &args.w13_map, it.row0, row, op.num_kb);
-        __syncthreads();  // the math warpgroups' row maxima
-        __syncthreads();  // their stores of the intermediate
-        release_arrival(p, it.m_block);
-    } else {
-        const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-        float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
-        tile_gemm<2>(sm, ring, clock, op, acc, wg, t);
-        l1_swiglu_amax(acc, sm.amax, wg, t);
-        __syncthreads();  // both warpgroups' halves of every row's amax
-        l1_quantize_store(p, w, acc, sm.amax, wg, t, it.row0, it.n_block);
-        fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
-        __syncthreads();  // every thread's stores precede the release (and sm.amax is free again)
+// L1 item `n` of this block (counted by every math thread alike): the two warpgroups exchange their halves of the
+// row maxima through amax[n % 2] and the mbarrier amax_ready[n % 2]; each warpgroup then stores its columns, and
+// once its four warps stored (stored[wg]) its thread 0 releases one arrival of the m block (kArrivalsPerL1Item
+// per L1 item). No barrier spans the warpgroups or waits for the producer.
+__device__ __forceinline__ void l1_math(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsArgs& p,
+                                        const Work& w, const Item& it, uint32_t n, int wg, int t) {
+    float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
+    tile_gemm<2>(sm, ring, clock, l1_operands(p, w, it.expert, it.n_block, it.row0), acc, wg, t);
+    const int buf = static_cast<int>(n & 1u);
+    l1_swiglu_amax(acc, sm.amax[buf], wg, t);
+    __syncwarp();
+    if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
+    const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
+    if (!both) fill_nan(acc[0]);
+    l1_quantize_store(p, w, acc, sm.amax[buf], wg, t, it.row0, it.n_block);
+    fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
+    __syncwarp();
+    if (t % 32 == 0) mbar_arrive(&sm.stored[wg]);  // release: this warp's stores
+    if (t == 0 && both && math_wait(&sm.stored[wg], n & 1u, clock)) {
+        __threadfence();  // release: pairs with the acquire of the m block's L2 items (wait_arrivals)
+        atomicAdd(p.counters + 1 + it.m_block, 1);
     }
 }
 
-template <bool kProducer>
-__device__ __forceinline__ void l2_item(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsTmaArgs& args,
-                                        const Work& w, int item) {
-    const FusedExpertsArgs& p = args.experts;
-    const Item it = item_of<kBlockM>(p, w, item, false);
-    if (it.expert < 0) return;
-    const bool timed_out = l2_arrivals_expired(p, w, it.m_block, sm.timed_out);
-    const Operands op = l2_operands(p, w, it.expert, it.n_block, it.row0);
-    if (kProducer) {
-        if (timed_out) return;
-        fence_proxy_async_global();  // thread 0's acquire of the intermediate, then its TMA reads of it
-        int row[2];
-        b_rows(op, it.expert, p.hidden, row);
-        produce<1>(sm, ring, clock, &args.act_map, &args.w_down_map, it.row0, row, op.num_kb);
+__device__ __forceinline__ void l2_math(Shared& sm, Ring& ring, const Clock& clock, const FusedExpertsArgs& p,
+                                        const Work& w, const Item& it, bool expired, int wg, int t) {
+    float acc[1][kFrag];
+    if (expired) {
+        fill_nan(acc[0]);
     } else {
-        const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-        float acc[1][kFrag];
-        if (timed_out) {
-            fill_nan(acc[0]);
+        tile_gemm<1>(sm, ring, clock, l2_operands(p, w, it.expert, it.n_block, it.row0), acc, wg, t);
+    }
+    l2_store(p, acc[0], wg, t, it.row0, it.n_block);
+}
+
+// The math loop: pop entries until the end of the work (or the end of a closed queue).
+__device__ __forceinline__ void math(Shared& sm, const FusedExpertsArgs& p, const Work& w, const Clock& clock) {
+    const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+    Ring ring;
+    uint32_t n_l1 = 0;
+    for (uint32_t pos = 0;; ++pos) {
+        int ticket, expired;
+        if (!pop(sm, pos, ticket, expired, clock) || ticket == kEndOfWork) return;
+        if (ticket < w.l1_items) {
+            l1_math(sm, ring, clock, p, w, item_of<kBlockM>(p, w, ticket, false), n_l1++, wg, t);
         } else {
-            tile_gemm<1>(sm, ring, clock, op, acc, wg, t);
+            l2_math(sm, ring, clock, p, w, item_of<kBlockM>(p, w, ticket - w.l1_items, false), expired, wg, t);
         }
-        l2_store(p, acc[0], wg, t, it.row0, it.n_block);
     }
 }
 
@@ -283,29 +418,33 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const uint32_t base = smem_addr(tma_smem_raw);
     Shared& sm = *reinterpret_cast<Shared*>(tma_smem_raw + ((0u - base) % kSwizzleAtom));  // 1024-byte aligned
     if (threadIdx.x == 0) {
-        sm.stalled = 0;
+        sm.closed = sm.queue_end = sm.ring_end = 0;
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&sm.full[s], 1);  // the producer's arrive.expect_tx; the copies complete the bytes
             mbar_init(&sm.empty[s], kMathWarps);
         }
+        for (int q = 0; q < kQueue; ++q) {
+            mbar_init(&sm.queue_full[q], 1);           // the producer's push
+            mbar_init(&sm.queue_empty[q], kMathWarps);  // every math warp read the entry
+        }
+        for (int b = 0; b < 2; ++b) mbar_init(&sm.amax_ready[b], kMathWarps);
+        for (int g = 0; g < kMathWarpgroups; ++g) mbar_init(&sm.stored[g], 4);
         fence_barrier_init();
         prefetch_tensor_map(&args.pool_x_map);
         prefetch_tensor_map(&args.act_map);
         prefetch_tensor_map(&args.w13_map);
         prefetch_tensor_map(&args.w_down_map);
     }
-    __syncthreads();
+    __syncthreads();  // the only block-wide barrier: from here the roles meet at mbarriers alone
     const Work w = work_of<kBlockM>(p);
-    const Clock clock{&sm.stalled, p.status, p.timeout_ns > kRingWaitFloorNs ? p.timeout_ns : kRingWaitFloorNs};
-    Ring ring;
+    const uint64_t bound = p.timeout_ns + kWaitFloorNs;
+    const Clock clock{p.status, bound, 2 * bound};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
-        run_items(p, w, sm.item, [&](int item) { l1_item<true>(sm, ring, clock, args, w, item); },
-                  [&](int item) { l2_item<true>(sm, ring, clock, args, w, item); });
+        if (threadIdx.x == 0) producer(sm, args, w, clock);
     } else {
         setmaxnreg_inc<kMathRegisters>();
-        run_items(p, w, sm.item, [&](int item) { l1_item<false>(sm, ring, clock, args, w, item); },
-                  [&](int item) { l2_item<false>(sm, ring, clock, args, w, item); });
+        math(sm, p, w, clock);
     }
 }
 

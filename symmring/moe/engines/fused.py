@@ -55,8 +55,10 @@ _STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = {16: 5, 32: 4}, TILE + 16, 2 * TILE, 
 #: per-warpgroup row maxima, two ints; launched with 1024 bytes more to align the tiles (``kDynamicSharedBytes``).
 _WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
 #: wg64t's (``fused::wg::tma::Shared``): 5 stages of the same tiles, a full and an empty 8-byte mbarrier per stage,
-#: the row maxima, three ints padded to the barriers' 8-byte alignment.
-_TMA_STAGES, _MBARRIER_BYTES, _TMA_INTS_BYTES = 5, 8, 16
+#: a full and an empty mbarrier per entry of the 4-entry item queue, two row-maxima mbarriers and one "stored"
+#: mbarrier per math warpgroup, the row maxima twice, the queue's entries (two ints each), three ints padded to the
+#: barriers' 8-byte alignment.
+_TMA_STAGES, _TMA_QUEUE, _MBARRIER_BYTES, _TMA_INTS_BYTES = 5, 4, 8, 16
 #: The device modules (names in `symmring.jit.ENGINE_MODULES`, which ``python -m symmring.jit`` prebuilds):
 #: mma.sync kernels, wgmma kernel, TMA wgmma kernel.
 MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
@@ -86,13 +88,14 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> shared_bytes("m16"), shared_bytes("m32"), shared_bytes("wg64"), shared_bytes("wg64t")
-        (196360, 166920, 165384, 206432)
+        (196360, 166920, 165384, 207072)
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
     if kernel == TMA_KERNEL:
-        return (_TMA_STAGES * ((_WG_ROWS + _MAX_ROWS_B) * TILE + 2 * _MBARRIER_BYTES) + _WARPGROUPS * _WG_ROWS * 4
-                + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
+        return (_TMA_STAGES * ((_WG_ROWS + _MAX_ROWS_B) * TILE + 2 * _MBARRIER_BYTES)
+                + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
+                + 2 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
@@ -393,7 +396,7 @@ class FusedExperts(ExpertEngine):
         Raises:
             BackendError: L2 tiles whose wait for their L1 items expired (written NaN), a launch whose shared
                 memory was smaller than the kernel's layout, the wgmma kernel run from a cubin not built for
-                sm_90a, or a wait of wg64t's TMA ring expired (a fault of the kernel; its tiles are NaN).
+                sm_90a, or a wait of wg64t's pipeline expired (a fault of the kernel; the tiles it left are NaN).
         """
         timed_out, first = (int(v) for v in self.status.tolist())
         self.status.zero_()
@@ -401,9 +404,9 @@ class FusedExperts(ExpertEngine):
             raise BackendError("engine 'fused': the wgmma kernel ran from a cubin not built for sm_90a (it "
                                "computed nothing; symmring.jit builds it for sm_90a on cc 9.0 only)")
         if timed_out == -3:
-            raise BackendError("engine 'fused': a wait of wg64t's TMA ring expired (the kernel's own copies or math "
-                               "warps never came: a fault of the kernel; the tiles from then on are NaN); use "
-                               "kernel 'wg64'")
+            raise BackendError("engine 'fused': a wait of wg64t's pipeline (its TMA ring or item queue) expired (the "
+                               "kernel's own copies or math warps never came: a fault of the kernel; the tiles it "
+                               "could not compute are NaN); use kernel 'wg64'")
         if timed_out < 0:
             raise BackendError("engine 'fused': launched with less shared memory than the kernel needs "
                                "(fused.shared_bytes disagrees with device/moe/fused_experts*.cu)")
