@@ -402,7 +402,9 @@ __device__ __forceinline__ void math(Shared& sm, const FusedExpertsArgs& p, cons
         int ticket, expired;
         if (!pop(sm, pos, ticket, expired, clock) || ticket == kEndOfWork) return;
         if (ticket < w.l1_items) {
-            l1_math(sm, ring, clock, p, w, item_of<kBlockM>(p, w, ticket, false), n_l1++, wg, t);
+            // l1 = true: an L1 ticket's coordinates run over n1_blocks (the producer's decoding); its bad-id report
+            // is thread 0's, which is the producer's, so none here.
+            l1_math(sm, ring, clock, p, w, item_of<kBlockM>(p, w, ticket, true), n_l1++, wg, t);
         } else {
             l2_math(sm, ring, clock, p, w, item_of<kBlockM>(p, w, ticket - w.l1_items, false), expired, wg, t);
         }
