@@ -145,13 +145,14 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // a fault of the kernel itself:
 //   * The producer's waits (a free ring stage, a free queue entry) are bounded by T + kWaitFloorNs. The first to
 //     expire records kStatusPipelineStalled and closes the queue: it publishes how many entries it pushed and
-//     how many ring positions it filled, pushes nothing more, and writes NaN for the L2 tiles of every ticket it
-//     still draws.
+//     how many ring positions it filled, pushes nothing more, and writes NaN for every ticket it still draws (an
+//     L2 tile; an L1 item's intermediate, its arrivals then released so that no L2 wait sits out the timeout).
 //   * A math warp's waits end when their phase completes or when the closed queue says it never will (an entry
 //     or ring position past what was published): a decision every warp of a warpgroup takes alike, so the
 //     warpgroup's wgmma and barriers stay aligned; a tile that misses data is NaN, and the warps leave at the end
 //     of the pushed entries. Only if the producer itself stopped for 2 (T + kWaitFloorNs) does a math wait give
-//     up on its own (recording the same status): the last resort of a kernel already faulted.
+//     up on its own (recording the same status): the last resort of a kernel already faulted, where the warps of
+//     a warpgroup may no longer decide alike and a tile may read a stage it was not meant to.
 // kWaitFloorNs: a ring wait takes microseconds, and a short protocol timeout (a test of the L2 arrival expiry)
 // must not pass for a stall.
 constexpr uint64_t kWaitFloorNs = 1000ull * 1000ull * 1000ull;
@@ -266,6 +267,23 @@ __device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Item& 
     }
 }
 
+// An L1 item the producer draws after a stall: its intermediate written NaN (e4m3 0x7f, scale 1) by one thread and
+// both arrivals released, so the m block's L2 items, here or in other blocks, compute NaN at once instead of each
+// waiting out the engine's timeout for arrivals that would never come.
+__device__ __forceinline__ void nan_intermediate(const FusedExpertsArgs& p, const Work& w, const Item& it,
+                                                 int rows) {
+    const uint4 nan16 = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);  // 16 e4m3 NaN
+    for (int r = 0; r < rows && it.row0 + r < p.num_rows; ++r) {
+        const long long row = it.row0 + r;
+        uint4* act = reinterpret_cast<uint4*>(p.act + row * p.inter + it.n_block * kTileN);
+        for (int c = 0; c < kTileN / 16; ++c) act[c] = nan16;
+        p.act_sf[row * w.n1_blocks + it.n_block] = 1.0f;
+    }
+    fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
+    __threadfence();             // release: pairs with the acquire of the m block's L2 items
+    atomicAdd(p.counters + 1 + it.m_block, kArrivalsPerL1Item);
+}
+
 // After a stall: the entries pushed and the ring positions filled, then the flag (the math warps read them after
 // it). Nothing is pushed or filled after this.
 __device__ __forceinline__ void close_queue(Shared& sm, uint32_t pos, const Ring& ring) {
@@ -295,7 +313,7 @@ __device__ __forceinline__ void producer(Shared& sm, const FusedExpertsTmaArgs& 
             int expired = 0;
             if (!l1) {
                 expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
-                if (expired && atomicAdd(p.status, 1) == 0) p.status[1] = it.m_block;
+                if (expired) count_expired_wait(p, it.m_block);
                 fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
             }
             if (push(sm, pos, ticket, expired, clock)) {
@@ -312,10 +330,14 @@ __device__ __forceinline__ void producer(Shared& sm, const FusedExpertsTmaArgs& 
                 stalled = true;
                 continue;
             }
-            close_queue(sm, pos, ring);  // this item is not queued: its L2 tile is NaN below
+            close_queue(sm, pos, ring);  // this item is not queued: its tile is NaN below
             stalled = true;
         }
-        if (!l1) nan_tile(p, it);
+        if (l1) {
+            nan_intermediate(p, w, it, kBlockM);
+        } else {
+            nan_tile(p, it);
+        }
     }
     if (stalled || push(sm, pos, kEndOfWork, 0, clock)) return;
     close_queue(sm, pos, ring);
