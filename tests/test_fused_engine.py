@@ -119,9 +119,31 @@ def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
     assert map_words(empty, "pool_x_map") == map_words(empty, "act_map") == (0,) * 7  # no rows: no launch, no maps
 
 
+def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    engine = fused.FusedExperts(weights, kernel="wg128t")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
+    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 198880, 384)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    # 128-row items: one m block per 128-row group (3 groups for 300 rows), each with its L1 and L2 items.
+    assert int(record["experts"]["m_blocks_per_group"]) == 1 and tuple(launch.counters.shape) == (1 + 3,)
+    assert launch.grid == 3 * (INTER // 128 + HIDDEN // 128)
+    w = engine.weights
+    assert map_words(record, "pool_x_map") == (pool.x.data_ptr(), HIDDEN, 300, HIDDEN, 128, 64, 3)
+    assert map_words(record, "act_map") == (launch.act.data_ptr(), INTER, 300, INTER, 128, 64, 3)
+    assert map_words(record, "w13_map") == (w.w13.data_ptr(), HIDDEN, E * 2 * INTER, HIDDEN, 128, 64, 3)
+    assert map_words(record, "w_down_map") == (w.w_down.data_ptr(), INTER, E * HIDDEN, INTER, 128, 64, 3)
+    # The weights' maps are encoded once per box size: wg64t's engine keeps its 128-row boxes.
+    wg64t = fused.FusedExperts(weights, kernel="wg64t").prepare(pool, 300, 100, grid_limit=1000, cc=90)
+    other = np.frombuffer(wg64t.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    assert map_words(other, "w13_map")[5] == 128 and fused.module_of("wg128t") == fused.module_of("wg64t")
+
+
 def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
     monkeypatch.setattr(tensor_map, "_load_driver", lambda: None)
-    with pytest.raises(BackendError, match="kernel 'wg64t' needs the CUDA driver's cuTensorMapEncodeTiled"):
+    with pytest.raises(BackendError, match="kernels 'wg64t' and 'wg128t' need the CUDA driver's cuTensorMapEncodeTiled"):
         fused.FusedExperts(fp8_weights(), kernel="wg64t")
     fused.FusedExperts(fp8_weights(), kernel="wg64")  # the other kernels need no encoder
 
@@ -186,12 +208,12 @@ def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):
     monkeypatch.delenv("SYMMRING_FUSED_KERNEL", raising=False)
     monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     pool = pool_of()
-    for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64), ("wg64t", 64)):
+    for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64), ("wg64t", 64), ("wg128t", 128)):
         engine = fused.FusedExperts(fp8_weights(), kernel=forced)
         launch = engine.prepare(pool, 512, None, grid_limit=1000, cc=90)  # no bound: every m block of its rows
         assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 512 // rows,)
         launch = engine.prepare(pool, 512, 1, grid_limit=1000, cc=90)  # one row per expert: one m block per group
-        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)
+        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)  # 4 groups
     assert fused.FusedExperts(fp8_weights()).kernel == "auto"
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", " WG64 ")
     assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64"
@@ -200,13 +222,13 @@ def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):
     assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64t"
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", "m64")
     with pytest.raises(ConfigError, match=r"SYMMRING_FUSED_KERNEL='m64': expected one of \['auto', 'm16', 'm32', "
-                                          r"'wg64', 'wg64t'\]"):
+                                          r"'wg64', 'wg64t', 'wg128t'\]"):
         fused.FusedExperts(fp8_weights())
     with pytest.raises(ConfigError, match="kernel='wgmma': expected one of"):
         fused.FusedExperts(fp8_weights(), kernel="wgmma")
 
 
-@pytest.mark.parametrize("kernel", ["wg64", "wg64t"])
+@pytest.mark.parametrize("kernel", ["wg64", "wg64t", "wg128t"])
 def test_the_wgmma_kernels_are_refused_off_sm90(kernel, monkeypatch):
     monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     engine = fused.FusedExperts(fp8_weights(), kernel=kernel)
@@ -259,7 +281,7 @@ def test_check_status_names_what_the_kernel_recorded():
     with pytest.raises(BackendError, match="not built for sm_90a"):
         engine.check_status()
     engine.status[0] = -3
-    with pytest.raises(BackendError, match=r"a wait of wg64t's pipeline \(its TMA ring or item queue\) expired"):
+    with pytest.raises(BackendError, match=r"a wait of a TMA kernel's pipeline \(its ring or item queue\) expired"):
         engine.check_status()
     engine.check_status()
 
@@ -272,8 +294,9 @@ def test_shared_bytes_is_the_kernels_layout(tmp_path):
                         for rows in fused.BLOCK_ROWS)
     asserts += (f"\nstatic_assert(symmring_moe::fused::wg::kDynamicSharedBytes == {fused.shared_bytes('wg64')}, "
                 f"\"wgmma fused shared memory\");")
-    asserts += (f"\nstatic_assert(symmring_moe::fused::wg::tma::kDynamicSharedBytes == "
-                f"{fused.shared_bytes('wg64t')}, \"TMA wgmma fused shared memory\");")
+    asserts += "".join(f"\nstatic_assert(symmring_moe::fused::wg::tma::kDynamicSharedBytes<"
+                       f"symmring_moe::fused::wg::tma::Tile<{fused.KERNELS[k]}>> == {fused.shared_bytes(k)}, "
+                       f"\"{k} shared memory\");" for k in fused.TMA_KERNELS)
     source = (f"#include <moe/fused_experts.cu>\n#include <moe/fused_experts_wgmma.cu>\n"
               f"#include <moe/fused_experts_tma.cu>\n{asserts}\n")
     assert jit.compile_cubin(source, name="fused_layout", cc=90, cache_dir=tmp_path).is_file()

@@ -61,9 +61,9 @@ TOKENS = (1, 8, 64, 512)
 #: Token counts of the seam test per shape: into the rows per expert where the wgmma kernel is picked.
 SEAM_TOKENS = {"deepseek-v3": TOKENS + (2048,), "qwen3-30b-a3b": TOKENS + (4096,), "tiny": TOKENS}
 #: The kernels the seam test forces (``"auto"``: the engine's pick).
-KERNELS = ("m16", "m32", "wg64", "wg64t", "auto")
+KERNELS = ("m16", "m32", "wg64", "wg64t", "wg128t", "auto")
 #: The kernels built for sm_90a: cc 9.0 only.
-WGMMA_KERNELS = ("wg64", "wg64t")
+WGMMA_KERNELS = ("wg64", "wg64t", "wg128t")
 ALIGN = 128
 #: Pool rows of the SM budget runs: the first 128-row group (one expert: its L2 items still wait for its L1 items,
 #: and one SM reads that expert's weights once per m block, seconds at DeepSeek-V3 sizes for 16-row items).
@@ -203,23 +203,26 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
     assert not pool.bad_groups.any()
 
 
+@pytest.mark.parametrize("kernel", ["wg64t", "wg128t"])
 @pytest.mark.parametrize("shape, num_tokens", SEAM_CASES)
-def test_wg64t_gives_wg64s_and_builtins_bits(shape, num_tokens):
+def test_the_tma_kernels_give_wg64s_and_builtins_bits(shape, num_tokens, kernel):
     # wg64t computes wg64's items with wg64's wgmma streams, promotion and epilogues; only the loads (TMA by a
-    # producer warpgroup, zeros past the pass's rows as cp.async's zero-fill) differ: the same bits. wg64 gave
-    # builtin's bits on every seam case on an H100 (docs/FUSED.md), so wg64t must too.
-    skip_off_sm90("wg64t")
+    # producer warpgroup, zeros past the pass's rows as cp.async's zero-fill) differ. wg128t runs the same
+    # m64n64k32 streams and promotion per output element on 128-row items (the warpgroups split rows, an L1 item
+    # in two 64-column passes) and takes each row's amax over the same 128 values. So the same bits; wg64 gave
+    # builtin's bits on every seam case on an H100 (docs/FUSED.md), so these must too.
+    skip_off_sm90(kernel)
     weights, _ = shape_weights(shape)
     pool, num_rows, per_expert, live, ref, builtin = seam_case(shape, num_tokens)
-    tma, plain = FusedExperts(weights, kernel="wg64t"), FusedExperts(weights, kernel="wg64")
+    tma, plain = FusedExperts(weights, kernel=kernel), FusedExperts(weights, kernel="wg64")
     y, y_plain = tma.forward(pool, num_rows, per_expert), plain.forward(pool, num_rows, per_expert)
     tma.check_status()
     plain.check_status()
     got = y[live]
-    print(f"[figure] fused wg64t {shape} n={num_tokens}: vs wg64 {rel_error_on_device(got, y_plain[live]):.3e}, "
+    print(f"[figure] fused {kernel} {shape} n={num_tokens}: vs wg64 {rel_error_on_device(got, y_plain[live]):.3e}, "
           f"vs builtin {rel_error_on_device(got, builtin):.3e}")
-    assert torch.equal(got, y_plain[live]), "wg64t differs from wg64"
-    assert torch.equal(got, builtin), "wg64t differs from builtin"
+    assert torch.equal(got, y_plain[live]), f"{kernel} differs from wg64"
+    assert torch.equal(got, builtin), f"{kernel} differs from builtin"
 
 
 def test_the_call_free_division_is_torchs_division_bit_for_bit():
@@ -253,7 +256,7 @@ def test_the_call_free_division_is_torchs_division_bit_for_bit():
     assert bool(same.all()), [(a[i].item(), b[i].item(), q[i].item(), want[i].item()) for i in first]
 
 
-@pytest.mark.parametrize("kernel", ["auto", "wg64t"])
+@pytest.mark.parametrize("kernel", ["auto", "wg64t", "wg128t"])
 def test_a_group_naming_no_local_expert_is_skipped_and_reported(kernel):
     skip_off_sm90(kernel)
     weights = fp8_weights(256, 256, 4, SEED + 1)
@@ -280,7 +283,7 @@ def _layer(ctx, engine, hidden, inter, num_experts, topk, max_tokens, seed):
 
 
 @pytest.mark.parametrize("shape", ["tiny", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("kernel", ["auto", "wg64t"])
+@pytest.mark.parametrize("kernel", ["auto", "wg64t", "wg128t"])
 def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     # Errors are summed over the token counts and ranks (one token's norm ratio alone varies too much for a 1e-2
     # bound, as in tests/gpu/test_moe_fp8.py); bitwise stability is checked per count.

@@ -150,6 +150,7 @@ KERNELS: Dict[str, str] = {
     "moe_combine_fused": "CombineFusedArgs", "moe_end_call": "EndCallArgs", "moe_refuse_call": "RefuseCallArgs",
     "moe_fused_experts_m16": "FusedExpertsArgs", "moe_fused_experts_m32": "FusedExpertsArgs",
     "moe_fused_experts_wg64": "FusedExpertsArgs", "moe_fused_experts_wg64t": "FusedExpertsTmaArgs",
+    "moe_fused_experts_wg128t": "FusedExpertsTmaArgs",
     "moe_fused_div_probe": "FusedDivProbeArgs",
     "moe_stamp": "StampArgs", "moe_sleep": "SleepArgs", "moe_spin_probe": "SpinProbeArgs",
 }

@@ -1,4 +1,5 @@
-"""CUDA tensor maps for the TMA loads of the fused engine's ``wg64t`` kernel (``device/moe/fused_experts_tma.cu``).
+"""CUDA tensor maps for the TMA loads of the fused engine's ``wg64t`` and ``wg128t`` kernels
+(``device/moe/fused_experts_tma.cu``).
 
 A tensor map (the driver's ``CUtensorMap``: 128 opaque bytes) tells the TMA unit where a 2D tensor lies in global
 memory and which box of it one copy brings into shared memory, and how it is swizzled there. The kernel copies
@@ -150,8 +151,9 @@ class Encoder:
     def __init__(self, load=_load_driver):
         self._fn = load()
         if self._fn is None:
-            raise BackendError("engine 'fused': kernel 'wg64t' needs the CUDA driver's cuTensorMapEncodeTiled "
-                               "(libcuda.so.1 of CUDA 12 or newer) to encode its TMA maps; use kernel 'wg64'")
+            raise BackendError("engine 'fused': kernels 'wg64t' and 'wg128t' need the CUDA driver's "
+                               "cuTensorMapEncodeTiled (libcuda.so.1 of CUDA 12 or newer) to encode their TMA maps; "
+                               "use kernel 'wg64'")
         # The driver writes the map at a 64-byte aligned address: one buffer, reused (the bytes are copied out).
         self._buffer = ctypes.create_string_buffer(MAP_BYTES + MAP_ALIGN)
         self._at = -ctypes.addressof(self._buffer) % MAP_ALIGN
