@@ -23,7 +23,7 @@ constexpr float kFp8Max = 448.0f;
 // What thread 0 records in status[0] besides a count of expired waits (the engine's check_status names them).
 constexpr int kStatusSharedTooSmall = -1;  // launched with less dynamic shared memory than the layout
 constexpr int kStatusWrongTarget = -2;     // a wgmma kernel run from a cubin not built for sm_90a
-constexpr int kStatusPipelineStalled = -3; // wg64t: a wait of its TMA ring expired (outputs NaN, not garbage)
+constexpr int kStatusPipelineStalled = -3; // wg64t, wg128t: a wait of the TMA pipeline expired (outputs NaN)
 
 // --- PTX wrappers ----------------------------------------------------------------------------------------
 

@@ -225,6 +225,22 @@ def test_the_tma_kernels_give_wg64s_and_builtins_bits(shape, num_tokens, kernel)
     assert torch.equal(got, builtin), f"{kernel} differs from builtin"
 
 
+def test_wg128t_with_a_pass_that_ends_inside_its_last_group():
+    # The pass's rows end 64 rows into the last live group: wg128t's second A box of that group lies wholly past the
+    # pool map's rows (TMA fills it with zeros and must still count its bytes, or the ring stalls: status -3).
+    skip_off_sm90("wg128t")
+    weights = fp8_weights(256, 256, 16, SEED + 11)
+    pool, num_rows, per_expert, live = make_pool(256, 16, 2, 64, SEED + 12)
+    assert per_expert <= 64
+    last = int(pool.m_indices[:num_rows].ge(0).nonzero().max()) // ALIGN  # the last group holding rows
+    cut = last * ALIGN + 64
+    y = FusedExperts(weights, kernel="wg128t")
+    got = y.forward(pool, cut, per_expert)
+    want = FusedExperts(weights, kernel="wg64").forward(pool, num_rows, per_expert)
+    y.check_status()
+    assert torch.equal(got[:cut][live[:cut]], want[:cut][live[:cut]])
+
+
 def test_the_call_free_division_is_torchs_division_bit_for_bit():
     # The wgmma kernel's epilogue divides with device/moe/fused_div.cuh (no call, so ptxas keeps wgmma pipelined);
     # it must give __fdiv_rn's bits: here against torch's float32 division (IEEE, nearest even) on this GPU.
