@@ -118,5 +118,5 @@ def test_the_drivers_refusal_and_absence_are_backend_errors():
     encode = tensor_map.Encoder(load=lambda: FakeDriver(result=1))
     with pytest.raises(BackendError, match=r"cuTensorMapEncodeTiled refused .*CUresult 1"):
         encode(tensor_map.tile_spec("pool.x", aligned_rows(64, 256), 64))
-    with pytest.raises(BackendError, match="needs the CUDA driver's cuTensorMapEncodeTiled"):
+    with pytest.raises(BackendError, match="need the CUDA driver's cuTensorMapEncodeTiled"):
         tensor_map.Encoder(load=lambda: None)
