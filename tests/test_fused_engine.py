@@ -151,7 +151,7 @@ def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
 def test_the_record_names_every_buffer_and_shape():
     engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
     pool = pool_of(capacity=512, rows_for_sf=300)
-    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7, cc=90)
+    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7, cc=89)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
     w = engine.weights
     pointers = dict(pool_x=pool.x, pool_sf=pool.x_sf, m_indices=pool.m_indices, w13=w.w13, w13_sf=w.w13_scale,
@@ -170,38 +170,62 @@ def test_the_record_names_every_buffer_and_shape():
     assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 3,) and not launch.counters.any()
     assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
     assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
-    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=90).grid == 3 * (3 + 2)  # never more blocks than items
+    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=89).grid == 3 * (3 + 2)  # never more blocks than items
     unbounded = engine.prepare(pool, 300, None, grid_limit=1000, cc=89)  # no bound (m32 off cc 9.0): every m block
     assert unbounded.kernel == "m32" and unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
     assert engine.prepare(pool, 0, None, grid_limit=1000, cc=89).grid == 1
 
 
-def test_the_wgmma_record_covers_64_row_blocks():
+def test_the_wgmma_record_covers_64_row_blocks(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     engine = fused.FusedExperts(fp8_weights(), kernel="auto")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
-    # 100 rows per expert on cc 9.0: wg64; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
-    assert (launch.kernel, launch.shared_bytes) == ("wg64", fused.shared_bytes("wg64"))
+    # 100 rows per expert on cc 9.0: wg64t; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
+    assert (launch.kernel, launch.shared_bytes) == ("wg64t", fused.shared_bytes("wg64t"))
     assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 2)
-    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
     assert int(record["counters"]) == launch.counters.data_ptr() and int(record["num_rows"]) == 300
     assert int(record["m_blocks_per_group"]) == 2
-    # 40 rows per expert: wg64 lists one 64-row m block per group (its second would be padding): 3 m blocks.
+    # 40 rows per expert: one 64-row m block per group (its second would be padding): 3 m blocks.
     launch = engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
-    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
-    assert launch.kernel == "wg64" and int(record["m_blocks_per_group"]) == 1
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
+    assert launch.kernel == "wg64t" and int(record["m_blocks_per_group"]) == 1
     assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 2)
     # The same call on an sm_89 device takes the mma.sync kernel: the record is the same but for the buffers.
     assert engine.prepare(pool, 300, 100, grid_limit=1000, cc=89).kernel == "m32"
 
 
 @pytest.mark.parametrize("rows_per_expert, cc, kernel", [
-    (0, 90, "m16"), (1, 90, "m16"), (16, 90, "m16"), (17, 90, "m32"), (32, 90, "m32"), (33, 90, "wg64"),
-    (128, 90, "wg64"), (512, 90, "wg64"), (None, 90, "wg64"),  # auto never picks wg64t
+    (0, 90, "wg64t"), (1, 90, "wg64t"), (32, 90, "wg64t"), (33, 90, "wg64t"), (512, 90, "wg64t"),
+    (None, 90, "wg64t"),  # auto never picks wg64 or wg128t
     (33, 89, "m32"), (None, 89, "m32"), (8, 89, "m16"), (256, 100, "m32"), (None, 120, "m32"),
 ])
 def test_the_kernel_rule(rows_per_expert, cc, kernel):
     assert fused.select_kernel(rows_per_expert, cc) == kernel
+
+
+class NoEncoder:
+    """The driver's encoder where the driver has none (`tensor_map.Encoder` refuses when made)."""
+
+    def __init__(self):
+        raise BackendError("no cuTensorMapEncodeTiled here")
+
+
+def test_auto_resolves_the_encoder_at_its_first_tma_call(monkeypatch):
+    # Auto needs the driver's encoder only once a call takes wg64t: made without one, the engine serves the
+    # mma.sync kernels' calls (a device other than cc 9.0); a wg64t call raises the encoder's error, before any
+    # launch.
+    monkeypatch.setattr(tensor_map, "Encoder", NoEncoder)
+    engine = fused.FusedExperts(fp8_weights(), kernel="auto")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    assert engine.prepare(pool, 300, rows_per_expert=20, grid_limit=1000, cc=89).kernel == "m32"
+    with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):
+        engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
+    with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):
+        fused.FusedExperts(fp8_weights(), kernel="wg64t")  # forced: refused when made
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    assert engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90).kernel == "wg64t"
 
 
 def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):

@@ -5,11 +5,12 @@ by tickets. The design, the roofline per shape and the SM budget rule: docs/FUSE
 
 Two kernel families compute the same work list with the same epilogues: ``mma.sync`` with 16 or 32 rows per
 item (``moe_fused_experts_m16``/``_m32``, ``device/moe/fused_experts.cu``, sm_89+) and Hopper ``wgmma`` with 64
-(``moe_fused_experts_wg64``, ``device/moe/fused_experts_wgmma.cu``, compiled for sm_90a, cc 9.0 only).
-`select_kernel` picks one per call from the window's rows per expert; ``kernel=`` or
-``SYMMRING_FUSED_KERNEL`` forces one (tests, benchmarks). ``wg64t`` and ``wg128t``
-(``device/moe/fused_experts_tma.cu``) are chosen only when forced: a TMA producer warpgroup feeding two wgmma
-warpgroups, with wg64's 64-row items or with 128-row items (docs/FUSED.md "wg64t", "wg128t"); the same bits.
+or 128 (compiled for sm_90a, cc 9.0 only): ``wg64t`` (``device/moe/fused_experts_tma.cu``), a TMA producer warpgroup
+feeding two wgmma warpgroups; ``wg128t``, the same with 128-row items; ``wg64``
+(``device/moe/fused_experts_wgmma.cu``), wg64t's items with cp.async loads in the math warps (docs/FUSED.md).
+`select_kernel` picks wg64t on cc 9.0, m16 or m32 elsewhere (by the window's rows per expert); ``kernel=`` or
+``SYMMRING_FUSED_KERNEL`` forces one (tests, benchmarks; wg128t and wg64 are taken only when forced). The wgmma
+kernels give the same bits (the ``"builtin"`` engine's too).
 
 It reads the pool the fp8 dispatch writes (rows, their 1x128 scales, ``m_indices``) and the fp8 weights with
 128x128 block scales, as the ``"builtin"`` engine does, and writes the output rows into its own tensor: the
@@ -40,15 +41,16 @@ TILE = 128
 BLOCK_ROWS = (16, 32)
 #: The kernels by short name (``kernel=``, ``SYMMRING_FUSED_KERNEL``): rows per item.
 KERNELS = {"m16": 16, "m32": 32, "wg64": 64, "wg64t": 64, "wg128t": 128}
-#: The wgmma kernel `select_kernel` picks: compiled for sm_90a, so it runs on compute capability 9.0 only.
+#: The wgmma kernel with cp.async loads in its math warps: compiled for sm_90a, so it runs on compute capability 9.0
+#: only; forced only since wg64t (the same items and bits) measured faster at every size (docs/FUSED.md).
 WGMMA_KERNEL, WGMMA_CC = "wg64", 90
-#: The warp-specialised TMA kernels (sm_90a too), taken only when forced, and the rows of their weights' TMA boxes:
-#: wg64t (wg64's items; B boxes of gate, up or output rows, 128 each) and wg128t (128-row items; boxes of 64).
+#: The warp-specialised TMA kernels (sm_90a too) and the rows of their weights' TMA boxes: wg64t (wg64's items; B
+#: boxes of gate, up or output rows, 128 each) and wg128t (128-row items, forced only; boxes of 64).
 TMA_KERNELS = {"wg64t": 128, "wg128t": 64}
+#: The kernel `select_kernel` picks on cc 9.0 (for every window: its rule says why).
+AUTO_WGMMA_KERNEL = "wg64t"
 #: Rows of the TMA boxes of the pool rows and the intermediate (both kernels).
 TMA_ROW_BOX = 64
-#: Rows per expert from which `select_kernel` takes the wgmma kernel on cc 9.0 (its rule says why).
-WGMMA_MIN_ROWS_PER_EXPERT = 33
 THREADS = 256
 #: The TMA kernels' block: a producer warpgroup and two math warpgroups.
 TMA_THREADS = 384
@@ -141,30 +143,30 @@ def select_kernel(rows_per_expert: Optional[int], cc: int, kernel: str = "auto")
     unknown) on a device of compute capability ``cc`` (90 for H100/H200); ``kernel`` other than ``"auto"`` is
     taken as it is.
 
-    The rule: wgmma (``wg64``) on cc 9.0 from 33 rows per expert (or an unknown bound), else `block_rows`'s
-    mma.sync kernel. Up to 32 rows the step is bound by reading the weights, which every kernel reads once per
-    m block: a 64-row item would spend half or more of its tensor work and A tile on padding rows, while the
-    16/32-row items read the same weight bytes with less wasted work (and mma.sync's half rate does not bind
-    there). From 33 rows the 32-row kernel needs two m blocks per expert, each re-reading the expert's weight
-    tiles at half the tensor rate, where one 64-row wgmma item reads them once at the full rate.
+    The rule: ``wg64t`` on cc 9.0 for every window, else `block_rows`'s mma.sync kernel. Measured side by side
+    on an H100 (docs/FUSED.md "Measured: wg64t and wg128t"), wg64t is faster than m16/m32 where they were the
+    pick (up to 32 rows per expert: 1.07-1.22x at 1-512 tokens of the DeepSeek-V3- and V4-Flash-like shapes,
+    1.13x at 64-512 tokens of the Qwen3-like) and than wg64 above; the exceptions are the Qwen3-like at 1 and 8
+    tokens, where m16 is 1.16x and 1.29x faster (force ``"m16"`` there). Off cc 9.0, up to 32 rows the step
+    reads the weights once per m block and 16-row items waste the least tensor work on padding rows.
 
     Raises:
         BackendError: ``kernel="wg64"``, ``"wg64t"`` or ``"wg128t"`` on a device other than cc 9.0 (their cubins
             are sm_90a).
 
     Example:
-        >>> select_kernel(16, 90), select_kernel(32, 90), select_kernel(33, 90), select_kernel(None, 90)
-        ('m16', 'm32', 'wg64', 'wg64')
-        >>> select_kernel(200, 89), select_kernel(200, 100), select_kernel(200, 90, "m32")
-        ('m32', 'm32', 'm32')
+        >>> select_kernel(1, 90), select_kernel(33, 90), select_kernel(None, 90)
+        ('wg64t', 'wg64t', 'wg64t')
+        >>> select_kernel(16, 89), select_kernel(200, 89), select_kernel(200, 100), select_kernel(200, 90, "m32")
+        ('m16', 'm32', 'm32', 'm32')
     """
     if (kernel == WGMMA_KERNEL or kernel in TMA_KERNELS) and cc != WGMMA_CC:
         raise BackendError(f"engine 'fused': kernel {kernel!r} uses wgmma (sm_90a), device is sm_{cc}; use 'm16', "
                            f"'m32' or 'auto'")
     if kernel != "auto":
         return kernel
-    if cc == WGMMA_CC and (rows_per_expert is None or rows_per_expert >= WGMMA_MIN_ROWS_PER_EXPERT):
-        return WGMMA_KERNEL
+    if cc == WGMMA_CC:
+        return AUTO_WGMMA_KERNEL
     return f"m{block_rows(rows_per_expert)}"
 
 
@@ -297,7 +299,8 @@ class FusedExperts(ExpertEngine):
 
     Raises:
         ConfigError: bad weights (`check_weights`), ``sm_budget`` or ``kernel``.
-        BackendError: ``"wg64t"`` or ``"wg128t"`` without the CUDA driver's tensor map encoder (`tensor_map.Encoder`).
+        BackendError: ``"wg64t"`` or ``"wg128t"`` without the CUDA driver's tensor map encoder (`tensor_map.Encoder`;
+            under ``"auto"``, at the first call that takes wg64t).
 
     Example:
         >>> engine = FusedExperts(expert_weights(w_gate, w_up, w_down, ..., expert_dtype="fp8"))  # doctest: +SKIP
@@ -323,7 +326,8 @@ class FusedExperts(ExpertEngine):
         import torch
         #: int32 [2] beside the weights: what the kernel records (`check_status`); made here, never under a capture.
         self.status = torch.zeros(2, dtype=torch.int32, device=weights.w13.device)
-        #: The TMA kernels' tensor map encoder (the driver's, resolved now) and the weights' maps (encoded on first use).
+        #: The TMA kernels' tensor map encoder (the driver's: resolved now for a forced TMA kernel, at the first call
+        #: that takes one under auto) and the weights' maps (encoded on first use).
         self._encode = tensor_map.Encoder() if self.kernel in TMA_KERNELS else None
         self._weight_maps = {}  # by box rows
 
@@ -339,7 +343,8 @@ class FusedExperts(ExpertEngine):
 
         Raises:
             ConfigError: a pool the kernel cannot read (`check_pool`).
-            BackendError: a wgmma kernel (``"wg64"``, ``"wg64t"``, ``"wg128t"``) and ``cc`` is not 90 (`select_kernel`).
+            BackendError: a wgmma kernel (``"wg64"``, ``"wg64t"``, ``"wg128t"``) and ``cc`` is not 90 (`select_kernel`);
+                a TMA kernel without the driver's tensor map encoder.
         """
         import torch
         check_pool(pool, num_rows, self.hidden)
@@ -369,6 +374,8 @@ class FusedExperts(ExpertEngine):
         """A TMA kernel's record: the experts' record ``args`` and the four tensor maps (tensor_map.tile_spec): the
         pass's pool rows and intermediate (64-row boxes; rows past ``num_rows`` arrive as zeros), the weights as 2D
         views (boxes of ``weight_box`` rows, encoded once per box size)."""
+        if self._encode is None:
+            self._encode = tensor_map.Encoder()
         encode, w = self._encode, self.weights
         if weight_box not in self._weight_maps:
             self._weight_maps[weight_box] = tuple(
