@@ -145,6 +145,23 @@ def target_arch(source: str, cc: int) -> str:
     return "sm_90a" if cc == 90 and _ARCH_SPECIFIC_LINE.search(source) else f"sm_{cc}"
 
 
+#: The line by which a source that calls no NVSHMEM device function asks to be built as one program
+#: (``nvcc --cubin``, no ``-dc`` and no device link): ptxas keeps ``setmaxnreg`` only in whole-program builds
+#: (with ``-dc`` it reports C7504 "setmaxnreg ignored to maintain compatibility across compilation units").
+WHOLE_PROGRAM_MARKER = "// symmring-jit: whole-program"
+_WHOLE_PROGRAM_LINE = re.compile(r"^[ \t]*" + re.escape(WHOLE_PROGRAM_MARKER) + r"[ \t\r]*$", re.MULTILINE)
+
+
+def whole_program(source: str) -> bool:
+    """Whether ``source`` carries `WHOLE_PROGRAM_MARKER` on a line of its own.
+
+    Example:
+        >>> whole_program("// symmring-jit: whole-program\\n"), whole_program("// whole-program\\n")
+        (True, False)
+    """
+    return bool(_WHOLE_PROGRAM_LINE.search(source))
+
+
 def compile_options(cc: int, extra_options: Sequence[str] = (), arch: Optional[str] = None) -> Tuple[str, ...]:
     """Options of the ``-dc`` compile step for compute capability ``cc`` (e.g. 90), for target ``arch``
     (default ``sm_<cc>``; `target_arch` picks it per source)."""
@@ -162,8 +179,8 @@ def _run(cmd: Sequence[str], *, source_name: str, options: Sequence[str]) -> Non
 
 def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[str] = (),
                   cache_dir: Optional[Path] = None) -> Path:
-    """Compile and device-link ``source`` for ``sm_<cc>`` (``sm_90a`` for a source that asks, `target_arch`);
-    return the cached cubin's path.
+    """Compile and device-link ``source`` for ``sm_<cc>`` (``sm_90a`` for a source that asks, `target_arch`;
+    in one step for a source that asks, `whole_program`); return the cached cubin's path.
 
     Args:
         source: CUDA source (kernels ``extern "C"``); may ``#include <symmring/protocol.cuh>``.
@@ -202,9 +219,13 @@ def compile_cubin(source: str, *, name: str, cc: int, extra_options: Sequence[st
         cu, obj, cubin = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.cubin"
         cu.write_text(f"// symmring-device-hash: {dev_hash}\n{source}")
         logger.info("compiling %s for %s (cache %s)", name, arch, target)
-        _run([nvcc, *options, "-o", str(obj), str(cu)], source_name=name, options=options)
-        _run([nvcc, "--cubin", *link_options, "--device-link", str(obj), "-o", str(cubin)],
-             source_name=name, options=link_options)
+        if whole_program(source):  # one step, no NVSHMEM device library (WHOLE_PROGRAM_MARKER says why)
+            whole = tuple("--cubin" if o == "-dc" else o for o in options)
+            _run([nvcc, *whole, "-o", str(cubin), str(cu)], source_name=name, options=whole)
+        else:
+            _run([nvcc, *options, "-o", str(obj), str(cu)], source_name=name, options=options)
+            _run([nvcc, "--cubin", *link_options, "--device-link", str(obj), "-o", str(cubin)],
+                 source_name=name, options=link_options)
         os.replace(cubin, target)  # atomic: a concurrent reader sees no file or the whole file
     return target
 
@@ -283,6 +304,7 @@ LIBRARY_MODULES = {
 ENGINE_MODULES = {
     "moe_fused_experts": "moe/fused_experts.cu",
     "moe_fused_experts_wgmma": "moe/fused_experts_wgmma.cu",
+    "moe_fused_experts_tma": "moe/fused_experts_tma.cu",
 }
 
 

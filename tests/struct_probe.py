@@ -20,8 +20,8 @@ import pytest
 #: "u" unsigned or pointer, "f" floating, "s" a struct.
 Compiled = Tuple[int, Dict[str, Tuple[int, int, str]]]
 
-_STRUCT_RE = re.compile(r"struct\s+(?P<name>\w+)\s*\{(?P<body>.*?)\};", re.S)
-_FIELD_RE = re.compile(r"^\s*(?P<type>(?:const\s+)?[\w ]*?\w[\s*]*?)\s*(?P<name>\w+)\s*;\s*$")
+_STRUCT_RE = re.compile(r"struct\s+(?:alignas\(\d+\)\s+)?(?P<name>\w+)\s*\{(?P<body>.*?)\};", re.S)
+_FIELD_RE = re.compile(r"^\s*(?P<type>(?:const\s+)?[\w ]*?\w[\s*]*?)\s*(?P<name>\w+)\s*(?:\[\d+\])?\s*;\s*$")
 
 
 def host_compiler() -> List[str]:
@@ -41,8 +41,9 @@ def strip_comments(text: str) -> str:
 def parse_structs(text: str) -> Dict[str, List[Tuple[str, str]]]:
     """``{struct: [(field type, field name), ...]}`` of every struct in ``text``, in order.
 
-    Every non-blank line of a struct body must be one field: anything else (two fields on a line, an array, a
-    nested definition) is reported rather than skipped, so no field escapes the comparison.
+    Every non-blank line of a struct body must be one field (an array of a literal length counts as one):
+    anything else (two fields on a line, a nested definition) is reported rather than skipped, so no field escapes
+    the comparison.
     """
     structs = {}
     for match in _STRUCT_RE.finditer(strip_comments(text)):
@@ -51,7 +52,7 @@ def parse_structs(text: str) -> Dict[str, List[Tuple[str, str]]]:
             if not line.strip():
                 continue
             field = _FIELD_RE.match(line)
-            if field is None or "[" in line or line.count(";") != 1:
+            if field is None or line.count(";") != 1:
                 raise AssertionError(f"struct {match['name']}: cannot parse the line {line.strip()!r}")
             fields.append((" ".join(field["type"].split()), field["name"]))
         structs[match["name"]] = fields
@@ -70,7 +71,7 @@ def compile_structs(header: Path, namespace: str, workdir: Path) -> Dict[str, Co
         lines.append(f'  std::printf("struct {struct} %zu\\n", sizeof({c}));')
         for _, name in fields:
             lines.append(f'  std::printf("field {struct} {name} %zu %zu %s\\n", offsetof({c}, {name}), '
-                         f'sizeof({c}::{name}), kind<decltype({c}::{name})>());')
+                         f'sizeof({c}::{name}), kind<std::remove_all_extents_t<decltype({c}::{name})>>());')
     lines += ["  return 0;", "}"]
     src, exe = workdir / "probe.cpp", workdir / "probe"
     src.write_text("\n".join(lines) + "\n")
@@ -92,6 +93,8 @@ def compile_structs(header: Path, namespace: str, workdir: Path) -> Dict[str, Co
 
 
 def host_kind(field: np.dtype) -> str:
+    if field.subdtype is not None:  # an array field: its elements' kind
+        field = field.subdtype[0]
     return "s" if field.names else {"i": "i", "u": "u", "f": "f"}.get(field.kind, field.kind)
 
 

@@ -98,9 +98,9 @@ def test_cache_key_follows_the_device_headers(tmp_path, monkeypatch):
 
 
 def test_arch_specific_sources_build_for_sm90a(compiled):
-    # The wgmma kernel's source asks for sm_90a (wgmma has no sm_90 encoding); every other source keeps sm_90.
+    # The wgmma kernels' sources ask for sm_90a (wgmma has no sm_90 encoding); every other source keeps sm_90.
     asking = {s for s in SOURCES if jit.target_arch(s.read_text(), 90) == "sm_90a"}
-    assert asking == {ROOT / "device" / "moe" / "fused_experts_wgmma.cu"}
+    assert asking == {ROOT / "device" / "moe" / name for name in ("fused_experts_wgmma.cu", "fused_experts_tma.cu")}
     for source in SOURCES:
         cubin = compiled[source]
         if isinstance(cubin, Exception):
@@ -121,3 +121,32 @@ def test_the_marker_picks_the_target_of_both_steps(tmp_path, monkeypatch):
     # Only a line of its own asks; a mention inside other text does not.
     assert jit.target_arch(f'// see "{jit.ARCH_SPECIFIC_MARKER}"\n', 90) == "sm_90"
     assert jit.target_arch(f"  {jit.ARCH_SPECIFIC_MARKER}  \r\n", 90) == "sm_90a"
+
+
+def test_whole_program_sources_build_in_one_step_and_keep_setmaxnreg(tmp_path, monkeypatch):
+    """The TMA kernel asks for a whole-program build: one ``nvcc --cubin`` step, no ``-dc``, no device link, so
+    ptxas keeps its ``setmaxnreg`` (the producer warpgroup's 40 registers, the math warpgroups' 232); the same
+    source through ``-dc`` gets C7504 ("setmaxnreg ignored")."""
+    import subprocess
+    source = ROOT / "device" / "moe" / "fused_experts_tma.cu"
+    text = source.read_text()
+    asking = {s for s in SOURCES if jit.whole_program(s.read_text())}
+    assert asking == {source}
+    calls = []
+    real_run = jit._run
+    monkeypatch.setattr(jit, "_run", lambda cmd, **kw: calls.append(list(cmd)) or real_run(cmd, **kw))
+    cubin = jit.compile_cubin(text, name="tma", cc=90, cache_dir=tmp_path)
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert len(calls) == 1 and "--cubin" in calls[0] and "-dc" not in calls[0] and "-arch=sm_90a" in calls[0]
+    # The same command again with ptxas's report (the jit's temporary directory is gone: a copy of the source).
+    cu = tmp_path / "tma.cu"
+    cu.write_text(text)
+    cmd = calls[0][:-1]
+    cmd[cmd.index("-o") + 1] = str(tmp_path / "tma.cubin")
+    whole = subprocess.run(cmd + ["-Xptxas", "-v", str(cu)], capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    assert "C7504" not in whole.stderr and "setmaxnreg" not in whole.stderr, whole.stderr
+    separate = [("-dc" if o == "--cubin" else o) for o in cmd]
+    separate[separate.index("-o") + 1] = str(tmp_path / "tma.o")
+    dc = subprocess.run(separate + ["-Xptxas", "-v", str(cu)], capture_output=True, text=True)
+    assert dc.returncode == 0 and "C7504" in dc.stderr, dc.stderr  # what the marker avoids

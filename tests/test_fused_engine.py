@@ -13,7 +13,7 @@ from symmring import jit
 from symmring.errors import BackendError, ConfigError
 from symmring.moe.engines import ENGINES, Pool, make_engine
 from symmring.moe.engines import fused
-from symmring.moe.gpu import kernel_args
+from symmring.moe.gpu import kernel_args, tensor_map
 from symmring.moe.weights import ExpertWeights
 from test_device_compile import _toolchain_missing
 
@@ -74,10 +74,84 @@ def test_bad_sm_budgets_are_refused(budget):
         fused.FusedExperts(fp8_weights(), sm_budget=budget)
 
 
+class FakeEncoder:
+    """Stands in for the driver's tensor map encoder (`tensor_map.Encoder`; none on the CPU): a map's words are
+    its spec's address, dims, row stride, box and swizzle, so a test reads back what the engine asked for."""
+
+    def __call__(self, spec):
+        words = np.zeros(16, np.uint64)
+        words[:7] = (spec.address, *spec.dims, *spec.strides, *spec.box, spec.swizzle)
+        return tensor_map.map_record(words.tobytes())
+
+
+def map_words(record, name):
+    return tuple(int(v) for v in record[name]["opaque"][:7])
+
+
+def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    engine = fused.FusedExperts(weights, kernel="wg64t")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
+    assert (launch.kernel, launch.shared_bytes, fused.threads("wg64t")) == ("wg64t", fused.shared_bytes("wg64t"), 384)
+    assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 704
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    # The experts' record is wg64's (the same work list: 6 m blocks of 64 rows, 2 per group) but for the buffers.
+    wg64 = fused.FusedExperts(weights, kernel="wg64").prepare(pool, 300, 100, grid_limit=1000, cc=90)
+    assert launch.grid == wg64.grid and tuple(launch.counters.shape) == tuple(wg64.counters.shape) == (1 + 6,)
+    plain = np.frombuffer(wg64.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    buffers = {"act", "act_sf", "out", "counters", "status"}  # the call's and the engine's own
+    for name in plain.dtype.names:
+        if name not in buffers:
+            assert record["experts"][name] == plain[name], name
+    assert int(record["experts"]["act"]) == launch.act.data_ptr()
+    assert int(record["experts"]["status"]) == engine.status.data_ptr()
+    w = engine.weights
+    # (address, K, rows, row stride, box K, box rows, swizzle 128B): the pass's rows of the pool and intermediate
+    # in 64-row boxes, the weights as [E * N, K] in 128-row boxes.
+    assert map_words(record, "pool_x_map") == (pool.x.data_ptr(), HIDDEN, 300, HIDDEN, 128, 64, 3)
+    assert map_words(record, "act_map") == (launch.act.data_ptr(), INTER, 300, INTER, 128, 64, 3)
+    assert map_words(record, "w13_map") == (w.w13.data_ptr(), HIDDEN, E * 2 * INTER, HIDDEN, 128, 128, 3)
+    assert map_words(record, "w_down_map") == (w.w_down.data_ptr(), INTER, E * HIDDEN, INTER, 128, 128, 3)
+    empty = np.frombuffer(engine.prepare(pool, 0, None, grid_limit=4, cc=90).args[0].tobytes(),
+                          dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    assert map_words(empty, "pool_x_map") == map_words(empty, "act_map") == (0,) * 7  # no rows: no launch, no maps
+
+
+def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    engine = fused.FusedExperts(weights, kernel="wg128t")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
+    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 198880, 384)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    # 128-row items: one m block per 128-row group (3 groups for 300 rows), each with its L1 and L2 items.
+    assert int(record["experts"]["m_blocks_per_group"]) == 1 and tuple(launch.counters.shape) == (1 + 3,)
+    assert launch.grid == 3 * (INTER // 128 + HIDDEN // 128)
+    w = engine.weights
+    assert map_words(record, "pool_x_map") == (pool.x.data_ptr(), HIDDEN, 300, HIDDEN, 128, 64, 3)
+    assert map_words(record, "act_map") == (launch.act.data_ptr(), INTER, 300, INTER, 128, 64, 3)
+    assert map_words(record, "w13_map") == (w.w13.data_ptr(), HIDDEN, E * 2 * INTER, HIDDEN, 128, 64, 3)
+    assert map_words(record, "w_down_map") == (w.w_down.data_ptr(), INTER, E * HIDDEN, INTER, 128, 64, 3)
+    # The weights' maps are encoded once per box size: wg64t's engine keeps its 128-row boxes.
+    wg64t = fused.FusedExperts(weights, kernel="wg64t").prepare(pool, 300, 100, grid_limit=1000, cc=90)
+    other = np.frombuffer(wg64t.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    assert map_words(other, "w13_map")[5] == 128 and fused.module_of("wg128t") == fused.module_of("wg64t")
+
+
+def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
+    monkeypatch.setattr(tensor_map, "_load_driver", lambda: None)
+    with pytest.raises(BackendError, match="kernels 'wg64t' and 'wg128t' need the CUDA driver's cuTensorMapEncodeTiled"):
+        fused.FusedExperts(fp8_weights(), kernel="wg64t")
+    fused.FusedExperts(fp8_weights(), kernel="wg64")  # the other kernels need no encoder
+
+
 def test_the_record_names_every_buffer_and_shape():
     engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
     pool = pool_of(capacity=512, rows_for_sf=300)
-    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7, cc=90)
+    launch = engine.prepare(pool, 300, rows_per_expert=20, grid_limit=7, cc=89)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
     w = engine.weights
     pointers = dict(pool_x=pool.x, pool_sf=pool.x_sf, m_indices=pool.m_indices, w13=w.w13, w13_sf=w.w13_scale,
@@ -96,65 +170,94 @@ def test_the_record_names_every_buffer_and_shape():
     assert launch.grid == 7 and tuple(launch.counters.shape) == (1 + 3,) and not launch.counters.any()
     assert tuple(launch.out.shape) == (300, HIDDEN) and launch.out.dtype == torch.bfloat16
     assert tuple(launch.act.shape) == (300, INTER) and tuple(launch.act_sf.shape) == (300, INTER // 128)
-    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=90).grid == 3 * (3 + 2)  # never more blocks than items
+    assert engine.prepare(pool, 300, 20, grid_limit=1000, cc=89).grid == 3 * (3 + 2)  # never more blocks than items
     unbounded = engine.prepare(pool, 300, None, grid_limit=1000, cc=89)  # no bound (m32 off cc 9.0): every m block
     assert unbounded.kernel == "m32" and unbounded.grid == 12 * (3 + 2) and tuple(unbounded.counters.shape) == (1 + 12,)
     assert engine.prepare(pool, 0, None, grid_limit=1000, cc=89).grid == 1
 
 
-def test_the_wgmma_record_covers_64_row_blocks():
+def test_the_wgmma_record_covers_64_row_blocks(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     engine = fused.FusedExperts(fp8_weights(), kernel="auto")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
-    # 100 rows per expert on cc 9.0: wg64; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
-    assert (launch.kernel, launch.shared_bytes) == ("wg64", fused.shared_bytes("wg64"))
+    # 100 rows per expert on cc 9.0: wg64t; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
+    assert (launch.kernel, launch.shared_bytes) == ("wg64t", fused.shared_bytes("wg64t"))
     assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 2)
-    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
     assert int(record["counters"]) == launch.counters.data_ptr() and int(record["num_rows"]) == 300
     assert int(record["m_blocks_per_group"]) == 2
-    # 40 rows per expert: wg64 lists one 64-row m block per group (its second would be padding): 3 m blocks.
+    # 40 rows per expert: one 64-row m block per group (its second would be padding): 3 m blocks.
     launch = engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
-    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
-    assert launch.kernel == "wg64" and int(record["m_blocks_per_group"]) == 1
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
+    assert launch.kernel == "wg64t" and int(record["m_blocks_per_group"]) == 1
     assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 2)
     # The same call on an sm_89 device takes the mma.sync kernel: the record is the same but for the buffers.
     assert engine.prepare(pool, 300, 100, grid_limit=1000, cc=89).kernel == "m32"
 
 
 @pytest.mark.parametrize("rows_per_expert, cc, kernel", [
-    (0, 90, "m16"), (1, 90, "m16"), (16, 90, "m16"), (17, 90, "m32"), (32, 90, "m32"), (33, 90, "wg64"),
-    (128, 90, "wg64"), (512, 90, "wg64"), (None, 90, "wg64"),
+    (0, 90, "wg64t"), (1, 90, "wg64t"), (32, 90, "wg64t"), (33, 90, "wg64t"), (512, 90, "wg64t"),
+    (None, 90, "wg64t"),  # auto never picks wg64 or wg128t
     (33, 89, "m32"), (None, 89, "m32"), (8, 89, "m16"), (256, 100, "m32"), (None, 120, "m32"),
 ])
 def test_the_kernel_rule(rows_per_expert, cc, kernel):
     assert fused.select_kernel(rows_per_expert, cc) == kernel
 
 
+class NoEncoder:
+    """The driver's encoder where the driver has none (`tensor_map.Encoder` refuses when made)."""
+
+    def __init__(self):
+        raise BackendError("no cuTensorMapEncodeTiled here")
+
+
+def test_auto_resolves_the_encoder_at_its_first_tma_call(monkeypatch):
+    # Auto needs the driver's encoder only once a call takes wg64t: made without one, the engine serves the
+    # mma.sync kernels' calls (a device other than cc 9.0); a wg64t call raises the encoder's error, before any
+    # launch.
+    monkeypatch.setattr(tensor_map, "Encoder", NoEncoder)
+    engine = fused.FusedExperts(fp8_weights(), kernel="auto")
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    assert engine.prepare(pool, 300, rows_per_expert=20, grid_limit=1000, cc=89).kernel == "m32"
+    with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):
+        engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
+    with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):
+        fused.FusedExperts(fp8_weights(), kernel="wg64t")  # forced: refused when made
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    assert engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90).kernel == "wg64t"
+
+
 def test_a_forced_kernel_is_taken_as_it_is(monkeypatch):
     monkeypatch.delenv("SYMMRING_FUSED_KERNEL", raising=False)
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     pool = pool_of()
-    for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64)):
+    for forced, rows in (("m16", 16), ("m32", 32), ("wg64", 64), ("wg64t", 64), ("wg128t", 128)):
         engine = fused.FusedExperts(fp8_weights(), kernel=forced)
         launch = engine.prepare(pool, 512, None, grid_limit=1000, cc=90)  # no bound: every m block of its rows
         assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 512 // rows,)
         launch = engine.prepare(pool, 512, 1, grid_limit=1000, cc=90)  # one row per expert: one m block per group
-        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)
+        assert launch.kernel == forced and tuple(launch.counters.shape) == (1 + 4,)  # 4 groups
     assert fused.FusedExperts(fp8_weights()).kernel == "auto"
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", " WG64 ")
     assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64"
     assert fused.FusedExperts(fp8_weights(), kernel="m16").kernel == "m16"  # the argument wins over the variable
+    monkeypatch.setenv("SYMMRING_FUSED_KERNEL", "wg64t")
+    assert fused.FusedExperts(fp8_weights()).prepare(pool, 512, 1, grid_limit=1000, cc=90).kernel == "wg64t"
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", "m64")
     with pytest.raises(ConfigError, match=r"SYMMRING_FUSED_KERNEL='m64': expected one of \['auto', 'm16', 'm32', "
-                                          r"'wg64'\]"):
+                                          r"'wg64', 'wg64t', 'wg128t'\]"):
         fused.FusedExperts(fp8_weights())
     with pytest.raises(ConfigError, match="kernel='wgmma': expected one of"):
         fused.FusedExperts(fp8_weights(), kernel="wgmma")
 
 
-def test_the_wgmma_kernel_is_refused_off_sm90():
-    engine = fused.FusedExperts(fp8_weights(), kernel="wg64")
+@pytest.mark.parametrize("kernel", ["wg64", "wg64t", "wg128t"])
+def test_the_wgmma_kernels_are_refused_off_sm90(kernel, monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    engine = fused.FusedExperts(fp8_weights(), kernel=kernel)
     for cc in (89, 100):
-        with pytest.raises(BackendError, match=rf"kernel 'wg64' uses wgmma \(sm_90a\), device is sm_{cc}"):
+        with pytest.raises(BackendError, match=rf"kernel '{kernel}' uses wgmma \(sm_90a\), device is sm_{cc}"):
             engine.prepare(pool_of(), 512, 64, grid_limit=4, cc=cc)
 
 
@@ -201,6 +304,9 @@ def test_check_status_names_what_the_kernel_recorded():
     engine.status[0] = -2
     with pytest.raises(BackendError, match="not built for sm_90a"):
         engine.check_status()
+    engine.status[0] = -3
+    with pytest.raises(BackendError, match=r"a wait of a TMA kernel's pipeline \(its ring or item queue\) expired"):
+        engine.check_status()
     engine.check_status()
 
 
@@ -212,5 +318,9 @@ def test_shared_bytes_is_the_kernels_layout(tmp_path):
                         for rows in fused.BLOCK_ROWS)
     asserts += (f"\nstatic_assert(symmring_moe::fused::wg::kDynamicSharedBytes == {fused.shared_bytes('wg64')}, "
                 f"\"wgmma fused shared memory\");")
-    source = f"#include <moe/fused_experts.cu>\n#include <moe/fused_experts_wgmma.cu>\n{asserts}\n"
+    asserts += "".join(f"\nstatic_assert(symmring_moe::fused::wg::tma::kDynamicSharedBytes<"
+                       f"symmring_moe::fused::wg::tma::Tile<{fused.KERNELS[k]}>> == {fused.shared_bytes(k)}, "
+                       f"\"{k} shared memory\");" for k in fused.TMA_KERNELS)
+    source = (f"#include <moe/fused_experts.cu>\n#include <moe/fused_experts_wgmma.cu>\n"
+              f"#include <moe/fused_experts_tma.cu>\n{asserts}\n")
     assert jit.compile_cubin(source, name="fused_layout", cc=90, cache_dir=tmp_path).is_file()

@@ -23,7 +23,7 @@ from symmring.moe.gpu.plan import ChunkStep, WindowStep
 from stage_fakes import BUFFERS, COMBINE_READY, COMBINE_ROWS, KERNEL_OF, FakeKernels, FakeTensor, fake_state
 
 SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu", "moe/schedule.cu", "moe/fused_experts.cu",
-           "moe/fused_experts_wgmma.cu")
+           "moe/fused_experts_wgmma.cu", "moe/fused_experts_tma.cu")
 
 
 #: An ``extern "C"`` kernel's name and parameter list, with or without ``__launch_bounds__``.
@@ -39,11 +39,20 @@ def kernel_signatures():
     return found
 
 
+def holds_tensor_maps(struct: str) -> bool:
+    dtype = kernel_args.STRUCTS[struct]
+    return any(dtype.fields[name][0] == kernel_args.STRUCTS["TensorMap"] for name in dtype.names)
+
+
 def test_every_kernel_takes_its_struct_by_value():
+    # A struct with tensor maps is taken __grid_constant__: TMA reads a map at its address in the parameter.
     signatures = kernel_signatures()
     assert set(signatures) == set(kernel_args.KERNELS)
     for kernel, params in signatures.items():
-        assert params == f"const {kernel_args.KERNELS[kernel]} args", (kernel, params)
+        struct = kernel_args.KERNELS[kernel]
+        qualifier = "__grid_constant__ " if holds_tensor_maps(struct) else ""
+        assert params == f"const {qualifier}{struct} args", (kernel, params)
+    assert holds_tensor_maps("FusedExpertsTmaArgs") and not holds_tensor_maps("FusedExpertsArgs")
 
 
 def launched(k, index=-1):

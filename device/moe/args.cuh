@@ -326,6 +326,22 @@ struct FusedExpertsArgs {
     int m_blocks_per_group;      // m blocks listed per 128-row group: ceil(the host's rows-per-expert bound / rows)
 };
 
+// A CUDA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on the host by
+// cuTensorMapEncodeTiled (symmring.moe.gpu.tensor_map) and read by TMA copies from the kernel's parameter.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// moe_fused_experts_wg64t (fused_experts_tma.cu): the wgmma kernel whose producer warpgroup loads the A and B tiles
+// by TMA. The parameter is __grid_constant__, so the maps' addresses are the parameter's own.
+struct FusedExpertsTmaArgs {
+    FusedExpertsArgs experts;
+    TensorMap pool_x_map;        // pool rows [num_rows, hidden] fp8; box 128 x 64 rows, 128B swizzle
+    TensorMap act_map;           // intermediate [num_rows, inter] fp8; box 128 x 64 rows
+    TensorMap w13_map;           // w13 as [E * 2 inter, hidden] fp8; box 128 x 128 rows
+    TensorMap w_down_map;        // w_down as [E * hidden, inter] fp8; box 128 x 128 rows
+};
+
 // moe_fused_div_probe (fused_experts_wgmma.cu): q[i] = a[i] / b[i] by the wgmma kernel's call-free division,
 // for the GPU test to compare with torch's.
 struct FusedDivProbeArgs {

@@ -23,6 +23,7 @@ constexpr float kFp8Max = 448.0f;
 // What thread 0 records in status[0] besides a count of expired waits (the engine's check_status names them).
 constexpr int kStatusSharedTooSmall = -1;  // launched with less dynamic shared memory than the layout
 constexpr int kStatusWrongTarget = -2;     // a wgmma kernel run from a cubin not built for sm_90a
+constexpr int kStatusPipelineStalled = -3; // wg64t, wg128t: a wait of the TMA pipeline expired (outputs NaN)
 
 // --- PTX wrappers ----------------------------------------------------------------------------------------
 
@@ -231,13 +232,28 @@ __device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_b
     }
 }
 
+// One expired L2 wait counted in status[0] (status[1]: the m block of the first), unless status[0] holds one of
+// the negative codes above: a code says more than a count, and a count past it would turn it into another code
+// (or into 0: no error at all).
+__device__ __forceinline__ void count_expired_wait(const FusedExpertsArgs& p, int m_block) {
+    int old = *reinterpret_cast<volatile int*>(p.status);
+    while (old >= 0) {
+        const int seen = atomicCAS(p.status, old, old + 1);
+        if (seen == old) {
+            if (old == 0) p.status[1] = m_block;
+            return;
+        }
+        old = seen;
+    }
+}
+
 // The start of an L2 item, for the whole block: thread 0 waits for the m block's L1 items (an expired wait is
 // counted in the status, the first m block named); true when the wait expired. `flag` is a shared int.
 __device__ __forceinline__ bool l2_arrivals_expired(const FusedExpertsArgs& p, const Work& w, int m_block,
                                                     int& flag) {
     if (threadIdx.x == 0) {
         flag = !wait_arrivals(p, m_block, w.n1_blocks);
-        if (flag && atomicAdd(p.status, 1) == 0) p.status[1] = m_block;
+        if (flag) count_expired_wait(p, m_block);
     }
     __syncthreads();  // the acquire of thread 0, then the block's reads of the intermediate
     const bool expired = flag;

@@ -6,10 +6,8 @@
 // `wgmma.mma_async m64n64k32 e4m3` (sm_90a: the line above asks symmring.jit for that target on cc 9.0).
 //
 // Two math warpgroups (256 threads), no producer warp: every thread issues its share of the cp.async loads.
-//   * L1 item (64 rows, intermediate block n1): warpgroup w computes gate columns [64 w, 64 w + 64) and the
-//     same up columns of n1 as two m64n64 streams, so SwiGLU pairs gate and up in one thread's registers;
-//     the row amax over the 128 columns is a cross-warpgroup reduction in shared memory.
-//   * L2 item (64 rows, output block n2): warpgroup w computes output columns [64 w, 64 w + 64).
+// The items' split between the warpgroups, the wgmma streams, the promotion and the epilogues are in
+// fused_wgmma.cuh, shared with the TMA kernel wg64t (fused_experts_tma.cu).
 // Per 128-wide K block: 4 k steps of wgmma into fresh partial sums (scale-d 0 on the first), commit, wait,
 // then acc += part * (row scale x weight block scale), as the mma.sync kernels promote.
 //
@@ -27,20 +25,15 @@
 //
 // Built for another target than sm_90a (a cc 8.9 or 10.x device, or a compile without the marker), the kernel
 // records kStatusWrongTarget and computes nothing; the engine picks it only on cc 9.0.
-#include <moe/fused_common.cuh>
-#include <moe/fused_div.cuh>
-#include <moe/wgmma_layout.cuh>
+#include <moe/fused_wgmma.cuh>
 
 namespace symmring_moe {
 namespace fused {
 namespace wg {
 
-constexpr int kBlockM = 64;                      // rows per item: wgmma's M
 constexpr int kStages = 4;
 constexpr int kWarpgroups = kThreads / 128;
-constexpr int kWgCols = kTileN / kWarpgroups;    // 64: each warpgroup's columns of a 128-column half
-constexpr int kFrag = kBlockM * kWgCols / 128;   // 32 float32 accumulators per thread per m64n64 stream
-static_assert(kBlockK == kTileRowBytes, "a tile row is one K block of e4m3: the 128B swizzle's width");
+static_assert(kWarpgroups == kMathWarpgroups, "every warpgroup of wg64 is a math warpgroup");
 
 // Every tile is a multiple of 1024 bytes, so with the struct at a 1024-byte aligned address each tile is too.
 struct Shared {
@@ -57,7 +50,6 @@ static_assert(kBlockM * kBlockK % kSwizzleAtom == 0 && 2 * kTileN * kBlockK % kS
 // The launch's dynamic shared memory: the layout plus the slack to align its base up to 1024 bytes.
 constexpr uint32_t kDynamicSharedBytes = sizeof(Shared) + kSwizzleAtom;
 static_assert(kDynamicSharedBytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
-static_assert(kFrag == 32, "an m64n64 accumulator is 32 floats per thread");
 
 }  // namespace wg
 }  // namespace fused
@@ -67,41 +59,6 @@ static_assert(kFrag == 32, "an m64n64 accumulator is 32 floats per thread");
 namespace symmring_moe {
 namespace fused {
 namespace wg {
-
-// --- PTX wrappers (sm_90a) ----------------------------------------------------------------------------------
-
-// The descriptor of the K-major, 128B-swizzled tile at `tile` (1024-byte aligned; wgmma_layout.cuh).
-__device__ __forceinline__ uint64_t smem_desc(const uint8_t* tile) {
-    return smem_desc_at(static_cast<uint32_t>(__cvta_generic_to_shared(tile)));
-}
-
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// Ties the registers to this point of the program: reads of the partial sums stay after the wgmma wait.
-__device__ __forceinline__ void fence_operands(float (&d)[kFrag]) {
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (+)= A[64 x 32] * B[64 x 32]^T, both e4m3 K-major in shared memory; kAccumulate 0: d = A * B^T.
-// d[i] of thread t of the warpgroup: row acc_row(t, i), column acc_col(t, i) (wgmma_layout.cuh).
-template <int kAccumulate>
-__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[kFrag], uint64_t a_desc, uint64_t b_desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a_desc), "l"(b_desc), "r"(kAccumulate));
-}
 
 // --- one tile: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T -------------
 
@@ -139,48 +96,33 @@ __device__ __forceinline__ void tile_gemm(Shared& sm, const Operands& op, float 
         if (s < op.num_kb) load_stage<kHalves>(sm, op, s, s);
         cp_async_commit();
     }
+    // The K block's scales are loaded one block ahead: issued just before the wgmma of their own block, their
+    // latency (an L2 round trip under load) outlasted it, and the promotion waited on them (Nsight Compute: the
+    // largest stall was L1TEX scoreboard, 35% of the cycles between issues).
+    float sa[2], sb[kHalves];
+    load_scales<kHalves>(op, t, 0, sa, sb);
     float part[kHalves][kFrag];
     for (int kb = 0; kb < op.num_kb; ++kb) {
         cp_async_wait<kStages - 2>();
         fence_proxy_async();  // this thread's copies of stage kb (generic proxy) before wgmma reads them (async)
         __syncthreads();      // every thread's copies of stage kb landed; every warpgroup is done with stage kb - 1
+
+        // The next K block's scales (the last block reloads its own: no branch), used after the next wgmma.
+        float sa_next[2], sb_next[kHalves];
+        load_scales<kHalves>(op, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
+
+        const int stage = kb % kStages;
+        wgmma_k_block<kHalves>(part, sm.a[stage], sm.b[stage], wg);
+        // While the tensor cores multiply: refill the stage block kb - 1 used (every warpgroup waited for its
+        // wgmma before the barrier above), so the copies' issue no longer stands between two wgmma groups.
         const int next = kb + kStages - 1;
         if (next < op.num_kb) load_stage<kHalves>(sm, op, next % kStages, next);
         cp_async_commit();
-
-        // This K block's scales (issued before the wgmma: their latency hides behind it).
-        float sa[2], sb[kHalves];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = op.row0 + acc_row(t, 2 * h);  // the rows of values i with i % 4 / 2 == h
-            sa[h] = r < op.rows_valid ? __ldcg(op.a_sf + r * op.a_sf_row + kb * op.a_sf_col) : 0.0f;
-        }
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
-
-        const int stage = kb % kStages;
-        const uint64_t a_desc = smem_desc(sm.a[stage]);
-        uint64_t b_desc[kHalves];
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) b_desc[h] = smem_desc(sm.b[stage] + (h * kTileN + wg * kWgCols) * kBlockK);
-        wgmma_fence();  // the partial sums' registers were read by the last promotion
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma_m64n64k32<0>(part[h], a_desc, b_desc[h]);
-#pragma unroll
-        for (int k = 1; k < kBlockK / 32; ++k)
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h)
-                wgmma_m64n64k32<1>(part[h], desc_at_k(a_desc, k), desc_at_k(b_desc[h], k));
-        wgmma_commit();
         wgmma_wait_all();
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
 
-        // Promote: acc += partial * (activation scale of the row * weight scale of the block).
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-            for (int i = 0; i < kFrag; ++i) acc[h][i] += part[h][i] * (sa[i % 4 / 2] * sb[h]);
+        promote<kHalves>(acc, part, sa, sb, sa_next, sb_next);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warpgroup is done with the ring before the next item refills it
@@ -196,39 +138,9 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     tile_gemm<2>(sm, l1_operands(p, w, e, n1, row0), acc);
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    float row_amax[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < kFrag; ++i) {
-        const float v = swiglu(acc[0][i], acc[1][i], div::CallFreeDivision());
-        acc[0][i] = v;
-        row_amax[i % 4 / 2] = fmaxf(row_amax[i % 4 / 2], fabsf(v));
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 1));
-        row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 2));
-        if (t % 4 == 0) sm.amax[wg][acc_row(t, 2 * h)] = row_amax[h];  // the quad's lanes hold the same rows
-    }
+    l1_swiglu_amax(acc, sm.amax, wg, t);
     __syncthreads();  // both warpgroups' halves of every row's amax
-    const int act_sf_cols = w.n1_blocks;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = acc_row(t, 2 * h), row = row0 + r;
-        float amax = 0.0f;
-#pragma unroll
-        for (int v = 0; v < kWarpgroups; ++v) amax = fmaxf(amax, sm.amax[v][r]);
-        const float scale = fp8_scale(amax, div::CallFreeDivision());
-        if (row >= p.num_rows) continue;
-        const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
-        if (wg == 0 && t % 4 == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
-#pragma unroll
-        for (int j = 0; j < kFrag / 4; ++j) {
-            const __nv_fp8x2_storage_t q =
-                quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
-            const int col = n1 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
-        }
-    }
+    l1_quantize_store(p, w, acc, sm.amax, wg, t, row0, n1);
     __syncthreads();  // every thread's stores precede the release below (and sm.amax is free again)
     release_arrival(p, m_block);
 }
@@ -242,23 +154,11 @@ __device__ __forceinline__ void l2_item(Shared& sm, const FusedExpertsArgs& p, c
     const bool timed_out = l2_arrivals_expired(p, w, m_block, sm.timed_out);
     float acc[1][kFrag];
     if (timed_out) {  // no finite garbage: the tile is NaN and status names it
-#pragma unroll
-        for (int i = 0; i < kFrag; ++i) acc[0][i] = __int_as_float(0x7fc00000);
+        fill_nan(acc[0]);
     } else {
         tile_gemm<1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + acc_row(t, 2 * h);
-        if (row >= p.num_rows) continue;
-#pragma unroll
-        for (int j = 0; j < kFrag / 4; ++j) {
-            const int col = n2 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
-            *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
-                __floats2bfloat162_rn(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1]);
-        }
-    }
+    l2_store(p, acc[0], threadIdx.x / 128, threadIdx.x % 128, row0, n2);
 }
 
 // --- the persistent kernel ---------------------------------------------------------------------------------

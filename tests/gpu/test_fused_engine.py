@@ -1,8 +1,8 @@
 """The ``"fused"`` engine (device/moe/fused_experts.cu, docs/FUSED.md) on the GPU.
 
-* At the seam, for each kernel family (``m16``, ``m32``: mma.sync; ``wg64``: wgmma, cc 9.0 only; forced with
-  ``kernel=``, and ``auto``), on pools laid out as the fp8 dispatch writes them (groups at multiples of 128 rows,
-  MN-major scales, ``m_indices``), DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts, top-8; 1 to 2048
+* At the seam, for each kernel family (``m16``, ``m32``: mma.sync; ``wg64``: wgmma, cc 9.0 only; ``wg64t``: wg64
+  with TMA loads by a producer warpgroup, cc 9.0 only; forced with ``kernel=``, and ``auto``), on pools laid out
+  as the fp8 dispatch writes them (groups at multiples of 128 rows, MN-major scales, ``m_indices``), DeepSeek-V3-like (hidden 7168, inter 2048, 256 experts, top-8; 1 to 2048
   tokens: up to 64 rows per expert), Qwen3-30B-A3B-like (2048, 768, 128, top-8; 1 to 4096 tokens: up to 256)
   and a tiny shape (256, 256, 16, top-2), all experts on this PE: the fused output vs the float64 model of the
   same quantised values (L1 rounded to bf16, SwiGLU quantised 1x128 to fp8) and vs the ``"builtin"`` engine on
@@ -12,12 +12,17 @@
   an SM budget of 1 and 3 blocks (a block never needs another resident) on the pass's first 128-row group
   (the whole pass on one SM would read every expert's weights through one SM: minutes at DeepSeek-V3 sizes; an
   item computes the same bits whatever the pass's length); nothing recorded in the engine's status.
+* ``wg64t`` against ``wg64`` and ``"builtin"`` on every seam case: the same bits (the same items, wgmma streams,
+  promotion and epilogues; only the loads differ).
 * The wgmma kernel's call-free division (device/moe/fused_div.cuh) against torch's float32 division, bit for bit.
-* A pool row group naming an expert outside ``[-1, E)`` is skipped and reported in ``bad_groups``.
+* A pool row group naming an expert outside ``[-1, E)`` is skipped and reported in ``bad_groups`` (``auto`` and
+  ``wg64t``).
 * In the layer (every PE of the session): ``MoE(engine="fused")`` vs ``engine="builtin"`` and the NumPy float64
-  reference on the tiny and the Qwen3-like shapes, and a CUDA graph replay bitwise equal to the eager call.
+  reference on the tiny and the Qwen3-like shapes, and a CUDA graph replay bitwise equal to the eager call (the
+  engine's pick, and ``SYMMRING_FUSED_KERNEL=wg64t``).
 
-Run: ``python -m pytest tests/gpu/test_fused_engine.py -q`` (1 PE; ``-k wg64`` for the wgmma kernel alone), and
+Run: ``python -m pytest tests/gpu/test_fused_engine.py -q`` (1 PE; ``-k wg64`` for the wgmma kernels alone,
+``-k wg64t`` for the TMA one), and
 with 2 PEs
 ``python -m symmring.launch --mps -n 2 -- python -m mpi4py -m pytest tests/gpu/test_fused_engine.py -q``.
 """
@@ -56,7 +61,9 @@ TOKENS = (1, 8, 64, 512)
 #: Token counts of the seam test per shape: into the rows per expert where the wgmma kernel is picked.
 SEAM_TOKENS = {"deepseek-v3": TOKENS + (2048,), "qwen3-30b-a3b": TOKENS + (4096,), "tiny": TOKENS}
 #: The kernels the seam test forces (``"auto"``: the engine's pick).
-KERNELS = ("m16", "m32", "wg64", "auto")
+KERNELS = ("m16", "m32", "wg64", "wg64t", "wg128t", "auto")
+#: The kernels built for sm_90a: cc 9.0 only.
+WGMMA_KERNELS = ("wg64", "wg64t", "wg128t")
 ALIGN = 128
 #: Pool rows of the SM budget runs: the first 128-row group (one expert: its L2 items still wait for its L1 items,
 #: and one SM reads that expert's weights once per m block, seconds at DeepSeek-V3 sizes for 16-row items).
@@ -157,6 +164,11 @@ def device_cc() -> int:
     return major * 10 + minor
 
 
+def skip_off_sm90(kernel):
+    if kernel in WGMMA_KERNELS and device_cc() != 90:
+        pytest.skip(f"the wgmma kernels need compute capability 9.0 (sm_90a); this device is {device_cc()}")
+
+
 SEAM_CASES = [(shape, n) for shape in sorted(SHAPES) for n in SEAM_TOKENS[shape]]
 
 
@@ -164,8 +176,7 @@ SEAM_CASES = [(shape, n) for shape in sorted(SHAPES) for n in SEAM_TOKENS[shape]
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape, num_tokens", SEAM_CASES)
 def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, kernel):
-    if kernel == "wg64" and device_cc() != 90:
-        pytest.skip(f"the wgmma kernel needs compute capability 9.0 (sm_90a); this device is {device_cc()}")
+    skip_off_sm90(kernel)
     weights, _ = shape_weights(shape)
     pool, num_rows, per_expert, live, ref, builtin = seam_case(shape, num_tokens)
     fused = FusedExperts(weights, kernel=kernel)
@@ -192,6 +203,44 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
     assert not pool.bad_groups.any()
 
 
+@pytest.mark.parametrize("kernel", ["wg64t", "wg128t"])
+@pytest.mark.parametrize("shape, num_tokens", SEAM_CASES)
+def test_the_tma_kernels_give_wg64s_and_builtins_bits(shape, num_tokens, kernel):
+    # wg64t computes wg64's items with wg64's wgmma streams, promotion and epilogues; only the loads (TMA by a
+    # producer warpgroup, zeros past the pass's rows as cp.async's zero-fill) differ. wg128t runs the same
+    # m64n64k32 streams and promotion per output element on 128-row items (the warpgroups split rows, an L1 item
+    # in two 64-column passes) and takes each row's amax over the same 128 values. So the same bits; wg64 gave
+    # builtin's bits on every seam case on an H100 (docs/FUSED.md), so these must too.
+    skip_off_sm90(kernel)
+    weights, _ = shape_weights(shape)
+    pool, num_rows, per_expert, live, ref, builtin = seam_case(shape, num_tokens)
+    tma, plain = FusedExperts(weights, kernel=kernel), FusedExperts(weights, kernel="wg64")
+    y, y_plain = tma.forward(pool, num_rows, per_expert), plain.forward(pool, num_rows, per_expert)
+    tma.check_status()
+    plain.check_status()
+    got = y[live]
+    print(f"[figure] fused {kernel} {shape} n={num_tokens}: vs wg64 {rel_error_on_device(got, y_plain[live]):.3e}, "
+          f"vs builtin {rel_error_on_device(got, builtin):.3e}")
+    assert torch.equal(got, y_plain[live]), f"{kernel} differs from wg64"
+    assert torch.equal(got, builtin), f"{kernel} differs from builtin"
+
+
+def test_wg128t_with_a_pass_that_ends_inside_its_last_group():
+    # The pass's rows end 64 rows into the last live group: wg128t's second A box of that group lies wholly past the
+    # pool map's rows (TMA fills it with zeros and must still count its bytes, or the ring stalls: status -3).
+    skip_off_sm90("wg128t")
+    weights = fp8_weights(256, 256, 16, SEED + 11)
+    pool, num_rows, per_expert, live = make_pool(256, 16, 2, 64, SEED + 12)
+    assert per_expert <= 64
+    last = int(pool.m_indices[:num_rows].ge(0).nonzero().max()) // ALIGN  # the last group holding rows
+    cut = last * ALIGN + 64
+    y = FusedExperts(weights, kernel="wg128t")
+    got = y.forward(pool, cut, per_expert)
+    want = FusedExperts(weights, kernel="wg64").forward(pool, num_rows, per_expert)
+    y.check_status()
+    assert torch.equal(got[:cut][live[:cut]], want[:cut][live[:cut]])
+
+
 def test_the_call_free_division_is_torchs_division_bit_for_bit():
     # The wgmma kernel's epilogue divides with device/moe/fused_div.cuh (no call, so ptxas keeps wgmma pipelined);
     # it must give __fdiv_rn's bits: here against torch's float32 division (IEEE, nearest even) on this GPU.
@@ -210,7 +259,7 @@ def test_the_call_free_division_is_torchs_division_bit_for_bit():
     a, b = (torch.cat([a, gate, gate * torch.rand(n, device=dev, generator=gen), tiny]),
             torch.cat([b, 1 + torch.exp(-gate), scale, 1 + b.abs() % 8]))
     q = torch.empty_like(a)
-    module, _ = fused_engine._module(dev.index, device_cc(), True)
+    module, _ = fused_engine._module(dev.index, device_cc(), fused_engine.WGMMA_MODULE)
     probe = module.get_function("moe_fused_div_probe")
     with cupy.cuda.Device(dev.index):
         args = kernel_args.pack(kernel_args.STRUCTS["FusedDivProbeArgs"], a=a.data_ptr(), b=b.data_ptr(),
@@ -223,11 +272,13 @@ def test_the_call_free_division_is_torchs_division_bit_for_bit():
     assert bool(same.all()), [(a[i].item(), b[i].item(), q[i].item(), want[i].item()) for i in first]
 
 
-def test_a_group_naming_no_local_expert_is_skipped_and_reported():
+@pytest.mark.parametrize("kernel", ["auto", "wg64t", "wg128t"])
+def test_a_group_naming_no_local_expert_is_skipped_and_reported(kernel):
+    skip_off_sm90(kernel)
     weights = fp8_weights(256, 256, 4, SEED + 1)
     pool, num_rows, per_expert, live = make_pool(256, 4, 2, 64, SEED + 2)
     pool.m_indices[ALIGN:2 * ALIGN] = torch.where(pool.m_indices[ALIGN:2 * ALIGN] >= 0, 9, -1)  # group 1: id 9
-    engine = FusedExperts(weights)
+    engine = FusedExperts(weights, kernel=kernel)
     y = engine.forward(pool, num_rows, per_expert)
     torch.cuda.synchronize()
     engine.check_status()
@@ -248,9 +299,12 @@ def _layer(ctx, engine, hidden, inter, num_experts, topk, max_tokens, seed):
 
 
 @pytest.mark.parametrize("shape", ["tiny", "qwen3-30b-a3b"])
-def test_fused_layer_vs_builtin_and_reference(ctx, shape):
+@pytest.mark.parametrize("kernel", ["auto", "wg64t", "wg128t"])
+def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     # Errors are summed over the token counts and ranks (one token's norm ratio alone varies too much for a 1e-2
     # bound, as in tests/gpu/test_moe_fp8.py); bitwise stability is checked per count.
+    skip_off_sm90(kernel)
+    monkeypatch.setenv("SYMMRING_FUSED_KERNEL", kernel)  # the layer's engine takes the variable
     hidden, inter, num_experts, topk = SHAPES[shape]
     fused, w = _layer(ctx, "fused", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
     builtin, _ = _layer(ctx, "builtin", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
@@ -281,11 +335,11 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape):
         from gpu_helpers import ranks
         sums = np.array([ranks(ctx).allreduce(float(v)) for v in sums])
     err_ref, err_builtin = (sums[0] / sums[1]) ** 0.5, (sums[2] / sums[3]) ** 0.5
-    print(f"[figure] fused layer {shape}, {ctx.world_size} PE(s), tokens {TOKENS}: vs float64 {err_ref:.3e}, "
+    print(f"[figure] fused layer {kernel} {shape}, {ctx.world_size} PE(s), tokens {TOKENS}: vs float64 {err_ref:.3e}, "
           f"vs builtin {err_builtin:.3e}")
     if not (err_ref <= REL_TOL and err_builtin <= REL_TOL):
         problems.append(f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e} (bound {REL_TOL})")
-    verdict(ctx, not problems, f"fused {shape}: " + "; ".join(problems))
+    verdict(ctx, not problems, f"fused {kernel} {shape}: " + "; ".join(problems))
 
 
 def test_the_layers_check_errors_raises_what_the_fused_kernel_recorded(ctx):

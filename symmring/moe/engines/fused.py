@@ -5,9 +5,12 @@ by tickets. The design, the roofline per shape and the SM budget rule: docs/FUSE
 
 Two kernel families compute the same work list with the same epilogues: ``mma.sync`` with 16 or 32 rows per
 item (``moe_fused_experts_m16``/``_m32``, ``device/moe/fused_experts.cu``, sm_89+) and Hopper ``wgmma`` with 64
-(``moe_fused_experts_wg64``, ``device/moe/fused_experts_wgmma.cu``, compiled for sm_90a, cc 9.0 only).
-`select_kernel` picks one per call from the window's rows per expert; ``kernel=`` or
-``SYMMRING_FUSED_KERNEL`` forces one (tests, benchmarks).
+or 128 (compiled for sm_90a, cc 9.0 only): ``wg64t`` (``device/moe/fused_experts_tma.cu``), a TMA producer warpgroup
+feeding two wgmma warpgroups; ``wg128t``, the same with 128-row items; ``wg64``
+(``device/moe/fused_experts_wgmma.cu``), wg64t's items with cp.async loads in the math warps (docs/FUSED.md).
+`select_kernel` picks wg64t on cc 9.0, m16 or m32 elsewhere (by the window's rows per expert); ``kernel=`` or
+``SYMMRING_FUSED_KERNEL`` forces one (tests, benchmarks; wg128t and wg64 are taken only when forced). The wgmma
+kernels give the same bits (the ``"builtin"`` engine's too).
 
 It reads the pool the fp8 dispatch writes (rows, their 1x128 scales, ``m_indices``) and the fp8 weights with
 128x128 block scales, as the ``"builtin"`` engine does, and writes the output rows into its own tensor: the
@@ -22,9 +25,11 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
+
 from ... import env
 from ...errors import BackendError, ConfigError
-from ..gpu import kernel_args
+from ..gpu import kernel_args, tensor_map
 from ..weights import ExpertWeights
 from .seam import ExpertEngine, Pool, Scratch
 
@@ -35,21 +40,35 @@ TILE = 128
 #: Rows per item of each mma.sync kernel (``moe_fused_experts_m<rows>``), smallest first; `block_rows` picks one.
 BLOCK_ROWS = (16, 32)
 #: The kernels by short name (``kernel=``, ``SYMMRING_FUSED_KERNEL``): rows per item.
-KERNELS = {"m16": 16, "m32": 32, "wg64": 64}
-#: The wgmma kernel: compiled for sm_90a, so it runs on compute capability 9.0 only.
+KERNELS = {"m16": 16, "m32": 32, "wg64": 64, "wg64t": 64, "wg128t": 128}
+#: The wgmma kernel with cp.async loads in its math warps: compiled for sm_90a, so it runs on compute capability 9.0
+#: only; forced only since wg64t (the same items and bits) measured faster at every size (docs/FUSED.md).
 WGMMA_KERNEL, WGMMA_CC = "wg64", 90
-#: Rows per expert from which `select_kernel` takes the wgmma kernel on cc 9.0 (its rule says why).
-WGMMA_MIN_ROWS_PER_EXPERT = 33
+#: The warp-specialised TMA kernels (sm_90a too) and the rows of their weights' TMA boxes: wg64t (wg64's items; B
+#: boxes of gate, up or output rows, 128 each) and wg128t (128-row items, forced only; boxes of 64).
+TMA_KERNELS = {"wg64t": 128, "wg128t": 64}
+#: The kernel `select_kernel` picks on cc 9.0 (for every window: its rule says why).
+AUTO_WGMMA_KERNEL = "wg64t"
+#: Rows of the TMA boxes of the pool rows and the intermediate (both kernels).
+TMA_ROW_BOX = 64
 THREADS = 256
+#: The TMA kernels' block: a producer warpgroup and two math warpgroups.
+TMA_THREADS = 384
 #: The mma.sync kernels' shared memory layout (``fused::Shared``): stages (``fused::kStagesOf``, by rows per
 #: item) x (A rows + 256 B rows) x 144-byte rows, the per-warp row maxima, two ints.
 _STAGES, _ROW_BYTES, _MAX_ROWS_B, _WARPS = {16: 5, 32: 4}, TILE + 16, 2 * TILE, THREADS // 32
 #: The wgmma kernel's (``fused::wg::Shared``): stages x (64 A rows + 256 B rows) x 128-byte swizzled rows, the
 #: per-warpgroup row maxima, two ints; launched with 1024 bytes more to align the tiles (``kDynamicSharedBytes``).
 _WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
+#: The TMA kernels' (``fused::wg::tma::Shared<Tile>``): wg128t's kept first-pass values (``wg128::Keep``: 32 floats
+#: per math thread), 5 stages of A rows (64 or 128) and two B boxes (128 or 64 rows each), a full and an empty
+#: 8-byte mbarrier per stage, a full and an empty mbarrier per entry of the 4-entry item queue, two row-maxima
+#: mbarriers and one "stored" mbarrier per math warpgroup, the row maxima twice, the queue's entries (two ints
+#: each), three ints padded to the barriers' 8-byte alignment.
+_TMA_STAGES, _TMA_QUEUE, _MBARRIER_BYTES, _TMA_INTS_BYTES = 5, 4, 8, 16
 #: The device modules (names in `symmring.jit.ENGINE_MODULES`, which ``python -m symmring.jit`` prebuilds):
-#: mma.sync kernels, wgmma kernel.
-MODULE, WGMMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma"
+#: mma.sync kernels, wgmma kernel, TMA wgmma kernel.
+MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
 #: Accepted values of ``kernel=`` / ``SYMMRING_FUSED_KERNEL``.
 KERNEL_CHOICES = ("auto",) + tuple(KERNELS)
 
@@ -59,17 +78,33 @@ def kernel_name(kernel: str) -> str:
     return f"moe_fused_experts_{kernel}"
 
 
+def module_of(kernel: str) -> str:
+    """The device module holding ``kernel`` (one of `KERNELS`)."""
+    return WGMMA_MODULE if kernel == WGMMA_KERNEL else TMA_MODULE if kernel in TMA_KERNELS else MODULE
+
+
+def threads(kernel: str) -> int:
+    """Threads per block of ``kernel`` (one of `KERNELS`)."""
+    return TMA_THREADS if kernel in TMA_KERNELS else THREADS
+
+
 def shared_bytes(kernel: str) -> int:
     """Dynamic shared memory of ``kernel`` (one of `KERNELS`): ``sizeof(fused::Shared<rows>)`` for the mma.sync
-    kernels, ``fused::wg::kDynamicSharedBytes`` for wg64; a kernel launched with less records -1 in the status
-    instead of computing.
+    kernels, ``fused::wg::kDynamicSharedBytes`` for wg64, ``fused::wg::tma::kDynamicSharedBytes<Tile<rows>>`` for
+    wg64t and wg128t; a kernel launched with less records -1 in the status instead of computing.
 
     Example:
-        >>> shared_bytes("m16"), shared_bytes("m32"), shared_bytes("wg64")
-        (196360, 166920, 165384)
+        >>> [shared_bytes(k) for k in ("m16", "m32", "wg64", "wg64t", "wg128t")]
+        [196360, 166920, 165384, 207072, 198880]
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
+    if kernel in TMA_KERNELS:
+        rows, b_box = KERNELS[kernel], TMA_KERNELS[kernel]
+        keep = 0 if rows == _WG_ROWS else _WARPGROUPS * 32 * 128 * 4  # wg128::Keep: 32 floats per math thread
+        return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + 2 * _MBARRIER_BYTES)
+                + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
+                + 2 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
@@ -108,29 +143,30 @@ def select_kernel(rows_per_expert: Optional[int], cc: int, kernel: str = "auto")
     unknown) on a device of compute capability ``cc`` (90 for H100/H200); ``kernel`` other than ``"auto"`` is
     taken as it is.
 
-    The rule: wgmma (``wg64``) on cc 9.0 from 33 rows per expert (or an unknown bound), else `block_rows`'s
-    mma.sync kernel. Up to 32 rows the step is bound by reading the weights, which every kernel reads once per
-    m block: a 64-row item would spend half or more of its tensor work and A tile on padding rows, while the
-    16/32-row items read the same weight bytes with less wasted work (and mma.sync's half rate does not bind
-    there). From 33 rows the 32-row kernel needs two m blocks per expert, each re-reading the expert's weight
-    tiles at half the tensor rate, where one 64-row wgmma item reads them once at the full rate.
+    The rule: ``wg64t`` on cc 9.0 for every window, else `block_rows`'s mma.sync kernel. Measured side by side
+    on an H100 (docs/FUSED.md "Measured: wg64t and wg128t"), wg64t is faster than m16/m32 where they were the
+    pick (up to 32 rows per expert: 1.07-1.22x at 1-512 tokens of the DeepSeek-V3- and V4-Flash-like shapes,
+    1.13x at 64-512 tokens of the Qwen3-like) and than wg64 above; the exceptions are the Qwen3-like at 1 and 8
+    tokens, where m16 is 1.16x and 1.29x faster (force ``"m16"`` there). Off cc 9.0, up to 32 rows the step
+    reads the weights once per m block and 16-row items waste the least tensor work on padding rows.
 
     Raises:
-        BackendError: ``kernel="wg64"`` on a device other than cc 9.0 (its cubin is sm_90a).
+        BackendError: ``kernel="wg64"``, ``"wg64t"`` or ``"wg128t"`` on a device other than cc 9.0 (their cubins
+            are sm_90a).
 
     Example:
-        >>> select_kernel(16, 90), select_kernel(32, 90), select_kernel(33, 90), select_kernel(None, 90)
-        ('m16', 'm32', 'wg64', 'wg64')
-        >>> select_kernel(200, 89), select_kernel(200, 100), select_kernel(200, 90, "m32")
-        ('m32', 'm32', 'm32')
+        >>> select_kernel(1, 90), select_kernel(33, 90), select_kernel(None, 90)
+        ('wg64t', 'wg64t', 'wg64t')
+        >>> select_kernel(16, 89), select_kernel(200, 89), select_kernel(200, 100), select_kernel(200, 90, "m32")
+        ('m16', 'm32', 'm32', 'm32')
     """
-    if kernel == WGMMA_KERNEL and cc != WGMMA_CC:
-        raise BackendError(f"engine 'fused': kernel 'wg64' uses wgmma (sm_90a), device is sm_{cc}; use 'm16', "
+    if (kernel == WGMMA_KERNEL or kernel in TMA_KERNELS) and cc != WGMMA_CC:
+        raise BackendError(f"engine 'fused': kernel {kernel!r} uses wgmma (sm_90a), device is sm_{cc}; use 'm16', "
                            f"'m32' or 'auto'")
     if kernel != "auto":
         return kernel
-    if cc == WGMMA_CC and (rows_per_expert is None or rows_per_expert >= WGMMA_MIN_ROWS_PER_EXPERT):
-        return WGMMA_KERNEL
+    if cc == WGMMA_CC:
+        return AUTO_WGMMA_KERNEL
     return f"m{block_rows(rows_per_expert)}"
 
 
@@ -224,12 +260,11 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(device_index: int, cc: int, wgmma: bool):
-    """The compiled kernels of one source (mma.sync or wgmma), loaded into CuPy once per device (no NVSHMEM:
-    the kernels call none): ``(module, {kernel: function})``."""
+def _module(device_index: int, cc: int, name: str):
+    """The compiled kernels of one source (`module_of`), loaded into CuPy once per device (no NVSHMEM: the
+    kernels call none): ``(module, {kernel: function})``."""
     import cupy
     from ... import jit
-    name = WGMMA_MODULE if wgmma else MODULE
     path = jit.compile_cubin(jit.read_source(jit.ENGINE_MODULES[name]), name=name, cc=cc)
     with cupy.cuda.Device(device_index):
         module = cupy.cuda.function.Module()
@@ -237,7 +272,7 @@ def _module(device_index: int, cc: int, wgmma: bool):
         attribute = getattr(cupy.cuda.driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
         kernels = {}
         for kernel in KERNELS:
-            if (kernel == WGMMA_KERNEL) == wgmma:
+            if module_of(kernel) == name:
                 fn = kernels[kernel] = module.get_function(kernel_name(kernel))
                 cupy.cuda.driver.funcSetAttribute(fn.ptr, attribute, shared_bytes(kernel))
     return module, kernels
@@ -259,11 +294,13 @@ class FusedExperts(ExpertEngine):
         sm_budget: the kernel's grid, at most one block per SM (None: every SM of the weights' device; the
             streamed schedule's producers then share them by time, docs/FUSED.md "SM budget").
         timeout_s: the bound of an L2 item's wait for its L1 items (None: ``SYMMRING_TIMEOUT_S``).
-        kernel: ``"auto"`` (`select_kernel` per call), or ``"m16"``, ``"m32"``, ``"wg64"`` for every call (None:
-            ``SYMMRING_FUSED_KERNEL``, unset ``"auto"``).
+        kernel: ``"auto"`` (`select_kernel` per call), or ``"m16"``, ``"m32"``, ``"wg64"``, ``"wg64t"``,
+            ``"wg128t"`` for every call (None: ``SYMMRING_FUSED_KERNEL``, unset ``"auto"``).
 
     Raises:
         ConfigError: bad weights (`check_weights`), ``sm_budget`` or ``kernel``.
+        BackendError: ``"wg64t"`` or ``"wg128t"`` without the CUDA driver's tensor map encoder (`tensor_map.Encoder`;
+            under ``"auto"``, at the first call that takes wg64t).
 
     Example:
         >>> engine = FusedExperts(expert_weights(w_gate, w_up, w_down, ..., expert_dtype="fp8"))  # doctest: +SKIP
@@ -289,6 +326,10 @@ class FusedExperts(ExpertEngine):
         import torch
         #: int32 [2] beside the weights: what the kernel records (`check_status`); made here, never under a capture.
         self.status = torch.zeros(2, dtype=torch.int32, device=weights.w13.device)
+        #: The TMA kernels' tensor map encoder (the driver's: resolved now for a forced TMA kernel, at the first call
+        #: that takes one under auto) and the weights' maps (encoded on first use).
+        self._encode = tensor_map.Encoder() if self.kernel in TMA_KERNELS else None
+        self._weight_maps = {}  # by box rows
 
     @property
     def sm_budget(self) -> int:
@@ -302,7 +343,8 @@ class FusedExperts(ExpertEngine):
 
         Raises:
             ConfigError: a pool the kernel cannot read (`check_pool`).
-            BackendError: ``kernel="wg64"`` and ``cc`` is not 90 (`select_kernel`).
+            BackendError: a wgmma kernel (``"wg64"``, ``"wg64t"``, ``"wg128t"``) and ``cc`` is not 90 (`select_kernel`);
+                a TMA kernel without the driver's tensor map encoder.
         """
         import torch
         check_pool(pool, num_rows, self.hidden)
@@ -324,7 +366,29 @@ class FusedExperts(ExpertEngine):
             counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
             timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
             num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
+        if kernel in TMA_KERNELS:
+            args = self._tma_args(args, pool, num_rows, act, TMA_KERNELS[kernel])
         return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters)
+
+    def _tma_args(self, args: tuple, pool: Pool, num_rows: int, act, weight_box: int) -> tuple:
+        """A TMA kernel's record: the experts' record ``args`` and the four tensor maps (tensor_map.tile_spec): the
+        pass's pool rows and intermediate (64-row boxes; rows past ``num_rows`` arrive as zeros), the weights as 2D
+        views (boxes of ``weight_box`` rows, encoded once per box size)."""
+        if self._encode is None:
+            self._encode = tensor_map.Encoder()
+        encode, w = self._encode, self.weights
+        if weight_box not in self._weight_maps:
+            self._weight_maps[weight_box] = tuple(
+                encode(tensor_map.tile_spec(name, tensor_map.weight_view(t), weight_box))
+                for name, t in (("weights.w13", w.w13), ("weights.w_down", w.w_down)))
+        w13_map, w_down_map = self._weight_maps[weight_box]
+        experts = np.frombuffer(args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
+        maps = np.zeros(2, kernel_args.STRUCTS["TensorMap"])  # a pass of no rows launches nothing: no maps
+        if num_rows:
+            maps[0] = encode(tensor_map.tile_spec("pool.x", pool.x, TMA_ROW_BOX, num_rows))
+            maps[1] = encode(tensor_map.tile_spec("intermediate", act, TMA_ROW_BOX, num_rows))
+        return kernel_args.pack(kernel_args.STRUCTS["FusedExpertsTmaArgs"], experts=experts, pool_x_map=maps[0],
+                                act_map=maps[1], w13_map=w13_map, w_down_map=w_down_map)
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):
@@ -338,9 +402,9 @@ class FusedExperts(ExpertEngine):
             return launch.out
         if cc < 89:
             raise BackendError(f"engine 'fused': needs fp8 tensor cores (sm_89 or newer), device {dev} is sm_{cc}")
-        kernel = _module(dev.index, cc, launch.kernel == WGMMA_KERNEL)[1][launch.kernel]
+        kernel = _module(dev.index, cc, module_of(launch.kernel))[1][launch.kernel]
         stream = _cupy_stream(torch.cuda.current_stream(dev).cuda_stream)
-        kernel((launch.grid,), (THREADS,), launch.args, shared_mem=launch.shared_bytes, stream=stream)
+        kernel((launch.grid,), (threads(launch.kernel),), launch.args, shared_mem=launch.shared_bytes, stream=stream)
         return launch.out
 
     def check_status(self) -> None:
@@ -348,14 +412,18 @@ class FusedExperts(ExpertEngine):
 
         Raises:
             BackendError: L2 tiles whose wait for their L1 items expired (written NaN), a launch whose shared
-                memory was smaller than the kernel's layout, or the wgmma kernel run from a cubin not built for
-                sm_90a.
+                memory was smaller than the kernel's layout, the wgmma kernel run from a cubin not built for
+                sm_90a, or a wait of a TMA kernel's pipeline expired (a fault of the kernel; the tiles it left are NaN).
         """
         timed_out, first = (int(v) for v in self.status.tolist())
         self.status.zero_()
         if timed_out == -2:
             raise BackendError("engine 'fused': the wgmma kernel ran from a cubin not built for sm_90a (it "
                                "computed nothing; symmring.jit builds it for sm_90a on cc 9.0 only)")
+        if timed_out == -3:
+            raise BackendError("engine 'fused': a wait of a TMA kernel's pipeline (its ring or item queue) expired (the "
+                               "kernel's own copies or math warps never came: a fault of the kernel; the tiles it "
+                               "could not compute are NaN); use kernel 'wg64'")
         if timed_out < 0:
             raise BackendError("engine 'fused': launched with less shared memory than the kernel needs "
                                "(fused.shared_bytes disagrees with device/moe/fused_experts*.cu)")

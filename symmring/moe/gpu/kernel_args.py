@@ -42,6 +42,19 @@ def _struct(fields: List[Tuple[str, np.dtype]]) -> np.dtype:
     return np.dtype(fields, align=True)
 
 
+def _struct_aligned(fields: List[Tuple[str, np.dtype]], alignment: Dict[str, int]) -> np.dtype:
+    """`_struct` where some fields' types are ``alignas(n)`` (``alignment``: field name -> n) and so is the struct:
+    NumPy knows no alignment beyond a type's own, so the offsets are C's rule, written out."""
+    names, formats, offsets, offset, struct_align = [], [], [], 0, 1
+    for name, dtype in fields:
+        align = max(dtype.alignment, alignment.get(name, 1))
+        offset = -(-offset // align) * align
+        names.append(name), formats.append(dtype), offsets.append(offset)
+        offset, struct_align = offset + dtype.itemsize, max(struct_align, align)
+    itemsize = -(-offset // struct_align) * struct_align
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+
+
 #: The structs of device/moe/args.cuh, by their C name, in the header's order.
 STRUCTS: Dict[str, np.dtype] = {}
 STRUCTS["RouterOptions"] = _struct([
@@ -109,6 +122,13 @@ STRUCTS["FusedExpertsArgs"] = _struct([
     ("w13", PTR), ("w13_sf", PTR), ("w_down", PTR), ("w_down_sf", PTR), ("act", PTR), ("act_sf", PTR),
     ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
     ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32), ("m_blocks_per_group", I32)])
+#: A CUtensorMap's bytes (``alignas(64)`` in the header: `TENSOR_MAP_ALIGN`, which `_struct_aligned` applies).
+STRUCTS["TensorMap"] = _struct([("opaque", np.dtype((U64, (16,))))])
+TENSOR_MAP_ALIGN = 64
+STRUCTS["FusedExpertsTmaArgs"] = _struct_aligned(
+    [("experts", STRUCTS["FusedExpertsArgs"]), ("pool_x_map", STRUCTS["TensorMap"]), ("act_map", STRUCTS["TensorMap"]),
+     ("w13_map", STRUCTS["TensorMap"]), ("w_down_map", STRUCTS["TensorMap"])],
+    {name: TENSOR_MAP_ALIGN for name in ("pool_x_map", "act_map", "w13_map", "w_down_map")})
 STRUCTS["FusedDivProbeArgs"] = _struct([("a", PTR), ("b", PTR), ("q", PTR), ("n", I32)])
 STRUCTS["EndCallArgs"] = _struct([("desc", PTR), ("num_chunks", I32)])
 STRUCTS["RefuseCallArgs"] = _struct([("desc", PTR), ("layer", I32)])
@@ -129,7 +149,9 @@ KERNELS: Dict[str, str] = {
     "moe_combine_wait": "CombineWaitArgs", "moe_combine_reduce": "CombineReduceArgs",
     "moe_combine_fused": "CombineFusedArgs", "moe_end_call": "EndCallArgs", "moe_refuse_call": "RefuseCallArgs",
     "moe_fused_experts_m16": "FusedExpertsArgs", "moe_fused_experts_m32": "FusedExpertsArgs",
-    "moe_fused_experts_wg64": "FusedExpertsArgs", "moe_fused_div_probe": "FusedDivProbeArgs",
+    "moe_fused_experts_wg64": "FusedExpertsArgs", "moe_fused_experts_wg64t": "FusedExpertsTmaArgs",
+    "moe_fused_experts_wg128t": "FusedExpertsTmaArgs",
+    "moe_fused_div_probe": "FusedDivProbeArgs",
     "moe_stamp": "StampArgs", "moe_sleep": "SleepArgs", "moe_spin_probe": "SpinProbeArgs",
 }
 

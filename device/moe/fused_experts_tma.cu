@@ -1,0 +1,630 @@
+// symmring-jit: sm_90a
+// symmring-jit: whole-program
+// The fused experts kernel with a warp-specialised TMA + wgmma main loop: moe_fused_experts_wg64t.
+//
+// The same items, wgmma streams, promotion and epilogues as wg64 (fused_wgmma.cuh; so the same bits), with the
+// loads taken off the math warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
+//   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
+//     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
+//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 40) and its other
+//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232): they pop items
+//     and compute them. After the set-up no barrier spans the block, so the producer runs on into the next items
+//     while the math warpgroups finish one (its epilogue, its stores): no drain of the ring between items.
+//   * A ring of kStages stages, each with a full mbarrier (the producer's arrive.expect_tx of the stage's bytes;
+//     the TMA copies complete the transaction) and an empty mbarrier (one arrival per math warp once its wgmma
+//     on the stage is done). The ring's stage and phase run on across items.
+//   * The queue's entries have full and empty mbarriers likewise; the two math warpgroups exchange an L1 item's
+//     row maxima through a third pair (amax_ready, double-buffered). Each math warpgroup releases its own
+//     arrival of an L1 item after its stores (kArrivalsPerL1Item per item), so no barrier spans them either.
+//   * TMA copies of 128-byte rows with CU_TENSOR_MAP_SWIZZLE_128B into 1024-byte aligned tiles: exactly the
+//     swizzled K-major layout wg64's cp.async stores and the descriptors of wgmma_layout.cuh describe. Rows past
+//     the map's rows (the pass's num_rows) arrive as zeros, as wg64 zero-fills them.
+//   * The tensor maps (symmring.moe.gpu.tensor_map) are members of the __grid_constant__ parameter.
+// Tickets and the L1 -> L2 arrival protocol are wg64's (fused_common.cuh), with the waits at the producer.
+//
+// The intermediate is written by other blocks' L1 epilogues (generic proxy) and read here by TMA (async proxy):
+// the writers fence.proxy.async.global before the release, the TMA thread after its acquire.
+//
+// Built for another target than sm_90a, the kernel records kStatusWrongTarget and computes nothing.
+#include <moe/fused_wgmma.cuh>
+#include <moe/fused_wgmma128.cuh>
+
+namespace symmring_moe {
+namespace fused {
+namespace wg {
+namespace tma {
+
+constexpr int kQueue = 4;              // item entries the producer may run ahead of the math warpgroups
+constexpr int kArrivalsPerL1Item = 2;  // each math warpgroup releases its own columns of an L1 item
+constexpr int kBlockThreads = 128 * (1 + kMathWarpgroups);  // the producer warpgroup, then the math ones
+constexpr int kMathWarps = 4 * kMathWarpgroups;              // the empty barriers' arrivals per phase
+constexpr int kProducerRegisters = 40, kMathRegisters = 232;
+static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= 65536,
+              "the warpgroups' registers after setmaxnreg must fit the SM's 64K");
+constexpr int kABoxRows = 64;  // rows of one TMA box of A (the host's pool and intermediate maps)
+
+// The geometry of the two kernels. wg64t: 64-row items, B boxes of 128 rows (L1: gate, up; L2: one). wg128t:
+// 128-row items (a whole group), B boxes of 64 rows (L1: gate, up of a pass's 64 columns; L2: the two halves of
+// the output block), its first L1 pass's values kept in shared memory (wg128::Keep, a base of Shared).
+template <int kRows>
+struct Tile {
+    static constexpr int kBlockM = kRows;
+    static constexpr int kStages = 5;
+    static constexpr uint32_t kATileBytes = kRows * kBlockK;
+    static constexpr int kABoxes = kRows / kABoxRows;
+    static constexpr int kBBoxRows = kRows == 64 ? kTileN : wg128::kBoxRows;
+    static constexpr uint32_t kBBoxBytes = kBBoxRows * kBlockK;
+};
+using Tile64 = Tile<wg::kBlockM>;
+using Tile128 = Tile<wg128::kBlockM>;
+
+template <class T>
+struct Keep {};  // wg64t keeps nothing (an empty base: no bytes)
+template <>
+struct Keep<Tile128> : wg128::Keep {};
+
+template <class T>
+struct Shared : Keep<T> {
+    uint8_t a[T::kStages][T::kATileBytes];
+    uint8_t b[T::kStages][2 * T::kBBoxBytes];  // two boxes of B rows
+    uint64_t full[T::kStages];
+    uint64_t empty[T::kStages];
+    uint64_t queue_full[kQueue];   // the producer pushed the entry
+    uint64_t queue_empty[kQueue];  // every math warp read it
+    uint64_t amax_ready[2];        // both math warpgroups wrote their row maxima of an L1 item (two in flight)
+    uint64_t stored[kMathWarpgroups];  // a math warpgroup's four warps stored their part of an L1 item
+    float amax[2][kMathWarpgroups][kBlockM];  // wg64t's row maxima (wg128t's rows stay in one warpgroup)
+    int queue_ticket[kQueue];
+    int queue_expired[kQueue];
+    int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
+    int queue_end;  //   the entries it pushed
+    int ring_end;   //   the ring positions it filled
+};
+static_assert(Tile64::kBBoxBytes % kSwizzleAtom == 0 && Tile128::kBBoxBytes % kSwizzleAtom == 0 &&
+                  (kABoxRows * kBlockK) % kSwizzleAtom == 0 && sizeof(wg128::Keep) % kSwizzleAtom == 0,
+              "tiles must keep the 1024-byte alignment of the swizzle atom");
+
+// The launch's dynamic shared memory: the layout plus the slack to align its base up to 1024 bytes.
+template <class T>
+constexpr uint32_t kDynamicSharedBytes = sizeof(Shared<T>) + kSwizzleAtom;
+static_assert(kDynamicSharedBytes<Tile64> <= 227 * 1024 && kDynamicSharedBytes<Tile128> <= 227 * 1024,
+              "more shared memory than an sm_90 block may have");
+
+}  // namespace tma
+}  // namespace wg
+}  // namespace fused
+}  // namespace symmring_moe
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace symmring_moe {
+namespace fused {
+namespace wg {
+namespace tma {
+
+// --- PTX wrappers: mbarrier, TMA, setmaxnreg (sm_90) ------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// The barriers' initialisation, visible to the async proxy (the TMA unit completes transactions on them).
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t addr, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// The box of `map` at (inner element c0, row c1) into `dst`; its bytes complete a transaction of `bar`.
+__device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, uint64_t* bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
+            "r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Global memory written through the generic proxy, ordered with TMA reads (the async proxy) of it.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// --- bounded waits ------------------------------------------------------------------------------------------
+
+// Nothing in this kernel waits for another block but the producer's wait for L1 arrivals (fused_common.cuh,
+// bounded by the engine's timeout T). Every mbarrier wait needs only this block's progress, so it expires only on
+// a fault of the kernel itself:
+//   * The producer's waits (a free ring stage, a free queue entry) are bounded by T + kWaitFloorNs. The first to
+//     expire records kStatusPipelineStalled and closes the queue: it publishes how many entries it pushed and
+//     how many ring positions it filled, pushes nothing more, and writes NaN for every ticket it still draws (an
+//     L2 tile; an L1 item's intermediate, its arrivals then released so that no L2 wait sits out the timeout).
+//   * A math warp's waits end when their phase completes or when the closed queue says it never will (an entry
+//     or ring position past what was published): a decision every warp of a warpgroup takes alike, so the
+//     warpgroup's wgmma and barriers stay aligned; a tile that misses data is NaN, and the warps leave at the end
+//     of the pushed entries. Only if the producer itself stopped for 2 (T + kWaitFloorNs) does a math wait give
+//     up on its own (recording the same status): the last resort of a kernel already faulted, where the warps of
+//     a warpgroup may no longer decide alike and a tile may read a stage it was not meant to.
+// kWaitFloorNs: a ring wait takes microseconds, and a short protocol timeout (a test of the L2 arrival expiry)
+// must not pass for a stall.
+constexpr uint64_t kWaitFloorNs = 1000ull * 1000ull * 1000ull;
+
+struct Clock {
+    int* status;
+    uint64_t producer_ns;  // T + kWaitFloorNs
+    uint64_t math_ns;      // 2 (T + kWaitFloorNs): the last resort
+};
+
+__device__ __forceinline__ void record_stall(const Clock& clock) { atomicCAS(clock.status, 0, kStatusPipelineStalled); }
+
+// Wait until the barrier's phase of parity `parity` completed; false when give_up() says it never will (checked
+// every 64 polls) or `bound_ns` passed (recorded as a stall).
+template <class GiveUp>
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t bound_ns, const Clock& clock,
+                                          GiveUp give_up) {
+    const uint32_t addr = smem_addr(bar);
+    if (mbar_try_wait(addr, parity)) return true;
+    const uint64_t deadline = now_ns() + bound_ns;
+    for (uint32_t polls = 0;; ++polls) {
+        if (mbar_try_wait(addr, parity)) return true;
+        if (polls % 64 == 63) {
+            if (give_up()) return false;
+            if (now_ns() > deadline) {
+                record_stall(clock);
+                return false;
+            }
+        }
+    }
+}
+
+// Whether the producer closed the queue (close_queue: queue_end and ring_end are then final).
+template <class T>
+__device__ __forceinline__ bool closed(const Shared<T>& sm) {
+    const bool is_closed = *reinterpret_cast<const volatile int*>(&sm.closed) != 0;
+    __threadfence_block();  // the ends after the flag
+    return is_closed;
+}
+
+// --- the ring: one position per K block, stage and phase running on across items ---------------------------
+
+template <class T>
+struct Ring {
+    uint32_t kb = 0;  // K blocks through the ring so far (this thread's count; every role counts the same)
+    __device__ __forceinline__ int stage() const { return static_cast<int>(kb % T::kStages); }
+    __device__ __forceinline__ uint32_t phase() const { return (kb / T::kStages) & 1u; }
+};
+
+// --- the item queue: the producer's tickets to the math warpgroups ----------------------------------------
+
+// Entry `pos` of the queue: a ticket (an index of the whole work list; kEndOfWork ends the math loop) and whether
+// the producer's wait for its L1 items expired (an L2 item: its tile is NaN, nothing was loaded for it).
+constexpr int kEndOfWork = -1;
+
+// The producer's push of entry `pos`; false when the wait for a free entry expired (a stall).
+template <class T>
+__device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, int expired, const Clock& clock) {
+    const int q = static_cast<int>(pos % kQueue);
+    // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+    if (!mbar_wait(&sm.queue_empty[q], ((pos / kQueue) & 1u) ^ 1u, clock.producer_ns, clock, [] { return false; }))
+        return false;
+    sm.queue_ticket[q] = ticket;
+    sm.queue_expired[q] = expired;
+    mbar_arrive(&sm.queue_full[q]);  // release (CTA scope): the entry before the math warps' acquiring wait
+    return true;
+}
+
+// A math thread's pop of entry `pos`; false when the producer closed the queue before it (or the last resort).
+template <class T>
+__device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, int& expired, const Clock& clock) {
+    const int q = static_cast<int>(pos % kQueue);
+    const auto never = [&] { return closed(sm) && pos >= static_cast<uint32_t>(sm.queue_end); };
+    if (!mbar_wait(&sm.queue_full[q], (pos / kQueue) & 1u, clock.math_ns, clock, never)) return false;
+    ticket = sm.queue_ticket[q];
+    expired = sm.queue_expired[q];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&sm.queue_empty[q]);  // this warp read the entry
+    return true;
+}
+
+// --- the producer: thread 0 of warpgroup 0 ------------------------------------------------------------------
+
+// Every K block of one item (or wg128t L1 pass): wait for the stage to be free, expect its bytes, issue the copies
+// of A (T::kBlockM rows from a_row, in boxes of 64) and num_boxes B boxes (T::kBBoxRows rows from b_row[h]).
+// False when a wait expired (a stall); ring.kb then counts the positions whose copies were issued.
+template <class T>
+__device__ __forceinline__ bool produce(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const TensorMap* a_map,
+                                        const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_boxes,
+                                        int num_kb) {
+    for (int kb = 0; kb < num_kb; ++kb, ++ring.kb) {
+        const int s = ring.stage();
+        // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+        if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
+        mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + num_boxes * T::kBBoxBytes);
+#pragma unroll
+        for (int i = 0; i < T::kABoxes; ++i)
+            tma_load_2d(sm.a[s] + i * kABoxRows * kBlockK, a_map, &sm.full[s], kb * kBlockK, a_row + i * kABoxRows);
+        for (int h = 0; h < num_boxes; ++h)
+            tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+    }
+    return true;
+}
+
+// An item's loads. wg64t: A, and B's gate and up boxes (L1) or its one box (L2). wg128t: L1 in two passes of
+// gate and up 64-row boxes, L2 the two 64-row halves of the output block.
+template <class T>
+__device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                             const FusedExpertsTmaArgs& args, bool l1, int a_row, const int (&row)[2],
+                                             int num_kb) {
+    const TensorMap* a_map = l1 ? &args.pool_x_map : &args.act_map;
+    const TensorMap* b_map = l1 ? &args.w13_map : &args.w_down_map;
+    if constexpr (T::kBlockM == wg128::kBlockM) {
+        if (!l1) return produce(sm, ring, clock, a_map, b_map, a_row, {row[0], row[0] + wg128::kBoxRows}, 2, num_kb);
+        for (int pass = 0; pass < wg128::kL1Passes; ++pass) {
+            const int c = pass * wg128::kBoxRows;
+            if (!produce(sm, ring, clock, a_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, num_kb)) return false;
+        }
+        return true;
+    } else {
+        return produce(sm, ring, clock, a_map, b_map, a_row, row, l1 ? 2 : 1, num_kb);
+    }
+}
+
+// B rows of an item in the 2D view of its weights: expert e's rows start at e * rows_per_expert.
+__device__ __forceinline__ void b_rows(const Operands& op, int e, int rows_per_expert, int (&row)[2]) {
+    row[0] = e * rows_per_expert + op.b_row0[0];
+    row[1] = e * rows_per_expert + op.b_row0[1];
+}
+
+// An L2 tile written NaN by one thread: what the producer does for the L2 items it draws after a stall.
+template <class T>
+__device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Item& it) {
+    const uint4 nan8 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);  // 8 bf16 NaN
+    for (int r = 0; r < T::kBlockM && it.row0 + r < p.num_rows; ++r) {
+        uint4* row = reinterpret_cast<uint4*>(p.out + static_cast<long long>(it.row0 + r) * p.hidden +
+                                              it.n_block * kTileN);
+        for (int c = 0; c < kTileN / 8; ++c) row[c] = nan8;
+    }
+}
+
+// An L1 item the producer draws after a stall: its intermediate written NaN (e4m3 0x7f, scale 1) by one thread and
+// both arrivals released, so the m block's L2 items, here or in other blocks, compute NaN at once instead of each
+// waiting out the engine's timeout for arrivals that would never come.
+__device__ __forceinline__ void nan_intermediate(const FusedExpertsArgs& p, const Work& w, const Item& it,
+                                                 int rows) {
+    const uint4 nan16 = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);  // 16 e4m3 NaN
+    for (int r = 0; r < rows && it.row0 + r < p.num_rows; ++r) {
+        const long long row = it.row0 + r;
+        uint4* act = reinterpret_cast<uint4*>(p.act + row * p.inter + it.n_block * kTileN);
+        for (int c = 0; c < kTileN / 16; ++c) act[c] = nan16;
+        p.act_sf[row * w.n1_blocks + it.n_block] = 1.0f;
+    }
+    fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
+    __threadfence();             // release: pairs with the acquire of the m block's L2 items
+    atomicAdd(p.counters + 1 + it.m_block, kArrivalsPerL1Item);
+}
+
+// After a stall: the entries pushed and the ring positions filled, then the flag (the math warps read them after
+// it). Nothing is pushed or filled after this.
+template <class T>
+__device__ __forceinline__ void close_queue(Shared<T>& sm, uint32_t pos, const Ring<T>& ring) {
+    sm.queue_end = static_cast<int>(pos);
+    sm.ring_end = static_cast<int>(ring.kb);
+    __threadfence_block();
+    *reinterpret_cast<volatile int*>(&sm.closed) = 1;
+}
+
+// The producer's loop: draw a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2
+// item wait for its m block's L1 arrivals; push the entry; issue the item's loads. It draws the next ticket only
+// once every load of the last item is issued, so every item in the queue completes without it (the progress
+// argument of docs/FUSED.md holds: an L2 wait is only ever for items whose loads running blocks issued).
+template <class T>
+__device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArgs& args, const Work& w,
+                                         const Clock& clock) {
+    const FusedExpertsArgs& p = args.experts;
+    Ring<T> ring;
+    uint32_t pos = 0;
+    bool stalled = false;
+    for (;;) {
+        const int ticket = atomicAdd(p.counters, 1);
+        if (ticket >= w.total_items) break;
+        const bool l1 = ticket < w.l1_items;
+        const Item it = item_of<T::kBlockM>(p, w, l1 ? ticket : ticket - w.l1_items, l1);
+        if (it.expert < 0) continue;
+        if (!stalled) {
+            int expired = 0;
+            if (!l1) {
+                expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
+                if (expired) count_expired_wait(p, it.m_block);
+                fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
+            }
+            if (push(sm, pos, ticket, expired, clock)) {
+                ++pos;
+                if (expired) continue;
+                const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
+                                       : l2_operands(p, w, it.expert, it.n_block, it.row0);
+                int row[2];
+                b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
+                if (produce_item(sm, ring, clock, args, l1, it.row0, row, op.num_kb)) continue;
+                close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
+                stalled = true;
+                continue;
+            }
+            close_queue(sm, pos, ring);  // this item is not queued: its tile is NaN below
+            stalled = true;
+        }
+        if (l1) {
+            nan_intermediate(p, w, it, T::kBlockM);
+        } else {
+            nan_tile<T>(p, it);
+        }
+    }
+    if (stalled || push(sm, pos, kEndOfWork, 0, clock)) return;
+    close_queue(sm, pos, ring);
+}
+
+// --- the math warpgroups ------------------------------------------------------------------------------------
+
+// A math wait on an mbarrier completed by the other math warps (no closed queue can end it): the last resort only.
+__device__ __forceinline__ bool math_wait(uint64_t* bar, uint32_t parity, const Clock& clock) {
+    return mbar_wait(bar, parity, clock.math_ns, clock, [] { return false; });
+}
+
+// The wait for ring position ring.kb to be full; false when the closed queue says it never will be.
+template <class T>
+__device__ __forceinline__ bool wait_full(Shared<T>& sm, const Ring<T>& ring, const Clock& clock) {
+    const uint32_t position = ring.kb;
+    const auto never = [&] { return closed(sm) && position >= static_cast<uint32_t>(sm.ring_end); };
+    return mbar_wait(&sm.full[ring.stage()], ring.phase(), clock.math_ns, clock, never);
+}
+
+// wg64t: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T.
+template <class T, int kHalves>
+__device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const Operands& op,
+                                          float (&acc)[kHalves][kFrag], int wg, int t) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
+    float sa[2], sb[kHalves];
+    load_scales<kHalves>(op, t, 0, sa, sb);  // one block ahead, as wg64
+    float part[kHalves][kFrag];
+    for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
+        float sa_next[2], sb_next[kHalves];
+        load_scales<kHalves>(op, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
+        if (!wait_full(sm, ring, clock)) {  // never filled: no tile
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
+            return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
+        }
+        const int s = ring.stage();
+        wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
+        wgmma_wait_all();
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
+        if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
+        promote<kHalves>(acc, part, sa, sb, sa_next, sb_next);
+    }
+}
+
+// wg128t: acc[h][32] += A[this warpgroup's 64 rows, K] * B[box h's 64 rows, K]^T (wg64's streams and promotion,
+// on the warpgroup's rows instead of its columns).
+template <class T>
+__device__ __forceinline__ void tile_gemm_rows(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const Operands& op,
+                                               float (&acc)[2][kFrag], int wg, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
+    float sa[2], sb[2];
+    wg128::load_scales(op, wg, t, 0, sa, sb);  // one block ahead, as wg64
+    float part[2][kFrag];
+    for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
+        float sa_next[2], sb_next[2];
+        wg128::load_scales(op, wg, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
+        if (!wait_full(sm, ring, clock)) {  // never filled: no tile
+#pragma unroll
+            for (int h = 0; h < 2; ++h) fill_nan(acc[h]);
+            return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
+        }
+        const int s = ring.stage();
+        wg128::wgmma_k_block(part, sm.a[s], sm.b[s], wg);
+        wgmma_wait_all();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) fence_operands(part[h]);
+        if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
+        promote<2>(acc, part, sa, sb, sa_next, sb_next);
+    }
+}
+
+// After an L1 item's stores: once this warpgroup's four warps stored (stored[wg], phase n), its thread 0
+// releases one arrival of the m block (kArrivalsPerL1Item per L1 item); `complete`: nothing went missing.
+__device__ __forceinline__ void release_warpgroup(uint64_t* stored, const FusedExpertsArgs& p, int m_block,
+                                                  uint32_t n, int t, bool complete, const Clock& clock) {
+    fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
+    __syncwarp();
+    if (t % 32 == 0) mbar_arrive(stored);  // release: this warp's stores
+    if (t == 0 && complete && math_wait(stored, n & 1u, clock)) {
+        __threadfence();  // release: pairs with the acquire of the m block's L2 items (wait_arrivals)
+        atomicAdd(p.counters + 1 + m_block, 1);
+    }
+}
+
+// L1 item `n` of this block (counted by every math thread alike). wg64t: the two warpgroups exchange their halves
+// of the row maxima through amax[n % 2] and the mbarrier amax_ready[n % 2]; wg128t: a row is in one warpgroup.
+// Each warpgroup then stores its part and releases its arrival. No barrier spans the warpgroups or waits for the
+// producer.
+template <class T>
+__device__ __forceinline__ void l1_math(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const FusedExpertsArgs& p,
+                                        const Work& w, const Item& it, uint32_t n, int wg, int t) {
+    const Operands op = l1_operands(p, w, it.expert, it.n_block, it.row0);
+    if constexpr (T::kBlockM == wg128::kBlockM) {
+        float acc[2][kFrag];  // [0]: gate, [1]: up, a pass's 64 columns of n1 for this warpgroup's rows
+        float row_amax[2] = {0.0f, 0.0f};
+        tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [0, 64)
+        wg128::swiglu_pass(acc, row_amax);
+        wg128::keep_pass(sm, acc[0], wg, t);
+        tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [64, 128): the same scales
+        wg128::swiglu_pass(acc, row_amax);
+        wg128::l1_store(p, w, sm, acc[0], row_amax, wg, t, it.row0, it.n_block);
+        release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, true, clock);
+    } else {
+        float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
+        tile_gemm<T, 2>(sm, ring, clock, op, acc, wg, t);
+        const int buf = static_cast<int>(n & 1u);
+        l1_swiglu_amax(acc, sm.amax[buf], wg, t);
+        __syncwarp();
+        if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
+        const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
+        if (!both) fill_nan(acc[0]);
+        l1_quantize_store(p, w, acc, sm.amax[buf], wg, t, it.row0, it.n_block);
+        release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, both, clock);
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void l2_math(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const FusedExpertsArgs& p,
+                                        const Work& w, const Item& it, bool expired, int wg, int t) {
+    const Operands op = l2_operands(p, w, it.expert, it.n_block, it.row0);
+    if constexpr (T::kBlockM == wg128::kBlockM) {
+        float acc[2][kFrag];  // the two 64-column halves of n2 for this warpgroup's rows
+        if (expired) {
+            fill_nan(acc[0]);
+            fill_nan(acc[1]);
+        } else {
+            tile_gemm_rows(sm, ring, clock, op, acc, wg, t);
+        }
+        wg128::l2_store(p, acc, wg, t, it.row0, it.n_block);
+    } else {
+        float acc[1][kFrag];
+        if (expired) {
+            fill_nan(acc[0]);
+        } else {
+            tile_gemm<T, 1>(sm, ring, clock, op, acc, wg, t);
+        }
+        l2_store(p, acc[0], wg, t, it.row0, it.n_block);
+    }
+}
+
+// The math loop: pop entries until the end of the work (or the end of a closed queue).
+template <class T>
+__device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, const Work& w, const Clock& clock) {
+    const int wg = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+    Ring<T> ring;
+    uint32_t n_l1 = 0;
+    for (uint32_t pos = 0;; ++pos) {
+        int ticket, expired;
+        if (!pop(sm, pos, ticket, expired, clock) || ticket == kEndOfWork) return;
+        if (ticket < w.l1_items) {
+            // l1 = true: an L1 ticket's coordinates run over n1_blocks (the producer's decoding); its bad-id report
+            // is thread 0's, which is the producer's, so none here.
+            l1_math(sm, ring, clock, p, w, item_of<T::kBlockM>(p, w, ticket, true), n_l1++, wg, t);
+        } else {
+            l2_math(sm, ring, clock, p, w, item_of<T::kBlockM>(p, w, ticket - w.l1_items, false), expired, wg, t);
+        }
+    }
+}
+
+// --- the persistent kernels --------------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
+    extern __shared__ __align__(16) uint8_t tma_smem_raw[];
+    const FusedExpertsArgs& p = args.experts;
+    if (!shared_memory_fits(p, kDynamicSharedBytes<T>)) return;  // a launch the host sized wrong
+    const uint32_t base = smem_addr(tma_smem_raw);
+    Shared<T>& sm = *reinterpret_cast<Shared<T>*>(tma_smem_raw + ((0u - base) % kSwizzleAtom));  // 1024-aligned
+    if (threadIdx.x == 0) {
+        sm.closed = sm.queue_end = sm.ring_end = 0;
+        for (int s = 0; s < T::kStages; ++s) {
+            mbar_init(&sm.full[s], 1);  // the producer's arrive.expect_tx; the copies complete the bytes
+            mbar_init(&sm.empty[s], kMathWarps);
+        }
+        for (int q = 0; q < kQueue; ++q) {
+            mbar_init(&sm.queue_full[q], 1);           // the producer's push
+            mbar_init(&sm.queue_empty[q], kMathWarps);  // every math warp read the entry
+        }
+        for (int b = 0; b < 2; ++b) mbar_init(&sm.amax_ready[b], kMathWarps);
+        for (int g = 0; g < kMathWarpgroups; ++g) mbar_init(&sm.stored[g], 4);
+        fence_barrier_init();
+        prefetch_tensor_map(&args.pool_x_map);
+        prefetch_tensor_map(&args.act_map);
+        prefetch_tensor_map(&args.w13_map);
+        prefetch_tensor_map(&args.w_down_map);
+    }
+    __syncthreads();  // the only block-wide barrier: from here the roles meet at mbarriers alone
+    const Work w = work_of<T::kBlockM>(p);
+    const uint64_t bound = p.timeout_ns + kWaitFloorNs;
+    const Clock clock{p.status, bound, 2 * bound};
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<kProducerRegisters>();
+        if (threadIdx.x == 0) producer(sm, args, w, clock);
+    } else {
+        setmaxnreg_inc<kMathRegisters>();
+        math(sm, p, w, clock);
+    }
+}
+
+}  // namespace tma
+}  // namespace wg
+}  // namespace fused
+}  // namespace symmring_moe
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+using symmring_moe::FusedExpertsTmaArgs;
+using Tile64 = symmring_moe::fused::wg::tma::Tile64;
+using Tile128 = symmring_moe::fused::wg::tma::Tile128;
+
+// A kernel's body: built for sm_90a, run it; for another target, record kStatusWrongTarget and compute nothing.
+template <class T>
+__device__ __forceinline__ void run_tma_kernel(const FusedExpertsTmaArgs& args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    symmring_moe::fused::wg::tma::run<T>(args);
+#else
+    if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(args.experts.status, 0, symmring_moe::fused::kStatusWrongTarget);
+#endif
+}
+
+// Grid: the SM budget; block: 384 threads (a producer warpgroup, two math warpgroups); dynamic shared memory:
+// fused::wg::tma::kDynamicSharedBytes<Tile64> / <Tile128>.
+// 64 rows per item: wg64's tiles (the two math warpgroups split a 64-row item's columns).
+extern "C" __global__ void __launch_bounds__(symmring_moe::fused::wg::tma::kBlockThreads, 1)
+    moe_fused_experts_wg64t(const __grid_constant__ FusedExpertsTmaArgs args) {
+    run_tma_kernel<Tile64>(args);
+}
+
+// 128 rows per item: a whole group, the two math warpgroups splitting its rows (fused_wgmma128.cuh).
+extern "C" __global__ void __launch_bounds__(symmring_moe::fused::wg::tma::kBlockThreads, 1)
+    moe_fused_experts_wg128t(const __grid_constant__ FusedExpertsTmaArgs args) {
+    run_tma_kernel<Tile128>(args);
+}
