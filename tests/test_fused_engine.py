@@ -116,7 +116,8 @@ def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
     assert map_words(record, "w_down_map") == (w.w_down.data_ptr(), INTER, E * HIDDEN, INTER, 128, 128, 3)
     empty = np.frombuffer(engine.prepare(pool, 0, None, grid_limit=4, cc=90).args[0].tobytes(),
                           dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
-    assert map_words(empty, "pool_x_map") == map_words(empty, "act_map") == (0,) * 7  # no rows: no launch, no maps
+    for name in ("pool_x_map", "act_map", "w13_map", "w_down_map"):
+        assert map_words(empty, name) == (0,) * 7, name  # no rows: no launch, no maps
 
 
 def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
@@ -220,6 +221,7 @@ def test_auto_resolves_the_encoder_at_its_first_tma_call(monkeypatch):
     engine = fused.FusedExperts(fp8_weights(), kernel="auto")
     pool = pool_of(capacity=512, rows_for_sf=300)
     assert engine.prepare(pool, 300, rows_per_expert=20, grid_limit=1000, cc=89).kernel == "m32"
+    assert engine.prepare(pool, 0, None, grid_limit=1000, cc=90).kernel == "wg64t"  # no rows: nothing to encode
     with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):
         engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
     with pytest.raises(BackendError, match="cuTensorMapEncodeTiled"):

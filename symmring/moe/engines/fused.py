@@ -134,7 +134,7 @@ def check_kernel(kernel: Optional[str]) -> str:
         kernel, source = env.fused_kernel(), "SYMMRING_FUSED_KERNEL"
     if kernel not in KERNEL_CHOICES:
         raise ConfigError(f"{source}={kernel!r}: expected one of {list(KERNEL_CHOICES)} (the fused engine's "
-                          f"kernel; auto picks by rows per expert and device)")
+                          f"kernel; auto: wg64t on cc 9.0, else m16 or m32 by rows per expert)")
     return kernel
 
 
@@ -373,22 +373,23 @@ class FusedExperts(ExpertEngine):
     def _tma_args(self, args: tuple, pool: Pool, num_rows: int, act, weight_box: int) -> tuple:
         """A TMA kernel's record: the experts' record ``args`` and the four tensor maps (tensor_map.tile_spec): the
         pass's pool rows and intermediate (64-row boxes; rows past ``num_rows`` arrive as zeros), the weights as 2D
-        views (boxes of ``weight_box`` rows, encoded once per box size)."""
-        if self._encode is None:
-            self._encode = tensor_map.Encoder()
-        encode, w = self._encode, self.weights
-        if weight_box not in self._weight_maps:
-            self._weight_maps[weight_box] = tuple(
-                encode(tensor_map.tile_spec(name, tensor_map.weight_view(t), weight_box))
-                for name, t in (("weights.w13", w.w13), ("weights.w_down", w.w_down)))
-        w13_map, w_down_map = self._weight_maps[weight_box]
+        views (boxes of ``weight_box`` rows, encoded once per box size). A pass of no rows launches nothing: its
+        maps stay zero, and no encoder is needed for it."""
         experts = np.frombuffer(args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
-        maps = np.zeros(2, kernel_args.STRUCTS["TensorMap"])  # a pass of no rows launches nothing: no maps
+        maps = np.zeros(4, kernel_args.STRUCTS["TensorMap"])  # pool rows, intermediate, w13, w_down
         if num_rows:
+            if self._encode is None:
+                self._encode = tensor_map.Encoder()
+            encode, w = self._encode, self.weights
+            if weight_box not in self._weight_maps:
+                self._weight_maps[weight_box] = tuple(
+                    encode(tensor_map.tile_spec(name, tensor_map.weight_view(t), weight_box))
+                    for name, t in (("weights.w13", w.w13), ("weights.w_down", w.w_down)))
             maps[0] = encode(tensor_map.tile_spec("pool.x", pool.x, TMA_ROW_BOX, num_rows))
             maps[1] = encode(tensor_map.tile_spec("intermediate", act, TMA_ROW_BOX, num_rows))
+            maps[2], maps[3] = self._weight_maps[weight_box]
         return kernel_args.pack(kernel_args.STRUCTS["FusedExpertsTmaArgs"], experts=experts, pool_x_map=maps[0],
-                                act_map=maps[1], w13_map=w13_map, w_down_map=w_down_map)
+                                act_map=maps[1], w13_map=maps[2], w_down_map=maps[3])
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -123,14 +124,16 @@ def map_record(raw: bytes) -> np.ndarray:
     return np.frombuffer(bytes(raw), dtype=kernel_args.STRUCTS["TensorMap"])[0].copy()
 
 
+@functools.lru_cache(maxsize=1)
 def _load_driver():
-    """``libcuda.so.1``'s ``cuTensorMapEncodeTiled`` with its argument types, or None when there is none."""
-    for name in ("libcuda.so.1", ctypes.util.find_library("cuda")):
+    """``libcuda.so.1``'s ``cuTensorMapEncodeTiled`` with its argument types, or None when there is none; looked up
+    once per process (``find_library`` runs ``ldconfig``: only when ``libcuda.so.1`` itself does not load)."""
+    for find in (lambda: "libcuda.so.1", lambda: ctypes.util.find_library("cuda")):
+        name = find()
         if not name:
             continue
         try:
-            lib = ctypes.CDLL(name)
-            fn = lib.cuTensorMapEncodeTiled
+            fn = ctypes.CDLL(name).cuTensorMapEncodeTiled
         except (OSError, AttributeError):
             continue
         u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
@@ -142,14 +145,16 @@ def _load_driver():
 
 
 class Encoder:
-    """``cuTensorMapEncodeTiled`` of the CUDA driver, resolved when made (the engine makes one at construction).
+    """``cuTensorMapEncodeTiled`` of the CUDA driver, resolved when made (the engine makes one at construction for a
+    forced TMA kernel; under auto, at the first call with rows that takes wg64t). ``load``: what resolves it (None:
+    the driver's, `_load_driver`).
 
     Raises:
         BackendError: no ``libcuda.so.1`` with ``cuTensorMapEncodeTiled`` (a driver older than CUDA 12, or none).
     """
 
-    def __init__(self, load=_load_driver):
-        self._fn = load()
+    def __init__(self, load=None):
+        self._fn = (load or _load_driver)()
         if self._fn is None:
             raise BackendError("engine 'fused': kernels 'wg64t' and 'wg128t' need the CUDA driver's "
                                "cuTensorMapEncodeTiled (libcuda.so.1 of CUDA 12 or newer) to encode their TMA maps; "
