@@ -358,7 +358,7 @@ class FusedExperts(ExpertEngine):
         act_sf = torch.empty(num_rows, self.inter // TILE, dtype=torch.float32, device=dev)
         counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
         w, address = self.weights, kernel_args.address
-        args = kernel_args.pack(
+        experts = kernel_args.KernelArgs(
             kernel_args.STRUCTS["FusedExpertsArgs"], pool_x=address(pool.x), pool_sf=address(pool.x_sf),
             sf_row_stride=pool.x_sf.stride(0), sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices),
             w13=address(w.w13), w13_sf=address(w.w13_scale), w_down=address(w.w_down),
@@ -366,16 +366,15 @@ class FusedExperts(ExpertEngine):
             counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
             timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
             num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
-        if kernel in TMA_KERNELS:
-            args = self._tma_args(args, pool, num_rows, act, TMA_KERNELS[kernel])
+        args = experts.set() if kernel not in TMA_KERNELS else \
+            self._tma_args(experts.record, pool, num_rows, act, TMA_KERNELS[kernel])
         return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters)
 
-    def _tma_args(self, args: tuple, pool: Pool, num_rows: int, act, weight_box: int) -> tuple:
-        """A TMA kernel's record: the experts' record ``args`` and the four tensor maps (tensor_map.tile_spec): the
+    def _tma_args(self, experts: np.ndarray, pool: Pool, num_rows: int, act, weight_box: int) -> tuple:
+        """A TMA kernel's record: the experts' record ``experts`` and the four tensor maps (tensor_map.tile_spec): the
         pass's pool rows and intermediate (64-row boxes; rows past ``num_rows`` arrive as zeros), the weights as 2D
         views (boxes of ``weight_box`` rows, encoded once per box size). A pass of no rows launches nothing: its
         maps stay zero, and no encoder is needed for it."""
-        experts = np.frombuffer(args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
         maps = np.zeros(4, kernel_args.STRUCTS["TensorMap"])  # pool rows, intermediate, w13, w_down
         if num_rows:
             if self._encode is None:
