@@ -346,11 +346,12 @@ __device__ __forceinline__ void close_queue(Shared<T>& sm, uint32_t pos, const R
 
 // The producer's loop: take a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2
 // item wait for its m block's L1 arrivals; push the entry; issue the item's loads. Each ticket is drawn one item
-// ahead: the atomic's round trip to L2 overlaps the item before it (its wait, push and loads) instead of leaving
-// the ring to drain at every item boundary (twice per real item where half the tickets are padding). Holding a
+// ahead, before the current ticket's decode: its round trip to L2 overlaps that decode's m_indices read and the
+// item's wait, push and loads, instead of adding to them at every ticket (padding tickets included). Holding a
 // ticket meanwhile stalls nobody for long, so the progress argument of docs/FUSED.md holds: a ticket drawn during
-// an L2 item is an L2 ticket (every L1 ticket precedes every L2 ticket), so a held L1 ticket waits only behind an
-// L1 item, which completes with this block's own math; and every item in the queue completes without the producer.
+// an L2 item is an L2 ticket (every L1 ticket precedes every L2 ticket), so a held L1 ticket waits only until the
+// current L1 item's loads are issued, which needs nothing but this block's own math; and every item in the queue
+// still has its loads issued before the producer moves on, so it completes without the producer.
 template <class T>
 __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArgs& args, const Work& w,
                                          const Clock& clock) {
@@ -359,9 +360,9 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
     uint32_t pos = 0;
     bool stalled = false;
     for (int ticket = atomicAdd(p.counters, 1), next; ticket < w.total_items; ticket = next) {
+        next = atomicAdd(p.counters, 1);  // read at the next ticket's turn: its latency hides behind this one's
         const bool l1 = ticket < w.l1_items;
         const Item it = item_of<T::kBlockM>(p, w, l1 ? ticket : ticket - w.l1_items, l1);
-        next = atomicAdd(p.counters, 1);  // read at the next ticket's turn: its latency hides behind this item
         if (it.expert < 0) continue;
         if (!stalled) {
             int expired = 0;
