@@ -123,18 +123,21 @@ __device__ __forceinline__ void item_coords(const Work& w, int i, int n_blocks, 
     row0 = group * kAlign + (rest % w.per_group) * kBlockM;
 }
 
-// The local expert of m block rows starting at row0; -1 (skip) for padding, rows past the pass, or an id
-// outside [-1, E) (reported once per m block, by thread 0 of its first L1 item). Every thread reads the same id,
-// so the whole block takes the same branch.
-__device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0, bool report) {
-    if (row0 >= p.num_rows) return -1;
-    const int e = p.m_indices[row0];
+// An m block's local expert from its first row's id `e`: -1 (skip) for padding or an id outside [-1, E) (reported
+// once per m block, by thread 0 of its first L1 item).
+__device__ __forceinline__ int checked_expert(const FusedExpertsArgs& p, int e, bool report) {
     if (e >= -1 && e < p.num_local_experts) return e;
     if (report && threadIdx.x == 0 && p.bad_groups != nullptr) {
         atomicAdd(p.bad_groups, 1);
         atomicCAS(p.bad_groups + 1, 0, e);
     }
     return -1;
+}
+
+// The local expert of m block rows starting at row0 (checked_expert); -1 for rows past the pass. Every thread
+// reads the same id, so the whole block takes the same branch.
+__device__ __forceinline__ int block_expert(const FusedExpertsArgs& p, int row0, bool report) {
+    return row0 >= p.num_rows ? -1 : checked_expert(p, p.m_indices[row0], report);
 }
 
 // One item: its m block, its 128-column block (n1 for L1, n2 for L2), its first row and the local expert of its

@@ -42,6 +42,7 @@ constexpr int kProducerRegisters = 40, kMathRegisters = 232;
 static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= 65536,
               "the warpgroups' registers after setmaxnreg must fit the SM's 64K");
 constexpr int kABoxRows = 64;  // rows of one TMA box of A (the host's pool and intermediate maps)
+constexpr int kTableBlocks = 4096;  // 64-row blocks whose first row's expert id the block keeps in shared memory
 
 // The geometry of the two kernels. wg64t: 64-row items, B boxes of 128 rows (L1: gate, up; L2: one). wg128t:
 // 128-row items (a whole group), B boxes of 64 rows (L1: gate, up of a pass's 64 columns; L2: the two halves of
@@ -74,7 +75,9 @@ struct Shared : Keep<T> {
     uint64_t amax_ready[2];        // both math warpgroups wrote their row maxima of an L1 item (two in flight)
     uint64_t stored[kMathWarpgroups];  // a math warpgroup's four warps stored their part of an L1 item
     float amax[2][kMathWarpgroups][kBlockM];  // wg64t's row maxima (wg128t's rows stay in one warpgroup)
+    int block_expert[kTableBlocks];  // m_indices at rows 0, 64, 128, ... (the producer's decoding, no global read)
     int queue_ticket[kQueue];
+    int queue_expert[kQueue];        // the item's local expert (the math warps' decoding, no global read)
     int queue_expired[kQueue];
     int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
     int queue_end;  //   the entries it pushed
@@ -233,12 +236,14 @@ constexpr int kEndOfWork = -1;
 
 // The producer's push of entry `pos`; false when the wait for a free entry expired (a stall).
 template <class T>
-__device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, int expired, const Clock& clock) {
+__device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, int expert, int expired,
+                                     const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
     if (!mbar_wait(&sm.queue_empty[q], ((pos / kQueue) & 1u) ^ 1u, clock.producer_ns, clock, [] { return false; }))
         return false;
     sm.queue_ticket[q] = ticket;
+    sm.queue_expert[q] = expert;
     sm.queue_expired[q] = expired;
     mbar_arrive(&sm.queue_full[q]);  // release (CTA scope): the entry before the math warps' acquiring wait
     return true;
@@ -246,11 +251,13 @@ __device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, in
 
 // A math thread's pop of entry `pos`; false when the producer closed the queue before it (or the last resort).
 template <class T>
-__device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, int& expired, const Clock& clock) {
+__device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, int& expert, int& expired,
+                                    const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     const auto never = [&] { return closed(sm) && pos >= static_cast<uint32_t>(sm.queue_end); };
     if (!mbar_wait(&sm.queue_full[q], (pos / kQueue) & 1u, clock.math_ns, clock, never)) return false;
     ticket = sm.queue_ticket[q];
+    expert = sm.queue_expert[q];
     expired = sm.queue_expired[q];
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbar_arrive(&sm.queue_empty[q]);  // this warp read the entry
@@ -259,44 +266,98 @@ __device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, in
 
 // --- the producer: thread 0 of warpgroup 0 ------------------------------------------------------------------
 
-// Every K block of one item (or wg128t L1 pass): wait for the stage to be free, expect its bytes, issue the copies
-// of A (T::kBlockM rows from a_row, in boxes of 64) and num_boxes B boxes (T::kBBoxRows rows from b_row[h]).
-// False when a wait expired (a stall); ring.kb then counts the positions whose copies were issued.
+// The copies of A (T::kBlockM rows from a_row, in boxes of 64) for K block kb into stage s.
+template <class T>
+__device__ __forceinline__ void copy_a(Shared<T>& sm, int s, const TensorMap* a_map, int a_row, int kb) {
+#pragma unroll
+    for (int i = 0; i < T::kABoxes; ++i)
+        tma_load_2d(sm.a[s] + i * kABoxRows * kBlockK, a_map, &sm.full[s], kb * kBlockK, a_row + i * kABoxRows);
+}
+
+// Claim the next ring position: wait for its stage to be free and expect A's and num_boxes B boxes' bytes, then
+// issue the B copies of K block kb (T::kBBoxRows rows from b_row[h]). False when the wait expired (a stall).
+template <class T>
+__device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring, const Clock& clock,
+                                             const TensorMap* b_map, const int (&b_row)[2], int num_boxes, int kb) {
+    const int s = ring.stage();
+    // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+    if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
+    mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + num_boxes * T::kBBoxBytes);
+    for (int h = 0; h < num_boxes; ++h)
+        tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+    return true;
+}
+
+// K blocks [kb0, num_kb) of one item (or wg128t L1 pass): claim each position with its B copies, then A's. False
+// when a wait expired (a stall); ring.kb then counts the positions whose copies were issued.
 template <class T>
 __device__ __forceinline__ bool produce(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const TensorMap* a_map,
                                         const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_boxes,
-                                        int num_kb) {
-    for (int kb = 0; kb < num_kb; ++kb, ++ring.kb) {
-        const int s = ring.stage();
-        // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
-        if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
-        mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + num_boxes * T::kBBoxBytes);
-#pragma unroll
-        for (int i = 0; i < T::kABoxes; ++i)
-            tma_load_2d(sm.a[s] + i * kABoxRows * kBlockK, a_map, &sm.full[s], kb * kBlockK, a_row + i * kABoxRows);
-        for (int h = 0; h < num_boxes; ++h)
-            tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+                                        int kb0, int num_kb) {
+    for (int kb = kb0; kb < num_kb; ++kb, ++ring.kb) {
+        if (!claim_with_b(sm, ring, clock, b_map, b_row, num_boxes, kb)) return false;
+        copy_a(sm, ring.stage(), a_map, a_row, kb);
     }
     return true;
 }
 
-// An item's loads. wg64t: A, and B's gate and up boxes (L1) or its one box (L2). wg128t: L1 in two passes of
-// gate and up 64-row boxes, L2 the two 64-row halves of the output block.
+// An item's B boxes: wg64t's gate and up boxes (L1) or its one box (L2); wg128t's L2 the two 64-row halves of the
+// output block (its L1 runs in passes: produce_item).
+template <class T>
+__device__ __forceinline__ int item_boxes(bool l1, const int (&row)[2], int (&box_row)[2]) {
+    box_row[0] = row[0];
+    box_row[1] = T::kBlockM == wg128::kBlockM && !l1 ? row[0] + wg128::kBoxRows : row[1];
+    return T::kBlockM == wg128::kBlockM || l1 ? 2 : 1;
+}
+
+// An item's loads from K block kb0 (the K blocks before it were claimed with their B copies by claim_l2_weights
+// and got their A copies from copy_claimed_a). wg128t's L1 runs in two passes of gate and up 64-row boxes.
 template <class T>
 __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
                                              const FusedExpertsTmaArgs& args, bool l1, int a_row, const int (&row)[2],
-                                             int num_kb) {
+                                             int kb0, int num_kb) {
     const TensorMap* a_map = l1 ? &args.pool_x_map : &args.act_map;
     const TensorMap* b_map = l1 ? &args.w13_map : &args.w_down_map;
     if constexpr (T::kBlockM == wg128::kBlockM) {
-        if (!l1) return produce(sm, ring, clock, a_map, b_map, a_row, {row[0], row[0] + wg128::kBoxRows}, 2, num_kb);
-        for (int pass = 0; pass < wg128::kL1Passes; ++pass) {
-            const int c = pass * wg128::kBoxRows;
-            if (!produce(sm, ring, clock, a_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, num_kb)) return false;
+        if (l1) {
+            for (int pass = 0; pass < wg128::kL1Passes; ++pass) {
+                const int c = pass * wg128::kBoxRows;
+                if (!produce(sm, ring, clock, a_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, 0, num_kb))
+                    return false;
+            }
+            return true;
         }
-        return true;
-    } else {
-        return produce(sm, ring, clock, a_map, b_map, a_row, row, l1 ? 2 : 1, num_kb);
+    }
+    int box_row[2];
+    const int boxes = item_boxes<T>(l1, row, box_row);
+    return produce(sm, ring, clock, a_map, b_map, a_row, box_row, boxes, kb0, num_kb);
+}
+
+// An L2 item's first K blocks (at most a ring's worth) claimed with their weight copies before its L1 arrivals
+// are awaited: the weights do not depend on them, so the ring keeps streaming while the wait's read is in flight.
+// Returns the K blocks claimed, or -1 when a wait expired (a stall; ring.kb is back at the item's first position).
+template <class T>
+__device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                const FusedExpertsTmaArgs& args, const int (&row)[2], int num_kb) {
+    int box_row[2];
+    const int boxes = item_boxes<T>(false, row, box_row);
+    const int n = min(num_kb, T::kStages);
+    for (int kb = 0; kb < n; ++kb, ++ring.kb) {
+        if (claim_with_b(sm, ring, clock, &args.w_down_map, box_row, boxes, kb)) continue;
+        ring.kb -= kb;  // no position of this item is complete
+        return -1;
+    }
+    return n;
+}
+
+// The A copies of the n K blocks claim_l2_weights claimed (the ring positions just before ring.kb).
+template <class T>
+__device__ __forceinline__ void copy_claimed_a(Shared<T>& sm, const Ring<T>& ring, const FusedExpertsTmaArgs& args,
+                                               int a_row, int n) {
+    for (int kb = 0; kb < n; ++kb) {
+        Ring<T> at;
+        at.kb = ring.kb - n + kb;
+        copy_a(sm, at.stage(), &args.act_map, a_row, kb);
     }
 }
 
@@ -344,14 +405,29 @@ __device__ __forceinline__ void close_queue(Shared<T>& sm, uint32_t pos, const R
     *reinterpret_cast<volatile int*>(&sm.closed) = 1;
 }
 
-// The producer's loop: take a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2
-// item wait for its m block's L1 arrivals; push the entry; issue the item's loads. Each ticket is drawn one item
-// ahead, before the current ticket's decode: its round trip to L2 overlaps that decode's m_indices read and the
-// item's wait, push and loads, instead of adding to them at every ticket (padding tickets included). Holding a
-// ticket meanwhile stalls nobody for long, so the progress argument of docs/FUSED.md holds: a ticket drawn during
-// an L2 item is an L2 ticket (every L1 ticket precedes every L2 ticket), so a held L1 ticket waits only until the
-// current L1 item's loads are issued, which needs nothing but this block's own math; and every item in the queue
-// still has its loads issued before the producer moves on, so it completes without the producer.
+// The producer's decoding of item i of a phase: its coordinates, and its m block's local expert from the table in
+// shared memory (an m block past the table: from m_indices).
+template <class T>
+__device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedExpertsArgs& p, const Work& w, int i,
+                                              bool l1) {
+    Item it;
+    item_coords<T::kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.row0, it.n_block);
+    const int b = it.row0 / kABoxRows;
+    it.expert = it.row0 >= p.num_rows ? -1
+                                      : checked_expert(p, b < kTableBlocks ? sm.block_expert[b] : p.m_indices[it.row0],
+                                                       l1 && it.n_block == 0);
+    return it;
+}
+
+// The producer's loop: take a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2 item
+// claim its first ring positions with their weight copies, then wait for its m block's L1 arrivals; push the entry;
+// issue the rest of the item's loads. Nothing on this path reads global memory but the ticket's atomic, drawn one
+// item ahead so that its round trip overlaps the item before it, and an L2 item's arrival counter, read while the
+// ring streams its weights. The progress argument of docs/FUSED.md holds: a ticket drawn during an L2 item is an
+// L2 ticket (every L1 ticket precedes every L2 ticket), so a held L1 ticket waits only until the current L1 item's
+// loads are issued, which needs nothing but this block's own math; a claim waits only for this block's math to
+// free a stage; and every item in the queue has its loads issued before the producer moves on, so it completes
+// without the producer.
 template <class T>
 __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArgs& args, const Work& w,
                                          const Clock& clock) {
@@ -362,27 +438,33 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
     for (int ticket = atomicAdd(p.counters, 1), next; ticket < w.total_items; ticket = next) {
         next = atomicAdd(p.counters, 1);  // read at the next ticket's turn: its latency hides behind this one's
         const bool l1 = ticket < w.l1_items;
-        const Item it = item_of<T::kBlockM>(p, w, l1 ? ticket : ticket - w.l1_items, l1);
+        const Item it = producer_item<T>(sm, p, w, l1 ? ticket : ticket - w.l1_items, l1);
         if (it.expert < 0) continue;
         if (!stalled) {
-            int expired = 0;
+            const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
+                                   : l2_operands(p, w, it.expert, it.n_block, it.row0);
+            int row[2];
+            b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
+            int claimed = 0, expired = 0;
             if (!l1) {
-                expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
-                if (expired) count_expired_wait(p, it.m_block);
-                fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
+                claimed = claim_l2_weights(sm, ring, clock, args, row, op.num_kb);
+                if (claimed >= 0) {
+                    expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
+                    if (expired) count_expired_wait(p, it.m_block);
+                    fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
+                }
             }
-            if (push(sm, pos, ticket, expired, clock)) {
+            if (claimed >= 0 && push(sm, pos, ticket, it.expert, expired, clock)) {
                 ++pos;
-                if (expired) continue;
-                const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
-                                       : l2_operands(p, w, it.expert, it.n_block, it.row0);
-                int row[2];
-                b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
-                if (produce_item(sm, ring, clock, args, l1, it.row0, row, op.num_kb)) continue;
+                // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
+                // positions complete, and the ring stays aligned.
+                copy_claimed_a(sm, ring, args, it.row0, claimed);
+                if (produce_item(sm, ring, clock, args, l1, it.row0, row, claimed, op.num_kb)) continue;
                 close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
                 stalled = true;
                 continue;
             }
+            if (claimed > 0) ring.kb -= claimed;  // claimed positions of an item not queued never complete
             close_queue(sm, pos, ring);  // this item is not queued: its tile is NaN below
             stalled = true;
         }
@@ -392,7 +474,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             nan_tile<T>(p, it);
         }
     }
-    if (stalled || push(sm, pos, kEndOfWork, 0, clock)) return;
+    if (stalled || push(sm, pos, kEndOfWork, -1, 0, clock)) return;
     close_queue(sm, pos, ring);
 }
 
@@ -521,20 +603,16 @@ __device__ __forceinline__ void l2_math(Shared<T>& sm, Ring<T>& ring, const Cloc
     const Operands op = l2_operands(p, w, it.expert, it.n_block, it.row0);
     if constexpr (T::kBlockM == wg128::kBlockM) {
         float acc[2][kFrag];  // the two 64-column halves of n2 for this warpgroup's rows
+        tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
         if (expired) {
             fill_nan(acc[0]);
             fill_nan(acc[1]);
-        } else {
-            tile_gemm_rows(sm, ring, clock, op, acc, wg, t);
         }
         wg128::l2_store(p, acc, wg, t, it.row0, it.n_block);
     } else {
         float acc[1][kFrag];
-        if (expired) {
-            fill_nan(acc[0]);
-        } else {
-            tile_gemm<T, 1>(sm, ring, clock, op, acc, wg, t);
-        }
+        tile_gemm<T, 1>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
+        if (expired) fill_nan(acc[0]);
         l2_store(p, acc[0], wg, t, it.row0, it.n_block);
     }
 }
@@ -546,19 +624,31 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
     Ring<T> ring;
     uint32_t n_l1 = 0;
     for (uint32_t pos = 0;; ++pos) {
-        int ticket, expired;
-        if (!pop(sm, pos, ticket, expired, clock) || ticket == kEndOfWork) return;
-        if (ticket < w.l1_items) {
-            // l1 = true: an L1 ticket's coordinates run over n1_blocks (the producer's decoding); its bad-id report
-            // is thread 0's, which is the producer's, so none here.
-            l1_math(sm, ring, clock, p, w, item_of<T::kBlockM>(p, w, ticket, true), n_l1++, wg, t);
+        int ticket, expert, expired;
+        if (!pop(sm, pos, ticket, expert, expired, clock) || ticket == kEndOfWork) return;
+        const bool l1 = ticket < w.l1_items;
+        Item it;  // the producer's decoding: the coordinates again, the expert from the entry (no global read)
+        item_coords<T::kBlockM>(w, l1 ? ticket : ticket - w.l1_items, l1 ? w.n1_blocks : w.n2_blocks, it.m_block,
+                                it.row0, it.n_block);
+        it.expert = expert;
+        if (l1) {
+            l1_math(sm, ring, clock, p, w, it, n_l1++, wg, t);
         } else {
-            l2_math(sm, ring, clock, p, w, item_of<T::kBlockM>(p, w, ticket - w.l1_items, false), expired, wg, t);
+            l2_math(sm, ring, clock, p, w, it, expired, wg, t);
         }
     }
 }
 
 // --- the persistent kernels --------------------------------------------------------------------------------
+
+// Warpgroup 0 copies the expert id of every 64-row block's first row (up to kTableBlocks of them) into shared
+// memory, for the producer's decoding; a named barrier of the warpgroup (not the block's) ends it.
+template <class T>
+__device__ __forceinline__ void fill_block_experts(Shared<T>& sm, const FusedExpertsArgs& p) {
+    const int blocks = min((p.num_rows + kABoxRows - 1) / kABoxRows, kTableBlocks);
+    for (int b = threadIdx.x; b < blocks; b += 128) sm.block_expert[b] = p.m_indices[b * kABoxRows];
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+}
 
 template <class T>
 __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
@@ -591,6 +681,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const Clock clock{p.status, bound, 2 * bound};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
+        fill_block_experts(sm, p);
         if (threadIdx.x == 0) producer(sm, args, w, clock);
     } else {
         setmaxnreg_inc<kMathRegisters>();

@@ -66,6 +66,8 @@ _WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
 #: mbarriers and one "stored" mbarrier per math warpgroup, the row maxima twice, the queue's entries (two ints
 #: each), three ints padded to the barriers' 8-byte alignment.
 _TMA_STAGES, _TMA_QUEUE, _MBARRIER_BYTES, _TMA_INTS_BYTES = 5, 4, 8, 16
+#: 64-row blocks whose expert id a TMA kernel keeps in shared memory (fused_experts_tma.cu kTableBlocks).
+_TMA_TABLE_BLOCKS = 4096
 #: The device modules (names in `symmring.jit.ENGINE_MODULES`, which ``python -m symmring.jit`` prebuilds):
 #: mma.sync kernels, wgmma kernel, TMA wgmma kernel.
 MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
@@ -95,7 +97,7 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> [shared_bytes(k) for k in ("m16", "m32", "wg64", "wg64t", "wg128t")]
-        [196360, 166920, 165384, 207072, 198880]
+        [196360, 166920, 165384, 223472, 215280]
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
@@ -104,7 +106,7 @@ def shared_bytes(kernel: str) -> int:
         keep = 0 if rows == _WG_ROWS else _WARPGROUPS * 32 * 128 * 4  # wg128::Keep: 32 floats per math thread
         return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + 2 * _MBARRIER_BYTES)
                 + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
-                + 2 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
+                + _TMA_TABLE_BLOCKS * 4 + 3 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
