@@ -88,14 +88,14 @@ def map_words(record, name):
     return tuple(int(v) for v in record[name]["opaque"][:7])
 
 
-def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
+def test_the_tma_record_carries_the_experts_record_and_six_maps(monkeypatch):
     monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     weights = fp8_weights()
     engine = fused.FusedExperts(weights, kernel="wg64t")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
     assert (launch.kernel, launch.shared_bytes, fused.threads("wg64t")) == ("wg64t", fused.shared_bytes("wg64t"), 384)
-    assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 704
+    assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 960
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # The experts' record is wg64's (the same work list: 6 m blocks of 64 rows, 2 per group) but for the buffers.
     wg64 = fused.FusedExperts(weights, kernel="wg64").prepare(pool, 300, 100, grid_limit=1000, cc=90)
@@ -114,10 +114,28 @@ def test_the_tma_record_carries_the_experts_record_and_four_maps(monkeypatch):
     assert map_words(record, "act_map") == (launch.act.data_ptr(), INTER, 300, INTER, 128, 64, 3)
     assert map_words(record, "w13_map") == (w.w13.data_ptr(), HIDDEN, E * 2 * INTER, HIDDEN, 128, 128, 3)
     assert map_words(record, "w_down_map") == (w.w_down.data_ptr(), INTER, E * HIDDEN, INTER, 128, 128, 3)
+    # (address, rows, K blocks, column stride, box rows, box K blocks, no swizzle): the activation scales, MN-major,
+    # 64 rows of one K block per copy: the pool's own (the layer's layout, no copy) and the intermediate's.
+    assert launch.pool_sf.data_ptr() == pool.x_sf.data_ptr()
+    assert map_words(record, "pool_sf_map") == (pool.x_sf.data_ptr(), 300, HIDDEN // 128, 4 * 300, 64, 1, 0)
+    assert launch.act_sf.stride() == (1, 300) and tuple(launch.act_sf.shape) == (300, INTER // 128)
+    assert map_words(record, "act_sf_map") == (launch.act_sf.data_ptr(), 300, INTER // 128, 4 * 300, 64, 1, 0)
     empty = np.frombuffer(engine.prepare(pool, 0, None, grid_limit=4, cc=90).args[0].tobytes(),
                           dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
-    for name in ("pool_x_map", "act_map", "w13_map", "w_down_map"):
+    for name in ("pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map"):
         assert map_words(empty, name) == (0,) * 7, name  # no rows: no launch, no maps
+
+
+def test_a_pool_whose_scales_are_not_mn_major_is_read_from_an_mn_major_copy(monkeypatch):
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    pool = pool_of(capacity=512, rows_for_sf=301)
+    rows = torch.arange(301 * (HIDDEN // 128), dtype=torch.float32).view(301, HIDDEN // 128)  # row-major
+    pool = Pool(x=pool.x, group_end=pool.group_end, x_sf=rows, m_indices=pool.m_indices, bad_groups=pool.bad_groups)
+    launch = fused.FusedExperts(fp8_weights(), kernel="wg64t").prepare(pool, 301, 100, grid_limit=1000, cc=90)
+    record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    copy = launch.pool_sf
+    assert copy.stride() == (1, 304) and torch.equal(copy, rows)  # columns of 301 rows rounded up to 4
+    assert map_words(record, "pool_sf_map") == (copy.data_ptr(), 301, HIDDEN // 128, 4 * 304, 64, 1, 0)
 
 
 def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
@@ -126,7 +144,7 @@ def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
     engine = fused.FusedExperts(weights, kernel="wg128t")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
-    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 215280, 384)
+    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 217840, 384)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # 128-row items: one m block per 128-row group (3 groups for 300 rows), each with its L1 and L2 items.
     assert int(record["experts"]["m_blocks_per_group"]) == 1 and tuple(launch.counters.shape) == (1 + 3,)

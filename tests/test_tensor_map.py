@@ -65,6 +65,39 @@ def test_tensors_tma_cannot_read_are_refused_by_name(make, message):
         tensor_map.tile_spec("pool.x", make(), 64)
 
 
+def mn_major(rows, blocks, column=None, offset=0):
+    """float32 scales [rows, blocks] with rows contiguous, each block's column ``column`` floats (default: rows
+    rounded up to 4), the base ``offset`` bytes past a 256-byte boundary."""
+    column = -(-rows // 4) * 4 if column is None else column
+    storage = torch.zeros(blocks * column + 128)
+    start = (-storage.data_ptr() % 256 + offset) // 4
+    return storage[start:start + blocks * column].view(blocks, column).t()[:rows]
+
+
+def test_activation_scales_are_mapped_rows_innermost_one_k_block_per_copy():
+    sf = mn_major(300, 56)
+    spec = tensor_map.scale_spec("pool.x_sf", sf, 64, rows=290)
+    assert spec.address == sf.data_ptr() and spec.dims == (290, 56) and spec.strides == (4 * 300,)
+    assert spec.box == (64, 1) and (spec.data_type, spec.swizzle, spec.oob_fill) == (7, 0, 0)  # float32, none, zeros
+    assert tensor_map.scale_spec("pool.x_sf", sf, 64).dims == (300, 56)
+    assert tensor_map.is_mn_major(sf) and not tensor_map.is_mn_major(sf.t().contiguous().t().contiguous())
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.zeros(300, 56), "strides"),                                      # row-major
+    (lambda: mn_major(301, 56, column=301), "strides"),                             # columns not 16-byte aligned
+    (lambda: mn_major(300, 56, offset=4), "16-byte aligned base"),
+    (lambda: torch.zeros(56, 300, dtype=torch.float64).t(), "float64"),
+])
+def test_scales_tma_cannot_read_are_refused_by_name(make, message):
+    with pytest.raises(ConfigError, match=rf"^pool\.x_sf: expected MN-major float32 .*{message}"):
+        tensor_map.scale_spec("pool.x_sf", make(), 64)
+    with pytest.raises(ConfigError, match="box_rows=300"):
+        tensor_map.scale_spec("pool.x_sf", mn_major(300, 2), 300)
+    with pytest.raises(ConfigError, match="rows=0"):
+        tensor_map.scale_spec("pool.x_sf", mn_major(300, 2), 64, rows=0)
+
+
 def test_rows_and_boxes_out_of_range_are_refused():
     x = aligned_rows(64, 256)
     for rows in (0, 65):

@@ -312,7 +312,7 @@ struct FusedExpertsArgs {
     const uint8_t* w_down;       // fp8 [E, hidden, inter]
     const float* w_down_sf;      // [E, hidden / 128, inter / 128]
     uint8_t* act;                // fp8 [num_rows, inter]: SwiGLU's output, quantised (L2's input)
-    float* act_sf;               // [num_rows, inter / 128]
+    float* act_sf;               // MN-major: [inter / 128][num_rows rounded up to 4] (fused_common.cuh act_scale)
     __nv_bfloat16* out;          // [num_rows, hidden]
     int* counters;               // zeroed before the launch: [0] the work ticket, [1 + m block] L1 arrivals
     int* bad_groups;             // [2]: tiles skipped for an expert id outside [-1, E), the first id; or null
@@ -340,6 +340,8 @@ struct FusedExpertsTmaArgs {
     TensorMap act_map;           // intermediate [num_rows, inter] fp8; box 128 x 64 rows
     TensorMap w13_map;           // w13 as [E * 2 inter, hidden] fp8; box 128 x 128 rows
     TensorMap w_down_map;        // w_down as [E * hidden, inter] fp8; box 128 x 128 rows
+    TensorMap pool_sf_map;       // the pool rows' scales, MN-major f32 [hidden / 128][rows]; box 64 rows x 1 K block
+    TensorMap act_sf_map;        // the intermediate's scales, MN-major f32 [inter / 128][rows]; box 64 rows x 1
 };
 
 // moe_fused_div_probe (fused_experts_wgmma.cu): q[i] = a[i] / b[i] by the wgmma kernel's call-free division,

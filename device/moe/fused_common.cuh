@@ -155,6 +155,15 @@ __device__ __forceinline__ Item item_of(const FusedExpertsArgs& p, const Work& w
     return it;
 }
 
+// The intermediate's scales are MN-major, as the layer's pool's: column n1 holds every row's scale of K block n1,
+// its length padded to a multiple of 4 rows (16-byte aligned columns), so an item's scales of one K block are one
+// contiguous run (the TMA kernels copy them with the stage: act_sf_map).
+__device__ __forceinline__ long long act_sf_column(const FusedExpertsArgs& p) { return (p.num_rows + 3) / 4 * 4; }
+
+__device__ __forceinline__ float* act_scale(const FusedExpertsArgs& p, long long row, int n1) {
+    return p.act_sf + n1 * act_sf_column(p) + row;
+}
+
 // --- an item's operands ---------------------------------------------------------------------------------
 
 // The operands of one item. B's shared rows [128 h, 128 h + 128) come from global rows b_row0[h] + [0, 128);
@@ -201,8 +210,8 @@ __device__ __forceinline__ Operands l2_operands(const FusedExpertsArgs& p, const
     op.a = p.act;
     op.a_stride = p.inter;
     op.a_sf = p.act_sf;
-    op.a_sf_row = w.n1_blocks;
-    op.a_sf_col = 1;
+    op.a_sf_row = 1;
+    op.a_sf_col = act_sf_column(p);
     op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
     op.b_stride = p.inter;
     op.b_row0[0] = op.b_row0[1] = n2 * kTileN;

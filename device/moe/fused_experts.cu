@@ -191,7 +191,6 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
         }
     }
     __syncthreads();
-    const int act_sf_cols = w.n1_blocks;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -202,7 +201,7 @@ __device__ void l1_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
             for (int v = 0; v < kWarps; ++v) amax = fmaxf(amax, sm.amax[v][r]);
             const float scale = fp8_scale(amax, HardwareDivision());
             if (row >= p.num_rows) continue;
-            if (warp == 0 && t == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
+            if (warp == 0 && t == 0) *act_scale(p, row, n1) = scale;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const __nv_fp8x2_storage_t q = quantize_pair(acc[mt][j][2 * h], acc[mt][j][2 * h + 1], scale,

@@ -20,6 +20,9 @@
 //     swizzled K-major layout wg64's cp.async stores and the descriptors of wgmma_layout.cuh describe. Rows past
 //     the map's rows (the pass's num_rows) arrive as zeros, as wg64 zero-fills them.
 //   * The tensor maps (symmring.moe.gpu.tensor_map) are members of the __grid_constant__ parameter.
+//   * A stage's activation scales come with it: one more TMA copy per 64 A rows from the MN-major scales (the
+//     pool's, the intermediate's), so the math warps' only global reads in the main loop are the weight scales
+//     (one float per K block and half, cached).
 // Tickets and the L1 -> L2 arrival protocol are wg64's (fused_common.cuh), with the waits at the producer.
 //
 // The intermediate is written by other blocks' L1 epilogues (generic proxy) and read here by TMA (async proxy):
@@ -55,6 +58,7 @@ struct Tile {
     static constexpr int kABoxes = kRows / kABoxRows;
     static constexpr int kBBoxRows = kRows == 64 ? kTileN : wg128::kBoxRows;
     static constexpr uint32_t kBBoxBytes = kBBoxRows * kBlockK;
+    static constexpr uint32_t kScaleBytes = kRows * 4;  // the stage's K block: each A row's activation scale
 };
 using Tile64 = Tile<wg::kBlockM>;
 using Tile128 = Tile<wg128::kBlockM>;
@@ -68,6 +72,7 @@ template <class T>
 struct Shared : Keep<T> {
     uint8_t a[T::kStages][T::kATileBytes];
     uint8_t b[T::kStages][2 * T::kBBoxBytes];  // two boxes of B rows
+    float sa[T::kStages][T::kBlockM];           // each A row's activation scale (0 past the pass's rows)
     uint64_t full[T::kStages];
     uint64_t empty[T::kStages];
     uint64_t queue_full[kQueue];   // the producer pushed the entry
@@ -266,12 +271,17 @@ __device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, in
 
 // --- the producer: thread 0 of warpgroup 0 ------------------------------------------------------------------
 
-// The copies of A (T::kBlockM rows from a_row, in boxes of 64) for K block kb into stage s.
+// The copies of A (T::kBlockM rows from a_row, in boxes of 64) and of their activation scales (sf_map: rows
+// innermost) for K block kb into stage s.
 template <class T>
-__device__ __forceinline__ void copy_a(Shared<T>& sm, int s, const TensorMap* a_map, int a_row, int kb) {
+__device__ __forceinline__ void copy_a(Shared<T>& sm, int s, const TensorMap* a_map, const TensorMap* sf_map,
+                                       int a_row, int kb) {
 #pragma unroll
-    for (int i = 0; i < T::kABoxes; ++i)
+    for (int i = 0; i < T::kABoxes; ++i) {
         tma_load_2d(sm.a[s] + i * kABoxRows * kBlockK, a_map, &sm.full[s], kb * kBlockK, a_row + i * kABoxRows);
+        tma_load_2d(reinterpret_cast<uint8_t*>(sm.sa[s] + i * kABoxRows), sf_map, &sm.full[s], a_row + i * kABoxRows,
+                    kb);
+    }
 }
 
 // Claim the next ring position: wait for its stage to be free and expect A's and num_boxes B boxes' bytes, then
@@ -282,7 +292,7 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
     const int s = ring.stage();
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
     if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
-    mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + num_boxes * T::kBBoxBytes);
+    mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + T::kScaleBytes + num_boxes * T::kBBoxBytes);
     for (int h = 0; h < num_boxes; ++h)
         tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
     return true;
@@ -292,11 +302,11 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
 // when a wait expired (a stall); ring.kb then counts the positions whose copies were issued.
 template <class T>
 __device__ __forceinline__ bool produce(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const TensorMap* a_map,
-                                        const TensorMap* b_map, int a_row, const int (&b_row)[2], int num_boxes,
-                                        int kb0, int num_kb) {
+                                        const TensorMap* sf_map, const TensorMap* b_map, int a_row,
+                                        const int (&b_row)[2], int num_boxes, int kb0, int num_kb) {
     for (int kb = kb0; kb < num_kb; ++kb, ++ring.kb) {
         if (!claim_with_b(sm, ring, clock, b_map, b_row, num_boxes, kb)) return false;
-        copy_a(sm, ring.stage(), a_map, a_row, kb);
+        copy_a(sm, ring.stage(), a_map, sf_map, a_row, kb);
     }
     return true;
 }
@@ -317,12 +327,13 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
                                              const FusedExpertsTmaArgs& args, bool l1, int a_row, const int (&row)[2],
                                              int kb0, int num_kb) {
     const TensorMap* a_map = l1 ? &args.pool_x_map : &args.act_map;
+    const TensorMap* sf_map = l1 ? &args.pool_sf_map : &args.act_sf_map;
     const TensorMap* b_map = l1 ? &args.w13_map : &args.w_down_map;
     if constexpr (T::kBlockM == wg128::kBlockM) {
         if (l1) {
             for (int pass = 0; pass < wg128::kL1Passes; ++pass) {
                 const int c = pass * wg128::kBoxRows;
-                if (!produce(sm, ring, clock, a_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, 0, num_kb))
+                if (!produce(sm, ring, clock, a_map, sf_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, 0, num_kb))
                     return false;
             }
             return true;
@@ -330,7 +341,7 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
     }
     int box_row[2];
     const int boxes = item_boxes<T>(l1, row, box_row);
-    return produce(sm, ring, clock, a_map, b_map, a_row, box_row, boxes, kb0, num_kb);
+    return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, boxes, kb0, num_kb);
 }
 
 // An L2 item's first K blocks (at most a ring's worth) claimed with their weight copies before its L1 arrivals
@@ -357,7 +368,7 @@ __device__ __forceinline__ void copy_claimed_a(Shared<T>& sm, const Ring<T>& rin
     for (int kb = 0; kb < n; ++kb) {
         Ring<T> at;
         at.kb = ring.kb - n + kb;
-        copy_a(sm, at.stage(), &args.act_map, a_row, kb);
+        copy_a(sm, at.stage(), &args.act_map, &args.act_sf_map, a_row, kb);
     }
 }
 
@@ -388,7 +399,7 @@ __device__ __forceinline__ void nan_intermediate(const FusedExpertsArgs& p, cons
         const long long row = it.row0 + r;
         uint4* act = reinterpret_cast<uint4*>(p.act + row * p.inter + it.n_block * kTileN);
         for (int c = 0; c < kTileN / 16; ++c) act[c] = nan16;
-        p.act_sf[row * w.n1_blocks + it.n_block] = 1.0f;
+        *act_scale(p, row, it.n_block) = 1.0f;
     }
     fence_proxy_async_global();  // the stores before other blocks' TMA reads of them (after the release)
     __threadfence();             // release: pairs with the acquire of the m block's L2 items
@@ -501,24 +512,27 @@ __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Cl
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
-    float sa[2], sb[kHalves];
-    load_scales<kHalves>(op, t, 0, sa, sb);  // one block ahead, as wg64
+    float sb[kHalves];
+    load_weight_scales<kHalves>(op, 0, sb);  // one block ahead, as wg64
     float part[kHalves][kFrag];
     for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
-        float sa_next[2], sb_next[kHalves];
-        load_scales<kHalves>(op, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
+        float sb_next[kHalves];
+        load_weight_scales<kHalves>(op, kb + 1 < op.num_kb ? kb + 1 : kb, sb_next);
         if (!wait_full(sm, ring, clock)) {  // never filled: no tile
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
             return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
         }
         const int s = ring.stage();
+        const float sa[2] = {sm.sa[s][acc_row(t, 0)], sm.sa[s][acc_row(t, 2)]};  // read before the release
         wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
         wgmma_wait_all();
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
-        promote<kHalves>(acc, part, sa, sb, sa_next, sb_next);
+        accumulate<kHalves>(acc, part, sa, sb);
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) sb[h] = sb_next[h];
     }
 }
 
@@ -531,24 +545,28 @@ __device__ __forceinline__ void tile_gemm_rows(Shared<T>& sm, Ring<T>& ring, con
     for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
-    float sa[2], sb[2];
-    wg128::load_scales(op, wg, t, 0, sa, sb);  // one block ahead, as wg64
+    float sb[2];
+    load_weight_scales<2>(op, 0, sb);  // one block ahead, as wg64
     float part[2][kFrag];
     for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
-        float sa_next[2], sb_next[2];
-        wg128::load_scales(op, wg, t, kb + 1 < op.num_kb ? kb + 1 : kb, sa_next, sb_next);
+        float sb_next[2];
+        load_weight_scales<2>(op, kb + 1 < op.num_kb ? kb + 1 : kb, sb_next);
         if (!wait_full(sm, ring, clock)) {  // never filled: no tile
 #pragma unroll
             for (int h = 0; h < 2; ++h) fill_nan(acc[h]);
             return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
         }
         const int s = ring.stage();
+        const int r = wg * wg128::kWgRows;  // this warpgroup's rows; the stage's scales read before the release
+        const float sa[2] = {sm.sa[s][r + acc_row(t, 0)], sm.sa[s][r + acc_row(t, 2)]};
         wg128::wgmma_k_block(part, sm.a[s], sm.b[s], wg);
         wgmma_wait_all();
 #pragma unroll
         for (int h = 0; h < 2; ++h) fence_operands(part[h]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
-        promote<2>(acc, part, sa, sb, sa_next, sb_next);
+        accumulate<2>(acc, part, sa, sb);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sb[h] = sb_next[h];
     }
 }
 
@@ -674,6 +692,8 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
         prefetch_tensor_map(&args.act_map);
         prefetch_tensor_map(&args.w13_map);
         prefetch_tensor_map(&args.w_down_map);
+        prefetch_tensor_map(&args.pool_sf_map);
+        prefetch_tensor_map(&args.act_sf_map);
     }
     __syncthreads();  // the only block-wide barrier: from here the roles meet at mbarriers alone
     const Work w = work_of<T::kBlockM>(p);

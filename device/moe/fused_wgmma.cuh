@@ -102,16 +102,29 @@ __device__ __forceinline__ void load_scales(const Operands& op, int t, int kb, f
     for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
 }
 
-// acc += partial * (activation scale of the row * weight scale of the block), then the next block's scales
-// become the current ones.
+// K block kb's weight block scale of each half (the TMA kernels' activation scales come with the stage).
 template <int kHalves>
-__device__ __forceinline__ void promote(float (&acc)[kHalves][kFrag], const float (&part)[kHalves][kFrag],
-                                        float (&sa)[2], float (&sb)[kHalves], const float (&sa_next)[2],
-                                        const float (&sb_next)[kHalves]) {
+__device__ __forceinline__ void load_weight_scales(const Operands& op, int kb, float (&sb)[kHalves]) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
+}
+
+// acc += partial * (activation scale of the row * weight scale of the block).
+template <int kHalves>
+__device__ __forceinline__ void accumulate(float (&acc)[kHalves][kFrag], const float (&part)[kHalves][kFrag],
+                                           const float (&sa)[2], const float (&sb)[kHalves]) {
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] += part[h][i] * (sa[i % 4 / 2] * sb[h]);
+}
+
+// accumulate, then the next block's scales become the current ones.
+template <int kHalves>
+__device__ __forceinline__ void promote(float (&acc)[kHalves][kFrag], const float (&part)[kHalves][kFrag],
+                                        float (&sa)[2], float (&sb)[kHalves], const float (&sa_next)[2],
+                                        const float (&sb_next)[kHalves]) {
+    accumulate<kHalves>(acc, part, sa, sb);
 #pragma unroll
     for (int h = 0; h < 2; ++h) sa[h] = sa_next[h];
 #pragma unroll
@@ -144,7 +157,6 @@ __device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, con
                                                   const float (&acc)[2][kFrag],
                                                   const float (&amax)[kMathWarpgroups][kBlockM], int wg, int t,
                                                   int row0, int n1) {
-    const int act_sf_cols = w.n1_blocks;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = acc_row(t, 2 * h), row = row0 + r;
@@ -154,7 +166,7 @@ __device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, con
         const float scale = fp8_scale(row_amax, div::CallFreeDivision());
         if (row >= p.num_rows) continue;
         const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
-        if (wg == 0 && t % 4 == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
+        if (wg == 0 && t % 4 == 0) *act_scale(p, row, n1) = scale;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {
             const __nv_fp8x2_storage_t q =

@@ -97,7 +97,6 @@ __device__ __forceinline__ void keep_pass(Keep& keep, const float (&v)[kFrag], i
 __device__ __forceinline__ void l1_store(const FusedExpertsArgs& p, const Work& w, const Keep& keep,
                                          const float (&v)[kFrag], float (&row_amax)[2], int wg, int t, int row0,
                                          int n1) {
-    const int act_sf_cols = w.n1_blocks;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 1));
@@ -106,7 +105,7 @@ __device__ __forceinline__ void l1_store(const FusedExpertsArgs& p, const Work& 
         const float scale = fp8_scale(row_amax[h], div::CallFreeDivision());
         if (row >= p.num_rows) continue;
         const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
-        if (t % 4 == 0) p.act_sf[static_cast<long long>(row) * act_sf_cols + n1] = scale;
+        if (t % 4 == 0) *act_scale(p, row, n1) = scale;
         uint8_t* act_row = p.act + static_cast<long long>(row) * p.inter + n1 * kTileN;
 #pragma unroll
         for (int j = 0; j < kFrag / 4; ++j) {

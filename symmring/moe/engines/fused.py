@@ -97,18 +97,28 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> [shared_bytes(k) for k in ("m16", "m32", "wg64", "wg64t", "wg128t")]
-        [196360, 166920, 165384, 223472, 215280]
+        [196360, 166920, 165384, 224752, 217840]
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
     if kernel in TMA_KERNELS:
         rows, b_box = KERNELS[kernel], TMA_KERNELS[kernel]
         keep = 0 if rows == _WG_ROWS else _WARPGROUPS * 32 * 128 * 4  # wg128::Keep: 32 floats per math thread
-        return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + 2 * _MBARRIER_BYTES)
+        # per stage: A, two B boxes, A's activation scales, full and empty barriers
+        return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + rows * 4 + 2 * _MBARRIER_BYTES)
                 + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
                 + _TMA_TABLE_BLOCKS * 4 + 3 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
+
+
+def _mn_major(scales):
+    """An MN-major copy of float32 scales ``[rows, K blocks]`` (columns of rows rounded up to 4: 16-byte aligned)."""
+    import torch
+    rows, blocks = scales.shape
+    copy = torch.empty(blocks, -(-rows // 4) * 4, dtype=torch.float32, device=scales.device).t()[:rows]
+    copy.copy_(scales)
+    return copy
 
 
 def block_rows(rows_per_expert: Optional[int]) -> int:
@@ -259,6 +269,7 @@ class Launch:
     act: object
     act_sf: object
     counters: object
+    pool_sf: object = None  # a TMA kernel's MN-major copy of the pool's scales, where the pool's were not
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,7 +368,8 @@ class FusedExperts(ExpertEngine):
         dev = pool.x.device
         out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
-        act_sf = torch.empty(num_rows, self.inter // TILE, dtype=torch.float32, device=dev)
+        # MN-major, columns of num_rows rounded up to 4 (device/moe/fused_common.cuh act_scale): [num_rows, inter / 128]
+        act_sf = torch.empty(self.inter // TILE, -(-num_rows // 4) * 4, dtype=torch.float32, device=dev).t()[:num_rows]
         counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
         w, address = self.weights, kernel_args.address
         experts = kernel_args.KernelArgs(
@@ -368,16 +380,20 @@ class FusedExperts(ExpertEngine):
             counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
             timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
             num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
-        args = experts.set() if kernel not in TMA_KERNELS else \
-            self._tma_args(experts.record, pool, num_rows, act, TMA_KERNELS[kernel])
-        return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters)
+        args, pool_sf = (experts.set(), None) if kernel not in TMA_KERNELS else \
+            self._tma_args(experts.record, pool, num_rows, act, act_sf, TMA_KERNELS[kernel])
+        return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters,
+                      pool_sf)
 
-    def _tma_args(self, experts: np.ndarray, pool: Pool, num_rows: int, act, weight_box: int) -> tuple:
-        """A TMA kernel's record: the experts' record ``experts`` and the four tensor maps (tensor_map.tile_spec): the
-        pass's pool rows and intermediate (64-row boxes; rows past ``num_rows`` arrive as zeros), the weights as 2D
-        views (boxes of ``weight_box`` rows, encoded once per box size). A pass of no rows launches nothing: its
-        maps stay zero, and no encoder is needed for it."""
-        maps = np.zeros(4, kernel_args.STRUCTS["TensorMap"])  # pool rows, intermediate, w13, w_down
+    def _tma_args(self, experts: np.ndarray, pool: Pool, num_rows: int, act, act_sf, weight_box: int):
+        """A TMA kernel's record and the pool scales it reads: the experts' record ``experts`` and the six tensor maps:
+        the pass's pool rows and intermediate (tensor_map.tile_spec, 64-row boxes; rows past ``num_rows`` arrive as
+        zeros), the weights as 2D views (boxes of ``weight_box`` rows, encoded once per box size), the pool's and the
+        intermediate's activation scales (tensor_map.scale_spec, 64 rows of one K block; a pool whose scales are not
+        MN-major, unlike the layer's, gets an MN-major copy). A pass of no rows launches nothing: its maps stay zero,
+        and no encoder is needed for it."""
+        maps = np.zeros(6, kernel_args.STRUCTS["TensorMap"])  # pool rows, intermediate, w13, w_down, their scales
+        pool_sf = None
         if num_rows:
             if self._encode is None:
                 self._encode = tensor_map.Encoder()
@@ -389,8 +405,15 @@ class FusedExperts(ExpertEngine):
             maps[0] = encode(tensor_map.tile_spec("pool.x", pool.x, TMA_ROW_BOX, num_rows))
             maps[1] = encode(tensor_map.tile_spec("intermediate", act, TMA_ROW_BOX, num_rows))
             maps[2], maps[3] = self._weight_maps[weight_box]
-        return kernel_args.pack(kernel_args.STRUCTS["FusedExpertsTmaArgs"], experts=experts, pool_x_map=maps[0],
-                                act_map=maps[1], w13_map=maps[2], w_down_map=maps[3])
+            pool_sf = pool.x_sf[:num_rows]
+            if not tensor_map.is_mn_major(pool_sf):
+                pool_sf = _mn_major(pool_sf)
+            maps[4] = encode(tensor_map.scale_spec("pool.x_sf", pool_sf, TMA_ROW_BOX, num_rows))
+            maps[5] = encode(tensor_map.scale_spec("intermediate scales", act_sf, TMA_ROW_BOX, num_rows))
+        args = kernel_args.pack(kernel_args.STRUCTS["FusedExpertsTmaArgs"], experts=experts, pool_x_map=maps[0],
+                                act_map=maps[1], w13_map=maps[2], w_down_map=maps[3], pool_sf_map=maps[4],
+                                act_sf_map=maps[5])
+        return args, pool_sf
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):

@@ -127,8 +127,9 @@ STRUCTS["TensorMap"] = _struct([("opaque", np.dtype((U64, (16,))))])
 TENSOR_MAP_ALIGN = 64
 STRUCTS["FusedExpertsTmaArgs"] = _struct_aligned(
     [("experts", STRUCTS["FusedExpertsArgs"]), ("pool_x_map", STRUCTS["TensorMap"]), ("act_map", STRUCTS["TensorMap"]),
-     ("w13_map", STRUCTS["TensorMap"]), ("w_down_map", STRUCTS["TensorMap"])],
-    {name: TENSOR_MAP_ALIGN for name in ("pool_x_map", "act_map", "w13_map", "w_down_map")})
+     ("w13_map", STRUCTS["TensorMap"]), ("w_down_map", STRUCTS["TensorMap"]), ("pool_sf_map", STRUCTS["TensorMap"]),
+     ("act_sf_map", STRUCTS["TensorMap"])],
+    {name: TENSOR_MAP_ALIGN for name in ("pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")})
 STRUCTS["FusedDivProbeArgs"] = _struct([("a", PTR), ("b", PTR), ("q", PTR), ("n", I32)])
 STRUCTS["EndCallArgs"] = _struct([("desc", PTR), ("num_chunks", I32)])
 STRUCTS["RefuseCallArgs"] = _struct([("desc", PTR), ("layer", I32)])

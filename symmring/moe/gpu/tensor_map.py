@@ -35,6 +35,7 @@ from . import kernel_args
 #: ``CUtensorMapDataType``, ``CUtensorMapInterleave``, ``CUtensorMapSwizzle``, ``CUtensorMapL2promotion``,
 #: ``CUtensorMapFloatOOBfill`` values (cuda.h) the maps use.
 DATA_TYPE_UINT8, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_NONE = 0, 0, 3, 3, 0
+DATA_TYPE_FLOAT32, SWIZZLE_NONE = 7, 0
 #: Bytes of a box row: one 128-wide K block of e4m3, the 128-byte swizzle's span.
 BOX_ROW_BYTES = 128
 #: What TMA asks of the global tensor: base and row stride alignment, dims below 2^32, strides below 2^40.
@@ -99,6 +100,41 @@ def tile_spec(name: str, tensor, box_rows: int, rows: int = None) -> TileSpec:
     if not 0 < box_rows <= 256:
         raise ConfigError(f"{name}: box_rows={box_rows}: expected 1 to 256 (a TMA box dimension)")
     return TileSpec(address=address, dims=(k, rows), strides=(row_stride,), box=(BOX_ROW_BYTES, box_rows))
+
+
+def is_mn_major(scales) -> bool:
+    """Whether float32 scales ``[rows, K blocks]`` are MN-major as `scale_spec` maps them: rows contiguous, each K
+    block's column 16-byte aligned (the layer's pool and the fused engine's intermediate are)."""
+    return (scales.dim() == 2 and scales.element_size() == 4 and (scales.stride(0) == 1 or scales.shape[0] <= 1)
+            and (scales.stride(1) * 4) % GLOBAL_ALIGN == 0 and int(scales.data_ptr()) % GLOBAL_ALIGN == 0)
+
+
+def scale_spec(name: str, scales, box_rows: int, rows: int = None) -> TileSpec:
+    """The map of MN-major float32 activation scales ``scales`` [rows, K blocks] (`is_mn_major`; its first ``rows``
+    rows when given) whose copies bring ``box_rows`` rows' scales of one K block, rows innermost, unswizzled.
+
+    Raises:
+        ConfigError: naming ``name``: not MN-major float32 with 16-byte aligned columns, no rows, a box of more than
+            256 rows.
+
+    Example:
+        >>> import torch
+        >>> sf = torch.zeros(56, 304).t()[:300]
+        >>> s = scale_spec("pool.x_sf", sf, 64)
+        >>> s.dims, s.strides, s.box, s.data_type, s.swizzle
+        ((300, 56), (1216,), (64, 1), 7, 0)
+    """
+    if not is_mn_major(scales):
+        raise ConfigError(f"{name}: expected MN-major float32 scales [rows, K blocks] with strides (1, a multiple of 4) "
+                          f"and a 16-byte aligned base for a TMA map, got {scales.dtype} {list(scales.shape)} strides "
+                          f"{scales.stride()}")
+    rows = scales.shape[0] if rows is None else rows
+    if not 0 < rows <= scales.shape[0] or rows >= MAX_DIM:
+        raise ConfigError(f"{name}: rows={rows}: expected 1 to {scales.shape[0]} rows for a TMA map")
+    if not 0 < box_rows <= 256:
+        raise ConfigError(f"{name}: box_rows={box_rows}: expected 1 to 256 (a TMA box dimension)")
+    return TileSpec(address=int(scales.data_ptr()), dims=(rows, scales.shape[1]), strides=(scales.stride(1) * 4,),
+                    box=(box_rows, 1), data_type=DATA_TYPE_FLOAT32, swizzle=SWIZZLE_NONE)
 
 
 def weight_view(tensor):
