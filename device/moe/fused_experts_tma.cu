@@ -92,6 +92,12 @@ static_assert(Tile64::kBBoxBytes % kSwizzleAtom == 0 && Tile128::kBBoxBytes % kS
                   (kABoxRows * kBlockK) % kSwizzleAtom == 0 && sizeof(wg128::Keep) % kSwizzleAtom == 0,
               "tiles must keep the 1024-byte alignment of the swizzle atom");
 
+// sa follows Keep and the tiles, all multiples of the 1024-byte swizzle atom (asserted above): every 64-row box of
+// scales lands 128-byte aligned, as a TMA destination must.
+static_assert((kABoxRows * 4) % 128 == 0 && Tile64::kScaleBytes == Tile64::kABoxes * kABoxRows * 4 &&
+                  Tile128::kScaleBytes == Tile128::kABoxes * kABoxRows * 4,
+              "one 128-byte aligned box of scales per 64 A rows");
+
 // The launch's dynamic shared memory: the layout plus the slack to align its base up to 1024 bytes.
 template <class T>
 constexpr uint32_t kDynamicSharedBytes = sizeof(Shared<T>) + kSwizzleAtom;
@@ -236,7 +242,7 @@ struct Ring {
 // --- the item queue: the producer's tickets to the math warpgroups ----------------------------------------
 
 // Entry `pos` of the queue: a ticket (an index of the whole work list; kEndOfWork ends the math loop) and whether
-// the producer's wait for its L1 items expired (an L2 item: its tile is NaN, nothing was loaded for it).
+// the producer's wait for its L1 items expired (an L2 item: its loads came all the same, its tile is NaN).
 constexpr int kEndOfWork = -1;
 
 // The producer's push of entry `pos`; false when the wait for a free entry expired (a stall).
@@ -344,21 +350,41 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
     return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, boxes, kb0, num_kb);
 }
 
-// An L2 item's first K blocks (at most a ring's worth) claimed with their weight copies before its L1 arrivals
-// are awaited: the weights do not depend on them, so the ring keeps streaming while the wait's read is in flight.
-// Returns the K blocks claimed, or -1 when a wait expired (a stall; ring.kb is back at the item's first position).
+// An L2 item's first ring positions, claimed one at a time with their weight copies while its m block's L1
+// arrivals are read (the weights do not depend on them): the first read is in flight during the first claim, and
+// the claims stop once the arrivals are seen (usually at the first: they are long complete) or at a ring's worth,
+// where the bounded wait takes over (`expired`: it ran out, counted in the status). An item not yet queued thus
+// holds at most kStages positions, each of which needed only this block's math to free it. Returns the K blocks
+// claimed (at least 1), or -1 when a claim's wait expired (a stall; ring.kb is back at the item's first position).
 template <class T>
 __device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
-                                                const FusedExpertsTmaArgs& args, const int (&row)[2], int num_kb) {
+                                                const FusedExpertsTmaArgs& args, const Work& w, int m_block,
+                                                const int (&row)[2], int num_kb, int& expired) {
+    const FusedExpertsArgs& p = args.experts;
+    const int* word = p.counters + 1 + m_block;
+    const int expected = kArrivalsPerL1Item * w.n1_blocks;
     int box_row[2];
     const int boxes = item_boxes<T>(false, row, box_row);
     const int n = min(num_kb, T::kStages);
-    for (int kb = 0; kb < n; ++kb, ++ring.kb) {
-        if (claim_with_b(sm, ring, clock, &args.w_down_map, box_row, boxes, kb)) continue;
-        ring.kb -= kb;  // no position of this item is complete
-        return -1;
+    int seen = load_acquire_gpu(word);
+    for (int kb = 0;;) {
+        if (!claim_with_b(sm, ring, clock, &args.w_down_map, box_row, boxes, kb)) {
+            ring.kb -= kb;  // no position of this item is complete
+            return -1;
+        }
+        ++ring.kb;
+        ++kb;
+        if (seen >= expected) {
+            expired = 0;
+            return kb;
+        }
+        if (kb == n) {
+            expired = !wait_arrivals(p, m_block, expected);
+            if (expired) count_expired_wait(p, m_block);
+            return kb;
+        }
+        seen = load_acquire_gpu(word);  // in flight during the next claim
     }
-    return n;
 }
 
 // The A copies of the n K blocks claim_l2_weights claimed (the ring positions just before ring.kb).
@@ -458,12 +484,8 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
             int claimed = 0, expired = 0;
             if (!l1) {
-                claimed = claim_l2_weights(sm, ring, clock, args, row, op.num_kb);
-                if (claimed >= 0) {
-                    expired = !wait_arrivals(p, it.m_block, kArrivalsPerL1Item * w.n1_blocks);
-                    if (expired) count_expired_wait(p, it.m_block);
-                    fence_proxy_async_global();  // the acquire of the intermediate, then the TMA reads of it
-                }
+                claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.num_kb, expired);
+                if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
             }
             if (claimed >= 0 && push(sm, pos, ticket, it.expert, expired, clock)) {
                 ++pos;
