@@ -99,7 +99,9 @@ def test_the_tma_record_carries_the_experts_record_and_six_maps(monkeypatch):
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # The experts' record is wg64's (the same work list: 6 m blocks of 64 rows, 2 per group) but for the buffers.
     wg64 = fused.FusedExperts(weights, kernel="wg64").prepare(pool, 300, 100, grid_limit=1000, cc=90)
-    assert launch.grid == wg64.grid and tuple(launch.counters.shape) == tuple(wg64.counters.shape) == (1 + 6,)
+    assert tuple(launch.counters.shape) == tuple(wg64.counters.shape) == (1 + 6,)
+    # wg64t's L2 items take two output blocks (hidden / 128 even): 6 m blocks of INTER / 128 + HIDDEN / 256 items.
+    assert launch.grid == 6 * (INTER // 128 + HIDDEN // 256) < wg64.grid == 6 * (INTER // 128 + HIDDEN // 128)
     plain = np.frombuffer(wg64.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsArgs"])[0]
     buffers = {"act", "act_sf", "out", "counters", "status"}  # the call's and the engine's own
     for name in plain.dtype.names:
@@ -200,9 +202,10 @@ def test_the_wgmma_record_covers_64_row_blocks(monkeypatch):
     engine = fused.FusedExperts(fp8_weights(), kernel="auto")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
-    # 100 rows per expert on cc 9.0: wg64t; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 + 2 L2 items.
+    # 100 rows per expert on cc 9.0: wg64t; 3 groups of 128 rows = 6 m blocks of 64, each 3 L1 items and one L2
+    # item of both output blocks.
     assert (launch.kernel, launch.shared_bytes) == ("wg64t", fused.shared_bytes("wg64t"))
-    assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 2)
+    assert tuple(launch.counters.shape) == (1 + 6,) and launch.grid == 6 * (3 + 1)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
     assert int(record["counters"]) == launch.counters.data_ptr() and int(record["num_rows"]) == 300
     assert int(record["m_blocks_per_group"]) == 2
@@ -210,7 +213,7 @@ def test_the_wgmma_record_covers_64_row_blocks(monkeypatch):
     launch = engine.prepare(pool, 300, rows_per_expert=40, grid_limit=1000, cc=90)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]["experts"]
     assert launch.kernel == "wg64t" and int(record["m_blocks_per_group"]) == 1
-    assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 2)
+    assert tuple(launch.counters.shape) == (1 + 3,) and launch.grid == 3 * (3 + 1)
     # The same call on an sm_89 device takes the mma.sync kernel: the record is the same but for the buffers.
     assert engine.prepare(pool, 300, 100, grid_limit=1000, cc=89).kernel == "m32"
 
@@ -288,6 +291,8 @@ def test_the_work_list_arithmetic():
     assert fused.work_items(8 * 128, 16, 7168, 2048, fused.blocks_per_group(1, 16)) == (8, 8 * (16 + 56))
     assert fused.work_items(1, 32, 256, 128, 4) == (4, 4 * 3)
     assert fused.work_items(0, 16, 256, 128, 8) == (0, 0)
+    assert fused.work_items(8 * 128, 64, 7168, 2048, 2, l2_pairs=True) == (16, 16 * (16 + 28))  # wg64t's L2 pairs
+    assert fused.work_items(128, 64, 384, 128, 1, l2_pairs=True) == (1, 1 + 3)  # hidden / 128 odd: single blocks
     bounds = (None, 0, 1, 32, 33, 64, 128, 129, 5000)
     assert [fused.blocks_per_group(r, 32) for r in bounds] == [4, 1, 1, 1, 2, 2, 4, 4, 4]
     assert [fused.blocks_per_group(r, 16) for r in (None, 1, 16, 17, 100)] == [8, 1, 1, 2, 7]

@@ -94,6 +94,8 @@ struct Work {
     int num_m_blocks;  // per_group m blocks of kBlockM rows over ceil(num_rows / 128) groups
     int n1_blocks;     // inter / 128
     int n2_blocks;     // hidden / 128
+    int n2_per_item;   // output blocks per L2 item: 1, or 2 (wg64t where n2_blocks is even: with_l2_pairs)
+    int n2_items;      // L2 items per m block: n2_blocks / n2_per_item
     int l1_items;
     int total_items;
 };
@@ -106,8 +108,21 @@ __device__ __forceinline__ Work work_of(const FusedExpertsArgs& p) {
     w.num_m_blocks = groups * w.per_group;
     w.n1_blocks = p.inter / kTileN;
     w.n2_blocks = p.hidden / kTileN;
+    w.n2_per_item = 1;
+    w.n2_items = w.n2_blocks;
     w.l1_items = w.num_m_blocks * w.n1_blocks;
-    w.total_items = w.l1_items + w.num_m_blocks * w.n2_blocks;
+    w.total_items = w.l1_items + w.num_m_blocks * w.n2_items;
+    return w;
+}
+
+// The work list with L2 items of two output blocks where hidden / 128 is even (wg64t: an L2 stage then carries two
+// 128-row weight boxes, as an L1 stage does, and an m block has half the L2 items).
+__device__ __forceinline__ Work with_l2_pairs(Work w) {
+    if (w.n2_blocks % 2 == 0) {
+        w.n2_per_item = 2;
+        w.n2_items = w.n2_blocks / 2;
+        w.total_items = w.l1_items + w.num_m_blocks * w.n2_items;
+    }
     return w;
 }
 
@@ -150,7 +165,7 @@ struct Item {
 template <int kBlockM>
 __device__ __forceinline__ Item item_of(const FusedExpertsArgs& p, const Work& w, int i, bool l1) {
     Item it;
-    item_coords<kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.row0, it.n_block);
+    item_coords<kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_items, it.m_block, it.row0, it.n_block);
     it.expert = block_expert(p, it.row0, l1 && it.n_block == 0);
     return it;
 }
@@ -203,8 +218,11 @@ __device__ __forceinline__ Operands l1_operands(const FusedExpertsArgs& p, const
     return op;
 }
 
-// L2 of expert e, output block n2: A = the fp8 intermediate rows, B = the 128 w_down rows of n2 (one half).
-__device__ __forceinline__ Operands l2_operands(const FusedExpertsArgs& p, const Work& w, int e, int n2, int row0) {
+// L2 of expert e, L2 item n (output block n * w.n2_per_item, and the next one for a pair): A = the fp8
+// intermediate rows, B = the 128 w_down rows of each output block (one half each; a single block: both halves
+// name it).
+__device__ __forceinline__ Operands l2_operands(const FusedExpertsArgs& p, const Work& w, int e, int n, int row0) {
+    const int n2 = n * w.n2_per_item, n2_last = n2 + w.n2_per_item - 1;
     const int kb_count = p.inter / kBlockK;
     Operands op;
     op.a = p.act;
@@ -214,8 +232,10 @@ __device__ __forceinline__ Operands l2_operands(const FusedExpertsArgs& p, const
     op.a_sf_col = act_sf_column(p);
     op.b = p.w_down + static_cast<long long>(e) * p.hidden * p.inter;
     op.b_stride = p.inter;
-    op.b_row0[0] = op.b_row0[1] = n2 * kTileN;
-    op.b_sf[0] = op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
+    op.b_row0[0] = n2 * kTileN;
+    op.b_row0[1] = n2_last * kTileN;
+    op.b_sf[0] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2) * kb_count;
+    op.b_sf[1] = p.w_down_sf + (static_cast<long long>(e) * w.n2_blocks + n2_last) * kb_count;
     op.row0 = row0;
     op.rows_valid = p.num_rows;
     op.num_kb = kb_count;

@@ -317,21 +317,21 @@ __device__ __forceinline__ bool produce(Shared<T>& sm, Ring<T>& ring, const Cloc
     return true;
 }
 
-// An item's B boxes: wg64t's gate and up boxes (L1) or its one box (L2); wg128t's L2 the two 64-row halves of the
-// output block (its L1 runs in passes: produce_item).
+// An item's B boxes: wg64t's gate and up boxes (L1), its two output blocks' boxes (an L2 pair: with_l2_pairs) or
+// its one box; wg128t's L2 the two 64-row halves of the output block (its L1 runs in passes: produce_item).
 template <class T>
-__device__ __forceinline__ int item_boxes(bool l1, const int (&row)[2], int (&box_row)[2]) {
+__device__ __forceinline__ int item_boxes(const Work& w, bool l1, const int (&row)[2], int (&box_row)[2]) {
     box_row[0] = row[0];
     box_row[1] = T::kBlockM == wg128::kBlockM && !l1 ? row[0] + wg128::kBoxRows : row[1];
-    return T::kBlockM == wg128::kBlockM || l1 ? 2 : 1;
+    return T::kBlockM == wg128::kBlockM || l1 || w.n2_per_item == 2 ? 2 : 1;
 }
 
 // An item's loads from K block kb0 (the K blocks before it were claimed with their B copies by claim_l2_weights
 // and got their A copies from copy_claimed_a). wg128t's L1 runs in two passes of gate and up 64-row boxes.
 template <class T>
 __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
-                                             const FusedExpertsTmaArgs& args, bool l1, int a_row, const int (&row)[2],
-                                             int kb0, int num_kb) {
+                                             const FusedExpertsTmaArgs& args, const Work& w, bool l1, int a_row,
+                                             const int (&row)[2], int kb0, int num_kb) {
     const TensorMap* a_map = l1 ? &args.pool_x_map : &args.act_map;
     const TensorMap* sf_map = l1 ? &args.pool_sf_map : &args.act_sf_map;
     const TensorMap* b_map = l1 ? &args.w13_map : &args.w_down_map;
@@ -346,7 +346,7 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
         }
     }
     int box_row[2];
-    const int boxes = item_boxes<T>(l1, row, box_row);
+    const int boxes = item_boxes<T>(w, l1, row, box_row);
     return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, boxes, kb0, num_kb);
 }
 
@@ -364,7 +364,7 @@ __device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, co
     const int* word = p.counters + 1 + m_block;
     const int expected = kArrivalsPerL1Item * w.n1_blocks;
     int box_row[2];
-    const int boxes = item_boxes<T>(false, row, box_row);
+    const int boxes = item_boxes<T>(w, false, row, box_row);
     const int n = min(num_kb, T::kStages);
     int seen = load_acquire_gpu(word);
     for (int kb = 0;;) {
@@ -406,12 +406,12 @@ __device__ __forceinline__ void b_rows(const Operands& op, int e, int rows_per_e
 
 // An L2 tile written NaN by one thread: what the producer does for the L2 items it draws after a stall.
 template <class T>
-__device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Item& it) {
+__device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Work& w, const Item& it) {
     const uint4 nan8 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);  // 8 bf16 NaN
     for (int r = 0; r < T::kBlockM && it.row0 + r < p.num_rows; ++r) {
         uint4* row = reinterpret_cast<uint4*>(p.out + static_cast<long long>(it.row0 + r) * p.hidden +
-                                              it.n_block * kTileN);
-        for (int c = 0; c < kTileN / 8; ++c) row[c] = nan8;
+                                              it.n_block * w.n2_per_item * kTileN);
+        for (int c = 0; c < w.n2_per_item * kTileN / 8; ++c) row[c] = nan8;
     }
 }
 
@@ -448,7 +448,7 @@ template <class T>
 __device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedExpertsArgs& p, const Work& w, int i,
                                               bool l1) {
     Item it;
-    item_coords<T::kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_blocks, it.m_block, it.row0, it.n_block);
+    item_coords<T::kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_items, it.m_block, it.row0, it.n_block);
     const int b = it.row0 / kABoxRows;
     it.expert = it.row0 >= p.num_rows ? -1
                                       : checked_expert(p, b < kTableBlocks ? sm.block_expert[b] : p.m_indices[it.row0],
@@ -492,7 +492,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
                 // positions complete, and the ring stays aligned.
                 copy_claimed_a(sm, ring, args, it.row0, claimed);
-                if (produce_item(sm, ring, clock, args, l1, it.row0, row, claimed, op.num_kb)) continue;
+                if (produce_item(sm, ring, clock, args, w, l1, it.row0, row, claimed, op.num_kb)) continue;
                 close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
                 stalled = true;
                 continue;
@@ -504,7 +504,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
         if (l1) {
             nan_intermediate(p, w, it, T::kBlockM);
         } else {
-            nan_tile<T>(p, it);
+            nan_tile<T>(p, w, it);
         }
     }
     if (stalled || push(sm, pos, kEndOfWork, -1, 0, clock)) return;
@@ -605,36 +605,39 @@ __device__ __forceinline__ void release_warpgroup(uint64_t* stored, const FusedE
     }
 }
 
-// L1 item `n` of this block (counted by every math thread alike). wg64t: the two warpgroups exchange their halves
-// of the row maxima through amax[n % 2] and the mbarrier amax_ready[n % 2]; wg128t: a row is in one warpgroup.
-// Each warpgroup then stores its part and releases its arrival. No barrier spans the warpgroups or waits for the
-// producer.
+// wg128t's L1 item `n` of this block (counted by every math thread alike): a row is in one warpgroup, which stores
+// its part and releases its arrival. No barrier spans the warpgroups or waits for the producer.
 template <class T>
-__device__ __forceinline__ void l1_math(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const FusedExpertsArgs& p,
-                                        const Work& w, const Item& it, uint32_t n, int wg, int t) {
+__device__ __forceinline__ void l1_math_rows(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                             const FusedExpertsArgs& p, const Work& w, const Item& it, uint32_t n,
+                                             int wg, int t) {
     const Operands op = l1_operands(p, w, it.expert, it.n_block, it.row0);
-    if constexpr (T::kBlockM == wg128::kBlockM) {
-        float acc[2][kFrag];  // [0]: gate, [1]: up, a pass's 64 columns of n1 for this warpgroup's rows
-        float row_amax[2] = {0.0f, 0.0f};
-        tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [0, 64)
-        wg128::swiglu_pass(acc, row_amax);
-        wg128::keep_pass(sm, acc[0], wg, t);
-        tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [64, 128): the same scales
-        wg128::swiglu_pass(acc, row_amax);
-        wg128::l1_store(p, w, sm, acc[0], row_amax, wg, t, it.row0, it.n_block);
-        release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, true, clock);
-    } else {
-        float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
-        tile_gemm<T, 2>(sm, ring, clock, op, acc, wg, t);
-        const int buf = static_cast<int>(n & 1u);
-        l1_swiglu_amax(acc, sm.amax[buf], wg, t);
-        __syncwarp();
-        if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
-        const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
-        if (!both) fill_nan(acc[0]);
-        l1_quantize_store(p, w, acc, sm.amax[buf], wg, t, it.row0, it.n_block);
-        release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, both, clock);
-    }
+    float acc[2][kFrag];  // [0]: gate, [1]: up, a pass's 64 columns of n1 for this warpgroup's rows
+    float row_amax[2] = {0.0f, 0.0f};
+    tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [0, 64)
+    wg128::swiglu_pass(acc, row_amax);
+    wg128::keep_pass(sm, acc[0], wg, t);
+    tile_gemm_rows(sm, ring, clock, op, acc, wg, t);  // columns [64, 128): the same scales
+    wg128::swiglu_pass(acc, row_amax);
+    wg128::l1_store(p, w, sm, acc[0], row_amax, wg, t, it.row0, it.n_block);
+    release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, true, clock);
+}
+
+// wg64t's L1 epilogue of its item `n` (acc: [0] gate, [1] up, this warpgroup's 64 columns of n1 in both): the two
+// warpgroups exchange their halves of the row maxima through amax[n % 2] and the mbarrier amax_ready[n % 2], then
+// each stores its part and releases its arrival.
+template <class T>
+__device__ __forceinline__ void l1_epilogue(Shared<T>& sm, const Clock& clock, const FusedExpertsArgs& p,
+                                            const Work& w, const Item& it, float (&acc)[2][kFrag], uint32_t n, int wg,
+                                            int t) {
+    const int buf = static_cast<int>(n & 1u);
+    l1_swiglu_amax(acc, sm.amax[buf], wg, t);
+    __syncwarp();
+    if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
+    const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
+    if (!both) fill_nan(acc[0]);
+    l1_quantize_store(p, w, acc, sm.amax[buf], wg, t, it.row0, it.n_block);
+    release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, both, clock);
 }
 
 template <class T>
@@ -649,7 +652,7 @@ __device__ __forceinline__ void l2_math(Shared<T>& sm, Ring<T>& ring, const Cloc
             fill_nan(acc[1]);
         }
         wg128::l2_store(p, acc, wg, t, it.row0, it.n_block);
-    } else {
+    } else {  // wg64t's L2 item of one output block (hidden / 128 odd; pairs run in math)
         float acc[1][kFrag];
         tile_gemm<T, 1>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
         if (expired) fill_nan(acc[0]);
@@ -668,14 +671,30 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
         if (!pop(sm, pos, ticket, expert, expired, clock) || ticket == kEndOfWork) return;
         const bool l1 = ticket < w.l1_items;
         Item it;  // the producer's decoding: the coordinates again, the expert from the entry (no global read)
-        item_coords<T::kBlockM>(w, l1 ? ticket : ticket - w.l1_items, l1 ? w.n1_blocks : w.n2_blocks, it.m_block,
+        item_coords<T::kBlockM>(w, l1 ? ticket : ticket - w.l1_items, l1 ? w.n1_blocks : w.n2_items, it.m_block,
                                 it.row0, it.n_block);
         it.expert = expert;
-        if (l1) {
-            l1_math(sm, ring, clock, p, w, it, n_l1++, wg, t);
-        } else {
-            l2_math(sm, ring, clock, p, w, it, expired, wg, t);
+        if constexpr (T::kBlockM == wg::kBlockM) {
+            if (l1 || w.n2_per_item == 2) {  // both run wg64t's two-stream main loop: one copy of it serves both
+                const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
+                                       : l2_operands(p, w, it.expert, it.n_block, it.row0);
+                float acc[2][kFrag];  // L1: gate, up; an L2 pair: its two output blocks (this warpgroup's columns)
+                tile_gemm<T, 2>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
+                if (l1) {
+                    l1_epilogue(sm, clock, p, w, it, acc, n_l1++, wg, t);
+                    continue;
+                }
+                for (int h = 0; h < 2; ++h) {
+                    if (expired) fill_nan(acc[h]);
+                    l2_store(p, acc[h], wg, t, it.row0, 2 * it.n_block + h);
+                }
+                continue;
+            }
+        } else if (l1) {
+            l1_math_rows(sm, ring, clock, p, w, it, n_l1++, wg, t);
+            continue;
         }
+        l2_math(sm, ring, clock, p, w, it, expired, wg, t);
     }
 }
 
@@ -718,7 +737,9 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
         prefetch_tensor_map(&args.act_sf_map);
     }
     __syncthreads();  // the only block-wide barrier: from here the roles meet at mbarriers alone
-    const Work w = work_of<T::kBlockM>(p);
+    // wg64t's L2 items take two output blocks where they can (an L2 stage then streams two weight boxes, as L1's);
+    // wg128t's L2 stage has two boxes already.
+    const Work w = T::kBlockM == wg128::kBlockM ? work_of<T::kBlockM>(p) : with_l2_pairs(work_of<T::kBlockM>(p));
     const uint64_t bound = p.timeout_ns + kWaitFloorNs;
     const Clock clock{p.status, bound, 2 * bound};
     if (threadIdx.x < 128) {

@@ -197,19 +197,24 @@ def blocks_per_group(rows_per_expert: Optional[int], rows: int) -> int:
     return max(1, -(-min(rows_per_expert, FUSED_ALIGN_M) // rows))
 
 
-def work_items(num_rows: int, rows: int, hidden: int, inter: int, per_group: int) -> Tuple[int, int]:
+def work_items(num_rows: int, rows: int, hidden: int, inter: int, per_group: int,
+               l2_pairs: bool = False) -> Tuple[int, int]:
     """``(m blocks, items)`` of a pass of ``num_rows`` pool rows at ``rows`` rows per item and ``per_group``
     m blocks per 128-row group (`blocks_per_group`): each m block has ``inter / 128`` L1 items and
-    ``hidden / 128`` L2 items (the kernel's ``work_of``).
+    ``hidden / 128`` L2 items, or half as many where ``l2_pairs`` (wg64t) and ``hidden / 128`` is even: L2 items
+    of two output blocks (the kernel's ``work_of`` and ``with_l2_pairs``).
 
     Example:
         >>> work_items(200, 16, 7168, 2048, 8)   # two groups of 8 m blocks, 16 + 56 items each
         (16, 1152)
         >>> work_items(200, 16, 7168, 2048, 1)   # experts of at most 16 rows: one m block per group
         (2, 144)
+        >>> work_items(200, 64, 7168, 2048, 2, l2_pairs=True)   # wg64t: 16 + 28 items per m block
+        (4, 176)
     """
     m_blocks = -(-num_rows // FUSED_ALIGN_M) * per_group
-    return m_blocks, m_blocks * (inter // TILE + hidden // TILE)
+    n2 = hidden // TILE
+    return m_blocks, m_blocks * (inter // TILE + (n2 // 2 if l2_pairs and n2 % 2 == 0 else n2))
 
 
 def check_weights(weights: ExpertWeights) -> None:
@@ -364,7 +369,7 @@ class FusedExperts(ExpertEngine):
         kernel = select_kernel(rows_per_expert, cc, self.kernel)
         rows = KERNELS[kernel]
         per_group = blocks_per_group(rows_per_expert, rows)
-        m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter, per_group)
+        m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter, per_group, l2_pairs=kernel == "wg64t")
         dev = pool.x.device
         out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
