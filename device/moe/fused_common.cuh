@@ -264,13 +264,13 @@ __device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_b
     }
 }
 
-// One expired L2 wait counted in status[0] (status[1]: the m block of the first), unless status[0] holds one of
-// the negative codes above: a code says more than a count, and a count past it would turn it into another code
-// (or into 0: no error at all).
-__device__ __forceinline__ void count_expired_wait(const FusedExpertsArgs& p, int m_block) {
+// One expired L2 wait counted in status[0] as the `tiles` output tiles it leaves NaN (status[1]: the m block of
+// the first), unless status[0] holds one of the negative codes above: a code says more than a count, and a count
+// past it would turn it into another code (or into 0: no error at all).
+__device__ __forceinline__ void count_expired_wait(const FusedExpertsArgs& p, int m_block, int tiles = 1) {
     int old = *reinterpret_cast<volatile int*>(p.status);
     while (old >= 0) {
-        const int seen = atomicCAS(p.status, old, old + 1);
+        const int seen = atomicCAS(p.status, old, old + tiles);
         if (seen == old) {
             if (old == 0) p.status[1] = m_block;
             return;

@@ -2,8 +2,9 @@
 // symmring-jit: whole-program
 // The fused experts kernel with a warp-specialised TMA + wgmma main loop: moe_fused_experts_wg64t.
 //
-// The same items, wgmma streams, promotion and epilogues as wg64 (fused_wgmma.cuh; so the same bits), with the
-// loads taken off the math warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
+// The same wgmma streams, promotion and epilogues as wg64 (fused_wgmma.cuh; so the same bits) on wg64's items, but
+// for L2 items of two output blocks where hidden / 128 is even (with_l2_pairs), with the loads taken off the math
+// warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
 //   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
 //     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
 //     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 40) and its other
@@ -380,7 +381,7 @@ __device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, co
         }
         if (kb == n) {
             expired = !wait_arrivals(p, m_block, expected);
-            if (expired) count_expired_wait(p, m_block);
+            if (expired) count_expired_wait(p, m_block, w.n2_per_item);  // an L2 pair: two tiles
             return kb;
         }
         seen = load_acquire_gpu(word);  // in flight during the next claim

@@ -6,7 +6,8 @@
 //   * L1 item (64 rows, intermediate block n1): math warpgroup w computes gate columns [64 w, 64 w + 64) and the
 //     same up columns of n1 as two m64n64 streams, so SwiGLU pairs gate and up in one thread's registers;
 //     the row amax over the 128 columns is a cross-warpgroup reduction in shared memory.
-//   * L2 item (64 rows, output block n2): math warpgroup w computes output columns [64 w, 64 w + 64).
+//   * L2 item (64 rows, output block n2): math warpgroup w computes output columns [64 w, 64 w + 64); wg64t's L2
+//     pair (two output blocks) runs the L1 item's two streams, one per block.
 #pragma once
 
 #include <moe/fused_common.cuh>

@@ -209,8 +209,9 @@ def test_fused_vs_reference_and_builtin_on_the_dispatch_pool(shape, num_tokens, 
 @pytest.mark.parametrize("kernel", ["wg64t", "wg128t"])
 @pytest.mark.parametrize("shape, num_tokens", SEAM_CASES)
 def test_the_tma_kernels_give_wg64s_and_builtins_bits(shape, num_tokens, kernel):
-    # wg64t computes wg64's items with wg64's wgmma streams, promotion and epilogues; only the loads (TMA by a
-    # producer warpgroup, zeros past the pass's rows as cp.async's zero-fill) differ. wg128t runs the same
+    # wg64t computes wg64's output elements with wg64's wgmma streams, promotion and epilogues (its L2 items take two
+    # output blocks where wg64's take one); only the loads (TMA by a producer warpgroup, zeros past the pass's rows
+    # as cp.async's zero-fill) differ. wg128t runs the same
     # m64n64k32 streams and promotion per output element on 128-row items (the warpgroups split rows, an L1 item
     # in two 64-column passes) and takes each row's amax over the same 128 values. So the same bits; wg64 gave
     # builtin's bits on every seam case on an H100 (docs/FUSED.md), so these must too.
@@ -226,6 +227,23 @@ def test_the_tma_kernels_give_wg64s_and_builtins_bits(shape, num_tokens, kernel)
           f"vs builtin {rel_error_on_device(got, builtin):.3e}")
     assert torch.equal(got, y_plain[live]), f"{kernel} differs from wg64"
     assert torch.equal(got, builtin), f"{kernel} differs from builtin"
+
+
+@pytest.mark.parametrize("hidden", [384, 640])
+def test_wg64t_with_an_odd_number_of_output_blocks(hidden):
+    # hidden / 128 odd: wg64t's L2 items keep one output block each (no pairs) and must still give wg64's and
+    # builtin's bits.
+    skip_off_sm90("wg64t")
+    weights = fp8_weights(hidden, 256, 8, SEED + 13)
+    pool, num_rows, per_expert, live = make_pool(hidden, 8, 2, 96, SEED + 14)
+    y = FusedExperts(weights, kernel="wg64t").forward(pool, num_rows, per_expert)[live]
+    y_plain = FusedExperts(weights, kernel="wg64").forward(pool, num_rows, per_expert)[live]
+    builtin = Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)[live]
+    ref = reference_rows(pool, weights, live)[live]
+    print(f"[figure] fused wg64t hidden={hidden}: vs wg64 {rel_error_on_device(y, y_plain):.3e}, vs builtin "
+          f"{rel_error_on_device(y, builtin):.3e}, vs float64 {rel_error_on_device(y, ref):.3e}")
+    assert torch.equal(y, y_plain) and torch.equal(y, builtin)
+    assert rel_error_on_device(y, ref) <= REL_TOL
 
 
 def test_wg128t_with_a_pass_that_ends_inside_its_last_group():
