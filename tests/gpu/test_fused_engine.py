@@ -49,7 +49,8 @@ from symmring.errors import BackendError  # noqa: E402
 from symmring.moe.config import Experts, RoutingConfig  # noqa: E402
 from symmring.moe.engines import Pool  # noqa: E402
 from symmring.moe.engines.fp8 import Fp8Experts  # noqa: E402
-from symmring.moe.engines.fused import FusedExperts, select_kernel  # noqa: E402
+from symmring.moe.engines.fused import FusedExperts, blocks_per_group, select_kernel  # noqa: E402
+from symmring.moe.engines.fused import KERNELS as ROWS_PER_ITEM  # noqa: E402
 from symmring.moe.gpu import MoE, kernel_args  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.weights import ExpertWeights, dequantize_blocks, quantize_blocks  # noqa: E402
@@ -244,6 +245,41 @@ def test_wg64t_with_an_odd_number_of_output_blocks(hidden):
           f"{rel_error_on_device(y, builtin):.3e}, vs float64 {rel_error_on_device(y, ref):.3e}")
     assert torch.equal(y, y_plain) and torch.equal(y, builtin)
     assert rel_error_on_device(y, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("kernel", ["m32", "wg64", "wg64t", "wg128t"])
+def test_l2_waits_that_expire_give_nan_tiles_counted_and_the_engine_runs_on(kernel, monkeypatch):
+    # L1 arrivals that can never come (the counters start far below zero): every L2 item's bounded wait expires,
+    # its tiles are NaN (no finite garbage), each is counted in the status (check_status names the count), nothing
+    # stalls (the TMA kernels still issue an expired item's loads, so their ring stays aligned: no status -3), and
+    # the next call gives builtin's bits again.
+    skip_off_sm90(kernel)
+    weights = fp8_weights(256, 256, 16, SEED + 15)
+    pool, num_rows, per_expert, live = make_pool(256, 16, 2, 64, SEED + 16)
+    engine = FusedExperts(weights, kernel=kernel, timeout_s=0.05)
+    prepare = engine.prepare
+
+    def starved(*args, **kwargs):
+        launch = prepare(*args, **kwargs)
+        launch.counters[1:].fill_(-(1 << 20))
+        return launch
+
+    monkeypatch.setattr(engine, "prepare", starved)
+    y = engine.forward(pool, num_rows, per_expert)
+    torch.cuda.synchronize()
+    rows = ROWS_PER_ITEM[kernel]
+    per_group = blocks_per_group(per_expert, rows)
+    m = pool.m_indices.cpu()
+    blocks = sum(1 for g in range(-(-num_rows // 128)) for j in range(per_group)
+                 if g * 128 + j * rows < num_rows and m[g * 128 + j * rows] >= 0)
+    tiles = blocks * (256 // 128)
+    assert torch.isnan(y[live]).all()
+    with pytest.raises(BackendError, match=rf"^engine 'fused': {tiles} L2 tile\(s\) waited past 0.05 s"):
+        engine.check_status()
+    monkeypatch.undo()
+    again = engine.forward(pool, num_rows, per_expert)[live]
+    engine.check_status()
+    assert torch.equal(again, Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)[live])
 
 
 def test_wg128t_with_a_pass_that_ends_inside_its_last_group():
