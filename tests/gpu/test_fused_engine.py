@@ -252,11 +252,14 @@ def test_l2_waits_that_expire_give_nan_tiles_counted_and_the_engine_runs_on(kern
     # L1 arrivals that can never come (the counters start far below zero): every L2 item's bounded wait expires,
     # its tiles are NaN (no finite garbage), each is counted in the status (check_status names the count), nothing
     # stalls (the TMA kernels still issue an expired item's loads, so their ring stays aligned: no status -3), and
-    # the next call gives builtin's bits again.
+    # the next call gives the bits of a call before it (m32 is not bitwise builtin's: its own bits are the check).
     skip_off_sm90(kernel)
     weights = fp8_weights(256, 256, 16, SEED + 15)
     pool, num_rows, per_expert, live = make_pool(256, 16, 2, 64, SEED + 16)
     engine = FusedExperts(weights, kernel=kernel, timeout_s=0.05)
+    before = engine.forward(pool, num_rows, per_expert)[live].clone()
+    engine.check_status()
+    assert torch.isfinite(before).all()
     prepare = engine.prepare
 
     def starved(*args, **kwargs):
@@ -279,7 +282,7 @@ def test_l2_waits_that_expire_give_nan_tiles_counted_and_the_engine_runs_on(kern
     monkeypatch.undo()
     again = engine.forward(pool, num_rows, per_expert)[live]
     engine.check_status()
-    assert torch.equal(again, Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)[live])
+    assert torch.equal(again, before)
 
 
 def test_wg128t_with_a_pass_that_ends_inside_its_last_group():
