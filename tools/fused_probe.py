@@ -57,6 +57,9 @@ def main(argv=None) -> int:
                     bound = {"exact": per_expert, "layer": n, "none": None}[name]
                     for _ in range(2):
                         engine.forward(pool, num_rows, bound)
+                    # Not symmring.bench.timed_ms: it synchronises after each call, so its events would also
+                    # bracket forward's host work (prepare, tensor maps) with the GPU idle; enqueued back to back,
+                    # each call's host work overlaps the kernel before it and the events time the device.
                     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                               for _ in range(args.repeats)]
                     for start, end in events:
