@@ -90,6 +90,13 @@ __device__ __forceinline__ void wgmma_k_block(float (&part)[kHalves][kFrag], con
 
 // --- scales and promotion ---------------------------------------------------------------------------------
 
+// K block kb's weight block scale of each half (the TMA kernels' activation scales come with the stage).
+template <int kHalves>
+__device__ __forceinline__ void load_weight_scales(const Operands& op, int kb, float (&sb)[kHalves]) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
+}
+
 // K block kb's scales for this thread's fragment: the activation scale of its two rows (0 past the valid rows)
 // and each half's weight block scale.
 template <int kHalves>
@@ -99,15 +106,7 @@ __device__ __forceinline__ void load_scales(const Operands& op, int t, int kb, f
         const int r = op.row0 + acc_row(t, 2 * h);  // the rows of values i with i % 4 / 2 == h
         sa[h] = r < op.rows_valid ? __ldcg(op.a_sf + r * op.a_sf_row + kb * op.a_sf_col) : 0.0f;
     }
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
-}
-
-// K block kb's weight block scale of each half (the TMA kernels' activation scales come with the stage).
-template <int kHalves>
-__device__ __forceinline__ void load_weight_scales(const Operands& op, int kb, float (&sb)[kHalves]) {
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
+    load_weight_scales<kHalves>(op, kb, sb);
 }
 
 // acc += partial * (activation scale of the row * weight scale of the block).

@@ -64,19 +64,6 @@ __device__ __forceinline__ void wgmma_k_block(float (&part)[2][kFrag], const uin
     wg::wgmma_commit();
 }
 
-// K block kb's scales for this thread's fragment: the activation scale of its two rows (0 past the valid rows)
-// and each stream's weight block scale (both streams lie in one 128 x 128 block of their half of the weights).
-__device__ __forceinline__ void load_scales(const Operands& op, int wg, int t, int kb, float (&sa)[2],
-                                            float (&sb)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = op.row0 + wg * kWgRows + acc_row(t, 2 * h);  // the rows of values i with i % 4 / 2 == h
-        sa[h] = r < op.rows_valid ? __ldcg(op.a_sf + r * op.a_sf_row + kb * op.a_sf_col) : 0.0f;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) sb[h] = __ldg(op.b_sf[h] + kb);
-}
-
 // SwiGLU of one L1 pass into acc[0] (gate acc[0], up acc[1]), this thread's maxima of its two rows raised.
 __device__ __forceinline__ void swiglu_pass(float (&acc)[2][kFrag], float (&row_amax)[2]) {
 #pragma unroll

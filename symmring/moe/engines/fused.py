@@ -112,11 +112,17 @@ def shared_bytes(kernel: str) -> int:
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 
 
-def _mn_major(scales):
-    """An MN-major copy of float32 scales ``[rows, K blocks]`` (columns of rows rounded up to 4: 16-byte aligned)."""
+def _mn_major_empty(rows: int, blocks: int, device):
+    """Uninitialised MN-major float32 scales ``[rows, K blocks]``: columns of rows rounded up to 4 (16-byte aligned),
+    as `tensor_map.scale_spec` maps them and the kernels' ``act_scale`` indexes them (triton_large.act_scales_empty
+    makes the same, but needs Triton)."""
     import torch
-    rows, blocks = scales.shape
-    copy = torch.empty(blocks, -(-rows // 4) * 4, dtype=torch.float32, device=scales.device).t()[:rows]
+    return torch.empty(blocks, -(-rows // 4) * 4, dtype=torch.float32, device=device).t()[:rows]
+
+
+def _mn_major(scales):
+    """An MN-major copy of float32 scales ``[rows, K blocks]`` (`_mn_major_empty`)."""
+    copy = _mn_major_empty(*scales.shape, scales.device)
     copy.copy_(scales)
     return copy
 
@@ -373,8 +379,7 @@ class FusedExperts(ExpertEngine):
         dev = pool.x.device
         out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
-        # MN-major, columns of num_rows rounded up to 4 (device/moe/fused_common.cuh act_scale): [num_rows, inter / 128]
-        act_sf = torch.empty(self.inter // TILE, -(-num_rows // 4) * 4, dtype=torch.float32, device=dev).t()[:num_rows]
+        act_sf = _mn_major_empty(num_rows, self.inter // TILE, dev)  # [num_rows, inter / 128], MN-major
         counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
         w, address = self.weights, kernel_args.address
         experts = kernel_args.KernelArgs(
