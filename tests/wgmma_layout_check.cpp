@@ -105,10 +105,76 @@ static void check_accumulator() {
     for (int e = 0; e < 64 * kN; ++e) expect(held[e] == 1, "every accumulator element held once", e / kN, e % kN);
 }
 
+// The epilogues' 16-byte stores, simulated for the 128 threads of a warpgroup on a fragment of random values: the
+// packing (l1_value, l2_value), the quad's transpose as the kernels run it (two exchanges through exchange_slot,
+// word_at and take_words; the shuffle is the partner's lane in the same quad), the reordering (l1_ordered). Every
+// stored element must be the fragment's value at the row and column it is stored to, a quad's four 16-byte stores
+// must cover 64 contiguous bytes of its row, and every element of a warpgroup's 64 x 64 tile must be stored once.
+static void quad_transpose_sim(uint32_t (&lanes)[4][4]) {
+    for (int bit = 2; bit >= 1; bit /= 2) {
+        uint32_t given[4][2];
+        for (int q = 0; q < 4; ++q)
+            for (int k = 0; k < 2; ++k) given[q][k] = word_at(lanes[q], exchange_slot(q, bit, k));
+        for (int q = 0; q < 4; ++q) take_words(lanes[q], q, bit, given[q ^ bit][0], given[q ^ bit][1]);
+    }
+}
+
+static void check_quad_stores(uint32_t seed) {
+    constexpr int kValues = 32;
+    uint32_t state = seed;
+    auto next = [&] { return state = state * 1664525u + 1013904223u; };
+    std::vector<uint32_t> frag(128 * kValues);  // the value of (thread, i): a random byte (L1) or half word (L2)
+    for (auto& v : frag) v = next() >> 8;
+    std::vector<int> at(64 * 64, -1);  // (row, col) -> thread * kValues + i
+    for (int t = 0; t < 128; ++t)
+        for (int i = 0; i < kValues; ++i) at[acc_row(t, i) * 64 + acc_col(t, i)] = t * kValues + i;
+    for (int l2 = 0; l2 < 2; ++l2) {
+        const uint32_t mask = l2 ? 0xFFFFu : 0xFFu;
+        const int per_word = l2 ? 2 : 4, bits = l2 ? 16 : 8;
+        std::vector<int> stored(64 * 64, 0);
+        for (int quad = 0; quad < 32; ++quad)
+            for (int h = 0; h < 2; ++h)
+                for (int g = 0; g < (l2 ? 2 : 1); ++g) {
+                    uint32_t lanes[4][4];
+                    for (int q = 0; q < 4; ++q)
+                        for (int k = 0; k < 4; ++k) {
+                            uint32_t word = 0;
+                            for (int e = 0; e < per_word; ++e) {
+                                const int i = l2 ? l2_value(h, g, k, e) : l1_value(h, k, e);
+                                word |= (frag[(4 * quad + q) * kValues + i] & mask) << (bits * e);
+                            }
+                            lanes[q][k] = word;
+                        }
+                    quad_transpose_sim(lanes);
+                    const int row = acc_row(4 * quad, 2 * h);
+                    for (int q = 0; q < 4; ++q) {
+                        const int col0 = l2 ? l2_column(q, g) : l1_column(q);
+                        const int bytes = l2 ? 2 : 1;
+                        expect(col0 * bytes == (l2 ? l2_column(0, g) * 2 : 0) + 16 * q,
+                               "a quad's stores: 64 contiguous bytes", quad, q, col0);
+                        for (int c = 0; c < 16 / bytes; ++c) {
+                            const uint32_t word = l2 ? lanes[q][c / 2] : l1_ordered(lanes[q], c / 4);
+                            const uint32_t got = (word >> (bits * (c % per_word))) & mask;
+                            const int col = col0 + c;
+                            expect(col < 64, "stored inside the warpgroup's 64 columns", quad, q, col);
+                            if (col >= 64) continue;
+                            ++stored[row * 64 + col];
+                            const int src = at[row * 64 + col];
+                            expect(src >= 0 && (frag[src] & mask) == got, l2 ? "L2 store: the fragment's value"
+                                                                               : "L1 store: the fragment's value",
+                                   row, col, static_cast<long>(got));
+                        }
+                    }
+                }
+        for (int e = 0; e < 64 * 64; ++e) expect(stored[e] == 1, "every element stored once", l2, e / 64, e % 64);
+    }
+}
+
 int main() {
     check_operand_tiles(64);   // A (64 rows) and each warpgroup's B rows (64 of a half)
     check_operand_tiles(256);  // a whole L1 B tile: gate then up rows
     check_accumulator();
+    for (uint32_t seed = 1; seed <= 64; ++seed) check_quad_stores(seed);
     std::printf("checks %ld failures %ld\n", checks, failures);
     return failures == 0 ? 0 : 1;
 }

@@ -629,15 +629,15 @@ __device__ __forceinline__ void l1_math_rows(Shared<T>& sm, Ring<T>& ring, const
 // each stores its part and releases its arrival.
 template <class T>
 __device__ __forceinline__ void l1_epilogue(Shared<T>& sm, const Clock& clock, const FusedExpertsArgs& p,
-                                            const Work& w, const Item& it, float (&acc)[2][kFrag], uint32_t n, int wg,
-                                            int t) {
+                                            const Work& w, const Item& it, float (&acc)[2][kFrag],
+                                            const bool (&live)[2], uint32_t n, int wg, int t) {
     const int buf = static_cast<int>(n & 1u);
     l1_swiglu_amax(acc, sm.amax[buf], wg, t);
     __syncwarp();
     if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
     const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
     if (!both) fill_nan(acc[0]);
-    l1_quantize_store(p, w, acc, sm.amax[buf], wg, t, it.row0, it.n_block);
+    l1_quantize_store(p, w, acc, sm.amax[buf], live, wg, t, it.row0, it.n_block);
     release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, both, clock);
 }
 
@@ -654,10 +654,12 @@ __device__ __forceinline__ void l2_math(Shared<T>& sm, Ring<T>& ring, const Cloc
         }
         wg128::l2_store(p, acc, wg, t, it.row0, it.n_block);
     } else {  // wg64t's L2 item of one output block (hidden / 128 odd; pairs run in math)
+        bool live[2];
+        live_rows(p, it.row0, t, live);
         float acc[1][kFrag];
         tile_gemm<T, 1>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
         if (expired) fill_nan(acc[0]);
-        l2_store(p, acc[0], wg, t, it.row0, it.n_block);
+        l2_store(p, acc[0], live, wg, t, it.row0, it.n_block);
     }
 }
 
@@ -679,15 +681,18 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
             if (l1 || w.n2_per_item == 2) {  // both run wg64t's two-stream main loop: one copy of it serves both
                 const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
                                        : l2_operands(p, w, it.expert, it.n_block, it.row0);
+                bool live[2];
+                live_rows(p, it.row0, t, live);
                 float acc[2][kFrag];  // L1: gate, up; an L2 pair: its two output blocks (this warpgroup's columns)
                 tile_gemm<T, 2>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
                 if (l1) {
-                    l1_epilogue(sm, clock, p, w, it, acc, n_l1++, wg, t);
+                    l1_epilogue(sm, clock, p, w, it, acc, live, n_l1++, wg, t);
                     continue;
                 }
+#pragma unroll  // acc[h] indexed at run time would live in local memory
                 for (int h = 0; h < 2; ++h) {
                     if (expired) fill_nan(acc[h]);
-                    l2_store(p, acc[h], wg, t, it.row0, 2 * it.n_block + h);
+                    l2_store(p, acc[h], live, wg, t, it.row0, 2 * it.n_block + h);
                 }
                 continue;
             }

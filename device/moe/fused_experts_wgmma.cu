@@ -134,13 +134,15 @@ __device__ __forceinline__ void l1_item(Shared& sm, const FusedExpertsArgs& p, c
     const Item it = item_of<kBlockM>(p, w, item, true);
     if (it.expert < 0) return;
     const int m_block = it.m_block, n1 = it.n_block, row0 = it.row0, e = it.expert;
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    bool live[2];
+    live_rows(p, row0, t, live);
     float acc[2][kFrag];  // [0]: gate, [1]: up, this warpgroup's 64 columns of n1 in both
     tile_gemm<2>(sm, l1_operands(p, w, e, n1, row0), acc);
 
-    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     l1_swiglu_amax(acc, sm.amax, wg, t);
     __syncthreads();  // both warpgroups' halves of every row's amax
-    l1_quantize_store(p, w, acc, sm.amax, wg, t, row0, n1);
+    l1_quantize_store(p, w, acc, sm.amax, live, wg, t, row0, n1);
     __syncthreads();  // every thread's stores precede the release below (and sm.amax is free again)
     release_arrival(p, m_block);
 }
@@ -152,13 +154,16 @@ __device__ __forceinline__ void l2_item(Shared& sm, const FusedExpertsArgs& p, c
     if (it.expert < 0) return;
     const int m_block = it.m_block, n2 = it.n_block, row0 = it.row0, e = it.expert;
     const bool timed_out = l2_arrivals_expired(p, w, m_block, sm.timed_out);
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    bool live[2];
+    live_rows(p, row0, t, live);
     float acc[1][kFrag];
     if (timed_out) {  // no finite garbage: the tile is NaN and status names it
         fill_nan(acc[0]);
     } else {
         tile_gemm<1>(sm, l2_operands(p, w, e, n2, row0), acc);
     }
-    l2_store(p, acc[0], threadIdx.x / 128, threadIdx.x % 128, row0, n2);
+    l2_store(p, acc[0], live, wg, t, row0, n2);
 }
 
 // --- the persistent kernel ---------------------------------------------------------------------------------

@@ -152,11 +152,36 @@ __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&a
     }
 }
 
-// L1, second half: each row's scale from both warpgroups' maxima, the fp8 intermediate and its scale stored.
+// The quad's transpose of four words (wgmma_layout.cuh): word s of lane q becomes word q of lane s. Every lane of
+// the warp takes part (shuffles), so no row is skipped before it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
+#pragma unroll
+    for (int bit = 2; bit >= 1; bit /= 2) {
+        const uint32_t first = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 0)), bit);
+        const uint32_t second = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 1)), bit);
+        take_words(w, q, bit, first, second);
+    }
+}
+
+// Whether this thread's two rows (row halves 0 and 1 of the item at row0) hold tokens: inside the pass and not
+// padding. Only those are stored: padding rows of the intermediate and the output are never read (an L2 row, like
+// any GEMM row, depends on its own A row alone; the combine takes live rows), and at small batches they are most
+// of an item's 64 rows. Read at the item's start, so that the load's latency hides behind the main loop.
+__device__ __forceinline__ void live_rows(const FusedExpertsArgs& p, int row0, int t, bool (&live)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + acc_row(t, 2 * h);
+        live[h] = row < p.num_rows && p.m_indices[row] >= 0;
+    }
+}
+
+// L1, second half: each row's scale from both warpgroups' maxima, the fp8 intermediate of the live rows and their
+// scales stored, 16 bytes per lane (a quad: its row's 64 columns of this warpgroup in one store instruction).
 __device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, const Work& w,
                                                   const float (&acc)[2][kFrag],
-                                                  const float (&amax)[kMathWarpgroups][kBlockM], int wg, int t,
-                                                  int row0, int n1) {
+                                                  const float (&amax)[kMathWarpgroups][kBlockM],
+                                                  const bool (&live)[2], int wg, int t, int row0, int n1) {
+    const int q = t % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = acc_row(t, 2 * h), row = row0 + r;
@@ -164,31 +189,46 @@ __device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, con
 #pragma unroll
         for (int v = 0; v < kMathWarpgroups; ++v) row_amax = fmaxf(row_amax, amax[v][r]);
         const float scale = fp8_scale(row_amax, div::CallFreeDivision());
-        if (row >= p.num_rows) continue;
         const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
-        if (wg == 0 && t % 4 == 0) *act_scale(p, row, n1) = scale;
+        uint32_t words[4];
 #pragma unroll
-        for (int j = 0; j < kFrag / 4; ++j) {
-            const __nv_fp8x2_storage_t q =
-                quantize_pair(acc[0][4 * j + 2 * h], acc[0][4 * j + 2 * h + 1], scale, by_scale);
-            const int col = n1 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(p.act + static_cast<long long>(row) * p.inter + col) = q;
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t low = quantize_pair(acc[0][l1_value(h, k, 0)], acc[0][l1_value(h, k, 1)], scale, by_scale);
+            const uint32_t high = quantize_pair(acc[0][l1_value(h, k, 2)], acc[0][l1_value(h, k, 3)], scale, by_scale);
+            words[k] = low | high << 16;
         }
+        quad_transpose(words, q);
+        if (!live[h]) continue;
+        if (wg == 0 && q == 0) *act_scale(p, row, n1) = scale;
+        const int col = n1 * kTileN + wg * kWgCols + l1_column(q);
+        *reinterpret_cast<uint4*>(p.act + static_cast<long long>(row) * p.inter + col) =
+            make_uint4(l1_ordered(words, 0), l1_ordered(words, 1), l1_ordered(words, 2), l1_ordered(words, 3));
     }
 }
 
-// L2: the bf16 output tile of this warpgroup's columns of n2.
-__device__ __forceinline__ void l2_store(const FusedExpertsArgs& p, const float (&acc)[kFrag], int wg, int t, int row0,
-                                         int n2) {
+// The bits of two floats as a bf16 pair (a in the low half), rounded to nearest even.
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return static_cast<uint32_t>(__bfloat16_as_ushort(v.x)) | static_cast<uint32_t>(__bfloat16_as_ushort(v.y)) << 16;
+}
+
+// L2: the bf16 output tile of this warpgroup's columns of n2, its live rows, 16 bytes per lane (a quad: 64
+// contiguous bytes of its row per store instruction).
+__device__ __forceinline__ void l2_store(const FusedExpertsArgs& p, const float (&acc)[kFrag], const bool (&live)[2],
+                                         int wg, int t, int row0, int n2) {
+    const int q = t % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = row0 + acc_row(t, 2 * h);
-        if (row >= p.num_rows) continue;
+        const long long row = row0 + acc_row(t, 2 * h);
 #pragma unroll
-        for (int j = 0; j < kFrag / 4; ++j) {
-            const int col = n2 * kTileN + wg * kWgCols + acc_col(t, 4 * j);
-            *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        for (int g = 0; g < 2; ++g) {
+            uint32_t words[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) words[k] = bf16x2_bits(acc[l2_value(h, g, k, 0)], acc[l2_value(h, g, k, 1)]);
+            quad_transpose(words, q);
+            if (!live[h]) continue;
+            const int col = n2 * kTileN + wg * kWgCols + l2_column(q, g);
+            *reinterpret_cast<uint4*>(p.out + row * p.hidden + col) = make_uint4(words[0], words[1], words[2], words[3]);
         }
     }
 }

@@ -1,8 +1,9 @@
 // Where the wgmma kernel (fused_experts_wgmma.cu) puts its operands in shared memory and where wgmma finds its
 // results: the 128-byte swizzle of the cp.async stores, the shared memory matrix descriptor of a K-major e4m3
 // tile and its advance per k32 step, and the m64nNk32 float32 accumulator fragment (which thread holds which
-// row and column). Host and device alike: tests/test_wgmma_layout.py builds this header with g++
-// (tests/wgmma_layout_check.cpp) and checks it against the PTX ISA's definitions of those layouts.
+// row and column), and how the epilogues regroup a row's values within a quad for 16-byte stores. Host and device
+// alike: tests/test_wgmma_layout.py builds this header with g++ (tests/wgmma_layout_check.cpp) and checks it
+// against the PTX ISA's definitions of those layouts.
 #pragma once
 
 #include <stdint.h>
@@ -46,6 +47,51 @@ SYMMRING_LAYOUT_FN uint64_t desc_at_k(uint64_t desc, int k) {
 // and the four lanes of a quad hold the same rows.
 SYMMRING_LAYOUT_FN int acc_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * (i % 4 / 2); }
 SYMMRING_LAYOUT_FN int acc_col(int t, int i) { return 8 * (i / 4) + 2 * (t % 4) + i % 2; }
+
+// --- the epilogues' 16-byte stores -----------------------------------------------------------------------------
+// A quad (lanes t % 4 == q of four consecutive threads) holds the same two rows (acc_row), each row's 64 columns
+// spread two at a time over its lanes. Stored as they come, a row takes 16 stores of two bytes (L1's e4m3) or 8 of
+// four (L2's bf16) per lane. The epilogues instead pack a row half's values into words, transpose each group of four
+// words within the quad (quad_transpose: word s of lane q becomes word q of lane s), and store 16 contiguous bytes
+// per lane: a quad's store instruction then writes 64 contiguous bytes of a row.
+
+// The quad's transpose runs as two exchanges, with the lane at distance `bit` (2, then 1): lane q hands over the
+// two words whose index differs from q in that bit and takes its partner's into the same places. The k-th (0, 1)
+// of those places:
+SYMMRING_LAYOUT_FN int exchange_slot(int q, int bit, int k) { return ((q & bit) ^ bit) + k * (3 - bit); }
+
+// w[i] for an i known only at run time, without indexing an array (which would put it in local memory).
+SYMMRING_LAYOUT_FN uint32_t word_at(const uint32_t (&w)[4], int i) {
+    return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+}
+
+// One exchange's arrival: the partner's k-th handed-over word into this lane's k-th place.
+SYMMRING_LAYOUT_FN void take_words(uint32_t (&w)[4], int q, int bit, uint32_t first, uint32_t second) {
+    const int a = exchange_slot(q, bit, 0), b = exchange_slot(q, bit, 1);
+    w[0] = a == 0 ? first : b == 0 ? second : w[0];
+    w[1] = a == 1 ? first : b == 1 ? second : w[1];
+    w[2] = a == 2 ? first : b == 2 ? second : w[2];
+    w[3] = a == 3 ? first : b == 3 ? second : w[3];
+}
+
+// L1 (e4m3): a row half h (rows acc_row(t, 2 h)) packs into 4 words, byte b of word k being value l1_value(h, k, b)
+// of the fragment: pairs 2 k and 2 k + 1, so word k holds columns 16 k + 2 q + {0, 1, 8, 9}. After the transpose
+// lane q holds columns 16 q + 2 s + {0, 1, 8, 9} in word s, which low_halves / high_halves put in order: its 16
+// bytes are columns l1_column(q) + [0, 16) of the warpgroup's 64.
+SYMMRING_LAYOUT_FN int l1_value(int h, int k, int b) { return 4 * (2 * k + b / 2) + 2 * h + b % 2; }
+SYMMRING_LAYOUT_FN int l1_column(int q) { return 16 * q; }
+SYMMRING_LAYOUT_FN uint32_t low_halves(uint32_t a, uint32_t b) { return (a & 0xFFFFu) | (b << 16); }
+SYMMRING_LAYOUT_FN uint32_t high_halves(uint32_t a, uint32_t b) { return (a >> 16) | (b & 0xFFFF0000u); }
+// Word m of lane q's 16 bytes from its transposed words: columns 4 m + [0, 4).
+SYMMRING_LAYOUT_FN uint32_t l1_ordered(const uint32_t (&w)[4], int m) {
+    return m < 2 ? low_halves(w[2 * m], w[2 * m + 1]) : high_halves(w[2 * m - 4], w[2 * m - 3]);
+}
+
+// L2 (bf16): a row half h packs into 8 words, element e (0 low, 1 high) of word 4 g + k being value
+// l2_value(h, g, k, e): word j holds columns 8 j + 2 q + {0, 1}. Each group g of four words is transposed on its
+// own: lane q then holds the 8 columns of word 4 g + q in order, columns l2_column(q, g) + [0, 8).
+SYMMRING_LAYOUT_FN int l2_value(int h, int g, int k, int e) { return 4 * (4 * g + k) + 2 * h + e; }
+SYMMRING_LAYOUT_FN int l2_column(int q, int g) { return 8 * (4 * g + q); }
 
 }  // namespace wg
 }  // namespace fused

@@ -247,6 +247,46 @@ def test_wg64t_with_an_odd_number_of_output_blocks(hidden):
     assert rel_error_on_device(y, ref) <= REL_TOL
 
 
+@pytest.mark.parametrize("kernel, hidden", [("wg64", 256), ("wg64t", 256), ("wg64t", 384)])
+def test_padding_rows_are_never_written_and_their_garbage_reaches_no_token(kernel, hidden, monkeypatch):
+    # wg64 and wg64t store only the rows that hold tokens (fused_wgmma.cuh: live_rows). The buffers start as NaN bytes
+    # here: the padding rows of the output, of the intermediate and of its scales must keep them (never written), and
+    # the L2 items, which read all 64 rows of an m block's intermediate and scales, must carry that garbage into no
+    # live row: those are builtin's bits. hidden 384: wg64t's single-block L2 items (no pairs). Then a pass cut
+    # inside the live rows of its last group: the live rows before the cut are the same bits.
+    skip_off_sm90(kernel)
+    weights = fp8_weights(hidden, 256, 8, SEED + 17)
+    pool, num_rows, per_expert, live = make_pool(hidden, 8, 2, 96, SEED + 18)
+    assert 0 < per_expert < 64, "the m blocks must mix live and padding rows"
+    builtin = Fp8Experts(weights, "builtin").forward(pool, num_rows, per_expert)
+    engine = FusedExperts(weights, kernel=kernel)
+    prepare, launches = engine.prepare, []
+
+    def poisoned(*args, **kwargs):
+        launch = prepare(*args, **kwargs)
+        launch.out.fill_(float("nan"))
+        launch.act.fill_(0xFF)  # e4m3 NaN
+        launch.act_sf.fill_(float("nan"))
+        launches.append(launch)
+        return launch
+
+    monkeypatch.setattr(engine, "prepare", poisoned)
+    y = engine.forward(pool, num_rows, per_expert)
+    engine.check_status()
+    launch, dead = launches[-1], ~live[:num_rows]
+    assert torch.isnan(y[dead].float()).all(), "a padding row of the output was written"
+    assert bool((launch.act[dead] == 0xFF).all()), "a padding row of the intermediate was written"
+    assert torch.isnan(launch.act_sf[dead]).all(), "a padding row of the intermediate's scales was written"
+    assert torch.isfinite(y[live].float()).all() and torch.equal(y[live], builtin[live]), \
+        f"live rows: vs builtin {rel_error_on_device(y[live], builtin[live]):.3e}"
+    last = int(live.nonzero().max()) // ALIGN * ALIGN  # the last group holding rows: cut after half of its rows
+    cut = last + max(1, int(live[last:last + ALIGN].sum()) // 2)
+    y_cut = engine.forward(pool, cut, per_expert)
+    engine.check_status()
+    kept = live[:cut]
+    assert torch.isnan(y_cut[~kept].float()).all() and torch.equal(y_cut[kept], builtin[:cut][kept])
+
+
 @pytest.mark.parametrize("kernel", ["m32", "wg64", "wg64t", "wg128t"])
 def test_l2_waits_that_expire_give_nan_tiles_counted_and_the_engine_runs_on(kernel, monkeypatch):
     # L1 arrivals that can never come (the counters start far below zero): every L2 item's bounded wait expires,
