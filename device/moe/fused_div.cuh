@@ -122,15 +122,23 @@ SYMMRING_DIV_FN float slow_quotient(float a, float b) {
     return from_bits(f | sign);
 }
 
-// a / b rounded to nearest even, for a divisor prepared by divisor_of(b).
-SYMMRING_DIV_FN float divide(float a, float b, const Divisor& d) {
-    const uint32_t ua = bits(a), sign = (ua ^ bits(b)) & kSign, ma = ua & ~kSign;
-    if (!fast_operands(ma, bits(d.b))) return slow_quotient(a, b);
+// The fast path alone: true with q = a / b rounded to nearest even where it applies (fast_operands, or a zero a
+// over a divisor of the fast range: a signed zero), false where slow_quotient must give the quotient. The wgmma
+// epilogues run it over all their values first and take the slow path for the rare values it leaves in a separate
+// pass, skipped when none does: inlined after every value, the slow path made wg64t's L1 epilogue ~9000
+// instructions, fetched again at every item (docs/FUSED.md "Measured: the profile").
+SYMMRING_DIV_FN bool fast_divide(float a, float b, const Divisor& d, float& q) {
+    const uint32_t ua = bits(a), sign = (ua ^ bits(b)) & kSign, ma = ua & ~kSign, mb = bits(d.b);
+    if (ma == 0) {
+        q = from_bits(sign);
+        return exponent_field(mb) >= 4 && exponent_field(mb) <= 250;  // 0 / b for a normal, finite b
+    }
+    if (!fast_operands(ma, mb)) return false;
     const float x = from_bits(ma);
-    float q = mul32(x, d.y);
-    q = fma32(fma32(-d.b, q, x), d.y, q);  // within an ulp of x / |b|
-    const float r = fma32(-d.b, q, x);      // exact: x - |b| q
-    uint32_t uq = bits(q);
+    float qx = mul32(x, d.y);
+    qx = fma32(fma32(-d.b, qx, x), d.y, qx);  // within an ulp of x / |b|
+    const float r = fma32(-d.b, qx, x);        // exact: x - |b| q
+    uint32_t uq = bits(qx);
     const float ulp = from_bits((uq & kExp) - (23u << 23));  // q's exponent field is >= 24 here
     if (r > 0.0f) {
         const float t = mul32(d.b, mul32(ulp, 0.5f));  // |b| times half the gap above q: exact
@@ -140,7 +148,16 @@ SYMMRING_DIV_FN float divide(float a, float b, const Divisor& d) {
         const float t = mul32(d.b, mul32(gap_below, 0.5f));
         if (-r > t || (-r == t && (uq & 1u))) uq -= 1;
     }
-    return from_bits(uq | sign);
+    q = from_bits(uq | sign);
+    return true;
+}
+
+// a / b rounded to nearest even, for a divisor prepared by divisor_of(b).
+SYMMRING_DIV_FN float divide(float a, float b, const Divisor& d) {
+    if (!fast_operands(bits(a) & ~kSign, bits(d.b))) return slow_quotient(a, b);  // zeros too: one test, as before
+    float q;
+    fast_divide(a, b, d, q);
+    return q;
 }
 
 SYMMRING_DIV_FN float divide(float a, float b) { return divide(a, b, divisor_of(b)); }
