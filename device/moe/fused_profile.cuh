@@ -5,7 +5,9 @@
 // thread 0 add the SM's cycles of their phases into shared memory (one slot per phase, each written by one
 // thread) and, at the end, into the global array `symmring_fused_profile` that the probe reads, zeroes and divides
 // by the calls it timed. Per block, `kBlockNs` adds the block's span (globaltimer) and `kLastEndNs` keeps the
-// latest end, against the earliest start in `kFirstStartNs`: the launch's imbalance across blocks.
+// latest end, against the earliest start in `kFirstStartNs`: the launch's imbalance across blocks. The epilogue and
+// item slots are stamped on wg64t's paths (its L1 items and L2 pairs); wg128t's items and wg64t's single-block L2
+// items (hidden / 128 odd) count in the waits, the K blocks and the loop's total only.
 #pragma once
 
 namespace symmring_moe {
