@@ -5,8 +5,9 @@
 //   * Fast path, for operands whose exponents keep every intermediate normal (`fast_operands`): a reciprocal
 //     from rcp.approx (within an ulp or two), one Newton step, q = a * y and one correction: q is within an ulp
 //     of a / b. Then the exact check: r = a - b q is exact (a float, from one fma), and q is the nearest
-//     float iff |r| < |b| * (half the gap to q's neighbour on r's side), a tie going to the even one; else
-//     the neighbour is. The products by powers of two are exact in that range, so the check is too.
+//     float iff |r| <= |b| * (half the gap to q's neighbour on r's side); else the neighbour is. (Equality,
+//     a tie, cannot happen in that range: see fast_divide.) The products by powers of two are exact in that
+//     range, so the check is too.
 //   * Every other input (zeros, infinities, NaN, denormals, extreme exponents): the quotient in float64 from a
 //     Newton-refined reciprocal (within ~2^-51 of a / b), rounded to float, then the same decision against
 //     the midpoint between that float and its neighbour, exactly in float64 (b times a midpoint has at most
