@@ -169,6 +169,35 @@ def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
     fused.FusedExperts(fp8_weights(), kernel="wg64")  # the other kernels need no encoder
 
 
+@pytest.mark.parametrize("kernel", ["wg64t", "m32"])
+def test_each_call_sets_every_field_it_owns(monkeypatch, kernel):
+    """The engine makes its records once and sets a call's fields into them: after other calls (one of no rows, whose
+    maps are zero), a call's record is the one a fresh engine packs for it, the call's own buffers aside."""
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    engine = fused.FusedExperts(weights, kernel=kernel)
+    dtype = kernel_args.STRUCTS["FusedExpertsTmaArgs" if kernel == "wg64t" else "FusedExpertsArgs"]
+    own = {"act", "act_sf", "out", "counters", "status"}  # the call's buffers, and the engine's status
+    calls = [(pool_of(512, rows_for_sf=300), 300, 100), (pool_of(256), 0, None), (pool_of(384), 200, 20),
+             (pool_of(512, rows_for_sf=300), 300, 100)]
+    for pool, rows, bound in calls:
+        launch = engine.prepare(pool, rows, bound, grid_limit=1000, cc=90)
+        got = np.frombuffer(launch.args[0].tobytes(), dtype=dtype)[0]
+        want = np.frombuffer(fused.FusedExperts(weights, kernel=kernel).prepare(pool, rows, bound, grid_limit=1000,
+                                                                                cc=90).args[0].tobytes(), dtype=dtype)[0]
+        got_experts, want_experts = (got["experts"], want["experts"]) if kernel == "wg64t" else (got, want)
+        for name in got_experts.dtype.names:
+            if name not in own:
+                assert got_experts[name] == want_experts[name], (rows, name)
+        assert int(got_experts["status"]) == engine.status.data_ptr()
+        for name in ("act", "out", "counters"):
+            assert int(got_experts[name]) == getattr(launch, name).data_ptr(), (rows, name)
+        if kernel == "wg64t":
+            for name in ("pool_x_map", "w13_map", "w_down_map", "pool_sf_map"):
+                assert map_words(got, name) == map_words(want, name), (rows, name)
+            assert map_words(got, "act_map")[0] == (launch.act.data_ptr() if rows else 0)
+
+
 def test_the_record_names_every_buffer_and_shape():
     engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
     pool = pool_of(capacity=512, rows_for_sf=300)

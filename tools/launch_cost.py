@@ -102,6 +102,21 @@ def cupy_kernel():
     return kernel, lambda: kernel((1,), (1,), ())
 
 
+def fused_prepare():
+    """A call of the fused engine's host work (`FusedExperts.prepare` for wg64t: the argument records, the tensor
+    maps through the tests' stand-in encoder, the call's buffers as CPU tensors), or None without torch."""
+    try:
+        import torch  # noqa: F401 - the engine's host side takes torch tensors
+    except ImportError:
+        return None
+    from test_fused_engine import FakeEncoder, fp8_weights, pool_of  # noqa: E402 - the tests' stand-ins
+    from symmring.moe.engines import fused
+    from symmring.moe.gpu import tensor_map
+    tensor_map.Encoder = FakeEncoder  # no driver here
+    engine, pool = fused.FusedExperts(fp8_weights(), kernel="wg64t"), pool_of(capacity=512, rows_for_sf=300)
+    return lambda: engine.prepare(pool, 300, 100, grid_limit=132, cc=90)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cupy", action="store_true", help="CuPy's argument conversion instead of a no-op kernel")
@@ -119,6 +134,10 @@ def main() -> None:
     print(f"{'mean':16s} {statistics.mean(total.values()):7.2f} us per launch ({what})")
     print(f"batch window + producer ({len(batch)} launches): {sum(total[n] for n in batch):.1f} us; small-batch call "
           f"(3 launches): {sum(total[n] for n in ('produce_fused', 'dispatch_fused', 'combine_fused')):.1f} us")
+    prepare = fused_prepare()
+    if prepare is not None:
+        print(f"fused engine's prepare (wg64t, stand-in encoder, CPU buffers): "
+              f"{per_call_us(prepare, args.calls // 10, args.rounds):.1f} us per call")
 
 
 if __name__ == "__main__":

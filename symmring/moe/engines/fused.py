@@ -73,6 +73,13 @@ _TMA_TABLE_BLOCKS = 4096
 MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
 #: Accepted values of ``kernel=`` / ``SYMMRING_FUSED_KERNEL``.
 KERNEL_CHOICES = ("auto",) + tuple(KERNELS)
+#: The argument record's fields a call sets (the pass's buffers and sizes); the engine fixes the others (weights,
+#: status, timeout, shape) when made. The TMA record takes the experts' record and its six tensor maps per call.
+_PER_CALL = ("pool_x", "pool_sf", "sf_row_stride", "sf_col_stride", "m_indices", "act", "act_sf", "out", "counters",
+             "bad_groups", "num_rows", "m_blocks_per_group")
+_TMA_PER_CALL = ("experts", "pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")
+#: A map of no tensor (a pass of no rows launches nothing and encodes nothing).
+_NO_MAP = np.zeros((), kernel_args.STRUCTS["TensorMap"])
 
 
 def kernel_name(kernel: str) -> str:
@@ -354,6 +361,15 @@ class FusedExperts(ExpertEngine):
         #: that takes one under auto) and the weights' maps (encoded on first use).
         self._encode = tensor_map.Encoder() if self.kernel in TMA_KERNELS else None
         self._weight_maps = {}  # by box rows
+        # The argument records, made once (the weights' fields fixed) and set per call: building a record field by
+        # field is most of a launch's host cost, which an eager call's GPU waits for between the dispatch and here.
+        w, address = weights, kernel_args.address
+        self._experts_args = kernel_args.KernelArgs(
+            kernel_args.STRUCTS["FusedExpertsArgs"], per_call=_PER_CALL, w13=address(w.w13),
+            w13_sf=address(w.w13_scale), w_down=address(w.w_down), w_down_sf=address(w.w_down_scale),
+            status=address(self.status), timeout_ns=self.timeout_ns, hidden=self.hidden, inter=self.inter,
+            num_local_experts=self.num_local_experts)
+        self._tma_record = kernel_args.KernelArgs(kernel_args.STRUCTS["FusedExpertsTmaArgs"], per_call=_TMA_PER_CALL)
 
     @property
     def sm_budget(self) -> int:
@@ -364,6 +380,8 @@ class FusedExperts(ExpertEngine):
     def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int, cc: int) -> Launch:
         """Check the pool and fill the launch for a device of compute capability ``cc`` (allocates the output and
         intermediates; no kernel runs): what `forward` enqueues, on any device (the CPU tests check the record).
+        The launch's argument bytes are the engine's own record, which the next call sets again: launch (or copy)
+        them before preparing another call.
 
         Raises:
             ConfigError: a pool the kernel cannot read (`check_pool`).
@@ -381,17 +399,15 @@ class FusedExperts(ExpertEngine):
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
         act_sf = _mn_major_empty(num_rows, self.inter // TILE, dev)  # [num_rows, inter / 128], MN-major
         counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
-        w, address = self.weights, kernel_args.address
-        experts = kernel_args.KernelArgs(
-            kernel_args.STRUCTS["FusedExpertsArgs"], pool_x=address(pool.x), pool_sf=address(pool.x_sf),
-            sf_row_stride=pool.x_sf.stride(0), sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices),
-            w13=address(w.w13), w13_sf=address(w.w13_scale), w_down=address(w.w_down),
-            w_down_sf=address(w.w_down_scale), act=address(act), act_sf=address(act_sf), out=address(out),
-            counters=address(counters), bad_groups=address(pool.bad_groups), status=address(self.status),
-            timeout_ns=self.timeout_ns, num_rows=num_rows, hidden=self.hidden, inter=self.inter,
-            num_local_experts=self.num_local_experts, m_blocks_per_group=per_group)
-        args, pool_sf = (experts.set(), None) if kernel not in TMA_KERNELS else \
-            self._tma_args(experts.record, pool, num_rows, act, act_sf, TMA_KERNELS[kernel])
+        address = kernel_args.address
+        experts = self._experts_args
+        args = experts.set(pool_x=address(pool.x), pool_sf=address(pool.x_sf), sf_row_stride=pool.x_sf.stride(0),
+                           sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices), act=address(act),
+                           act_sf=address(act_sf), out=address(out), counters=address(counters),
+                           bad_groups=address(pool.bad_groups), num_rows=num_rows, m_blocks_per_group=per_group)
+        pool_sf = None
+        if kernel in TMA_KERNELS:
+            args, pool_sf = self._tma_args(experts.record, pool, num_rows, act, act_sf, TMA_KERNELS[kernel])
         return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters,
                       pool_sf)
 
@@ -402,7 +418,7 @@ class FusedExperts(ExpertEngine):
         intermediate's activation scales (tensor_map.scale_spec, 64 rows of one K block; a pool whose scales are not
         MN-major, unlike the layer's, gets an MN-major copy). A pass of no rows launches nothing: its maps stay zero,
         and no encoder is needed for it."""
-        maps = np.zeros(6, kernel_args.STRUCTS["TensorMap"])  # pool rows, intermediate, w13, w_down, their scales
+        maps = [_NO_MAP] * 6  # pool rows, intermediate, w13, w_down, their scales
         pool_sf = None
         if num_rows:
             if self._encode is None:
@@ -420,9 +436,8 @@ class FusedExperts(ExpertEngine):
                 pool_sf = _mn_major(pool_sf)
             maps[4] = encode(tensor_map.scale_spec("pool.x_sf", pool_sf, TMA_ROW_BOX, num_rows))
             maps[5] = encode(tensor_map.scale_spec("intermediate scales", act_sf, TMA_ROW_BOX, num_rows))
-        args = kernel_args.pack(kernel_args.STRUCTS["FusedExpertsTmaArgs"], experts=experts, pool_x_map=maps[0],
-                                act_map=maps[1], w13_map=maps[2], w_down_map=maps[3], pool_sf_map=maps[4],
-                                act_sf_map=maps[5])
+        args = self._tma_record.set(experts=experts, pool_x_map=maps[0], act_map=maps[1], w13_map=maps[2],
+                                    w_down_map=maps[3], pool_sf_map=maps[4], act_sf_map=maps[5])
         return args, pool_sf
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
