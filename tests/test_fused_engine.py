@@ -198,6 +198,32 @@ def test_each_call_sets_every_field_it_owns(monkeypatch, kernel):
             assert map_words(got, "act_map")[0] == (launch.act.data_ptr() if rows else 0)
 
 
+def test_a_map_is_encoded_once_per_spec(monkeypatch):
+    """The engine keeps the maps it encoded by spec: calls over the same tensors encode nothing again (the weights'
+    two maps once, four for the first call's pass), a pool elsewhere gets maps of its own."""
+    specs = []
+
+    class CountingEncoder(FakeEncoder):
+        def __call__(self, spec):
+            specs.append(spec)
+            return super().__call__(spec)
+
+    monkeypatch.setattr(tensor_map, "Encoder", CountingEncoder)
+    engine, pool = fused.FusedExperts(fp8_weights(), kernel="wg64t"), pool_of(capacity=512, rows_for_sf=300)
+    kept = [engine.prepare(pool, 300, 100, grid_limit=1000, cc=90) for _ in range(3)]  # kept: no address reused
+    assert len(specs) == 2 + 4 * 3 - 2 * 2  # the pool's maps once; each call's intermediate its own
+    assert len({s.address for s in specs}) == len(specs)
+    again = engine.prepare(pool, 300, 100, grid_limit=1000, cc=90)
+    record = np.frombuffer(again.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    assert map_words(record, "pool_x_map")[0] == pool.x.data_ptr()
+    assert map_words(record, "act_map")[0] == again.act.data_ptr()
+    other = pool_of(capacity=512, rows_for_sf=300)
+    before = len(specs)
+    engine.prepare(other, 300, 100, grid_limit=1000, cc=90)
+    assert {s.address for s in specs[before:]} >= {other.x.data_ptr(), other.x_sf.data_ptr()}
+    del kept
+
+
 def test_the_record_names_every_buffer_and_shape():
     engine = fused.FusedExperts(fp8_weights(), timeout_s=2.5)
     pool = pool_of(capacity=512, rows_for_sf=300)

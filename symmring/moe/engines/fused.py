@@ -80,6 +80,8 @@ _PER_CALL = ("pool_x", "pool_sf", "sf_row_stride", "sf_col_stride", "m_indices",
 _TMA_PER_CALL = ("experts", "pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")
 #: A map of no tensor (a pass of no rows launches nothing and encodes nothing).
 _NO_MAP = np.zeros((), kernel_args.STRUCTS["TensorMap"])
+#: Encoded maps an engine keeps (`FusedExperts._map`): a layer's calls need four, per pass size.
+_MAPS_KEPT = 64
 
 
 def kernel_name(kernel: str) -> str:
@@ -361,6 +363,7 @@ class FusedExperts(ExpertEngine):
         #: that takes one under auto) and the weights' maps (encoded on first use).
         self._encode = tensor_map.Encoder() if self.kernel in TMA_KERNELS else None
         self._weight_maps = {}  # by box rows
+        self._maps = {}  # the pass's maps by spec (`_map`)
         # The argument records, made once (the weights' fields fixed) and set per call: building a record field by
         # field is most of a launch's host cost, which an eager call's GPU waits for between the dispatch and here.
         w, address = weights, kernel_args.address
@@ -428,17 +431,28 @@ class FusedExperts(ExpertEngine):
                 self._weight_maps[weight_box] = tuple(
                     encode(tensor_map.tile_spec(name, tensor_map.weight_view(t), weight_box))
                     for name, t in (("weights.w13", w.w13), ("weights.w_down", w.w_down)))
-            maps[0] = encode(tensor_map.tile_spec("pool.x", pool.x, TMA_ROW_BOX, num_rows))
-            maps[1] = encode(tensor_map.tile_spec("intermediate", act, TMA_ROW_BOX, num_rows))
+            maps[0] = self._map(tensor_map.tile_spec("pool.x", pool.x, TMA_ROW_BOX, num_rows))
+            maps[1] = self._map(tensor_map.tile_spec("intermediate", act, TMA_ROW_BOX, num_rows))
             maps[2], maps[3] = self._weight_maps[weight_box]
             pool_sf = pool.x_sf[:num_rows]
             if not tensor_map.is_mn_major(pool_sf):
                 pool_sf = _mn_major(pool_sf)
-            maps[4] = encode(tensor_map.scale_spec("pool.x_sf", pool_sf, TMA_ROW_BOX, num_rows))
-            maps[5] = encode(tensor_map.scale_spec("intermediate scales", act_sf, TMA_ROW_BOX, num_rows))
+            maps[4] = self._map(tensor_map.scale_spec("pool.x_sf", pool_sf, TMA_ROW_BOX, num_rows))
+            maps[5] = self._map(tensor_map.scale_spec("intermediate scales", act_sf, TMA_ROW_BOX, num_rows))
         args = self._tma_record.set(experts=experts, pool_x_map=maps[0], act_map=maps[1], w13_map=maps[2],
                                     w_down_map=maps[3], pool_sf_map=maps[4], act_sf_map=maps[5])
         return args, pool_sf
+
+    def _map(self, spec: tensor_map.TileSpec) -> np.ndarray:
+        """The encoded map of ``spec``, from the engine's cache: a map is a function of its spec alone (address,
+        shape, box), and a layer's calls repeat theirs (the workspace's pool; the caching allocator gives the
+        intermediate the same address again). At most `_MAPS_KEPT` kept: the cache starts over when full."""
+        record = self._maps.get(spec)
+        if record is None:
+            if len(self._maps) >= _MAPS_KEPT:
+                self._maps.clear()
+            record = self._maps[spec] = self._encode(spec)
+        return record
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
                 scratch: Optional[Scratch] = None):
