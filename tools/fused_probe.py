@@ -3,6 +3,7 @@
 Usage (on a GPU machine, from a tree's root; ``PYTHONPATH`` naming that tree)::
 
     python tools/fused_probe.py [--kernels wg64t,wg128t] [--bounds exact,layer,none] [--repeats 10] [--tokens 1,8]
+                                [--graph] [--profile]
 
 For each shape (DeepSeek-V3-like and Qwen3-30B-A3B-like, 64, 512 and 4096 tokens) it builds the seeded
 dispatch-shaped pool and fp8 weights of ``tests/gpu/test_fused_engine.py`` and times ``FusedExperts.forward``
@@ -10,6 +11,10 @@ with CUDA events (median of ``--repeats`` after two warm calls) for each rows-pe
 given: ``exact`` (the pool's largest expert), ``layer`` (the call's tokens: what the layer passes) and ``none``
 (every m block listed). It prints one line per case: the time, and the weights the call touches over it in TB/s
 (each touched expert's ``3 * hidden * inter`` bytes once: the kernel's roofline term where experts hold few rows).
+
+``--graph``: each case's call captured once in a CUDA graph and its replays timed: the device's time alone, where
+enqueued calls may not be (a call's host work, `prepare`, its tensor maps and the launch, can outlast a short
+kernel, and the events then bracket the wait; session 18's 1-token and Qwen3-like rows sat at 0.36-0.74 ms so).
 
 ``--profile``: in a tree built with ``SYMMRING_FUSED_PROFILE`` defined (a ``#define`` at the top of
 ``device/moe/fused_experts_tma.cu``: device/moe/fused_profile.cuh), each line is followed by where the time went
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tokens", default=None,
                         help="comma-separated tokens per call for every shape (default: 64, 512 and 4096)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time replays of a CUDA graph of the call (the device's time, no host work)")
     parser.add_argument("--profile", action="store_true",
                         help="print the kernel's phases (a tree built with SYMMRING_FUSED_PROFILE)")
     args = parser.parse_args(argv)
@@ -74,6 +81,9 @@ def main(argv=None) -> int:
                     bound = {"exact": per_expert, "layer": n, "none": None}[name]
                     for _ in range(2):
                         engine.forward(pool, num_rows, bound)
+                    call = lambda: engine.forward(pool, num_rows, bound)  # noqa: E731
+                    if args.graph:
+                        call = captured(call)
                     # Not symmring.bench.timed_ms: it synchronises after each call, so its events would also
                     # bracket forward's host work (prepare, tensor maps) with the GPU idle; enqueued back to back,
                     # each call's host work overlaps the kernel before it and the events time the device.
@@ -83,13 +93,14 @@ def main(argv=None) -> int:
                               for _ in range(args.repeats)]
                     for start, end in events:
                         start.record()
-                        engine.forward(pool, num_rows, bound)
+                        call()
                         end.record()
                     torch.cuda.synchronize()
                     engine.check_status()
                     times = sorted(start.elapsed_time(end) for start, end in events)
                     ms = times[len(times) // 2]
-                    print(f"probe {shape} n={n} {kernel} bound={name}({bound}) rows={num_rows} "
+                    print(f"probe {shape} n={n} {kernel} bound={name}({bound}){' graph' if args.graph else ''} "
+                          f"rows={num_rows} "
                           f"max/expert={per_expert} experts={touched}: {ms:.3f} ms, "
                           f"{terabytes / (ms / 1e3):.2f} TB/s of weights", flush=True)
                     if profile:
@@ -98,6 +109,20 @@ def main(argv=None) -> int:
         del weights
         torch.cuda.empty_cache()
     return 0
+
+
+def captured(call):
+    """A replay of ``call`` captured in a CUDA graph (on a side stream, as torch captures; the call's buffers come
+    from the graph's own pool and stay with it)."""
+    import torch
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # a warm call on the side stream before the capture, as torch's docs ask
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
 
 
 class Profile:
