@@ -497,10 +497,8 @@ class FusedExperts(ExpertEngine):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=64)
 def _cupy_stream(handle: int):
-    """CuPy's view of a torch stream, one object per handle (as `symmring.moe.gpu.executor.Executor.stream`): made
-    once, not at every call (a view holds no reference: a handle reused by a new stream is the same view)."""
+    """CuPy's view of a torch stream (one object per handle, as `symmring.moe.gpu.executor.Executor.stream`)."""
     import warnings
     import cupy
     with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream
