@@ -136,7 +136,8 @@ __device__ __forceinline__ void promote(float (&acc)[kHalves][kFrag], const floa
 // L1, first half: SwiGLU into acc[0] and this warpgroup's row maxima into amax[wg]; the caller then waits at a
 // block barrier for the other warpgroup's. The division's fast path runs for every value and its slow path (a
 // value fast_divide leaves: denormal or extreme operands) in a second pass that no warp enters without such a
-// value: swiglu's bits, with the epilogue's code small enough to stay in the instruction cache.
+// value: swiglu's bits, with the path every item runs a third of its former length (session 18: the L1 epilogue
+// from ~45 to ~3.6 us per item, docs/FUSED.md).
 __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&amax)[kMathWarpgroups][kBlockM], int wg,
                                                int t) {
     uint32_t slow = 0;  // bit i: value i needs the slow path (acc[0][i] then still holds its gate)
