@@ -143,11 +143,10 @@ __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&a
     uint32_t slow = 0;  // bit i: value i needs the slow path (acc[0][i] then still holds its gate)
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
-        const float gate = bf16_round(acc[0][i]), up = bf16_round(acc[1][i]);
-        const float den = 1.0f + expf(-gate);
+        const SwigluTerms s = swiglu_terms(acc[0][i], acc[1][i]);
         float q;
-        if (div::fast_divide(gate, den, div::divisor_of(den), q)) {
-            acc[0][i] = q * up;
+        if (div::fast_divide(s.gate, s.den, div::divisor_of(s.den), q)) {
+            acc[0][i] = q * s.up;
         } else {
             slow |= 1u << i;
         }
