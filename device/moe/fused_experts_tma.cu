@@ -7,7 +7,7 @@
 // warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
 //   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
 //     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
-//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 40) and its other
+//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 48) and its other
 //     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232): they pop items
 //     and compute them. After the set-up no barrier spans the block, so the producer runs on into the next items
 //     while the math warpgroups finish one (its epilogue, its stores): no drain of the ring between items.
@@ -21,9 +21,9 @@
 //     swizzled K-major layout wg64's cp.async stores and the descriptors of wgmma_layout.cuh describe. Rows past
 //     the map's rows (the pass's num_rows) arrive as zeros, as wg64 zero-fills them.
 //   * The tensor maps (symmring.moe.gpu.tensor_map) are members of the __grid_constant__ parameter.
-//   * A stage's activation scales come with it: one more TMA copy per 64 A rows from the MN-major scales (the
-//     pool's, the intermediate's), so the math warps' only global reads in the main loop are the weight scales
-//     (one float per K block and half, cached).
+//   * A stage's scales come with it: the activation scales by one more TMA copy per 64 A rows from the MN-major
+//     scales (the pool's, the intermediate's), the weight block scale of each B box by a 4-byte cp.async whose
+//     landing is the full barrier's second arrival. The math warps read no global memory in the main loop.
 // Tickets and the L1 -> L2 arrival protocol are wg64's (fused_common.cuh), with the waits at the producer.
 //
 // The intermediate is written by other blocks' L1 epilogues (generic proxy) and read here by TMA (async proxy):
