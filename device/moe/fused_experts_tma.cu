@@ -42,9 +42,13 @@ constexpr int kQueue = 4;              // item entries the producer may run ahea
 constexpr int kArrivalsPerL1Item = 2;  // each math warpgroup releases its own columns of an L1 item
 constexpr int kBlockThreads = 128 * (1 + kMathWarpgroups);  // the producer warpgroup, then the math ones
 constexpr int kMathWarps = 4 * kMathWarpgroups;              // the empty barriers' arrivals per phase
-constexpr int kProducerRegisters = 48, kMathRegisters = 232;
-static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= 65536,
-              "the warpgroups' registers after setmaxnreg must fit the SM's 64K");
+constexpr int kProducerRegisters = 48, kMathRegisters = 224;
+constexpr int kLaunchRegisters = 168;  // 64K / 384 threads, rounded down to 8: what the block holds at launch
+// setmaxnreg moves registers within the block's launch allocation (not the SM's 64K): asking for more, the math
+// warpgroups' setmaxnreg.inc would wait forever (232 with a producer of 48 did: 64 more per math thread than the
+// producer gave back).
+static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= kLaunchRegisters * kBlockThreads,
+              "the warpgroups' registers after setmaxnreg must fit the block's allocation at launch");
 constexpr int kABoxRows = 64;  // rows of one TMA box of A (the host's pool and intermediate maps)
 constexpr int kTableBlocks = 4096;  // 64-row blocks whose first row's expert id the block keeps in shared memory
 
