@@ -8,7 +8,7 @@
 //   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
 //     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
 //     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 48) and its other
-//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232): they pop items
+//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 224): they pop items
 //     and compute them. After the set-up no barrier spans the block, so the producer runs on into the next items
 //     while the math warpgroups finish one (its epilogue, its stores): no drain of the ring between items.
 //   * A ring of kStages stages, each with a full mbarrier (the producer's arrive.expect_tx of the stage's bytes;
