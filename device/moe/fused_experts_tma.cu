@@ -45,7 +45,7 @@ constexpr int kMathWarps = 4 * kMathWarpgroups;              // the empty barrie
 constexpr int kProducerRegisters = 48, kMathRegisters = 224;
 constexpr int kLaunchRegisters = 168;  // 64K / 384 threads, rounded down to 8: what the block holds at launch
 // setmaxnreg moves registers within the block's launch allocation (not the SM's 64K): asking for more, the math
-// warpgroups' setmaxnreg.inc would wait forever (232 with a producer of 48 did: 64 more per math thread than the
+// warpgroups' setmaxnreg.inc would wait forever (232 with a producer of 48 did: 1024 registers more than the
 // producer gave back).
 static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= kLaunchRegisters * kBlockThreads,
               "the warpgroups' registers after setmaxnreg must fit the block's allocation at launch");
