@@ -155,12 +155,9 @@ __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&a
 // The quad's transpose of four words (wgmma_layout.cuh): word s of lane q becomes word q of lane s. Every lane of
 // the warp takes part (shuffles), so no row is skipped before it.
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
-#pragma unroll
-    for (int bit = 2; bit >= 1; bit /= 2) {
-        const uint32_t first = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 0)), bit);
-        const uint32_t second = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 1)), bit);
-        take_words(w, q, bit, first, second);
-    }
+    const auto shuffle = [](uint32_t word, int bit) { return __shfl_xor_sync(0xffffffffu, word, bit); };
+    quad_exchange(w, q, 2, shuffle);
+    quad_exchange(w, q, 1, shuffle);
 }
 
 // Whether this thread's two rows (row halves 0 and 1 of the item at row0) hold tokens: inside the pass and not
