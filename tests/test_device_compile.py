@@ -150,3 +150,22 @@ def test_whole_program_sources_build_in_one_step_and_keep_setmaxnreg(tmp_path, m
     separate[separate.index("-o") + 1] = str(tmp_path / "tma.o")
     dc = subprocess.run(separate + ["-Xptxas", "-v", str(cu)], capture_output=True, text=True)
     assert dc.returncode == 0 and "C7504" in dc.stderr, dc.stderr  # what the marker avoids
+
+
+def test_the_profiled_tma_build_exports_its_counters_and_the_default_build_has_none(tmp_path, compiled):
+    """``SYMMRING_FUSED_PROFILE`` (device/moe/fused_profile.cuh, read by ``tools/fused_probe.py --profile``) adds
+    the global the probe reads; without it the kernels carry no trace of the probe, and the probe's slot names
+    (parsed from the header's enum) end where the header's array does."""
+    import sys
+    source = ROOT / "device" / "moe" / "fused_experts_tma.cu"
+    profiled = jit.compile_cubin(source.read_text(), name="tma_profiled", cc=90, cache_dir=tmp_path,
+                                 extra_options=("-DSYMMRING_FUSED_PROFILE",))
+    assert b"symmring_fused_profile" in profiled.read_bytes()
+    assert b"symmring_fused_profile" not in compiled[source].read_bytes()
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import fused_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    slots = fused_probe.Profile(str(ROOT)).slots
+    assert slots[0] == "kProducerCycles" and slots[-1] == "kLastEndNs" and len(slots) == len(set(slots)) == 20

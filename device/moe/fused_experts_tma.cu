@@ -30,6 +30,7 @@
 // the writers fence.proxy.async.global before the release, the TMA thread after its acquire.
 //
 // Built for another target than sm_90a, the kernel records kStatusWrongTarget and computes nothing.
+#include <moe/fused_profile.cuh>
 #include <moe/fused_wgmma.cuh>
 #include <moe/fused_wgmma128.cuh>
 
@@ -268,8 +269,10 @@ __device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, in
                                      const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+    FUSED_PROFILE_STAMP(waited);
     if (!mbar_wait(&sm.queue_empty[q], ((pos / kQueue) & 1u) ^ 1u, clock.producer_ns, clock, [] { return false; }))
         return false;
+    FUSED_PROFILE_ADD(kQueueWait, waited);
     sm.queue_ticket[q] = ticket;
     sm.queue_expert[q] = expert;
     sm.queue_expired[q] = expired;
@@ -283,7 +286,9 @@ __device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, in
                                     const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     const auto never = [&] { return closed(sm) && pos >= static_cast<uint32_t>(sm.queue_end); };
+    FUSED_PROFILE_STAMP(waited);
     if (!mbar_wait(&sm.queue_full[q], (pos / kQueue) & 1u, clock.math_ns, clock, never)) return false;
+    FUSED_PROFILE_ADD(kPopWait, waited);
     ticket = sm.queue_ticket[q];
     expert = sm.queue_expert[q];
     expired = sm.queue_expired[q];
@@ -318,7 +323,9 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
                                              const float* const (&b_sf)[2], int num_boxes, int kb) {
     const int s = ring.stage();
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
+    FUSED_PROFILE_STAMP(waited);
     if (!mbar_wait(&sm.empty[s], ring.phase() ^ 1u, clock.producer_ns, clock, [] { return false; })) return false;
+    FUSED_PROFILE_ADD(kEmptyWait, waited);
     mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + T::kScaleBytes + num_boxes * T::kBBoxBytes);
     for (int h = 0; h < num_boxes; ++h)
         tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
@@ -511,11 +518,15 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
             int claimed = 0, expired = 0;
             if (!l1) {
+                FUSED_PROFILE_STAMP(claiming);
                 claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.b_sf, op.num_kb, expired);
+                FUSED_PROFILE_ADD(kArrivalWait, claiming);
+                FUSED_PROFILE_COUNT(kLateArrivals, claimed > 1);
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
             }
             if (claimed >= 0 && push(sm, pos, ticket, it.expert, expired, clock)) {
                 ++pos;
+                FUSED_PROFILE_COUNT(kProducerItems, 1);
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
                 // positions complete, and the ring stays aligned.
                 copy_claimed_a(sm, ring, args, it.row0, claimed);
@@ -563,11 +574,14 @@ __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Cl
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
     float part[kHalves][kFrag];
     for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
+        FUSED_PROFILE_STAMP(waited);
         if (!wait_full(sm, ring, clock)) {  // never filled: no tile
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
             return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
         }
+        FUSED_PROFILE_ADD(kFullWait, waited);
+        FUSED_PROFILE_STAMP(issued);
         const int s = ring.stage();
         const float sa[2] = {sm.sa[s][acc_row(t, 0)], sm.sa[s][acc_row(t, 2)]};  // the stage's scales: read
         float sb[kHalves];                                                       // before the release
@@ -578,7 +592,15 @@ __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Cl
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
+        FUSED_PROFILE_ADD(kWgmma, issued);
+        FUSED_PROFILE_STAMP(promoting);
         accumulate<kHalves>(acc, part, sa, sb);
+#if defined(SYMMRING_FUSED_PROFILE)
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) fence_operands(acc[h]);  // the promotion before the stamp below
+#endif
+        FUSED_PROFILE_ADD(kPromote, promoting);
+        FUSED_PROFILE_COUNT(kKBlocks, 1);
     }
 }
 
@@ -653,10 +675,14 @@ __device__ __forceinline__ void l1_epilogue(Shared<T>& sm, const Clock& clock, c
     l1_swiglu_amax(acc, sm.amax[buf], wg, t);
     __syncwarp();
     if (t % 32 == 0) mbar_arrive(&sm.amax_ready[buf]);  // release: this warp's row maxima
+    FUSED_PROFILE_STAMP(waited);
     const bool both = math_wait(&sm.amax_ready[buf], (n >> 1) & 1u, clock);
+    FUSED_PROFILE_ADD(kAmaxWait, waited);
     if (!both) fill_nan(acc[0]);
     l1_quantize_store(p, w, acc, sm.amax[buf], live, wg, t, it.row0, it.n_block);
+    FUSED_PROFILE_STAMP(releasing);
     release_warpgroup(&sm.stored[wg], p, it.m_block, n, t, both, clock);
+    FUSED_PROFILE_ADD(kRelease, releasing);
 }
 
 template <class T>
@@ -703,8 +729,11 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
                 live_rows(p, it.row0, t, live);
                 float acc[2][kFrag];  // L1: gate, up; an L2 pair: its two output blocks (this warpgroup's columns)
                 tile_gemm<T, 2>(sm, ring, clock, op, acc, wg, t);  // an expired wait's loads came all the same
+                FUSED_PROFILE_COUNT(kMathItems, 1);
+                FUSED_PROFILE_STAMP(finishing);
                 if (l1) {
                     l1_epilogue(sm, clock, p, w, it, acc, live, n_l1++, wg, t);
+                    FUSED_PROFILE_ADD(kL1Epilogue, finishing);
                     continue;
                 }
 #pragma unroll  // acc[h] indexed at run time would live in local memory
@@ -712,6 +741,7 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
                     if (expired) fill_nan(acc[h]);
                     l2_store(p, acc[h], live, wg, t, it.row0, 2 * it.n_block + h);
                 }
+                FUSED_PROFILE_ADD(kL2Epilogue, finishing);
                 continue;
             }
         } else if (l1) {
@@ -761,6 +791,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
         prefetch_tensor_map(&args.pool_sf_map);
         prefetch_tensor_map(&args.act_sf_map);
     }
+    FUSED_PROFILE_START(started_ns);
     __syncthreads();  // the only block-wide barrier: from here the roles meet at mbarriers alone
     // wg64t's L2 items take two output blocks where they can (an L2 stage then streams two weight boxes, as L1's);
     // wg128t's L2 stage has two boxes already.
@@ -770,11 +801,18 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
         fill_block_experts(sm, p);
-        if (threadIdx.x == 0) producer(sm, args, w, clock);
+        if (threadIdx.x == 0) {
+            FUSED_PROFILE_STAMP(producing);
+            producer(sm, args, w, clock);
+            FUSED_PROFILE_ADD(kProducerCycles, producing);
+        }
     } else {
         setmaxnreg_inc<kMathRegisters>();
+        FUSED_PROFILE_STAMP(computing);
         math(sm, p, w, clock);
+        FUSED_PROFILE_ADD(kMathCycles, computing);
     }
+    FUSED_PROFILE_FLUSH(started_ns);
 }
 
 }  // namespace tma
