@@ -108,8 +108,7 @@ class Profile:
         import torch
         from symmring.moe.engines import fused
         dev = torch.cuda.current_device()
-        cc = int("".join(map(str, torch.cuda.get_device_capability(dev))))
-        module = fused._module(dev, cc, fused.module_of(kernel))[0]
+        module = fused._module(dev, fused._device(dev)[0], fused.module_of(kernel))[0]  # the engine's module
         ptr = module.get_global_var("symmring_fused_profile")
         ptr = ptr[0] if isinstance(ptr, tuple) else ptr
         n = len(self.slots)
