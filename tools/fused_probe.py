@@ -2,7 +2,7 @@
 
 Usage (on a GPU machine, from a tree's root; ``PYTHONPATH`` naming that tree)::
 
-    python tools/fused_probe.py [--kernels wg64t,wg128t] [--bounds exact,layer,none] [--repeats 10]
+    python tools/fused_probe.py [--kernels wg64t,wg128t] [--bounds exact,layer,none] [--repeats 10] [--tokens 1,8]
 
 For each shape (DeepSeek-V3-like and Qwen3-30B-A3B-like, 64, 512 and 4096 tokens) it builds the seeded
 dispatch-shaped pool and fp8 weights of ``tests/gpu/test_fused_engine.py`` and times ``FusedExperts.forward``
@@ -36,12 +36,20 @@ def main(argv=None) -> int:
                         help="comma-separated fused kernels (symmring.moe.engines.fused.KERNELS)")
     parser.add_argument("--bounds", default=",".join(BOUNDS), help="comma-separated of " + ", ".join(BOUNDS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated tokens per call for every shape (default: 64, 512 and 4096)")
     parser.add_argument("--profile", action="store_true",
                         help="print the kernel's phases (a tree built with SYMMRING_FUSED_PROFILE)")
     args = parser.parse_args(argv)
     bounds = args.bounds.split(",")
     if not set(bounds) <= set(BOUNDS) or args.repeats < 1:
         parser.error(f"--bounds: expected some of {', '.join(BOUNDS)}; --repeats: at least 1")
+    try:
+        tokens = tuple(int(n) for n in args.tokens.split(",")) if args.tokens else None
+    except ValueError:
+        tokens = ()
+    if tokens is not None and (not tokens or min(tokens) < 1):
+        parser.error(f"--tokens: expected positive integers separated by commas, got {args.tokens!r}")
 
     import torch
     if not torch.cuda.is_available():
@@ -53,6 +61,7 @@ def main(argv=None) -> int:
     from symmring.moe.engines.fused import FusedExperts
     profile = Profile(root) if args.profile else None
     for shape, sizes in CASES.items():
+        sizes = tokens or sizes
         hidden, inter, num_experts, topk = t.SHAPES[shape]
         weights = t.fp8_weights(hidden, inter, num_experts, t.SEED)
         for n in sizes:
