@@ -564,7 +564,9 @@ __device__ __forceinline__ bool wait_full(Shared<T>& sm, const Ring<T>& ring, co
     return mbar_wait(&sm.full[ring.stage()], ring.phase(), clock.math_ns, clock, never);
 }
 
-// wg64t: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T.
+// wg64t: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T. Two K blocks in flight:
+// block kb + 1's wgmma runs on the tensor cores while block kb is promoted (two sets of partial sums), so the
+// promotion and the ring's waits no longer sit between one block's wgmma and the next.
 template <class T, int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const Operands& op,
                                           float (&acc)[kHalves][kFrag], int wg, int t) {
@@ -572,35 +574,54 @@ __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Cl
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
-    float part[kHalves][kFrag];
-    for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
+    float part[2][kHalves][kFrag];
+    float sa[2][2], sb[2][kHalves];
+    // Wait for ring position ring.kb and issue its wgmma into part[b] with its scales; false: never filled.
+    const auto issue = [&](auto b) -> bool {
         FUSED_PROFILE_STAMP(waited);
-        if (!wait_full(sm, ring, clock)) {  // never filled: no tile
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
-            return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
-        }
+        if (!wait_full(sm, ring, clock)) return false;
         FUSED_PROFILE_ADD(kFullWait, waited);
-        FUSED_PROFILE_STAMP(issued);
         const int s = ring.stage();
-        const float sa[2] = {sm.sa[s][acc_row(t, 0)], sm.sa[s][acc_row(t, 2)]};  // the stage's scales: read
-        float sb[kHalves];                                                       // before the release
+        sa[b][0] = sm.sa[s][acc_row(t, 0)];  // the stage's scales: read before the release
+        sa[b][1] = sm.sa[s][acc_row(t, 2)];
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) sb[h] = sm.sb[s][h];
-        wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
-        wgmma_wait_all();
+        for (int h = 0; h < kHalves; ++h) sb[b][h] = sm.sb[s][h];
+        wgmma_k_block<kHalves>(part[b], sm.a[s], sm.b[s], wg);
+        return true;
+    };
+    // The block in part[b] (ring position ring.kb - 1; the next, if any, in flight): complete, released, promoted.
+    const auto finish = [&](auto b, bool newest_in_flight) {
+        if (newest_in_flight) {
+            wgmma_wait_all_but_newest();
+        } else {
+            wgmma_wait_all();
+        }
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
+        for (int h = 0; h < kHalves; ++h) fence_operands(part[b][h]);
+        const int s = static_cast<int>((ring.kb - 1) % T::kStages);  // ring.kb: the position after it
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
-        FUSED_PROFILE_ADD(kWgmma, issued);
         FUSED_PROFILE_STAMP(promoting);
-        accumulate<kHalves>(acc, part, sa, sb);
-#if defined(SYMMRING_FUSED_PROFILE)
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) fence_operands(acc[h]);  // the promotion before the stamp below
-#endif
+        accumulate<kHalves>(acc, part[b], sa[b], sb[b]);
         FUSED_PROFILE_ADD(kPromote, promoting);
         FUSED_PROFILE_COUNT(kKBlocks, 1);
+    };
+    const auto never_filled = [&] {
+        wgmma_wait_all();
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
+    };  // at ring_end, as every later wait of every math warp: the ring stays aligned
+    using Zero = std::integral_constant<int, 0>;
+    using One = std::integral_constant<int, 1>;
+    if (!issue(Zero{})) return never_filled();
+    for (int kb = 0;; kb += 2) {  // two blocks per turn: part[] indexed by constants stays in registers
+        ++ring.kb;
+        if (kb + 1 == op.num_kb) return finish(Zero{}, false);
+        if (!issue(One{})) return never_filled();
+        finish(Zero{}, true);
+        ++ring.kb;
+        if (kb + 2 == op.num_kb) return finish(One{}, false);
+        if (!issue(Zero{})) return never_filled();
+        finish(One{}, true);
     }
 }
 

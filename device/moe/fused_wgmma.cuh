@@ -45,6 +45,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Every committed group but the newest is complete (the one before it may now be read).
+__device__ __forceinline__ void wgmma_wait_all_but_newest() {
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // Ties the registers to this point of the program: reads of the partial sums stay after the wgmma wait.
 __device__ __forceinline__ void fence_operands(float (&d)[kFrag]) {
