@@ -45,12 +45,20 @@ using namespace symmring_moe::fused::div;
 
 static long checks = 0, fast = 0, wrong = 0;
 
+static bool same(float want, float got) { return (std::isnan(want) && std::isnan(got)) || bits(want) == bits(got); }
+
+// divide, and the epilogues' two passes: fast_divide where it says it applies, slow_quotient where it does not.
 static void check(float a, float b) {
     const float want = a / b, got = divide(a, b);
+    float q;
+    const bool applies = fast_divide(a, b, divisor_of(b), q);
+    const float split = applies ? q : slow_quotient(a, b);
     ++checks;
     if (fast_operands(bits(a) & 0x7fffffffu, bits(b) & 0x7fffffffu)) ++fast;
-    if ((std::isnan(want) && std::isnan(got)) || bits(want) == bits(got)) return;
-    if (wrong++ < 20) std::printf("wrong: %a / %a = %a, got %a\n", a, b, want, got);
+    if (same(want, got) && same(want, split)) return;
+    if (wrong++ < 20)
+        std::printf("wrong: %a / %a = %a, got %a (divide), %a (%s)\n", a, b, want, got, split,
+                    applies ? "fast_divide" : "slow_quotient");
 }
 
 static float any_float() { return from_bits(static_cast<uint32_t>(next_random())); }

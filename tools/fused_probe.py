@@ -145,8 +145,8 @@ class Profile:
         def share(name, total):
             return f"{name[1:]} {us(name):.1f} us ({v[name] / max(v[total], 1):.0%})"
 
-        producer = [n for n in self.slots[self.slots.index("kEmptyWait"):self.slots.index("kProducerItems")]]
-        math = [n for n in self.slots[self.slots.index("kPopWait"):self.slots.index("kKBlocks")]]
+        producer = self.slots[self.slots.index("kEmptyWait"):self.slots.index("kProducerItems")]
+        math = self.slots[self.slots.index("kPopWait"):self.slots.index("kKBlocks")]
         span = (v["kLastEndNs"] - v["kFirstStartNs"]) / 1e3
         return "\n".join([
             f"  producer {us('kProducerCycles'):.1f} us per block and call: "

@@ -80,11 +80,15 @@ __device__ __forceinline__ float fp8_scale(float amax, Divide divide) {
     return amax == 0.0f ? 1.0f : divide(amax, kFp8Max);
 }
 
-// Two values divided by their group's scale, to e4m3: satfinite clips to +-448 as the rule's clip; round
-// to nearest even.
+// Two quotients to e4m3 (a in the low byte): satfinite clips to +-448 as the rule's clip; round to nearest even.
+__device__ __forceinline__ __nv_fp8x2_storage_t fp8_pair(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Two values divided by their group's scale, to e4m3.
 template <class Divide>
 __device__ __forceinline__ __nv_fp8x2_storage_t quantize_pair(float a, float b, float scale, Divide divide) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(divide(a, scale), divide(b, scale)), __NV_SATFINITE, __NV_E4M3);
+    return fp8_pair(divide(a, scale), divide(b, scale));
 }
 
 // --- the work list ---------------------------------------------------------------------------------------

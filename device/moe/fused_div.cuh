@@ -5,8 +5,9 @@
 //   * Fast path, for operands whose exponents keep every intermediate normal (`fast_operands`): a reciprocal
 //     from rcp.approx (within an ulp or two), one Newton step, q = a * y and one correction: q is within an ulp
 //     of a / b. Then the exact check: r = a - b q is exact (a float, from one fma), and q is the nearest
-//     float iff |r| < |b| * (half the gap to q's neighbour on r's side), a tie going to the even one; else
-//     the neighbour is. The products by powers of two are exact in that range, so the check is too.
+//     float iff |r| <= |b| * (half the gap to q's neighbour on r's side); else the neighbour is. (Equality,
+//     a tie, cannot happen in that range: see fast_divide.) The products by powers of two are exact in that
+//     range, so the check is too.
 //   * Every other input (zeros, infinities, NaN, denormals, extreme exponents): the quotient in float64 from a
 //     Newton-refined reciprocal (within ~2^-51 of a / b), rounded to float, then the same decision against
 //     the midpoint between that float and its neighbour, exactly in float64 (b times a midpoint has at most
@@ -75,7 +76,7 @@ SYMMRING_DIV_FN int exponent_field(uint32_t magnitude) { return static_cast<int>
 // (the quotient normal, far from overflow).
 SYMMRING_DIV_FN bool fast_operands(uint32_t a, uint32_t b) {
     const int ea = exponent_field(a), eb = exponent_field(b);
-    return ea >= 30 && ea <= 250 && eb >= 4 && eb <= 250 && ea - eb >= -100 && ea - eb <= 100;
+    return (ea >= 30) & (ea <= 250) & (eb >= 4) & (eb <= 250) & (ea - eb >= -100) & (ea - eb <= 100);
 }
 
 // The divisor of the fast path: |b| and its refined reciprocal (one per divisor: the quantisation divides a
@@ -122,25 +123,43 @@ SYMMRING_DIV_FN float slow_quotient(float a, float b) {
     return from_bits(f | sign);
 }
 
+// The fast path alone: true with q = a / b rounded to nearest even where it applies (fast_operands, or a zero a
+// over a divisor of the fast range: a signed zero), false where slow_quotient must give the quotient. The wgmma
+// epilogues run it over all their values first and take the slow path for the rare values it leaves in a separate
+// pass, skipped when none does: inlined after every value, the slow path made wg64t's L1 epilogue ~9000
+// instructions, fetched again at every item (docs/FUSED.md "Measured: the profile").
+SYMMRING_DIV_FN bool fast_divide(float a, float b, const Divisor& d, float& q) {
+    const uint32_t ua = bits(a), sign = (ua ^ bits(b)) & kSign, ma = ua & ~kSign, mb = bits(d.b);
+    const int eb = exponent_field(mb);
+    const bool zero = ma == 0;
+    // fast_operands, or 0 / b for a normal, finite b (in bit operations: a branch costs more than the tests)
+    const bool fast = (zero & (eb >= 4) & (eb <= 250)) | fast_operands(ma, mb);
+    // Without a branch: the epilogues run this for 64 values in a row, and selects keep the code short and the
+    // warp converged. Outside the fast range the arithmetic below is meaningless, and its result unused.
+    const float x = from_bits(ma);
+    float qx = mul32(x, d.y);
+    qx = fma32(fma32(-d.b, qx, x), d.y, qx);  // within an ulp of x / |b|
+    const float r = fma32(-d.b, qx, x);        // exact: x - |b| q
+    const uint32_t uq = bits(qx);
+    const float ulp = from_bits((uq & kExp) - (23u << 23));  // q's exponent field is >= 24 here
+    const bool below = r < 0.0f;
+    // |b| times half the gap to q's neighbour on r's side (exact): below a power of two the gap is half an ulp.
+    const float t = mul32(d.b, mul32(ulp, below && (uq & kMant) == 0 ? 0.25f : 0.5f));
+    const float off = fabsf(r);
+    // No tie: a quotient of two floats of the fast range is never halfway between two floats (its odd part would
+    // need 25 bits and a's has at most 24).
+    const bool step = off > t;  // r = 0 never steps: t > 0
+    const uint32_t rounded = step ? (below ? uq - 1u : uq + 1u) : uq;
+    q = from_bits((zero ? 0u : rounded) | sign);
+    return fast;
+}
+
 // a / b rounded to nearest even, for a divisor prepared by divisor_of(b).
 SYMMRING_DIV_FN float divide(float a, float b, const Divisor& d) {
-    const uint32_t ua = bits(a), sign = (ua ^ bits(b)) & kSign, ma = ua & ~kSign;
-    if (!fast_operands(ma, bits(d.b))) return slow_quotient(a, b);
-    const float x = from_bits(ma);
-    float q = mul32(x, d.y);
-    q = fma32(fma32(-d.b, q, x), d.y, q);  // within an ulp of x / |b|
-    const float r = fma32(-d.b, q, x);      // exact: x - |b| q
-    uint32_t uq = bits(q);
-    const float ulp = from_bits((uq & kExp) - (23u << 23));  // q's exponent field is >= 24 here
-    if (r > 0.0f) {
-        const float t = mul32(d.b, mul32(ulp, 0.5f));  // |b| times half the gap above q: exact
-        if (r > t || (r == t && (uq & 1u))) uq += 1;
-    } else if (r < 0.0f) {
-        const float gap_below = (uq & kMant) == 0 ? mul32(ulp, 0.5f) : ulp;  // a power of two: half the gap
-        const float t = mul32(d.b, mul32(gap_below, 0.5f));
-        if (-r > t || (-r == t && (uq & 1u))) uq -= 1;
-    }
-    return from_bits(uq | sign);
+    if (!fast_operands(bits(a) & ~kSign, bits(d.b))) return slow_quotient(a, b);  // zeros too: one test, as before
+    float q;
+    fast_divide(a, b, d, q);
+    return q;
 }
 
 SYMMRING_DIV_FN float divide(float a, float b) { return divide(a, b, divisor_of(b)); }

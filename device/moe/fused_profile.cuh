@@ -5,7 +5,9 @@
 // thread 0 add the SM's cycles of their phases into shared memory (one slot per phase, each written by one
 // thread) and, at the end, into the global array `symmring_fused_profile` that the probe reads, zeroes and divides
 // by the calls it timed. Per block, `kBlockNs` adds the block's span (globaltimer) and `kLastEndNs` keeps the
-// latest end, against the earliest start in `kFirstStartNs`: the launch's imbalance across blocks.
+// latest end, against the earliest start in `kFirstStartNs`: the launch's imbalance across blocks. The epilogue and
+// item slots are stamped on wg64t's paths (its L1 items and L2 pairs); wg128t's items and wg64t's single-block L2
+// items (hidden / 128 odd) count in the waits, the K blocks and the loop's total only.
 #pragma once
 
 namespace symmring_moe {
@@ -44,6 +46,8 @@ enum Slot : int {
 }  // namespace symmring_moe
 
 #if defined(SYMMRING_FUSED_PROFILE)
+#include <moe/fused_common.cuh>  // now_ns: globaltimer
+
 extern "C" {
 __device__ unsigned long long symmring_fused_profile[symmring_moe::fused::profile::kSlots];
 }
@@ -64,12 +68,6 @@ __device__ __forceinline__ unsigned cycles() {
     return c;
 }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    return ns;
-}
-
 // Whether this thread records: the producer's thread 0 and math warpgroup 0's thread 0.
 __device__ __forceinline__ bool recorder() { return threadIdx.x == 0 || threadIdx.x == 128; }
 
@@ -81,17 +79,17 @@ __device__ __forceinline__ void add(int slot, unsigned long long v) {
 __device__ __forceinline__ unsigned long long start() {
     if (threadIdx.x == 0)
         for (int s = 0; s < kSlots; ++s) block_slots()[s] = 0;
-    return global_ns();
+    return now_ns();
 }
 
-// At a recorder's end: its role's slots into the global array; the producer also the block's span.
+// At a recorder's end: its role's slots into the global array; the math, which ends last, also the block's span.
 __device__ __forceinline__ void flush(unsigned long long started_ns) {
     if (!recorder()) return;
     const bool producer = threadIdx.x == 0;
     const int first = producer ? kProducerCycles : kMathCycles, last = producer ? kMathCycles : kBlockNs;
     for (int s = first; s < last; ++s) atomicAdd(&symmring_fused_profile[s], block_slots()[s]);
-    if (!producer) {  // the math ends last
-        const unsigned long long end = global_ns();
+    if (!producer) {
+        const unsigned long long end = now_ns();
         atomicAdd(&symmring_fused_profile[kBlockNs], end - started_ns);
         atomicMin(&symmring_fused_profile[kFirstStartNs], started_ns);
         atomicMax(&symmring_fused_profile[kLastEndNs], end);

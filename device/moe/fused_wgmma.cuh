@@ -138,16 +138,31 @@ __device__ __forceinline__ void promote(float (&acc)[kHalves][kFrag], const floa
 // --- the epilogues (math warpgroup wg, thread t of it) ----------------------------------------------------
 
 // L1, first half: SwiGLU into acc[0] and this warpgroup's row maxima into amax[wg]; the caller then waits at a
-// block barrier for the other warpgroup's.
+// block barrier for the other warpgroup's. The division's fast path runs for every value and its slow path (a
+// value fast_divide leaves: denormal or extreme operands) in a second pass that no warp enters without such a
+// value: swiglu's bits, with the epilogue's code small enough to stay in the instruction cache.
 __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&amax)[kMathWarpgroups][kBlockM], int wg,
                                                int t) {
-    float row_amax[2] = {0.0f, 0.0f};
+    uint32_t slow = 0;  // bit i: value i needs the slow path (acc[0][i] then still holds its gate)
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
-        const float v = swiglu(acc[0][i], acc[1][i], div::CallFreeDivision());
-        acc[0][i] = v;
-        row_amax[i % 4 / 2] = fmaxf(row_amax[i % 4 / 2], fabsf(v));
+        const float gate = bf16_round(acc[0][i]), up = bf16_round(acc[1][i]);
+        const float den = 1.0f + expf(-gate);
+        float q;
+        if (div::fast_divide(gate, den, div::divisor_of(den), q)) {
+            acc[0][i] = q * up;
+        } else {
+            slow |= 1u << i;
+        }
     }
+    if (slow != 0) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i)
+            if (slow >> i & 1u) acc[0][i] = swiglu(acc[0][i], acc[1][i], div::CallFreeDivision());
+    }
+    float row_amax[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i) row_amax[i % 4 / 2] = fmaxf(row_amax[i % 4 / 2], fabsf(acc[0][i]));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         row_amax[h] = fmaxf(row_amax[h], __shfl_xor_sync(0xffffffffu, row_amax[h], 1));
@@ -177,30 +192,45 @@ __device__ __forceinline__ void live_rows(const FusedExpertsArgs& p, int row0, i
 }
 
 // L1, second half: each row's scale from both warpgroups' maxima, the fp8 intermediate of the live rows and their
-// scales stored, 16 bytes per lane (a quad: its row's 64 columns of this warpgroup in one store instruction).
-__device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, const Work& w,
-                                                  const float (&acc)[2][kFrag],
+// scales stored, 16 bytes per lane (a quad: its row's 64 columns of this warpgroup in one store instruction). The
+// quotients go into acc[1] (the up values, spent), the slow path's in a second pass as in l1_swiglu_amax.
+__device__ __forceinline__ void l1_quantize_store(const FusedExpertsArgs& p, const Work& w, float (&acc)[2][kFrag],
                                                   const float (&amax)[kMathWarpgroups][kBlockM],
                                                   const bool (&live)[2], int wg, int t, int row0, int n1) {
     const int q = t % 4;
+    float scale[2];
+    div::Divisor by_scale[2];  // one reciprocal for a row's 32 divisions
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = acc_row(t, 2 * h), row = row0 + r;
+        const int r = acc_row(t, 2 * h);
         float row_amax = 0.0f;
 #pragma unroll
         for (int v = 0; v < kMathWarpgroups; ++v) row_amax = fmaxf(row_amax, amax[v][r]);
-        const float scale = fp8_scale(row_amax, div::CallFreeDivision());
-        const div::ByDivisor by_scale(scale);  // one reciprocal for the row's 32 divisions
+        scale[h] = fp8_scale(row_amax, div::CallFreeDivision());
+        by_scale[h] = div::divisor_of(scale[h]);
+    }
+    uint32_t slow = 0;
+#pragma unroll
+    for (int i = 0; i < kFrag; ++i)
+        if (!div::fast_divide(acc[0][i], scale[i % 4 / 2], by_scale[i % 4 / 2], acc[1][i])) slow |= 1u << i;
+    if (slow != 0) {
+#pragma unroll
+        for (int i = 0; i < kFrag; ++i)
+            if (slow >> i & 1u) acc[1][i] = div::slow_quotient(acc[0][i], scale[i % 4 / 2]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + acc_row(t, 2 * h);
         uint32_t words[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const uint32_t low = quantize_pair(acc[0][l1_value(h, k, 0)], acc[0][l1_value(h, k, 1)], scale, by_scale);
-            const uint32_t high = quantize_pair(acc[0][l1_value(h, k, 2)], acc[0][l1_value(h, k, 3)], scale, by_scale);
+            const uint32_t low = fp8_pair(acc[1][l1_value(h, k, 0)], acc[1][l1_value(h, k, 1)]);
+            const uint32_t high = fp8_pair(acc[1][l1_value(h, k, 2)], acc[1][l1_value(h, k, 3)]);
             words[k] = low | high << 16;
         }
         quad_transpose(words, q);
         if (!live[h]) continue;
-        if (wg == 0 && q == 0) *act_scale(p, row, n1) = scale;
+        if (wg == 0 && q == 0) *act_scale(p, row, n1) = scale[h];
         const int col = n1 * kTileN + wg * kWgCols + l1_column(q);
         *reinterpret_cast<uint4*>(p.act + static_cast<long long>(row) * p.inter + col) =
             make_uint4(l1_ordered(words, 0), l1_ordered(words, 1), l1_ordered(words, 2), l1_ordered(words, 3));
