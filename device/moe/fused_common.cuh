@@ -68,10 +68,20 @@ struct HardwareDivision {
 
 // SwiGLU in float32 of the bf16-rounded L1 outputs (the unfused engines round L1 to bf16 in memory),
 // silu(g) = g / (1 + expf(-g)) with CUDA's accurate expf and IEEE division, as their kernels.
+// Its terms: the rounded gate and up, and the divisor 1 + expf(-gate) (the wgmma epilogue divides them itself).
+struct SwigluTerms {
+    float gate, up, den;
+};
+
+__device__ __forceinline__ SwigluTerms swiglu_terms(float gate_acc, float up_acc) {
+    const float gate = bf16_round(gate_acc), up = bf16_round(up_acc);
+    return {gate, up, 1.0f + expf(-gate)};
+}
+
 template <class Divide>
 __device__ __forceinline__ float swiglu(float gate_acc, float up_acc, Divide divide) {
-    const float gate = bf16_round(gate_acc), up = bf16_round(up_acc);
-    return divide(gate, 1.0f + expf(-gate)) * up;
+    const SwigluTerms s = swiglu_terms(gate_acc, up_acc);
+    return divide(s.gate, s.den) * s.up;
 }
 
 // The 1x128 group's scale from its amax: quant.quantize_fp8's rule (amax / 448, 1 for an all-zero group).

@@ -140,17 +140,17 @@ __device__ __forceinline__ void promote(float (&acc)[kHalves][kFrag], const floa
 // L1, first half: SwiGLU into acc[0] and this warpgroup's row maxima into amax[wg]; the caller then waits at a
 // block barrier for the other warpgroup's. The division's fast path runs for every value and its slow path (a
 // value fast_divide leaves: denormal or extreme operands) in a second pass that no warp enters without such a
-// value: swiglu's bits, with the epilogue's code small enough to stay in the instruction cache.
+// value: swiglu's bits, with the path every item runs a third of its former length (session 18: the L1 epilogue
+// from ~45 to ~3.6 us per item, docs/FUSED.md).
 __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&amax)[kMathWarpgroups][kBlockM], int wg,
                                                int t) {
     uint32_t slow = 0;  // bit i: value i needs the slow path (acc[0][i] then still holds its gate)
 #pragma unroll
     for (int i = 0; i < kFrag; ++i) {
-        const float gate = bf16_round(acc[0][i]), up = bf16_round(acc[1][i]);
-        const float den = 1.0f + expf(-gate);
+        const SwigluTerms s = swiglu_terms(acc[0][i], acc[1][i]);
         float q;
-        if (div::fast_divide(gate, den, div::divisor_of(den), q)) {
-            acc[0][i] = q * up;
+        if (div::fast_divide(s.gate, s.den, div::divisor_of(s.den), q)) {
+            acc[0][i] = q * s.up;
         } else {
             slow |= 1u << i;
         }
