@@ -111,11 +111,17 @@ static void check_accumulator() {
 // stored element must be the fragment's value at the row and column it is stored to, a quad's four 16-byte stores
 // must cover 64 contiguous bytes of its row, and every element of a warpgroup's 64 x 64 tile must be stored once.
 static void quad_transpose_sim(uint32_t (&lanes)[4][4]) {
-    for (int bit = 2; bit >= 1; bit /= 2) {
-        uint32_t given[4][2];
+    for (int bit = 2; bit >= 1; bit /= 2) {  // as the kernels' quad_transpose: distance 2, then 1
+        uint32_t before[4][4];
         for (int q = 0; q < 4; ++q)
-            for (int k = 0; k < 2; ++k) given[q][k] = word_at(lanes[q], exchange_slot(q, bit, k));
-        for (int q = 0; q < 4; ++q) take_words(lanes[q], q, bit, given[q ^ bit][0], given[q ^ bit][1]);
+            for (int k = 0; k < 4; ++k) before[q][k] = lanes[q][k];
+        for (int q = 0; q < 4; ++q) {
+            int turn = 0;  // the shuffle's stand-in: the partner's word of this turn, from its state before
+            quad_exchange(lanes[q], q, bit, [&](uint32_t, int b) {
+                const int partner = q ^ b;
+                return word_at(before[partner], exchange_slot(partner, b, turn++));
+            });
+        }
     }
 }
 

@@ -7,8 +7,8 @@
 // warps, as DeepGEMM's and CUTLASS's sm90 warp-specialised kernels do:
 //   * 3 warpgroups (384 threads). Warpgroup 0 is the producer: its thread 0 draws the tickets, skips padding,
 //     waits for an L2 item's L1 arrivals, pushes the item into a queue of kQueue entries in shared memory and
-//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 40) and its other
-//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 232): they pop items
+//     issues the TMA loads of its K blocks; the warpgroup gives its registers back (setmaxnreg 48) and its other
+//     threads leave. Warpgroups 1 and 2 are math warpgroups 0 and 1 of wg64 (setmaxnreg 224): they pop items
 //     and compute them. After the set-up no barrier spans the block, so the producer runs on into the next items
 //     while the math warpgroups finish one (its epilogue, its stores): no drain of the ring between items.
 //   * A ring of kStages stages, each with a full mbarrier (the producer's arrive.expect_tx of the stage's bytes;
@@ -21,9 +21,9 @@
 //     swizzled K-major layout wg64's cp.async stores and the descriptors of wgmma_layout.cuh describe. Rows past
 //     the map's rows (the pass's num_rows) arrive as zeros, as wg64 zero-fills them.
 //   * The tensor maps (symmring.moe.gpu.tensor_map) are members of the __grid_constant__ parameter.
-//   * A stage's activation scales come with it: one more TMA copy per 64 A rows from the MN-major scales (the
-//     pool's, the intermediate's), so the math warps' only global reads in the main loop are the weight scales
-//     (one float per K block and half, cached).
+//   * A stage's scales come with it: the activation scales by one more TMA copy per 64 A rows from the MN-major
+//     scales (the pool's, the intermediate's), the weight block scale of each B box by a 4-byte cp.async whose
+//     landing is the full barrier's second arrival. The math warps read no global memory in the main loop.
 // Tickets and the L1 -> L2 arrival protocol are wg64's (fused_common.cuh), with the waits at the producer.
 //
 // The intermediate is written by other blocks' L1 epilogues (generic proxy) and read here by TMA (async proxy):
@@ -43,10 +43,11 @@ constexpr int kQueue = 4;              // item entries the producer may run ahea
 constexpr int kArrivalsPerL1Item = 2;  // each math warpgroup releases its own columns of an L1 item
 constexpr int kBlockThreads = 128 * (1 + kMathWarpgroups);  // the producer warpgroup, then the math ones
 constexpr int kMathWarps = 4 * kMathWarpgroups;              // the empty barriers' arrivals per phase
-constexpr int kProducerRegisters = 40, kMathRegisters = 232;
+constexpr int kProducerRegisters = 48, kMathRegisters = 224;
 constexpr int kLaunchRegisters = 168;  // 64K / 384 threads, rounded down to 8: what the block holds at launch
 // setmaxnreg moves registers within the block's launch allocation (not the SM's 64K): asking for more, the math
-// warpgroups' setmaxnreg.inc would wait forever (a producer of 48 with math warpgroups of 232 did, on an H100).
+// warpgroups' setmaxnreg.inc would wait forever (232 with a producer of 48 did: 1024 registers more than the
+// producer gave back).
 static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= kLaunchRegisters * kBlockThreads,
               "the warpgroups' registers after setmaxnreg must fit the block's allocation at launch");
 constexpr int kABoxRows = 64;  // rows of one TMA box of A (the host's pool and intermediate maps)
@@ -78,6 +79,7 @@ struct Shared : Keep<T> {
     uint8_t a[T::kStages][T::kATileBytes];
     uint8_t b[T::kStages][2 * T::kBBoxBytes];  // two boxes of B rows
     float sa[T::kStages][T::kBlockM];           // each A row's activation scale (0 past the pass's rows)
+    float sb[T::kStages][2];                    // each B box's weight block scale (cp.async: scale_copies)
     uint64_t full[T::kStages];
     uint64_t empty[T::kStages];
     uint64_t queue_full[kQueue];   // the producer pushed the entry
@@ -165,6 +167,17 @@ __device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, 
 
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A 4-byte copy global -> shared by the cp.async unit: the issuing thread neither waits for it nor holds a register.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// An arrival on `bar` once every cp.async this thread issued so far has landed (.noinc: the barrier's count
+// includes it).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
 // Global memory written through the generic proxy, ordered with TMA reads (the async proxy) of it.
@@ -300,10 +313,14 @@ __device__ __forceinline__ void copy_a(Shared<T>& sm, int s, const TensorMap* a_
 }
 
 // Claim the next ring position: wait for its stage to be free and expect A's and num_boxes B boxes' bytes, then
-// issue the B copies of K block kb (T::kBBoxRows rows from b_row[h]). False when the wait expired (a stall).
+// issue the B copies of K block kb (T::kBBoxRows rows from b_row[h]) and the copies of their two weight block scales
+// (b_sf[h] + kb; a single box: both name its block), whose landing is the full barrier's second arrival. The math
+// warps then read no global memory in the main loop: a scale load of theirs, an L2 round trip under the weights'
+// stream, would pace them when they catch up on a full ring after an epilogue. False when the wait expired (a stall).
 template <class T>
 __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring, const Clock& clock,
-                                             const TensorMap* b_map, const int (&b_row)[2], int num_boxes, int kb) {
+                                             const TensorMap* b_map, const int (&b_row)[2],
+                                             const float* const (&b_sf)[2], int num_boxes, int kb) {
     const int s = ring.stage();
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
     FUSED_PROFILE_STAMP(waited);
@@ -312,6 +329,8 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
     mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + T::kScaleBytes + num_boxes * T::kBBoxBytes);
     for (int h = 0; h < num_boxes; ++h)
         tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+    for (int h = 0; h < 2; ++h) cp_async_4(&sm.sb[s][h], b_sf[h] + kb);
+    cp_async_mbar_arrive(&sm.full[s]);
     return true;
 }
 
@@ -320,9 +339,10 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
 template <class T>
 __device__ __forceinline__ bool produce(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const TensorMap* a_map,
                                         const TensorMap* sf_map, const TensorMap* b_map, int a_row,
-                                        const int (&b_row)[2], int num_boxes, int kb0, int num_kb) {
+                                        const int (&b_row)[2], const float* const (&b_sf)[2], int num_boxes, int kb0,
+                                        int num_kb) {
     for (int kb = kb0; kb < num_kb; ++kb, ++ring.kb) {
-        if (!claim_with_b(sm, ring, clock, b_map, b_row, num_boxes, kb)) return false;
+        if (!claim_with_b(sm, ring, clock, b_map, b_row, b_sf, num_boxes, kb)) return false;
         copy_a(sm, ring.stage(), a_map, sf_map, a_row, kb);
     }
     return true;
@@ -342,7 +362,8 @@ __device__ __forceinline__ int item_boxes(const Work& w, bool l1, const int (&ro
 template <class T>
 __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
                                              const FusedExpertsTmaArgs& args, const Work& w, bool l1, int a_row,
-                                             const int (&row)[2], int kb0, int num_kb) {
+                                             const int (&row)[2], const float* const (&b_sf)[2], int kb0,
+                                             int num_kb) {
     const TensorMap* a_map = l1 ? &args.pool_x_map : &args.act_map;
     const TensorMap* sf_map = l1 ? &args.pool_sf_map : &args.act_sf_map;
     const TensorMap* b_map = l1 ? &args.w13_map : &args.w_down_map;
@@ -350,7 +371,8 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
         if (l1) {
             for (int pass = 0; pass < wg128::kL1Passes; ++pass) {
                 const int c = pass * wg128::kBoxRows;
-                if (!produce(sm, ring, clock, a_map, sf_map, b_map, a_row, {row[0] + c, row[1] + c}, 2, 0, num_kb))
+                if (!produce(sm, ring, clock, a_map, sf_map, b_map, a_row, {row[0] + c, row[1] + c}, b_sf, 2, 0,
+                             num_kb))
                     return false;
             }
             return true;
@@ -358,7 +380,7 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
     }
     int box_row[2];
     const int boxes = item_boxes<T>(w, l1, row, box_row);
-    return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, boxes, kb0, num_kb);
+    return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, b_sf, boxes, kb0, num_kb);
 }
 
 // An L2 item's first ring positions, claimed one at a time with their weight copies while its m block's L1
@@ -370,7 +392,8 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
 template <class T>
 __device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
                                                 const FusedExpertsTmaArgs& args, const Work& w, int m_block,
-                                                const int (&row)[2], int num_kb, int& expired) {
+                                                const int (&row)[2], const float* const (&b_sf)[2], int num_kb,
+                                                int& expired) {
     const FusedExpertsArgs& p = args.experts;
     const int* word = p.counters + 1 + m_block;
     const int expected = kArrivalsPerL1Item * w.n1_blocks;
@@ -379,7 +402,7 @@ __device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, co
     const int n = min(num_kb, T::kStages);
     int seen = load_acquire_gpu(word);
     for (int kb = 0;;) {
-        if (!claim_with_b(sm, ring, clock, &args.w_down_map, box_row, boxes, kb)) {
+        if (!claim_with_b(sm, ring, clock, &args.w_down_map, box_row, b_sf, boxes, kb)) {
             ring.kb -= kb;  // no position of this item is complete
             return -1;
         }
@@ -496,7 +519,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             int claimed = 0, expired = 0;
             if (!l1) {
                 FUSED_PROFILE_STAMP(claiming);
-                claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.num_kb, expired);
+                claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.b_sf, op.num_kb, expired);
                 FUSED_PROFILE_ADD(kArrivalWait, claiming);
                 FUSED_PROFILE_COUNT(kLateArrivals, claimed > 1);
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
@@ -507,7 +530,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
                 // positions complete, and the ring stays aligned.
                 copy_claimed_a(sm, ring, args, it.row0, claimed);
-                if (produce_item(sm, ring, clock, args, w, l1, it.row0, row, claimed, op.num_kb)) continue;
+                if (produce_item(sm, ring, clock, args, w, l1, it.row0, row, op.b_sf, claimed, op.num_kb)) continue;
                 close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
                 stalled = true;
                 continue;
@@ -541,7 +564,9 @@ __device__ __forceinline__ bool wait_full(Shared<T>& sm, const Ring<T>& ring, co
     return mbar_wait(&sm.full[ring.stage()], ring.phase(), clock.math_ns, clock, never);
 }
 
-// wg64t: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T.
+// wg64t: acc[half][32] += A[64 rows, K] * B[this warpgroup's 64 columns of the half, K]^T. Two K blocks in flight:
+// block kb + 1's wgmma runs on the tensor cores while block kb is promoted (two sets of partial sums), so the
+// promotion and the ring's waits no longer sit between one block's wgmma and the next.
 template <class T, int kHalves>
 __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Clock& clock, const Operands& op,
                                           float (&acc)[kHalves][kFrag], int wg, int t) {
@@ -549,38 +574,54 @@ __device__ __forceinline__ void tile_gemm(Shared<T>& sm, Ring<T>& ring, const Cl
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
-    float sb[kHalves];
-    load_weight_scales<kHalves>(op, 0, sb);  // one block ahead, as wg64
-    float part[kHalves][kFrag];
-    for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
-        float sb_next[kHalves];
-        load_weight_scales<kHalves>(op, kb + 1 < op.num_kb ? kb + 1 : kb, sb_next);
+    float part[2][kHalves][kFrag];
+    float sa[2][2], sb[2][kHalves];
+    // Wait for ring position ring.kb and issue its wgmma into part[b] with its scales; false: never filled.
+    const auto issue = [&](auto b) -> bool {
         FUSED_PROFILE_STAMP(waited);
-        if (!wait_full(sm, ring, clock)) {  // never filled: no tile
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
-            return;  // at ring_end, as every later wait of every math warp: the ring stays aligned
-        }
+        if (!wait_full(sm, ring, clock)) return false;
         FUSED_PROFILE_ADD(kFullWait, waited);
-        FUSED_PROFILE_STAMP(issued);
         const int s = ring.stage();
-        const float sa[2] = {sm.sa[s][acc_row(t, 0)], sm.sa[s][acc_row(t, 2)]};  // read before the release
-        wgmma_k_block<kHalves>(part, sm.a[s], sm.b[s], wg);
-        wgmma_wait_all();
+        sa[b][0] = sm.sa[s][acc_row(t, 0)];  // the stage's scales: read before the release
+        sa[b][1] = sm.sa[s][acc_row(t, 2)];
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) fence_operands(part[h]);
+        for (int h = 0; h < kHalves; ++h) sb[b][h] = sm.sb[s][h];
+        wgmma_k_block<kHalves>(part[b], sm.a[s], sm.b[s], wg);
+        return true;
+    };
+    // The block in part[b] (ring position ring.kb - 1; the next, if any, in flight): complete, released, promoted.
+    const auto finish = [&](auto b, bool newest_in_flight) {
+        if (newest_in_flight) {
+            wgmma_wait_all_but_newest();
+        } else {
+            wgmma_wait_all();
+        }
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) fence_operands(part[b][h]);
+        const int s = static_cast<int>((ring.kb - 1) % T::kStages);  // ring.kb: the position after it
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
-        FUSED_PROFILE_ADD(kWgmma, issued);
         FUSED_PROFILE_STAMP(promoting);
-        accumulate<kHalves>(acc, part, sa, sb);
-#if defined(SYMMRING_FUSED_PROFILE)
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) fence_operands(acc[h]);  // the promotion before the stamp below
-#endif
+        accumulate<kHalves>(acc, part[b], sa[b], sb[b]);
         FUSED_PROFILE_ADD(kPromote, promoting);
         FUSED_PROFILE_COUNT(kKBlocks, 1);
+    };
+    const auto never_filled = [&] {
+        wgmma_wait_all();
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) sb[h] = sb_next[h];
+        for (int h = 0; h < kHalves; ++h) fill_nan(acc[h]);
+    };  // at ring_end, as every later wait of every math warp: the ring stays aligned
+    using Zero = std::integral_constant<int, 0>;
+    using One = std::integral_constant<int, 1>;
+    if (!issue(Zero{})) return never_filled();
+    for (int kb = 0;; kb += 2) {  // two blocks per turn: part[] indexed by constants stays in registers
+        ++ring.kb;
+        if (kb + 1 == op.num_kb) return finish(Zero{}, false);
+        if (!issue(One{})) return never_filled();
+        finish(Zero{}, true);
+        ++ring.kb;
+        if (kb + 2 == op.num_kb) return finish(One{}, false);
+        if (!issue(Zero{})) return never_filled();
+        finish(One{}, true);
     }
 }
 
@@ -593,12 +634,8 @@ __device__ __forceinline__ void tile_gemm_rows(Shared<T>& sm, Ring<T>& ring, con
     for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < kFrag; ++i) acc[h][i] = 0.0f;
-    float sb[2];
-    load_weight_scales<2>(op, 0, sb);  // one block ahead, as wg64
     float part[2][kFrag];
     for (int kb = 0; kb < op.num_kb; ++kb, ++ring.kb) {
-        float sb_next[2];
-        load_weight_scales<2>(op, kb + 1 < op.num_kb ? kb + 1 : kb, sb_next);
         if (!wait_full(sm, ring, clock)) {  // never filled: no tile
 #pragma unroll
             for (int h = 0; h < 2; ++h) fill_nan(acc[h]);
@@ -607,14 +644,13 @@ __device__ __forceinline__ void tile_gemm_rows(Shared<T>& sm, Ring<T>& ring, con
         const int s = ring.stage();
         const int r = wg * wg128::kWgRows;  // this warpgroup's rows; the stage's scales read before the release
         const float sa[2] = {sm.sa[s][r + acc_row(t, 0)], sm.sa[s][r + acc_row(t, 2)]};
+        const float sb[2] = {sm.sb[s][0], sm.sb[s][1]};
         wg128::wgmma_k_block(part, sm.a[s], sm.b[s], wg);
         wgmma_wait_all();
 #pragma unroll
         for (int h = 0; h < 2; ++h) fence_operands(part[h]);
         if (threadIdx.x % 32 == 0) mbar_arrive(&sm.empty[s]);  // this warp's wgmma no longer reads the stage
         accumulate<2>(acc, part, sa, sb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sb[h] = sb_next[h];
     }
 }
 
@@ -758,7 +794,8 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     if (threadIdx.x == 0) {
         sm.closed = sm.queue_end = sm.ring_end = 0;
         for (int s = 0; s < T::kStages; ++s) {
-            mbar_init(&sm.full[s], 1);  // the producer's arrive.expect_tx; the copies complete the bytes
+            mbar_init(&sm.full[s], 2);  // the producer's arrive.expect_tx (the TMA copies complete its bytes) and
+                                        // the landing of its scale copies (cp_async_mbar_arrive)
             mbar_init(&sm.empty[s], kMathWarps);
         }
         for (int q = 0; q < kQueue; ++q) {

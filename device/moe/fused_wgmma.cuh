@@ -45,6 +45,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Every committed group but the newest is complete (the one before it may now be read).
+__device__ __forceinline__ void wgmma_wait_all_but_newest() {
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // Ties the registers to this point of the program: reads of the partial sums stay after the wgmma wait.
 __device__ __forceinline__ void fence_operands(float (&d)[kFrag]) {
@@ -170,12 +174,9 @@ __device__ __forceinline__ void l1_swiglu_amax(float (&acc)[2][kFrag], float (&a
 // The quad's transpose of four words (wgmma_layout.cuh): word s of lane q becomes word q of lane s. Every lane of
 // the warp takes part (shuffles), so no row is skipped before it.
 __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int q) {
-#pragma unroll
-    for (int bit = 2; bit >= 1; bit /= 2) {
-        const uint32_t first = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 0)), bit);
-        const uint32_t second = __shfl_xor_sync(0xffffffffu, word_at(w, exchange_slot(q, bit, 1)), bit);
-        take_words(w, q, bit, first, second);
-    }
+    const auto shuffle = [](uint32_t word, int bit) { return __shfl_xor_sync(0xffffffffu, word, bit); };
+    quad_exchange(w, q, 2, shuffle);
+    quad_exchange(w, q, 1, shuffle);
 }
 
 // Whether this thread's two rows (row halves 0 and 1 of the item at row0) hold tokens: inside the pass and not

@@ -74,6 +74,19 @@ SYMMRING_LAYOUT_FN void take_words(uint32_t (&w)[4], int q, int bit, uint32_t fi
     w[3] = a == 3 ? first : b == 3 ? second : w[3];
 }
 
+// One exchange: the two words lane q hands over go through exchange(word, bit), which returns the partner's word of
+// the same turn (the kernels: a shuffle; the CPU check: the partner's word from its state before the exchange),
+// and land where this lane's own were. The quad's transpose is the exchange at distance 2, then at distance 1.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Exchange>
+SYMMRING_LAYOUT_FN void quad_exchange(uint32_t (&w)[4], int q, int bit, Exchange&& exchange) {
+    const uint32_t first = exchange(word_at(w, exchange_slot(q, bit, 0)), bit);
+    const uint32_t second = exchange(word_at(w, exchange_slot(q, bit, 1)), bit);
+    take_words(w, q, bit, first, second);
+}
+
 // L1 (e4m3): a row half h (rows acc_row(t, 2 h)) packs into 4 words, byte b of word k being value l1_value(h, k, b)
 // of the fragment: pairs 2 k and 2 k + 1, so word k holds columns 16 k + 2 q + {0, 1, 8, 9}. After the transpose
 // lane q holds columns 16 q + 2 s + {0, 1, 8, 9} in word s, which low_halves / high_halves put in order: its 16

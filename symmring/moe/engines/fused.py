@@ -106,15 +106,15 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> [shared_bytes(k) for k in ("m16", "m32", "wg64", "wg64t", "wg128t")]
-        [196360, 166920, 165384, 224752, 217840]
+        [196360, 166920, 165384, 224792, 217880]
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
     if kernel in TMA_KERNELS:
         rows, b_box = KERNELS[kernel], TMA_KERNELS[kernel]
         keep = 0 if rows == _WG_ROWS else _WARPGROUPS * 32 * 128 * 4  # wg128::Keep: 32 floats per math thread
-        # per stage: A, two B boxes, A's activation scales, full and empty barriers
-        return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + rows * 4 + 2 * _MBARRIER_BYTES)
+        # per stage: A, two B boxes, A's activation scales, the B boxes' weight scales, full and empty barriers
+        return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + rows * 4 + 2 * 4 + 2 * _MBARRIER_BYTES)
                 + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
                 + _TMA_TABLE_BLOCKS * 4 + 3 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
