@@ -11,7 +11,7 @@ import pytest
 
 from symmring import jit
 from symmring.errors import BackendError, ConfigError
-from symmring.moe.engines import ENGINES, Pool, make_engine
+from symmring.moe.engines import ENGINES, CombineRows, Pool, make_engine
 from symmring.moe.engines import fused
 from symmring.moe.gpu import kernel_args, tensor_map
 from symmring.moe.weights import ExpertWeights
@@ -95,7 +95,8 @@ def test_the_tma_record_carries_the_experts_record_and_six_maps(monkeypatch):
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
     assert (launch.kernel, launch.shared_bytes, fused.threads("wg64t")) == ("wg64t", fused.shared_bytes("wg64t"), 384)
-    assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 960
+    # The experts' record (200 bytes) padded to the maps' 64-byte alignment, then six 128-byte maps.
+    assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 256 + 6 * 128
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # The experts' record is wg64's (the same work list: 6 m blocks of 64 rows, 2 per group) but for the buffers.
     wg64 = fused.FusedExperts(weights, kernel="wg64").prepare(pool, 300, 100, grid_limit=1000, cc=90)
@@ -178,13 +179,15 @@ def test_each_call_sets_every_field_it_owns(monkeypatch, kernel):
     engine = fused.FusedExperts(weights, kernel=kernel)
     dtype = kernel_args.STRUCTS["FusedExpertsTmaArgs" if kernel == "wg64t" else "FusedExpertsArgs"]
     own = {"act", "act_sf", "out", "counters", "status"}  # the call's buffers, and the engine's status
-    calls = [(pool_of(512, rows_for_sf=300), 300, 100), (pool_of(256), 0, None), (pool_of(384), 200, 20),
-             (pool_of(512, rows_for_sf=300), 300, 100)]
-    for pool, rows, bound in calls:
-        launch = engine.prepare(pool, rows, bound, grid_limit=1000, cc=90)
+    send = CombineRows(row_src=0x5000, token_base=0x6000, peers=0x7000, window_begin=3, num_ranks=4, num_topk=8,
+                       combine_tokens=4096)
+    calls = [(pool_of(512, rows_for_sf=300), 300, 100, None), (pool_of(256), 0, None, None),
+             (pool_of(384), 200, 20, send), (pool_of(512, rows_for_sf=300), 300, 100, None)]
+    for pool, rows, bound, to in calls:
+        launch = engine.prepare(pool, rows, bound, grid_limit=1000, cc=90, send=to)
         got = np.frombuffer(launch.args[0].tobytes(), dtype=dtype)[0]
-        want = np.frombuffer(fused.FusedExperts(weights, kernel=kernel).prepare(pool, rows, bound, grid_limit=1000,
-                                                                                cc=90).args[0].tobytes(), dtype=dtype)[0]
+        want = np.frombuffer(fused.FusedExperts(weights, kernel=kernel).prepare(
+            pool, rows, bound, grid_limit=1000, cc=90, send=to).args[0].tobytes(), dtype=dtype)[0]
         got_experts, want_experts = (got["experts"], want["experts"]) if kernel == "wg64t" else (got, want)
         for name in got_experts.dtype.names:
             if name not in own:
@@ -192,6 +195,9 @@ def test_each_call_sets_every_field_it_owns(monkeypatch, kernel):
         assert int(got_experts["status"]) == engine.status.data_ptr()
         for name in ("act", "out", "counters"):
             assert int(got_experts[name]) == getattr(launch, name).data_ptr(), (rows, name)
+        # A call that sends its rows (the layer's combine) names where, and needs no output rows of its own.
+        assert (int(got_experts["send_peers"]), int(got_experts["window_begin"])) == ((0x7000, 3) if to else (0, 0))
+        assert tuple(launch.out.shape) == ((0 if to else rows), HIDDEN)
         if kernel == "wg64t":
             for name in ("pool_x_map", "w13_map", "w_down_map", "pool_sf_map"):
                 assert map_words(got, name) == map_words(want, name), (rows, name)

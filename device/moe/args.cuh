@@ -238,6 +238,7 @@ struct CombineScatterArgs {
     int pass_begin;
     int pass_rows;
     int combine_tokens;
+    int rows_sent;  // the engine sent the rows itself (FusedExpertsArgs::send_peers): check and free them only
 };
 
 // moe_combine_signal.
@@ -313,7 +314,7 @@ struct FusedExpertsArgs {
     const float* w_down_sf;      // [E, hidden / 128, inter / 128]
     uint8_t* act;                // fp8 [num_rows, inter]: SwiGLU's output, quantised (L2's input)
     float* act_sf;               // MN-major: [inter / 128][num_rows rounded up to 4] (fused_common.cuh act_scale)
-    __nv_bfloat16* out;          // [num_rows, hidden]
+    __nv_bfloat16* out;          // [num_rows, hidden] (unless the rows are sent: send_peers)
     int* counters;               // zeroed before the launch: [0] the work ticket, [1 + m block] L1 arrivals
     int* bad_groups;             // [2]: tiles skipped for an expert id outside [-1, E), the first id; or null
     int* status;                 // [2]: L2 tiles whose arrival wait expired (written NaN), the first m block;
@@ -324,6 +325,15 @@ struct FusedExpertsArgs {
     int inter;
     int num_local_experts;
     int m_blocks_per_group;      // m blocks listed per 128-row group: ceil(the host's rows-per-expert bound / rows)
+    // The layer's combine send (or send_peers null: the rows go to `out`): each live row straight to its owner's
+    // combine rows at (logical token, k), where moe_combine_scatter would have put it (fused_common.cuh out_row).
+    const int4* row_src;         // [num_rows]: each pool row's (owner, chunk-local token, k, chunk), from the pull
+    const long long* token_base;  // [chunks][num_ranks]: the owners' snapshot token bases of the window's chunks
+    const unsigned long long* send_peers;  // [num_ranks]: each owner's combine rows, mapped into this process
+    long long combine_tokens;    // the tokens every owner's combine rows hold
+    int window_begin;            // the window's first chunk (token_base's row 0)
+    int num_ranks;
+    int num_topk;
 };
 
 // A CUDA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on the host by

@@ -9,7 +9,10 @@
 // Launch order on one stream, per expert window [c0, c1] (one chunk for the batch path):
 //   moe_combine_scatter  one warp per pool row: store the row into its owner's combine buffer at
 //                        (logical token, k) over NVLink (16-byte stores); the logical token is the
-//                        owner's snapshot token_base (moe_dispatch_wait) + the chunk-local token.
+//                        owner's snapshot token_base (moe_dispatch_wait) + the chunk-local token. With
+//                        rows_sent the engine's epilogue stored them there itself (the fused engine:
+//                        FusedExpertsArgs::send_peers), and this pass only checks each row's token and
+//                        frees the row.
 //   moe_combine_signal   one block: release, then SET combine_ready[this rank] = the generation of the
 //                        window's last chunk on every owner; with ack_now (the CONSERVATIVE policy)
 //                        acknowledge the window's chunks too (this PE is now done with them).
@@ -79,10 +82,12 @@ constexpr int kScatterLoadsInFlight = 4;
 // the same PE, and the signal is another thread's (and, in moe_combine_signal, another kernel's). The branch is
 // per row (warp-uniform). A row whose logical token lies outside [0, combine_tokens) is not sent
 // (pool_overflow, bounds.cuh).
+// With `rows_sent` (the engine sent every row itself: fused_common.cuh out_row) the pass only checks each row's
+// token and marks the row free again.
 __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv_bfloat16* pool_out,
                                              const int4* row_src, int num_rows, const long long* token_base,
                                              int window_begin, int* m_indices, __nv_bfloat16* combine_rows,
-                                             int combine_tokens) {
+                                             int combine_tokens, bool rows_sent) {
     const int lane = threadIdx.x % 32;
     const int warps_per_block = blockDim.x / 32;
     const int vecs_per_row = d.hidden / 8;  // 8 bf16 per 16-byte vector
@@ -98,12 +103,12 @@ __device__ __forceinline__ void scatter_rows(const RingDescriptor& d, const __nv
         }
         const int64_t offset = (token * d.num_topk + src.z) * d.hidden;
         const __nv_bfloat16* from_row = pool_out + int64_t(row) * d.hidden;
-        __nv_bfloat16* owner_rows = peer_ptr(d, combine_rows, src.x);
+        __nv_bfloat16* owner_rows = rows_sent ? nullptr : peer_ptr(d, combine_rows, src.x);
         if (owner_rows != nullptr) {
             int4* dst = reinterpret_cast<int4*>(owner_rows + offset);
             const int4* from = reinterpret_cast<const int4*>(from_row);
             for (int v = lane; v < vecs_per_row; v += 32) dst[v] = from[v];
-        } else {
+        } else if (!rows_sent) {
             nvshmemx_putmem_nbi_warp(combine_rows + offset, from_row, size_t(d.hidden) * sizeof(__nv_bfloat16), src.x);
             put_any = true;
         }
@@ -253,7 +258,8 @@ extern "C" __global__ void moe_combine_scatter(const CombineScatterArgs args) {
     if (error_pending(d)) return;
     const int live = args.total[0] - args.pass_begin;
     scatter_rows(d, args.pool_out, args.row_src, live < 0 ? 0 : (live > args.pass_rows ? args.pass_rows : live),
-                 args.token_base, args.window_begin, args.m_indices, args.combine_rows, args.combine_tokens);
+                 args.token_base, args.window_begin, args.m_indices, args.combine_rows, args.combine_tokens,
+                 args.rows_sent != 0);
 }
 
 // One block, after moe_combine_scatter of the window [chunk_begin, chunk_end]: tell every owner that this

@@ -184,6 +184,20 @@ __device__ __forceinline__ Item item_of(const FusedExpertsArgs& p, const Work& w
     return it;
 }
 
+// Where pool row `row`'s L2 output goes: `out`, or (the layer's combine send: send_peers) its owner's combine row at
+// (logical token, k), as moe_combine_scatter computes it. Null where nothing may be written: a padding row (its
+// source is stale), or a token past the owner's combine rows, which the layer's clearing scatter (rows_sent)
+// records as pool_overflow.
+__device__ __forceinline__ __nv_bfloat16* out_row(const FusedExpertsArgs& p, long long row) {
+    if (p.send_peers == nullptr) return p.out + row * p.hidden;
+    if (p.m_indices[row] < 0) return nullptr;
+    const int4 src = p.row_src[row];
+    const long long token =
+        p.token_base[static_cast<long long>(src.w - p.window_begin) * p.num_ranks + src.x] + src.y;
+    if (token < 0 || token >= p.combine_tokens) return nullptr;
+    return reinterpret_cast<__nv_bfloat16*>(p.send_peers[src.x]) + (token * p.num_topk + src.z) * p.hidden;
+}
+
 // The intermediate's scales are MN-major, as the layer's pool's: column n1 holds every row's scale of K block n1,
 // its length padded to a multiple of 4 rows (16-byte aligned columns), so an item's scales of one K block are one
 // contiguous run (the TMA kernels copy them with the stage: act_sf_map).

@@ -241,10 +241,12 @@ __device__ void l2_item(Shared<kBlockM>& sm, const FusedExpertsArgs& p, const Wo
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + mt * 16 + g + 8 * h;
             if (row >= p.num_rows) continue;
+            __nv_bfloat16* dst = out_row(p, row);
+            if (dst == nullptr) continue;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int col = n2 * kTileN + warp * 16 + j * 8 + 2 * t;
-                *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
+                *reinterpret_cast<__nv_bfloat162*>(dst + col) =
                     __floats2bfloat162_rn(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
             }
         }

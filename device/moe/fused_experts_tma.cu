@@ -443,8 +443,9 @@ template <class T>
 __device__ __forceinline__ void nan_tile(const FusedExpertsArgs& p, const Work& w, const Item& it) {
     const uint4 nan8 = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);  // 8 bf16 NaN
     for (int r = 0; r < T::kBlockM && it.row0 + r < p.num_rows; ++r) {
-        uint4* row = reinterpret_cast<uint4*>(p.out + static_cast<long long>(it.row0 + r) * p.hidden +
-                                              it.n_block * w.n2_per_item * kTileN);
+        __nv_bfloat16* dst = out_row(p, it.row0 + r);
+        if (dst == nullptr) continue;
+        uint4* row = reinterpret_cast<uint4*>(dst + it.n_block * w.n2_per_item * kTileN);
         for (int c = 0; c < w.n2_per_item * kTileN / 8; ++c) row[c] = nan8;
     }
 }

@@ -250,16 +250,16 @@ __device__ __forceinline__ void l2_store(const FusedExpertsArgs& p, const float 
     const int q = t % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const long long row = row0 + acc_row(t, 2 * h);
+        __nv_bfloat16* dst = live[h] ? out_row(p, row0 + acc_row(t, 2 * h)) : nullptr;
 #pragma unroll
         for (int g = 0; g < 2; ++g) {
             uint32_t words[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) words[k] = bf16x2_bits(acc[l2_value(h, g, k, 0)], acc[l2_value(h, g, k, 1)]);
             quad_transpose(words, q);
-            if (!live[h]) continue;
+            if (dst == nullptr) continue;
             const int col = n2 * kTileN + wg * kWgCols + l2_column(q, g);
-            *reinterpret_cast<uint4*>(p.out + row * p.hidden + col) = make_uint4(words[0], words[1], words[2], words[3]);
+            *reinterpret_cast<uint4*>(dst + col) = make_uint4(words[0], words[1], words[2], words[3]);
         }
     }
 }

@@ -112,12 +112,14 @@ __device__ __forceinline__ void l2_store(const FusedExpertsArgs& p, const float 
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + wg * kWgRows + acc_row(t, 2 * h);
         if (row >= p.num_rows) continue;
+        __nv_bfloat16* dst = out_row(p, row);
+        if (dst == nullptr) continue;
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int j = 0; j < kFrag / 4; ++j) {
                 const int col = n2 * kTileN + half * kBoxRows + acc_col(t, 4 * j);
-                *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<long long>(row) * p.hidden + col) =
+                *reinterpret_cast<__nv_bfloat162*>(dst + col) =
                     __floats2bfloat162_rn(acc[half][4 * j + 2 * h], acc[half][4 * j + 2 * h + 1]);
             }
     }

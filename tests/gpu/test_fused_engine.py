@@ -51,7 +51,7 @@ from symmring.moe.engines import Pool  # noqa: E402
 from symmring.moe.engines.fp8 import Fp8Experts  # noqa: E402
 from symmring.moe.engines.fused import FusedExperts, blocks_per_group, select_kernel  # noqa: E402
 from symmring.moe.engines.fused import KERNELS as ROWS_PER_ITEM  # noqa: E402
-from symmring.moe.gpu import MoE, kernel_args  # noqa: E402
+from symmring.moe.gpu import MoE, kernel_args, stages  # noqa: E402
 from symmring.moe.reference import reference_moe  # noqa: E402
 from symmring.moe.weights import ExpertWeights, dequantize_blocks, quantize_blocks  # noqa: E402
 
@@ -405,6 +405,11 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     # bound, as in tests/gpu/test_moe_fp8.py); bitwise stability is checked per count.
     skip_off_sm90(kernel)
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", kernel)  # the layer's engine takes the variable
+    # The general schedule's calls send their rows from the fused kernel's L2 epilogue (stages.send_rows): the
+    # wgmma kernels' rows are builtin's bits, so they must land bitwise where the combine scatter put builtin's.
+    sent = []
+    send_rows = stages.send_rows
+    monkeypatch.setattr(stages, "send_rows", lambda *a: sent.append(send_rows(*a)) or sent[-1])
     hidden, inter, num_experts, topk = SHAPES[shape]
     fused, w = _layer(ctx, "fused", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
     builtin, _ = _layer(ctx, "builtin", hidden, inter, num_experts, topk, max(TOKENS), SEED + 3)
@@ -424,6 +429,8 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
             fused.engine.check_status()
             if not torch.equal(y, y2) or not torch.equal(y, y_static):
                 problems.append(f"n={n}: not bitwise stable (eager twice, graph replay)")
+            if kernel != "m32" and not torch.equal(y, y_builtin):
+                problems.append(f"n={n}: not builtin's bits")
             ref = reference_moe(x, w_gate=q[0], w_up=q[1], w_down=q[2], num_topk=topk, logits=logits,
                                 expert_format="fp8").y.astype(np.float64)
             got, base = y.double().cpu().numpy(), y_builtin.double().cpu().numpy()
@@ -439,6 +446,8 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
           f"vs builtin {err_builtin:.3e}")
     if not (err_ref <= REL_TOL and err_builtin <= REL_TOL):
         problems.append(f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e} (bound {REL_TOL})")
+    if not any(to is not None for to in sent):
+        problems.append(f"no call sent its rows from the kernel ({len(sent)} windows)")
     verdict(ctx, not problems, f"fused {kernel} {shape}: " + "; ".join(problems))
 
 

@@ -19,11 +19,11 @@ import logging
 
 from ...errors import ConfigError
 from ..weights import ExpertWeights
-from .seam import ExpertEngine, Pool, Scratch
+from .seam import CombineRows, ExpertEngine, Pool, Scratch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "ExpertEngine", "Pool", "Scratch", "capture_scope", "make_engine"]
+__all__ = ["ENGINES", "CombineRows", "ExpertEngine", "Pool", "Scratch", "capture_scope", "make_engine"]
 
 #: Values of the layer's ``engine`` argument.
 ENGINES = ("auto", "deepgemm", "builtin", "torch", "fused")

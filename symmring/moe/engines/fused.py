@@ -31,7 +31,7 @@ from ... import env
 from ...errors import BackendError, ConfigError
 from ..gpu import kernel_args, tensor_map
 from ..weights import ExpertWeights
-from .seam import ExpertEngine, Pool, Scratch
+from .seam import CombineRows, ExpertEngine, Pool, Scratch
 
 #: Row alignment of every expert group (the dispatch's, as for the other fp8 engines).
 FUSED_ALIGN_M = 128
@@ -73,10 +73,13 @@ _TMA_TABLE_BLOCKS = 4096
 MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
 #: Accepted values of ``kernel=`` / ``SYMMRING_FUSED_KERNEL``.
 KERNEL_CHOICES = ("auto",) + tuple(KERNELS)
+#: The record's fields of the layer's combine send (`CombineRows`; all zero: the rows go to ``out``).
+_SEND_FIELDS = ("row_src", "token_base", "send_peers", "window_begin", "num_ranks", "num_topk", "combine_tokens")
+_NO_SEND = dict.fromkeys(_SEND_FIELDS, 0)
 #: The argument record's fields a call sets (the pass's buffers and sizes); the engine fixes the others (weights,
 #: status, timeout, shape) when made. The TMA record takes the experts' record and its six tensor maps per call.
 _PER_CALL = ("pool_x", "pool_sf", "sf_row_stride", "sf_col_stride", "m_indices", "act", "act_sf", "out", "counters",
-             "bad_groups", "num_rows", "m_blocks_per_group")
+             "bad_groups", "num_rows", "m_blocks_per_group") + _SEND_FIELDS
 _TMA_PER_CALL = ("experts", "pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")
 #: A map of no tensor (a pass of no rows launches nothing and encodes nothing).
 _NO_MAP = np.zeros((), kernel_args.STRUCTS["TensorMap"])
@@ -292,6 +295,15 @@ class Launch:
     pool_sf: object = None  # a TMA kernel's MN-major copy of the pool's scales, where the pool's were not
 
 
+def _send_fields(send: CombineRows) -> dict:
+    """The record's fields of the layer's combine send ``send`` (`CombineRows`)."""
+    if not isinstance(send, CombineRows):
+        raise ConfigError(f"send={send!r}: expected a CombineRows or None")
+    return dict(row_src=send.row_src, token_base=send.token_base, send_peers=send.peers,
+                window_begin=send.window_begin, num_ranks=send.num_ranks, num_topk=send.num_topk,
+                combine_tokens=send.combine_tokens)
+
+
 @functools.lru_cache(maxsize=None)
 def _module(device_index: int, cc: int, name: str):
     """The compiled kernels of one source (`module_of`), loaded into CuPy once per device (no NVSHMEM: the
@@ -344,6 +356,7 @@ class FusedExperts(ExpertEngine):
     name = "fused"
     pool_format = "fp8"
     align_m = FUSED_ALIGN_M
+    sends_rows = True
 
     def __init__(self, weights: ExpertWeights, sm_budget: Optional[int] = None, timeout_s: Optional[float] = None,
                  kernel: Optional[str] = None):
@@ -380,9 +393,11 @@ class FusedExperts(ExpertEngine):
         sms = _device(self.weights.w13.device.index)[1]
         return sms if self._sm_budget is None else min(self._sm_budget, sms)
 
-    def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int, cc: int) -> Launch:
+    def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int, cc: int,
+                send: Optional[CombineRows] = None) -> Launch:
         """Check the pool and fill the launch for a device of compute capability ``cc`` (allocates the output and
         intermediates; no kernel runs): what `forward` enqueues, on any device (the CPU tests check the record).
+        With ``send`` the rows go to their owners' combine rows and the launch's ``out`` has no rows.
         The launch's argument bytes are the engine's own record, which the next call sets again: launch (or copy)
         them before preparing another call.
 
@@ -398,7 +413,7 @@ class FusedExperts(ExpertEngine):
         per_group = blocks_per_group(rows_per_expert, rows)
         m_blocks, items = work_items(num_rows, rows, self.hidden, self.inter, per_group, l2_pairs=kernel == "wg64t")
         dev = pool.x.device
-        out = torch.empty(num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(0 if send else num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
         act_sf = _mn_major_empty(num_rows, self.inter // TILE, dev)  # [num_rows, inter / 128], MN-major
         counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
@@ -407,7 +422,8 @@ class FusedExperts(ExpertEngine):
         args = experts.set(pool_x=address(pool.x), pool_sf=address(pool.x_sf), sf_row_stride=pool.x_sf.stride(0),
                            sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices), act=address(act),
                            act_sf=address(act_sf), out=address(out), counters=address(counters),
-                           bad_groups=address(pool.bad_groups), num_rows=num_rows, m_blocks_per_group=per_group)
+                           bad_groups=address(pool.bad_groups), num_rows=num_rows, m_blocks_per_group=per_group,
+                           **(_NO_SEND if send is None else _send_fields(send)))
         pool_sf = None
         if kernel in TMA_KERNELS:
             args, pool_sf = self._tma_args(experts.record, pool, num_rows, act, act_sf, TMA_KERNELS[kernel])
@@ -455,13 +471,13 @@ class FusedExperts(ExpertEngine):
         return record
 
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
-                scratch: Optional[Scratch] = None):
+                scratch: Optional[Scratch] = None, send: Optional[CombineRows] = None):
         # ``out`` and ``scratch`` are the workspace's rows, which share bytes with the pool this kernel is still
         # reading while it writes (module docstring): the output comes back in the engine's own tensor.
         import torch
         dev = pool.x.device
         cc = _device(dev.index)[0]
-        launch = self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc)
+        launch = self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc, send)
         if num_rows == 0:
             return launch.out
         if cc < 89:

@@ -71,6 +71,31 @@ class Scratch:
     act: object
 
 
+@dataclass(frozen=True)
+class CombineRows:
+    """Where an engine that sends its own output (`ExpertEngine.sends_rows`) writes each live row: straight into
+    its owner's combine rows at (logical token, k), where the layer's combine scatter would put it
+    (device/moe/combine.cu); the layer then only checks each row's token and frees it. Only p2p owners: every
+    address is a mapping into this process.
+
+    Attributes:
+        row_src: device address of int32 ``[rows, 4]``: each pool row's (owner, chunk-local token, k, chunk).
+        token_base: device address of int64 ``[chunks, num_ranks]``: the owners' token bases of the window.
+        peers: device address of uint64 ``[num_ranks]``: each owner's combine rows, mapped into this process.
+        window_begin: the window's first chunk (``token_base``'s row 0).
+        num_ranks, num_topk: the ring's ranks and top-k.
+        combine_tokens: the logical tokens every owner's combine rows hold (a row past them is not written).
+    """
+
+    row_src: int
+    token_base: int
+    peers: int
+    window_begin: int
+    num_ranks: int
+    num_topk: int
+    combine_tokens: int
+
+
 class ExpertEngine(abc.ABC):
     """How this rank's experts compute (see the module docstring).
 
@@ -79,11 +104,14 @@ class ExpertEngine(abc.ABC):
         pool_format: ``"bf16"`` or ``"fp8"``: the rows dispatch writes into the pool.
         align_m: every expert group starts at a multiple of this many pool rows (1: packed).
         num_local_experts, hidden, inter: the shapes it was built for.
+        sends_rows: `forward` takes ``send=`` (`CombineRows`) and then writes every live row to its owner's
+            combine rows itself (the combine's scatter folded into L2's epilogue).
     """
 
     name: str
     pool_format: str
     align_m: int = 1
+    sends_rows: bool = False
 
     @abc.abstractmethod
     def forward(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, out=None,
@@ -96,7 +124,8 @@ class ExpertEngine(abc.ABC):
         hidden]`` to write the output into (the workspace's rows the combine sends); the engine returns it
         (an engine that cannot write into it returns its own tensor, which the layer then copies).
         ``scratch``: where to put the intermediates (`Scratch`; None: the engine allocates them); an engine
-        that keeps its own ignores it."""
+        that keeps its own ignores it. An engine with `sends_rows` also takes ``send=`` (a `CombineRows`, or
+        None): the rows then go to their owners' combine rows, and the returned tensor holds nothing."""
 
     def check_status(self) -> None:
         """Synchronise and raise what this engine's own kernels recorded on the device since the last check

@@ -229,7 +229,9 @@ class DeviceMemory:
             stamps=torch.zeros(timeline.num_stamps(max_chunks), dtype=torch.int64, device=self.device),
             combine_tokens=max_tokens, bad_groups=torch.zeros(BAD_GROUP_WORDS, **i32) if fp8_pool else None,
             entry_rows=entry_rows, out_rows=out_rows, pass_group_end=torch.zeros(E, **i32), scratch=scratch,
-            call_tokens=self.call_tokens)
+            call_tokens=self.call_tokens, send_peers=None if stage_desc is not None else torch.tensor(
+                [self.backend.address(self.combine_alloc, q, 0) for q in range(world)], dtype=torch.int64,
+                device=self.device))
         return Binding(entry=entry, state=state, capacity=R, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def _ring(self, spec: RingSpec, transport, timeout_s: float):

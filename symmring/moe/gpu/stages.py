@@ -42,7 +42,7 @@ import numpy as np
 
 from ... import protocol
 from ...pdl import PdlLauncher
-from ..engines import ExpertEngine, Pool
+from ..engines import CombineRows, ExpertEngine, Pool
 from . import kernel_args, timeline
 from .plan import ChunkStep, WindowStep
 
@@ -178,6 +178,8 @@ class State:
     combine sends no row whose token lies past them (device/moe/bounds.cuh).
     bad_groups: int32 [2], where the fp8 engines' Triton GEMMs report pool rows naming no local expert
     (`symmring.moe.engines.Pool.bad_groups`; `symmring.moe.gpu.MoE.check_errors` raises it), or None.
+    send_peers: int64 [R], every owner's combine rows mapped into this process, for an engine that sends its rows
+    itself (`send_rows`), or None (this PE has rdma peers: the combine scatter sends every row).
     """
 
     desc: object
@@ -216,6 +218,7 @@ class State:
     scratch: object = None
     call_tokens: object = None
     bad_groups: object = None
+    send_peers: object = None
     #: The launchers' argument records (`LaunchArgs`), made at the first launch.
     args: object = field(default=None, repr=False, compare=False)
 
@@ -303,7 +306,7 @@ class LaunchArgs:
     def _combine(self, s: "State", record) -> None:
         address = kernel_args.address
         rows = dict(m_indices=address(s.m_indices), combine_rows=int(s.combine_rows), token_base=address(s.token_base))
-        self.combine_scatter = record("CombineScatterArgs", "pool_out window_begin pass_begin pass_rows",
+        self.combine_scatter = record("CombineScatterArgs", "pool_out window_begin pass_begin pass_rows rows_sent",
                                       row_src=address(s.row_src), total=address(s.total),
                                       combine_tokens=s.combine_tokens, **rows)
         self.combine_signal = record("CombineSignalArgs", "chunk_begin chunk_end ack_now",
@@ -449,15 +452,27 @@ def ack(k: Kernels, s: State, stream, *, chunk: int) -> None:
 
 
 def combine_scatter(k: Kernels, s: State, stream, *, out, window_begin: int, pass_begin: int = 0,
-                    pass_rows: Optional[int] = None) -> None:
+                    pass_rows: Optional[int] = None, rows_sent: bool = False) -> None:
     """Expert output rows ``out`` of the pass of window rows ``[pass_begin, pass_begin + pass_rows)`` to their
     owners' combine rows at (logical token, k); aligned pools skip padding rows and mark every row free (-1)
-    again."""
+    again. ``rows_sent``: the engine sent them (`send_rows`): check each row's token and free it only."""
     rows = s.capacity if pass_rows is None else pass_rows
     k.combine_scatter((blocks(rows, WARPS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                       _args(s).combine_scatter(pool_out=out.data_ptr(), window_begin=window_begin,
-                                               pass_begin=pass_begin, pass_rows=rows),
+                                               pass_begin=pass_begin, pass_rows=rows, rows_sent=int(rows_sent)),
                       stream=stream)
+
+
+def send_rows(s: State, engine: ExpertEngine, window_begin: int) -> Optional[CombineRows]:
+    """Where ``engine`` sends the output rows of the window starting at chunk ``window_begin`` itself (its L2
+    epilogue writes each row into its owner's combine rows, and `combine_scatter` only frees them): an engine
+    with `ExpertEngine.sends_rows` on a PE whose owners are all mapped (``s.send_peers``); else None."""
+    if not engine.sends_rows or s.send_peers is None:
+        return None
+    address = kernel_args.address
+    return CombineRows(row_src=address(s.row_src), token_base=address(s.token_base), peers=address(s.send_peers),
+                       window_begin=window_begin, num_ranks=s.num_ranks, num_topk=s.topk,
+                       combine_tokens=s.combine_tokens)
 
 
 def combine_signal(k: Kernels, s: State, stream, *, first: int, last: int, ack_chunks: bool) -> None:
@@ -672,15 +687,17 @@ def consume_window(k: Kernels, s: State, stream, *, window: WindowStep, engine: 
         if stamps and pass_idx == 0:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "dispatch"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=False)
+        send = send_rows(s, engine, window.first)
         out = outbound(s, engine.forward(s.pool(rows, pass_begin, len(window.passes)), rows,
                                          rows_per_expert=min(window.rows_per_expert, rows), out=_out_rows(s, rows),
-                                         scratch=s.scratch))
+                                         scratch=s.scratch, **({} if send is None else {"send": send})))
         if marks is not None and pass_idx == last_pass:
             marks.mark("experts")
         if stamps and pass_idx == last_pass:
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "experts"), end=True)
             stamp(k, s, stream, chunk=window.first, stage=("consumer", "combine"), end=False)
-        combine_scatter(k, s, stream, out=out, window_begin=window.first, pass_begin=pass_begin, pass_rows=rows)
+        combine_scatter(k, s, stream, out=out, window_begin=window.first, pass_begin=pass_begin, pass_rows=rows,
+                        rows_sent=send is not None)
     combine_signal(k, s, stream, first=window.first, last=window.last, ack_chunks=not early)
     combine_wait(k, s, stream, chunk=window.last)
     combine_reduce(k, s, stream, window=window, topk_idx=topk_idx, topk_weights=topk_weights, y=y,
