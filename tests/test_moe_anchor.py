@@ -112,6 +112,21 @@ def test_table_and_json(tmp_path):
     anchor.write_json(None, {})  # no path: nothing written
 
 
+def test_graph_rows_compare_with_megamoes_fastest_row():
+    # --modes graph adds each side's replayed call; best/megamoe is the fastest symmring row over the fastest MegaMoE
+    # row, whichever mode each came from.
+    assert anchor.parse_args(["--anchor", "megamoe", "--modes", "batch,graph"]).modes == ["batch", "graph"]
+    rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="symmring fused batch", ms=0.60, ok=True),
+            dict(shape="v4-flash", tokens_per_rank=8, impl="symmring fused graph", ms=0.45, ok=True),
+            dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.47, ok=True),
+            dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe graph", ms=0.50, ok=True)]
+    line = anchor.summarize(rows)[0]
+    assert line["best"] == "symmring fused graph" and line["best_vs_megamoe"] == pytest.approx(0.45 / 0.47)
+    assert set(line["ratios"]) == {"symmring fused batch", "symmring fused graph"}
+    head = anchor.format_table(rows).splitlines()[0]
+    assert head.index("symmring fused graph") < head.index("megamoe ") < head.index("megamoe graph")
+
+
 def test_reference_weights_fill_the_gate_and_up_halves_in_place():
     """The reference's w13 (gate rows then up rows, dequantised in place) equals the concatenation it replaced."""
     torch = pytest.importorskip("torch")

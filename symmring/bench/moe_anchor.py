@@ -20,7 +20,14 @@ side, per model shape and tokens per rank:
   (``mega_moe_pre_dispatch_sm90``: fp8 ``x`` with per-128 float32 scales, ``topk_idx``, ``topk_weights``,
   ``routed_scaling_factor=1``); then ``fp8_mega_moe(y, l1, l2, None, buffer, [ptr], 0, capacity,
   num_experts, topk, (128, 128, 128), "swiglu", None, fast_math=True)``. Timed: pre-dispatch + kernel
-  (``ms``), and the kernel alone after its pre-dispatch (``kernel_ms``).
+  (``ms``), and the kernel alone after its pre-dispatch (``kernel_ms``);
+* ``--modes graph``: each side's call captured once in a CUDA graph and its replays timed (symmring: the batch
+  layer's `symmring.moe.gpu.MoE.capture`; MegaMoE: pre-dispatch + kernel under ``torch.cuda.graph``), rows
+  ``symmring ENGINE graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
+  graph (vLLM's decode) runs it, where an eager call also times the host's work before its first kernel.
+
+Every call is timed alone (CUDA events around it, then a synchronisation). ``best/megamoe`` is the fastest
+symmring row over the fastest MegaMoE row (eager or graph) of the same shape and size.
 
 Both compute the same function, ``y = sum_k w_k * W_down(silu(W_gate x) * (W_up x))`` (MegaMoE's swiglu with
 no clamp is ``silu(gate) * up``; it multiplies the topk weight into the SwiGLU output before the second
@@ -71,6 +78,8 @@ ANCHOR_SHAPES = {
 DEFAULT_SHAPES = ("v4-flash", "deepseek-v3")
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
 ANCHORS = ("megamoe",)
+#: symmring's schedules (batch, streamed) and graph replays of each side's call (`--modes`).
+MODES = ("batch", "streamed", "graph")
 #: Relative error ||y - y_ref|| / ||y_ref|| accepted against the dequantised-weight bf16 reference.
 DEFAULT_TOL = 0.05
 BUILD_HINT = "tools/megamoe/build.sh (builds DeepGEMM's SM90 MegaMoE as the module megamoe_dg from .megamoe/)"
@@ -153,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated tokens per rank")
     parser.add_argument("--engines", default="builtin,deepgemm",
                         help="symmring fp8 engines: builtin, deepgemm (where it works), fused; 'none': MegaMoE alone")
-    parser.add_argument("--modes", default="batch,streamed", help="symmring schedules: batch, streamed")
+    parser.add_argument("--modes", default="batch,streamed",
+                        help="symmring schedules: batch, streamed; graph: also each side's call replayed from a "
+                             "CUDA graph (symmring's batch layer, MegaMoE)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="capacity of every layer and of MegaMoE's buffer (default: the largest --tokens); part of "
                              "MegaMoE's kernel template, so keep it equal across runs that share its JIT cache")
@@ -186,8 +197,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if any(e not in ("builtin", "deepgemm", "fused") for e in args.engines):
         parser.error(f"--engines={','.join(engines)}: expected builtin, deepgemm, fused or none")
     args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or any(m not in ("batch", "streamed") for m in args.modes):
-        parser.error("--modes: expected batch, streamed or both")
+    if not args.modes or any(m not in MODES for m in args.modes):
+        parser.error(f"--modes: expected some of {', '.join(MODES)}")
     if args.max_tokens is None:
         args.max_tokens = args.tokens[-1]
     if args.max_tokens < args.tokens[-1]:
@@ -197,10 +208,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def is_megamoe(impl: str) -> bool:
+    """Whether a row's ``impl`` is MegaMoE's (``megamoe``, ``megamoe graph``)."""
+    return impl.split(" ")[0] == "megamoe"
+
+
 def summarize(rows: List[Dict]) -> List[Dict]:
-    """One line per (shape, tokens): each implementation's latency, each symmring variant over MegaMoE
-    (``ratios``), the best symmring variant (``best``) over MegaMoE (``best_vs_megamoe``) and over the call's
-    fp8 roofline (``best_vs_roofline``; `symmring.bench.ceilings.fp8_roofline_ms`, in ``fp8_roofline_ms``).
+    """One line per (shape, tokens): each implementation's latency, each symmring variant over MegaMoE's fastest
+    row (``ratios``), the best symmring variant (``best``) over MegaMoE's fastest (``best_vs_megamoe``) and over the
+    call's fp8 roofline (``best_vs_roofline``; `symmring.bench.ceilings.fp8_roofline_ms`, in ``fp8_roofline_ms``).
 
     Example:
         >>> rows = [dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.2, rel_err=0.02, ok=True),
@@ -223,9 +239,10 @@ def summarize(rows: List[Dict]) -> List[Dict]:
             line["fp8_roofline_ms"] = r["fp8_roofline_ms"]
         line["ok"] = line["ok"] and bool(r.get("ok", True))
     for line in lines.values():
-        mega, roof = line["ms"].get("megamoe"), line["fp8_roofline_ms"]
-        line["ratios"] = {k: v / mega for k, v in line["ms"].items() if k != "megamoe" and mega}
-        ours = {k: v for k, v in line["ms"].items() if k != "megamoe"}
+        megas = [v for k, v in line["ms"].items() if is_megamoe(k)]
+        mega, roof = (min(megas) if megas else None), line["fp8_roofline_ms"]
+        line["ratios"] = {k: v / mega for k, v in line["ms"].items() if not is_megamoe(k) and mega}
+        ours = {k: v for k, v in line["ms"].items() if not is_megamoe(k)}
         line["best"] = min(ours, key=ours.get) if ours else None
         best_ms = ours.get(line["best"]) if ours else None
         line["best_vs_megamoe"] = best_ms / mega if best_ms and mega else None
@@ -245,9 +262,8 @@ def format_table(rows: List[Dict]) -> str:
         shape         tokens  symmring builtin batch     megamoe              best/megamoe best/roofline ok
         v4-flash           8  0.300 ms (2.1e-02)         0.200 ms (2.0e-02)   1.50         3.00          yes
     """
-    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "megamoe"))
-    if any(r["impl"] == "megamoe" for r in rows):
-        impls.append("megamoe")
+    impls = list(dict.fromkeys(r["impl"] for r in rows if not is_megamoe(r["impl"])))
+    impls += list(dict.fromkeys(r["impl"] for r in rows if is_megamoe(r["impl"])))
     width = max([22] + [len(i) for i in impls]) + 3
     head = (f"{'shape':<13} {'tokens':>6}  " + "".join(f"{i:<{width}}" for i in impls)
             + f"{'best/megamoe':<13}{'best/roofline':<14}ok")
@@ -399,6 +415,35 @@ def _median_kernel_ms(runner, x, topk_idx, topk_weights, out, repeats: int, warm
     return statistics.median(times)
 
 
+def _symmring_graph(layer, x, topk_idx, topk_weights):
+    """The layer's batch call on these tensors captured (`symmring.moe.gpu.MoE.capture`), replayed once and
+    checked: ``(replay, y)``, ``y`` the graph's static output."""
+    import torch
+    call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights)
+    call.replay()
+    torch.cuda.synchronize()
+    layer.check_errors()
+    return call.replay, y
+
+
+def _megamoe_graph(runner, x, topk_idx, topk_weights):
+    """MegaMoE's call (pre-dispatch + kernel) on these tensors captured under ``torch.cuda.graph`` after a warm call
+    on the capture's stream, replayed once: ``(replay, y)``."""
+    import torch
+    y = torch.empty(x.shape[0], runner.hidden, device=x.device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runner.run(x, topk_idx, topk_weights, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner.run(x, topk_idx, topk_weights, y)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay, y
+
+
 class MegaMoERunner:
     """MegaMoE on one shape: its weights (``[gate; up]`` interleaved by 8 rows, scales as they are), one buffer
     sized for ``max_tokens``, ``run(x, topk_idx, topk_weights)``."""
@@ -446,8 +491,12 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
     routing = RoutingConfig(num_experts, topk)
     layers = {}
     for engine in engines:
-        if "batch" in modes:
-            layers[f"symmring {engine} batch"] = MoE(ctx, experts, routing, max_tokens=max_tokens, engine=engine)
+        if "batch" in modes or "graph" in modes:
+            batch = MoE(ctx, experts, routing, max_tokens=max_tokens, engine=engine)
+            if "batch" in modes:
+                layers[f"symmring {engine} batch"] = batch
+            if "graph" in modes:  # the batch layer's call, captured (the same object: closed once)
+                layers[f"symmring {engine} graph"] = batch
         if "streamed" in modes and max_tokens >= 2 * tokens_per_slot:
             schedule = ScheduleConfig(num_slots=-(-max_tokens // tokens_per_slot), tokens_per_slot=tokens_per_slot)
             layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
@@ -508,14 +557,21 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
             touched = int(torch.unique(idx[idx >= 0]).numel())
             roof = fp8_roofline_ms(touched, int((idx >= 0).sum()), hidden, inter, payload["ceilings"])
             reps = 1 if args.check_only else (args.repeats if n <= 4096 else max(3, args.repeats // 4))
-            impls = list(layers.items()) + ([("megamoe", mega)] if mega is not None else [])
+            impls = list(layers.items())
+            if mega is not None:
+                impls += [("megamoe", mega)] + ([("megamoe graph", mega)] if "graph" in args.modes else [])
             for name, impl in impls:
                 row = {**base, "impl": name, "tokens_per_rank": n, "fp8_roofline_ms": roof}
                 streamed = name.endswith("streamed")
                 if streamed and n < 2 * args.tokens_per_slot:
                     continue  # one chunk: the batch path
                 try:
-                    if name == "megamoe":
+                    if name.endswith(" graph"):
+                        replay, y = (_megamoe_graph if name == "megamoe graph" else _symmring_graph)(impl, x, idx, w)
+                        row["rel_err"] = rel_error(y.float(), y_ref)
+                        row["ms"] = _median_ms(replay, reps)
+                        del replay, y
+                    elif name == "megamoe":
                         y = impl.run(x, idx, w)
                         torch.cuda.synchronize()
                         row["rel_err"] = rel_error(y.float(), y_ref)
@@ -546,7 +602,7 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
                          started_s=started)
             del y_ref
     finally:
-        for layer in layers.values():
+        for layer in {id(layer): layer for layer in layers.values()}.values():
             layer.close()
         del layers, mega, weights, inputs, y_refs
         torch.cuda.empty_cache()
@@ -618,7 +674,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return warm(dg, args)
     # Each symmring layer keeps a combine buffer of its largest call in the symmetric heap (as bench moe sizes it).
     per_layer = max(args.max_tokens * (ANCHOR_SHAPES[s][3] + 1) * ANCHOR_SHAPES[s][0] * 2 for s in args.shapes)
-    num_layers = max(1, len(args.engines) * len(args.modes))
+    num_layers = max(1, len(args.engines) * (("batch" in args.modes or "graph" in args.modes) +
+                                             ("streamed" in args.modes)))
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 ** 30, int(per_layer * num_layers * 1.25) + 2 ** 28)))
     rows: List[Dict] = []
     payload = {"anchor": args.anchor, "rows": rows, "skipped": [], "megamoe": {}, "tol": args.tol,
