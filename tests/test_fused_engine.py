@@ -147,7 +147,7 @@ def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
     engine = fused.FusedExperts(weights, kernel="wg128t")
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
-    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 217880, 384)
+    assert (launch.kernel, launch.shared_bytes, fused.threads("wg128t")) == ("wg128t", 213832, 384)
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # 128-row items: one m block per 128-row group (3 groups for 300 rows), each with its L1 and L2 items.
     assert int(record["experts"]["m_blocks_per_group"]) == 1 and tuple(launch.counters.shape) == (1 + 3,)

@@ -31,6 +31,7 @@
 //
 // Built for another target than sm_90a, the kernel records kStatusWrongTarget and computes nothing.
 #include <moe/fused_profile.cuh>
+#include <moe/fused_spans.cuh>
 #include <moe/fused_wgmma.cuh>
 #include <moe/fused_wgmma128.cuh>
 
@@ -51,7 +52,9 @@ constexpr int kLaunchRegisters = 168;  // 64K / 384 threads, rounded down to 8: 
 static_assert(kProducerRegisters * 128 + kMathRegisters * 128 * kMathWarpgroups <= kLaunchRegisters * kBlockThreads,
               "the warpgroups' registers after setmaxnreg must fit the block's allocation at launch");
 constexpr int kABoxRows = 64;  // rows of one TMA box of A (the host's pool and intermediate maps)
-constexpr int kTableBlocks = 4096;  // 64-row blocks whose first row's expert id the block keeps in shared memory
+constexpr int kTableBlocks = 2048;  // 64-row blocks whose first row's expert id the block keeps in shared memory
+constexpr int kBlocksPerGroup = kAlign / kABoxRows;
+constexpr int kTableGroups = kTableBlocks / kBlocksPerGroup;  // the 128-row groups they cover (their spans)
 
 // The geometry of the two kernels. wg64t: 64-row items, B boxes of 128 rows (L1: gate, up; L2: one). wg128t:
 // 128-row items (a whole group), B boxes of 64 rows (L1: gate, up of a pass's 64 columns; L2: the two halves of
@@ -88,8 +91,13 @@ struct Shared : Keep<T> {
     uint64_t stored[kMathWarpgroups];  // a math warpgroup's four warps stored their part of an L1 item
     float amax[2][kMathWarpgroups][kBlockM];  // wg64t's row maxima (wg128t's rows stay in one warpgroup)
     int block_expert[kTableBlocks];  // m_indices at rows 0, 64, 128, ... (the producer's decoding, no global read)
+    int16_t span_first[kTableGroups];   // each group's span (span_of): its first group
+    int16_t span_groups[kTableGroups];  //   and its groups
     int queue_ticket[kQueue];
-    int queue_expert[kQueue];        // the item's local expert (the math warps' decoding, no global read)
+    int queue_expert[kQueue];        // the item's local expert, m block, n block and first row (the math warps' decoding)
+    int queue_m_block[kQueue];
+    int queue_n_block[kQueue];
+    int queue_row0[kQueue];
     int queue_expired[kQueue];
     int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
     int queue_end;  //   the entries it pushed
@@ -259,13 +267,14 @@ struct Ring {
 
 // --- the item queue: the producer's tickets to the math warpgroups ----------------------------------------
 
-// Entry `pos` of the queue: a ticket (an index of the whole work list; kEndOfWork ends the math loop) and whether
-// the producer's wait for its L1 items expired (an L2 item: its loads came all the same, its tile is NaN).
+// Entry `pos` of the queue: a ticket (an index of the whole work list; kEndOfWork ends the math loop), the item it
+// decodes to (the producer's decoding) and whether the producer's wait for its L1 items expired (an L2 item: its
+// loads came all the same, its tile is NaN).
 constexpr int kEndOfWork = -1;
 
 // The producer's push of entry `pos`; false when the wait for a free entry expired (a stall).
 template <class T>
-__device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, int expert, int expired,
+__device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, const Item& it, int expired,
                                      const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     // A fresh barrier's "previous" phase counts as done: the first round needs no math warp's arrival.
@@ -274,7 +283,10 @@ __device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, in
         return false;
     FUSED_PROFILE_ADD(kQueueWait, waited);
     sm.queue_ticket[q] = ticket;
-    sm.queue_expert[q] = expert;
+    sm.queue_expert[q] = it.expert;
+    sm.queue_m_block[q] = it.m_block;
+    sm.queue_n_block[q] = it.n_block;
+    sm.queue_row0[q] = it.row0;
     sm.queue_expired[q] = expired;
     mbar_arrive(&sm.queue_full[q]);  // release (CTA scope): the entry before the math warps' acquiring wait
     return true;
@@ -282,7 +294,7 @@ __device__ __forceinline__ bool push(Shared<T>& sm, uint32_t pos, int ticket, in
 
 // A math thread's pop of entry `pos`; false when the producer closed the queue before it (or the last resort).
 template <class T>
-__device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, int& expert, int& expired,
+__device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, Item& it, int& expired,
                                     const Clock& clock) {
     const int q = static_cast<int>(pos % kQueue);
     const auto never = [&] { return closed(sm) && pos >= static_cast<uint32_t>(sm.queue_end); };
@@ -290,7 +302,10 @@ __device__ __forceinline__ bool pop(Shared<T>& sm, uint32_t pos, int& ticket, in
     if (!mbar_wait(&sm.queue_full[q], (pos / kQueue) & 1u, clock.math_ns, clock, never)) return false;
     FUSED_PROFILE_ADD(kPopWait, waited);
     ticket = sm.queue_ticket[q];
-    expert = sm.queue_expert[q];
+    it.expert = sm.queue_expert[q];
+    it.m_block = sm.queue_m_block[q];
+    it.n_block = sm.queue_n_block[q];
+    it.row0 = sm.queue_row0[q];
     expired = sm.queue_expired[q];
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbar_arrive(&sm.queue_empty[q]);  // this warp read the entry
@@ -477,13 +492,18 @@ __device__ __forceinline__ void close_queue(Shared<T>& sm, uint32_t pos, const R
     *reinterpret_cast<volatile int*>(&sm.closed) = 1;
 }
 
-// The producer's decoding of item i of a phase: its coordinates, and its m block's local expert from the table in
-// shared memory (an m block past the table: from m_indices).
+// The producer's decoding of item i of a phase: its coordinates (span order where the pass's groups fit the table,
+// else group order), and its m block's local expert from the table in shared memory (past the table: m_indices).
 template <class T>
 __device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedExpertsArgs& p, const Work& w, int i,
                                               bool l1) {
     Item it;
-    item_coords<T::kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_items, it.m_block, it.row0, it.n_block);
+    if (w.num_m_blocks <= kTableGroups * w.per_group) {
+        span_coords(sm.span_first, sm.span_groups, w.per_group, T::kBlockM, i, l1 ? w.n1_blocks : w.n2_items,
+                    it.m_block, it.row0, it.n_block);
+    } else {
+        item_coords<T::kBlockM>(w, i, l1 ? w.n1_blocks : w.n2_items, it.m_block, it.row0, it.n_block);
+    }
     const int b = it.row0 / kABoxRows;
     it.expert = it.row0 >= p.num_rows ? -1
                                       : checked_expert(p, b < kTableBlocks ? sm.block_expert[b] : p.m_indices[it.row0],
@@ -525,7 +545,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                 FUSED_PROFILE_COUNT(kLateArrivals, claimed > 1);
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
             }
-            if (claimed >= 0 && push(sm, pos, ticket, it.expert, expired, clock)) {
+            if (claimed >= 0 && push(sm, pos, ticket, it, expired, clock)) {
                 ++pos;
                 FUSED_PROFILE_COUNT(kProducerItems, 1);
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
@@ -546,7 +566,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             nan_tile<T>(p, w, it);
         }
     }
-    if (stalled || push(sm, pos, kEndOfWork, -1, 0, clock)) return;
+    if (stalled || push(sm, pos, kEndOfWork, Item{-1, -1, -1, -1}, 0, clock)) return;
     close_queue(sm, pos, ring);
 }
 
@@ -736,13 +756,10 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
     Ring<T> ring;
     uint32_t n_l1 = 0;
     for (uint32_t pos = 0;; ++pos) {
-        int ticket, expert, expired;
-        if (!pop(sm, pos, ticket, expert, expired, clock) || ticket == kEndOfWork) return;
+        int ticket, expired;
+        Item it;  // the producer's decoding (no global read)
+        if (!pop(sm, pos, ticket, it, expired, clock) || ticket == kEndOfWork) return;
         const bool l1 = ticket < w.l1_items;
-        Item it;  // the producer's decoding: the coordinates again, the expert from the entry (no global read)
-        item_coords<T::kBlockM>(w, l1 ? ticket : ticket - w.l1_items, l1 ? w.n1_blocks : w.n2_items, it.m_block,
-                                it.row0, it.n_block);
-        it.expert = expert;
         if constexpr (T::kBlockM == wg::kBlockM) {
             if (l1 || w.n2_per_item == 2) {  // both run wg64t's two-stream main loop: one copy of it serves both
                 const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
@@ -777,11 +794,24 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
 // --- the persistent kernels --------------------------------------------------------------------------------
 
 // Warpgroup 0 copies the expert id of every 64-row block's first row (up to kTableBlocks of them) into shared
-// memory, for the producer's decoding; a named barrier of the warpgroup (not the block's) ends it.
+// memory, then (where every group of the pass fits the table) each group's span (fused_spans.cuh), for the
+// producer's decoding; named barriers of the warpgroup (not the block's) end each step. A span of L groups costs
+// each of its groups L reads of the table: at most kTableGroups^2 / 128 reads a thread (one expert holding every
+// row).
 template <class T>
-__device__ __forceinline__ void fill_block_experts(Shared<T>& sm, const FusedExpertsArgs& p) {
+__device__ __forceinline__ void fill_tables(Shared<T>& sm, const FusedExpertsArgs& p) {
     const int blocks = min((p.num_rows + kABoxRows - 1) / kABoxRows, kTableBlocks);
     for (int b = threadIdx.x; b < blocks; b += 128) sm.block_expert[b] = p.m_indices[b * kABoxRows];
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    const int groups = (p.num_rows + kAlign - 1) / kAlign;
+    if (groups > kTableGroups) return;
+    const auto expert = [&](int g) { return sm.block_expert[g * kBlocksPerGroup]; };
+    for (int g = threadIdx.x; g < groups; g += 128) {
+        int first, count;
+        span_of(expert, g, groups, first, count);
+        sm.span_first[g] = static_cast<int16_t>(first);
+        sm.span_groups[g] = static_cast<int16_t>(count);
+    }
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
 }
 
@@ -822,7 +852,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const Clock clock{p.status, bound, 2 * bound};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
-        fill_block_experts(sm, p);
+        fill_tables(sm, p);
         if (threadIdx.x == 0) {
             FUSED_PROFILE_STAMP(producing);
             producer(sm, args, w, clock);

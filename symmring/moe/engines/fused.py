@@ -63,11 +63,13 @@ _WG_STAGES, _WG_ROWS, _WARPGROUPS, _SWIZZLE_ATOM = 4, 64, THREADS // 128, 1024
 #: The TMA kernels' (``fused::wg::tma::Shared<Tile>``): wg128t's kept first-pass values (``wg128::Keep``: 32 floats
 #: per math thread), 5 stages of A rows (64 or 128) and two B boxes (128 or 64 rows each), a full and an empty
 #: 8-byte mbarrier per stage, a full and an empty mbarrier per entry of the 4-entry item queue, two row-maxima
-#: mbarriers and one "stored" mbarrier per math warpgroup, the row maxima twice, the queue's entries (two ints
-#: each), three ints padded to the barriers' 8-byte alignment.
+#: mbarriers and one "stored" mbarrier per math warpgroup, the row maxima twice, the queue's entries (six ints
+#: each: ticket, expert, m block, n block, first row, expired), three ints padded to the barriers' 8-byte alignment.
 _TMA_STAGES, _TMA_QUEUE, _MBARRIER_BYTES, _TMA_INTS_BYTES = 5, 4, 8, 16
-#: 64-row blocks whose expert id a TMA kernel keeps in shared memory (fused_experts_tma.cu kTableBlocks).
-_TMA_TABLE_BLOCKS = 4096
+#: 64-row blocks whose expert id a TMA kernel keeps in shared memory (fused_experts_tma.cu kTableBlocks), and the
+#: 128-row groups they cover, each with its span's first group and count (int16; fused_spans.cuh).
+_TMA_TABLE_BLOCKS = 2048
+_TMA_TABLE_GROUPS = _TMA_TABLE_BLOCKS // 2
 #: The device modules (names in `symmring.jit.ENGINE_MODULES`, which ``python -m symmring.jit`` prebuilds):
 #: mma.sync kernels, wgmma kernel, TMA wgmma kernel.
 MODULE, WGMMA_MODULE, TMA_MODULE = "moe_fused_experts", "moe_fused_experts_wgmma", "moe_fused_experts_tma"
@@ -109,7 +111,7 @@ def shared_bytes(kernel: str) -> int:
 
     Example:
         >>> [shared_bytes(k) for k in ("m16", "m32", "wg64", "wg64t", "wg128t")]
-        [196360, 166920, 165384, 224792, 217880]
+        [196360, 166920, 165384, 220744, 213832]
     """
     if kernel == WGMMA_KERNEL:
         return _WG_STAGES * (_WG_ROWS + _MAX_ROWS_B) * TILE + _WARPGROUPS * _WG_ROWS * 4 + 8 + _SWIZZLE_ATOM
@@ -119,7 +121,8 @@ def shared_bytes(kernel: str) -> int:
         # per stage: A, two B boxes, A's activation scales, the B boxes' weight scales, full and empty barriers
         return (keep + _TMA_STAGES * ((rows + 2 * b_box) * TILE + rows * 4 + 2 * 4 + 2 * _MBARRIER_BYTES)
                 + (2 * _TMA_QUEUE + 2 + _WARPGROUPS) * _MBARRIER_BYTES + 2 * _WARPGROUPS * _WG_ROWS * 4
-                + _TMA_TABLE_BLOCKS * 4 + 3 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES + _SWIZZLE_ATOM)
+                + _TMA_TABLE_BLOCKS * 4 + _TMA_TABLE_GROUPS * 2 * 2 + 6 * _TMA_QUEUE * 4 + _TMA_INTS_BYTES
+                + _SWIZZLE_ATOM)
     rows = KERNELS[kernel]
     return _STAGES[rows] * (rows + _MAX_ROWS_B) * _ROW_BYTES + _WARPS * rows * 4 + 8
 

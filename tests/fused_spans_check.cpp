@@ -1,0 +1,103 @@
+// device/moe/fused_spans.cuh on the CPU (tests/test_fused_spans.py builds this with g++): over seeded random pools
+// (every expert's rows in consecutive 128-row groups, then padding groups), for both kernels' m blocks (64 rows, two
+// per group; 128 rows, one) and several n blocks per m block:
+//   * span_of gives every group the first group and the count of the run of groups naming its expert (a padding
+//     group: itself alone), restated here by a forward scan;
+//   * span_coords is a permutation of the phase's items: every (m block, n block) exactly once, with the first row
+//     item_coords (group order, fused_common.cuh) gives that m block;
+//   * a span's items run n block by n block, its m blocks adjacent at each: item i + 1 is the next m block of the
+//     same n block or the span's first m block of the next one.
+// Usage: fused_spans_check; prints the count of checks and of failures, exits 1 on any.
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <moe/fused_spans.cuh>
+
+using namespace symmring_moe::fused;
+
+static long checks = 0, failures = 0;
+
+static void expect(bool ok, const char* what, long a = 0, long b = 0, long c = 0) {
+    ++checks;
+    if (ok) return;
+    if (failures++ < 20) std::printf("FAIL %s (%ld, %ld, %ld)\n", what, a, b, c);
+}
+
+// One pool's groups: each expert's ceil(rows / 128) groups in expert order (experts of no rows have none), then
+// `padding` groups of -1.
+static std::vector<int> pool_groups(std::mt19937& rng, int experts, int max_rows, int padding) {
+    std::vector<int> groups;
+    std::uniform_int_distribution<int> rows(0, max_rows);
+    for (int e = 0; e < experts; ++e)
+        for (int g = 0, n = (rows(rng) + 127) / 128; g < n; ++g) groups.push_back(e);
+    groups.insert(groups.end(), padding, -1);
+    return groups;
+}
+
+static void check_pool(const std::vector<int>& expert_of) {
+    const int groups = static_cast<int>(expert_of.size());
+    std::vector<int16_t> first(groups), count(groups);
+    const auto expert = [&](int g) { return expert_of[g]; };
+    for (int g = 0; g < groups; ++g) {
+        int f, c;
+        span_of(expert, g, groups, f, c);
+        first[g] = static_cast<int16_t>(f);
+        count[g] = static_cast<int16_t>(c);
+        int want_first = g, want_end = g + 1;  // restated: the run of groups of g's expert
+        if (expert_of[g] >= 0) {
+            want_first = 0;
+            for (int h = 0; h <= g; ++h)
+                if (expert_of[h] != expert_of[g]) want_first = h + 1;
+            while (want_end < groups && expert_of[want_end] == expert_of[g]) ++want_end;
+        }
+        expect(f == want_first && c == want_end - want_first, "span_of", g, f, c);
+    }
+    for (int per_group : {1, 2}) {
+        const int block_m = 128 / per_group;
+        for (int n_blocks : {1, 3, 16}) {
+            const int items = groups * per_group * n_blocks;
+            std::set<std::pair<int, int>> seen;
+            int prev_m = -1, prev_n = -1;
+            for (int i = 0; i < items; ++i) {
+                int m_block, row0, n_block;
+                span_coords(first.data(), count.data(), per_group, block_m, i, n_blocks, m_block, row0, n_block);
+                const int g = m_block / per_group;
+                expect(m_block >= 0 && m_block < groups * per_group && n_block >= 0 && n_block < n_blocks,
+                       "in range", i, m_block, n_block);
+                if (failures) return;
+                expect(row0 == g * 128 + (m_block % per_group) * block_m, "row0 as item_coords", i, m_block, row0);
+                expect(seen.insert({m_block, n_block}).second, "each item once", i, m_block, n_block);
+                // Within the ticket's span: the next m block at the same n block, or the span's first at the next.
+                const int span_begin = first[g] * per_group, span_end = span_begin + count[g] * per_group;
+                if (prev_m >= 0 && prev_m >= span_begin && prev_m < span_end) {
+                    const bool next_m = n_block == prev_n && m_block == prev_m + 1;
+                    const bool next_n = prev_m == span_end - 1 && n_block == prev_n + 1 && m_block == span_begin;
+                    const bool next_span = prev_m == span_end - 1 && prev_n == n_blocks - 1 && m_block == span_end;
+                    expect(next_m || next_n || next_span || m_block < span_begin, "adjacent", i, prev_m, m_block);
+                }
+                expect(m_block >= span_begin && m_block < span_end, "item in its group's span", i, m_block, g);
+                prev_m = m_block;
+                prev_n = n_block;
+            }
+            expect(static_cast<int>(seen.size()) == items, "every item", items, static_cast<long>(seen.size()));
+        }
+    }
+}
+
+int main() {
+    std::mt19937 rng(1234);
+    check_pool({0});
+    check_pool({-1});
+    check_pool(std::vector<int>(300, 7));  // one expert holds every group
+    check_pool({0, 0, 1, -1, -1});
+    for (int trial = 0; trial < 200; ++trial) {
+        std::uniform_int_distribution<int> experts(1, 64), max_rows(0, 600), padding(0, 8);
+        check_pool(pool_groups(rng, experts(rng), max_rows(rng), padding(rng)));
+    }
+    std::printf("checks %ld failures %ld\n", checks, failures);
+    return failures ? 1 : 0;
+}
