@@ -18,7 +18,7 @@
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
 # "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
-# builtin; e.g. builtin,fused) and ANCHOR_MODES (default every mode; e.g. batch) choose the anchor's symmring
+# builtin; e.g. builtin,fused) and ANCHOR_MODES (default batch,streamed; e.g. batch,graph) choose the anchor's symmring
 # rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table); ANCHOR_BUDGET_S (default
 # 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.

@@ -16,7 +16,10 @@ It reads the pool the fp8 dispatch writes (rows, their 1x128 scales, ``m_indices
 128x128 block scales, as the ``"builtin"`` engine does, and writes the output rows into its own tensor: the
 workspace's output rows share bytes with the pool (`symmring.moe.workspace_plan.expert_arena`), which a fused
 kernel still reads while its first output tiles are written. Its intermediate (fp8 rows and scales) comes
-from torch for the same reason.
+from torch for the same reason. Given ``send=`` (`CombineRows`: the layer, where every owner is mapped) the L2
+epilogue writes each live row straight into its owner's combine rows instead (``sends_rows``), and the output
+tensor has no rows. The TMA kernels run each expert's items n block by n block over all its m blocks (the span
+order, ``device/moe/fused_spans.cuh``), so its weight tiles are read once.
 """
 
 from __future__ import annotations
