@@ -7,25 +7,19 @@ On the GPU, tests/gpu/test_fused_engine.py compares the same code with torch's d
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from host_checks import build_check, needs_cxx
 
-ROOT = Path(__file__).resolve().parent.parent
-CXX = shutil.which("g++") or shutil.which("c++")
-
-pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++) to build the division check")
+pytestmark = needs_cxx
 
 
 @pytest.fixture(scope="module")
 def checker(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("fused_div") / "fused_div_check"
     # -ffp-contract=off: the header's roundings are the explicit ones; no fused multiply-add of the compiler's.
-    subprocess.run([CXX, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", f"-I{ROOT / 'device'}",
-                    "-o", str(exe), str(ROOT / "tests" / "fused_div_check.cpp")], check=True, capture_output=True)
-    return exe
+    return build_check("fused_div_check", tmp_path_factory.mktemp("fused_div"),
+                       ("-ffp-contract=off", "-Wno-unknown-pragmas"))
 
 
 @pytest.mark.parametrize("max_ulps", [0, 2, 4])
