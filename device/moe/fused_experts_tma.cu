@@ -94,8 +94,8 @@ struct Shared : Keep<T> {
     int16_t span_first[kTableGroups];   // each group's span (span_of): its first group
     int16_t span_groups[kTableGroups];  //   and its groups
     int queue_ticket[kQueue];
-    int queue_expert[kQueue];        // the item's local expert, m block, n block and first row (the math warps' decoding)
-    int queue_m_block[kQueue];
+    int queue_expert[kQueue];        // the item's local expert, m block, n block and first row (the producer's
+    int queue_m_block[kQueue];       //   decoding: the math warps decode nothing)
     int queue_n_block[kQueue];
     int queue_row0[kQueue];
     int queue_expired[kQueue];
