@@ -23,10 +23,13 @@ def test_parse_defaults_and_errors():
     assert args.shapes == ["v4-flash", "deepseek-v3"]
     assert args.tokens == [1, 8, 64, 512, 4096, 8192] and args.max_tokens == 8192
     assert args.engines == ["builtin", "deepgemm"] and args.modes == ["batch", "streamed"]
+    assert args.streamed_window == "chunk"
+    assert anchor.parse_args(["--anchor", "megamoe", "--streamed-window", "call"]).streamed_window == "call"
     args = anchor.parse_args(["--anchor", "megamoe", "--tokens", "64,8", "--engines", "none", "--max-tokens", "8192"])
     assert args.tokens == [8, 64] and args.engines == [] and args.max_tokens == 8192
     for bad in (["--shapes", "nope"], ["--tokens", "0"], ["--tokens", "x"], ["--engines", "torch"],
-                ["--modes", "eager"], ["--tokens", "64", "--max-tokens", "8"], ["--repeats", "0"]):
+                ["--modes", "eager"], ["--tokens", "64", "--max-tokens", "8"], ["--repeats", "0"],
+                ["--streamed-window", "all"]):
         with pytest.raises(SystemExit) as exc:
             anchor.parse_args(["--anchor", "megamoe", *bad])
         assert exc.value.code == 2

@@ -11,7 +11,8 @@ side, per model shape and tokens per rank:
 * symmring: ``MoE(..., w_gate, w_up, w_down, w_*_scale=...)`` given those fp8 weights, called with
   ``topk_idx``/``topk_weights`` (no router), batch (``streaming=False``, the default one-slot ring) and
   streamed (``streaming=True``, a ring of ``--tokens-per-slot`` slots; only where a call has at least two
-  chunks), for each engine (``builtin``; ``fused`` when named; ``deepgemm`` where
+  chunks; expert windows of one chunk, or with ``--streamed-window call`` one window of the whole call), for each
+  engine (``builtin``; ``fused`` when named; ``deepgemm`` where
   `symmring.moe.engines.deepgemm` finds a working ``deep_gemm``);
 * MegaMoE: the same fp8 weights as ``l1 = [gate; up]`` (rows interleaved by 8, `interleave_gate_up`, which
   is its ``transform_weights_for_mega_moe_sm90``; scales unchanged) and ``l2 = down``; its symmetric buffer
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "MegaMoE's kernel template, so keep it equal across runs that share its JIT cache")
     parser.add_argument("--tokens-per-slot", type=int, default=1024,
                         help="the streamed layer's chunk (streamed rows only where a call has >= 2 chunks)")
+    parser.add_argument("--streamed-window", choices=("chunk", "call"), default="chunk",
+                        help="the streamed layer's expert window: one chunk (each window reads the weights again) "
+                             "or the whole call (every expert's weights read once per call; issue 35 deliverable 2)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per row (a quarter above 4096 tokens)")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="relative error accepted vs the reference")
     parser.add_argument("--seed", type=int, default=0)
@@ -483,7 +487,7 @@ class MegaMoERunner:
 
 
 def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[str], max_tokens: int,
-                     tokens_per_slot: int) -> Dict[str, object]:
+                     tokens_per_slot: int, streamed_window: str = "chunk") -> Dict[str, object]:
     from ..moe.gpu.layer import MoE
     hidden, inter, num_experts, topk = ANCHOR_SHAPES[shape]
     experts = Experts(weights["gate"], weights["up"], weights["down"], w_gate_scale=weights["gate_scale"],
@@ -498,7 +502,9 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
             if "graph" in modes:  # the batch layer's call, captured (the same object: closed once)
                 layers[f"symmring {engine} graph"] = batch
         if "streamed" in modes and max_tokens >= 2 * tokens_per_slot:
-            schedule = ScheduleConfig(num_slots=-(-max_tokens // tokens_per_slot), tokens_per_slot=tokens_per_slot)
+            slots = -(-max_tokens // tokens_per_slot)
+            schedule = ScheduleConfig(num_slots=slots, tokens_per_slot=tokens_per_slot,
+                                      expert_window=slots if streamed_window == "call" else 1)
             layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
                                                         schedule=schedule, engine=engine)
     return layers
@@ -549,7 +555,8 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
         except Exception as exc:
             payload["skipped"].append({**base, "impl": "megamoe", "reason": f"{type(exc).__name__}: {exc}"})
             logger.warning("%s: MegaMoE setup failed: %s", shape, exc)
-    layers = _symmring_layers(ctx, shape, weights, args.engines, args.modes, max_tokens, args.tokens_per_slot)
+    layers = _symmring_layers(ctx, shape, weights, args.engines, args.modes, max_tokens, args.tokens_per_slot,
+                              args.streamed_window)
     try:
         for n in args.tokens:
             x, idx, w = inputs[n]
