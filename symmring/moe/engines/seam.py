@@ -81,7 +81,8 @@ class CombineRows:
     Attributes:
         row_src: device address of int32 ``[rows, 4]``: each pool row's (owner, chunk-local token, k, chunk).
         token_base: device address of int64 ``[chunks, num_ranks]``: the owners' token bases of the window.
-        peers: device address of uint64 ``[num_ranks]``: each owner's combine rows, mapped into this process.
+        peers: device address of int64 ``[num_ranks]``: each owner's combine rows (an address), mapped into this
+            process.
         window_begin: the window's first chunk (``token_base``'s row 0).
         num_ranks, num_topk: the ring's ranks and top-k.
         combine_tokens: the logical tokens every owner's combine rows hold (a row past them is not written).
