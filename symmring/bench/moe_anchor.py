@@ -23,8 +23,9 @@ side, per model shape and tokens per rank:
   num_experts, topk, (128, 128, 128), "swiglu", None, fast_math=True)``. Timed: pre-dispatch + kernel
   (``ms``), and the kernel alone after its pre-dispatch (``kernel_ms``);
 * ``--modes graph``: each side's call captured once in a CUDA graph and its replays timed (symmring: the batch
-  layer's `symmring.moe.gpu.MoE.capture`; MegaMoE: pre-dispatch + kernel under ``torch.cuda.graph``), rows
-  ``symmring ENGINE graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
+  layer's `symmring.moe.gpu.MoE.capture`, and the streamed layer's where ``streamed`` is a mode too; MegaMoE:
+  pre-dispatch + kernel under ``torch.cuda.graph``), rows ``symmring ENGINE graph``, ``symmring ENGINE streamed
+  graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
   graph (vLLM's decode) runs it, where an eager call also times the host's work before its first kernel.
 
 Every call is timed alone (CUDA events around it, then a synchronisation). ``best/megamoe`` is the fastest
@@ -419,11 +420,11 @@ def _median_kernel_ms(runner, x, topk_idx, topk_weights, out, repeats: int, warm
     return statistics.median(times)
 
 
-def _symmring_graph(layer, x, topk_idx, topk_weights):
-    """The layer's batch call on these tensors captured (`symmring.moe.gpu.MoE.capture`), replayed once and
-    checked: ``(replay, y)``, ``y`` the graph's static output."""
+def _symmring_graph(layer, x, topk_idx, topk_weights, streaming: bool = False):
+    """The layer's call on these tensors (batch, or ``streaming``) captured (`symmring.moe.gpu.MoE.capture`), replayed
+    once and checked: ``(replay, y)``, ``y`` the graph's static output."""
     import torch
-    call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights)
+    call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights, streaming=streaming)
     call.replay()
     torch.cuda.synchronize()
     layer.check_errors()
@@ -505,8 +506,10 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
             slots = -(-max_tokens // tokens_per_slot)
             schedule = ScheduleConfig(num_slots=slots, tokens_per_slot=tokens_per_slot,
                                       expert_window=slots if streamed_window == "call" else 1)
-            layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
-                                                        schedule=schedule, engine=engine)
+            streamed = layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
+                                                                   schedule=schedule, engine=engine)
+            if "graph" in modes:  # the streamed call, captured
+                layers[f"symmring {engine} streamed graph"] = streamed
     return layers
 
 
@@ -569,12 +572,13 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
                 impls += [("megamoe", mega)] + ([("megamoe graph", mega)] if "graph" in args.modes else [])
             for name, impl in impls:
                 row = {**base, "impl": name, "tokens_per_rank": n, "fp8_roofline_ms": roof}
-                streamed = name.endswith("streamed")
+                streamed = " streamed" in name
                 if streamed and n < 2 * args.tokens_per_slot:
                     continue  # one chunk: the batch path
                 try:
                     if name.endswith(" graph"):
-                        replay, y = (_megamoe_graph if name == "megamoe graph" else _symmring_graph)(impl, x, idx, w)
+                        replay, y = (_megamoe_graph(impl, x, idx, w) if name == "megamoe graph" else
+                                     _symmring_graph(impl, x, idx, w, streamed))
                         row["rel_err"] = rel_error(y.float(), y_ref)
                         row["ms"] = _median_ms(replay, reps)
                         del replay, y

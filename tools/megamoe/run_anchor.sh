@@ -20,7 +20,8 @@
 # "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
 # builtin; e.g. builtin,fused) and ANCHOR_MODES (default batch,streamed; e.g. batch,graph) choose the anchor's symmring
 # rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table); ANCHOR_BUDGET_S (default
-# 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
+# 525) is when the anchor step must end, counted from this script's start. While the anchor step runs, nvidia-smi samples
+# the SM clock and power once a second; run_anchor.log gets their range ("anchor clocks: ..."). Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
 # anchor_dgengine.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -126,9 +127,20 @@ else
   fi
   left=$((${ANCHOR_BUDGET_S:-525} - (SECONDS - T0)))
   if (( left > 60 )); then
+    # The card's SM clock and power once a second while the table runs (a long run at full load may slow the card:
+    # the table's context), summarised into this log afterwards.
+    clocks=$(mktemp)
+    nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 1000 >"$clocks" 2>/dev/null &
+    watcher=$!
     step anchor $((left - 40)) "${ANCHOR[@]}" --shapes "$SHAPES" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 \
       "${NOMEGA[@]}" \
       ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
+    kill "$watcher" 2>/dev/null
+    wait "$watcher" 2>/dev/null
+    sort -t, -k1,1n "$clocks" | awk -F', *' 'NF >= 2 && $1 ~ /^[0-9]/ { c[n++] = $1; p = ($2 > p ? $2 : p) }
+      END { if (n) printf "anchor clocks: SM %d-%d MHz (median %d) over %d s, power up to %.0f W\n",
+                         c[0], c[n - 1], c[int(n / 2)], n, p; else print "anchor clocks: no samples" }'
+    rm -f "$clocks"
   else
     echo "anchor: skipped, ${left}s left"
   fi
