@@ -195,6 +195,8 @@ def test_each_call_sets_every_field_it_owns(monkeypatch, kernel):
         assert int(got_experts["status"]) == engine.status.data_ptr()
         for name in ("act", "out", "counters"):
             assert int(got_experts[name]) == getattr(launch, name).data_ptr(), (rows, name)
+        with pytest.raises(ConfigError, match=r"send=.*expected a CombineRows"):
+            engine.prepare(pool, rows, bound, grid_limit=1000, cc=90, send=(0x5000, 0x6000))
         # A call that sends its rows (the layer's combine) names where, and needs no output rows of its own.
         assert (int(got_experts["send_peers"]), int(got_experts["window_begin"])) == ((0x7000, 3) if to else (0, 0))
         assert tuple(launch.out.shape) == ((0 if to else rows), HIDDEN)
