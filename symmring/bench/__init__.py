@@ -51,6 +51,20 @@ def progress(bench: str, done: int, total: Optional[int], what: str, *, rank: in
     print(f"{bench}: {count} {what}{elapsed}", file=sys.stderr if stream is None else stream, flush=True)
 
 
+def captured(call):
+    """``call`` captured in a CUDA graph after one warm call on a side stream (as torch's docs ask; its buffers
+    come from the graph's own pool and stay with it): the graph's ``replay``."""
+    import torch
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def timed_ms(fn, repeats: int, warmup: int = 2) -> List[float]:
     """Milliseconds of ``repeats`` calls of ``fn`` (CUDA events around each, after ``warmup`` calls)."""
     import torch

@@ -63,7 +63,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import lacks_cuda_torch, progress, timed_ms
+from . import captured, lacks_cuda_torch, progress, timed_ms
 from .ceilings import fp8_roofline_ms, measure_ceilings
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
@@ -436,17 +436,10 @@ def _megamoe_graph(runner, x, topk_idx, topk_weights):
     on the capture's stream, replayed once: ``(replay, y)``."""
     import torch
     y = torch.empty(x.shape[0], runner.hidden, device=x.device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        runner.run(x, topk_idx, topk_weights, y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner.run(x, topk_idx, topk_weights, y)
-    graph.replay()
+    replay = captured(lambda: runner.run(x, topk_idx, topk_weights, y))
+    replay()
     torch.cuda.synchronize()
-    return graph.replay, y
+    return replay, y
 
 
 class MegaMoERunner:
