@@ -63,7 +63,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import captured, lacks_cuda_torch, progress, timed_ms
+from . import captured, format_timeline, kernel_timeline, lacks_cuda_torch, progress, timed_ms
 from .ceilings import fp8_roofline_ms, measure_ceilings
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--streamed-window", choices=("chunk", "call"), default="chunk",
                         help="the streamed layer's expert window: one chunk (each window reads the weights again) "
                              "or the whole call (every expert's weights read once per call; issue 35 deliverable 2)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="graph rows: also each kernel's start and end within a replay (the JSON's timeline; "
+                             "printed on stderr), where fixed costs between the kernels show")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per row (a quarter above 4096 tokens)")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="relative error accepted vs the reference")
     parser.add_argument("--seed", type=int, default=0)
@@ -574,6 +577,9 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
                                      _symmring_graph(impl, x, idx, w, streamed))
                         row["rel_err"] = rel_error(y.float(), y_ref)
                         row["ms"] = _median_ms(replay, reps)
+                        if args.timeline:
+                            row["timeline"] = kernel_timeline(replay)
+                            print(f"{shape} n={n} {name}:\n{format_timeline(row['timeline'])}", file=sys.stderr)
                         del replay, y
                     elif name == "megamoe":
                         y = impl.run(x, idx, w)
