@@ -130,6 +130,29 @@ def test_graph_rows_compare_with_megamoes_fastest_row():
     assert head.index("symmring fused graph") < head.index("megamoe ") < head.index("megamoe graph")
 
 
+def test_replay_timeline_medians_and_gaps():
+    # --timeline: each kernel's place in a replay, medians over the replays; a kernel launched early (PDL) shows a
+    # negative gap. Seeded random start jitter: the medians are the middle replay's, whatever the order given.
+    from symmring.bench import format_timeline, replay_timeline
+    assert anchor.parse_args(["--anchor", "megamoe", "--timeline"]).timeline
+    rng = np.random.default_rng(0)
+    kernels = [("produce", 0.0, 10.0), ("dispatch", 8.0, 20.0), ("experts", 22.0, 150.0), ("combine", 151.0, 160.0)]
+    spans, shift = [], 0.0
+    for jitter in (0.0, 1.0, 2.0):
+        spans += [(k, shift + s + (jitter if k == "experts" else 0.0), shift + e + jitter) for k, s, e in kernels]
+        shift += 1000.0 + float(rng.integers(0, 50))
+    rng.shuffle(spans)
+    line = replay_timeline([tuple(s) for s in spans], 3)
+    assert [t["kernel"] for t in line] == ["produce", "dispatch", "experts", "combine"]
+    assert line[1] == {"kernel": "dispatch", "start_us": 8.0, "end_us": 21.0, "gap_us": -3.0}
+    assert line[2]["start_us"] == 23.0 and line[2]["gap_us"] == 2.0 and line[3]["gap_us"] == 0.0
+    assert format_timeline(line).splitlines()[2].split() == ["23.0", "151.0", "+2.0", "experts"]
+    with pytest.raises(ValueError, match="do not split into 2 calls"):
+        replay_timeline(spans[:5], 2)
+    with pytest.raises(ValueError, match="different kernels"):
+        replay_timeline([("a", 0, 1), ("b", 2, 3), ("b", 10, 11), ("a", 12, 13)], 2)
+
+
 def test_reference_weights_fill_the_gate_and_up_halves_in_place():
     """The reference's w13 (gate rows then up rows, dequantised in place) equals the concatenation it replaced."""
     torch = pytest.importorskip("torch")

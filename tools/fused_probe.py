@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     root = os.getcwd()
     sys.path[:0] = [os.path.join(root, "tests", "gpu"), os.path.join(root, "tests")]
     import test_fused_engine as t  # the seeded pool and weights of the GPU tests
+    from symmring.bench import captured
     from symmring.moe.engines.fused import FusedExperts
     profile = Profile(root) if args.profile else None
     for shape, sizes in CASES.items():
@@ -109,20 +110,6 @@ def main(argv=None) -> int:
         del weights
         torch.cuda.empty_cache()
     return 0
-
-
-def captured(call):
-    """A replay of ``call`` captured in a CUDA graph (on a side stream, as torch captures; the call's buffers come
-    from the graph's own pool and stay with it)."""
-    import torch
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # a warm call on the side stream before the capture, as torch's docs ask
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
 
 
 class Profile:

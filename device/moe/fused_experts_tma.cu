@@ -492,13 +492,17 @@ __device__ __forceinline__ void close_queue(Shared<T>& sm, uint32_t pos, const R
     *reinterpret_cast<volatile int*>(&sm.closed) = 1;
 }
 
-// The producer's decoding of item i of a phase: its coordinates (span order where the pass's groups fit the table,
-// else group order), and its m block's local expert from the table in shared memory (past the table: m_indices).
+// Whether every 128-row group of the pass fits the span table: the work list's order is then the span order
+// (fused_spans.cuh), else group order (item_coords).
+__device__ __forceinline__ bool span_order(const Work& w) { return w.num_m_blocks / w.per_group <= kTableGroups; }
+
+// The producer's decoding of item i of a phase: its coordinates (in span_order's order), and its m block's local
+// expert from the table in shared memory (an m block past the table: from m_indices).
 template <class T>
 __device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedExpertsArgs& p, const Work& w, int i,
                                               bool l1) {
     Item it;
-    if (w.num_m_blocks <= kTableGroups * w.per_group) {
+    if (span_order(w)) {
         span_coords(sm.span_first, sm.span_groups, w.per_group, T::kBlockM, i, l1 ? w.n1_blocks : w.n2_items,
                     it.m_block, it.row0, it.n_block);
     } else {
@@ -799,12 +803,12 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
 // each of its groups L reads of the table: at most kTableGroups^2 / 128 reads a thread (one expert holding every
 // row).
 template <class T>
-__device__ __forceinline__ void fill_tables(Shared<T>& sm, const FusedExpertsArgs& p) {
+__device__ __forceinline__ void fill_tables(Shared<T>& sm, const FusedExpertsArgs& p, const Work& w) {
     const int blocks = min((p.num_rows + kABoxRows - 1) / kABoxRows, kTableBlocks);
     for (int b = threadIdx.x; b < blocks; b += 128) sm.block_expert[b] = p.m_indices[b * kABoxRows];
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
-    const int groups = (p.num_rows + kAlign - 1) / kAlign;
-    if (groups > kTableGroups) return;
+    if (!span_order(w)) return;
+    const int groups = w.num_m_blocks / w.per_group;
     const auto expert = [&](int g) { return sm.block_expert[g * kBlocksPerGroup]; };
     for (int g = threadIdx.x; g < groups; g += 128) {
         int first, count;
@@ -852,7 +856,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const Clock clock{p.status, bound, 2 * bound};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
-        fill_tables(sm, p);
+        fill_tables(sm, p, w);
         if (threadIdx.x == 0) {
             FUSED_PROFILE_STAMP(producing);
             producer(sm, args, w, clock);

@@ -51,6 +51,75 @@ def progress(bench: str, done: int, total: Optional[int], what: str, *, rank: in
     print(f"{bench}: {count} {what}{elapsed}", file=sys.stderr if stream is None else stream, flush=True)
 
 
+def captured(call):
+    """``call`` captured in a CUDA graph after one warm call on a side stream (as torch's docs ask; its buffers
+    come from the graph's own pool and stay with it): the graph's ``replay``."""
+    import torch
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def replay_timeline(spans, calls: int) -> List[dict]:
+    """The kernels of one call as ``calls`` back-to-back calls ran them: ``spans`` are ``(name, start_us, end_us)``
+    of every kernel of every call in any order, each call the same kernels; returns, per kernel in start order,
+    ``{"kernel", "start_us", "end_us", "gap_us"}``, the medians over the calls of its start and end after its
+    call's first kernel started and of the idle time since the latest end before it (negative: it started before
+    the kernels ahead of it ended, as a programmatic dependent launch does). ValueError where the spans do not
+    split into ``calls`` calls of the same kernels.
+
+    Example:
+        >>> replay_timeline([("a", 0, 2), ("b", 3, 9), ("a", 20, 21), ("b", 22, 30)], 2)[1]
+        {'kernel': 'b', 'start_us': 2.5, 'end_us': 9.5, 'gap_us': 1.0}
+    """
+    import statistics
+    spans = sorted(spans, key=lambda s: s[1])
+    if calls < 1 or not spans or len(spans) % calls:
+        raise ValueError(f"{len(spans)} kernels do not split into {calls} calls")
+    per = len(spans) // calls
+    runs = [spans[i * per:(i + 1) * per] for i in range(calls)]
+    if any([s[0] for s in run] != [s[0] for s in runs[0]] for run in runs):
+        raise ValueError("the calls ran different kernels (or overlapped)")
+    out = []
+    for j in range(per):
+        starts = [run[j][1] - run[0][1] for run in runs]
+        ends = [run[j][2] - run[0][1] for run in runs]
+        gaps = [run[j][1] - max(s[2] for s in run[:j]) if j else 0.0 for run in runs]
+        out.append({"kernel": runs[0][j][0], "start_us": statistics.median(starts),
+                    "end_us": statistics.median(ends), "gap_us": statistics.median(gaps)})
+    return out
+
+
+def kernel_timeline(fn, calls: int = 5) -> List[dict]:
+    """`replay_timeline` of ``calls`` calls of ``fn`` (torch.profiler's device timestamps, after one warm call;
+    a CUDA graph's replay shows its kernels). Where the kernels ran ahead of the next one can be seen, which
+    per-kernel totals hide: a kernel launched early (PDL) counts its wait for the one before it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    spans = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type) and \
+                "memcpy" not in evt.name.lower() and "memset" not in evt.name.lower():
+            spans.append((evt.name[:60], evt.time_range.start, evt.time_range.end))
+    return replay_timeline(spans, calls)
+
+
+def format_timeline(timeline: List[dict]) -> str:
+    """One line per kernel: start and end (us after the call's first kernel started), gap, name."""
+    return "\n".join(f"{t['start_us']:9.1f} {t['end_us']:9.1f} {t['gap_us']:+7.1f}  {t['kernel']}" for t in timeline)
+
+
 def timed_ms(fn, repeats: int, warmup: int = 2) -> List[float]:
     """Milliseconds of ``repeats`` calls of ``fn`` (CUDA events around each, after ``warmup`` calls)."""
     import torch

@@ -34,6 +34,7 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from . import captured
 from .gemm_common import progress, quant_rows
 from .moe import SHAPES
 
@@ -131,24 +132,14 @@ def graph_ms(fns: Sequence[Callable[[], object]], repeats: int) -> float:
     ``repeats`` times, each replay's time divided by ``len(fns)`` (launch gaps inside the graph count, as
     in the layer's graphs; host overhead does not)."""
     import torch
-    for fn in fns:  # compile and warm outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
+    replay = captured(lambda: [fn() for fn in fns])  # compiled and warmed by the capture's warm call
+    replay()
     torch.cuda.synchronize()
     events = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         events.append((start, end))
     torch.cuda.synchronize()

@@ -23,8 +23,9 @@ side, per model shape and tokens per rank:
   num_experts, topk, (128, 128, 128), "swiglu", None, fast_math=True)``. Timed: pre-dispatch + kernel
   (``ms``), and the kernel alone after its pre-dispatch (``kernel_ms``);
 * ``--modes graph``: each side's call captured once in a CUDA graph and its replays timed (symmring: the batch
-  layer's `symmring.moe.gpu.MoE.capture`; MegaMoE: pre-dispatch + kernel under ``torch.cuda.graph``), rows
-  ``symmring ENGINE graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
+  layer's `symmring.moe.gpu.MoE.capture`, and the streamed layer's where ``streamed`` is a mode too; MegaMoE:
+  pre-dispatch + kernel under ``torch.cuda.graph``), rows ``symmring ENGINE graph``, ``symmring ENGINE streamed
+  graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
   graph (vLLM's decode) runs it, where an eager call also times the host's work before its first kernel.
 
 Every call is timed alone (CUDA events around it, then a synchronisation). ``best/megamoe`` is the fastest
@@ -62,7 +63,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import lacks_cuda_torch, progress, timed_ms
+from . import captured, format_timeline, kernel_timeline, lacks_cuda_torch, progress, timed_ms
 from .ceilings import fp8_roofline_ms, measure_ceilings
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--streamed-window", choices=("chunk", "call"), default="chunk",
                         help="the streamed layer's expert window: one chunk (each window reads the weights again) "
                              "or the whole call (every expert's weights read once per call; issue 35 deliverable 2)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="graph rows: also each kernel's start and end within a replay (the JSON's timeline; "
+                             "printed on stderr), where fixed costs between the kernels show")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per row (a quarter above 4096 tokens)")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="relative error accepted vs the reference")
     parser.add_argument("--seed", type=int, default=0)
@@ -419,11 +423,11 @@ def _median_kernel_ms(runner, x, topk_idx, topk_weights, out, repeats: int, warm
     return statistics.median(times)
 
 
-def _symmring_graph(layer, x, topk_idx, topk_weights):
-    """The layer's batch call on these tensors captured (`symmring.moe.gpu.MoE.capture`), replayed once and
-    checked: ``(replay, y)``, ``y`` the graph's static output."""
+def _symmring_graph(layer, x, topk_idx, topk_weights, streaming: bool = False):
+    """The layer's call on these tensors (batch, or ``streaming``) captured (`symmring.moe.gpu.MoE.capture`), replayed
+    once and checked: ``(replay, y)``, ``y`` the graph's static output."""
     import torch
-    call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights)
+    call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights, streaming=streaming)
     call.replay()
     torch.cuda.synchronize()
     layer.check_errors()
@@ -435,17 +439,10 @@ def _megamoe_graph(runner, x, topk_idx, topk_weights):
     on the capture's stream, replayed once: ``(replay, y)``."""
     import torch
     y = torch.empty(x.shape[0], runner.hidden, device=x.device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        runner.run(x, topk_idx, topk_weights, y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner.run(x, topk_idx, topk_weights, y)
-    graph.replay()
+    replay = captured(lambda: runner.run(x, topk_idx, topk_weights, y))
+    replay()
     torch.cuda.synchronize()
-    return graph.replay, y
+    return replay, y
 
 
 class MegaMoERunner:
@@ -505,8 +502,10 @@ def _symmring_layers(ctx, shape: str, weights, engines: List[str], modes: List[s
             slots = -(-max_tokens // tokens_per_slot)
             schedule = ScheduleConfig(num_slots=slots, tokens_per_slot=tokens_per_slot,
                                       expert_window=slots if streamed_window == "call" else 1)
-            layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
-                                                        schedule=schedule, engine=engine)
+            streamed = layers[f"symmring {engine} streamed"] = MoE(ctx, experts, routing, max_tokens=max_tokens,
+                                                                   schedule=schedule, engine=engine)
+            if "graph" in modes:  # the streamed call, captured
+                layers[f"symmring {engine} streamed graph"] = streamed
     return layers
 
 
@@ -569,14 +568,18 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
                 impls += [("megamoe", mega)] + ([("megamoe graph", mega)] if "graph" in args.modes else [])
             for name, impl in impls:
                 row = {**base, "impl": name, "tokens_per_rank": n, "fp8_roofline_ms": roof}
-                streamed = name.endswith("streamed")
+                streamed = " streamed" in name
                 if streamed and n < 2 * args.tokens_per_slot:
                     continue  # one chunk: the batch path
                 try:
                     if name.endswith(" graph"):
-                        replay, y = (_megamoe_graph if name == "megamoe graph" else _symmring_graph)(impl, x, idx, w)
+                        replay, y = (_megamoe_graph(impl, x, idx, w) if name == "megamoe graph" else
+                                     _symmring_graph(impl, x, idx, w, streamed))
                         row["rel_err"] = rel_error(y.float(), y_ref)
                         row["ms"] = _median_ms(replay, reps)
+                        if args.timeline:
+                            row["timeline"] = kernel_timeline(replay)
+                            print(f"{shape} n={n} {name}:\n{format_timeline(row['timeline'])}", file=sys.stderr)
                         del replay, y
                     elif name == "megamoe":
                         y = impl.run(x, idx, w)

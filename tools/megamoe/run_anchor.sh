@@ -19,9 +19,12 @@
 #            argument runs install and this step alone with 480 s (a second call)
 # "quick" runs install and check (V4-Flash-like, 64 tokens: one JIT compile) only. ANCHOR_ENGINES (default
 # builtin; e.g. builtin,fused) and ANCHOR_MODES (default batch,streamed; e.g. batch,graph) choose the anchor's symmring
-# rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table); ANCHOR_BUDGET_S (default
-# 525) is when the anchor step must end, counted from this script's start. Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log, anchor.log, dgengine.log, anchor.json,
-# anchor_dgengine.json.
+# rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table), ANCHOR_TOKENS (default
+# 1,8,64,512,4096,8192) its sizes (warm and table), ANCHOR_ARGS more options of the table (e.g. --timeline);
+# ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start. While the
+# anchor step runs, nvidia-smi samples the SM clock and power once a second; run_anchor.log gets their range
+# ("anchor clocks: ..."). Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log,
+# anchor.log, dgengine.log, anchor.json, anchor_dgengine.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-$PWD/out}"
@@ -46,7 +49,7 @@ step() {  # step NAME LIMIT_S CMD... (CMD may be a function of this script: run 
   local t0=$SECONDS
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
   if declare -F "$1" >/dev/null; then
-    timeout --signal=TERM --kill-after=10 "$limit" bash -c "$(declare -p ANCHOR PY 2>/dev/null); $(declare -f "$1"); \"\$@\"" \
+    timeout --signal=TERM --kill-after=10 "$limit" bash -c "$(declare -p ANCHOR PY TOKENS 2>/dev/null); $(declare -f "$1"); \"\$@\"" \
       _ "$@" >"$OUT/$name.log" 2>&1
   else
     timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -89,7 +92,7 @@ warm() {  # the sizes of a shape side by side (one process each: DeepGEMM's JIT 
 print(warm_processes('$shape', torch.cuda.mem_get_info()[0]))")
     echo "warm $shape: ${jobs:-1} processes at once"
     pids=()
-    for n in 1 8 64 512 4096 8192; do
+    for n in ${TOKENS//,/ }; do
       "${ANCHOR[@]}" --warm-only --engines none --shapes "$shape" --tokens "$n" &
       pids+=($!)
       if (( ${#pids[@]} >= ${jobs:-1} )); then wait "${pids[@]}"; pids=(); fi
@@ -113,6 +116,7 @@ elif [[ "${1:-}" == quick ]]; then
     "${NOMEGA[@]}"
 else
   SHAPES="${ANCHOR_SHAPES:-v4-flash,deepseek-v3}"
+  TOKENS="${ANCHOR_TOKENS:-1,8,64,512,4096,8192}"
   (( ${#NOMEGA[@]} )) || step warm 240 warm ${SHAPES//,/ }
   step check 150 "${ANCHOR[@]}" --shapes "$SHAPES" --tokens 64 --engines builtin --modes batch --check-only \
     "${NOMEGA[@]}"
@@ -126,9 +130,21 @@ else
   fi
   left=$((${ANCHOR_BUDGET_S:-525} - (SECONDS - T0)))
   if (( left > 60 )); then
-    step anchor $((left - 40)) "${ANCHOR[@]}" --shapes "$SHAPES" --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 \
-      "${NOMEGA[@]}" \
+    # The card's SM clock and power once a second while the table runs (a long run at full load may slow the card:
+    # the table's context), summarised into this log afterwards.
+    clocks=$(mktemp)
+    nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 1000 >"$clocks" 2>/dev/null &
+    watcher=$!
+    # shellcheck disable=SC2086  # ANCHOR_ARGS: extra options, split on spaces
+    step anchor $((left - 40)) "${ANCHOR[@]}" --shapes "$SHAPES" --tokens "$TOKENS" \
+      --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 "${NOMEGA[@]}" ${ANCHOR_ARGS:-} \
       ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
+    kill "$watcher" 2>/dev/null
+    wait "$watcher" 2>/dev/null
+    sort -t, -k1,1n "$clocks" | awk -F', *' 'NF >= 2 && $1 ~ /^[0-9]/ { c[n++] = $1; p = ($2 > p ? $2 : p) }
+      END { if (n) printf "anchor clocks: SM %d-%d MHz (median %d) over %d s, power up to %.0f W\n",
+                         c[0], c[n - 1], c[int(n / 2)], n, p; else print "anchor clocks: no samples" }'
+    rm -f "$clocks"
   else
     echo "anchor: skipped, ${left}s left"
   fi
