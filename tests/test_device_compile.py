@@ -169,3 +169,33 @@ def test_the_profiled_tma_build_exports_its_counters_and_the_default_build_has_n
         sys.path.remove(str(ROOT / "tools"))
     slots = fused_probe.Profile(str(ROOT)).slots
     assert slots[0] == "kProducerCycles" and slots[-1] == "kLastEndNs" and len(slots) == len(set(slots)) == 20
+
+
+def test_the_stamped_chain_build_exports_its_stamps_and_the_default_build_has_none(tmp_path, compiled):
+    """``SYMMRING_CHAIN_STAMPS`` (device/symmring/chain_stamps.cuh, read by ``tools/chain_probe.py --stamps``, which
+    defines it ahead of the three protocol modules' text) adds the global the probe reads; the default build
+    carries no trace of it. Every stamp slot the sources write is named by the probe under its module, and the
+    probe names no slot the sources do not write."""
+    import re
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import chain_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    read = chain_probe.stamped_source(jit.read_source)
+    for module, filename in jit.LIBRARY_MODULES.items():
+        text = read(filename)
+        assert text.startswith("#define SYMMRING_CHAIN_STAMPS\n") == (module in chain_probe.STAMPS), module
+        if module not in chain_probe.STAMPS:
+            continue
+        assert filename in chain_probe.STAMPED_SOURCES
+        stamped = jit.compile_cubin(text, name=f"{module}_stamped", cc=90, cache_dir=tmp_path)
+        assert b"symmring_chain_stamps" in stamped.read_bytes(), module
+        assert b"symmring_chain_stamps" not in compiled[ROOT / "device" / filename].read_bytes(), module
+    slot = re.compile(r"CHAIN_STAMP(?:_ANY)?\((\d+)\)")
+    written = {m: {int(s) for s in slot.findall((ROOT / "device" / jit.LIBRARY_MODULES[m]).read_text())}
+               for m in chain_probe.STAMPS}
+    protocol = (ROOT / "device" / "symmring" / "protocol.cuh").read_text()  # grid_publish: the producer's
+    written["moe_producer"] |= {int(s) for s in slot.findall(protocol)}
+    assert written == {m: set(names) for m, names in chain_probe.STAMPS.items()}

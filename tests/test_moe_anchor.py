@@ -153,6 +153,32 @@ def test_replay_timeline_medians_and_gaps():
         replay_timeline([("a", 0, 1), ("b", 2, 3), ("b", 10, 11), ("a", 12, 13)], 2)
 
 
+def test_chain_probe_arguments_and_phase_order():
+    # tools/chain_probe.py: its arguments (bad ones exit 2 naming the option), its stamp medians in time order, and
+    # on a machine without a GPU a clear exit 2.
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import chain_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    args = chain_probe.parse_args([])
+    assert args.shapes == ["deepseek-v3", "v4-flash"] and args.tokens == [1, 8, 64] and not args.stamps
+    assert chain_probe.parse_args(["--tokens", "64,1", "--stamps", "--engine", "builtin"]).tokens == [1, 64]
+    for bad in (["--shapes", "nope"], ["--tokens", "0"], ["--replays", "0"], ["--engine", "torch"]):
+        with pytest.raises(SystemExit) as exc:
+            chain_probe.parse_args(bad)
+        assert exc.value.code == 2
+    samples = {("moe_dispatch", 8): [14.0, 13.0, 15.0], ("moe_producer", 0): [0.0, 0.0], ("moe_combine", 16): [],
+               ("moe_producer", 6): [13.5, 12.5]}
+    assert chain_probe.phases(samples) == [(0.0, "produce: start"), (13.0, "produce: layout ready"),
+                                           (14.0, "dispatch: start")]
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, "tools/chain_probe.py", "--tokens", "1"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
 def test_reference_weights_fill_the_gate_and_up_halves_in_place():
     """The reference's w13 (gate rows then up rows, dequantised in place) equals the concatenation it replaced."""
     torch = pytest.importorskip("torch")

@@ -328,6 +328,7 @@ extern "C" __global__ void moe_combine_reduce(const CombineReduceArgs args) {
 // returns at entry on a pending error leaves them set: MoE.reset() zeroes them, the one recovery path).
 extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    CHAIN_STAMP(16);
     grid_dependents_launch();
     const RingDescriptor& d = *args.desc;
     // After the wait:
@@ -376,6 +377,7 @@ extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
         ticket = ticket_drawn(d, args.counters + 1, atomicAdd(args.counters + 1, 1u), args.end_call_chunks);
     }
     __syncthreads();
+    CHAIN_STAMP(17);
 
     // 1. Scatter items. Live row i is row begin[e] + i - live_before[e] of the expert e with live_before[e] <= i
     //    < live_before[e + 1] (a binary search; empty experts have equal bounds and are never found).
@@ -458,7 +460,9 @@ extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
 
     // 2. The block that completed the scatter signals (release in signal_owners, after its acquire of every
     //    item's arrival). Its draw above was past the items: the scatter is over.
+    CHAIN_STAMP(18);
     if (signals) {
+        if (threadIdx.x == 0) CHAIN_STAMP_ANY(19);
         signal_owners(d, args.combine_ready, gen);
         // CONSERVATIVE: after this PE's combine of the chunk; ack() fences (release: pairs with wait_reusable).
         if (args.ack_now)
@@ -466,9 +470,12 @@ extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
     }
 
     // 3. Every source's rows, then this block's share of the reduce.
+    if (threadIdx.x == 0 && signals) CHAIN_STAMP_ANY(20);
     if (threadIdx.x == 0) ok = wait_sources(d, args.chunk_idx, args.combine_ready, gen);
     __syncthreads();  // the other threads read the rows only after thread 0's acquire
+    CHAIN_STAMP(21);
     if (!ok) return;
     reduce_tokens(d, args.combine_rows, args.topk_idx, args.topk_weights, args.y, args.y_row_stride, args.token_begin,
                   num_valid);
+    CHAIN_STAMP(22);
 }

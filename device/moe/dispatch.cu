@@ -534,6 +534,7 @@ constexpr int kLoadsInFlight = 8;
 
 extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    CHAIN_STAMP(8);
     grid_dependents_launch();
     const RingDescriptor& d = *args.desc;
     const int K = d.num_topk;
@@ -582,6 +583,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         first_token[src + 1] = valid;
     }
     __syncthreads();  // the other threads read the payload only after the waiting threads' acquires
+    CHAIN_STAMP(9);
     if (failed) return;
     if (threadIdx.x == 0) {
         first_token[0] = 0;
@@ -660,6 +662,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
             if (blockIdx.x == 0 && lane == 31) args.total[0] = inclusive;
         }
         __syncthreads();
+        CHAIN_STAMP(10);
         if (overflow) return;  // every block saw the same counts: none places a row
     }
 
@@ -747,7 +750,11 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         }
         __syncthreads();  // the next pass reuses entry_local / entry_row
     }
+    CHAIN_STAMP(11);
     // EARLY: the pulls were this PE's last reads of every source's slot (the meta was read in step 1).
-    if (args.ack_now && grid_last_block(args.counter))
+    if (args.ack_now && grid_last_block(args.counter)) {
+        if (threadIdx.x == 0) CHAIN_STAMP_ANY(12);
         for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
+        if (threadIdx.x == 0) CHAIN_STAMP_ANY(13);
+    }
 }

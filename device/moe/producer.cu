@@ -357,6 +357,7 @@ extern "C" __global__ void moe_produce_layout_bf16(const ProduceLayoutArgs args)
 // layer: the call identity's layer (as moe_produce_route).
 extern "C" __global__ void moe_produce_chunk_fp8(const ProduceChunkArgs args) {
     grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+    CHAIN_STAMP(0);
     grid_dependents_launch();
     const RingDescriptor& d = *args.desc;
     if (error_pending(d)) return;
@@ -373,13 +374,16 @@ extern "C" __global__ void moe_produce_chunk_fp8(const ProduceChunkArgs args) {
     load_steps_fp8(d, args.x, args.x_row_stride, num_valid, first_layout_step(), first_raw);
     const RouteEntry first = args.logits != nullptr ? route_first(route) : RouteEntry{-1, 0.0f};
     if (!wait_reusable(d, args.chunk_idx, /*reset=*/false)) return;
+    CHAIN_STAMP(1);
     const uint64_t gen = expected_generation(d, args.chunk_idx);
     const uint64_t call_id = expected_call(d, args.layer);
     if (args.logits != nullptr)
         route_rest(d, args.chunk_idx, route, first, gen, call_id);
     else
         write_route(d, args.chunk_idx, args.topk_idx, args.topk_weights, num_valid, gen, call_id);
+    CHAIN_STAMP(2);
     write_layout_fp8_sliced(d, args.chunk_idx, args.x, args.x_row_stride, num_valid, first_raw);
+    CHAIN_STAMP(3);
     grid_publish(d, args.chunk_idx, gen, args.counter, /*reset_mask=*/true, /*route=*/true, /*layout=*/true);
 }
 

@@ -52,6 +52,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "chain_stamps.cuh"
 #include "descriptor.cuh"
 #include "timeout.cuh"
 
@@ -509,13 +510,16 @@ __device__ inline void grid_publish(const RingDescriptor& d, int chunk_idx, uint
                                     bool reset_mask, bool route, bool layout) {
     if (!grid_last_block(counter)) return;
     if (threadIdx.x != 0) return;
+    CHAIN_STAMP_ANY(4);
     const int slot = slot_of(chunk_idx, d.num_slots);
     if (reset_mask) {
         uint64_t* mask = ack_mask_of(d, slot);
         for (int w = 0; w < d.mask_words; ++w) st_relaxed_sys(mask + w, 0ull);
     }
     if (route) signal_generation(d, route_ready_word(d, slot), gen);    // release: pairs with wait_ready
+    CHAIN_STAMP_ANY(5);
     if (layout) signal_generation(d, layout_ready_word(d, slot), gen);  // release: pairs with wait_ready
+    CHAIN_STAMP_ANY(6);
 }
 
 }  // namespace symmring
