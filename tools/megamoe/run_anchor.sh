@@ -21,9 +21,9 @@
 # builtin; e.g. builtin,fused) and ANCHOR_MODES (default batch,streamed; e.g. batch,graph) choose the anchor's symmring
 # rows, ANCHOR_SHAPES (default v4-flash,deepseek-v3) its shapes (warm, check and table), ANCHOR_TOKENS (default
 # 1,8,64,512,4096,8192) its sizes (warm and table), ANCHOR_ARGS more options of the table (e.g. --timeline);
-# ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start. While the
-# anchor step runs, nvidia-smi samples the SM clock and power once a second; run_anchor.log gets their range
-# ("anchor clocks: ..."). Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log,
+# ANCHOR_BUDGET_S (default 525) is when the anchor step must end, counted from this script's start; ANCHOR_DGENGINE=0
+# leaves out the dgengine step. While the anchor step runs, nvidia-smi samples the SM clock and power once a second;
+# run_anchor.log gets their range ("anchor clocks: ..."). Files under $OUT (8 at most): run_anchor.log, install.log, warm.log, check.log,
 # anchor.log, dgengine.log, anchor.json, anchor_dgengine.json.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -149,7 +149,7 @@ else
     echo "anchor: skipped, ${left}s left"
   fi
   left=$((${ANCHOR_BUDGET_S:-525} + 30 - (SECONDS - T0)))
-  if (( left > 60 )) && [[ -d /tmp/tsdg-site/deep_gemm ]]; then
+  if (( left > 60 )) && [[ -d /tmp/tsdg-site/deep_gemm && "${ANCHOR_DGENGINE:-1}" != 0 ]]; then
     step dgengine "$left" env PYTHONPATH="/tmp/tsdg-site:/tmp/site:$PWD" "$PY" -m symmring bench moe \
       --anchor megamoe --max-tokens 8192 --engines deepgemm --no-megamoe --repeats 10 \
       --json "$OUT/anchor_dgengine.json"
