@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 def missing_cuda_torch() -> Optional[str]:
@@ -95,10 +95,10 @@ def replay_timeline(spans, calls: int) -> List[dict]:
     return out
 
 
-def kernel_timeline(fn, calls: int = 5) -> List[dict]:
-    """`replay_timeline` of ``calls`` calls of ``fn`` (torch.profiler's device timestamps, after one warm call;
-    a CUDA graph's replay shows its kernels). Where the kernels ran ahead of the next one can be seen, which
-    per-kernel totals hide: a kernel launched early (PDL) counts its wait for the one before it."""
+def device_spans(fn, calls: int) -> List[Tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every device activity (kernels, copies, fills; a CUDA graph's replay shows
+    its nodes) of ``calls`` calls of ``fn`` under torch.profiler, after one warm call, each call synchronised.
+    Names are cut to 60 characters."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     fn()
@@ -107,12 +107,14 @@ def kernel_timeline(fn, calls: int = 5) -> List[dict]:
         for _ in range(calls):
             fn()
             torch.cuda.synchronize()
-    spans = []
-    for evt in prof.events():
-        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type) and \
-                "memcpy" not in evt.name.lower() and "memset" not in evt.name.lower():
-            spans.append((evt.name[:60], evt.time_range.start, evt.time_range.end))
-    return replay_timeline(spans, calls)
+    return [(evt.name[:60], evt.time_range.start, evt.time_range.end) for evt in prof.events()
+            if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type)]
+
+
+def kernel_timeline(fn, calls: int = 5) -> List[dict]:
+    """`replay_timeline` of ``calls`` calls of ``fn`` (`device_spans`). Where the kernels ran ahead of the next one
+    can be seen, which per-kernel totals hide: a kernel launched early (PDL) counts its wait for the one before."""
+    return replay_timeline(device_spans(fn, calls), calls)
 
 
 def format_timeline(timeline: List[dict]) -> str:

@@ -53,7 +53,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import lacks_cuda_torch, progress, timed_ms
+from . import device_spans, lacks_cuda_torch, progress, timed_ms
 from .ceilings import fp8_roofline_ms, measure_ceilings
 from ..moe.config import Experts, RoutingConfig, ScheduleConfig
 from ..moe.workspace_plan import PRESETS
@@ -78,23 +78,11 @@ DESCRIPTION = ("Latency of the GPU MoE layer with bf16 and fp8 experts (every en
 
 
 def kernel_profile(fn, repeats: int) -> Dict[str, float]:
-    """Device microseconds per call of every kernel ``fn`` runs (torch.profiler over ``repeats`` calls after
-    one warm-up; CUDA graph replays show their kernels too), largest first."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
+    """Device microseconds per call of every kernel ``fn`` runs (`symmring.bench.device_spans` of ``repeats``
+    calls; CUDA graph replays show their kernels too), largest first."""
     out: Dict[str, float] = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None)
-        if us is None:
-            us = getattr(evt, "cuda_time_total", 0.0)
-        if us and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
-            out[evt.key[:60]] = out.get(evt.key[:60], 0.0) + us / repeats
+    for name, start, end in device_spans(fn, repeats):
+        out[name] = out.get(name, 0.0) + (end - start) / repeats
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
