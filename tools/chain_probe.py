@@ -98,9 +98,10 @@ def main(argv=None) -> int:
         stamps = {}
         if args.stamps:
             for module in STAMPS:
-                ptr = ctx.backend.library_module(module).module.get_global_var("symmring_chain_stamps")
+                loaded = ctx.backend.library_module(module).module  # the cupy module (the memory's owner)
+                ptr = loaded.get_global_var("symmring_chain_stamps")
                 ptr = int(ptr[0] if isinstance(ptr, tuple) else ptr)
-                memory = cupy.cuda.UnownedMemory(ptr, 32 * 8, None)
+                memory = cupy.cuda.UnownedMemory(ptr, 32 * 8, loaded)
                 stamps[module] = cupy.ndarray((32,), cupy.uint64, cupy.cuda.MemoryPointer(memory, 0))
         device = torch.device("cuda", torch.cuda.current_device())
         print(f"chain_probe: {torch.cuda.get_device_name()}, engine {args.engine}", flush=True)
