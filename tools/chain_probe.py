@@ -132,7 +132,10 @@ def main(argv=None) -> int:
                                     samples.setdefault(key, []).append((t - seen[ORIGIN]) / 1e3)
                         for us, name in phases(samples):
                             print(f"  {us:8.2f} us  {name}")
-                    print(format_timeline(kernel_timeline(call.replay)))
+                    try:
+                        print(format_timeline(kernel_timeline(call.replay)))
+                    except ValueError as exc:  # replays that differ: no timeline, the rest as measured
+                        print(f"  timeline: {exc}")
                     full = statistics.median(timed_ms(call.replay, args.replays))
                     bare = statistics.median(timed_ms(call.graph.replay, args.replays))
                     print(f"  replay: CapturedCall.replay {full * 1e3:.1f} us, graph.replay {bare * 1e3:.1f} us",
