@@ -189,7 +189,6 @@ def test_the_stamped_chain_build_exports_its_stamps_and_the_default_build_has_no
         assert text.startswith("#define SYMMRING_CHAIN_STAMPS\n") == (module in chain_probe.STAMPS), module
         if module not in chain_probe.STAMPS:
             continue
-        assert filename in chain_probe.STAMPED_SOURCES
         stamped = jit.compile_cubin(text, name=f"{module}_stamped", cc=90, cache_dir=tmp_path)
         assert b"symmring_chain_stamps" in stamped.read_bytes(), module
         assert b"symmring_chain_stamps" not in compiled[ROOT / "device" / filename].read_bytes(), module

@@ -36,8 +36,6 @@ STAMPS = {
                     19: "combine: signalling block", 20: "combine: signalled", 21: "combine: sources waited",
                     22: "combine: reduced (block 0)"},
 }
-#: The sources built with the stamps (``--stamps``).
-STAMPED_SOURCES = ("moe/producer.cu", "moe/dispatch.cu", "moe/combine.cu")
 #: The slot every stamp is measured from.
 ORIGIN = ("moe_producer", 0)
 
@@ -64,10 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def stamped_source(read_source):
-    """``symmring.jit.read_source`` with ``SYMMRING_CHAIN_STAMPS`` defined ahead of `STAMPED_SOURCES`."""
+    """``symmring.jit.read_source`` with ``SYMMRING_CHAIN_STAMPS`` defined ahead of the sources of the modules in
+    `STAMPS`."""
+    from symmring.jit import LIBRARY_MODULES
+    stamped = {LIBRARY_MODULES[module] for module in STAMPS}
+
     def read(filename: str) -> str:
         text = read_source(filename)
-        return "#define SYMMRING_CHAIN_STAMPS\n" + text if filename in STAMPED_SOURCES else text
+        return "#define SYMMRING_CHAIN_STAMPS\n" + text if filename in stamped else text
     return read
 
 
