@@ -163,6 +163,23 @@ def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
     assert map_words(other, "w13_map")[5] == 128 and fused.module_of("wg128t") == fused.module_of("wg64t")
 
 
+def test_weights_evict_first_where_no_expert_spans_two_m_blocks(monkeypatch):
+    # Each weight tile read by one item only (every expert within one m block: the decode sizes) -> the L2
+    # evict-first hint; a bound above the kernel's m block, or none, keeps the default policy. Set per call.
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    for kernel, bound, want in (("wg64t", 8, 1), ("wg64t", 64, 1), ("wg64t", 65, 0), ("wg64t", None, 0),
+                                ("wg128t", 100, 1), ("wg128t", 129, 0), ("wg64", 64, 1)):
+        engine = fused.FusedExperts(weights, kernel=kernel)
+        launch = engine.prepare(pool, 300, rows_per_expert=bound, grid_limit=1000, cc=90)
+        struct = "FusedExpertsTmaArgs" if kernel in fused.TMA_KERNELS else "FusedExpertsArgs"
+        record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS[struct])[0]
+        experts = record["experts"] if kernel in fused.TMA_KERNELS else record
+        assert int(experts["weights_evict_first"]) == want, (kernel, bound)
+        assert fused.read_once(bound, fused.KERNELS[kernel]) == bool(want)
+
+
 def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
     monkeypatch.setattr(tensor_map, "_load_driver", lambda: None)
     with pytest.raises(BackendError, match="kernels 'wg64t' and 'wg128t' need the CUDA driver's cuTensorMapEncodeTiled"):

@@ -334,6 +334,10 @@ struct FusedExpertsArgs {
     int window_begin;            // the window's first chunk (token_base's row 0)
     int num_ranks;
     int num_topk;
+    // 1: no expert holds more than one m block (the host's rows-per-expert bound), so each weight tile is read once:
+    // the TMA kernels copy the weights with an L2 evict-first hint, and the stream of them no longer evicts what the
+    // kernels around this one read (the ring's slots, the pool, their code). 0: the default policy (tiles reused).
+    int weights_evict_first;
 };
 
 // A CUDA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on the host by

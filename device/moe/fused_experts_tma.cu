@@ -173,6 +173,28 @@ __device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, 
         : "memory");
 }
 
+// tma_load_2d with an L2 eviction priority (`policy`, from l2_policy).
+__device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, uint64_t* bar, int c0, int c1,
+                                            uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "l"(policy)
+        : "memory");
+}
+
+// The L2 policy of the weight copies: evict first (FusedExpertsArgs::weights_evict_first: each tile is read once)
+// or normal.
+__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
+    uint64_t policy;
+    if (evict_first) {
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    } else {
+        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+    }
+    return policy;
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -261,6 +283,7 @@ __device__ __forceinline__ bool closed(const Shared<T>& sm) {
 template <class T>
 struct Ring {
     uint32_t kb = 0;  // K blocks through the ring so far (this thread's count; every role counts the same)
+    uint64_t b_policy = 0;  // the producer's L2 policy of its weight copies (l2_policy)
     __device__ __forceinline__ int stage() const { return static_cast<int>(kb % T::kStages); }
     __device__ __forceinline__ uint32_t phase() const { return (kb / T::kStages) & 1u; }
 };
@@ -343,7 +366,7 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
     FUSED_PROFILE_ADD(kEmptyWait, waited);
     mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + T::kScaleBytes + num_boxes * T::kBBoxBytes);
     for (int h = 0; h < num_boxes; ++h)
-        tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+        tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h], ring.b_policy);
     for (int h = 0; h < 2; ++h) cp_async_4(&sm.sb[s][h], b_sf[h] + kb);
     cp_async_mbar_arrive(&sm.full[s]);
     return true;
@@ -529,6 +552,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                                          const Clock& clock) {
     const FusedExpertsArgs& p = args.experts;
     Ring<T> ring;
+    ring.b_policy = l2_policy(p.weights_evict_first != 0);
     uint32_t pos = 0;
     bool stalled = false;
     for (int ticket = atomicAdd(p.counters, 1), next; ticket < w.total_items; ticket = next) {

@@ -84,7 +84,7 @@ _NO_SEND = dict.fromkeys(_SEND_FIELDS, 0)
 #: The argument record's fields a call sets (the pass's buffers and sizes); the engine fixes the others (weights,
 #: status, timeout, shape) when made. The TMA record takes the experts' record and its six tensor maps per call.
 _PER_CALL = ("pool_x", "pool_sf", "sf_row_stride", "sf_col_stride", "m_indices", "act", "act_sf", "out", "counters",
-             "bad_groups", "num_rows", "m_blocks_per_group") + _SEND_FIELDS
+             "bad_groups", "num_rows", "m_blocks_per_group", "weights_evict_first") + _SEND_FIELDS
 _TMA_PER_CALL = ("experts", "pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")
 #: A map of no tensor (a pass of no rows launches nothing and encodes nothing).
 _NO_MAP = np.zeros((), kernel_args.STRUCTS["TensorMap"])
@@ -219,6 +219,19 @@ def blocks_per_group(rows_per_expert: Optional[int], rows: int) -> int:
     if rows_per_expert is None:
         return FUSED_ALIGN_M // rows
     return max(1, -(-min(rows_per_expert, FUSED_ALIGN_M) // rows))
+
+
+def read_once(rows_per_expert: Optional[int], rows: int) -> bool:
+    """Whether every weight tile of a window is read by one item only: no local expert holds more than one m block of
+    ``rows`` rows (``rows_per_expert``: the host's bound; None: unknown). The TMA kernels then copy the weights with
+    an L2 evict-first hint (``FusedExpertsArgs::weights_evict_first``), so their stream keeps out of L2 what the
+    kernels around this one read next (the ring's slots, the pool, their code: the decode chain's fixed costs).
+
+    Example:
+        >>> read_once(8, 64), read_once(64, 64), read_once(65, 64), read_once(None, 64)
+        (True, True, False, False)
+    """
+    return rows_per_expert is not None and rows_per_expert <= rows
 
 
 def work_items(num_rows: int, rows: int, hidden: int, inter: int, per_group: int,
@@ -429,6 +442,7 @@ class FusedExperts(ExpertEngine):
                            sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices), act=address(act),
                            act_sf=address(act_sf), out=address(out), counters=address(counters),
                            bad_groups=address(pool.bad_groups), num_rows=num_rows, m_blocks_per_group=per_group,
+                           weights_evict_first=int(read_once(rows_per_expert, rows)),
                            **(_NO_SEND if send is None else _send_fields(send)))
         pool_sf = None
         if kernel in TMA_KERNELS:

@@ -124,7 +124,7 @@ STRUCTS["FusedExpertsArgs"] = _struct([
     ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
     ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32), ("m_blocks_per_group", I32),
     ("row_src", PTR), ("token_base", PTR), ("send_peers", PTR), ("combine_tokens", I64), ("window_begin", I32),
-    ("num_ranks", I32), ("num_topk", I32)])
+    ("num_ranks", I32), ("num_topk", I32), ("weights_evict_first", I32)])
 #: A CUtensorMap's bytes (``alignas(64)`` in the header: `TENSOR_MAP_ALIGN`, which `_struct_aligned` applies).
 STRUCTS["TensorMap"] = _struct([("opaque", np.dtype((U64, (16,))))])
 TENSOR_MAP_ALIGN = 64
