@@ -530,12 +530,9 @@ constexpr int kPassEntries = 1024;
 // 16-byte loads each thread of the fused dispatch issues before their stores.
 constexpr int kLoadsInFlight = 8;
 
-}  // namespace
-
-extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
-    grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+// The kernel's body (below): every return of it passes the kernel's last wait.
+__device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(8);
-    grid_dependents_launch();
     const RingDescriptor& d = *args.desc;
     const int K = d.num_topk;
     const int R = d.num_ranks;
@@ -757,4 +754,19 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
         if (threadIdx.x == 0) CHAIN_STAMP_ANY(13);
     }
+}
+
+}  // namespace
+
+// Launched with PDL (stages.Kernels.launch) after the fused producer, whose launch lets it start once every producer
+// block runs (each passed its own wait: every kernel before the producer has completed). What it reads of the
+// producer is the slot, behind the acquire of the ready words, so it does not wait for the producer's end first: its
+// launch, prologue and poll overlap the producer. It waits at its end, so that its own end still follows the
+// producer's (stream order for the kernels after it, which read what the producer wrote beside the slot). rdma
+// sources: the stage kernel before it fills the staged copies, read with no word of their own: stream order first.
+extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
+    if (args.stage != nullptr) grid_dependency_wait();
+    grid_dependents_launch();
+    dispatch_fused(args);
+    grid_dependency_wait();
 }
