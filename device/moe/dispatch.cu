@@ -566,7 +566,11 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
         // hold this call's chunk (a stale payload or another call's is a typed error, not silent data).
         const SourceSlot from = source_slot(d, args.stage, slot, src);
-        if (!slot_reachable(from, args.status) || !poll_ready(d, args.chunk_idx, src, gen) ||
+        // Started beside this PE's own producer (PDL, no stage), whose wait for the slot's acknowledgements may
+        // begin after this one: twice the bound for its words, so a peer that never acknowledged is named by the
+        // producer's reuse record, not by this wait.
+        const uint64_t extra_ns = src == d.rank && args.stage == nullptr ? timeout_ns_of(d) : 0;
+        if (!slot_reachable(from, args.status) || !poll_ready(d, args.chunk_idx, src, gen, extra_ns) ||
             !check_payload(d, args.chunk_idx, src, gen, call_id)) {
             failed = 1;
         } else {

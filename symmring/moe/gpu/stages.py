@@ -88,7 +88,8 @@ def spin_blocks(num_sms: int, pes_per_gpu: int) -> int:
     any of them waits; device/moe/combine.cu). ``num_sms // (2 * pes_per_gpu)``, at least 1: 66 blocks on an
     H200 (132 SMs) for one PE, 16 for four under MPS. With programmatic dependent launch (`Kernels.launch`, one
     PE per GPU only) the next fused grid may sit resident beside the spinning one: sound because a lone PE's
-    fused kernels spin only on remote peers (docs/PROTOCOL.md 9.2).
+    fused kernels spin only on remote peers, or (the fused dispatch) on its own producer, wholly resident once
+    its dependent launches (docs/PROTOCOL.md 9.2).
     """
     return max(1, num_sms // (2 * max(1, pes_per_gpu)))
 
