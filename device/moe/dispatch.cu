@@ -70,6 +70,8 @@ using symmring_moe::DispatchScanArgs;
 using symmring_moe::DispatchStageArgs;
 using symmring_moe::DispatchWaitArgs;
 using symmring_moe::PassRows;
+using symmring_moe::kPlanAbandoned;
+using symmring_moe::kPlanRows;
 using symmring_moe::kOverflowExpertRows;
 using symmring_moe::kOverflowWindowRows;
 using symmring_moe::lanes_below;
@@ -530,6 +532,14 @@ constexpr int kPassEntries = 1024;
 // 16-byte loads each thread of the fused dispatch issues before their stores.
 constexpr int kLoadsInFlight = 8;
 
+// Thread 0 of block 0: the plan word of an experts kernel beside the dispatch (args.plan; release at gpu scope:
+// the group layout and the m_indices the plan wrote before it): `blocks` (this grid) or kPlanAbandoned.
+__device__ __forceinline__ void publish_plan(const DispatchFusedArgs& args, int blocks) {
+    if (args.plan == nullptr) return;
+    __threadfence();
+    atomicExch(args.plan, blocks);
+}
+
 // The kernel's body (below): every return of it passes the kernel's last wait.
 __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(8);
@@ -550,6 +560,7 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     __shared__ int overflow;  // the counts exceed the plan's bounds: no row is placed
     if (error_pending(d)) {
         clear_group_ids(args.m_indices, args.pool_rows);
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
         return;
     }
     const int slot = slot_of(args.chunk_idx, d.num_slots);
@@ -585,7 +596,10 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     }
     __syncthreads();  // the other threads read the payload only after the waiting threads' acquires
     CHAIN_STAMP(9);
-    if (failed) return;
+    if (failed) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
+        return;
+    }
     if (threadIdx.x == 0) {
         first_token[0] = 0;
         for (int r = 0; r < R; ++r) first_token[r + 1] += first_token[r];
@@ -664,7 +678,19 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
         }
         __syncthreads();
         CHAIN_STAMP(10);
-        if (overflow) return;  // every block saw the same counts: none places a row
+        if (overflow) {  // every block saw the same counts: none places a row
+            if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
+            return;
+        }
+        // The plan: the expert of every live 64-row block's first row ahead of the pull (which writes the same id
+        // there again), so an experts kernel beside the dispatch decodes its items and streams their weights while
+        // the rows arrive. Block 0's range starts at token 0: its cursors are the groups' first rows.
+        if (args.plan != nullptr && blockIdx.x == 0) {
+            for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x)
+                for (int r = cursor[e]; r < cursor[e] + counts[e]; r += kPlanRows) args.m_indices[r] = e;
+            __syncthreads();  // every thread's writes before thread 0's release
+            if (threadIdx.x == 0) publish_plan(args, static_cast<int>(gridDim.x));
+        }
     }
 
     // 4. This block's range, kPassEntries entries (whole tokens) per pass.
@@ -768,9 +794,22 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
 // launch, prologue and poll overlap the producer. It waits at its end, so that its own end still follows the
 // producer's (stream order for the kernels after it, which read what the producer wrote beside the slot). rdma
 // sources: the stage kernel before it fills the staged copies, read with no word of their own: stream order first.
+// With args.plan every block, whatever its path through the body, then releases its rows to the experts kernel
+// beside it (DispatchFusedArgs::plan): that kernel starts before this one ends (PDL), reads the rows by TMA (the async
+// proxy) once the count reaches the plan's grid.
 extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
     if (args.stage != nullptr) grid_dependency_wait();
     grid_dependents_launch();
     dispatch_fused(args);
+    if (args.plan != nullptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // this thread's row stores before TMA reads of them
+#endif
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();  // release at gpu scope: pairs with the experts kernel's acquire of the count
+            atomicAdd(args.plan + 1, 1);
+        }
+    }
     grid_dependency_wait();
 }

@@ -102,6 +102,7 @@ struct Shared : Keep<T> {
     int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
     int queue_end;  //   the entries it pushed
     int ring_end;   //   the ring positions it filled
+    int dispatch_blocks;  // beside the fused dispatch (dispatch_plan): its grid, or kPlanAbandoned; else 0 (wait_plan)
 };
 static_assert(Tile64::kBBoxBytes % kSwizzleAtom == 0 && Tile128::kBBoxBytes % kSwizzleAtom == 0 &&
                   (kABoxRows * kBlockK) % kSwizzleAtom == 0 && sizeof(wg128::Keep) % kSwizzleAtom == 0,
@@ -421,52 +422,106 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
     return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, b_sf, boxes, kb0, num_kb);
 }
 
-// An L2 item's first ring positions, claimed one at a time with their weight copies while its m block's L1
-// arrivals are read (the weights do not depend on them): the first read is in flight during the first claim, and
-// the claims stop once the arrivals are seen (usually at the first: they are long complete) or at a ring's worth,
-// where the bounded wait takes over (`expired`: it ran out, counted in the status). An item not yet queued thus
-// holds at most kStages positions, each of which needed only this block's math to free it. Returns the K blocks
-// claimed (at least 1), or -1 when a claim's wait expired (a stall; ring.kb is back at the item's first position).
+// An item's first ring positions, claimed one at a time with their weight copies while the count `word` its A
+// operand waits for is read (the weights do not depend on it): the first read is in flight during the first claim,
+// and the claims stop once the count reached `expected` or at a ring's worth, where the bounded wait takes over
+// (`arrived`: false when it ran out). An item not yet queued thus holds at most kStages positions, each of which
+// needed only this block's math to free it. Returns the K blocks claimed (at least 1), or -1 when a claim's wait
+// expired (a stall; ring.kb is back at the item's first position).
 template <class T>
-__device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
-                                                const FusedExpertsTmaArgs& args, const Work& w, int m_block,
-                                                const int (&row)[2], const float* const (&b_sf)[2], int num_kb,
-                                                int& expired) {
-    const FusedExpertsArgs& p = args.experts;
-    const int* word = p.counters + 1 + m_block;
-    const int expected = kArrivalsPerL1Item * w.n1_blocks;
-    int box_row[2];
-    const int boxes = item_boxes<T>(w, false, row, box_row);
+__device__ __forceinline__ int claim_weights_while(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                   const TensorMap* b_map, const int (&box_row)[2],
+                                                   const float* const (&b_sf)[2], int boxes, int num_kb,
+                                                   const int* word, int expected, uint64_t bound_ns, bool& arrived) {
     const int n = min(num_kb, T::kStages);
     int seen = load_acquire_gpu(word);
     for (int kb = 0;;) {
-        if (!claim_with_b(sm, ring, clock, &args.w_down_map, box_row, b_sf, boxes, kb)) {
+        if (!claim_with_b(sm, ring, clock, b_map, box_row, b_sf, boxes, kb)) {
             ring.kb -= kb;  // no position of this item is complete
             return -1;
         }
         ++ring.kb;
         ++kb;
         if (seen >= expected) {
-            expired = 0;
+            arrived = true;
             return kb;
         }
         if (kb == n) {
-            expired = !wait_arrivals(p, m_block, expected);
-            if (expired) count_expired_wait(p, m_block, w.n2_per_item);  // an L2 pair: two tiles
+            arrived = wait_count(word, expected, bound_ns);
             return kb;
         }
         seen = load_acquire_gpu(word);  // in flight during the next claim
     }
 }
 
-// The A copies of the n K blocks claim_l2_weights claimed (the ring positions just before ring.kb).
+// An L2 item's first ring positions (claim_weights_while) while its m block's L1 arrivals are read (usually seen at
+// the first claim: they are long complete); `expired`: the wait ran out, counted in the status.
+template <class T>
+__device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                const FusedExpertsTmaArgs& args, const Work& w, int m_block,
+                                                const int (&row)[2], const float* const (&b_sf)[2], int num_kb,
+                                                int& expired) {
+    const FusedExpertsArgs& p = args.experts;
+    int box_row[2];
+    const int boxes = item_boxes<T>(w, false, row, box_row);
+    bool arrived = true;
+    const int claimed = claim_weights_while(sm, ring, clock, &args.w_down_map, box_row, b_sf, boxes, num_kb,
+                                            p.counters + 1 + m_block, kArrivalsPerL1Item * w.n1_blocks,
+                                            p.timeout_ns, arrived);
+    expired = claimed >= 0 && !arrived;
+    if (expired) count_expired_wait(p, m_block, w.n2_per_item);  // an L2 pair: two tiles
+    return claimed;
+}
+
+// Beside the fused dispatch: the bound of the waits for its plan and rows, past the dispatch's own bounded waits
+// (twice the ring's bound for its own producer's words; the engine's timeout is the ring's).
+__device__ __forceinline__ uint64_t dispatch_bound(const FusedExpertsArgs& p) { return 3 * p.timeout_ns + kWaitFloorNs; }
+
+// Thread 0 of warpgroup 0 beside the fused dispatch: its plan (its grid, or kPlanAbandoned), acquired. A wait past
+// the bound records kStatusDispatchLate and abandons (nothing is computed).
+__device__ __forceinline__ int wait_plan(const FusedExpertsArgs& p) {
+    const uint64_t deadline = now_ns() + dispatch_bound(p);
+    for (uint32_t polls = 0;; ++polls) {
+        const int plan = load_acquire_gpu(p.dispatch_plan);
+        if (plan != 0) return plan;
+        if (polls % 64 == 63 && now_ns() > deadline) {
+            atomicCAS(p.status, 0, kStatusDispatchLate);
+            return kPlanAbandoned;
+        }
+    }
+}
+
+// The block's first L1 item beside the fused dispatch: its first ring positions claimed with their weight copies
+// (claim_weights_while) while the dispatch's blocks finish writing the pool's rows; `arrived`: every block did
+// within the bound. wg128t's L1 runs in passes from K block 0 (produce_item): it only waits.
+template <class T>
+__device__ __forceinline__ int claim_pool_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                  const FusedExpertsTmaArgs& args, const Work& w, const int (&row)[2],
+                                                  const float* const (&b_sf)[2], int num_kb, int dispatch_blocks,
+                                                  bool& arrived) {
+    const FusedExpertsArgs& p = args.experts;
+    const int* word = p.dispatch_plan + 1;
+    if constexpr (T::kBlockM == wg128::kBlockM) {
+        arrived = wait_count(word, dispatch_blocks, dispatch_bound(p));
+        return 0;
+    } else {
+        int box_row[2];
+        const int boxes = item_boxes<T>(w, true, row, box_row);
+        return claim_weights_while(sm, ring, clock, &args.w13_map, box_row, b_sf, boxes, num_kb, word,
+                                   dispatch_blocks, dispatch_bound(p), arrived);
+    }
+}
+
+// The A copies of the n K blocks an item claimed (the ring positions just before ring.kb): L1's from the pool,
+// L2's from the intermediate.
 template <class T>
 __device__ __forceinline__ void copy_claimed_a(Shared<T>& sm, const Ring<T>& ring, const FusedExpertsTmaArgs& args,
-                                               int a_row, int n) {
+                                               bool l1, int a_row, int n) {
     for (int kb = 0; kb < n; ++kb) {
         Ring<T> at;
         at.kb = ring.kb - n + kb;
-        copy_a(sm, at.stage(), &args.act_map, &args.act_sf_map, a_row, kb);
+        copy_a(sm, at.stage(), l1 ? &args.pool_x_map : &args.act_map, l1 ? &args.pool_sf_map : &args.act_sf_map,
+               a_row, kb);
     }
 }
 
@@ -555,7 +610,12 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
     ring.b_policy = l2_policy(p.weights_evict_first != 0);
     uint32_t pos = 0;
     bool stalled = false;
-    for (int ticket = atomicAdd(p.counters, 1), next; ticket < w.total_items; ticket = next) {
+    // Beside the fused dispatch (fill_tables waited for its plan): an abandoned plan leaves nothing to compute, and
+    // the block's first L1 item waits for the pool's rows; else they were complete at the launch.
+    const int dispatch_blocks = sm.dispatch_blocks;
+    bool rows_in = dispatch_blocks == 0;
+    for (int ticket = dispatch_blocks < 0 ? w.total_items : atomicAdd(p.counters, 1), next; ticket < w.total_items;
+         ticket = next) {
         next = atomicAdd(p.counters, 1);  // read at the next ticket's turn: its latency hides behind this one's
         const bool l1 = ticket < w.l1_items;
         const Item it = producer_item<T>(sm, p, w, l1 ? ticket : ticket - w.l1_items, l1);
@@ -566,19 +626,29 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             int row[2];
             b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
             int claimed = 0, expired = 0;
+            bool rows_arrived = true;
             if (!l1) {
                 FUSED_PROFILE_STAMP(claiming);
                 claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.b_sf, op.num_kb, expired);
                 FUSED_PROFILE_ADD(kArrivalWait, claiming);
                 FUSED_PROFILE_COUNT(kLateArrivals, claimed > 1);
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
+            } else if (!rows_in) {
+                claimed = claim_pool_weights(sm, ring, clock, args, w, row, op.b_sf, op.num_kb, dispatch_blocks,
+                                             rows_arrived);
+                rows_in = true;
+                if (!rows_arrived) {
+                    atomicCAS(p.status, 0, kStatusDispatchLate);
+                } else if (claimed >= 0) {
+                    fence_proxy_async_global();  // the acquire of the pool's rows, then their TMA reads
+                }
             }
-            if (claimed >= 0 && push(sm, pos, ticket, it, expired, clock)) {
+            if (claimed >= 0 && rows_arrived && push(sm, pos, ticket, it, expired, clock)) {
                 ++pos;
                 FUSED_PROFILE_COUNT(kProducerItems, 1);
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
                 // positions complete, and the ring stays aligned.
-                copy_claimed_a(sm, ring, args, it.row0, claimed);
+                copy_claimed_a(sm, ring, args, l1, it.row0, claimed);
                 if (produce_item(sm, ring, clock, args, w, l1, it.row0, row, op.b_sf, claimed, op.num_kb)) continue;
                 close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
                 stalled = true;
@@ -826,8 +896,14 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
 // producer's decoding; named barriers of the warpgroup (not the block's) end each step. A span of L groups costs
 // each of its groups L reads of the table: at most kTableGroups^2 / 128 reads a thread (one expert holding every
 // row).
+// Beside the fused dispatch, thread 0 first waits for its plan (the first rows' ids written), the warpgroup's barrier
+// ordering the table's reads after its acquire.
 template <class T>
 __device__ __forceinline__ void fill_tables(Shared<T>& sm, const FusedExpertsArgs& p, const Work& w) {
+    if (p.dispatch_plan != nullptr) {
+        if (threadIdx.x == 0) sm.dispatch_blocks = wait_plan(p);
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    }
     const int blocks = min((p.num_rows + kABoxRows - 1) / kABoxRows, kTableBlocks);
     for (int b = threadIdx.x; b < blocks; b += 128) sm.block_expert[b] = p.m_indices[b * kABoxRows];
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -851,7 +927,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const uint32_t base = smem_addr(tma_smem_raw);
     Shared<T>& sm = *reinterpret_cast<Shared<T>*>(tma_smem_raw + ((0u - base) % kSwizzleAtom));  // 1024-aligned
     if (threadIdx.x == 0) {
-        sm.closed = sm.queue_end = sm.ring_end = 0;
+        sm.closed = sm.queue_end = sm.ring_end = sm.dispatch_blocks = 0;
         for (int s = 0; s < T::kStages; ++s) {
             mbar_init(&sm.full[s], 2);  // the producer's arrive.expect_tx (the TMA copies complete its bytes) and
                                         // the landing of its scale copies (cp_async_mbar_arrive)
@@ -910,6 +986,9 @@ template <class T>
 __device__ __forceinline__ void run_tma_kernel(const FusedExpertsTmaArgs& args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     symmring_moe::fused::wg::tma::run<T>(args);
+    // Launched beside the fused dispatch (PDL, dispatch_plan): this grid's end follows the dispatch's, as stream order
+    // would have it for the kernels after it. A no-op for a plain launch.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #else
     if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(args.experts.status, 0, symmring_moe::fused::kStatusWrongTarget);
 #endif
