@@ -225,6 +225,10 @@ def test_begin_beside_dispatch_only_for_a_tma_kernel_on_sm90_when_on(monkeypatch
     assert fused.FusedExperts(weights, kernel="wg64").begin_beside_dispatch(pool, 300, 100) is None
     assert fused.FusedExperts(weights, kernel="auto").begin_beside_dispatch(pool, 300, 100) is not None  # wg64t
     assert engine.begin_beside_dispatch(pool, 0, 100) is None  # no rows: nothing launches
+    rows = torch.zeros(300, HIDDEN // 128)  # row-major scales: their MN-major copy would precede the dispatch
+    row_major = Pool(x=pool.x, group_end=pool.group_end, x_sf=rows, m_indices=pool.m_indices,
+                     bad_groups=pool.bad_groups)
+    assert engine.begin_beside_dispatch(row_major, 300, 100) is None
     engine.beside_dispatch = False
     assert engine.begin_beside_dispatch(pool, 300, 100) is None
     monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "0")

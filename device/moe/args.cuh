@@ -223,12 +223,16 @@ struct DispatchFusedArgs {
     int layer;
     // Null, or the plan words of an experts kernel launched beside this dispatch (FusedExpertsArgs::dispatch_plan),
     // zeroed before the call: [0] kPlanAbandoned, or this grid's blocks once every live 64-row block's first row of
-    // m_indices is written; [1] the blocks whose rows are all written (fence.proxy.async first: TMA reads them).
+    // m_indices is written; [1] the blocks whose rows are all written (fence.proxy.async first: TMA reads them), or
+    // past kPlanRowsLost once a block returned without them.
     int* plan;
 };
 
 // The plan word of a dispatch that placed no row (an error pending or recorded, counts past the plan's bounds).
 constexpr int kPlanAbandoned = -1;
+// What a dispatch block that returned without its rows adds to the rows word ([1]) instead of 1: any count at or
+// past it means rows are missing (the experts kernel then computes NaN, not stale rows).
+constexpr int kPlanRowsLost = 1 << 20;
 // The rows of m_indices the plan writes ahead of the pull: every kPlanRows-th row of each expert's rows (the first
 // row of each of the experts kernel's 64-row blocks; the pool's groups start at multiples of it).
 constexpr int kPlanRows = 64;

@@ -72,6 +72,7 @@ using symmring_moe::DispatchWaitArgs;
 using symmring_moe::PassRows;
 using symmring_moe::kPlanAbandoned;
 using symmring_moe::kPlanRows;
+using symmring_moe::kPlanRowsLost;
 using symmring_moe::kOverflowExpertRows;
 using symmring_moe::kOverflowWindowRows;
 using symmring_moe::lanes_below;
@@ -524,7 +525,8 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const DispatchPullFp8Args args)
 //      kLoadsInFlight loads per thread before the stores) and scales into every row, as moe_dispatch_pull_fp8.
 // Every block waits on peers' producers, so the grid is at most stages.Kernels.spin_blocks (PROTOCOL.md 9.2).
 // counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise). With an
-// error pending at entry the grid only puts the group ids of rows [0, pool_rows) back to -1 (clear_group_ids).
+// error pending at entry the grid only puts the group ids of rows [0, pool_rows) back to -1 (clear_group_ids),
+// unless an experts kernel runs beside it (args.plan): that kernel is told by the plan's words instead.
 namespace {
 
 // Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
@@ -540,8 +542,9 @@ __device__ __forceinline__ void publish_plan(const DispatchFusedArgs& args, int 
     atomicExch(args.plan, blocks);
 }
 
-// The kernel's body (below): every return of it passes the kernel's last wait.
-__device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
+// The kernel's body (below): every return of it passes the kernel's last wait. Returns whether the block placed
+// its rows (false: an error pending or recorded, counts past the bounds); every thread of a block returns alike.
+__device__ __forceinline__ bool dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(8);
     const RingDescriptor& d = *args.desc;
     const int K = d.num_topk;
@@ -558,10 +561,15 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     __shared__ int entry_row[kPassEntries];               // ... and their pool rows (-1: not local)
     __shared__ int failed;
     __shared__ int overflow;  // the counts exceed the plan's bounds: no row is placed
-    if (error_pending(d)) {
-        clear_group_ids(args.m_indices, args.pool_rows);
+    __shared__ int pending;   // an error pending at entry: read once, so that the whole block returns alike
+    if (threadIdx.x == 0) pending = error_pending(d);
+    __syncthreads();
+    if (pending) {
+        // Beside an experts kernel the group ids stay as they are: it learns of the lost rows from the plan's
+        // words, and the tables of its blocks must agree (MoE.reset() clears the ids before the next call).
+        if (args.plan == nullptr) clear_group_ids(args.m_indices, args.pool_rows);
         if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
-        return;
+        return false;
     }
     const int slot = slot_of(args.chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, args.chunk_idx);
@@ -598,7 +606,7 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(9);
     if (failed) {
         if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
-        return;
+        return false;
     }
     if (threadIdx.x == 0) {
         first_token[0] = 0;
@@ -680,7 +688,7 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
         CHAIN_STAMP(10);
         if (overflow) {  // every block saw the same counts: none places a row
             if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
-            return;
+            return false;
         }
         // The plan: the expert of every live 64-row block's first row ahead of the pull (which writes the same id
         // there again), so an experts kernel beside the dispatch decodes its items and streams their weights while
@@ -784,6 +792,7 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
         for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
         if (threadIdx.x == 0) CHAIN_STAMP_ANY(13);
     }
+    return true;
 }
 
 }  // namespace
@@ -800,7 +809,7 @@ __device__ __forceinline__ void dispatch_fused(const DispatchFusedArgs& args) {
 extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
     if (args.stage != nullptr) grid_dependency_wait();
     grid_dependents_launch();
-    dispatch_fused(args);
+    const bool placed = dispatch_fused(args);
     if (args.plan != nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         asm volatile("fence.proxy.async.global;" ::: "memory");  // this thread's row stores before TMA reads of them
@@ -808,7 +817,7 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence();  // release at gpu scope: pairs with the experts kernel's acquire of the count
-            atomicAdd(args.plan + 1, 1);
+            atomicAdd(args.plan + 1, placed ? 1 : kPlanRowsLost);
         }
     }
     grid_dependency_wait();

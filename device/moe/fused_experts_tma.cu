@@ -246,7 +246,7 @@ constexpr uint64_t kWaitFloorNs = 1000ull * 1000ull * 1000ull;
 struct Clock {
     int* status;
     uint64_t producer_ns;  // T + kWaitFloorNs
-    uint64_t math_ns;      // 2 (T + kWaitFloorNs): the last resort
+    uint64_t math_ns;      // 2 (T + kWaitFloorNs), beside the fused dispatch plus 2 dispatch_bound: the last resort
 };
 
 __device__ __forceinline__ void record_stall(const Clock& clock) { atomicCAS(clock.status, 0, kStatusPipelineStalled); }
@@ -493,23 +493,26 @@ __device__ __forceinline__ int wait_plan(const FusedExpertsArgs& p) {
 
 // The block's first L1 item beside the fused dispatch: its first ring positions claimed with their weight copies
 // (claim_weights_while) while the dispatch's blocks finish writing the pool's rows; `arrived`: every block did
-// within the bound. wg128t's L1 runs in passes from K block 0 (produce_item): it only waits.
+// within the bound; `lost`: some block returned without its rows (kPlanRowsLost: the ring holds the error). wg128t's
+// L1 runs in passes from K block 0 (produce_item): it only waits.
 template <class T>
 __device__ __forceinline__ int claim_pool_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
                                                   const FusedExpertsTmaArgs& args, const Work& w, const int (&row)[2],
                                                   const float* const (&b_sf)[2], int num_kb, int dispatch_blocks,
-                                                  bool& arrived) {
+                                                  bool& arrived, bool& lost) {
     const FusedExpertsArgs& p = args.experts;
     const int* word = p.dispatch_plan + 1;
+    int claimed = 0;
     if constexpr (T::kBlockM == wg128::kBlockM) {
         arrived = wait_count(word, dispatch_blocks, dispatch_bound(p));
-        return 0;
     } else {
         int box_row[2];
         const int boxes = item_boxes<T>(w, true, row, box_row);
-        return claim_weights_while(sm, ring, clock, &args.w13_map, box_row, b_sf, boxes, num_kb, word,
-                                   dispatch_blocks, dispatch_bound(p), arrived);
+        claimed = claim_weights_while(sm, ring, clock, &args.w13_map, box_row, b_sf, boxes, num_kb, word,
+                                      dispatch_blocks, dispatch_bound(p), arrived);
     }
+    lost = arrived && load_acquire_gpu(word) >= kPlanRowsLost;
+    return claimed;
 }
 
 // The A copies of the n K blocks an item claimed (the ring positions just before ring.kb): L1's from the pool,
@@ -626,7 +629,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             int row[2];
             b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
             int claimed = 0, expired = 0;
-            bool rows_arrived = true;
+            bool rows_arrived = true, rows_lost = false;
             if (!l1) {
                 FUSED_PROFILE_STAMP(claiming);
                 claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.b_sf, op.num_kb, expired);
@@ -635,7 +638,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
             } else if (!rows_in) {
                 claimed = claim_pool_weights(sm, ring, clock, args, w, row, op.b_sf, op.num_kb, dispatch_blocks,
-                                             rows_arrived);
+                                             rows_arrived, rows_lost);
                 rows_in = true;
                 if (!rows_arrived) {
                     atomicCAS(p.status, 0, kStatusDispatchLate);
@@ -643,7 +646,9 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                     fence_proxy_async_global();  // the acquire of the pool's rows, then their TMA reads
                 }
             }
-            if (claimed >= 0 && rows_arrived && push(sm, pos, ticket, it, expired, clock)) {
+            // Rows that never came, or that a dispatch block gave up on: this item and every later one NaN (their
+            // L1 arrivals released at once, so no L2 wait sits out the bound), as after a stall.
+            if (claimed >= 0 && rows_arrived && !rows_lost && push(sm, pos, ticket, it, expired, clock)) {
                 ++pos;
                 FUSED_PROFILE_COUNT(kProducerItems, 1);
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
@@ -953,7 +958,11 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     // wg128t's L2 stage has two boxes already.
     const Work w = T::kBlockM == wg128::kBlockM ? work_of<T::kBlockM>(p) : with_l2_pairs(work_of<T::kBlockM>(p));
     const uint64_t bound = p.timeout_ns + kWaitFloorNs;
-    const Clock clock{p.status, bound, 2 * bound};
+    // A math warp's first pop waits for the producer's first push, which beside the fused dispatch follows the waits
+    // for its plan and rows (each up to dispatch_bound): a bound past them, so that the producer's own record names
+    // a late dispatch.
+    const uint64_t beside = p.dispatch_plan != nullptr ? 2 * dispatch_bound(p) : 0;
+    const Clock clock{p.status, bound, 2 * bound + beside};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
         fill_tables(sm, p, w);

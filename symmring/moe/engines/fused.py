@@ -534,6 +534,8 @@ class FusedExperts(ExpertEngine):
             return None
         if select_kernel(rows_per_expert, cc, self.kernel) not in TMA_KERNELS:
             return None
+        if not tensor_map.is_mn_major(pool.x_sf[:num_rows]):  # its copy (`_tma_args`) would precede the dispatch
+            return None
         return _BesideDispatch(self, self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc,
                                                   beside_dispatch=True), dev)
 
