@@ -203,15 +203,18 @@ def test_beside_the_dispatch_the_counters_end_with_its_plan_words(monkeypatch):
 
 
 def test_begin_beside_dispatch_only_for_a_tma_kernel_on_sm90_when_on(monkeypatch):
-    """`FusedExperts.begin_beside_dispatch`: a TMA kernel on cc 9.0 with ``beside_dispatch`` on (the default;
-    ``SYMMRING_FUSED_BESIDE=0`` turns it off) and rows to compute; its launch goes through the given launcher with
-    the kernel's grid, block, record and shared memory."""
+    """`FusedExperts.begin_beside_dispatch`: a TMA kernel on cc 9.0 with ``beside_dispatch`` on
+    (``SYMMRING_FUSED_BESIDE=1``; off by default) and rows to compute; its launch goes through the given launcher
+    with the kernel's grid, block, record and shared memory."""
     monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
     cc = [90]
     monkeypatch.setattr(fused, "_device", lambda index: (cc[0], 132))
     monkeypatch.setattr(fused, "_module", lambda index, cc, name: (None, {k: f"fn {k}" for k in fused.KERNELS}))
     weights = fp8_weights()
     pool = pool_of(capacity=512, rows_for_sf=300)
+    monkeypatch.delenv("SYMMRING_FUSED_BESIDE", raising=False)
+    assert not fused.FusedExperts(weights, kernel="wg64t").beside_dispatch  # the default
+    monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "1")
     engine = fused.FusedExperts(weights, kernel="wg64t")
     assert engine.beside_dispatch
     beside = engine.begin_beside_dispatch(pool, 300, 100)

@@ -118,6 +118,8 @@ PATHS = {  # engine, forward kwargs, forced (rows, rows_per_expert): the bound e
 @pytest.mark.parametrize("path", list(PATHS))
 def test_overflowing_dispatch_is_a_named_error_on_every_rank(ctx, monkeypatch, path):
     engine, kwargs, (rows, per_expert) = PATHS[path]
+    if engine == "fused":
+        monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "1")  # read when the layer makes its engine
     workspace = Workspace(ctx, max_tokens=64)
     moe = layer(ctx, workspace, engine)
     router = router_of()

@@ -386,7 +386,7 @@ class FusedExperts(ExpertEngine):
         check_weights(weights)
         self.kernel = check_kernel(kernel)
         #: Whether a small-batch call's TMA kernel starts beside the fused dispatch (`begin_beside_dispatch`;
-        #: ``SYMMRING_FUSED_BESIDE``, settable to compare).
+        #: ``SYMMRING_FUSED_BESIDE``, off by default, settable to compare).
         self.beside_dispatch = env.fused_beside()
         if sm_budget is not None and (isinstance(sm_budget, bool) or not isinstance(sm_budget, int) or sm_budget < 1):
             raise ConfigError(f"sm_budget={sm_budget!r}: expected a positive int (blocks of the fused kernel) or None")
@@ -524,7 +524,7 @@ class FusedExperts(ExpertEngine):
 
     def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         """`ExpertEngine.begin_beside_dispatch`: where the call takes a TMA kernel (``wg64t``, ``wg128t``: cc 9.0)
-        and ``beside_dispatch`` is on (``SYMMRING_FUSED_BESIDE``), its launch with the dispatch's plan words in
+        and ``beside_dispatch`` is on (``SYMMRING_FUSED_BESIDE=1``), its launch with the dispatch's plan words in
         its counters (zeroed now, on the current stream); else None. The kernel then waits for the plan before it
         reads ``m_indices``, streams the first weights of its first L1 item while the dispatch's blocks write the
         rows, and waits for the dispatch's end at its own (device/moe/fused_experts_tma.cu)."""
