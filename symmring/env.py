@@ -8,6 +8,7 @@
 | ``SYMMRING_CACHE_DIR`` | where compiled device code is cached | ``~/.cache/symmring`` |
 | ``SYMMRING_DEBUG`` | ``1``: debug logging, and extra checks after every layer call: on the GPU the device's error records (``MoE.check_errors``); on the CPU layer the ring's generations and acknowledgements, the combine signals, and finite outputs (`symmring.moe.cpu.layer`) | ``0`` |
 | ``SYMMRING_FUSED_KERNEL`` | the ``"fused"`` expert engine's kernel when its ``kernel=`` is not given: ``auto`` (``wg64t`` on cc 9.0; elsewhere ``m16`` or ``m32`` by rows per expert), ``m16``, ``m32`` (mma.sync), ``wg64t`` (wgmma fed by TMA loads of a producer warpgroup, cc 9.0 only), ``wg128t`` (the same with 128-row items) or ``wg64`` (wgmma, cp.async loads in the math warps; both cc 9.0 only, never picked by ``auto``) (`symmring.moe.engines.fused.select_kernel`) | ``auto`` |
+| ``SYMMRING_FUSED_BESIDE`` | ``1``: the ``"fused"`` engine's TMA kernels start beside the small-batch schedule's fused dispatch instead of after it (programmatic dependent launch; `symmring.moe.engines.fused.FusedExperts.begin_beside_dispatch`; measured no faster on an H100, docs/FUSED.md) | ``0`` |
 | ``SYMMRING_GRAPH_CACHE`` | entries of the GPU layer's cache of captured calls (`symmring.moe.gpu.graph_cache`): an int >= 0 that overrides every layer's ``graph_cache`` argument; ``0`` switches eager calls' graph replays off | unset (the argument: ``12``) |
 | ``SYMMRING_LOG_LEVEL`` | level of symmring's log lines on stderr: ``DEBUG``, ``INFO`` (backend choice, layer set-up, compiles), ``WARNING``, ``ERROR`` (`configure_logging`; ``-v`` on the CLI is ``INFO``) | ``WARNING`` (``DEBUG`` with ``SYMMRING_DEBUG=1``) |
 | ``SYMMRING_PDL`` | ``0``: launch the GPU layer's small-batch kernels without programmatic dependent launch (`symmring.pdl`; used only with one PE per GPU, compute capability >= 9) | ``1`` |
@@ -100,6 +101,12 @@ def vllm_enabled() -> bool:
 def fused_kernel() -> str:
     """``SYMMRING_FUSED_KERNEL`` lower-cased, ``"auto"`` when unset or empty (the engine checks the value)."""
     return os.environ.get("SYMMRING_FUSED_KERNEL", "").strip().lower() or "auto"
+
+
+def fused_beside() -> bool:
+    """Whether ``SYMMRING_FUSED_BESIDE`` asks the fused engine's TMA kernels to start beside the fused dispatch
+    (``1``; default ``0``)."""
+    return os.environ.get("SYMMRING_FUSED_BESIDE", "0").strip() == "1"
 
 
 def graph_cache() -> Optional[int]:

@@ -6,6 +6,12 @@ Hopper's rule, which every kernel launched here keeps: its threads run ``griddep
 symmring/protocol.cuh ``grid_dependency_wait``) before they touch memory, so the kernel still sees
 everything the previous kernel wrote and writes nothing that kernel still reads: stream order, less the
 launch gap. The previous kernel lets it start with ``griddepcontrol.launch_dependents`` (or by ending).
+One kernel waits later: the fused dispatch reads of the fused producer before it only the slot, behind the
+ring's own acquire, so it polls while the producer writes and runs its wait at its end (device/moe/
+dispatch.cu ``moe_dispatch_fused_fp8``); the producer is then wholly resident (a dependent launches only
+once every block of the kernel before it triggered), so the dispatch's spin cannot keep it off an SM. The
+fused engine's TMA experts kernel, launched here after that dispatch, waits likewise for the dispatch's own
+words and not for its end (`symmring.moe.engines.fused.FusedExperts.begin_beside_dispatch`).
 
 Where it is used (`PdlLauncher.enabled`): compute capability >= 9, ``SYMMRING_PDL`` not ``0``, and ONE PE
 on the GPU. A dependent kernel's blocks hold their SMs while they wait; with several PEs on one GPU (MPS)

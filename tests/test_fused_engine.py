@@ -95,7 +95,7 @@ def test_the_tma_record_carries_the_experts_record_and_six_maps(monkeypatch):
     pool = pool_of(capacity=512, rows_for_sf=300)
     launch = engine.prepare(pool, 300, rows_per_expert=100, grid_limit=1000, cc=90)
     assert (launch.kernel, launch.shared_bytes, fused.threads("wg64t")) == ("wg64t", fused.shared_bytes("wg64t"), 384)
-    # The experts' record (200 bytes) padded to the maps' 64-byte alignment, then six 128-byte maps.
+    # The experts' record (208 bytes) padded to the maps' 64-byte alignment, then six 128-byte maps.
     assert launch.args[0].dtype.itemsize == kernel_args.STRUCTS["FusedExpertsTmaArgs"].itemsize == 256 + 6 * 128
     record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     # The experts' record is wg64's (the same work list: 6 m blocks of 64 rows, 2 per group) but for the buffers.
@@ -161,6 +161,83 @@ def test_wg128t_takes_whole_groups_and_64_row_weight_boxes(monkeypatch):
     wg64t = fused.FusedExperts(weights, kernel="wg64t").prepare(pool, 300, 100, grid_limit=1000, cc=90)
     other = np.frombuffer(wg64t.args[0].tobytes(), dtype=kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
     assert map_words(other, "w13_map")[5] == 128 and fused.module_of("wg128t") == fused.module_of("wg64t")
+
+
+def test_weights_evict_first_where_no_expert_spans_two_m_blocks(monkeypatch):
+    # Each weight tile read by one item only (every expert within one m block: the decode sizes) -> the L2
+    # evict-first hint; a bound above the kernel's m block, or none, keeps the default policy. Set per call.
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    for kernel, bound, want in (("wg64t", 8, 1), ("wg64t", 64, 1), ("wg64t", 65, 0), ("wg64t", None, 0),
+                                ("wg128t", 100, 1), ("wg128t", 129, 0), ("wg64", 64, 1)):
+        engine = fused.FusedExperts(weights, kernel=kernel)
+        launch = engine.prepare(pool, 300, rows_per_expert=bound, grid_limit=1000, cc=90)
+        struct = "FusedExpertsTmaArgs" if kernel in fused.TMA_KERNELS else "FusedExpertsArgs"
+        record = np.frombuffer(launch.args[0].tobytes(), dtype=kernel_args.STRUCTS[struct])[0]
+        experts = record["experts"] if kernel in fused.TMA_KERNELS else record
+        assert int(experts["weights_evict_first"]) == want, (kernel, bound)
+        assert fused.read_once(bound, fused.KERNELS[kernel]) == bool(want)
+
+
+def test_beside_the_dispatch_the_counters_end_with_its_plan_words(monkeypatch):
+    """A TMA kernel prepared beside the fused dispatch: two zeroed words after the ticket and the arrivals, their
+    address in the record's ``dispatch_plan`` and the launch's ``plan`` (the dispatch's DispatchFusedArgs::plan);
+    prepared after it, neither. A kernel without TMA cannot start beside it."""
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    weights = fp8_weights()
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    dtype = kernel_args.STRUCTS["FusedExpertsTmaArgs"]
+    for kernel, m_blocks in (("wg64t", 6), ("wg128t", 3)):
+        engine = fused.FusedExperts(weights, kernel=kernel)
+        beside = engine.prepare(pool, 300, 100, grid_limit=1000, cc=90, beside_dispatch=True)
+        assert tuple(beside.counters.shape) == (1 + m_blocks + 2,) and not beside.counters.any()
+        assert beside.plan == beside.counters.data_ptr() + 4 * (1 + m_blocks)
+        assert int(np.frombuffer(beside.args[0].tobytes(), dtype)[0]["experts"]["dispatch_plan"]) == beside.plan
+        after = engine.prepare(pool, 300, 100, grid_limit=1000, cc=90)  # the engine's record, set again
+        assert tuple(after.counters.shape) == (1 + m_blocks,) and after.plan == 0
+        assert int(np.frombuffer(after.args[0].tobytes(), dtype)[0]["experts"]["dispatch_plan"]) == 0
+    with pytest.raises(ConfigError, match="kernel 'wg64' cannot start beside the dispatch"):
+        fused.FusedExperts(weights, kernel="wg64").prepare(pool, 300, 100, grid_limit=1000, cc=90,
+                                                           beside_dispatch=True)
+
+
+def test_begin_beside_dispatch_only_for_a_tma_kernel_on_sm90_when_on(monkeypatch):
+    """`FusedExperts.begin_beside_dispatch`: a TMA kernel on cc 9.0 with ``beside_dispatch`` on
+    (``SYMMRING_FUSED_BESIDE=1``; off by default) and rows to compute; its launch goes through the given launcher
+    with the kernel's grid, block, record and shared memory."""
+    monkeypatch.setattr(tensor_map, "Encoder", FakeEncoder)
+    cc = [90]
+    monkeypatch.setattr(fused, "_device", lambda index: (cc[0], 132))
+    monkeypatch.setattr(fused, "_module", lambda index, cc, name: (None, {k: f"fn {k}" for k in fused.KERNELS}))
+    weights = fp8_weights()
+    pool = pool_of(capacity=512, rows_for_sf=300)
+    monkeypatch.delenv("SYMMRING_FUSED_BESIDE", raising=False)
+    assert not fused.FusedExperts(weights, kernel="wg64t").beside_dispatch  # the default
+    monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "1")
+    engine = fused.FusedExperts(weights, kernel="wg64t")
+    assert engine.beside_dispatch
+    beside = engine.begin_beside_dispatch(pool, 300, 100)
+    launches = []
+    out = beside.launch(lambda *a, **kw: launches.append((a, kw)), "stream")
+    ((fn, grid, block, args), kw), = launches
+    assert (fn, block, kw) == ("fn wg64t", (384,), {"stream": "stream", "shared_mem": fused.shared_bytes("wg64t")})
+    assert grid[0] == 6 * (INTER // 128 + HIDDEN // 256) and tuple(out.shape) == (300, HIDDEN)
+    record = np.frombuffer(args[0].tobytes(), kernel_args.STRUCTS["FusedExpertsTmaArgs"])[0]
+    assert int(record["experts"]["dispatch_plan"]) == beside.plan != 0
+    assert fused.FusedExperts(weights, kernel="wg64").begin_beside_dispatch(pool, 300, 100) is None
+    assert fused.FusedExperts(weights, kernel="auto").begin_beside_dispatch(pool, 300, 100) is not None  # wg64t
+    assert engine.begin_beside_dispatch(pool, 0, 100) is None  # no rows: nothing launches
+    rows = torch.zeros(300, HIDDEN // 128)  # row-major scales: their MN-major copy would precede the dispatch
+    row_major = Pool(x=pool.x, group_end=pool.group_end, x_sf=rows, m_indices=pool.m_indices,
+                     bad_groups=pool.bad_groups)
+    assert engine.begin_beside_dispatch(row_major, 300, 100) is None
+    engine.beside_dispatch = False
+    assert engine.begin_beside_dispatch(pool, 300, 100) is None
+    monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "0")
+    assert not fused.FusedExperts(weights, kernel="wg64t").beside_dispatch
+    cc[0] = 89
+    assert fused.FusedExperts(weights, kernel="auto").begin_beside_dispatch(pool, 300, 100) is None
 
 
 def test_the_tma_kernel_needs_the_drivers_encoder(monkeypatch):
@@ -394,6 +471,9 @@ def test_check_status_names_what_the_kernel_recorded():
         engine.check_status()
     engine.status[0] = -3
     with pytest.raises(BackendError, match=r"a wait of a TMA kernel's pipeline \(its ring or item queue\) expired"):
+        engine.check_status()
+    engine.status[0] = -4
+    with pytest.raises(BackendError, match="beside the fused dispatch, the kernel's wait for the dispatch's plan"):
         engine.check_status()
     engine.check_status()
 

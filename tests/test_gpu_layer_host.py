@@ -239,3 +239,24 @@ def test_check_errors_ends_with_the_expert_engines_own_records(fake_device):
     with pytest.raises(BackendError, match="L2 tile"):
         moe.check_errors()
     moe.check_errors()
+
+
+def test_captured_call_sets_the_count_first_only_for_a_steps_graph():
+    # A graph captured outside a step writes its own token count: its replay enqueues no fill before it (one kernel
+    # and one host launch less per decode call). A step's graph reads the count the replay sets first.
+    from symmring.moe.gpu.layer import CapturedCall
+    seen = []
+
+    class Workspace:
+        def replay(self, graph, num_tokens=None):
+            seen.append((graph, num_tokens))
+
+    class Layer:
+        workspace = Workspace()
+
+        def _check_closed(self):
+            seen.append("checked")
+
+    CapturedCall(Layer(), "own", 7, own_count=True).replay()
+    CapturedCall(Layer(), "step's", 7).replay()
+    assert seen == ["checked", ("own", None), "checked", ("step's", 7)]

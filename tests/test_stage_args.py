@@ -210,7 +210,10 @@ def test_fused_dispatch_and_combine_carry_the_plans_bounds():
     stages.dispatch_fused(k, s, None, window=ONE_PASS, ack_now=True, layer=5)
     check(k, s, {"chunk_idx": 3, "sf_row_stride": 1, "sf_col_stride": 640, "ack_now": 1, "pool_rows": 640,
                  "rows_per_expert": 8, "layer": 5, "token_base": BUFFERS["token_base"],
-                 "counter": BUFFERS["counters"] + 4 * stages.COUNTER_DISPATCH})
+                 "counter": BUFFERS["counters"] + 4 * stages.COUNTER_DISPATCH, "plan": 0})
+    stages.dispatch_fused(k, s, None, window=ONE_PASS, ack_now=False, layer=5, plan=0xBE5100)
+    check(k, s, {"chunk_idx": 3, "sf_row_stride": 1, "sf_col_stride": 640, "ack_now": 0, "pool_rows": 640,
+                 "rows_per_expert": 8, "layer": 5, "plan": 0xBE5100})
     y = FakeTensor(0x9000, (5, 2048), element_size=2)
     stages.combine_fused(k, s, None, out=FakeTensor(0x5000, (256, 2048)), window=ONE_PASS, ack_now=False,
                          topk_idx=FakeTensor(0x6000), topk_weights=FakeTensor(0x7000), y=y, end_call_chunks=1)
@@ -261,3 +264,57 @@ def test_values_that_do_not_fit_their_field_are_refused():
         stages.wait_slot(k, s, None, chunk=2**31)
     with pytest.raises((OverflowError, ValueError)):
         stages.sleep(k, s, None, ns=-1)
+
+
+class _Beside:
+    """An engine call beside the dispatch (`ExpertEngine.begin_beside_dispatch`'s object): records its launch."""
+
+    def __init__(self, events):
+        self.plan, self.events = 0xBE5100, events
+
+    def launch(self, launcher, stream):
+        self.events.append(("launch beside", launcher, stream))
+        return "beside rows"
+
+
+class _Engine:
+    """An engine that starts beside the dispatch when ``beside`` (else `begin_beside_dispatch` says None)."""
+
+    def __init__(self, events, beside):
+        self.events, self.beside = events, beside
+
+    def begin_beside_dispatch(self, pool, num_rows, rows_per_expert=None):
+        self.events.append(("begin beside", pool, num_rows, rows_per_expert))
+        return _Beside(self.events) if self.beside else None
+
+    def forward(self, pool, num_rows, rows_per_expert=None, out=None, scratch=None):
+        self.events.append(("forward", pool, num_rows, rows_per_expert))
+        return "forward rows"
+
+
+@pytest.mark.parametrize("pdl, beside", [(True, True), (True, False), (False, True)])
+def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_producer(monkeypatch, pdl, beside):
+    """With PDL an engine that can start beside the fused dispatch is set up before the producer (its zeroed counters
+    precede the chain of dependent launches), hands its plan words to the dispatch and is launched by the PDL
+    launcher right after it; otherwise (no PDL, or the engine declines) `forward` runs after the dispatch."""
+    events = []
+    monkeypatch.setattr(stages, "produce_fused", lambda *a, **kw: events.append("produce"))
+    monkeypatch.setattr(stages, "stage", lambda *a, **kw: events.append("stage"))
+    monkeypatch.setattr(stages, "dispatch_fused", lambda *a, plan=0, **kw: events.append(("dispatch", plan)))
+    monkeypatch.setattr(stages, "combine_fused", lambda *a, out, **kw: events.append(("combine", out)))
+    monkeypatch.setattr(stages, "_out_rows", lambda s, rows: None)
+    launcher = type("Launcher", (), {"enabled": pdl})()
+    k = type("K", (), {"launch": launcher})()
+    s = type("S", (), {"pool": staticmethod(lambda rows: ("pool", rows)), "outbound": None, "scratch": None})()
+    stages.small_batch_call(k, s, "stream", chunk=None, window=ONE_PASS, engine=_Engine(events, beside),
+                            ack_policy=stages.protocol.AckPolicy.EARLY, x=None, topk_idx=None, topk_weights=None,
+                            y=None, num_chunks=1, router=(), layer=0)
+    pool = ("pool", ONE_PASS.rows_bound)
+    if pdl and beside:
+        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0xBE5100),
+                          ("launch beside", launcher, "stream"), ("combine", "beside rows")]
+    elif pdl:
+        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0),
+                          ("forward", pool, 640, 8), ("combine", "forward rows")]
+    else:
+        assert events == ["produce", "stage", ("dispatch", 0), ("forward", pool, 640, 8), ("combine", "forward rows")]

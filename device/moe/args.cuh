@@ -221,7 +221,21 @@ struct DispatchFusedArgs {
     int pool_rows;
     int rows_per_expert;
     int layer;
+    // Null, or the plan words of an experts kernel launched beside this dispatch (FusedExpertsArgs::dispatch_plan),
+    // zeroed before the call: [0] kPlanAbandoned, or this grid's blocks once every live 64-row block's first row of
+    // m_indices is written; [1] the blocks whose rows are all written (fence.proxy.async first: TMA reads them), or
+    // past kPlanRowsLost once a block returned without them.
+    int* plan;
 };
+
+// The plan word of a dispatch that placed no row (an error pending or recorded, counts past the plan's bounds).
+constexpr int kPlanAbandoned = -1;
+// What a dispatch block that returned without its rows adds to the rows word ([1]) instead of 1: any count at or
+// past it means rows are missing (the experts kernel then computes NaN, not stale rows).
+constexpr int kPlanRowsLost = 1 << 20;
+// The rows of m_indices the plan writes ahead of the pull: every kPlanRows-th row of each expert's rows (the first
+// row of each of the experts kernel's 64-row blocks; the pool's groups start at multiples of it).
+constexpr int kPlanRows = 64;
 
 // --- combine.cu ----------------------------------------------------------------------------------------
 
@@ -334,6 +348,15 @@ struct FusedExpertsArgs {
     int window_begin;            // the window's first chunk (token_base's row 0)
     int num_ranks;
     int num_topk;
+    // 1: no expert holds more than one m block (the host's rows-per-expert bound), so each weight tile is read once:
+    // the TMA kernels copy the weights with an L2 evict-first hint, and the stream of them no longer evicts what the
+    // kernels around this one read (the ring's slots, the pool, their code). 0: the default policy (tiles reused).
+    int weights_evict_first;
+    // Null, or the plan words of the fused dispatch launched just before this kernel (DispatchFusedArgs::plan): the
+    // TMA kernels then start with PDL before the dispatch ends, read m_indices once the plan is published and the
+    // pool's rows once every dispatch block wrote its own (fused_experts_tma.cu), and wait for the dispatch's end
+    // at their own end.
+    const int* dispatch_plan;
 };
 
 // A CUDA tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on the host by

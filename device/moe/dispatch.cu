@@ -70,6 +70,9 @@ using symmring_moe::DispatchScanArgs;
 using symmring_moe::DispatchStageArgs;
 using symmring_moe::DispatchWaitArgs;
 using symmring_moe::PassRows;
+using symmring_moe::kPlanAbandoned;
+using symmring_moe::kPlanRows;
+using symmring_moe::kPlanRowsLost;
 using symmring_moe::kOverflowExpertRows;
 using symmring_moe::kOverflowWindowRows;
 using symmring_moe::lanes_below;
@@ -522,7 +525,8 @@ extern "C" __global__ void moe_dispatch_pull_fp8(const DispatchPullFp8Args args)
 //      kLoadsInFlight loads per thread before the stores) and scales into every row, as moe_dispatch_pull_fp8.
 // Every block waits on peers' producers, so the grid is at most stages.Kernels.spin_blocks (PROTOCOL.md 9.2).
 // counter: a zeroed device word for the EARLY acknowledgement's grid handshake (unused otherwise). With an
-// error pending at entry the grid only puts the group ids of rows [0, pool_rows) back to -1 (clear_group_ids).
+// error pending at entry the grid only puts the group ids of rows [0, pool_rows) back to -1 (clear_group_ids),
+// unless an experts kernel runs beside it (args.plan): that kernel is told by the plan's words instead.
 namespace {
 
 // Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
@@ -530,12 +534,18 @@ constexpr int kPassEntries = 1024;
 // 16-byte loads each thread of the fused dispatch issues before their stores.
 constexpr int kLoadsInFlight = 8;
 
-}  // namespace
+// Thread 0 of block 0: the plan word of an experts kernel beside the dispatch (args.plan; release at gpu scope:
+// the group layout and the m_indices the plan wrote before it): `blocks` (this grid) or kPlanAbandoned.
+__device__ __forceinline__ void publish_plan(const DispatchFusedArgs& args, int blocks) {
+    if (args.plan == nullptr) return;
+    __threadfence();
+    atomicExch(args.plan, blocks);
+}
 
-extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
-    grid_dependency_wait();  // launched with PDL (stages.Kernels.launch): stream order from here
+// The kernel's body (below): every return of it passes the kernel's last wait. Returns whether the block placed
+// its rows (false: an error pending or recorded, counts past the bounds); every thread of a block returns alike.
+__device__ __forceinline__ bool dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(8);
-    grid_dependents_launch();
     const RingDescriptor& d = *args.desc;
     const int K = d.num_topk;
     const int R = d.num_ranks;
@@ -551,9 +561,15 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
     __shared__ int entry_row[kPassEntries];               // ... and their pool rows (-1: not local)
     __shared__ int failed;
     __shared__ int overflow;  // the counts exceed the plan's bounds: no row is placed
-    if (error_pending(d)) {
-        clear_group_ids(args.m_indices, args.pool_rows);
-        return;
+    __shared__ int pending;   // an error pending at entry: read once, so that the whole block returns alike
+    if (threadIdx.x == 0) pending = error_pending(d);
+    __syncthreads();
+    if (pending) {
+        // Beside an experts kernel the group ids stay as they are: it learns of the lost rows from the plan's
+        // words, and the tables of its blocks must agree (MoE.reset() clears the ids before the next call).
+        if (args.plan == nullptr) clear_group_ids(args.m_indices, args.pool_rows);
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
+        return false;
     }
     const int slot = slot_of(args.chunk_idx, d.num_slots);
     const uint64_t gen = expected_generation(d, args.chunk_idx);
@@ -569,7 +585,11 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         // acquire: pairs with the release in grid_publish of moe_produce_chunk_fp8 on src. Then the slot must
         // hold this call's chunk (a stale payload or another call's is a typed error, not silent data).
         const SourceSlot from = source_slot(d, args.stage, slot, src);
-        if (!slot_reachable(from, args.status) || !poll_ready(d, args.chunk_idx, src, gen) ||
+        // Started beside this PE's own producer (PDL, no stage), whose wait for the slot's acknowledgements may
+        // begin after this one: twice the bound for its words, so a peer that never acknowledged is named by the
+        // producer's reuse record, not by this wait.
+        const uint64_t extra_ns = src == d.rank && args.stage == nullptr ? timeout_ns_of(d) : 0;
+        if (!slot_reachable(from, args.status) || !poll_ready(d, args.chunk_idx, src, gen, extra_ns) ||
             !check_payload(d, args.chunk_idx, src, gen, call_id)) {
             failed = 1;
         } else {
@@ -584,7 +604,10 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
     }
     __syncthreads();  // the other threads read the payload only after the waiting threads' acquires
     CHAIN_STAMP(9);
-    if (failed) return;
+    if (failed) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
+        return false;
+    }
     if (threadIdx.x == 0) {
         first_token[0] = 0;
         for (int r = 0; r < R; ++r) first_token[r + 1] += first_token[r];
@@ -663,7 +686,19 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         }
         __syncthreads();
         CHAIN_STAMP(10);
-        if (overflow) return;  // every block saw the same counts: none places a row
+        if (overflow) {  // every block saw the same counts: none places a row
+            if (blockIdx.x == 0 && threadIdx.x == 0) publish_plan(args, kPlanAbandoned);
+            return false;
+        }
+        // The plan: the expert of every live 64-row block's first row ahead of the pull (which writes the same id
+        // there again), so an experts kernel beside the dispatch decodes its items and streams their weights while
+        // the rows arrive. Block 0's range starts at token 0: its cursors are the groups' first rows.
+        if (args.plan != nullptr && blockIdx.x == 0) {
+            for (int e = threadIdx.x; e < args.num_local_experts; e += blockDim.x)
+                for (int r = cursor[e]; r < cursor[e] + counts[e]; r += kPlanRows) args.m_indices[r] = e;
+            __syncthreads();  // every thread's writes before thread 0's release
+            if (threadIdx.x == 0) publish_plan(args, static_cast<int>(gridDim.x));
+        }
     }
 
     // 4. This block's range, kPassEntries entries (whole tokens) per pass.
@@ -757,4 +792,33 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         for (int owner = 0; owner < R; ++owner) ack(d, args.chunk_idx, owner);
         if (threadIdx.x == 0) CHAIN_STAMP_ANY(13);
     }
+    return true;
+}
+
+}  // namespace
+
+// Launched with PDL (stages.Kernels.launch) after the fused producer, whose launch lets it start once every producer
+// block runs (each passed its own wait: every kernel before the producer has completed). What it reads of the
+// producer is the slot, behind the acquire of the ready words, so it does not wait for the producer's end first: its
+// launch, prologue and poll overlap the producer. It waits at its end, so that its own end still follows the
+// producer's (stream order for the kernels after it, which read what the producer wrote beside the slot). rdma
+// sources: the stage kernel before it fills the staged copies, read with no word of their own: stream order first.
+// With args.plan every block, whatever its path through the body, then releases its rows to the experts kernel
+// beside it (DispatchFusedArgs::plan): that kernel starts before this one ends (PDL), reads the rows by TMA (the async
+// proxy) once the count reaches the plan's grid.
+extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
+    if (args.stage != nullptr) grid_dependency_wait();
+    grid_dependents_launch();
+    const bool placed = dispatch_fused(args);
+    if (args.plan != nullptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // this thread's row stores before TMA reads of them
+#endif
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();  // release at gpu scope: pairs with the experts kernel's acquire of the count
+            atomicAdd(args.plan + 1, placed ? 1 : kPlanRowsLost);
+        }
+    }
+    grid_dependency_wait();
 }

@@ -24,6 +24,8 @@ constexpr float kFp8Max = 448.0f;
 constexpr int kStatusSharedTooSmall = -1;  // launched with less dynamic shared memory than the layout
 constexpr int kStatusWrongTarget = -2;     // a wgmma kernel run from a cubin not built for sm_90a
 constexpr int kStatusPipelineStalled = -3; // wg64t, wg128t: a wait of the TMA pipeline expired (outputs NaN)
+constexpr int kStatusDispatchLate = -4;    // wg64t, wg128t beside the fused dispatch: its plan or its rows never
+                                           // came within the bound (dispatch_plan; the outputs are NaN or absent)
 
 // --- PTX wrappers ----------------------------------------------------------------------------------------
 
@@ -281,15 +283,20 @@ __device__ __forceinline__ void release_arrival(const FusedExpertsArgs& p, int m
     }
 }
 
-// Wait (thread 0, bounded) until the m block's L1 items all arrived; false when the bound expired.
-__device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_block, int expected) {
-    const int* word = p.counters + 1 + m_block;
+// Wait (one thread, bounded by bound_ns, acquire at gpu scope) until the count `word` reaches `expected`; false when
+// the bound expired.
+__device__ __forceinline__ bool wait_count(const int* word, int expected, uint64_t bound_ns) {
     if (load_acquire_gpu(word) >= expected) return true;
-    const uint64_t deadline = now_ns() + p.timeout_ns;
+    const uint64_t deadline = now_ns() + bound_ns;
     for (uint32_t polls = 0;; ++polls) {
         if (load_acquire_gpu(word) >= expected) return true;
         if (polls % 64 == 63 && now_ns() > deadline) return false;
     }
+}
+
+// Wait (thread 0, bounded) until the m block's L1 items all arrived; false when the bound expired.
+__device__ __forceinline__ bool wait_arrivals(const FusedExpertsArgs& p, int m_block, int expected) {
+    return wait_count(p.counters + 1 + m_block, expected, p.timeout_ns);
 }
 
 // One expired L2 wait counted in status[0] as the `tiles` output tiles it leaves NaN (status[1]: the m block of

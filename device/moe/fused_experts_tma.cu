@@ -102,6 +102,7 @@ struct Shared : Keep<T> {
     int closed;     // after a stall: the producer pushes and fills no more (close_queue), then:
     int queue_end;  //   the entries it pushed
     int ring_end;   //   the ring positions it filled
+    int dispatch_blocks;  // beside the fused dispatch (dispatch_plan): its grid, or kPlanAbandoned; else 0 (wait_plan)
 };
 static_assert(Tile64::kBBoxBytes % kSwizzleAtom == 0 && Tile128::kBBoxBytes % kSwizzleAtom == 0 &&
                   (kABoxRows * kBlockK) % kSwizzleAtom == 0 && sizeof(wg128::Keep) % kSwizzleAtom == 0,
@@ -173,6 +174,28 @@ __device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, 
         : "memory");
 }
 
+// tma_load_2d with an L2 eviction priority (`policy`, from l2_policy).
+__device__ __forceinline__ void tma_load_2d(uint8_t* dst, const TensorMap* map, uint64_t* bar, int c0, int c1,
+                                            uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "l"(policy)
+        : "memory");
+}
+
+// The L2 policy of the weight copies: evict first (FusedExpertsArgs::weights_evict_first: each tile is read once)
+// or normal.
+__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
+    uint64_t policy;
+    if (evict_first) {
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    } else {
+        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+    }
+    return policy;
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -223,7 +246,7 @@ constexpr uint64_t kWaitFloorNs = 1000ull * 1000ull * 1000ull;
 struct Clock {
     int* status;
     uint64_t producer_ns;  // T + kWaitFloorNs
-    uint64_t math_ns;      // 2 (T + kWaitFloorNs): the last resort
+    uint64_t math_ns;      // 2 (T + kWaitFloorNs), beside the fused dispatch plus 2 dispatch_bound: the last resort
 };
 
 __device__ __forceinline__ void record_stall(const Clock& clock) { atomicCAS(clock.status, 0, kStatusPipelineStalled); }
@@ -261,6 +284,7 @@ __device__ __forceinline__ bool closed(const Shared<T>& sm) {
 template <class T>
 struct Ring {
     uint32_t kb = 0;  // K blocks through the ring so far (this thread's count; every role counts the same)
+    uint64_t b_policy = 0;  // the producer's L2 policy of its weight copies (l2_policy)
     __device__ __forceinline__ int stage() const { return static_cast<int>(kb % T::kStages); }
     __device__ __forceinline__ uint32_t phase() const { return (kb / T::kStages) & 1u; }
 };
@@ -343,7 +367,7 @@ __device__ __forceinline__ bool claim_with_b(Shared<T>& sm, const Ring<T>& ring,
     FUSED_PROFILE_ADD(kEmptyWait, waited);
     mbar_arrive_expect_tx(&sm.full[s], T::kATileBytes + T::kScaleBytes + num_boxes * T::kBBoxBytes);
     for (int h = 0; h < num_boxes; ++h)
-        tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h]);
+        tma_load_2d(sm.b[s] + h * T::kBBoxBytes, b_map, &sm.full[s], kb * kBlockK, b_row[h], ring.b_policy);
     for (int h = 0; h < 2; ++h) cp_async_4(&sm.sb[s][h], b_sf[h] + kb);
     cp_async_mbar_arrive(&sm.full[s]);
     return true;
@@ -398,52 +422,109 @@ __device__ __forceinline__ bool produce_item(Shared<T>& sm, Ring<T>& ring, const
     return produce(sm, ring, clock, a_map, sf_map, b_map, a_row, box_row, b_sf, boxes, kb0, num_kb);
 }
 
-// An L2 item's first ring positions, claimed one at a time with their weight copies while its m block's L1
-// arrivals are read (the weights do not depend on them): the first read is in flight during the first claim, and
-// the claims stop once the arrivals are seen (usually at the first: they are long complete) or at a ring's worth,
-// where the bounded wait takes over (`expired`: it ran out, counted in the status). An item not yet queued thus
-// holds at most kStages positions, each of which needed only this block's math to free it. Returns the K blocks
-// claimed (at least 1), or -1 when a claim's wait expired (a stall; ring.kb is back at the item's first position).
+// An item's first ring positions, claimed one at a time with their weight copies while the count `word` its A
+// operand waits for is read (the weights do not depend on it): the first read is in flight during the first claim,
+// and the claims stop once the count reached `expected` or at a ring's worth, where the bounded wait takes over
+// (`arrived`: false when it ran out). An item not yet queued thus holds at most kStages positions, each of which
+// needed only this block's math to free it. Returns the K blocks claimed (at least 1), or -1 when a claim's wait
+// expired (a stall; ring.kb is back at the item's first position).
 template <class T>
-__device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
-                                                const FusedExpertsTmaArgs& args, const Work& w, int m_block,
-                                                const int (&row)[2], const float* const (&b_sf)[2], int num_kb,
-                                                int& expired) {
-    const FusedExpertsArgs& p = args.experts;
-    const int* word = p.counters + 1 + m_block;
-    const int expected = kArrivalsPerL1Item * w.n1_blocks;
-    int box_row[2];
-    const int boxes = item_boxes<T>(w, false, row, box_row);
+__device__ __forceinline__ int claim_weights_while(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                   const TensorMap* b_map, const int (&box_row)[2],
+                                                   const float* const (&b_sf)[2], int boxes, int num_kb,
+                                                   const int* word, int expected, uint64_t bound_ns, bool& arrived) {
     const int n = min(num_kb, T::kStages);
     int seen = load_acquire_gpu(word);
     for (int kb = 0;;) {
-        if (!claim_with_b(sm, ring, clock, &args.w_down_map, box_row, b_sf, boxes, kb)) {
+        if (!claim_with_b(sm, ring, clock, b_map, box_row, b_sf, boxes, kb)) {
             ring.kb -= kb;  // no position of this item is complete
             return -1;
         }
         ++ring.kb;
         ++kb;
         if (seen >= expected) {
-            expired = 0;
+            arrived = true;
             return kb;
         }
         if (kb == n) {
-            expired = !wait_arrivals(p, m_block, expected);
-            if (expired) count_expired_wait(p, m_block, w.n2_per_item);  // an L2 pair: two tiles
+            arrived = wait_count(word, expected, bound_ns);
             return kb;
         }
         seen = load_acquire_gpu(word);  // in flight during the next claim
     }
 }
 
-// The A copies of the n K blocks claim_l2_weights claimed (the ring positions just before ring.kb).
+// An L2 item's first ring positions (claim_weights_while) while its m block's L1 arrivals are read (usually seen at
+// the first claim: they are long complete); `expired`: the wait ran out, counted in the status.
+template <class T>
+__device__ __forceinline__ int claim_l2_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                const FusedExpertsTmaArgs& args, const Work& w, int m_block,
+                                                const int (&row)[2], const float* const (&b_sf)[2], int num_kb,
+                                                int& expired) {
+    const FusedExpertsArgs& p = args.experts;
+    int box_row[2];
+    const int boxes = item_boxes<T>(w, false, row, box_row);
+    bool arrived = true;
+    const int claimed = claim_weights_while(sm, ring, clock, &args.w_down_map, box_row, b_sf, boxes, num_kb,
+                                            p.counters + 1 + m_block, kArrivalsPerL1Item * w.n1_blocks,
+                                            p.timeout_ns, arrived);
+    expired = claimed >= 0 && !arrived;
+    if (expired) count_expired_wait(p, m_block, w.n2_per_item);  // an L2 pair: two tiles
+    return claimed;
+}
+
+// Beside the fused dispatch: the bound of the waits for its plan and rows, past the dispatch's own bounded waits
+// (twice the ring's bound for its own producer's words; the engine's timeout is the ring's).
+__device__ __forceinline__ uint64_t dispatch_bound(const FusedExpertsArgs& p) { return 3 * p.timeout_ns + kWaitFloorNs; }
+
+// Thread 0 of warpgroup 0 beside the fused dispatch: its plan (its grid, or kPlanAbandoned), acquired. A wait past
+// the bound records kStatusDispatchLate and abandons (nothing is computed).
+__device__ __forceinline__ int wait_plan(const FusedExpertsArgs& p) {
+    const uint64_t deadline = now_ns() + dispatch_bound(p);
+    for (uint32_t polls = 0;; ++polls) {
+        const int plan = load_acquire_gpu(p.dispatch_plan);
+        if (plan != 0) return plan;
+        if (polls % 64 == 63 && now_ns() > deadline) {
+            atomicCAS(p.status, 0, kStatusDispatchLate);
+            return kPlanAbandoned;
+        }
+    }
+}
+
+// The block's first L1 item beside the fused dispatch: its first ring positions claimed with their weight copies
+// (claim_weights_while) while the dispatch's blocks finish writing the pool's rows; `arrived`: every block did
+// within the bound; `lost`: some block returned without its rows (kPlanRowsLost: the ring holds the error). wg128t's
+// L1 runs in passes from K block 0 (produce_item): it only waits.
+template <class T>
+__device__ __forceinline__ int claim_pool_weights(Shared<T>& sm, Ring<T>& ring, const Clock& clock,
+                                                  const FusedExpertsTmaArgs& args, const Work& w, const int (&row)[2],
+                                                  const float* const (&b_sf)[2], int num_kb, int dispatch_blocks,
+                                                  bool& arrived, bool& lost) {
+    const FusedExpertsArgs& p = args.experts;
+    const int* word = p.dispatch_plan + 1;
+    int claimed = 0;
+    if constexpr (T::kBlockM == wg128::kBlockM) {
+        arrived = wait_count(word, dispatch_blocks, dispatch_bound(p));
+    } else {
+        int box_row[2];
+        const int boxes = item_boxes<T>(w, true, row, box_row);
+        claimed = claim_weights_while(sm, ring, clock, &args.w13_map, box_row, b_sf, boxes, num_kb, word,
+                                      dispatch_blocks, dispatch_bound(p), arrived);
+    }
+    lost = arrived && load_acquire_gpu(word) >= kPlanRowsLost;
+    return claimed;
+}
+
+// The A copies of the n K blocks an item claimed (the ring positions just before ring.kb): L1's from the pool,
+// L2's from the intermediate.
 template <class T>
 __device__ __forceinline__ void copy_claimed_a(Shared<T>& sm, const Ring<T>& ring, const FusedExpertsTmaArgs& args,
-                                               int a_row, int n) {
+                                               bool l1, int a_row, int n) {
     for (int kb = 0; kb < n; ++kb) {
         Ring<T> at;
         at.kb = ring.kb - n + kb;
-        copy_a(sm, at.stage(), &args.act_map, &args.act_sf_map, a_row, kb);
+        copy_a(sm, at.stage(), l1 ? &args.pool_x_map : &args.act_map, l1 ? &args.pool_sf_map : &args.act_sf_map,
+               a_row, kb);
     }
 }
 
@@ -529,9 +610,15 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                                          const Clock& clock) {
     const FusedExpertsArgs& p = args.experts;
     Ring<T> ring;
+    ring.b_policy = l2_policy(p.weights_evict_first != 0);
     uint32_t pos = 0;
     bool stalled = false;
-    for (int ticket = atomicAdd(p.counters, 1), next; ticket < w.total_items; ticket = next) {
+    // Beside the fused dispatch (fill_tables waited for its plan): an abandoned plan leaves nothing to compute, and
+    // the block's first L1 item waits for the pool's rows; else they were complete at the launch.
+    const int dispatch_blocks = sm.dispatch_blocks;
+    bool rows_in = dispatch_blocks == 0;
+    for (int ticket = dispatch_blocks < 0 ? w.total_items : atomicAdd(p.counters, 1), next; ticket < w.total_items;
+         ticket = next) {
         next = atomicAdd(p.counters, 1);  // read at the next ticket's turn: its latency hides behind this one's
         const bool l1 = ticket < w.l1_items;
         const Item it = producer_item<T>(sm, p, w, l1 ? ticket : ticket - w.l1_items, l1);
@@ -542,19 +629,31 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
             int row[2];
             b_rows(op, it.expert, l1 ? 2 * p.inter : p.hidden, row);
             int claimed = 0, expired = 0;
+            bool rows_arrived = true, rows_lost = false;
             if (!l1) {
                 FUSED_PROFILE_STAMP(claiming);
                 claimed = claim_l2_weights(sm, ring, clock, args, w, it.m_block, row, op.b_sf, op.num_kb, expired);
                 FUSED_PROFILE_ADD(kArrivalWait, claiming);
                 FUSED_PROFILE_COUNT(kLateArrivals, claimed > 1);
                 if (claimed >= 0) fence_proxy_async_global();  // the acquire of the intermediate, then its TMA reads
+            } else if (!rows_in) {
+                claimed = claim_pool_weights(sm, ring, clock, args, w, row, op.b_sf, op.num_kb, dispatch_blocks,
+                                             rows_arrived, rows_lost);
+                rows_in = true;
+                if (!rows_arrived) {
+                    atomicCAS(p.status, 0, kStatusDispatchLate);
+                } else if (claimed >= 0) {
+                    fence_proxy_async_global();  // the acquire of the pool's rows, then their TMA reads
+                }
             }
-            if (claimed >= 0 && push(sm, pos, ticket, it, expired, clock)) {
+            // Rows that never came, or that a dispatch block gave up on: this item and every later one NaN (their
+            // L1 arrivals released at once, so no L2 wait sits out the bound), as after a stall.
+            if (claimed >= 0 && rows_arrived && !rows_lost && push(sm, pos, ticket, it, expired, clock)) {
                 ++pos;
                 FUSED_PROFILE_COUNT(kProducerItems, 1);
                 // An expired wait's tile takes its loads all the same (the math then writes it NaN): the claimed
                 // positions complete, and the ring stays aligned.
-                copy_claimed_a(sm, ring, args, it.row0, claimed);
+                copy_claimed_a(sm, ring, args, l1, it.row0, claimed);
                 if (produce_item(sm, ring, clock, args, w, l1, it.row0, row, op.b_sf, claimed, op.num_kb)) continue;
                 close_queue(sm, pos, ring);  // this item is queued: its tile misses data past ring_end (NaN)
                 stalled = true;
@@ -802,8 +901,14 @@ __device__ __forceinline__ void math(Shared<T>& sm, const FusedExpertsArgs& p, c
 // producer's decoding; named barriers of the warpgroup (not the block's) end each step. A span of L groups costs
 // each of its groups L reads of the table: at most kTableGroups^2 / 128 reads a thread (one expert holding every
 // row).
+// Beside the fused dispatch, thread 0 first waits for its plan (the first rows' ids written), the warpgroup's barrier
+// ordering the table's reads after its acquire.
 template <class T>
 __device__ __forceinline__ void fill_tables(Shared<T>& sm, const FusedExpertsArgs& p, const Work& w) {
+    if (p.dispatch_plan != nullptr) {
+        if (threadIdx.x == 0) sm.dispatch_blocks = wait_plan(p);
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    }
     const int blocks = min((p.num_rows + kABoxRows - 1) / kABoxRows, kTableBlocks);
     for (int b = threadIdx.x; b < blocks; b += 128) sm.block_expert[b] = p.m_indices[b * kABoxRows];
     asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -827,7 +932,7 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     const uint32_t base = smem_addr(tma_smem_raw);
     Shared<T>& sm = *reinterpret_cast<Shared<T>*>(tma_smem_raw + ((0u - base) % kSwizzleAtom));  // 1024-aligned
     if (threadIdx.x == 0) {
-        sm.closed = sm.queue_end = sm.ring_end = 0;
+        sm.closed = sm.queue_end = sm.ring_end = sm.dispatch_blocks = 0;
         for (int s = 0; s < T::kStages; ++s) {
             mbar_init(&sm.full[s], 2);  // the producer's arrive.expect_tx (the TMA copies complete its bytes) and
                                         // the landing of its scale copies (cp_async_mbar_arrive)
@@ -853,7 +958,11 @@ __device__ __forceinline__ void run(const FusedExpertsTmaArgs& args) {
     // wg128t's L2 stage has two boxes already.
     const Work w = T::kBlockM == wg128::kBlockM ? work_of<T::kBlockM>(p) : with_l2_pairs(work_of<T::kBlockM>(p));
     const uint64_t bound = p.timeout_ns + kWaitFloorNs;
-    const Clock clock{p.status, bound, 2 * bound};
+    // A math warp's first pop waits for the producer's first push, which beside the fused dispatch follows the waits
+    // for its plan and rows (each up to dispatch_bound): a bound past them, so that the producer's own record names
+    // a late dispatch.
+    const uint64_t beside = p.dispatch_plan != nullptr ? 2 * dispatch_bound(p) : 0;
+    const Clock clock{p.status, bound, 2 * bound + beside};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kProducerRegisters>();
         fill_tables(sm, p, w);
@@ -886,6 +995,9 @@ template <class T>
 __device__ __forceinline__ void run_tma_kernel(const FusedExpertsTmaArgs& args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     symmring_moe::fused::wg::tma::run<T>(args);
+    // Launched beside the fused dispatch (PDL, dispatch_plan): this grid's end follows the dispatch's, as stream order
+    // would have it for the kernels after it. A no-op for a plain launch.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #else
     if (threadIdx.x == 0 && blockIdx.x == 0) atomicCAS(args.experts.status, 0, symmring_moe::fused::kStatusWrongTarget);
 #endif

@@ -122,8 +122,10 @@ struct Deadline {
     bool aborted;         // the wait gave up because of an earlier error (this PE's record or an abort word)
     uint64_t abort_seen;  // the abort word that ended the wait (0: none)
 
-    __device__ __forceinline__ explicit Deadline(const RingDescriptor& desc)
-        : start_ns(globaltimer_ns()), limit_ns(timeout_ns_of(desc)), polls(0), aborted(false), abort_seen(0) {}
+    // extra_ns: added to the ring's bound, for a wait that may start before the wait it depends on (bounded still).
+    __device__ __forceinline__ explicit Deadline(const RingDescriptor& desc, uint64_t extra_ns = 0)
+        : start_ns(globaltimer_ns()), limit_ns(timeout_ns_of(desc) + extra_ns), polls(0), aborted(false),
+          abort_seen(0) {}
 
     __device__ __forceinline__ bool expired(const RingDescriptor& desc) {
         if (++polls % kPollsPerCheck != 0) return false;

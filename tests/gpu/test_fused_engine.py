@@ -451,6 +451,54 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     verdict(ctx, not problems, f"fused {kernel} {shape}: " + "; ".join(problems))
 
 
+@pytest.mark.parametrize("kernel", ["wg64t", "wg128t"])
+def test_the_kernel_beside_the_dispatch_gives_the_bits_of_the_kernel_after_it(ctx, kernel, monkeypatch):
+    """Small-batch calls with one PE per GPU (PDL): the TMA kernel starts beside the fused dispatch (waits for its
+    plan, streams its first weights while the rows arrive) and gives bitwise the output it gives launched after
+    the dispatch, eagerly and replayed from a graph. With several PEs on a GPU (no PDL) none starts beside it."""
+    skip_off_sm90(kernel)
+    monkeypatch.setenv("SYMMRING_FUSED_KERNEL", kernel)
+    hidden, inter, num_experts, topk = SHAPES["tiny"]
+    moe, _ = _layer(ctx, "fused", hidden, inter, num_experts, topk, 64, SEED + 5)
+    engine, pdl = moe.engine, moe.executor.kernels.launch.enabled
+    began = []
+    begin = engine.begin_beside_dispatch
+    monkeypatch.setattr(engine, "begin_beside_dispatch", lambda *a, **kw: began.append(begin(*a, **kw)) or began[-1])
+    counts, outputs, problems = (1, 8, 64), {}, []
+    dev = cuda_device()
+    try:
+        for beside in (True, False):
+            engine.beside_dispatch = beside
+            for n in counts:
+                x = to_torch(make_tokens(SEED + 7 * n + ctx.rank, n, hidden), torch.bfloat16, dev)
+                logits = np.random.default_rng(SEED + n + ctx.rank).standard_normal((n, num_experts)).astype(np.float32)
+                lt = to_torch(logits, torch.float32, dev)
+                y = moe.forward(x, logits=lt, small_batch=True, graph_cache=False)
+                graph, y_static = moe.capture(x, logits=lt, small_batch=True)
+                graph.replay()
+                moe.check_errors()
+                engine.check_status()
+                outputs[beside, n] = (y.float().cpu().numpy(), y_static.float().cpu().numpy())
+                del graph
+            started = sum(b is not None for b in began)
+            if beside and pdl and started < 2 * len(counts):  # each eager call and each capture
+                problems.append(f"{started} calls started beside the dispatch, expected {2 * len(counts)}")
+            if (not beside or not pdl) and started:
+                problems.append(f"{started} calls started beside the dispatch with beside_dispatch={beside}, "
+                                f"PDL {'on' if pdl else 'off'}")
+            began.clear()
+        for n in counts:
+            for what, a, b in zip(("eager", "graph"), outputs[True, n], outputs[False, n]):
+                if not np.array_equal(a, b, equal_nan=False) or not np.isfinite(a).all():
+                    problems.append(f"n={n} {what}: beside the dispatch differs from after it")
+    finally:
+        engine.beside_dispatch = True
+        moe.close()
+    print(f"[figure] fused {kernel} beside the dispatch, {ctx.world_size} PE(s), PDL {'on' if pdl else 'off'}: "
+          f"tokens {counts} bitwise {'yes' if not problems else 'no'}")
+    verdict(ctx, not problems, f"{kernel}: " + "; ".join(problems))
+
+
 def test_the_layers_check_errors_raises_what_the_fused_kernel_recorded(ctx):
     # An L2 tile whose wait for its L1 items expired is NaN and counted in the engine's status word: the layer's
     # check_errors (every call under SYMMRING_DEBUG) names it, clears it, and the layer runs on.

@@ -108,6 +108,8 @@ def _broken_canaries(state, first: int) -> list:
 
 PATHS = {  # engine, forward kwargs, forced (rows, rows_per_expert): the bound each trips
     "small-batch fp8": ("builtin", dict(small_batch=True), (128, 1)),     # an expert's rows
+    # the fused engine's TMA kernel beside the dispatch (one PE per GPU on sm_90): the abandoned plan
+    "small-batch fused": ("fused", dict(small_batch=True), (128, 1)),
     "general fp8": ("builtin", dict(small_batch=False), (128, 128)),     # the window's rows
     "general bf16": ("torch", dict(), (4, 4)),                           # the window's rows (align 1)
 }
@@ -116,6 +118,8 @@ PATHS = {  # engine, forward kwargs, forced (rows, rows_per_expert): the bound e
 @pytest.mark.parametrize("path", list(PATHS))
 def test_overflowing_dispatch_is_a_named_error_on_every_rank(ctx, monkeypatch, path):
     engine, kwargs, (rows, per_expert) = PATHS[path]
+    if engine == "fused":
+        monkeypatch.setenv("SYMMRING_FUSED_BESIDE", "1")  # read when the layer makes its engine
     workspace = Workspace(ctx, max_tokens=64)
     moe = layer(ctx, workspace, engine)
     router = router_of()

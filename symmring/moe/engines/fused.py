@@ -52,6 +52,9 @@ WGMMA_KERNEL, WGMMA_CC = "wg64", 90
 TMA_KERNELS = {"wg64t": 128, "wg128t": 64}
 #: The kernel `select_kernel` picks on cc 9.0 (for every window: its rule says why).
 AUTO_WGMMA_KERNEL = "wg64t"
+#: The rows of m_indices the fused dispatch's plan writes ahead of its pull (device/moe/args.cuh kPlanRows): the
+#: engine's groups must start at multiples of it.
+KERNEL_PLAN_ROWS = 64
 #: Rows of the TMA boxes of the pool rows and the intermediate (both kernels).
 TMA_ROW_BOX = 64
 THREADS = 256
@@ -84,7 +87,7 @@ _NO_SEND = dict.fromkeys(_SEND_FIELDS, 0)
 #: The argument record's fields a call sets (the pass's buffers and sizes); the engine fixes the others (weights,
 #: status, timeout, shape) when made. The TMA record takes the experts' record and its six tensor maps per call.
 _PER_CALL = ("pool_x", "pool_sf", "sf_row_stride", "sf_col_stride", "m_indices", "act", "act_sf", "out", "counters",
-             "bad_groups", "num_rows", "m_blocks_per_group") + _SEND_FIELDS
+             "bad_groups", "num_rows", "m_blocks_per_group", "weights_evict_first", "dispatch_plan") + _SEND_FIELDS
 _TMA_PER_CALL = ("experts", "pool_x_map", "act_map", "w13_map", "w_down_map", "pool_sf_map", "act_sf_map")
 #: A map of no tensor (a pass of no rows launches nothing and encodes nothing).
 _NO_MAP = np.zeros((), kernel_args.STRUCTS["TensorMap"])
@@ -221,6 +224,19 @@ def blocks_per_group(rows_per_expert: Optional[int], rows: int) -> int:
     return max(1, -(-min(rows_per_expert, FUSED_ALIGN_M) // rows))
 
 
+def read_once(rows_per_expert: Optional[int], rows: int) -> bool:
+    """Whether every weight tile of a window is read by one item only: no local expert holds more than one m block of
+    ``rows`` rows (``rows_per_expert``: the host's bound; None: unknown). The TMA kernels then copy the weights with
+    an L2 evict-first hint (``FusedExpertsArgs::weights_evict_first``), so their stream keeps out of L2 what the
+    kernels around this one read next (the ring's slots, the pool, their code: the decode chain's fixed costs).
+
+    Example:
+        >>> read_once(8, 64), read_once(64, 64), read_once(65, 64), read_once(None, 64)
+        (True, True, False, False)
+    """
+    return rows_per_expert is not None and rows_per_expert <= rows
+
+
 def work_items(num_rows: int, rows: int, hidden: int, inter: int, per_group: int,
                l2_pairs: bool = False) -> Tuple[int, int]:
     """``(m blocks, items)`` of a pass of ``num_rows`` pool rows at ``rows`` rows per item and ``per_group``
@@ -299,6 +315,7 @@ class Launch:
     act_sf: object
     counters: object
     pool_sf: object = None  # a TMA kernel's MN-major copy of the pool's scales, where the pool's were not
+    plan: int = 0  # beside the fused dispatch: the address of its plan words (DispatchFusedArgs::plan); else 0
 
 
 def _send_fields(send: CombineRows) -> dict:
@@ -368,6 +385,9 @@ class FusedExperts(ExpertEngine):
                  kernel: Optional[str] = None):
         check_weights(weights)
         self.kernel = check_kernel(kernel)
+        #: Whether a small-batch call's TMA kernel starts beside the fused dispatch (`begin_beside_dispatch`;
+        #: ``SYMMRING_FUSED_BESIDE``, off by default, settable to compare).
+        self.beside_dispatch = env.fused_beside()
         if sm_budget is not None and (isinstance(sm_budget, bool) or not isinstance(sm_budget, int) or sm_budget < 1):
             raise ConfigError(f"sm_budget={sm_budget!r}: expected a positive int (blocks of the fused kernel) or None")
         self.weights = weights
@@ -400,10 +420,13 @@ class FusedExperts(ExpertEngine):
         return sms if self._sm_budget is None else min(self._sm_budget, sms)
 
     def prepare(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int], grid_limit: int, cc: int,
-                send: Optional[CombineRows] = None) -> Launch:
+                send: Optional[CombineRows] = None, beside_dispatch: bool = False) -> Launch:
         """Check the pool and fill the launch for a device of compute capability ``cc`` (allocates the output and
         intermediates; no kernel runs): what `forward` enqueues, on any device (the CPU tests check the record).
         With ``send`` the rows go to their owners' combine rows and the launch's ``out`` has no rows.
+        ``beside_dispatch`` (a TMA kernel only, `beside_dispatch_kernel`): the counters hold two words more, the
+        fused dispatch's plan (``Launch.plan``), and the kernel reads the pool as the dispatch fills it
+        (`launch_beside_dispatch`).
         The launch's argument bytes are the engine's own record, which the next call sets again: launch (or copy)
         them before preparing another call.
 
@@ -414,6 +437,7 @@ class FusedExperts(ExpertEngine):
         """
         import torch
         check_pool(pool, num_rows, self.hidden)
+        address = kernel_args.address
         kernel = select_kernel(rows_per_expert, cc, self.kernel)
         rows = KERNELS[kernel]
         per_group = blocks_per_group(rows_per_expert, rows)
@@ -422,19 +446,24 @@ class FusedExperts(ExpertEngine):
         out = torch.empty(0 if send else num_rows, self.hidden, dtype=torch.bfloat16, device=dev)
         act = torch.empty(num_rows, self.inter, dtype=torch.uint8, device=dev)
         act_sf = _mn_major_empty(num_rows, self.inter // TILE, dev)  # [num_rows, inter / 128], MN-major
-        counters = torch.zeros(1 + m_blocks, dtype=torch.int32, device=dev)  # ticket, arrivals: fresh per call
-        address = kernel_args.address
+        if beside_dispatch and kernel not in TMA_KERNELS:
+            raise ConfigError(f"engine 'fused': kernel {kernel!r} cannot start beside the dispatch (TMA kernels: "
+                              f"{sorted(TMA_KERNELS)})")
+        # ticket, arrivals (and beside the dispatch its plan words): fresh per call
+        counters = torch.zeros(1 + m_blocks + (2 if beside_dispatch else 0), dtype=torch.int32, device=dev)
+        plan = address(counters) + 4 * (1 + m_blocks) if beside_dispatch else 0
         experts = self._experts_args
         args = experts.set(pool_x=address(pool.x), pool_sf=address(pool.x_sf), sf_row_stride=pool.x_sf.stride(0),
                            sf_col_stride=pool.x_sf.stride(1), m_indices=address(pool.m_indices), act=address(act),
                            act_sf=address(act_sf), out=address(out), counters=address(counters),
                            bad_groups=address(pool.bad_groups), num_rows=num_rows, m_blocks_per_group=per_group,
+                           weights_evict_first=int(read_once(rows_per_expert, rows)), dispatch_plan=plan,
                            **(_NO_SEND if send is None else _send_fields(send)))
         pool_sf = None
         if kernel in TMA_KERNELS:
             args, pool_sf = self._tma_args(experts.record, pool, num_rows, act, act_sf, TMA_KERNELS[kernel])
         return Launch(kernel, max(1, min(grid_limit, items)), shared_bytes(kernel), args, out, act, act_sf, counters,
-                      pool_sf)
+                      pool_sf, plan)
 
     def _tma_args(self, experts: np.ndarray, pool: Pool, num_rows: int, act, act_sf, weight_box: int):
         """A TMA kernel's record and the pool scales it reads: the experts' record ``experts`` and the six tensor maps:
@@ -493,13 +522,31 @@ class FusedExperts(ExpertEngine):
         kernel((launch.grid,), (threads(launch.kernel),), launch.args, shared_mem=launch.shared_bytes, stream=stream)
         return launch.out
 
+    def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
+        """`ExpertEngine.begin_beside_dispatch`: where the call takes a TMA kernel (``wg64t``, ``wg128t``: cc 9.0)
+        and ``beside_dispatch`` is on (``SYMMRING_FUSED_BESIDE=1``), its launch with the dispatch's plan words in
+        its counters (zeroed now, on the current stream); else None. The kernel then waits for the plan before it
+        reads ``m_indices``, streams the first weights of its first L1 item while the dispatch's blocks write the
+        rows, and waits for the dispatch's end at its own (device/moe/fused_experts_tma.cu)."""
+        dev = pool.x.device
+        cc = _device(dev.index)[0]
+        if not self.beside_dispatch or num_rows == 0 or cc != 90 or self.align_m % KERNEL_PLAN_ROWS:
+            return None
+        if select_kernel(rows_per_expert, cc, self.kernel) not in TMA_KERNELS:
+            return None
+        if not tensor_map.is_mn_major(pool.x_sf[:num_rows]):  # its copy (`_tma_args`) would precede the dispatch
+            return None
+        return _BesideDispatch(self, self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc,
+                                                  beside_dispatch=True), dev)
+
     def check_status(self) -> None:
         """Synchronise and raise what the kernel recorded since the last check (then cleared).
 
         Raises:
             BackendError: L2 tiles whose wait for their L1 items expired (written NaN), a launch whose shared
                 memory was smaller than the kernel's layout, the wgmma kernel run from a cubin not built for
-                sm_90a, or a wait of a TMA kernel's pipeline expired (a fault of the kernel; the tiles it left are NaN).
+                sm_90a, a wait of a TMA kernel's pipeline expired (a fault of the kernel; the tiles it left are NaN),
+                or beside the fused dispatch its wait for the dispatch's plan or rows expired.
         """
         timed_out, first = (int(v) for v in self.status.tolist())
         self.status.zero_()
@@ -510,12 +557,33 @@ class FusedExperts(ExpertEngine):
             raise BackendError("engine 'fused': a wait of a TMA kernel's pipeline (its ring or item queue) expired (the "
                                "kernel's own copies or math warps never came: a fault of the kernel; the tiles it "
                                "could not compute are NaN); use kernel 'wg64'")
+        if timed_out == -4:
+            raise BackendError("engine 'fused': beside the fused dispatch, the kernel's wait for the dispatch's plan or "
+                               "its rows expired (the dispatch never published them: a fault of the dispatch; the "
+                               "kernel computed nothing or NaN); SYMMRING_FUSED_BESIDE=0 runs it after the dispatch")
         if timed_out < 0:
             raise BackendError("engine 'fused': launched with less shared memory than the kernel needs "
                                "(fused.shared_bytes disagrees with device/moe/fused_experts*.cu)")
         if timed_out:
             raise BackendError(f"engine 'fused': {timed_out} L2 tile(s) waited past {self.timeout_ns / 1e9:g} s for "
                                f"their L1 items (first m block {first}); their rows are NaN")
+
+
+class _BesideDispatch:
+    """A fused call prepared to start beside the fused dispatch (`FusedExperts.begin_beside_dispatch`)."""
+
+    def __init__(self, engine: "FusedExperts", launch: Launch, device):
+        self.plan = launch.plan
+        self._engine, self._launch, self._device = engine, launch, device
+
+    def launch(self, launcher, stream):
+        """Enqueue the kernel on ``stream`` (a CuPy stream) with ``launcher`` (`symmring.pdl.PdlLauncher`): with
+        PDL right after the dispatch; returns the output (as `FusedExperts.forward`)."""
+        launch, dev = self._launch, self._device
+        kernel = _module(dev.index, 90, module_of(launch.kernel))[1][launch.kernel]
+        launcher(kernel, (launch.grid,), (threads(launch.kernel),), launch.args, stream=stream,
+                 shared_mem=launch.shared_bytes)
+        return launch.out
 
 
 @functools.lru_cache(maxsize=None)

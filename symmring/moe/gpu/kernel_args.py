@@ -100,7 +100,8 @@ STRUCTS["DispatchFusedArgs"] = _struct([
     ("group_end", PTR), ("total", PTR), ("pool_x", PTR), ("pool_sf", PTR), ("sf_row_stride", I64),
     ("sf_col_stride", I64), ("m_indices", PTR), ("row_src", PTR), ("row_weight", PTR), ("expert_begin", I32),
     ("num_local_experts", I32), ("align", I32), ("status", PTR), ("bad_id", PTR), ("ack_now", I32),
-    ("counter", PTR), ("stage", PTR), ("pool_rows", I32), ("rows_per_expert", I32), ("layer", I32)])
+    ("counter", PTR), ("stage", PTR), ("pool_rows", I32), ("rows_per_expert", I32), ("layer", I32),
+    ("plan", PTR)])
 STRUCTS["CombineScatterArgs"] = _struct([
     ("desc", PTR), ("pool_out", PTR), ("row_src", PTR), ("total", PTR), ("token_base", PTR), ("window_begin", I32),
     ("m_indices", PTR), ("combine_rows", PTR), ("pass_begin", I32), ("pass_rows", I32), ("combine_tokens", I32),
@@ -124,7 +125,7 @@ STRUCTS["FusedExpertsArgs"] = _struct([
     ("out", PTR), ("counters", PTR), ("bad_groups", PTR), ("status", PTR), ("timeout_ns", U64),
     ("num_rows", I32), ("hidden", I32), ("inter", I32), ("num_local_experts", I32), ("m_blocks_per_group", I32),
     ("row_src", PTR), ("token_base", PTR), ("send_peers", PTR), ("combine_tokens", I64), ("window_begin", I32),
-    ("num_ranks", I32), ("num_topk", I32)])
+    ("num_ranks", I32), ("num_topk", I32), ("weights_evict_first", I32), ("dispatch_plan", PTR)])
 #: A CUtensorMap's bytes (``alignas(64)`` in the header: `TENSOR_MAP_ALIGN`, which `_struct_aligned` applies).
 STRUCTS["TensorMap"] = _struct([("opaque", np.dtype((U64, (16,))))])
 TENSOR_MAP_ALIGN = 64

@@ -370,9 +370,12 @@ class GpuMoE(LayerBase):
         from ..engines import capture_scope
         # registered: a replay after the workspace grew is refused; the engines' captured launches hold
         # their counters while the graph lives
+        # Outside a step the graph writes its own token count (`DeviceMemory.record_call_tokens`); a step's graph reads
+        # the count each replay sets first.
+        own_count = self.workspace.active_step is None
         with capture_scope() as held, self.workspace.capture(graph):
             y = self.forward(x, **kwargs)
-        return CapturedCall(self, graph, int(x.shape[0]), held), y
+        return CapturedCall(self, graph, int(x.shape[0]), held, own_count=own_count), y
 
     # --- what the layer answers without a call ------------------------------------------------------------
 
@@ -502,9 +505,12 @@ class CapturedCall:
         graph: the ``torch.cuda.CUDAGraph``.
     """
 
-    def __init__(self, layer: GpuMoE, graph, num_tokens: int, held=None):
+    def __init__(self, layer: GpuMoE, graph, num_tokens: int, held=None, own_count: bool = False):
         self.layer, self.graph, self.num_tokens = layer, graph, num_tokens
         self.held = held  # what the engines' captured launches hold while the graph lives (`capture_scope`)
+        # The graph writes its token count itself (captured outside a step): a replay sets none first, which would be
+        # one more kernel, and a host launch, before the graph's (the decode call's fixed cost).
+        self.own_count = own_count
 
     def replay(self) -> None:
         """Replay on the current stream, after the last call of any layer, and mark its end so the next call
@@ -517,7 +523,7 @@ class CapturedCall:
             ConfigError: the workspace made its memory anew since the capture (a larger layer was built).
             ProtocolTimeout, ProtocolViolation (subclasses): this rank's latched device error (until `reset`)."""
         self.layer._check_closed()
-        self.layer.workspace.replay(self.graph, num_tokens=self.num_tokens)
+        self.layer.workspace.replay(self.graph, num_tokens=None if self.own_count else self.num_tokens)
 
 
 spec_views(GpuMoE, ("expert_window", "batch_window", "small_batch_tokens", "small_batch_capable", "expert_dtype",

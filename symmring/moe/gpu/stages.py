@@ -88,7 +88,8 @@ def spin_blocks(num_sms: int, pes_per_gpu: int) -> int:
     any of them waits; device/moe/combine.cu). ``num_sms // (2 * pes_per_gpu)``, at least 1: 66 blocks on an
     H200 (132 SMs) for one PE, 16 for four under MPS. With programmatic dependent launch (`Kernels.launch`, one
     PE per GPU only) the next fused grid may sit resident beside the spinning one: sound because a lone PE's
-    fused kernels spin only on remote peers (docs/PROTOCOL.md 9.2).
+    fused kernels spin only on remote peers, or (the fused dispatch) on its own producer, wholly resident once
+    its dependent launches (docs/PROTOCOL.md 9.2).
     """
     return max(1, num_sms // (2 * max(1, pes_per_gpu)))
 
@@ -291,7 +292,7 @@ class LaunchArgs:
                                m_indices=address(s.m_indices), **pool)
         self.ack = record("ChunkArgs", "chunk_idx")
         self.dispatch_fused = record(
-            "DispatchFusedArgs", "chunk_idx sf_row_stride sf_col_stride ack_now pool_rows rows_per_expert layer",
+            "DispatchFusedArgs", "chunk_idx sf_row_stride sf_col_stride ack_now pool_rows rows_per_expert layer plan",
             token_base=address(s.token_base), expert_counts=address(s.counts), begin=address(s.begin),
             group_end=address(s.group_end), total=address(s.total), pool_x=address(s.pool_x),
             pool_sf=address(s.pool_sf), m_indices=address(s.m_indices), align=s.align, bad_id=address(s.bad_id),
@@ -567,17 +568,19 @@ def route_topk(k: Kernels, stream, *, logits, router, topk: int, topk_idx, topk_
                  stream=stream)
 
 
-def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool, layer: int) -> None:
+def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now: bool, layer: int,
+                   plan: int = 0) -> None:
     """The small-batch dispatch of the one-chunk ``window`` into the fp8 pool: wait, check the meta rows (the
     call of ``layer``), count, scan and pull in one grid of a block per token of all sources, at most
     `Kernels.spin_blocks` (each block a contiguous range of tokens; every block counts every entry);
     ``ack_now``: EARLY. Counts past the window's bounds (its ``rows_bound`` pool rows,
-    `WindowStep.expert_rows_bound`) record pool_overflow and place no row."""
+    `WindowStep.expert_rows_bound`) record pool_overflow and place no row. ``plan``: the address of the plan words
+    of an experts kernel beside it (`ExpertEngine.begin_beside_dispatch`), or 0."""
     sf = s.pool_scales(window.rows_bound)
     shared = 8 * 4 * s.num_ranks + 4 * (2 * s.num_local_experts + s.num_ranks + 1)
     args = _args(s).dispatch_fused(chunk_idx=window.first, sf_row_stride=sf.stride(0), sf_col_stride=sf.stride(1),
                                    ack_now=ack_now, pool_rows=window.rows_bound,
-                                   rows_per_expert=window.expert_rows_bound, layer=layer)
+                                   rows_per_expert=window.expert_rows_bound, layer=layer, plan=plan)
     k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,), args,
              stream=stream, shared_mem=shared)
 
@@ -716,18 +719,27 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
     ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
+    # An engine that starts beside the dispatch (PDL only; ``marks`` time each kernel alone) is set up before the
+    # producer: what it enqueues (its zeroed counters) then precedes the chain of dependent launches.
+    beside = None
+    if k.launch.enabled and marks is None:
+        beside = engine.begin_beside_dispatch(s.pool(window.rows_bound), window.rows_bound,
+                                              rows_per_expert=window.rows_per_expert)
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
     if marks is not None:
         marks.mark("layout")
     # rdma sources: wait for and get their slots first (the fused dispatch reads the staged copies).
     stage(k, s, stream, chunk=window.first, parts=WAIT_ROUTE | WAIT_LAYOUT, wait=True)
-    dispatch_fused(k, s, stream, window=window, ack_now=early, layer=layer)
+    dispatch_fused(k, s, stream, window=window, ack_now=early, layer=layer, plan=0 if beside is None else beside.plan)
     if marks is not None:
         marks.mark("dispatch")
-    out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
-                                     rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
-                                     scratch=s.scratch))
+    if beside is not None:
+        out = outbound(s, beside.launch(k.launch, stream))
+    else:
+        out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
+                                         rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
+                                         scratch=s.scratch))
     if marks is not None:
         marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
