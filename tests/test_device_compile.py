@@ -183,7 +183,7 @@ def test_the_stamped_chain_build_exports_its_stamps_and_the_default_build_has_no
         import chain_probe
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    read = chain_probe.stamped_source(jit.read_source)
+    read = chain_probe.defined_source(jit.read_source)
     for module, filename in jit.LIBRARY_MODULES.items():
         text = read(filename)
         assert text.startswith("#define SYMMRING_CHAIN_STAMPS\n") == (module in chain_probe.STAMPS), module
@@ -198,3 +198,24 @@ def test_the_stamped_chain_build_exports_its_stamps_and_the_default_build_has_no
     protocol = (ROOT / "device" / "symmring" / "protocol.cuh").read_text()  # grid_publish: the producer's
     written["moe_producer"] |= {int(s) for s in slot.findall(protocol)}
     assert written == {m: set(names) for m, names in chain_probe.STAMPS.items()}
+
+
+def test_the_compact_dispatch_build_is_smaller_and_the_default_build_unchanged(tmp_path, compiled):
+    """``tools/chain_probe.py --compact-dispatch`` defines ``SYMMRING_DISPATCH_COMPACT`` ahead of the dispatch module
+    alone (one load in flight per thread in the fused dispatch): that module builds, with less code than the default
+    build, which the macro does not touch (its text is the file's own)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import chain_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    read = chain_probe.defined_source(jit.read_source, stamps=False, compact_dispatch=True)
+    for module, filename in jit.LIBRARY_MODULES.items():
+        text = read(filename)
+        compact = module == chain_probe.COMPACT_MODULE
+        assert text.startswith("#define SYMMRING_DISPATCH_COMPACT\n") == compact, module
+        assert (text == jit.read_source(filename)) == (not compact), module
+    filename = jit.LIBRARY_MODULES[chain_probe.COMPACT_MODULE]
+    small = jit.compile_cubin(read(filename), name="moe_dispatch_compact", cc=90, cache_dir=tmp_path)
+    assert small.stat().st_size < compiled[ROOT / "device" / filename].stat().st_size

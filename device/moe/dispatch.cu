@@ -531,8 +531,14 @@ namespace {
 
 // Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
 constexpr int kPassEntries = 1024;
-// 16-byte loads each thread of the fused dispatch issues before their stores.
+// 16-byte loads each thread of the fused dispatch issues before their stores. SYMMRING_DISPATCH_COMPACT (defined
+// only by `tools/chain_probe.py --compact-dispatch`) builds 1: an eighth of the unrolled count and copy loops, to
+// measure what the dispatch's cold code costs a decode call (docs/FUSED.md "Where a 1-token call stands").
+#ifdef SYMMRING_DISPATCH_COMPACT
+constexpr int kLoadsInFlight = 1;
+#else
 constexpr int kLoadsInFlight = 8;
+#endif
 
 // Thread 0 of block 0: the plan word of an experts kernel beside the dispatch (args.plan; release at gpu scope:
 // the group layout and the m_indices the plan wrote before it): `blocks` (this grid) or kPlanAbandoned.
