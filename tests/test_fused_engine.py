@@ -180,6 +180,13 @@ def test_weights_evict_first_where_no_expert_spans_two_m_blocks(monkeypatch):
         assert fused.read_once(bound, fused.KERNELS[kernel]) == bool(want)
 
 
+def test_the_plan_writes_the_first_row_of_every_group():
+    # device/moe/args.cuh kPlanRows: the plan writes m_indices every KERNEL_PLAN_ROWS rows from each group's start,
+    # so each 64-row block's first row only where the groups start at multiples of it.
+    assert fused.FUSED_ALIGN_M % fused.KERNEL_PLAN_ROWS == 0
+    assert f"kPlanRows = {fused.KERNEL_PLAN_ROWS};" in jit.read_source("moe/args.cuh")
+
+
 def test_beside_the_dispatch_the_counters_end_with_its_plan_words(monkeypatch):
     """A TMA kernel prepared beside the fused dispatch: two zeroed words after the ticket and the arrivals, their
     address in the record's ``dispatch_plan`` and the launch's ``plan`` (the dispatch's DispatchFusedArgs::plan);

@@ -53,7 +53,7 @@ TMA_KERNELS = {"wg64t": 128, "wg128t": 64}
 #: The kernel `select_kernel` picks on cc 9.0 (for every window: its rule says why).
 AUTO_WGMMA_KERNEL = "wg64t"
 #: The rows of m_indices the fused dispatch's plan writes ahead of its pull (device/moe/args.cuh kPlanRows): the
-#: engine's groups must start at multiples of it.
+#: engine's groups start at multiples of it (FUSED_ALIGN_M; tests/test_fused_engine.py holds the two together).
 KERNEL_PLAN_ROWS = 64
 #: Rows of the TMA boxes of the pool rows and the intermediate (both kernels).
 TMA_ROW_BOX = 64
@@ -346,6 +346,11 @@ def _module(device_index: int, cc: int, name: str):
     return module, kernels
 
 
+def _function(device_index: int, cc: int, kernel: str):
+    """The loaded CuPy function of ``kernel`` (one of `KERNELS`) on a device of compute capability ``cc``."""
+    return _module(device_index, cc, module_of(kernel))[1][kernel]
+
+
 @functools.lru_cache(maxsize=None)
 def _device(device_index: int) -> Tuple[int, int]:
     """``(compute capability as 90, SMs)`` of a CUDA device."""
@@ -424,9 +429,8 @@ class FusedExperts(ExpertEngine):
         """Check the pool and fill the launch for a device of compute capability ``cc`` (allocates the output and
         intermediates; no kernel runs): what `forward` enqueues, on any device (the CPU tests check the record).
         With ``send`` the rows go to their owners' combine rows and the launch's ``out`` has no rows.
-        ``beside_dispatch`` (a TMA kernel only, `beside_dispatch_kernel`): the counters hold two words more, the
-        fused dispatch's plan (``Launch.plan``), and the kernel reads the pool as the dispatch fills it
-        (`launch_beside_dispatch`).
+        ``beside_dispatch`` (a TMA kernel only): the counters hold two words more, the fused dispatch's plan
+        (``Launch.plan``), and the kernel reads the pool as the dispatch fills it (`begin_beside_dispatch`).
         The launch's argument bytes are the engine's own record, which the next call sets again: launch (or copy)
         them before preparing another call.
 
@@ -517,9 +521,9 @@ class FusedExperts(ExpertEngine):
             return launch.out
         if cc < 89:
             raise BackendError(f"engine 'fused': needs fp8 tensor cores (sm_89 or newer), device {dev} is sm_{cc}")
-        kernel = _module(dev.index, cc, module_of(launch.kernel))[1][launch.kernel]
         stream = _cupy_stream(torch.cuda.current_stream(dev).cuda_stream)
-        kernel((launch.grid,), (threads(launch.kernel),), launch.args, shared_mem=launch.shared_bytes, stream=stream)
+        _function(dev.index, cc, launch.kernel)((launch.grid,), (threads(launch.kernel),), launch.args,
+                                               shared_mem=launch.shared_bytes, stream=stream)
         return launch.out
 
     def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
@@ -530,14 +534,14 @@ class FusedExperts(ExpertEngine):
         rows, and waits for the dispatch's end at its own (device/moe/fused_experts_tma.cu)."""
         dev = pool.x.device
         cc = _device(dev.index)[0]
-        if not self.beside_dispatch or num_rows == 0 or cc != 90 or self.align_m % KERNEL_PLAN_ROWS:
+        if not self.beside_dispatch or num_rows == 0 or cc != 90:
             return None
         if select_kernel(rows_per_expert, cc, self.kernel) not in TMA_KERNELS:
             return None
         if not tensor_map.is_mn_major(pool.x_sf[:num_rows]):  # its copy (`_tma_args`) would precede the dispatch
             return None
-        return _BesideDispatch(self, self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc,
-                                                  beside_dispatch=True), dev)
+        return _BesideDispatch(self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc, beside_dispatch=True),
+                               dev, cc)
 
     def check_status(self) -> None:
         """Synchronise and raise what the kernel recorded since the last check (then cleared).
@@ -572,17 +576,16 @@ class FusedExperts(ExpertEngine):
 class _BesideDispatch:
     """A fused call prepared to start beside the fused dispatch (`FusedExperts.begin_beside_dispatch`)."""
 
-    def __init__(self, engine: "FusedExperts", launch: Launch, device):
+    def __init__(self, launch: Launch, device, cc: int):
         self.plan = launch.plan
-        self._engine, self._launch, self._device = engine, launch, device
+        self._launch, self._device, self._cc = launch, device, cc
 
     def launch(self, launcher, stream):
         """Enqueue the kernel on ``stream`` (a CuPy stream) with ``launcher`` (`symmring.pdl.PdlLauncher`): with
         PDL right after the dispatch; returns the output (as `FusedExperts.forward`)."""
-        launch, dev = self._launch, self._device
-        kernel = _module(dev.index, 90, module_of(launch.kernel))[1][launch.kernel]
-        launcher(kernel, (launch.grid,), (threads(launch.kernel),), launch.args, stream=stream,
-                 shared_mem=launch.shared_bytes)
+        launch = self._launch
+        launcher(_function(self._device.index, self._cc, launch.kernel), (launch.grid,), (threads(launch.kernel),),
+                 launch.args, stream=stream, shared_mem=launch.shared_bytes)
         return launch.out
 
 

@@ -719,12 +719,12 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     `produce_fused`; else after the router filled them), dispatch, experts, combine (which ends the call).
     ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
+    pool = s.pool(window.rows_bound)
     # An engine that starts beside the dispatch (PDL only; ``marks`` time each kernel alone) is set up before the
     # producer: what it enqueues (its zeroed counters) then precedes the chain of dependent launches.
     beside = None
     if k.launch.enabled and marks is None:
-        beside = engine.begin_beside_dispatch(s.pool(window.rows_bound), window.rows_bound,
-                                              rows_per_expert=window.rows_per_expert)
+        beside = engine.begin_beside_dispatch(pool, window.rows_bound, rows_per_expert=window.rows_per_expert)
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
     if marks is not None:
@@ -737,9 +737,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     if beside is not None:
         out = outbound(s, beside.launch(k.launch, stream))
     else:
-        out = outbound(s, engine.forward(s.pool(window.rows_bound), window.rows_bound,
-                                         rows_per_expert=window.rows_per_expert, out=_out_rows(s, window.rows_bound),
-                                         scratch=s.scratch))
+        out = outbound(s, engine.forward(pool, window.rows_bound, rows_per_expert=window.rows_per_expert,
+                                         out=_out_rows(s, window.rows_bound), scratch=s.scratch))
     if marks is not None:
         marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
