@@ -58,8 +58,7 @@ class Memory(memory_mod.DeviceMemory):
 
     def __init__(self, workspace, plan):
         self.workspace, self.plan, self.backend = workspace, plan, None
-        self.call_tokens, self._call_tokens_holds = torch.zeros(1, dtype=torch.int32), 0
-        self.last_call_stream = None
+        self.call_tokens, self._call_tokens_holds, self.call_done = torch.zeros(1, dtype=torch.int32), 0, None
         self.launched, self.bound = [], []
         names = [n for n in vars(stages.Kernels(_FakeModules())) if n not in ("spin_blocks", "launch")]
         self.kernels = types.SimpleNamespace(**{n: Kernel(n, self.launched) for n in names}, spin_blocks=66)
@@ -261,37 +260,3 @@ def test_captured_call_sets_the_count_first_only_for_a_steps_graph():
     CapturedCall(Layer(), "own", 7, own_count=True).replay()
     CapturedCall(Layer(), "step's", 7).replay()
     assert seen == ["checked", ("own", None), "checked", ("step's", 7)]
-
-
-def test_calls_on_one_stream_enqueue_no_event_and_a_call_on_another_waits_for_the_last_streams_work(monkeypatch):
-    """`DeviceMemory.after_last_call` / `end_of_call`: a call on the stream the last call ended on relies on stream
-    order (nothing enqueued: a decode step's replays pay no event each); a call on another stream waits for an
-    event recorded on the last call's stream (everything it holds so far), and then becomes the last stream."""
-    waits, records = [], []
-
-    class Recorder(Stream):
-        def wait_event(self, event):
-            waits.append((self.cuda_stream, event.on))
-
-    class OnEvent(Event):
-        def record(self, stream=None):
-            self.on = stream.cuda_stream
-            records.append(stream.cuda_stream)
-
-    current = [Recorder(7)]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "Event", OnEvent)
-    memory = memory_mod.DeviceMemory.__new__(memory_mod.DeviceMemory)
-    memory.last_call_stream = None
-    memory.after_last_call()  # no call yet
-    memory.end_of_call()
-    current[0] = Recorder(7)  # another object of the same stream (torch makes one per current_stream call)
-    memory.after_last_call()
-    memory.end_of_call()
-    assert (waits, records) == ([], [])
-    current[0] = Recorder(9)
-    memory.after_last_call()
-    assert (waits, records) == ([(9, 7)], [7])
-    memory.end_of_call()
-    memory.after_last_call()
-    assert (waits, records) == ([(9, 7)], [7])

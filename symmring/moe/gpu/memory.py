@@ -120,7 +120,7 @@ class DeviceMemory:
         self.producer_stream = torch.cuda.Stream(device=self.device)
         self.consumer_stream = torch.cuda.Stream(device=self.device)
         self.graph_pool = None  # the torch graph memory pool every layer's cached graphs share
-        self.last_call_stream = None  # the torch stream the last call (any layer's) ended on
+        self.call_done = None  # torch.cuda.Event after the last call's end (any layer's)
         self.kernels = stages.Kernels(backend)
         self._rings: Dict[Tuple, RingEntry] = {}  # (spec, transport, timeout) -> its ring and what goes with it
         self._bindings: Dict[Tuple, Binding] = {}
@@ -266,25 +266,17 @@ class DeviceMemory:
         return self._rings[key]
 
     def after_last_call(self) -> None:
-        """Order what the current torch stream does next after the end of the last call of any layer (its
-        generation base and call number advance), whatever stream that call was issued on. On the stream the last
-        call ended on, stream order does it: nothing is enqueued (a decode step's calls, replays included, cost
-        no event per call). On another stream: a wait for everything that stream holds so far (the last call and
-        what followed it)."""
-        last = self.last_call_stream
-        if last is None:
-            return
-        torch = _torch()
-        stream = torch.cuda.current_stream()
-        if stream.cuda_stream != last.cuda_stream:
-            done = torch.cuda.Event()
-            done.record(last)
-            stream.wait_event(done)
+        """Order what the current torch stream does next after the end of the last call of any layer
+        (`call_done`: its generation base and call number advance), whatever stream that call was issued on."""
+        if self.call_done is not None:
+            _torch().cuda.current_stream().wait_event(self.call_done)
 
     def end_of_call(self) -> None:
-        """Mark the end of a call (or replay) on the current torch stream: the next one, on any stream, comes
-        after it (`after_last_call`)."""
-        self.last_call_stream = _torch().cuda.current_stream()
+        """Mark the end of a call (or replay) on the current torch stream: the next one waits for it
+        (`after_last_call`). One event, re-recorded: a wait already enqueued keeps the record it saw."""
+        if self.call_done is None:
+            self.call_done = _torch().cuda.Event()
+        self.call_done.record()
 
     def begin_call(self, num_tokens: int) -> None:
         """Order the next call (or replay) after the end of the last call of any layer (`after_last_call`), so no
@@ -368,7 +360,7 @@ class DeviceMemory:
         self.call_number.zero_()  # every PE's calls count from 0 again
         # The same stream as the fills above (torch's current one); the barrier synchronises the device.
         cupy.cuda.runtime.memsetAsync(self.combine_alloc.ptr, 0, self.combine_alloc.nbytes, stream)
-        self.last_call_stream = None
+        self.call_done = None
         self.backend.barrier()
         for e in self._rings.values():
             e.latch.clear()  # every device idle (the barrier synchronised): no latch kernel can still run
