@@ -60,6 +60,7 @@ KERNEL_OF = {"wait_slot": "moe_wait_slot", "produce_route": "moe_produce_route",
              "combine_wait": "moe_combine_wait", "combine_reduce": "moe_combine_reduce", "end_call": "moe_end_call",
              "refuse_call": "moe_refuse_call", "stamp": "moe_stamp", "sleep": "moe_sleep",
              "produce_chunk_fp8": "moe_produce_chunk_fp8", "dispatch_fused_fp8": "moe_dispatch_fused_fp8",
+             "dispatch_fused_fp8_small": "moe_dispatch_fused_fp8_small",
              "combine_fused": "moe_combine_fused", "route_topk": "moe_route_topk"}
 
 

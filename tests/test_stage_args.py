@@ -10,6 +10,7 @@ holds the structs to the header). On a GPU, tests/gpu runs every launcher for re
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -222,6 +223,22 @@ def test_fused_dispatch_and_combine_carry_the_plans_bounds():
                  "pool_rows": 640, "token_base": BUFFERS["token_base"],
                  "counters": BUFFERS["counters"] + 4 * stages.COUNTER_SEND})
     assert stages.COUNTER_TICKET == stages.COUNTER_SEND + 1 < stages.NUM_COUNTERS
+
+
+def test_the_fused_dispatch_takes_its_small_build_where_a_block_pulls_one_token():
+    """One load in flight per thread (``moe_dispatch_fused_fp8_small``) where every block of the grid pulls at most
+    one token and the count takes at most two rounds of a block; eight (``moe_dispatch_fused_fp8``) past either
+    bound: both kernels take the same record."""
+    k, s = FakeKernels(), fake_state()
+    bound = stages.SMALL_DISPATCH_ENTRIES // s.topk
+    for source_tokens, small in ((1, True), (9, True), (bound, True), (bound + 1, False), (k.spin_blocks + 1, False)):
+        window = dataclasses.replace(ONE_PASS, source_tokens=source_tokens)
+        stages.dispatch_fused(k, s, None, window=window, ack_now=False, layer=5)
+        attr, grid, _ = k.calls[-1]
+        assert grid == (min(source_tokens, k.spin_blocks),)
+        assert attr == ("dispatch_fused_fp8_small" if small else "dispatch_fused_fp8"), source_tokens
+        check(k, s, {"chunk_idx": 3, "pool_rows": 640, "rows_per_expert": 8, "layer": 5})
+    assert stages.small_dispatch(bound, s.topk, bound) and not stages.small_dispatch(bound, s.topk, bound - 1)
 
 
 def test_schedule_launchers():

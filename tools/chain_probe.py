@@ -2,7 +2,7 @@
 combine) of a captured call, replayed.
 
     python tools/chain_probe.py [--shapes deepseek-v3,v4-flash] [--tokens 1,8,64] [--engine fused] [--stamps]
-                                [--compact-dispatch]
+                                [--wide-dispatch]
 
 For each shape and size: the anchor's seeded fp8 layer (`symmring.bench.moe_anchor`, one PE, no router) captured
 (`MoE.capture`), then
@@ -15,9 +15,9 @@ For each shape and size: the anchor's seeded fp8 layer (`symmring.bench.moe_anch
   no trace of them;
 * the replay's time through `CapturedCall.replay` (what a caller runs) and through the bare ``graph.replay``.
 
-``--compact-dispatch`` builds the fused dispatch with one load in flight per thread instead of eight
-(``SYMMRING_DISPATCH_COMPACT``: its unrolled loops an eighth as long): whether its phases, a few KB of work at
-decode sizes, take their microseconds fetching cold code. Compare against a run without it in the same call.
+``--wide-dispatch`` launches the fused dispatch with eight loads in flight per thread at every size
+(``moe_dispatch_fused_fp8``; `stages.small_dispatch` gives decode sizes the build with one, which has half its
+code): what the small build saves a decode call. Compare against a run without it in the same call.
 
 One PE, a GPU with NVSHMEM (nvshmem4py). Compare only figures of one run (one card, one process).
 """
@@ -43,8 +43,6 @@ STAMPS = {
 }
 #: The slot every stamp is measured from.
 ORIGIN = ("moe_producer", 0)
-#: The module `--compact-dispatch` builds with SYMMRING_DISPATCH_COMPACT defined.
-COMPACT_MODULE = "moe_dispatch"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,8 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--engine", default="fused", choices=("fused", "builtin"))
     parser.add_argument("--stamps", action="store_true", help="build the protocol kernels with their phase stamps")
     parser.add_argument("--replays", type=int, default=20, help="replays per case (stamps and replay times)")
-    parser.add_argument("--compact-dispatch", action="store_true",
-                        help="build the fused dispatch with one load in flight per thread (smaller code)")
+    parser.add_argument("--wide-dispatch", action="store_true",
+                        help="the fused dispatch with eight loads in flight per thread at every size")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     if not args.shapes or any(s not in ANCHOR_SHAPES for s in args.shapes):
@@ -70,18 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def defined_source(read_source, stamps: bool = True, compact_dispatch: bool = False):
+def stamped_source(read_source):
     """``symmring.jit.read_source`` with ``SYMMRING_CHAIN_STAMPS`` defined ahead of the sources of the modules in
-    `STAMPS` (``stamps``) and ``SYMMRING_DISPATCH_COMPACT`` ahead of `COMPACT_MODULE`'s (``compact_dispatch``)."""
+    `STAMPS`."""
     from symmring.jit import LIBRARY_MODULES
-    defines = {}
-    for module in STAMPS if stamps else ():
-        defines.setdefault(LIBRARY_MODULES[module], []).append("SYMMRING_CHAIN_STAMPS")
-    if compact_dispatch:
-        defines.setdefault(LIBRARY_MODULES[COMPACT_MODULE], []).append("SYMMRING_DISPATCH_COMPACT")
+    stamped = {LIBRARY_MODULES[module] for module in STAMPS}
 
     def read(filename: str) -> str:
-        return "".join(f"#define {name}\n" for name in defines.get(filename, ())) + read_source(filename)
+        return ("#define SYMMRING_CHAIN_STAMPS\n" if filename in stamped else "") + read_source(filename)
     return read
 
 
@@ -102,8 +96,11 @@ def main(argv=None) -> int:
     from symmring.bench import format_timeline, kernel_timeline, timed_ms
     from symmring.bench import moe_anchor as anchor
     from symmring.context import init
-    if args.stamps or args.compact_dispatch:
-        jit.read_source = defined_source(jit.read_source, args.stamps, args.compact_dispatch)
+    from symmring.moe.gpu import stages
+    if args.stamps:
+        jit.read_source = stamped_source(jit.read_source)
+    if args.wide_dispatch:
+        stages.SMALL_DISPATCH_ENTRIES = 0
     ctx = init("nvshmem")
     try:
         if ctx.world_size != 1:
@@ -119,7 +116,7 @@ def main(argv=None) -> int:
                 stamps[module] = cupy.ndarray((32,), cupy.uint64, cupy.cuda.MemoryPointer(memory, 0))
         device = torch.device("cuda", torch.cuda.current_device())
         print(f"chain_probe: {torch.cuda.get_device_name()}, engine {args.engine}"
-              f"{', compact dispatch' if args.compact_dispatch else ''}", flush=True)
+              f"{', wide dispatch' if args.wide_dispatch else ''}", flush=True)
         for shape in args.shapes:
             weights, inputs = anchor.make_inputs(shape, args.tokens, 0, device)
             layer = anchor._symmring_layers(ctx, shape, weights, [args.engine], ["graph"], args.tokens[-1], 1024,

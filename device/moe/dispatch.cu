@@ -35,6 +35,7 @@
 //                       block and, from the entries before its own range of tokens, where its rows start in
 //                       each group: no grid-wide handshake, and rows land in a fixed (flat entry) order. All
 //                       threads of a block copy its tokens' rows (16-byte vectors, several loads in flight).
+//   moe_dispatch_fused_fp8_small  the same with one load in flight per thread: decode sizes (less code).
 // Counts and offsets never leave the device: no host synchronisation inside the layer.
 //
 // Capacity: the pool holds a budget's rows (symmring.moe.workspace_plan), not the worst routing's. A window whose
@@ -531,14 +532,14 @@ namespace {
 
 // Entries (token, k) of a block's range handled per pass of the fused dispatch (shared memory: 8 KB).
 constexpr int kPassEntries = 1024;
-// 16-byte loads each thread of the fused dispatch issues before their stores. SYMMRING_DISPATCH_COMPACT (defined
-// only by `tools/chain_probe.py --compact-dispatch`) builds 1: an eighth of the unrolled count and copy loops, to
-// measure what the dispatch's cold code costs a decode call (docs/FUSED.md "Where a 1-token call stands").
-#ifdef SYMMRING_DISPATCH_COMPACT
-constexpr int kLoadsInFlight = 1;
-#else
-constexpr int kLoadsInFlight = 8;
-#endif
+// 16-byte loads each thread of the fused dispatch issues before their stores (and index loads before their
+// atomics): 8 in moe_dispatch_fused_fp8; 1 in moe_dispatch_fused_fp8_small, which the host takes where a block
+// holds at most one token and the entries take at most two rounds of the block's threads
+// (stages.SMALL_DISPATCH_ENTRIES). There eight loads in flight gain nothing and the unrolled loops' code is what
+// costs: a decode call fetches the kernel cold after the experts kernel, and the small build's 69 KB instead of
+// 132 KB of sm_90a code took 3-9 us off its count and pull on an H100 (docs/FUSED.md "The dispatch's code").
+constexpr int kLoadsWide = 8;
+constexpr int kLoadsSmall = 1;
 
 // Thread 0 of block 0: the plan word of an experts kernel beside the dispatch (args.plan; release at gpu scope:
 // the group layout and the m_indices the plan wrote before it): `blocks` (this grid) or kPlanAbandoned.
@@ -550,6 +551,7 @@ __device__ __forceinline__ void publish_plan(const DispatchFusedArgs& args, int 
 
 // The kernel's body (below): every return of it passes the kernel's last wait. Returns whether the block placed
 // its rows (false: an error pending or recorded, counts past the bounds); every thread of a block returns alike.
+template <int kLoadsInFlight>
 __device__ __forceinline__ bool dispatch_fused(const DispatchFusedArgs& args) {
     CHAIN_STAMP(8);
     const RingDescriptor& d = *args.desc;
@@ -801,8 +803,6 @@ __device__ __forceinline__ bool dispatch_fused(const DispatchFusedArgs& args) {
     return true;
 }
 
-}  // namespace
-
 // Launched with PDL (stages.Kernels.launch) after the fused producer, whose launch lets it start once every producer
 // block runs (each passed its own wait: every kernel before the producer has completed). What it reads of the
 // producer is the slot, behind the acquire of the ready words, so it does not wait for the producer's end first: its
@@ -812,10 +812,11 @@ __device__ __forceinline__ bool dispatch_fused(const DispatchFusedArgs& args) {
 // With args.plan every block, whatever its path through the body, then releases its rows to the experts kernel
 // beside it (DispatchFusedArgs::plan): that kernel starts before this one ends (PDL), reads the rows by TMA (the async
 // proxy) once the count reaches the plan's grid.
-extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
+template <int kLoadsInFlight>
+__device__ __forceinline__ void dispatch_fused_kernel(const DispatchFusedArgs& args) {
     if (args.stage != nullptr) grid_dependency_wait();
     grid_dependents_launch();
-    const bool placed = dispatch_fused(args);
+    const bool placed = dispatch_fused<kLoadsInFlight>(args);
     if (args.plan != nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         asm volatile("fence.proxy.async.global;" ::: "memory");  // this thread's row stores before TMA reads of them
@@ -827,4 +828,15 @@ extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) 
         }
     }
     grid_dependency_wait();
+}
+
+}  // namespace
+
+extern "C" __global__ void moe_dispatch_fused_fp8(const DispatchFusedArgs args) {
+    dispatch_fused_kernel<kLoadsWide>(args);
+}
+
+// The same with one load in flight per thread: decode sizes (kLoadsSmall above).
+extern "C" __global__ void moe_dispatch_fused_fp8_small(const DispatchFusedArgs args) {
+    dispatch_fused_kernel<kLoadsSmall>(args);
 }

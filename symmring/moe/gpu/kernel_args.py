@@ -150,6 +150,7 @@ KERNELS: Dict[str, str] = {
     "moe_dispatch_count": "DispatchCountArgs", "moe_dispatch_scan": "DispatchScanArgs",
     "moe_dispatch_pull": "DispatchPullArgs", "moe_dispatch_pull_fp8": "DispatchPullFp8Args",
     "moe_dispatch_ack": "ChunkArgs", "moe_dispatch_fused_fp8": "DispatchFusedArgs",
+    "moe_dispatch_fused_fp8_small": "DispatchFusedArgs",
     "moe_combine_scatter": "CombineScatterArgs", "moe_combine_signal": "CombineSignalArgs",
     "moe_combine_wait": "CombineWaitArgs", "moe_combine_reduce": "CombineReduceArgs",
     "moe_combine_fused": "CombineFusedArgs", "moe_end_call": "EndCallArgs", "moe_refuse_call": "RefuseCallArgs",

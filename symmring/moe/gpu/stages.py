@@ -140,6 +140,7 @@ class Kernels:
         self.sleep = schedule.function("moe_sleep")
         self.produce_chunk_fp8 = producer.function("moe_produce_chunk_fp8")
         self.dispatch_fused_fp8 = dispatch.function("moe_dispatch_fused_fp8")
+        self.dispatch_fused_fp8_small = dispatch.function("moe_dispatch_fused_fp8_small")
         self.combine_fused = combine.function("moe_combine_fused")
         self.route_topk = producer.function("moe_route_topk")
         pes_per_gpu = getattr(backend, "pes_per_gpu", MAX_PES_PER_GPU)
@@ -581,8 +582,27 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
     args = _args(s).dispatch_fused(chunk_idx=window.first, sf_row_stride=sf.stride(0), sf_col_stride=sf.stride(1),
                                    ack_now=ack_now, pool_rows=window.rows_bound,
                                    rows_per_expert=window.expert_rows_bound, layer=layer, plan=plan)
-    k.launch(k.dispatch_fused_fp8, (blocks(window.source_tokens, 1, k.spin_blocks),), (THREADS_PER_BLOCK,), args,
-             stream=stream, shared_mem=shared)
+    grid = blocks(window.source_tokens, 1, k.spin_blocks)
+    kernel = k.dispatch_fused_fp8_small if small_dispatch(window.source_tokens, s.topk, grid) else k.dispatch_fused_fp8
+    k.launch(kernel, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
+
+
+#: Most entries (tokens x top-k, all sources) the fused dispatch takes with one load in flight per thread
+#: (``moe_dispatch_fused_fp8_small``): two rounds of a block's threads for the count.
+SMALL_DISPATCH_ENTRIES = 2 * THREADS_PER_BLOCK
+
+
+def small_dispatch(source_tokens: int, topk: int, grid: int) -> bool:
+    """Whether the fused dispatch of ``source_tokens`` (all sources) on ``grid`` blocks takes its small build:
+    each block pulls at most one token and counts at most `SMALL_DISPATCH_ENTRIES` entries, so eight loads in
+    flight per thread would gain nothing while their unrolled code, fetched cold after the experts kernel, costs
+    a decode call 3-9 us (docs/FUSED.md "The dispatch's code").
+
+    Example:
+        >>> small_dispatch(8, 8, 8), small_dispatch(64, 8, 64), small_dispatch(65, 8, 65), small_dispatch(80, 8, 66)
+        (True, True, False, False)
+    """
+    return source_tokens <= grid and source_tokens * topk <= SMALL_DISPATCH_ENTRIES
 
 
 def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool, topk_idx, topk_weights,
