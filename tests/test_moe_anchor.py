@@ -274,3 +274,68 @@ def test_megamoe_on_gpu():
     except ImportError as exc:
         pytest.skip(f"DeepGEMM's SM90 MegaMoE (megamoe_dg) not built here: {exc}")
     pytest.skip("the MegaMoE run is tools/megamoe/run_anchor.sh (several minutes of JIT compiles), not a unit test")
+
+
+def test_merge_makes_one_table_of_runs_in_processes_of_their_own(tmp_path, capsys):
+    """``--merge`` (no GPU: what run_anchor.sh does after one process per shape and size): the runs' rows in order,
+    the summary over all of them (best / MegaMoE per size), every run's ceilings kept, complete only when every run
+    was; a missing file is a clear error (exit 2), not a partial table."""
+    def run(shape, n, ours, mega, copy_gbps, complete=True):
+        rows = [dict(shape=shape, tokens_per_rank=n, impl="symmring fused graph", ms=ours, rel_err=0.04, ok=True,
+                     fp8_roofline_ms=ours / 2),
+                dict(shape=shape, tokens_per_rank=n, impl="megamoe graph", ms=mega, rel_err=0.045, ok=True)]
+        return dict(anchor="megamoe", rows=rows, skipped=[], megamoe={shape: {"buffer_bytes": 1}},
+                    ceilings={"copy_gbps": copy_gbps}, argv=["--tokens", str(n)], complete=complete,
+                    summary=anchor.summarize(rows))
+    paths = []
+    for i, payload in enumerate((run("deepseek-v3", 1, 0.18, 0.2, 3000.0), run("deepseek-v3", 8, 0.95, 0.9, 2990.0),
+                                 run("v4-flash", 1, 0.11, 0.1, 2980.0, complete=False))):
+        paths.append(tmp_path / f"a{i}.json")
+        paths[-1].write_text(json.dumps(payload))
+    out = tmp_path / "anchor.json"
+    assert anchor.main(["--anchor", "megamoe", "--merge", *map(str, paths), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [(r["shape"], r["tokens_per_rank"]) for r in merged["rows"]] == [
+        ("deepseek-v3", 1), ("deepseek-v3", 1), ("deepseek-v3", 8), ("deepseek-v3", 8), ("v4-flash", 1), ("v4-flash", 1)]
+    assert [round(line["best_vs_megamoe"], 3) for line in merged["summary"]] == [0.9, 1.056, 1.1]
+    assert [r["ceilings"]["copy_gbps"] for r in merged["runs"]] == [3000.0, 2990.0, 2980.0]
+    assert merged["ceilings"] == {"copy_gbps": 3000.0} and merged["complete"] is False
+    assert set(merged["megamoe"]) == {"deepseek-v3", "v4-flash"}
+    table = capsys.readouterr().out
+    assert "0.90" in table and "1.06" in table and "1.10" in table
+    assert anchor.main(["--anchor", "megamoe", "--merge", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
+FAKE_ANCHOR = '''
+import json, sys
+from symmring.bench import moe_anchor
+argv = sys.argv[1:]
+if "--merge" in argv:
+    sys.exit(moe_anchor.main(argv))
+value = lambda flag: argv[argv.index(flag) + 1]
+rows = [dict(shape=s, tokens_per_rank=int(n), impl="megamoe", ms=1.0, argv=argv)
+        for s in value("--shapes").split(",") for n in value("--tokens").split(",")]
+json.dump(dict(anchor="megamoe", rows=rows, skipped=[], megamoe={}, argv=argv, complete=True), open(value("--json"), "w"))
+'''
+
+
+@pytest.mark.parametrize("split, processes", [("size", 4), ("shape", 2), ("none", 1)])
+def test_run_anchor_runs_the_table_in_processes_of_their_own_and_merges_them(tmp_path, split, processes):
+    """run_anchor.sh's ``table`` (ANCHOR_SPLIT): one process per shape and size, per shape, or one for all, each
+    given the row options; their results merged into one JSON in shape-then-size order."""
+    script = (ROOT / "tools/megamoe/run_anchor.sh").read_text()
+    body = script[script.index("table() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    fake = tmp_path / "fake_anchor.py"
+    fake.write_text(FAKE_ANCHOR)
+    out = tmp_path / "anchor.json"
+    run = subprocess.run(["bash", "-c", f'{body}\nANCHOR=({sys.executable} {fake} --anchor megamoe)\n'
+                          f'table {split} deepseek-v3,v4-flash 1,8 {out} --engines fused --modes graph'],
+                         capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("--- run ") == processes
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens_per_rank"]) for r in rows] == [
+        ("deepseek-v3", 1), ("deepseek-v3", 8), ("v4-flash", 1), ("v4-flash", 8)]
+    assert all(r["argv"][-6:-2] == ["--engines", "fused", "--modes", "graph"] for r in rows)

@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-only", action="store_true", help="correctness rows only (one timed call)")
     parser.add_argument("--warm-only", action="store_true",
                         help="compile MegaMoE's kernels for these shapes and sizes (uninitialised weights) and exit")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no GPU: one table (and --json) from the results of several runs (`merge_results`: "
+                             "tools/megamoe/run_anchor.sh runs each shape and size in a process of its own)")
     return parser
 
 
@@ -286,6 +289,34 @@ def format_table(rows: List[Dict]) -> str:
         out.append(f"{line['shape']:<13} {line['tokens_per_rank']:>6}  " + "".join(cells) + f"{vs_mega:<13}"
                    f"{vs_roof:<14}" + ("yes" if line["ok"] else "NO"))
     return "\n".join(out)
+
+
+def merge_results(payloads: Sequence[Dict], argv: Sequence[str] = ()) -> Dict:
+    """One results payload from those of several runs (each a process of its own: a row's time depends on what ran
+    before it in a process, docs/PERFORMANCE.md "session 22"): their rows and skips in order, MegaMoE's buffers by
+    shape, each run's device ceilings and argv under ``runs`` (every row keeps the roofline its run measured), the
+    first run's ceilings at the top; complete when every run was.
+
+    Example:
+        >>> a = dict(anchor="megamoe", rows=[dict(shape="v4-flash", tokens_per_rank=1, impl="megamoe", ms=0.1)],
+        ...          skipped=[], megamoe={"v4-flash": 1}, ceilings={"copy_gbps": 3000.0}, argv=["--tokens", "1"],
+        ...          complete=True)
+        >>> b = dict(a, rows=[dict(shape="v4-flash", tokens_per_rank=8, impl="megamoe", ms=0.4)], complete=False)
+        >>> m = merge_results([a, b])
+        >>> [r["tokens_per_rank"] for r in m["rows"]], m["complete"], len(m["runs"]), m["ceilings"]
+        ([1, 8], False, 2, {'copy_gbps': 3000.0})
+    """
+    if not payloads:
+        raise ValueError("merge_results: no results to merge")
+    merged = {k: v for k, v in payloads[0].items() if k not in ("rows", "skipped", "megamoe", "summary", "argv")}
+    merged.update(rows=[r for p in payloads for r in p.get("rows", [])],
+                  skipped=[s for p in payloads for s in p.get("skipped", [])],
+                  megamoe={k: v for p in payloads for k, v in p.get("megamoe", {}).items()},
+                  runs=[{"argv": p.get("argv"), "ceilings": p.get("ceilings"), "complete": p.get("complete", False)}
+                        for p in payloads],
+                  argv=list(argv), complete=all(p.get("complete", False) for p in payloads))
+    merged["summary"] = summarize(merged["rows"])
+    return merged
 
 
 def write_json(path: Optional[str], payload: Dict) -> None:
@@ -673,6 +704,19 @@ def warm(dg, args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        try:
+            payloads = []
+            for path in args.merge:
+                with open(path) as fh:
+                    payloads.append(json.load(fh))
+        except (OSError, ValueError) as exc:
+            print(f"bench moe --anchor --merge: {exc}", file=sys.stderr)
+            return 2
+        merged = merge_results(payloads, list(argv) if argv is not None else sys.argv[1:])
+        write_json(args.json, merged)
+        print(format_table(merged["rows"]))
+        return 0
     if lacks_cuda_torch("bench moe --anchor"):
         return 2
     import torch

@@ -9,11 +9,17 @@
 # a summary last:
 #   install  nvshmem4py -> /tmp/site; tokenspeed-deepgemm -> /tmp/tsdg-site; MegaMoE -> /tmp/megamoe-site
 #            (tools/megamoe/build.sh: the carried _C, or compiled there when it does not import)
+#   jit      symmring's device modules built ahead (python -m symmring.jit, several nvcc at once), so the check's
+#            process does not build them one by one
 #   warm     MegaMoE's JIT compiles for every shape and size, the sizes of a shape side by side (as many
 #            processes as the free GPU memory holds); a broken build shows here first (every process prints
 #            its error)
 #   check    correctness: every shape at 64 tokens, symmring builtin (batch) and MegaMoE vs the reference
-#   anchor   the table: symmring builtin (batch, streamed) and MegaMoE, 1..8192 tokens (anchor.json)
+#   anchor   the table: symmring builtin (batch, streamed) and MegaMoE, 1..8192 tokens (anchor.json), each shape
+#            and size in a process of its own (ANCHOR_SPLIT=size, the default; "shape": a process per shape;
+#            "none": one process): a row's time depends on what ran before it in a process (the fused rows of a
+#            second shape ran up to 1.7x slower, docs/PERFORMANCE.md "session 22"); the runs' results are merged
+#            (bench moe --anchor --merge) after each
 #   dgengine symmring's DeepGEMM engine (tokenspeed-deepgemm, a `deep_gemm` of its own) on the same seeded
 #            inputs, no MegaMoE (anchor_dgengine.json), with the time left (at least 60 s); "dgengine" as the
 #            argument runs install and this step alone with 480 s (a second call)
@@ -80,6 +86,7 @@ install() {
 }
 step install 200 install || echo "install failed: see $OUT/install.log"
 MEGA="/tmp/megamoe-site:/tmp/site:$PWD"
+step jit 150 env PYTHONPATH="/tmp/site:$PWD" "$PY" -m symmring.jit --workers 8
 # --max-tokens 8192 everywhere: it is part of MegaMoE's kernel template, so warm, check and anchor share compiles.
 ANCHOR=(env PYTHONPATH="$MEGA" "$PY" -m symmring bench moe --anchor megamoe --max-tokens 8192)
 warm() {  # the sizes of a shape side by side (one process each: DeepGEMM's JIT runs nvcc in the calling thread),
@@ -100,6 +107,27 @@ print(warm_processes('$shape', torch.cuda.mem_get_info()[0]))")
     (( ${#pids[@]} )) && wait "${pids[@]}"
   done
   return 0
+}
+table() {  # table SPLIT SHAPES TOKENS JSON ROW_OPTIONS...: the table's rows in processes of their own (SPLIT: size,
+  # shape or none), each writing its results beside the others; after each, all of them merged into JSON
+  local split=$1 shapes=$2 tokens=$3 json=$4; shift 4
+  local runs=() run s n i=0 rc=0 dir
+  case "$split" in
+    size) for s in ${shapes//,/ }; do for n in ${tokens//,/ }; do runs+=("$s:$n"); done; done ;;
+    shape) for s in ${shapes//,/ }; do runs+=("$s:$tokens"); done ;;
+    none) runs=("$shapes:$tokens") ;;
+    *) echo "ANCHOR_SPLIT=$split: expected size, shape or none"; return 2 ;;
+  esac
+  dir=$(mktemp -d)
+  for run in "${runs[@]}"; do
+    i=$((i + 1))
+    echo "--- run $i of ${#runs[@]}: --shapes ${run%%:*} --tokens ${run#*:}"
+    "${ANCHOR[@]}" --shapes "${run%%:*}" --tokens "${run#*:}" "$@" --json "$dir/$(printf %02d $i).json" || rc=$?
+    ls "$dir"/*.json >/dev/null 2>&1 && "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
+  done
+  "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json"
+  rm -rf "$dir"
+  return $rc
 }
 # Without MegaMoE (its build failed: install.log says why) the steps still give the symmring rows.
 NOMEGA=()
@@ -136,9 +164,9 @@ else
     nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 1000 >"$clocks" 2>/dev/null &
     watcher=$!
     # shellcheck disable=SC2086  # ANCHOR_ARGS: extra options, split on spaces
-    step anchor $((left - 40)) "${ANCHOR[@]}" --shapes "$SHAPES" --tokens "$TOKENS" \
+    step anchor $((left - 40)) table "${ANCHOR_SPLIT:-size}" "$SHAPES" "$TOKENS" "$OUT/anchor.json" \
       --engines "${ANCHOR_ENGINES:-builtin}" --repeats 10 "${NOMEGA[@]}" ${ANCHOR_ARGS:-} \
-      ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"} --json "$OUT/anchor.json"
+      ${ANCHOR_MODES:+--modes "$ANCHOR_MODES"}
     kill "$watcher" 2>/dev/null
     wait "$watcher" 2>/dev/null
     sort -t, -k1,1n "$clocks" | awk -F', *' 'NF >= 2 && $1 ~ /^[0-9]/ { c[n++] = $1; p = ($2 > p ? $2 : p) }
