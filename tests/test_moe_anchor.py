@@ -308,22 +308,22 @@ def test_merge_makes_one_table_of_runs_in_processes_of_their_own(tmp_path, capsy
 
 
 FAKE_ANCHOR = '''
-import json, sys
+import json, os, sys
 from symmring.bench import moe_anchor
 argv = sys.argv[1:]
 if "--merge" in argv:
     sys.exit(moe_anchor.main(argv))
 value = lambda flag: argv[argv.index(flag) + 1]
+if os.environ.get("FAKE_FAIL") == value("--tokens"):
+    sys.exit(3)  # a run that fails before its first row: no results written
 rows = [dict(shape=s, tokens_per_rank=int(n), impl="megamoe", ms=1.0, argv=argv)
         for s in value("--shapes").split(",") for n in value("--tokens").split(",")]
 json.dump(dict(anchor="megamoe", rows=rows, skipped=[], megamoe={}, argv=argv, complete=True), open(value("--json"), "w"))
 '''
 
 
-@pytest.mark.parametrize("split, processes", [("size", 4), ("shape", 2), ("none", 1)])
-def test_run_anchor_runs_the_table_in_processes_of_their_own_and_merges_them(tmp_path, split, processes):
-    """run_anchor.sh's ``table`` (ANCHOR_SPLIT): one process per shape and size, per shape, or one for all, each
-    given the row options; their results merged into one JSON in shape-then-size order."""
+def run_table(tmp_path, split, fail=""):
+    """run_anchor.sh's ``table`` function alone, with a stand-in anchor: ``(completed process, merged results)``."""
     script = (ROOT / "tools/megamoe/run_anchor.sh").read_text()
     body = script[script.index("table() {"):]
     body = body[:body.index("\n}\n") + 3]
@@ -332,10 +332,45 @@ def test_run_anchor_runs_the_table_in_processes_of_their_own_and_merges_them(tmp
     out = tmp_path / "anchor.json"
     run = subprocess.run(["bash", "-c", f'{body}\nANCHOR=({sys.executable} {fake} --anchor megamoe)\n'
                           f'table {split} deepseek-v3,v4-flash 1,8 {out} --engines fused --modes graph'],
-                         capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                         capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "FAKE_FAIL": fail})
+    return run, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("split, processes", [("size", 4), ("shape", 2), ("none", 1)])
+def test_run_anchor_runs_the_table_in_processes_of_their_own_and_merges_them(tmp_path, split, processes):
+    """run_anchor.sh's ``table`` (ANCHOR_SPLIT): one process per shape and size, per shape, or one for all, each
+    given the row options; their results merged into one JSON in shape-then-size order."""
+    run, merged = run_table(tmp_path, split)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("--- run ") == processes
-    rows = json.loads(out.read_text())["rows"]
+    assert merged["complete"] and len(merged["runs"]) == processes and not merged["skipped"]
+    assert "4 rows from %d runs, 0 not ok, complete" % processes in run.stdout
+    rows = merged["rows"]
     assert [(r["shape"], r["tokens_per_rank"]) for r in rows] == [
         ("deepseek-v3", 1), ("deepseek-v3", 8), ("v4-flash", 1), ("v4-flash", 8)]
     assert all(r["argv"][-6:-2] == ["--engines", "fused", "--modes", "graph"] for r in rows)
+
+
+def test_a_run_of_the_table_that_fails_leaves_the_merged_results_not_complete(tmp_path):
+    """A run that exits before writing its results (here every 8-token run) keeps its stub: the merged results say
+    not complete and name each such run; the other runs' rows are kept; the table's exit status is the failure's."""
+    run, merged = run_table(tmp_path, "size", fail="8")
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert [(r["shape"], r["tokens_per_rank"]) for r in merged["rows"]] == [("deepseek-v3", 1), ("v4-flash", 1)]
+    assert merged["complete"] is False and "NOT complete" in run.stdout
+    assert [(s["shape"], "--tokens 8" in s["reason"]) for s in merged["skipped"]] == [("deepseek-v3", True),
+                                                                                      ("v4-flash", True)]
+
+
+def test_a_sizes_inputs_do_not_depend_on_the_other_sizes_drawn():
+    """`size_inputs` seeds each size's generator from (seed, size): a process that runs one size (run_anchor.sh's
+    ANCHOR_SPLIT=size) draws the inputs a process of every size draws for it."""
+    torch = pytest.importorskip("torch")
+    a, b = anchor.size_inputs("v4-flash", 8, 0, "cpu"), anchor.size_inputs("v4-flash", 8, 0, "cpu")
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    x, idx, w = a
+    assert x.shape == (8, 4096) and idx.shape == w.shape == (8, 6) and idx.dtype == torch.int32
+    assert torch.allclose(w.sum(dim=1), torch.ones(8))
+    assert not torch.equal(anchor.size_inputs("v4-flash", 8, 1, "cpu")[1], idx)
+    assert not torch.equal(anchor.size_inputs("v4-flash", 9, 0, "cpu")[1][:8], idx)

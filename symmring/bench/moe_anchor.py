@@ -310,7 +310,8 @@ def merge_results(payloads: Sequence[Dict], argv: Sequence[str] = ()) -> Dict:
         raise ValueError("merge_results: no results to merge")
     merged = {k: v for k, v in payloads[0].items() if k not in ("rows", "skipped", "megamoe", "summary", "argv")}
     merged.update(rows=[r for p in payloads for r in p.get("rows", [])],
-                  skipped=[s for p in payloads for s in p.get("skipped", [])],
+                  skipped=list({json.dumps(s, sort_keys=True): s for p in payloads for s in p.get("skipped", [])}
+                               .values()),
                   megamoe={k: v for p in payloads for k, v in p.get("megamoe", {}).items()},
                   runs=[{"argv": p.get("argv"), "ceilings": p.get("ceilings"), "complete": p.get("complete", False)}
                         for p in payloads],
@@ -373,7 +374,7 @@ class MegaMoEBuffer:
 
 def make_inputs(shape: str, tokens: Sequence[int], seed: int, device):
     """Seeded fp8 expert weights (drawn in bf16, quantised once, 16 experts at a time) and, per size, ``x``
-    and a routing: ``(weights, inputs)`` with ``weights = dict(gate, up, down, gate_scale, up_scale,
+    and a routing (`size_inputs`): ``(weights, inputs)`` with ``weights = dict(gate, up, down, gate_scale, up_scale,
     down_scale)`` and ``inputs[n] = (x, topk_idx, topk_weights)``."""
     import torch
     from ..moe.weights import quantize_blocks
@@ -395,13 +396,20 @@ def make_inputs(shape: str, tokens: Sequence[int], seed: int, device):
     weights["gate"], weights["gate_scale"] = fp8(inter, hidden)
     weights["up"], weights["up_scale"] = fp8(inter, hidden)
     weights["down"], weights["down_scale"] = fp8(hidden, inter)
-    inputs = {}
-    for n in tokens:
-        x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-        scores = torch.randn(n, num_experts, device=device, dtype=torch.float32, generator=gen)
-        top, idx = scores.topk(topk, dim=1)
-        inputs[n] = (x, idx.to(torch.int32).contiguous(), torch.softmax(top, dim=1).contiguous())
-    return weights, inputs
+    return weights, {n: size_inputs(shape, n, seed, device) for n in tokens}
+
+
+def size_inputs(shape: str, n: int, seed: int, device):
+    """``(x, topk_idx, topk_weights)`` of ``n`` tokens, drawn from a generator of their own (seeded by ``seed`` and
+    ``n``): a size's inputs are the same whichever other sizes its process draws (tools/megamoe/run_anchor.sh runs
+    each size in a process of its own, its dgengine step all of them in one)."""
+    import torch
+    hidden, _, num_experts, topk = ANCHOR_SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + n)
+    x = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    scores = torch.randn(n, num_experts, device=device, dtype=torch.float32, generator=gen)
+    top, idx = scores.topk(topk, dim=1)
+    return x, idx.to(torch.int32).contiguous(), torch.softmax(top, dim=1).contiguous()
 
 
 def reference_weights(weights):
@@ -716,6 +724,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         merged = merge_results(payloads, list(argv) if argv is not None else sys.argv[1:])
         write_json(args.json, merged)
         print(format_table(merged["rows"]))
+        print(f"bench moe --anchor --merge: {len(merged['rows'])} rows from {len(payloads)} runs, "
+              f"{sum(not r.get('ok', True) for r in merged['rows'])} not ok, "
+              f"{'complete' if merged['complete'] else 'NOT complete'}")
         return 0
     if lacks_cuda_torch("bench moe --anchor"):
         return 2

@@ -9,8 +9,8 @@
 # a summary last:
 #   install  nvshmem4py -> /tmp/site; tokenspeed-deepgemm -> /tmp/tsdg-site; MegaMoE -> /tmp/megamoe-site
 #            (tools/megamoe/build.sh: the carried _C, or compiled there when it does not import)
-#   jit      symmring's device modules built ahead (python -m symmring.jit, several nvcc at once), so the check's
-#            process does not build them one by one
+#   jit      (before warm, in this log) symmring's device modules built ahead (python -m symmring.jit, several nvcc
+#            at once), so the check's process does not build them one by one
 #   warm     MegaMoE's JIT compiles for every shape and size, the sizes of a shape side by side (as many
 #            processes as the free GPU memory holds); a broken build shows here first (every process prints
 #            its error)
@@ -86,7 +86,6 @@ install() {
 }
 step install 200 install || echo "install failed: see $OUT/install.log"
 MEGA="/tmp/megamoe-site:/tmp/site:$PWD"
-step jit 150 env PYTHONPATH="/tmp/site:$PWD" "$PY" -m symmring.jit --workers 8
 # --max-tokens 8192 everywhere: it is part of MegaMoE's kernel template, so warm, check and anchor share compiles.
 ANCHOR=(env PYTHONPATH="$MEGA" "$PY" -m symmring bench moe --anchor megamoe --max-tokens 8192)
 warm() {  # the sizes of a shape side by side (one process each: DeepGEMM's JIT runs nvcc in the calling thread),
@@ -109,9 +108,11 @@ print(warm_processes('$shape', torch.cuda.mem_get_info()[0]))")
   return 0
 }
 table() {  # table SPLIT SHAPES TOKENS JSON ROW_OPTIONS...: the table's rows in processes of their own (SPLIT: size,
-  # shape or none), each writing its results beside the others; after each, all of them merged into JSON
+  # shape or none), each writing its results beside the others, all of them merged into JSON before and after each
+  # run. A run's file starts as a stub that says it is not complete, so a run that fails before its first row, or
+  # that the step's limit cuts, leaves the merged results not complete (with its rows so far, where it wrote any).
   local split=$1 shapes=$2 tokens=$3 json=$4; shift 4
-  local runs=() run s n i=0 rc=0 dir
+  local runs=() run s n i=0 rc=0 dir file
   case "$split" in
     size) for s in ${shapes//,/ }; do for n in ${tokens//,/ }; do runs+=("$s:$n"); done; done ;;
     shape) for s in ${shapes//,/ }; do runs+=("$s:$tokens"); done ;;
@@ -121,9 +122,13 @@ table() {  # table SPLIT SHAPES TOKENS JSON ROW_OPTIONS...: the table's rows in 
   dir=$(mktemp -d)
   for run in "${runs[@]}"; do
     i=$((i + 1))
+    file="$dir/$(printf %02d $i).json"
+    printf '{"anchor": "megamoe", "rows": [], "megamoe": {}, "argv": [], "complete": false, "skipped": [{"shape": "%s", "impl": "*", "reason": "run %d of %d (--tokens %s) wrote no results: it failed before its first row or did not finish"}]}\n' \
+      "${run%%:*}" "$i" "${#runs[@]}" "${run#*:}" > "$file"
+    "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
     echo "--- run $i of ${#runs[@]}: --shapes ${run%%:*} --tokens ${run#*:}"
-    "${ANCHOR[@]}" --shapes "${run%%:*}" --tokens "${run#*:}" "$@" --json "$dir/$(printf %02d $i).json" || rc=$?
-    ls "$dir"/*.json >/dev/null 2>&1 && "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
+    "${ANCHOR[@]}" --shapes "${run%%:*}" --tokens "${run#*:}" "$@" --json "$file" || rc=$?
+    "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
   done
   "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json"
   rm -rf "$dir"
@@ -145,6 +150,9 @@ elif [[ "${1:-}" == quick ]]; then
 else
   SHAPES="${ANCHOR_SHAPES:-v4-flash,deepseek-v3}"
   TOKENS="${ANCHOR_TOKENS:-1,8,64,512,4096,8192}"
+  t=$SECONDS  # symmring's modules built ahead, several nvcc at once (its log not kept: at most 8 files come back)
+  timeout 150 env PYTHONPATH="/tmp/site:$PWD" "$PY" -m symmring.jit --workers 8 >/dev/null 2>&1
+  echo "=== jit: symmring's modules rc=$? ($((SECONDS - t)) s)"
   (( ${#NOMEGA[@]} )) || step warm 240 warm ${SHAPES//,/ }
   step check 150 "${ANCHOR[@]}" --shapes "$SHAPES" --tokens 64 --engines builtin --modes batch --check-only \
     "${NOMEGA[@]}"

@@ -588,7 +588,8 @@ def dispatch_fused(k: Kernels, s: State, stream, *, window: WindowStep, ack_now:
 
 
 #: Most entries (tokens x top-k, all sources) the fused dispatch takes with one load in flight per thread
-#: (``moe_dispatch_fused_fp8_small``): two rounds of a block's threads for the count.
+#: (``moe_dispatch_fused_fp8_small``): two rounds of a block's threads for the count (one round more per source
+#: past the first: the count runs source by source).
 SMALL_DISPATCH_ENTRIES = 2 * THREADS_PER_BLOCK
 
 
