@@ -26,7 +26,11 @@ side, per model shape and tokens per rank:
   layer's `symmring.moe.gpu.MoE.capture`, and the streamed layer's where ``streamed`` is a mode too; MegaMoE:
   pre-dispatch + kernel under ``torch.cuda.graph``), rows ``symmring ENGINE graph``, ``symmring ENGINE streamed
   graph`` and ``megamoe graph``: the device's time of a call, as a model step captured in a
-  graph (vLLM's decode) runs it, where an eager call also times the host's work before its first kernel.
+  graph (vLLM's decode) runs it, where an eager call also times the host's work before its first kernel. Both
+  sides' rows time the bare ``graph.replay`` (a model step's graph holds every layer's kernels and replays once);
+  symmring's rows also give ``replay_call_ms``, the same graph through `symmring.moe.gpu.CapturedCall.replay` (the
+  one-layer replay's host checks: the call order and the latched error, which a model pays once per step), and
+  are checked for device errors after their timed replays.
 
 Every call is timed alone (CUDA events around it, then a synchronisation). ``best/megamoe`` is the fastest
 symmring row over the fastest MegaMoE row (eager or graph) of the same shape and size.
@@ -464,13 +468,13 @@ def _median_kernel_ms(runner, x, topk_idx, topk_weights, out, repeats: int, warm
 
 def _symmring_graph(layer, x, topk_idx, topk_weights, streaming: bool = False):
     """The layer's call on these tensors (batch, or ``streaming``) captured (`symmring.moe.gpu.MoE.capture`), replayed
-    once and checked: ``(replay, y)``, ``y`` the graph's static output."""
+    once through `CapturedCall.replay` and checked: ``(call, y)``, ``y`` the graph's static output."""
     import torch
     call, y = layer.capture(x, topk_idx=topk_idx, topk_weights=topk_weights, streaming=streaming)
     call.replay()
     torch.cuda.synchronize()
     layer.check_errors()
-    return call.replay, y
+    return call, y
 
 
 def _megamoe_graph(runner, x, topk_idx, topk_weights):
@@ -612,17 +616,25 @@ def bench_shape(ctx, dg, shape: str, args, rows: List[Dict], payload: Dict, star
                     continue  # one chunk: the batch path
                 try:
                     if name.endswith(" graph"):
-                        replay, y = (_megamoe_graph(impl, x, idx, w) if name == "megamoe graph" else
-                                     _symmring_graph(impl, x, idx, w, streamed))
+                        call = None
+                        if name == "megamoe graph":
+                            replay, y = _megamoe_graph(impl, x, idx, w)
+                        else:
+                            call, y = _symmring_graph(impl, x, idx, w, streamed)
+                            replay = call.graph.replay
                         row["rel_err"] = rel_error(y.float(), y_ref)
                         row["ms"] = _median_ms(replay, reps)
+                        if call is not None:
+                            row["replay_call_ms"] = _median_ms(call.replay, reps)
+                            torch.cuda.synchronize()
+                            impl.check_errors()  # the bare replays met no device error
                         if args.timeline:  # a diagnostic: a replay it cannot place leaves the row as measured
                             try:
                                 row["timeline"] = kernel_timeline(replay)
                                 print(f"{shape} n={n} {name}:\n{format_timeline(row['timeline'])}", file=sys.stderr)
                             except ValueError as exc:
                                 row["timeline_error"] = str(exc)
-                        del replay, y
+                        del replay, y, call
                     elif name == "megamoe":
                         y = impl.run(x, idx, w)
                         torch.cuda.synchronize()
