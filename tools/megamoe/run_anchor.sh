@@ -128,9 +128,9 @@ table() {  # table SPLIT SHAPES TOKENS JSON ROW_OPTIONS...: the table's rows in 
     "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
     echo "--- run $i of ${#runs[@]}: --shapes ${run%%:*} --tokens ${run#*:}"
     "${ANCHOR[@]}" --shapes "${run%%:*}" --tokens "${run#*:}" "$@" --json "$file" || rc=$?
-    "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >/dev/null
+    "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json" >"$dir/table.txt"
   done
-  "${ANCHOR[@]}" --merge "$dir"/*.json --json "$json"
+  cat "$dir/table.txt"  # the last merge's table: every run's rows
   rm -rf "$dir"
   return $rc
 }
