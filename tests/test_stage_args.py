@@ -220,9 +220,18 @@ def test_fused_dispatch_and_combine_carry_the_plans_bounds():
                          topk_idx=FakeTensor(0x6000), topk_weights=FakeTensor(0x7000), y=y, end_call_chunks=1)
     check(k, s, {"pool_out": 0x5000, "chunk_idx": 3, "ack_now": 0, "topk_idx": 0x6000, "topk_weights": 0x7000,
                  "y": 0x9000, "y_row_stride": 2048, "token_begin": 0, "num_valid": 4, "end_call_chunks": 1,
-                 "pool_rows": 640, "token_base": BUFFERS["token_base"],
+                 "pool_rows": 640, "token_base": BUFFERS["token_base"], "rows_sent": 0,
                  "counters": BUFFERS["counters"] + 4 * stages.COUNTER_SEND})
     assert stages.COUNTER_TICKET == stages.COUNTER_SEND + 1 < stages.NUM_COUNTERS
+    scattering = k.calls[-1][1]
+    stages.combine_fused(k, s, None, out=FakeTensor(0x5000, (0, 2048)), window=ONE_PASS, ack_now=False,
+                         topk_idx=FakeTensor(0x6000), topk_weights=FakeTensor(0x7000), y=y, end_call_chunks=1,
+                         rows_sent=True)
+    check(k, s, {"pool_out": 0x5000, "chunk_idx": 3, "ack_now": 0, "topk_idx": 0x6000, "topk_weights": 0x7000,
+                 "y": 0x9000, "y_row_stride": 2048, "token_begin": 0, "num_valid": 4, "end_call_chunks": 1,
+                 "pool_rows": 640, "token_base": BUFFERS["token_base"], "rows_sent": 1,
+                 "counters": BUFFERS["counters"] + 4 * stages.COUNTER_SEND})
+    assert k.calls[-1][1] <= scattering  # its scatter frees rows only: no more blocks than the reduce needs
 
 
 def test_the_fused_dispatch_takes_its_small_build_where_a_block_pulls_one_token():
@@ -295,43 +304,51 @@ class _Beside:
 
 
 class _Engine:
-    """An engine that starts beside the dispatch when ``beside`` (else `begin_beside_dispatch` says None)."""
+    """An engine that starts beside the dispatch when ``beside`` (else `begin_beside_dispatch` says None) and sends
+    its rows when ``sends_rows``; its calls record whether they were given ``send``."""
 
-    def __init__(self, events, beside):
-        self.events, self.beside = events, beside
+    def __init__(self, events, beside, sends_rows=False):
+        self.events, self.beside, self.sends_rows = events, beside, sends_rows
 
-    def begin_beside_dispatch(self, pool, num_rows, rows_per_expert=None):
-        self.events.append(("begin beside", pool, num_rows, rows_per_expert))
+    def begin_beside_dispatch(self, pool, num_rows, rows_per_expert=None, **send):
+        self.events.append(("begin beside", pool, num_rows, rows_per_expert, "send" in send))
         return _Beside(self.events) if self.beside else None
 
-    def forward(self, pool, num_rows, rows_per_expert=None, out=None, scratch=None):
-        self.events.append(("forward", pool, num_rows, rows_per_expert))
+    def forward(self, pool, num_rows, rows_per_expert=None, out=None, scratch=None, **send):
+        self.events.append(("forward", pool, num_rows, rows_per_expert, "send" in send))
         return "forward rows"
 
 
-@pytest.mark.parametrize("pdl, beside", [(True, True), (True, False), (False, True)])
-def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_producer(monkeypatch, pdl, beside):
+@pytest.mark.parametrize("pdl, beside, sends", [(True, True, False), (True, False, False), (False, True, False),
+                                                (True, True, True), (True, False, True), (False, True, True)])
+def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_producer(monkeypatch, pdl, beside, sends):
     """With PDL an engine that can start beside the fused dispatch is set up before the producer (its zeroed counters
     precede the chain of dependent launches), hands its plan words to the dispatch and is launched by the PDL
-    launcher right after it; otherwise (no PDL, or the engine declines) `forward` runs after the dispatch."""
+    launcher right after it; otherwise (no PDL, or the engine declines) `forward` runs after the dispatch. An engine
+    that sends its rows (every owner mapped: the state's ``send_peers``) is given ``send`` either way, and the
+    combine then only checks and frees the rows (``rows_sent``)."""
     events = []
     monkeypatch.setattr(stages, "produce_fused", lambda *a, **kw: events.append("produce"))
     monkeypatch.setattr(stages, "stage", lambda *a, **kw: events.append("stage"))
     monkeypatch.setattr(stages, "dispatch_fused", lambda *a, plan=0, **kw: events.append(("dispatch", plan)))
-    monkeypatch.setattr(stages, "combine_fused", lambda *a, out, **kw: events.append(("combine", out)))
+    monkeypatch.setattr(stages, "combine_fused",
+                        lambda *a, out, rows_sent=False, **kw: events.append(("combine", out, rows_sent)))
     monkeypatch.setattr(stages, "_out_rows", lambda s, rows: None)
     launcher = type("Launcher", (), {"enabled": pdl})()
     k = type("K", (), {"launch": launcher})()
-    s = type("S", (), {"pool": staticmethod(lambda rows: ("pool", rows)), "outbound": None, "scratch": None})()
-    stages.small_batch_call(k, s, "stream", chunk=None, window=ONE_PASS, engine=_Engine(events, beside),
+    s = type("S", (), {"pool": staticmethod(lambda rows: ("pool", rows)), "outbound": None, "scratch": None,
+                       "send_peers": 0x5E0, "row_src": 0x100, "token_base": 0x200, "num_ranks": 1, "topk": 8,
+                       "combine_tokens": 64})()
+    stages.small_batch_call(k, s, "stream", chunk=None, window=ONE_PASS, engine=_Engine(events, beside, sends),
                             ack_policy=stages.protocol.AckPolicy.EARLY, x=None, topk_idx=None, topk_weights=None,
                             y=None, num_chunks=1, router=(), layer=0)
     pool = ("pool", ONE_PASS.rows_bound)
     if pdl and beside:
-        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0xBE5100),
-                          ("launch beside", launcher, "stream"), ("combine", "beside rows")]
+        assert events == [("begin beside", pool, 640, 8, sends), "produce", "stage", ("dispatch", 0xBE5100),
+                          ("launch beside", launcher, "stream"), ("combine", "beside rows", sends)]
     elif pdl:
-        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0),
-                          ("forward", pool, 640, 8), ("combine", "forward rows")]
+        assert events == [("begin beside", pool, 640, 8, sends), "produce", "stage", ("dispatch", 0),
+                          ("forward", pool, 640, 8, sends), ("combine", "forward rows", sends)]
     else:
-        assert events == ["produce", "stage", ("dispatch", 0), ("forward", pool, 640, 8), ("combine", "forward rows")]
+        assert events == ["produce", "stage", ("dispatch", 0), ("forward", pool, 640, 8, sends),
+                          ("combine", "forward rows", sends)]

@@ -310,6 +310,9 @@ struct CombineFusedArgs {
     unsigned int* counters;
     int pool_rows;
     int combine_tokens;
+    // The engine stored every live row into its owner's combine rows itself (FusedExpertsArgs::send_peers): the
+    // scatter only checks each row's token and frees the row (pool_out unused).
+    int rows_sent;
 };
 
 // --- fused_experts.cu -----------------------------------------------------------------------------------

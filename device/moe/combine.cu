@@ -29,7 +29,8 @@
 //
 // The small-batch schedule runs all four in ONE grid after the experts:
 //   moe_combine_fused    scatter of the live rows (from the group counts: no padding row is visited) in items
-//                        that blocks take from a ticket counter; the block whose item completes the scatter
+//                        that blocks take from a ticket counter (rows_sent: the fused engine stored them; only
+//                        their tokens are checked and the rows freed); the block whose item completes the scatter
 //                        signals (and with ack_now acknowledges) as moe_combine_signal, then every block waits
 //                        as moe_combine_wait and reduces its share of the tokens as moe_combine_reduce (the
 //                        same reduce_tokens, so the same bits); with end_call_chunks > 0 the grid's last draw
@@ -402,7 +403,17 @@ extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
         return false;
     };
     for (int item = ticket; item < num_items; item = ticket) {
-        for (int64_t i0 = int64_t(item) * blockDim.x + threadIdx.x; i0 < num_vecs;
+        // rows_sent: the engine's L2 epilogue stored the rows (fused_common.cuh out_row); each live row's token is
+        // checked (a row past its owner's combine rows was not stored) and the row freed, as scatter_rows does.
+        for (int i = item * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+             args.rows_sent && i < live_before[E]; i += static_cast<int>(num_threads)) {
+            const int row = row_of_live(i);
+            if (row < 0) continue;
+            const int4 src = args.row_src[row];
+            token_ok(owner_base[src.x] + src.y, src);
+            args.m_indices[row] = -1;
+        }
+        for (int64_t i0 = int64_t(item) * blockDim.x + threadIdx.x; !args.rows_sent && i0 < num_vecs;
              i0 += kScatterLoadsInFlight * num_threads) {
             int4 raw[kScatterLoadsInFlight];
             int4 src[kScatterLoadsInFlight];

@@ -405,8 +405,8 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     # bound, as in tests/gpu/test_moe_fp8.py); bitwise stability is checked per count.
     skip_off_sm90(kernel)
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", kernel)  # the layer's engine takes the variable
-    # The general schedule's calls send their rows from the fused kernel's L2 epilogue (stages.send_rows): the
-    # wgmma kernels' rows are builtin's bits, so they must land bitwise where the combine scatter put builtin's.
+    # Every call sends its rows from the fused kernel's L2 epilogue (stages.send_rows; the small-batch schedule's
+    # too): the wgmma kernels' rows are builtin's bits, so they must land bitwise where builtin's were scattered.
     sent = []
     send_rows = stages.send_rows
     monkeypatch.setattr(stages, "send_rows", lambda *a: sent.append(send_rows(*a)) or sent[-1])

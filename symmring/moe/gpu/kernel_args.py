@@ -118,7 +118,7 @@ STRUCTS["CombineFusedArgs"] = _struct([
     ("num_local_experts", I32), ("token_base", PTR), ("m_indices", PTR), ("combine_rows", PTR), ("chunk_idx", I32),
     ("combine_ready", PTR), ("ack_now", I32), ("topk_idx", PTR), ("topk_weights", PTR), ("y", PTR),
     ("y_row_stride", I64), ("token_begin", I32), ("num_valid", I32), ("call_tokens", PTR),
-    ("end_call_chunks", I32), ("counters", PTR), ("pool_rows", I32), ("combine_tokens", I32)])
+    ("end_call_chunks", I32), ("counters", PTR), ("pool_rows", I32), ("combine_tokens", I32), ("rows_sent", I32)])
 STRUCTS["FusedExpertsArgs"] = _struct([
     ("pool_x", PTR), ("pool_sf", PTR), ("sf_row_stride", I64), ("sf_col_stride", I64), ("m_indices", PTR),
     ("w13", PTR), ("w13_sf", PTR), ("w_down", PTR), ("w_down_sf", PTR), ("act", PTR), ("act_sf", PTR),

@@ -319,7 +319,7 @@ class LaunchArgs:
                                      call_tokens=address(s.call_tokens))
         self.combine_fused = record(
             "CombineFusedArgs", "pool_out chunk_idx ack_now topk_idx topk_weights y y_row_stride token_begin "
-            "num_valid end_call_chunks pool_rows",
+            "num_valid end_call_chunks pool_rows rows_sent",
             row_src=address(s.row_src), expert_counts=address(s.counts), begin=address(s.begin),
             num_local_experts=s.num_local_experts, combine_ready=int(s.combine_ready),
             call_tokens=address(s.call_tokens), counters=_counter(s, COUNTER_SEND), combine_tokens=s.combine_tokens,
@@ -607,20 +607,23 @@ def small_dispatch(source_tokens: int, topk: int, grid: int) -> bool:
 
 
 def combine_fused(k: Kernels, s: State, stream, *, out, window: WindowStep, ack_now: bool, topk_idx, topk_weights,
-                  y, end_call_chunks: int) -> None:
+                  y, end_call_chunks: int, rows_sent: bool = False) -> None:
     """The small-batch combine of the one-chunk ``window`` in one grid: `combine_scatter` of the live rows,
     `combine_signal` (``ack_now``: CONSERVATIVE), `combine_wait` and `combine_reduce`; ``end_call_chunks`` > 0
     ends the call. At most `Kernels.spin_blocks` blocks (they wait for the sources' signals); it completes with
     any number of them resident (its blocks take the scatter from a ticket counter, COUNTER_SEND and
-    COUNTER_TICKET, before any waits)."""
-    scatter_vecs = s.topk * window.source_tokens * (s.hidden // 8)  # a bound of this PE's live rows' vectors
+    COUNTER_TICKET, before any waits). ``rows_sent``: the engine sent the rows (`send_rows`): the scatter checks each
+    row's token and frees it only."""
+    # A bound of this PE's live rows' vectors (rows_sent: of its live rows)
+    scatter_vecs = s.topk * window.source_tokens * (1 if rows_sent else s.hidden // 8)
     grid = max(blocks(scatter_vecs, THREADS_PER_BLOCK, k.spin_blocks),
                blocks(window.num_valid * reduce_slices(s.hidden), WARPS_PER_BLOCK, k.spin_blocks))
     shared = 16 * s.num_ranks + 4 * (2 * s.num_local_experts + 1)
     args = _args(s).combine_fused(pool_out=out.data_ptr(), chunk_idx=window.first, ack_now=ack_now,
                                   topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), y=y.data_ptr(),
                                   y_row_stride=y.stride(0), token_begin=window.token_begin, num_valid=window.num_valid,
-                                  end_call_chunks=end_call_chunks, pool_rows=window.rows_bound)
+                                  end_call_chunks=end_call_chunks, pool_rows=window.rows_bound,
+                                  rows_sent=int(rows_sent))
     k.launch(k.combine_fused, (grid,), (THREADS_PER_BLOCK,), args, stream=stream, shared_mem=shared)
 
 
@@ -741,11 +744,16 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     pool = s.pool(window.rows_bound)
+    # An engine that sends its rows (every owner mapped) stores them into the owners' combine rows itself, as in the
+    # general schedule: the combine then only reduces them (no pass of the rows through the engine's output).
+    send = send_rows(s, engine, window.first)
+    sending = {} if send is None else {"send": send}
     # An engine that starts beside the dispatch (PDL only; ``marks`` time each kernel alone) is set up before the
     # producer: what it enqueues (its zeroed counters) then precedes the chain of dependent launches.
     beside = None
     if k.launch.enabled and marks is None:
-        beside = engine.begin_beside_dispatch(pool, window.rows_bound, rows_per_expert=window.rows_per_expert)
+        beside = engine.begin_beside_dispatch(pool, window.rows_bound, rows_per_expert=window.rows_per_expert,
+                                              **sending)
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
     if marks is not None:
@@ -759,10 +767,10 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
         out = outbound(s, beside.launch(k.launch, stream))
     else:
         out = outbound(s, engine.forward(pool, window.rows_bound, rows_per_expert=window.rows_per_expert,
-                                         out=_out_rows(s, window.rows_bound), scratch=s.scratch))
+                                         out=_out_rows(s, window.rows_bound), scratch=s.scratch, **sending))
     if marks is not None:
         marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
-                  topk_weights=topk_weights, y=y, end_call_chunks=num_chunks)
+                  topk_weights=topk_weights, y=y, end_call_chunks=num_chunks, rows_sent=send is not None)
     if marks is not None:
         marks.mark("combine")
