@@ -231,7 +231,10 @@ def test_fused_dispatch_and_combine_carry_the_plans_bounds():
                  "y": 0x9000, "y_row_stride": 2048, "token_begin": 0, "num_valid": 4, "end_call_chunks": 1,
                  "pool_rows": 640, "token_base": BUFFERS["token_base"], "rows_sent": 1,
                  "counters": BUFFERS["counters"] + 4 * stages.COUNTER_SEND})
-    assert k.calls[-1][1] <= scattering  # its scatter frees rows only: no more blocks than the reduce needs
+    # Its scatter frees rows only: a block per 256 live rows, or the reduce's blocks.
+    freeing = stages.blocks(s.topk * ONE_PASS.source_tokens, stages.THREADS_PER_BLOCK, k.spin_blocks)
+    reducing = stages.blocks(ONE_PASS.num_valid * stages.reduce_slices(s.hidden), stages.WARPS_PER_BLOCK, k.spin_blocks)
+    assert k.calls[-1][1] == (max(freeing, reducing),) and k.calls[-1][1] < scattering
 
 
 def test_the_fused_dispatch_takes_its_small_build_where_a_block_pulls_one_token():
@@ -310,8 +313,8 @@ class _Engine:
     def __init__(self, events, beside, sends_rows=False):
         self.events, self.beside, self.sends_rows = events, beside, sends_rows
 
-    def begin_beside_dispatch(self, pool, num_rows, rows_per_expert=None, **send):
-        self.events.append(("begin beside", pool, num_rows, rows_per_expert, "send" in send))
+    def begin_beside_dispatch(self, pool, num_rows, rows_per_expert=None):
+        self.events.append(("begin beside", pool, num_rows, rows_per_expert))
         return _Beside(self.events) if self.beside else None
 
     def forward(self, pool, num_rows, rows_per_expert=None, out=None, scratch=None, **send):
@@ -319,14 +322,17 @@ class _Engine:
         return "forward rows"
 
 
-@pytest.mark.parametrize("pdl, beside, sends", [(True, True, False), (True, False, False), (False, True, False),
-                                                (True, True, True), (True, False, True), (False, True, True)])
-def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_producer(monkeypatch, pdl, beside, sends):
+@pytest.mark.parametrize("pdl, beside, sends, mapped", [
+    (True, True, False, True), (True, False, False, True), (False, True, False, True),
+    (True, True, True, True), (True, False, True, True), (False, True, True, True), (False, True, True, False)])
+def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_producer(monkeypatch, pdl, beside, sends,
+                                                                                   mapped):
     """With PDL an engine that can start beside the fused dispatch is set up before the producer (its zeroed counters
     precede the chain of dependent launches), hands its plan words to the dispatch and is launched by the PDL
     launcher right after it; otherwise (no PDL, or the engine declines) `forward` runs after the dispatch. An engine
-    that sends its rows (every owner mapped: the state's ``send_peers``) is given ``send`` either way, and the
-    combine then only checks and frees the rows (``rows_sent``)."""
+    after the dispatch that sends its rows, where every owner is mapped (the state's ``send_peers``; not with rdma
+    peers), is given ``send`` and the combine only checks and frees the rows (``rows_sent``); beside the dispatch
+    its rows go through its output as before."""
     events = []
     monkeypatch.setattr(stages, "produce_fused", lambda *a, **kw: events.append("produce"))
     monkeypatch.setattr(stages, "stage", lambda *a, **kw: events.append("stage"))
@@ -337,18 +343,20 @@ def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_produc
     launcher = type("Launcher", (), {"enabled": pdl})()
     k = type("K", (), {"launch": launcher})()
     s = type("S", (), {"pool": staticmethod(lambda rows: ("pool", rows)), "outbound": None, "scratch": None,
-                       "send_peers": 0x5E0, "row_src": 0x100, "token_base": 0x200, "num_ranks": 1, "topk": 8,
+                       "send_peers": 0x5E0 if mapped else None, "row_src": 0x100, "token_base": 0x200, "num_ranks": 1,
+                       "topk": 8,
                        "combine_tokens": 64})()
     stages.small_batch_call(k, s, "stream", chunk=None, window=ONE_PASS, engine=_Engine(events, beside, sends),
                             ack_policy=stages.protocol.AckPolicy.EARLY, x=None, topk_idx=None, topk_weights=None,
                             y=None, num_chunks=1, router=(), layer=0)
     pool = ("pool", ONE_PASS.rows_bound)
+    sent = sends and mapped
     if pdl and beside:
-        assert events == [("begin beside", pool, 640, 8, sends), "produce", "stage", ("dispatch", 0xBE5100),
-                          ("launch beside", launcher, "stream"), ("combine", "beside rows", sends)]
+        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0xBE5100),
+                          ("launch beside", launcher, "stream"), ("combine", "beside rows", False)]
     elif pdl:
-        assert events == [("begin beside", pool, 640, 8, sends), "produce", "stage", ("dispatch", 0),
-                          ("forward", pool, 640, 8, sends), ("combine", "forward rows", sends)]
+        assert events == [("begin beside", pool, 640, 8), "produce", "stage", ("dispatch", 0),
+                          ("forward", pool, 640, 8, sent), ("combine", "forward rows", sent)]
     else:
-        assert events == ["produce", "stage", ("dispatch", 0), ("forward", pool, 640, 8, sends),
-                          ("combine", "forward rows", sends)]
+        assert events == ["produce", "stage", ("dispatch", 0), ("forward", pool, 640, 8, sent),
+                          ("combine", "forward rows", sent)]

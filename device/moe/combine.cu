@@ -439,7 +439,7 @@ extern "C" __global__ void moe_combine_fused(const CombineFusedArgs args) {
         }
         // Rows of rdma owners: one warp-wide non-blocking put per row, and nvshmem_quiet by every thread that
         // put before the item's arrival (as scatter_rows: the puts are delivered before the signal).
-        if (any_rdma) {
+        if (any_rdma && !args.rows_sent) {  // (rows_sent: every owner is mapped, the layer's rule; kept explicit)
             const int warp = threadIdx.x / 32;
             const int warps_per_block = blockDim.x / 32;
             bool put_any = false;

@@ -407,7 +407,7 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
     monkeypatch.setenv("SYMMRING_FUSED_KERNEL", kernel)  # the layer's engine takes the variable
     # Every call sends its rows from the fused kernel's L2 epilogue (stages.send_rows; the small-batch schedule's
     # too): the wgmma kernels' rows are builtin's bits, so they must land bitwise where builtin's were scattered.
-    sent = []
+    sent, small_sent = [], []
     send_rows = stages.send_rows
     monkeypatch.setattr(stages, "send_rows", lambda *a: sent.append(send_rows(*a)) or sent[-1])
     hidden, inter, num_experts, topk = SHAPES[shape]
@@ -421,7 +421,11 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
             x = make_tokens(SEED + n + ctx.rank, n, hidden)
             logits = np.random.default_rng(SEED + n + ctx.rank).standard_normal((n, num_experts)).astype(np.float32)
             xt, lt = to_torch(x, torch.bfloat16, dev), to_torch(logits, torch.float32, dev)
-            y, y2, y_builtin = fused.forward(xt, logits=lt), fused.forward(xt, logits=lt), builtin.forward(xt, logits=lt)
+            before = len(sent)
+            y, y2 = fused.forward(xt, logits=lt), fused.forward(xt, logits=lt)
+            if fused.last_plan.small_batch:  # its first call runs the schedule (the graph cache captures later)
+                small_sent.append(any(to is not None for to in sent[before:]))
+            y_builtin = builtin.forward(xt, logits=lt)
             graph, y_static = fused.capture(xt, logits=lt)
             graph.replay()
             fused.check_errors()
@@ -448,6 +452,8 @@ def test_fused_layer_vs_builtin_and_reference(ctx, shape, kernel, monkeypatch):
         problems.append(f"vs float64 {err_ref:.3e}, vs builtin {err_builtin:.3e} (bound {REL_TOL})")
     if not any(to is not None for to in sent):
         problems.append(f"no call sent its rows from the kernel ({len(sent)} windows)")
+    if not small_sent or not all(small_sent):
+        problems.append(f"small-batch calls that sent their rows from the kernel: {small_sent}")
     verdict(ctx, not problems, f"fused {kernel} {shape}: " + "; ".join(problems))
 
 

@@ -526,8 +526,7 @@ class FusedExperts(ExpertEngine):
                                                shared_mem=launch.shared_bytes, stream=stream)
         return launch.out
 
-    def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None,
-                              send: Optional[CombineRows] = None):
+    def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         """`ExpertEngine.begin_beside_dispatch`: where the call takes a TMA kernel (``wg64t``, ``wg128t``: cc 9.0)
         and ``beside_dispatch`` is on (``SYMMRING_FUSED_BESIDE=1``), its launch with the dispatch's plan words in
         its counters (zeroed now, on the current stream); else None. The kernel then waits for the plan before it
@@ -541,8 +540,8 @@ class FusedExperts(ExpertEngine):
             return None
         if not tensor_map.is_mn_major(pool.x_sf[:num_rows]):  # its copy (`_tma_args`) would precede the dispatch
             return None
-        return _BesideDispatch(self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc, send,
-                                            beside_dispatch=True), dev, cc)
+        return _BesideDispatch(self.prepare(pool, num_rows, rows_per_expert, self.sm_budget, cc, beside_dispatch=True),
+                               dev, cc)
 
     def check_status(self) -> None:
         """Synchronise and raise what the kernel recorded since the last check (then cleared).

@@ -128,13 +128,13 @@ class ExpertEngine(abc.ABC):
         that keeps its own ignores it. An engine with `sends_rows` also takes ``send=`` (a `CombineRows`, or
         None): the rows then go to their owners' combine rows, and the returned tensor holds nothing."""
 
-    def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None, **send):
+    def begin_beside_dispatch(self, pool: Pool, num_rows: int, rows_per_expert: Optional[int] = None):
         """A call of `forward` that starts before the small-batch schedule's fused dispatch into ``pool`` ends, or
-        None (this default): the engine runs after it. ``send``: `forward`'s (an engine with `sends_rows`). Called
-        before the call's producer (what it enqueues, such as zeroed counters, precedes the chain); returns an
-        object with ``plan`` (the device address of the two plan words the dispatch publishes,
-        ``DispatchFusedArgs::plan``) and ``launch(launcher, stream)``, which enqueues the kernel right after the
-        dispatch with ``launcher`` (`symmring.pdl.PdlLauncher`, enabled) and returns what `forward` would."""
+        None (this default): the engine runs after it. Called before the call's producer (what it enqueues, such
+        as zeroed counters, precedes the chain); returns an object with ``plan`` (the device address of the two
+        plan words the dispatch publishes, ``DispatchFusedArgs::plan``) and ``launch(launcher, stream)``, which
+        enqueues the kernel right after the dispatch with ``launcher`` (`symmring.pdl.PdlLauncher`, enabled)
+        and returns what `forward` would."""
         return None
 
     def check_status(self) -> None:

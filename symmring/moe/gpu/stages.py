@@ -744,16 +744,16 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
     ``marks``: as for `consume_window`, with "layout" after the producer."""
     early = ack_policy == protocol.AckPolicy.EARLY
     pool = s.pool(window.rows_bound)
-    # An engine that sends its rows (every owner mapped) stores them into the owners' combine rows itself, as in the
-    # general schedule: the combine then only reduces them (no pass of the rows through the engine's output).
-    send = send_rows(s, engine, window.first)
-    sending = {} if send is None else {"send": send}
     # An engine that starts beside the dispatch (PDL only; ``marks`` time each kernel alone) is set up before the
     # producer: what it enqueues (its zeroed counters) then precedes the chain of dependent launches.
     beside = None
     if k.launch.enabled and marks is None:
-        beside = engine.begin_beside_dispatch(pool, window.rows_bound, rows_per_expert=window.rows_per_expert,
-                                              **sending)
+        beside = engine.begin_beside_dispatch(pool, window.rows_bound, rows_per_expert=window.rows_per_expert)
+    # An engine after the dispatch that sends its rows (every owner mapped) stores them into the owners' combine rows
+    # itself, as in the general schedule: the combine then only reduces them (no pass of the rows through the
+    # engine's output). Not beside the dispatch: there a late dispatch leaves NaN tiles whose rows' sources the
+    # dispatch never wrote, which must stay in the engine's own output.
+    send = send_rows(s, engine, window.first) if beside is None else None
     produce_fused(k, s, stream, chunk=chunk, topk_idx=topk_idx, topk_weights=topk_weights, x=x, logits=logits,
                   router=router, layer=layer)
     if marks is not None:
@@ -767,7 +767,8 @@ def small_batch_call(k: Kernels, s: State, stream, *, chunk: ChunkStep, window: 
         out = outbound(s, beside.launch(k.launch, stream))
     else:
         out = outbound(s, engine.forward(pool, window.rows_bound, rows_per_expert=window.rows_per_expert,
-                                         out=_out_rows(s, window.rows_bound), scratch=s.scratch, **sending))
+                                         out=_out_rows(s, window.rows_bound), scratch=s.scratch,
+                                         **({} if send is None else {"send": send})))
     if marks is not None:
         marks.mark("experts")
     combine_fused(k, s, stream, out=out, window=window, ack_now=not early, topk_idx=topk_idx,
