@@ -296,7 +296,8 @@ def test_merge_makes_one_table_of_runs_in_processes_of_their_own(tmp_path, capsy
     assert anchor.main(["--anchor", "megamoe", "--merge", *map(str, paths), "--json", str(out)]) == 0
     merged = json.loads(out.read_text())
     assert [(r["shape"], r["tokens_per_rank"]) for r in merged["rows"]] == [
-        ("deepseek-v3", 1), ("deepseek-v3", 1), ("deepseek-v3", 8), ("deepseek-v3", 8), ("v4-flash", 1), ("v4-flash", 1)]
+        ("deepseek-v3", 1), ("deepseek-v3", 1), ("deepseek-v3", 8), ("deepseek-v3", 8),
+        ("v4-flash", 1), ("v4-flash", 1)]
     assert [round(line["best_vs_megamoe"], 3) for line in merged["summary"]] == [0.9, 1.056, 1.1]
     assert [r["ceilings"]["copy_gbps"] for r in merged["runs"]] == [3000.0, 2990.0, 2980.0]
     assert merged["ceilings"] == {"copy_gbps": 3000.0} and merged["complete"] is False
@@ -318,7 +319,8 @@ if os.environ.get("FAKE_FAIL") == value("--tokens"):
     sys.exit(3)  # a run that fails before its first row: no results written
 rows = [dict(shape=s, tokens_per_rank=int(n), impl="megamoe", ms=1.0, argv=argv)
         for s in value("--shapes").split(",") for n in value("--tokens").split(",")]
-json.dump(dict(anchor="megamoe", rows=rows, skipped=[], megamoe={}, argv=argv, complete=True), open(value("--json"), "w"))
+json.dump(dict(anchor="megamoe", rows=rows, skipped=[], megamoe={}, argv=argv, complete=True),
+          open(value("--json"), "w"))
 '''
 
 

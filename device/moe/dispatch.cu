@@ -534,10 +534,11 @@ namespace {
 constexpr int kPassEntries = 1024;
 // 16-byte loads each thread of the fused dispatch issues before their stores (and index loads before their
 // atomics): 8 in moe_dispatch_fused_fp8; 1 in moe_dispatch_fused_fp8_small, which the host takes where a block
-// holds at most one token and the count's entries are at most two rounds of the block's threads (one more per source
-// past the first; stages.SMALL_DISPATCH_ENTRIES). There eight loads in flight gain nothing and the unrolled loops' code is what
-// costs: a decode call fetches the kernel cold after the experts kernel, and the small build's 69 KB instead of
-// 132 KB of sm_90a code took 3-9 us off its count and pull on an H100 (docs/FUSED.md "The dispatch's code").
+// holds at most one token and the count's entries are at most two rounds of the block's threads (one more per
+// source past the first; stages.SMALL_DISPATCH_ENTRIES). There eight loads in flight gain nothing and the unrolled
+// loops' code is what costs: a decode call fetches the kernel cold after the experts kernel, and the small build's
+// 69 KB instead of 132 KB of sm_90a code took 3-9 us off its count and pull on an H100 (docs/FUSED.md "The
+// dispatch's code").
 constexpr int kLoadsWide = 8;
 constexpr int kLoadsSmall = 1;
 
