@@ -15,6 +15,14 @@ For each shape and size: the anchor's seeded fp8 layer (`symmring.bench.moe_anch
   no trace of them;
 * the replay's time through `CapturedCall.replay` (what a caller runs) and through the bare ``graph.replay``.
 
+``--alone``: the experts kernel of the same call outside the chain, each a captured graph of its own timed by its
+kernel's span (medians of five replays): on the layer's own pool as the call's dispatch left it (restored by copies
+before each launch), with and without the rows sent, and on the GPU tests' pool of the same routing kind
+(tests/gpu/test_fused_engine.py ``make_pool``) with the layer's weights; each at the layer's bound on the rows per
+expert (given routing: the call's entries) and at the tokens (distinct experts per token), the layer's pool also
+with the weights' evict-first hint forced and copied into torch's memory. What the kernel loses to the chain around
+it, to the rows it sends, to the bound and to the pool's memory and layout.
+
 ``--wide-dispatch`` launches the fused dispatch with eight loads in flight per thread at every size
 (``moe_dispatch_fused_fp8``; `stages.small_dispatch` gives decode sizes the build with one, which has half its
 code): what the small build saves a decode call. Compare against a run without it in the same call.
@@ -53,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--engine", default="fused", choices=("fused", "builtin"))
     parser.add_argument("--stamps", action="store_true", help="build the protocol kernels with their phase stamps")
     parser.add_argument("--replays", type=int, default=20, help="replays per case (stamps and replay times)")
+    parser.add_argument("--alone", action="store_true",
+                        help="also time the experts kernel alone: the layer's pool, with and without the rows sent, "
+                             "and the GPU tests' pool")
     parser.add_argument("--wide-dispatch", action="store_true",
                         help="the fused dispatch with eight loads in flight per thread at every size")
     args = parser.parse_args(argv)
@@ -153,6 +164,8 @@ def main(argv=None) -> int:
                     print(f"  replay: CapturedCall.replay {full * 1e3:.1f} us, graph.replay {bare * 1e3:.1f} us",
                           flush=True)
                     layer.check_errors()
+                    if args.alone:
+                        alone(layer, x, idx, w, shape, n)
                     del call
             finally:
                 layer.close()
@@ -161,6 +174,78 @@ def main(argv=None) -> int:
     finally:
         ctx.close()
     return 0
+
+
+def alone(layer, x, idx, w, shape: str, n: int) -> None:
+    """``--alone``: the experts kernel of an eager call of ``layer`` (its pool kept as the dispatch left it) in graphs
+    of its own, then on the GPU tests' pool of ``n`` tokens; one line each, the kernel's median span."""
+    import torch
+    from symmring.bench import captured, kernel_timeline
+    from symmring.bench.moe_anchor import ANCHOR_SHAPES
+    engine = layer.engine
+    forward = engine.forward
+    seen = {}
+
+    def spy(pool, num_rows, rows_per_expert=None, **kw):
+        # The pool's tensors as the dispatch left them (the combine frees the rows' expert ids after the kernel).
+        seen["call"] = (pool, num_rows, rows_per_expert, kw)
+        seen["snap"] = {f: getattr(pool, f).clone() for f in ("x", "x_sf", "group_end", "m_indices")
+                        if getattr(pool, f) is not None}
+        return forward(pool, num_rows, rows_per_expert, **kw)
+
+    engine.forward = spy
+    try:
+        layer.forward(x, topk_idx=idx, topk_weights=w, graph_cache=False)
+        torch.cuda.synchronize()
+    finally:
+        engine.forward = forward
+    if "call" not in seen:
+        print("  alone: the call ran no experts kernel through engine.forward")
+        return
+    pool, num_rows, rows_per_expert, kw = seen["call"]
+
+    def launch(send: bool, bound):
+        for f, t in seen["snap"].items():
+            getattr(pool, f).copy_(t)
+        forward(pool, num_rows, bound, **(kw if send else {k: v for k, v in kw.items() if k != "send"}))
+
+    def kernel_us(fn) -> str:
+        replay = captured(fn)
+        spans = [t for t in kernel_timeline(replay) if "fused_experts" in t["kernel"]]
+        return " ".join(f"{t['end_us'] - t['start_us']:.1f}" for t in spans)
+
+    def line(what: str, fn) -> None:
+        print(f"  alone, {what}: {kernel_us(fn)} us", flush=True)
+
+    from symmring.moe.engines import fused
+    from symmring.moe.engines.seam import Pool
+    if "send" in kw:
+        line(f"layer pool ({num_rows} rows), rows sent, bound {rows_per_expert}", lambda: launch(True, rows_per_expert))
+    line(f"layer pool, not sent, bound {rows_per_expert}", lambda: launch(False, rows_per_expert))
+    line(f"layer pool, not sent, bound {n} (the tokens)", lambda: launch(False, n))
+    read_once = fused.read_once  # the host's evict-first rule, forced on: the bound's other effect (m blocks) alone
+    fused.read_once = lambda bound, rows: True
+    try:
+        line(f"layer pool, not sent, bound {rows_per_expert}, weights evict-first forced",
+             lambda: launch(False, rows_per_expert))
+    finally:
+        fused.read_once = read_once
+    # The same rows in torch's memory (the layer's pool is in the symmetric heap), the scales as laid out there and
+    # MN-major (as the tests' pool has them).
+    snap = seen["snap"]
+    for name, x_sf in (("scales as the layer's", snap["x_sf"]), ("scales MN-major", fused._mn_major(snap["x_sf"]))):
+        copy = Pool(x=snap["x"], group_end=snap["group_end"], x_sf=x_sf, m_indices=snap["m_indices"],
+                    bad_groups=pool.bad_groups)
+        for bound in (rows_per_expert, n):
+            line(f"torch copy, {name}, bound {bound}", lambda: forward(copy, num_rows, bound))
+    sys.path[:0] = [os.path.join(os.getcwd(), "tests", "gpu"), os.path.join(os.getcwd(), "tests")]
+    import test_fused_engine as t
+    hidden, _, num_experts, topk = ANCHOR_SHAPES[shape]
+    tpool, trows, per_expert, _ = t.make_pool(hidden, num_experts, topk, n, t.SEED + n)
+    for bound in (n, rows_per_expert):
+        line(f"the tests' pool ({trows} rows), bound {bound}", lambda: forward(tpool, trows, bound))
+    torch.cuda.synchronize()
+    layer.check_errors()
 
 
 if __name__ == "__main__":
