@@ -596,6 +596,21 @@ __device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedEx
     return it;
 }
 
+// Whether the item's expert holds the rows of the item's m block and no others (the 64-row blocks either side
+// name another expert or padding): each of its weight tiles is then read by this item alone, which the host's
+// `weights_evict_first` says for a whole pass only where its bound on the rows per expert proves it (given
+// routing's bound is the call's entries: DeepSeek-V3-like 512 at 64 tokens). Blocks past the table: not known
+// here (false).
+template <class T>
+__device__ __forceinline__ bool weights_read_once(const Shared<T>& sm, const FusedExpertsArgs& p, const Item& it) {
+    const int first = it.row0 / kABoxRows, end = first + T::kBlockM / kABoxRows;
+    const int blocks = (p.num_rows + kABoxRows - 1) / kABoxRows, table = min(blocks, kTableBlocks);
+    if (first > table || (end < blocks && end >= table)) return false;
+    const bool before = first > 0 && sm.block_expert[first - 1] == it.expert;
+    const bool after = end < blocks && sm.block_expert[end] == it.expert;
+    return !before && !after;
+}
+
 // The producer's loop: take a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2 item
 // claim its first ring positions with their weight copies, then wait for its m block's L1 arrivals; push the entry;
 // issue the rest of the item's loads. Nothing on this path reads global memory but the ticket's atomic, drawn one
@@ -610,7 +625,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                                          const Clock& clock) {
     const FusedExpertsArgs& p = args.experts;
     Ring<T> ring;
-    ring.b_policy = l2_policy(p.weights_evict_first != 0);
+    const uint64_t pass_policy = l2_policy(p.weights_evict_first != 0), once = l2_policy(true);
     uint32_t pos = 0;
     bool stalled = false;
     // Beside the fused dispatch (fill_tables waited for its plan): an abandoned plan leaves nothing to compute, and
@@ -623,6 +638,8 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
         const bool l1 = ticket < w.l1_items;
         const Item it = producer_item<T>(sm, p, w, l1 ? ticket : ticket - w.l1_items, l1);
         if (it.expert < 0) continue;
+        // Evict first where this item is its weight tiles' only reader: the pass's policy or the expert's own rows.
+        ring.b_policy = p.weights_evict_first != 0 || !weights_read_once(sm, p, it) ? pass_policy : once;
         if (!stalled) {
             const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
                                    : l2_operands(p, w, it.expert, it.n_block, it.row0);
