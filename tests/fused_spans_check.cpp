@@ -6,7 +6,10 @@
 //   * span_coords is a permutation of the phase's items: every (m block, n block) exactly once, with the first row
 //     item_coords (group order, fused_common.cuh) gives that m block;
 //   * a span's items run n block by n block, its m blocks adjacent at each: item i + 1 is the next m block of the
-//     same n block or the span's first m block of the next one.
+//     same n block or the span's first m block of the next one;
+//   * sole_reader, over pools laid out row by row (each expert's rows from its first group's start, the rest of its
+//     groups -1): an item of 64 or 128 rows is its tiles' only reader exactly where its expert holds at most the
+//     item's rows, and "not known" (false) where a neighbouring block lies past a shorter table.
 // Usage: fused_spans_check; prints the count of checks and of failures, exits 1 on any.
 #include <cstdint>
 #include <cstdio>
@@ -88,6 +91,39 @@ static void check_pool(const std::vector<int>& expert_of) {
     }
 }
 
+// Rows per expert -> each row's expert (every expert's rows from its first group's start, -1 to its groups' end),
+// then `padding` groups of -1.
+static std::vector<int> pool_rows(const std::vector<int>& rows_of, int padding) {
+    std::vector<int> rows;
+    for (int e = 0; e < static_cast<int>(rows_of.size()); ++e) {
+        const int groups = (rows_of[e] + 127) / 128;
+        for (int r = 0; r < groups * 128; ++r) rows.push_back(r < rows_of[e] ? e : -1);
+    }
+    rows.insert(rows.end(), padding * 128, -1);
+    return rows;
+}
+
+static void check_sole_reader(const std::vector<int>& rows_of, int padding, int known_cut) {
+    const std::vector<int> rows = pool_rows(rows_of, padding);
+    const int blocks = static_cast<int>(rows.size()) / 64;
+    const int known = known_cut > 0 && known_cut < blocks ? known_cut : blocks;
+    const auto expert = [&](int b) {
+        expect(b >= 0 && b < known, "read inside the table", b, known);
+        return rows[b * 64];
+    };
+    for (int item_blocks : {1, 2}) {
+        for (int b = 0; b + item_blocks <= blocks; b += item_blocks) {
+            const int e = rows[b * 64];
+            if (e < 0) continue;  // padding: the producer skips it before asking
+            const bool got = sole_reader(expert, b, item_blocks, blocks, known, e);
+            const int end = b + item_blocks;
+            const bool readable = b <= known && (end >= blocks || end < known);
+            const bool want = readable && rows_of[e] <= 64 * item_blocks;
+            expect(got == want, "sole_reader", b, item_blocks, rows_of[e]);
+        }
+    }
+}
+
 int main() {
     std::mt19937 rng(1234);
     check_pool({0});
@@ -97,6 +133,14 @@ int main() {
     for (int trial = 0; trial < 200; ++trial) {
         std::uniform_int_distribution<int> experts(1, 64), max_rows(0, 600), padding(0, 8);
         check_pool(pool_groups(rng, experts(rng), max_rows(rng), padding(rng)));
+    }
+    check_sole_reader({64, 65, 0, 1, 128, 129, 300}, 1, 0);  // at and past one and two 64-row blocks
+    for (int trial = 0; trial < 300; ++trial) {
+        std::uniform_int_distribution<int> experts(1, 48), max_rows(0, 300), padding(0, 3), cut(0, 40);
+        std::vector<int> rows_of(experts(rng));
+        std::uniform_int_distribution<int> rows(0, max_rows(rng));
+        for (int& r : rows_of) r = rows(rng);
+        check_sole_reader(rows_of, padding(rng), trial % 2 ? cut(rng) : 0);
     }
     std::printf("checks %ld failures %ld\n", checks, failures);
     return failures ? 1 : 0;

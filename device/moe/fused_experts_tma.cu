@@ -596,19 +596,15 @@ __device__ __forceinline__ Item producer_item(const Shared<T>& sm, const FusedEx
     return it;
 }
 
-// Whether the item's expert holds the rows of the item's m block and no others (the 64-row blocks either side
-// name another expert or padding): each of its weight tiles is then read by this item alone, which the host's
-// `weights_evict_first` says for a whole pass only where its bound on the rows per expert proves it (given
-// routing's bound is the call's entries: DeepSeek-V3-like 512 at 64 tokens). Blocks past the table: not known
-// here (false).
+// Whether the item is its weight tiles' only reader (fused_spans.cuh sole_reader over the block table), which the
+// host's `weights_evict_first` says for a whole pass only where its bound on the rows per expert proves it (given
+// routing's bound is the call's entries: DeepSeek-V3-like 512 rows at 64 tokens).
 template <class T>
 __device__ __forceinline__ bool weights_read_once(const Shared<T>& sm, const FusedExpertsArgs& p, const Item& it) {
-    const int first = it.row0 / kABoxRows, end = first + T::kBlockM / kABoxRows;
-    const int blocks = (p.num_rows + kABoxRows - 1) / kABoxRows, table = min(blocks, kTableBlocks);
-    if (first > table || (end < blocks && end >= table)) return false;
-    const bool before = first > 0 && sm.block_expert[first - 1] == it.expert;
-    const bool after = end < blocks && sm.block_expert[end] == it.expert;
-    return !before && !after;
+    const int blocks = (p.num_rows + kABoxRows - 1) / kABoxRows;
+    const auto expert = [&](int b) { return sm.block_expert[b]; };
+    return sole_reader(expert, it.row0 / kABoxRows, T::kBlockM / kABoxRows, blocks, min(blocks, kTableBlocks),
+                       it.expert);
 }
 
 // The producer's loop: take a ticket; skip padding (no entry: no barrier, no wait of any math warp); for an L2 item

@@ -9,7 +9,8 @@
 // m blocks that read a tile are adjacent tickets, so the tile comes from HBM once and from L2 for the others.
 // Every group has n_blocks * per_group items in either order, so a span's items start at its first group's share of
 // the list (no prefix sums), and the two orders are permutations of each other: the same m blocks, first rows and
-// n blocks. Host and device alike: tests/test_fused_spans.py builds this header with g++ (tests/fused_spans_check.cpp).
+// n blocks. `sole_reader` tells the producer which items may stream their weights evict-first. Host and device alike:
+// tests/test_fused_spans.py builds this header with g++ (tests/fused_spans_check.cpp).
 #pragma once
 
 #include <stdint.h>
@@ -49,6 +50,18 @@ SYMMRING_SPAN_FN void span_coords(const int16_t* span_first, const int16_t* span
     n_block = r / span_m;
     m_block = first * per_group + m;
     row0 = (first + m / per_group) * 128 + (m % per_group) * block_m;
+}
+
+// Whether an item of `item_blocks` 64-row blocks from block `first` is the only reader of its weight tiles: its
+// expert `e` holds no rows outside it (the blocks either side name another expert or padding; `expert(b)`: the local
+// expert of block b's first row, -1 padding), among the pass's `blocks` of which the first `known` can be read (a
+// table's length). Where a neighbour is past them: not known, false. An expert's rows start its group and come in
+// one run, so this is "the expert holds at most the item's rows" without a count.
+template <class Expert>
+SYMMRING_SPAN_FN bool sole_reader(const Expert& expert, int first, int item_blocks, int blocks, int known, int e) {
+    const int end = first + item_blocks;
+    if (first > known || (end < blocks && end >= known)) return false;
+    return (first == 0 || expert(first - 1) != e) && (end >= blocks || expert(end) != e);
 }
 
 }  // namespace fused
