@@ -2,7 +2,7 @@
 combine) of a captured call, replayed.
 
     python tools/chain_probe.py [--shapes deepseek-v3,v4-flash] [--tokens 1,8,64] [--engine fused] [--stamps]
-                                [--wide-dispatch]
+                                [--wide-dispatch] [--alone]
 
 For each shape and size: the anchor's seeded fp8 layer (`symmring.bench.moe_anchor`, one PE, no router) captured
 (`MoE.capture`), then
@@ -20,8 +20,9 @@ kernel's span (medians of five replays): on the layer's own pool as the call's d
 before each launch), with and without the rows sent, and on the GPU tests' pool of the same routing kind
 (tests/gpu/test_fused_engine.py ``make_pool``) with the layer's weights; each at the layer's bound on the rows per
 expert (given routing: the call's entries) and at the tokens (distinct experts per token), the layer's pool also
-with the weights' evict-first hint forced and copied into torch's memory. What the kernel loses to the chain around
-it, to the rows it sends, to the bound and to the pool's memory and layout.
+with the weights' evict-first hint forced and copied into torch's memory (as it is, and with its padding rows zeros
+of scale 1, after a line on what those rows' bytes hold). What the kernel loses to the chain around it, to the rows
+it sends, to the bound and to the pool's memory and content. The pool is freed afterwards as the combine would.
 
 ``--wide-dispatch`` launches the fused dispatch with eight loads in flight per thread at every size
 (``moe_dispatch_fused_fp8``; `stages.small_dispatch` gives decode sizes the build with one, which has half its
