@@ -163,6 +163,7 @@ def test_chain_probe_arguments_and_phase_order():
         sys.path.remove(str(ROOT / "tools"))
     args = chain_probe.parse_args([])
     assert args.shapes == ["deepseek-v3", "v4-flash"] and args.tokens == [1, 8, 64] and not args.stamps
+    assert not args.alone and chain_probe.parse_args(["--alone"]).alone
     assert chain_probe.parse_args(["--tokens", "64,1", "--stamps", "--engine", "builtin"]).tokens == [1, 64]
     for bad in (["--shapes", "nope"], ["--tokens", "0"], ["--replays", "0"], ["--engine", "torch"]):
         with pytest.raises(SystemExit) as exc:
@@ -174,8 +175,8 @@ def test_chain_probe_arguments_and_phase_order():
                                            (14.0, "dispatch: start")]
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        out = subprocess.run([sys.executable, "tools/chain_probe.py", "--tokens", "1"], capture_output=True, text=True,
-                             cwd=ROOT, timeout=120)
+        out = subprocess.run([sys.executable, "tools/chain_probe.py", "--tokens", "1", "--alone"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 

@@ -20,9 +20,10 @@ kernel's span (medians of five replays): on the layer's own pool as the call's d
 before each launch), with and without the rows sent, and on the GPU tests' pool of the same routing kind
 (tests/gpu/test_fused_engine.py ``make_pool``) with the layer's weights; each at the layer's bound on the rows per
 expert (given routing: the call's entries) and at the tokens (distinct experts per token), the layer's pool also
-with the weights' evict-first hint forced and copied into torch's memory (as it is, and with its padding rows zeros
-of scale 1, after a line on what those rows' bytes hold). What the kernel loses to the chain around it, to the rows
-it sends, to the bound and to the pool's memory and content. The pool is freed afterwards as the combine would.
+with the weights' evict-first hint forced and copied into torch's memory (as it is, and with the padding rows the
+kernel computes zeros of scale 1, after a line on what those rows' bytes hold). What the kernel loses to the chain
+around it, to the rows it sends, to the bound and to the pool's memory and content. The layer's pool is put back
+once, before its lines (the kernel writes none of it), and freed afterwards as the combine would.
 
 ``--wide-dispatch`` launches the fused dispatch with eight loads in flight per thread at every size
 (``moe_dispatch_fused_fp8``; `stages.small_dispatch` gives decode sizes the build with one, which has half its
@@ -113,6 +114,9 @@ def main(argv=None) -> int:
         jit.read_source = stamped_source(jit.read_source)
     if args.wide_dispatch:
         stages.SMALL_DISPATCH_ENTRIES = 0
+    if args.alone:  # the GPU tests' seeded pool (`alone`)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path[:0] = [os.path.join(root, "tests", "gpu"), os.path.join(root, "tests")]
     ctx = init("nvshmem")
     try:
         if ctx.world_size != 1:
@@ -179,16 +183,22 @@ def main(argv=None) -> int:
 
 def alone(layer, x, idx, w, shape: str, n: int) -> None:
     """``--alone``: the experts kernel of an eager call of ``layer`` (its pool kept as the dispatch left it) in graphs
-    of its own, then on the GPU tests' pool of ``n`` tokens; one line each, the kernel's median span."""
+    of its own, then on the GPU tests' pool of ``n`` tokens; one line each, the kernel's median span. The pool is
+    put back once before the layer pool's lines (no copy inside a timed graph: their written-back lines would take
+    the kernel's memory bandwidth) and freed at the end as the call's combine would."""
     import torch
     from symmring.bench import captured, kernel_timeline
     from symmring.bench.moe_anchor import ANCHOR_SHAPES
+    from symmring.moe.engines import fused
+    from symmring.moe.engines.seam import Pool
+    import test_fused_engine as t  # the GPU tests' seeded pool (tests/gpu on the path: main)
     engine = layer.engine
     forward = engine.forward
-    seen = {}
+    seen = {"calls": 0}
 
     def spy(pool, num_rows, rows_per_expert=None, **kw):
         # The pool's tensors as the dispatch left them (the combine frees the rows' expert ids after the kernel).
+        seen["calls"] += 1
         seen["call"] = (pool, num_rows, rows_per_expert, kw)
         seen["snap"] = {f: getattr(pool, f).clone() for f in ("x", "x_sf", "group_end", "m_indices")
                         if getattr(pool, f) is not None}
@@ -199,70 +209,71 @@ def alone(layer, x, idx, w, shape: str, n: int) -> None:
         layer.forward(x, topk_idx=idx, topk_weights=w, graph_cache=False)
         torch.cuda.synchronize()
     finally:
-        engine.forward = forward
+        del engine.forward  # the class's method again
     if "call" not in seen:
         print("  alone: the call ran no experts kernel through engine.forward")
         return
     pool, num_rows, rows_per_expert, kw = seen["call"]
-
-    def launch(send: bool, bound):
-        for f, t in seen["snap"].items():
-            getattr(pool, f).copy_(t)
-        forward(pool, num_rows, bound, **(kw if send else {k: v for k, v in kw.items() if k != "send"}))
+    snap = seen["snap"]
+    if seen["calls"] > 1:
+        print(f"  alone: the call ran {seen['calls']} passes; the last one's pool below")
 
     def kernel_us(fn) -> str:
         replay = captured(fn)
-        spans = [t for t in kernel_timeline(replay) if "fused_experts" in t["kernel"]]
-        return " ".join(f"{t['end_us'] - t['start_us']:.1f}" for t in spans)
+        spans = [s for s in kernel_timeline(replay) if "fused_experts" in s["kernel"]]
+        return " ".join(f"{s['end_us'] - s['start_us']:.1f}" for s in spans)
 
     def line(what: str, fn) -> None:
         print(f"  alone, {what}: {kernel_us(fn)} us", flush=True)
 
-    from symmring.moe.engines import fused
-    from symmring.moe.engines.seam import Pool
-    if "send" in kw:
-        line(f"layer pool ({num_rows} rows), rows sent, bound {rows_per_expert}", lambda: launch(True, rows_per_expert))
-    line(f"layer pool, not sent, bound {rows_per_expert}", lambda: launch(False, rows_per_expert))
-    line(f"layer pool, not sent, bound {n} (the tokens)", lambda: launch(False, n))
-    read_once = fused.read_once  # the host's evict-first rule, forced on: the bound's other effect (m blocks) alone
-    fused.read_once = lambda bound, rows: True
+    def layer_pool(send: bool, bound):
+        return lambda: forward(pool, num_rows, bound, **(kw if send else {k: v for k, v in kw.items() if k != "send"}))
+
     try:
-        line(f"layer pool, not sent, bound {rows_per_expert}, weights evict-first forced",
-             lambda: launch(False, rows_per_expert))
-    finally:
-        fused.read_once = read_once
-    # The same rows in torch's memory (the layer's pool is in the symmetric heap), the scales as laid out there and
-    # MN-major (as the tests' pool has them).
-    snap = seen["snap"]
-    for name, x_sf in (("scales as the layer's", snap["x_sf"]), ("scales MN-major", fused._mn_major(snap["x_sf"]))):
-        copy = Pool(x=snap["x"], group_end=snap["group_end"], x_sf=x_sf, m_indices=snap["m_indices"],
+        for f, v in snap.items():  # the kernel reads the pool and writes none of it: once serves every line
+            getattr(pool, f).copy_(v)
+        if "send" in kw:
+            line(f"layer pool ({num_rows} rows), rows sent, bound {rows_per_expert}", layer_pool(True, rows_per_expert))
+        line(f"layer pool, not sent, bound {rows_per_expert}", layer_pool(False, rows_per_expert))
+        line(f"layer pool, not sent, bound {n} (the tokens)", layer_pool(False, n))
+        read_once = fused.read_once  # the host's evict-first rule forced on: the bound's other effect (m blocks)
+        fused.read_once = lambda bound, rows: True
+        try:
+            line(f"layer pool, not sent, bound {rows_per_expert}, weights evict-first forced",
+                 layer_pool(False, rows_per_expert))
+        finally:
+            fused.read_once = read_once
+        # The same bytes in torch's memory (the layer's pool is in the symmetric heap).
+        copy = Pool(x=snap["x"], group_end=snap["group_end"], x_sf=snap["x_sf"], m_indices=snap["m_indices"],
                     bad_groups=pool.bad_groups)
         for bound in (rows_per_expert, n):
-            line(f"torch copy, {name}, bound {bound}", lambda: forward(copy, num_rows, bound))
-    # The padding rows (no expert) the kernel computes and never stores: what their bytes hold, and the copy's time
-    # with them zeros of scale 1.
-    dead = snap["m_indices"][:num_rows] < 0
-    x8 = snap["x"][:num_rows].view(torch.uint8)[dead]
-    sf = snap["x_sf"][:num_rows][dead].float()
-    print(f"  padding rows {int(dead.sum())} of {num_rows}: e4m3 NaN bytes {int(((x8 & 0x7F) == 0x7F).sum())} of "
-          f"{x8.numel()}, non-zero bytes {int((x8 != 0).sum())}; scales non-finite {int((~sf.isfinite()).sum())}, "
-          f"above 1e3 {int((sf.abs() > 1e3).sum())}, zero {int((sf == 0).sum())} of {sf.numel()}", flush=True)
-    x = snap["x"].clone()
-    x_sf = snap["x_sf"].clone()
-    x.view(torch.uint8)[:num_rows][dead] = 0
-    x_sf[:num_rows][dead] = 1.0
-    clean = Pool(x=x, group_end=snap["group_end"], x_sf=x_sf, m_indices=snap["m_indices"], bad_groups=pool.bad_groups)
-    line(f"torch copy, padding rows zeros of scale 1, bound {n}", lambda: forward(clean, num_rows, n))
-    sys.path[:0] = [os.path.join(os.getcwd(), "tests", "gpu"), os.path.join(os.getcwd(), "tests")]
-    import test_fused_engine as t
-    hidden, _, num_experts, topk = ANCHOR_SHAPES[shape]
-    tpool, trows, per_expert, _ = t.make_pool(hidden, num_experts, topk, n, t.SEED + n)
-    for bound in (n, rows_per_expert):
-        line(f"the tests' pool ({trows} rows), bound {bound}", lambda: forward(tpool, trows, bound))
-    # The restores above put the call's rows back without the combine that frees them: free them as it would (the
-    # next call's pool starts clean; stale group ids would be computed or reported as bad groups).
-    pool.m_indices.fill_(-1)
-    torch.cuda.synchronize()
+            line(f"torch copy, bound {bound}", lambda: forward(copy, num_rows, bound))
+        # The padding rows the kernel computes and never stores (no expert, in an m block whose first row has one):
+        # what their bytes hold, and the copy's time with them zeros of scale 1.
+        ids = snap["m_indices"][:num_rows]
+        first = ids[(torch.arange(num_rows, device=ids.device) // 64) * 64]
+        dead = (ids < 0) & (first >= 0)
+        x8 = snap["x"][:num_rows].view(torch.uint8)[dead]
+        sf = snap["x_sf"][:num_rows][dead].float()
+        print(f"  computed padding rows {int(dead.sum())} of {num_rows}: e4m3 NaN bytes "
+              f"{int(((x8 & 0x7F) == 0x7F).sum())} of {x8.numel()}, non-zero bytes {int((x8 != 0).sum())}; scales "
+              f"non-finite {int((~sf.isfinite()).sum())}, above 1e3 {int((sf.abs() > 1e3).sum())}, zero "
+              f"{int((sf == 0).sum())} of {sf.numel()}", flush=True)
+        zx, zsf = snap["x"].clone(), snap["x_sf"].clone()
+        zx.view(torch.uint8)[:num_rows][dead] = 0
+        zsf[:num_rows][dead] = 1.0
+        clean = Pool(x=zx, group_end=snap["group_end"], x_sf=zsf, m_indices=snap["m_indices"],
+                     bad_groups=pool.bad_groups)
+        line(f"torch copy, computed padding rows zeros of scale 1, bound {n}", lambda: forward(clean, num_rows, n))
+        hidden, _, num_experts, topk = ANCHOR_SHAPES[shape]
+        tpool, trows, _, _ = t.make_pool(hidden, num_experts, topk, n, t.SEED + n)
+        for bound in (n, rows_per_expert):
+            line(f"the tests' pool ({trows} rows), bound {bound}", lambda: forward(tpool, trows, bound))
+    finally:
+        # The pool was put back without the combine that frees its rows: free them as it would (the next call's
+        # pool starts clean; stale group ids would be computed, or reported as bad groups).
+        pool.m_indices.fill_(-1)
+        torch.cuda.synchronize()
     layer.check_errors()
 
 
