@@ -103,10 +103,13 @@ static std::vector<int> pool_rows(const std::vector<int>& rows_of, int padding) 
     return rows;
 }
 
+static long sole_checks = 0;  // sole_reader's own checks (printed apart: the test asserts them)
+
 static void check_sole_reader(const std::vector<int>& rows_of, int padding, int known_cut) {
     const std::vector<int> rows = pool_rows(rows_of, padding);
     const int blocks = static_cast<int>(rows.size()) / 64;
     const int known = known_cut > 0 && known_cut < blocks ? known_cut : blocks;
+    const long before = checks;
     const auto expert = [&](int b) {
         expect(b >= 0 && b < known, "read inside the table", b, known);
         return rows[b * 64];
@@ -122,6 +125,7 @@ static void check_sole_reader(const std::vector<int>& rows_of, int padding, int 
             expect(got == want, "sole_reader", b, item_blocks, rows_of[e]);
         }
     }
+    sole_checks += checks - before;
 }
 
 int main() {
@@ -135,6 +139,12 @@ int main() {
         check_pool(pool_groups(rng, experts(rng), max_rows(rng), padding(rng)));
     }
     check_sole_reader({64, 65, 0, 1, 128, 129, 300}, 1, 0);  // at and past one and two 64-row blocks
+    // Every table length of one pool, with and without padding after its last expert: items that start at the
+    // table's end (the pass's last item included), end at it, or straddle it.
+    const std::vector<int> edges = {40, 64, 100, 1, 200, 128, 65, 20};
+    for (int padding : {0, 1})
+        for (int known = 1; known <= static_cast<int>(pool_rows(edges, padding).size()) / 64; ++known)
+            check_sole_reader(edges, padding, known);
     for (int trial = 0; trial < 300; ++trial) {
         std::uniform_int_distribution<int> experts(1, 48), max_rows(0, 300), padding(0, 3), cut(0, 40);
         std::vector<int> rows_of(experts(rng));
@@ -142,6 +152,6 @@ int main() {
         for (int& r : rows_of) r = rows(rng);
         check_sole_reader(rows_of, padding(rng), trial % 2 ? cut(rng) : 0);
     }
-    std::printf("checks %ld failures %ld\n", checks, failures);
+    std::printf("sole_reader %ld\nchecks %ld failures %ld\n", sole_checks, checks, failures);
     return failures ? 1 : 0;
 }

@@ -621,7 +621,7 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
                                          const Clock& clock) {
     const FusedExpertsArgs& p = args.experts;
     Ring<T> ring;
-    const uint64_t pass_policy = l2_policy(p.weights_evict_first != 0), once = l2_policy(true);
+    const uint64_t evict_first = l2_policy(true), evict_normal = l2_policy(false);
     uint32_t pos = 0;
     bool stalled = false;
     // Beside the fused dispatch (fill_tables waited for its plan): an abandoned plan leaves nothing to compute, and
@@ -634,9 +634,9 @@ __device__ __forceinline__ void producer(Shared<T>& sm, const FusedExpertsTmaArg
         const bool l1 = ticket < w.l1_items;
         const Item it = producer_item<T>(sm, p, w, l1 ? ticket : ticket - w.l1_items, l1);
         if (it.expert < 0) continue;
-        // Evict first where this item is its weight tiles' only reader: the pass's policy or the expert's own rows.
-        ring.b_policy = p.weights_evict_first != 0 || !weights_read_once(sm, p, it) ? pass_policy : once;
         if (!stalled) {
+            // Evict first where this item is its weight tiles' only reader: by the pass's bound, or its expert's rows.
+            ring.b_policy = (p.weights_evict_first != 0 || weights_read_once(sm, p, it)) ? evict_first : evict_normal;
             const Operands op = l1 ? l1_operands(p, w, it.expert, it.n_block, it.row0)
                                    : l2_operands(p, w, it.expert, it.n_block, it.row0);
             int row[2];
