@@ -16,14 +16,14 @@ For each shape and size: the anchor's seeded fp8 layer (`symmring.bench.moe_anch
 * the replay's time through `CapturedCall.replay` (what a caller runs) and through the bare ``graph.replay``.
 
 ``--alone``: the experts kernel of the same call outside the chain, each a captured graph of its own timed by its
-kernel's span (medians of five replays): on the layer's own pool as the call's dispatch left it (restored by copies
-before each launch), with and without the rows sent, and on the GPU tests' pool of the same routing kind
-(tests/gpu/test_fused_engine.py ``make_pool``) with the layer's weights; each at the layer's bound on the rows per
-expert (given routing: the call's entries) and at the tokens (distinct experts per token), the layer's pool also
-with the weights' evict-first hint forced and copied into torch's memory (as it is, and with the padding rows the
-kernel computes zeros of scale 1, after a line on what those rows' bytes hold). What the kernel loses to the chain
-around it, to the rows it sends, to the bound and to the pool's memory and content. The layer's pool is put back
-once, before its lines (the kernel writes none of it), and freed afterwards as the combine would.
+kernel's span (medians of five replays): on the layer's own pool as the call's dispatch left it, with and without
+the rows sent, and on the GPU tests' pool of the same routing kind (tests/gpu/test_fused_engine.py ``make_pool``)
+with the layer's weights; each at the layer's bound on the rows per expert (given routing: the call's entries) and
+at the tokens (distinct experts per token), the layer's pool also with the weights' evict-first hint forced and
+copied into torch's memory (as it is, and with the padding rows the kernel computes zeros of scale 1, after a line
+on what those rows' bytes hold). What the kernel loses to the chain around it, to the rows it sends, to the bound
+and to the pool's memory and content. The layer's pool is put back once, before its lines (the kernel writes none of
+it), and freed afterwards as the combine would.
 
 ``--wide-dispatch`` launches the fused dispatch with eight loads in flight per thread at every size
 (``moe_dispatch_fused_fp8``; `stages.small_dispatch` gives decode sizes the build with one, which has half its
