@@ -26,11 +26,17 @@ def build_check(name: str, out_dir: Path, flags: Sequence[str] = ()) -> Path:
     return exe
 
 
-def run_checks(exe: Path, timeout: int = 120) -> Tuple[int, int]:
-    """Run a check that ends with ``checks N failures M`` (exit 1 on a failure): ``(N, M)``."""
+def run_check(exe: Path, timeout: int = 120) -> Tuple[int, int, str]:
+    """Run a check that ends with ``checks N failures M`` (exit 1 on a failure): ``(N, M, its stdout)`` (for counts of
+    its own that a check prints before)."""
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=timeout)
     found = re.search(r"checks (\d+) failures (\d+)", run.stdout)
     assert found, run.stdout + run.stderr
     checks, failures = (int(g) for g in found.groups())
     assert (run.returncode == 0) == (failures == 0), run.stdout + run.stderr
-    return checks, failures
+    return checks, failures, run.stdout
+
+
+def run_checks(exe: Path, timeout: int = 120) -> Tuple[int, int]:
+    """`run_check`'s ``(N, M)``."""
+    return run_check(exe, timeout)[:2]

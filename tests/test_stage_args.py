@@ -344,8 +344,7 @@ def test_small_batch_call_starts_an_engine_beside_the_dispatch_before_the_produc
     k = type("K", (), {"launch": launcher})()
     s = type("S", (), {"pool": staticmethod(lambda rows: ("pool", rows)), "outbound": None, "scratch": None,
                        "send_peers": 0x5E0 if mapped else None, "row_src": 0x100, "token_base": 0x200, "num_ranks": 1,
-                       "topk": 8,
-                       "combine_tokens": 64})()
+                       "topk": 8, "combine_tokens": 64})()
     stages.small_batch_call(k, s, "stream", chunk=None, window=ONE_PASS, engine=_Engine(events, beside, sends),
                             ack_policy=stages.protocol.AckPolicy.EARLY, x=None, topk_idx=None, topk_weights=None,
                             y=None, num_chunks=1, router=(), layer=0)
