@@ -287,8 +287,11 @@ def test_a_host_list_of_this_node_runs_under_the_real_mpiexec(tmp_path):
     mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("no mpiexec next to sys.executable or on PATH (pip install -e '.[mpi]' provides one)")
+    # One write() of the whole line per rank: print() of several items (unbuffered, as PYTHONUNBUFFERED makes it)
+    # writes them one by one, and the launcher's forwarded output once read "RANKRANK 0 none".
     probe = ("import os; from symmring.launch import node_local_rank; "
-             "print('RANK', node_local_rank()[0], os.environ.get('NVSHMEM_REMOTE_TRANSPORT'))")
+             "os.write(1, ('RANK %s %s\\n' % (node_local_rank()[0], "
+             "os.environ.get('NVSHMEM_REMOTE_TRANSPORT'))).encode())")
     run = _launch(["--mpirun", mpiexec, "--hosts", "localhost:2", "--", "python", "-c", probe], tmp_path,
                   PYTHONPATH=str(ROOT))
     assert run.returncode == 0, run.stdout + run.stderr
